@@ -1,0 +1,79 @@
+"""A deterministic 2-process DDP job (gloo, CPU, seeded) using ``trainguard.init()``.
+
+    trainguard run --standalone --nproc-per-node 2 examples/train_mlp.py --steps 100
+
+The same script runs under torchrun and plain python. ``--out FILE`` saves the final parameters
+(rank 0) for bitwise comparisons; ``--fail-at-step N`` makes ``--fail-rank`` kill itself with
+SIGKILL at step N on the first attempt only (a real ``kill -9`` injected from inside).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainguard
+
+
+def make_batch(step: int, rank: int, batch: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    x = torch.randn(batch, dim, generator=g)
+    y = x.sin().sum(dim=1, keepdim=True)
+    return x, y
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--out", default=None, help="save final parameters (rank 0) to this file")
+    p.add_argument("--fail-at-step", type=int, default=-1)
+    p.add_argument("--fail-rank", type=int, default=1)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step")
+    args = p.parse_args()
+
+    tg = trainguard.init()
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DDP(
+        nn.Sequential(nn.Linear(args.dim, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    for step in range(args.steps):
+        if (
+            step == args.fail_at_step
+            and tg.rank == args.fail_rank
+            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = make_batch(step, tg.rank, args.batch, args.dim)
+        with tg.step(samples=args.batch):
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if args.step_sleep:
+                import time
+
+                time.sleep(args.step_sleep)
+        tg.log(loss=loss.item())
+
+    if args.out and tg.rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, args.out)
+    if tg.rank == 0:
+        print(f"done: {args.steps} steps, final loss {loss.item():.6f}, run dir {tg.run_dir}")
+    dist.destroy_process_group()
+    tg.close()
+
+
+if __name__ == "__main__":
+    main()

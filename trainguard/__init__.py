@@ -1,0 +1,28 @@
+"""trainguard: a fault-tolerant training runtime for PyTorch.
+
+``import trainguard`` is cheap: torch, exporters, GPU and Slurm libraries load only when used.
+
+    tg = trainguard.init()
+    for batch in data:
+        with tg.step(tokens=n):
+            ...
+        tg.log(loss=loss)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["TrainGuard", "__version__", "init"]
+
+if TYPE_CHECKING:
+    from trainguard.runtime.worker import TrainGuard, init
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("init", "TrainGuard"):
+        from trainguard.runtime import worker
+
+        return getattr(worker, name)
+    raise AttributeError(f"module 'trainguard' has no attribute {name!r}")

@@ -1,0 +1,35 @@
+"""``trainguard run`` / ``tgrun``: the drop-in torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from trainguard.config import ConfigError
+from trainguard.runtime import launcher
+
+__all__ = ["main", "tgrun_main"]
+
+
+@record
+def _run(args: argparse.Namespace) -> None:
+    launcher.run(args)
+
+
+def main(argv: list[str] | None = None, *, prog: str = "trainguard run") -> None:
+    """Parse torchrun-compatible arguments and run the job; exits like torchrun."""
+    parser = launcher.build_parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        _run(args)
+    except (launcher.UsageError, ConfigError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def tgrun_main() -> None:
+    # Logging stays as torchrun leaves it (torch's elastic loggers print warnings), so the
+    # console output of a job does not change when torchrun is replaced.
+    main(sys.argv[1:], prog="tgrun")

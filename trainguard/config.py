@@ -1,0 +1,209 @@
+"""trainguard's own configuration: one root config composed of per-component sections.
+
+Sources, highest precedence first: explicit overrides (CLI flags) > the ``--config`` TOML file >
+``TRAINGUARD_<SECTION>_<FIELD>`` environment variables > defaults. torchrun's own flags are never
+read from here; they keep torchrun's meaning and ``PET_*`` env defaults.
+
+A TOML file looks like::
+
+    [runtime]
+    run_dir = "/scratch/runs/job42"
+
+    [health]
+    probe_interval_s = 10.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.health.config import HealthConfig
+from trainguard.recovery.config import RecoveryConfig
+from trainguard.runtime.config import RuntimeConfig
+from trainguard.telemetry.config import TelemetryConfig
+
+__all__ = ["ConfigError", "TrainGuardConfig", "load_config"]
+
+ENV_PREFIX = "TRAINGUARD_"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the source, the key and the fix."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainGuardConfig:
+    """Root config: composes the component sections and holds no fields of its own."""
+
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(TrainGuardConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(TrainGuardConfig)}
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Convert ``value`` (from TOML or an env string) to ``annotation``; raise ConfigError."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+            if type(None) in args:
+                return None
+        return _coerce(value, non_none[0], where)
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        item = args[0] if args else str
+        return [_coerce(v, item, where) for v in value]
+    if origin is dict:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: expected a JSON object, got {value!r} ({e})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table/object, got {value!r}")
+        return dict(value)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if annotation in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            return annotation(value) if annotation is float else int(str(value), 0)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {annotation.__name__}, got {value!r}") from None
+    if annotation is str:
+        if not isinstance(value, str | int | float):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.10 only
+        import tomli as tomllib
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist: check the --config path") from None
+    except PermissionError:
+        raise ConfigError(
+            f"config file {path} is not readable: fix its permissions (chmod +r)"
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory: pass a .toml file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def _apply(section_obj: Any, key: str, raw: Any, where: str) -> None:
+    hints = typing.get_type_hints(type(section_obj))
+    names = {f.name for f in dataclasses.fields(section_obj)}
+    if key not in names:
+        known = ", ".join(sorted(names)) or "(none yet)"
+        raise ConfigError(f"{where}: unknown key {key!r}; known keys: {known}")
+    setattr(section_obj, key, _coerce(raw, hints[key], where))
+
+
+def load_config(
+    path: str | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> TrainGuardConfig:
+    """Build the effective config: overrides > file > ``TRAINGUARD_*`` env > defaults.
+
+    ``overrides`` maps ``"section.field"`` to a value (e.g. from CLI flags); ``None`` values are
+    ignored so unset flags do not mask lower layers.
+    """
+    env = os.environ if env is None else env
+    sections = _sections()
+    values: dict[str, dict[str, tuple[Any, str]]] = {name: {} for name in sections}
+
+    for var, raw in env.items():
+        if not var.startswith(ENV_PREFIX):
+            continue
+        rest = var[len(ENV_PREFIX) :].lower()
+        for name in sections:
+            if rest.startswith(name + "_"):
+                values[name][rest[len(name) + 1 :]] = (raw, f"env {var}")
+                break
+
+    if path is not None:
+        data = _read_toml(path)
+        for name, table in data.items():
+            if name not in sections:
+                raise ConfigError(
+                    f"config file {path}: unknown section [{name}]; "
+                    f"known sections: {', '.join(sections)}"
+                )
+            if not isinstance(table, dict):
+                raise ConfigError(f"config file {path}: [{name}] must be a table")
+            for key, raw in table.items():
+                values[name][key] = (raw, f"config file {path}: [{name}] {key}")
+
+    for dotted, raw in (overrides or {}).items():
+        if raw is None:
+            continue
+        name, _, key = dotted.partition(".")
+        values.setdefault(name, {})[key] = (raw, f"option {dotted}")
+
+    built: dict[str, Any] = {}
+    for name, cls in sections.items():
+        obj = cls()
+        for key, (raw, where) in values[name].items():
+            if where.startswith("env ") and key not in {f.name for f in dataclasses.fields(obj)}:
+                raise ConfigError(
+                    f"{where}: unknown setting; known: "
+                    + ", ".join(
+                        f"{ENV_PREFIX}{name.upper()}_{f.name.upper()}"
+                        for f in dataclasses.fields(obj)
+                    )
+                )
+            _apply(obj, key, raw, where)
+        try:
+            obj.__post_init__() if hasattr(obj, "__post_init__") else None
+        except ValueError as e:
+            raise ConfigError(f"[{name}]: {e}") from None
+        built[name] = obj
+    return TrainGuardConfig(**built)

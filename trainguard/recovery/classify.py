@@ -1,0 +1,95 @@
+"""Failure classification: a worker's exit (code, signal, error file) → a failure kind."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+__all__ = ["FailureKind", "WorkerFailure", "classify_exit", "REQUEUE_EXIT_CODE"]
+
+REQUEUE_EXIT_CODE = 75
+"""A worker that saved its state after a preemption signal exits with this code (EX_TEMPFAIL)."""
+
+
+class FailureKind(str, Enum):
+    """Why a worker stopped.
+
+    ``KILLED`` (SIGKILL: OOM killer, kill -9, hang recovery), ``CRASHED`` (SIGSEGV/SIGBUS/
+    SIGABRT/SIGILL/SIGFPE), ``TERMINATED`` (SIGTERM/SIGINT/SIGHUP), ``EXCEPTION`` (non-zero exit
+    with a Python error file), ``EXITED`` (non-zero exit, no error file), ``PREEMPTED`` (exited
+    with :data:`REQUEUE_EXIT_CODE`), ``HUNG`` (stopped by the agent after no progress),
+    ``UNKNOWN``.
+    """
+
+    KILLED = "killed"
+    CRASHED = "crashed"
+    TERMINATED = "terminated"
+    EXCEPTION = "exception"
+    EXITED = "exited"
+    PREEMPTED = "preempted"
+    HUNG = "hung"
+    UNKNOWN = "unknown"
+
+
+_SIGNAL_KIND = {
+    signal.SIGKILL: FailureKind.KILLED,
+    signal.SIGSEGV: FailureKind.CRASHED,
+    signal.SIGBUS: FailureKind.CRASHED,
+    signal.SIGABRT: FailureKind.CRASHED,
+    signal.SIGILL: FailureKind.CRASHED,
+    signal.SIGFPE: FailureKind.CRASHED,
+    signal.SIGTERM: FailureKind.TERMINATED,
+    signal.SIGINT: FailureKind.TERMINATED,
+    signal.SIGHUP: FailureKind.TERMINATED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFailure:
+    rank: int
+    local_rank: int
+    exitcode: int
+    signal: str | None
+    kind: FailureKind
+    message: str | None = None
+    pid: int | None = None
+
+
+def _error_message(error_file_data: Any) -> str | None:
+    if not isinstance(error_file_data, dict):
+        return None
+    msg = error_file_data.get("message")
+    if isinstance(msg, dict):
+        return str(msg.get("message") or "")[:2000] or None
+    return str(msg)[:2000] if msg else None
+
+
+def classify_exit(
+    *,
+    rank: int,
+    local_rank: int,
+    exitcode: int,
+    error_file_data: Any = None,
+    pid: int | None = None,
+) -> WorkerFailure:
+    """Classify one worker exit as reported by torch's ``ProcessFailure``."""
+    sig_name: str | None = None
+    message = _error_message(error_file_data)
+    if exitcode < 0:
+        try:
+            sig = signal.Signals(-exitcode)
+            sig_name = sig.name
+            kind = _SIGNAL_KIND.get(sig, FailureKind.UNKNOWN)
+        except ValueError:
+            kind = FailureKind.UNKNOWN
+    elif exitcode == REQUEUE_EXIT_CODE:
+        kind = FailureKind.PREEMPTED
+    elif message is not None:
+        kind = FailureKind.EXCEPTION
+    elif exitcode != 0:
+        kind = FailureKind.EXITED
+    else:
+        kind = FailureKind.UNKNOWN
+    return WorkerFailure(rank, local_rank, exitcode, sig_name, kind, message, pid)

@@ -1,0 +1,189 @@
+"""The trainguard agent: torch's LocalElasticAgent plus events, progress and plugins."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from trainguard.config import TrainGuardConfig
+from trainguard.recovery.classify import WorkerFailure, classify_exit
+from trainguard.runtime import envvars
+from trainguard.runtime.events import EventLog
+from trainguard.runtime.plugin import AgentPlugin
+from trainguard.runtime.progress import ProgressReader, ProgressSnapshot
+from trainguard.runtime.rendezvous import AttemptRendezvousHandler
+
+__all__ = ["NodeUnhealthyError", "TrainGuardAgent"]
+
+logger = logging.getLogger(__name__)
+
+
+class NodeUnhealthyError(RuntimeError):
+    """Raised by a preflight plugin to keep this node out of the job."""
+
+
+class TrainGuardAgent(LocalElasticAgent):
+    """A ``LocalElasticAgent`` that records lifecycle events, exposes each worker's progress
+    and calls :class:`AgentPlugin` hooks. Worker env, restarts, logs and failure reporting are
+    torch's own."""
+
+    def __init__(
+        self,
+        *args: Any,
+        tg_config: TrainGuardConfig,
+        run_dir: Path,
+        events: EventLog,
+        plugins: list[AgentPlugin] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.tg_config = tg_config
+        self.run_dir = run_dir
+        self.events = events
+        self.plugins = list(plugins or [])
+        self.attempt = -1
+        self.num_plugin_errors = 0
+        self.progress: ProgressReader | None = None
+        self._failed_reported = False
+
+    # -- helpers -------------------------------------------------------------------------------
+    @property
+    def rdzv(self) -> AttemptRendezvousHandler | None:
+        h = self._worker_group.spec.rdzv_handler
+        return h if isinstance(h, AttemptRendezvousHandler) else None
+
+    @property
+    def restart_count(self) -> int:
+        """This agent's restarts (torchrun's TORCHELASTIC_RESTART_COUNT)."""
+        return self._worker_group.spec.max_restarts - self._remaining_restarts
+
+    def event_context(self) -> dict[str, Any]:
+        attempt = max(self.attempt, 0)
+        return {"attempt": attempt, "restart_count": attempt, "agent_restarts": self.restart_count}
+
+    def worker_progress(self) -> dict[int, ProgressSnapshot]:
+        """Latest progress of every local worker, by global rank."""
+        if self.progress is None:
+            return {}
+        ranks = [w.global_rank for w in self._worker_group.workers]
+        out = {}
+        for r in ranks:
+            snap = self.progress.read(r)
+            if snap is not None:
+                out[r] = snap
+        return out
+
+    def _call(self, hook: str, *args: Any) -> list[Any]:
+        results = []
+        for p in self.plugins:
+            try:
+                results.append(getattr(p, hook)(self, *args))
+            except NodeUnhealthyError:
+                raise
+            except Exception:
+                self.num_plugin_errors += 1
+                logger.exception("plugin %s failed in %s", p.name, hook)
+        return results
+
+    # -- lifecycle overrides -------------------------------------------------------------------
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        self._call("before_rendezvous")
+        t0 = time.monotonic()
+        super()._rendezvous(worker_group)
+        rnd = self.rdzv.last_round if self.rdzv else None
+        if rnd is not None:
+            self.attempt = rnd.attempt
+        else:
+            self.attempt = self.restart_count
+        self.events.emit(
+            "rendezvous",
+            group_rank=worker_group.group_rank,
+            group_world_size=worker_group.group_world_size,
+            members=rnd.members if rnd else None,
+            master_addr=worker_group.master_addr,
+            master_port=worker_group.master_port,
+            duration_s=round(time.monotonic() - t0, 3),
+        )
+        self._call("after_rendezvous", worker_group)
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        progress_dir = self.run_dir / "progress" / f"attempt_{self.attempt}"
+        progress_dir.mkdir(parents=True, exist_ok=True)
+        self.progress = ProgressReader(progress_dir)
+        # The worker env is torch's; ours is added through the inherited environment.
+        os.environ[envvars.RUN_DIR] = str(self.run_dir)
+        os.environ[envvars.PROGRESS_DIR] = str(progress_dir)
+        os.environ[envvars.ATTEMPT] = str(self.attempt)
+        os.environ[envvars.NODE] = self.events.node
+        os.environ[envvars.HEARTBEAT_INTERVAL_S] = str(self.tg_config.runtime.heartbeat_interval_s)
+        pids = super()._start_workers(worker_group)
+        self._failed_reported = False
+        self.events.emit(
+            "workers_started",
+            workers=[
+                {"rank": w.global_rank, "local_rank": w.local_rank, "pid": pids.get(w.local_rank)}
+                for w in worker_group.workers
+            ],
+            world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
+        )
+        self._call("on_workers_started", worker_group)
+        return pids
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.HEALTHY:
+            for override in self._call("on_monitor", worker_group, result):
+                if override is not None:
+                    result = override
+                    break
+        if (
+            result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+            and not self._failed_reported
+        ):
+            self._failed_reported = True
+            self._report_failures(worker_group, result)
+        return result
+
+    def _report_failures(self, worker_group: WorkerGroup, result: RunResult) -> None:
+        local = {w.global_rank: w.local_rank for w in worker_group.workers}
+        failures: list[WorkerFailure] = []
+        for rank, f in sorted(result.failures.items()):
+            failures.append(
+                classify_exit(
+                    rank=rank,
+                    local_rank=local.get(rank, f.local_rank),
+                    exitcode=f.exitcode,
+                    error_file_data=f.error_file_data,
+                    pid=f.pid,
+                )
+            )
+        for f in failures:
+            self.events.emit(
+                "worker_failed",
+                rank=f.rank,
+                local_rank=f.local_rank,
+                exitcode=f.exitcode,
+                signal=f.signal,
+                cause=f.kind.value,
+                message=f.message,
+                pid=f.pid,
+                state=result.state.name,
+            )
+        if not failures:
+            self.events.emit("worker_group_unhealthy", state=result.state.name)
+        self._call("on_failure", failures)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self.events.emit(
+            "restart",
+            remaining_restarts=self._remaining_restarts,
+            max_restarts=worker_group.spec.max_restarts,
+            reason="membership_change" if worker_group.state == WorkerState.HEALTHY else "failure",
+        )
+        super()._restart_workers(worker_group)

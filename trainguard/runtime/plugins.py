@@ -1,0 +1,17 @@
+"""The default set of agent plugins, built from the config (a name → factory registry)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainguard.config import TrainGuardConfig
+from trainguard.runtime.events import EventLog
+from trainguard.runtime.plugin import AgentPlugin
+
+__all__ = ["default_plugins"]
+
+
+def default_plugins(cfg: TrainGuardConfig, run_dir: Path, events: EventLog) -> list[AgentPlugin]:
+    """Plugins enabled by ``cfg``. Components register theirs here as they land."""
+    plugins: list[AgentPlugin] = []
+    return plugins

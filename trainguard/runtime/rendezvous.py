@@ -1,0 +1,132 @@
+"""A rendezvous handler wrapper: job-wide attempt numbers, round membership, and a fresh
+worker store per round.
+
+torch's dynamic rendezvous shares one TCPStore server (hosted by the rank-0 agent) across every
+worker-group attempt (``TORCHELASTIC_USE_AGENT_STORE=True``). Workers call
+``init_process_group`` against it with the same keys every attempt, so a restarted worker can
+read a dead worker's address and fail or hang forever in ``init_process_group``
+(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` avoids it, at the price of a different env contract).
+This wrapper keeps the agent-store contract but hosts a *new* store server for every round on
+the rank-0 node, so each attempt starts from an empty key space.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed import Store, TCPStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+)
+
+__all__ = ["AttemptRendezvousHandler", "RoundInfo"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundInfo:
+    """What this node learned in one rendezvous round."""
+
+    attempt: int
+    """Job-wide attempt number, the same on every node of the round."""
+    rank: int
+    """This node's group rank."""
+    world_size: int
+    """Number of nodes in the round."""
+    members: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per group rank: node, host, pid."""
+
+
+class AttemptRendezvousHandler(RendezvousHandler):
+    """Delegates to torch's handler; adds attempt numbering, membership and fresh stores."""
+
+    def __init__(self, inner: RendezvousHandler, *, node: str) -> None:
+        self._inner = inner
+        self._node = node
+        self._num_rounds = 0
+        self._last_attempt = -1
+        self._worker_store: TCPStore | None = None
+        self.last_round: RoundInfo | None = None
+
+    # -- delegation ----------------------------------------------------------------------------
+    def get_backend(self) -> str:
+        return self._inner.get_backend()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._inner.use_agent_store
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self._inner.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        self._worker_store = None
+        return self._inner.shutdown()
+
+    # -- the additions -------------------------------------------------------------------------
+    def next_rendezvous(self) -> RendezvousInfo:
+        info = self._inner.next_rendezvous()
+        self._num_rounds += 1
+        store, rank, world_size = info.store, info.rank, info.world_size
+        static = self.get_backend() == "static"
+        # Dynamic backends hand out a store prefixed by the round; the static one reuses one
+        # store for every round, so our keys carry this node's round count there.
+        prefix = f"trainguard/{self._num_rounds}/" if static else "trainguard/"
+
+        me = {
+            "node": self._node,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "last_attempt": self._last_attempt,
+        }
+        store.set(f"{prefix}member/{rank}", json.dumps(me))
+        members = [json.loads(store.get(f"{prefix}member/{r}")) for r in range(world_size)]
+        attempt = max(m.pop("last_attempt") for m in members) + 1
+        self._last_attempt = attempt
+        self.last_round = RoundInfo(
+            attempt=attempt, rank=rank, world_size=world_size, members=members
+        )
+
+        bootstrap = info.bootstrap_store_info
+        if static or not self.use_agent_store or bootstrap is None:
+            return info
+        return RendezvousInfo(
+            store, rank, world_size, self._fresh_worker_store(store, rank, prefix, bootstrap)
+        )
+
+    def _fresh_worker_store(
+        self, store: Store, rank: int, prefix: str, bootstrap: RendezvousStoreInfo
+    ) -> RendezvousStoreInfo:
+        if rank == 0:
+            # Dropping the previous server closes it: its workers are gone.
+            self._worker_store = None
+            self._worker_store = TCPStore(
+                host_name=bootstrap.master_addr,
+                port=0,
+                is_master=True,
+                multi_tenant=True,
+                wait_for_workers=False,
+            )
+            store.set(f"{prefix}worker_store_port", str(self._worker_store.port))
+        port = int(store.get(f"{prefix}worker_store_port").decode())
+        logger.debug(
+            "attempt %s uses worker store %s:%s", self._last_attempt, bootstrap.master_addr, port
+        )
+        return RendezvousStoreInfo(master_addr=bootstrap.master_addr, master_port=port)

@@ -1,0 +1,173 @@
+"""The worker-side handle: ``tg = trainguard.init()``.
+
+Works under ``trainguard run`` (heartbeats and step progress reach the agent), under plain
+``torchrun`` and under plain ``python`` (no agent: heartbeats are no-ops, metrics and events
+still go to a run directory).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+from trainguard.runtime import envvars
+from trainguard.runtime.events import EventLog
+from trainguard.runtime.progress import ProgressWriter, progress_path
+
+__all__ = ["TrainGuard", "init"]
+
+logger = logging.getLogger(__name__)
+
+
+def _default_run_dir() -> Path:
+    explicit = os.environ.get(envvars.RUN_DIR) or os.environ.get("TRAINGUARD_RUNTIME_RUN_DIR")
+    if explicit:
+        return Path(explicit)
+    root = os.environ.get("TRAINGUARD_RUNTIME_RUNS_ROOT", "trainguard-runs")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id:
+        run_id = time.strftime("local-%Y%m%d-%H%M%S-") + str(os.getpid())
+    return Path(root) / run_id
+
+
+class TrainGuard:
+    """Handle returned by :func:`init`. One per worker process.
+
+    Attributes mirror torchrun's env contract: ``rank``, ``local_rank``, ``world_size``,
+    ``local_world_size``, ``restart_count``; plus ``attempt`` (job-wide) and ``run_dir``.
+    """
+
+    def __init__(self, *, run_dir: str | os.PathLike[str] | None = None) -> None:
+        env = os.environ
+        self.rank = int(env.get("RANK", "0"))
+        self.local_rank = int(env.get("LOCAL_RANK", "0"))
+        self.world_size = int(env.get("WORLD_SIZE", "1"))
+        self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", "1"))
+        self.restart_count = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.attempt = int(env.get(envvars.ATTEMPT, str(self.restart_count)))
+        self.node = env.get(envvars.NODE) or env.get("SLURMD_NODENAME") or socket.gethostname()
+        self.under_agent = envvars.PROGRESS_DIR in env
+        self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.events = EventLog(self.run_dir, node=self.node, context=self._event_context)
+        self.step_num = 0
+        """The number of the next step ``step()`` will run (set it after a restore)."""
+        self._metrics_file: IO[str] | None = None
+        self._metrics_lock = threading.Lock()
+        self._sinks: list[Callable[[dict[str, Any]], None]] = []
+        self._closed = False
+        self._progress: ProgressWriter | None = None
+        if self.under_agent:
+            interval = float(env.get(envvars.HEARTBEAT_INTERVAL_S, "1.0"))
+            self._progress = ProgressWriter(
+                progress_path(env[envvars.PROGRESS_DIR], self.rank),
+                heartbeat_interval_s=interval,
+            )
+
+    # -- context -----------------------------------------------------------------------------
+    def _event_context(self) -> dict[str, Any]:
+        return {"attempt": self.attempt, "restart_count": self.attempt, "rank": self.rank}
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def add_sink(self, fn: Callable[[dict[str, Any]], None]) -> None:
+        """Receive every metrics record written by ``log``/``step`` (used by telemetry)."""
+        self._sinks.append(fn)
+
+    # -- metrics -----------------------------------------------------------------------------
+    def _write_record(self, record: dict[str, Any]) -> None:
+        for fn in self._sinks:
+            try:
+                fn(record)
+            except Exception:  # telemetry must never take down training
+                logger.exception("metrics sink failed")
+        try:
+            with self._metrics_lock:
+                if self._metrics_file is None:
+                    path = self.run_dir / "metrics" / f"rank_{self.rank}.jsonl"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    self._metrics_file = path.open("a", encoding="utf-8", buffering=1)
+                self._metrics_file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        except OSError as e:
+            logger.warning("could not write metrics to %s: %s", self.run_dir, e)
+
+    def log(self, *, step: int | None = None, **metrics: float | int | str) -> None:
+        """Record named values (``loss=``, ``reward=``, ``kl=``...) for the current step."""
+        record: dict[str, Any] = {
+            "time": time.time(),
+            "kind": "log",
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "step": self.step_num if step is None else step,
+        }
+        for k, v in metrics.items():
+            record[k] = v.item() if hasattr(v, "item") else v
+        self._write_record(record)
+
+    @contextmanager
+    def step(
+        self,
+        step: int | None = None,
+        *,
+        tokens: int | None = None,
+        samples: int | None = None,
+        flops: float | None = None,
+    ) -> Iterator[int]:
+        """Time one training step and report progress to the agent.
+
+        Yields the step number. ``tokens``/``samples``/``flops`` are per-rank amounts processed
+        in this step; they feed throughput and MFU.
+        """
+        num = self.step_num if step is None else step
+        if self._progress is not None:
+            self._progress.step_begin(num)
+        t0 = time.perf_counter()
+        try:
+            yield num
+        finally:
+            dt = time.perf_counter() - t0
+            if self._progress is not None:
+                self._progress.step_end(num, dt)
+            self.step_num = num + 1
+            record: dict[str, Any] = {
+                "time": time.time(),
+                "kind": "step",
+                "rank": self.rank,
+                "attempt": self.attempt,
+                "step": num,
+                "step_time_s": dt,
+            }
+            if tokens is not None:
+                record["tokens"] = tokens
+            if samples is not None:
+                record["samples"] = samples
+            if flops is not None:
+                record["flops"] = flops
+            self._write_record(record)
+
+    def close(self) -> None:
+        """Flush and release resources; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._progress is not None:
+            self._progress.close()
+        with self._metrics_lock:
+            if self._metrics_file is not None:
+                self._metrics_file.close()
+                self._metrics_file = None
+
+
+def init(*, run_dir: str | os.PathLike[str] | None = None) -> TrainGuard:
+    """Create the worker handle. Call once per process, after the process starts."""
+    return TrainGuard(run_dir=run_dir)
