@@ -1,0 +1,97 @@
+"""Helpers to run torchrun and trainguard run side by side on the same worker scripts."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+LAUNCHERS: dict[str, list[str]] = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+    "trainguard": [sys.executable, "-m", "trainguard", "run"],
+}
+
+# The worker env contract of torchrun (REFERENCE.md §1).
+CONTRACT = [
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCHELASTIC_ERROR_FILE",
+    "OMP_NUM_THREADS",
+]
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "TRAINGUARD_"))}
+    env.pop("OMP_NUM_THREADS", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra)
+    return env
+
+
+def launch(
+    which: str, args: list[str], *, cwd: Path, env: dict[str, str] | None = None, timeout: float = 120
+) -> Result:
+    p = subprocess.run(
+        LAUNCHERS[which] + args,
+        cwd=cwd,
+        env=env if env is not None else base_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
+def popen(which: str, args: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        LAUNCHERS[which] + args,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def read_dumps(dump_dir: Path) -> dict[tuple[int, int], dict]:
+    out = {}
+    for p in sorted(dump_dir.glob("env_*_*.json")):
+        _, restart, rank = p.stem.split("_")
+        out[(int(restart), int(rank))] = json.loads(p.read_text())
+    return out

@@ -1,0 +1,322 @@
+"""`trainguard run` vs `torchrun` on the same worker scripts, real processes, side by side."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.launch_utils import (
+    CONTRACT,
+    WORKERS,
+    base_env,
+    free_port,
+    launch,
+    popen,
+    read_dumps,
+)
+
+DUMP = str(WORKERS / "dump_env.py")
+BOTH = ("torchrun", "trainguard")
+
+
+def _contract(dump: dict) -> dict[str, str | None]:
+    return {k: dump["env"].get(k) for k in CONTRACT}
+
+
+def _stable(c: dict[str, str | None]) -> dict[str, str | None]:
+    """Contract values that must be equal between launchers (ports, ids, paths differ)."""
+    drop = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+    return {k: v for k, v in c.items() if k not in drop}
+
+
+def _run_both(tmp_path: Path, args_for, env_extra=None) -> dict[str, dict]:
+    out = {}
+    for which in BOTH:
+        d = tmp_path / which
+        d.mkdir()
+        env = base_env(DUMP_DIR=str(d / "dump"), **(env_extra or {}))
+        r = launch(which, args_for(which, d), cwd=d, env=env)
+        assert r.returncode == 0, f"{which} failed:\n{r.stderr[-3000:]}"
+        out[which] = {"result": r, "dumps": read_dumps(d / "dump"), "dir": d}
+    return out
+
+
+def test_standalone_worker_env_matches(tmp_path: Path) -> None:
+    res = _run_both(tmp_path, lambda w, d: ["--standalone", "--nproc-per-node", "2", DUMP])
+    tr, tg = res["torchrun"]["dumps"], res["trainguard"]["dumps"]
+    assert sorted(tr) == sorted(tg) == [(0, 0), (0, 1)]
+    for key in tr:
+        a, b = _contract(tr[key]), _contract(tg[key])
+        assert {k for k, v in a.items() if v is not None} == {k for k, v in b.items() if v is not None}
+        assert _stable(a) == _stable(b)
+        assert a["OMP_NUM_THREADS"] == "1"
+        # torch's env names that torchrun sets and trainguard must also set
+        torch_names = {k for k in tr[key]["env"] if k.startswith(("TORCHELASTIC_", "PET_", "TORCH_"))}
+        assert torch_names <= set(tg[key]["env"])
+        assert tr[key]["argv"][1:] == tg[key]["argv"][1:]
+    assert tg[(0, 0)]["env"]["TRAINGUARD_RUN_DIR"]
+
+
+def test_nnodes_range_two_agents_c10d(tmp_path: Path) -> None:
+    for which in BOTH:
+        d = tmp_path / which
+        d.mkdir()
+        port = free_port()
+        env = base_env(DUMP_DIR=str(d / "dump"))
+        args = [
+            "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"job-{which}",
+            "--rdzv-conf", "last_call_timeout=5", DUMP,
+        ]  # fmt: skip
+        procs = [popen(which, args, cwd=d, env=env) for _ in range(2)]
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+        dumps = read_dumps(d / "dump")
+        assert sorted(dumps) == [(0, 0), (0, 1)], which
+        envs = [dumps[(0, r)]["env"] for r in (0, 1)]
+        assert {e["WORLD_SIZE"] for e in envs} == {"2"}
+        assert {e["GROUP_WORLD_SIZE"] for e in envs} == {"2"}
+        assert sorted(e["GROUP_RANK"] for e in envs) == ["0", "1"]
+        assert {e["TORCHELASTIC_RUN_ID"] for e in envs} == {f"job-{which}"}
+        assert {e["TORCHELASTIC_USE_AGENT_STORE"] for e in envs} == {"True"}
+
+
+def test_static_rendezvous_node_rank(tmp_path: Path) -> None:
+    contracts = {}
+    for which in BOTH:
+        d = tmp_path / which
+        d.mkdir()
+        port = free_port()
+        env = base_env(DUMP_DIR=str(d / "dump"))
+        procs = []
+        for node_rank in (0, 1):
+            args = [
+                "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node_rank),
+                "--master-addr", "127.0.0.1", "--master-port", str(port), DUMP,
+            ]  # fmt: skip
+            procs.append(popen(which, args, cwd=d, env=env))
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+        dumps = read_dumps(d / "dump")
+        assert sorted(dumps) == [(0, 0), (0, 1)]
+        contracts[which] = {k: _stable(_contract(v)) for k, v in dumps.items()}
+        assert {dumps[k]["env"]["MASTER_PORT"] for k in dumps} == {str(port)}
+    assert contracts["torchrun"] == contracts["trainguard"]
+
+
+@pytest.mark.parametrize("mode", ["module", "no_python", "run_path"])
+def test_entrypoint_modes(tmp_path: Path, mode: str) -> None:
+    def args(which: str, d: Path) -> list[str]:
+        if mode == "module":
+            return ["--standalone", "--nproc-per-node", "1", "-m", "tests.workers.dump_env_mod", "x"]
+        if mode == "no_python":
+            script = d / "w.sh"
+            script.write_text(f'#!/bin/sh\nexec "{os.sys.executable}" "{DUMP}" "$@"\n')
+            script.chmod(0o755)
+            return ["--standalone", "--nproc-per-node", "1", "--no-python", str(script), "x"]
+        return ["--standalone", "--nproc-per-node", "1", "--run-path", DUMP, "x"]
+
+    res = _run_both(tmp_path, args)
+    for which in BOTH:
+        dumps = res[which]["dumps"]
+        assert sorted(dumps) == [(0, 0)], which
+        assert dumps[(0, 0)]["argv"][-1] == "x"
+    a = _stable(_contract(res["torchrun"]["dumps"][(0, 0)]))
+    b = _stable(_contract(res["trainguard"]["dumps"][(0, 0)]))
+    assert a == b
+
+
+def _tree(root: Path) -> list[str]:
+    files = []
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            rel = p.relative_to(root).as_posix()
+            files.append(re.sub(r"^[^/]+/", "<run>/", rel))
+    return files
+
+
+@pytest.mark.parametrize("flags", [["--redirects", "3"], ["--tee", "3"], ["-r", "0:1,1:2"]])
+def test_log_dir_layout(tmp_path: Path, flags: list[str]) -> None:
+    def args(which: str, d: Path) -> list[str]:
+        return ["--standalone", "--nproc-per-node", "2", "--log-dir", str(d / "logs"), *flags, DUMP]
+
+    res = _run_both(tmp_path, args)
+    trees = {w: _tree(res[w]["dir"] / "logs") for w in BOTH}
+    assert trees["torchrun"] == trees["trainguard"]
+    assert any(t.endswith("stdout.log") for t in trees["trainguard"])
+    for which in BOTH:
+        logs = {p.relative_to(res[which]["dir"] / "logs").as_posix().split("/", 1)[1]: p.read_text() for p in (res[which]["dir"] / "logs").rglob("*.log")}
+        if which == "torchrun":
+            ref = logs
+        else:
+            assert logs == ref
+    if "--tee" in flags:
+        for which in BOTH:
+            assert "hello from rank 1" in res[which]["result"].stdout
+
+
+def test_worker_exit_1_same_exit_code_and_report(tmp_path: Path) -> None:
+    results = {}
+    for which in BOTH:
+        d = tmp_path / which
+        d.mkdir()
+        env = base_env(DUMP_DIR=str(d / "dump"), RAISE_MESSAGE="boom: the loss went NaN", EXIT_RANK="1")
+        results[which] = launch(which, ["--standalone", "--nproc-per-node", "2", DUMP], cwd=d, env=env)
+    for which, r in results.items():
+        assert r.returncode == 1, which
+        assert "ChildFailedError" in r.stderr
+        assert "Root Cause (first observed failure)" in r.stderr
+        assert "boom: the loss went NaN" in r.stderr
+        assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", r.stderr), r.stderr[-2000:]
+        assert "exitcode  : 1" in r.stderr
+
+    def report(s: str) -> list[str]:
+        block = s[s.index("Root Cause") :]
+        lines = [ln for ln in block.splitlines() if re.match(r"^\s*(rank|exitcode|error_file|traceback|host)", ln.strip())]
+        norm = []
+        for ln in lines:
+            ln = re.sub(r"host\s*:.*", "host", ln)
+            ln = re.sub(r"/[^ ]*error\.json", "<file>", ln)
+            norm.append(re.sub(r"pid: \d+", "pid", ln))
+        return norm
+
+    assert report(results["torchrun"].stderr) == report(results["trainguard"].stderr)
+
+
+def test_plain_exit_code_same(tmp_path: Path) -> None:
+    codes = {}
+    for which in BOTH:
+        d = tmp_path / which
+        d.mkdir()
+        env = base_env(DUMP_DIR=str(d / "dump"), EXIT_CODE="3")
+        codes[which] = launch(which, ["--standalone", "--nproc-per-node", "1", DUMP], cwd=d, env=env).returncode
+    assert codes["torchrun"] == codes["trainguard"] == 1
+
+
+def test_max_restarts_counts(tmp_path: Path) -> None:
+    res = {}
+    for which in BOTH:
+        d = tmp_path / which
+        d.mkdir()
+        env = base_env(DUMP_DIR=str(d / "dump"), EXIT_CODE="1", EXIT_UNTIL="2", EXIT_RANK="0")
+        r = launch(which, ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", DUMP], cwd=d, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        dumps = read_dumps(d / "dump")
+        res[which] = sorted({k[0] for k in dumps})
+        for (restart, _), dump in dumps.items():
+            assert dump["env"]["TORCHELASTIC_RESTART_COUNT"] == str(restart)
+            assert dump["env"]["TORCHELASTIC_MAX_RESTARTS"] == "2"
+    assert res["torchrun"] == res["trainguard"] == [0, 1, 2]
+
+
+def test_unknown_flag_is_argparse_error(tmp_path: Path) -> None:
+    for which in BOTH:
+        r = launch(which, ["--no-such-flag", "--standalone", DUMP], cwd=tmp_path)
+        assert r.returncode == 2, which
+        assert "unrecognized arguments" in r.stderr or "error:" in r.stderr
+
+
+def test_script_args_that_look_like_flags_pass_through(tmp_path: Path) -> None:
+    script_args = ["--nproc-per-node", "7", "--standalone", "-m", "--max-restarts=9", "--", "-x", "--config", "y"]
+    res = _run_both(tmp_path, lambda w, d: ["--standalone", "--nproc-per-node", "1", DUMP, *script_args])
+    for which in BOTH:
+        assert res[which]["dumps"][(0, 0)]["argv"][1:] == script_args, which
+
+
+@pytest.mark.parametrize("which", BOTH)
+def test_sigterm_to_launcher_stops_every_worker(tmp_path: Path, which: str) -> None:
+    env = base_env(DUMP_DIR=str(tmp_path / "dump"), SLEEP_S="300")
+    p = popen(which, ["--standalone", "--nproc-per-node", "2", DUMP], cwd=tmp_path, env=env)
+    deadline = time.monotonic() + 60
+    while len(read_dumps(tmp_path / "dump")) < 2:
+        assert time.monotonic() < deadline, "workers did not start"
+        assert p.poll() is None, p.communicate()[1][-2000:]
+        time.sleep(0.2)
+    pids = [d["pid"] for d in read_dumps(tmp_path / "dump").values()]
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=60)
+    assert p.returncode != 0
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in pids if _alive(pid)]
+        time.sleep(0.1)
+    assert not alive, f"{which}: workers {alive} survived SIGTERM to the launcher"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def test_train_mlp_bitwise_identical(tmp_path: Path) -> None:
+    import torch
+
+    example = str(Path(__file__).resolve().parent.parent / "examples" / "train_mlp.py")
+
+    def run(which: str) -> dict:
+        d = tmp_path / which
+        d.mkdir()
+        out = d / "final.pt"
+        r = launch(which, ["--standalone", "--nproc-per-node", "2", example, "--steps", "30", "--out", str(out)], cwd=d)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return torch.load(out, weights_only=True)
+
+    with ThreadPoolExecutor(2) as ex:
+        a, b = ex.map(run, BOTH)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_trainguard_run_writes_events_and_config(tmp_path: Path) -> None:
+    import json
+
+    run_dir = tmp_path / "run"
+    env = base_env(DUMP_DIR=str(tmp_path / "dump"), EXIT_CODE="1", EXIT_UNTIL="1", EXIT_RANK="1")
+    r = launch(
+        "trainguard",
+        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--tg-run-dir", str(run_dir), DUMP],
+        cwd=tmp_path,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert kinds[0] == "launch" and kinds[-1] == "job_finished"
+    for k in ("rendezvous", "workers_started", "worker_failed", "restart"):
+        assert k in kinds, kinds
+    for e in events:
+        assert {"time", "node", "attempt", "restart_count"} <= e.keys()
+    failed = next(e for e in events if e["kind"] == "worker_failed")
+    assert failed["rank"] == 1 and failed["exitcode"] == 1 and failed["attempt"] == 0
+    assert events[-1]["state"] == "succeeded" and events[-1]["attempt"] == 1
+    rdzv = [e for e in events if e["kind"] == "rendezvous"]
+    assert [e["attempt"] for e in rdzv] == [0, 1]
+    assert rdzv[0]["members"][0]["pid"] > 0
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["trainguard"]["runtime"]["run_dir"] == str(run_dir)
+    assert cfg["torchrun"]["max_restarts"] == 1
+
+
+def test_subprocess_env_unchanged_by_import() -> None:
+    # `import trainguard` must not pull in torch or exporter libraries.
+    code = "import sys, trainguard; bad=[m for m in ('torch','opentelemetry','prometheus_client','pynvml') if m in sys.modules]; print(bad)"
+    out = subprocess.run([os.sys.executable, "-c", code], capture_output=True, text=True, env=base_env(), check=True)
+    assert out.stdout.strip() == "[]"

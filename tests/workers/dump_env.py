@@ -1,0 +1,41 @@
+"""Test worker: dumps its env and argv to $DUMP_DIR, then behaves as asked by env knobs.
+
+DUMP_DIR          where to write env_<restart>_<rank>.json
+EXIT_CODE         exit with this code (default 0) ...
+EXIT_UNTIL        ... only while TORCHELASTIC_RESTART_COUNT < EXIT_UNTIL (default: always)
+EXIT_RANK         ... only on this global rank (default: every rank)
+RAISE_MESSAGE     raise RuntimeError(message) under @record instead of exiting
+SLEEP_S           sleep this long before exiting (e.g. to be killed)
+"""
+
+import json
+import os
+import sys
+import time
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def main() -> None:
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank = int(os.environ.get("RANK", "0"))
+    out = os.environ["DUMP_DIR"]
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"env_{restart}_{rank}.json"), "w") as f:
+        json.dump({"env": dict(os.environ), "argv": sys.argv, "pid": os.getpid(), "cwd": os.getcwd()}, f)
+    print(f"hello from rank {rank} restart {restart}", flush=True)
+    print(f"stderr line from rank {rank}", file=sys.stderr, flush=True)
+    if os.environ.get("SLEEP_S"):
+        time.sleep(float(os.environ["SLEEP_S"]))
+    active = restart < int(os.environ.get("EXIT_UNTIL", "1000000"))
+    on_rank = os.environ.get("EXIT_RANK") in (None, "", str(rank))
+    if active and on_rank and os.environ.get("RAISE_MESSAGE"):
+        raise RuntimeError(os.environ["RAISE_MESSAGE"])
+    code = int(os.environ.get("EXIT_CODE", "0"))
+    if active and on_rank and code:
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
