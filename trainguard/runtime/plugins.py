@@ -14,4 +14,8 @@ __all__ = ["default_plugins"]
 def default_plugins(cfg: TrainGuardConfig, run_dir: Path, events: EventLog) -> list[AgentPlugin]:
     """Plugins enabled by ``cfg``. Components register theirs here as they land."""
     plugins: list[AgentPlugin] = []
+    if cfg.telemetry.enabled:
+        from trainguard.telemetry.plugin import TelemetryPlugin
+
+        plugins.append(TelemetryPlugin(cfg.telemetry, run_dir, events))
     return plugins
