@@ -81,6 +81,9 @@ class TrainGuard:
                 progress_path(env[envvars.PROGRESS_DIR], self.rank),
                 heartbeat_interval_s=interval,
             )
+            from trainguard.health.stacks import register_stack_dump
+
+            self._stack_file = register_stack_dump(self.run_dir, self.rank, self.attempt)
 
     # -- context -----------------------------------------------------------------------------
     def _event_context(self) -> dict[str, Any]:
@@ -89,6 +92,17 @@ class TrainGuard:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def checkpoint(self) -> Any:
+        """The :class:`trainguard.checkpoint.CheckpointManager`, created on first use (after
+        ``init_process_group``: creating it is collective)."""
+        mgr = self.__dict__.get("_checkpoint")
+        if mgr is None:
+            from trainguard.checkpoint.manager import for_worker
+
+            mgr = self.__dict__["_checkpoint"] = for_worker(self)
+        return mgr
 
     def add_sink(self, fn: Callable[[dict[str, Any]], None]) -> None:
         """Receive every metrics record written by ``log``/``step`` (used by telemetry)."""
@@ -203,6 +217,8 @@ class TrainGuard:
         if self._closed:
             return
         self._closed = True
+        if self.__dict__.get("_checkpoint") is not None:
+            self.__dict__["_checkpoint"].close()
         if self._progress is not None:
             self._progress.close()
         with self._metrics_lock:
