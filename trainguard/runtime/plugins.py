@@ -18,4 +18,8 @@ def default_plugins(cfg: TrainGuardConfig, run_dir: Path, events: EventLog) -> l
         from trainguard.telemetry.plugin import TelemetryPlugin
 
         plugins.append(TelemetryPlugin(cfg.telemetry, run_dir, events))
+    if cfg.checkpoint.enabled and cfg.checkpoint.memory_tier:
+        from trainguard.checkpoint.memtier import MemoryTierPlugin
+
+        plugins.append(MemoryTierPlugin(cfg.checkpoint, run_dir, events))
     return plugins
