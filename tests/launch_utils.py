@@ -55,7 +55,11 @@ def free_port() -> int:
 
 
 def base_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "TRAINGUARD_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PET_", "TORCHELASTIC_", "TRAINGUARD_"))
+    }
     env.pop("OMP_NUM_THREADS", None)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(extra)
@@ -63,7 +67,12 @@ def base_env(**extra: str) -> dict[str, str]:
 
 
 def launch(
-    which: str, args: list[str], *, cwd: Path, env: dict[str, str] | None = None, timeout: float = 120
+    which: str,
+    args: list[str],
+    *,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
 ) -> Result:
     p = subprocess.run(
         LAUNCHERS[which] + args,

@@ -54,11 +54,15 @@ def test_standalone_worker_env_matches(tmp_path: Path) -> None:
     assert sorted(tr) == sorted(tg) == [(0, 0), (0, 1)]
     for key in tr:
         a, b = _contract(tr[key]), _contract(tg[key])
-        assert {k for k, v in a.items() if v is not None} == {k for k, v in b.items() if v is not None}
+        assert {k for k, v in a.items() if v is not None} == {
+            k for k, v in b.items() if v is not None
+        }
         assert _stable(a) == _stable(b)
         assert a["OMP_NUM_THREADS"] == "1"
         # torch's env names that torchrun sets and trainguard must also set
-        torch_names = {k for k in tr[key]["env"] if k.startswith(("TORCHELASTIC_", "PET_", "TORCH_"))}
+        torch_names = {
+            k for k in tr[key]["env"] if k.startswith(("TORCHELASTIC_", "PET_", "TORCH_"))
+        }
         assert torch_names <= set(tg[key]["env"])
         assert tr[key]["argv"][1:] == tg[key]["argv"][1:]
     assert tg[(0, 0)]["env"]["TRAINGUARD_RUN_DIR"]
@@ -117,7 +121,14 @@ def test_static_rendezvous_node_rank(tmp_path: Path) -> None:
 def test_entrypoint_modes(tmp_path: Path, mode: str) -> None:
     def args(which: str, d: Path) -> list[str]:
         if mode == "module":
-            return ["--standalone", "--nproc-per-node", "1", "-m", "tests.workers.dump_env_mod", "x"]
+            return [
+                "--standalone",
+                "--nproc-per-node",
+                "1",
+                "-m",
+                "tests.workers.dump_env_mod",
+                "x",
+            ]
         if mode == "no_python":
             script = d / "w.sh"
             script.write_text(f'#!/bin/sh\nexec "{os.sys.executable}" "{DUMP}" "$@"\n')
@@ -154,7 +165,10 @@ def test_log_dir_layout(tmp_path: Path, flags: list[str]) -> None:
     assert trees["torchrun"] == trees["trainguard"]
     assert any(t.endswith("stdout.log") for t in trees["trainguard"])
     for which in BOTH:
-        logs = {p.relative_to(res[which]["dir"] / "logs").as_posix().split("/", 1)[1]: p.read_text() for p in (res[which]["dir"] / "logs").rglob("*.log")}
+        logs = {
+            p.relative_to(res[which]["dir"] / "logs").as_posix().split("/", 1)[1]: p.read_text()
+            for p in (res[which]["dir"] / "logs").rglob("*.log")
+        }
         if which == "torchrun":
             ref = logs
         else:
@@ -169,8 +183,12 @@ def test_worker_exit_1_same_exit_code_and_report(tmp_path: Path) -> None:
     for which in BOTH:
         d = tmp_path / which
         d.mkdir()
-        env = base_env(DUMP_DIR=str(d / "dump"), RAISE_MESSAGE="boom: the loss went NaN", EXIT_RANK="1")
-        results[which] = launch(which, ["--standalone", "--nproc-per-node", "2", DUMP], cwd=d, env=env)
+        env = base_env(
+            DUMP_DIR=str(d / "dump"), RAISE_MESSAGE="boom: the loss went NaN", EXIT_RANK="1"
+        )
+        results[which] = launch(
+            which, ["--standalone", "--nproc-per-node", "2", DUMP], cwd=d, env=env
+        )
     for which, r in results.items():
         assert r.returncode == 1, which
         assert "ChildFailedError" in r.stderr
@@ -181,7 +199,11 @@ def test_worker_exit_1_same_exit_code_and_report(tmp_path: Path) -> None:
 
     def report(s: str) -> list[str]:
         block = s[s.index("Root Cause") :]
-        lines = [ln for ln in block.splitlines() if re.match(r"^\s*(rank|exitcode|error_file|traceback|host)", ln.strip())]
+        lines = [
+            ln
+            for ln in block.splitlines()
+            if re.match(r"^\s*(rank|exitcode|error_file|traceback|host)", ln.strip())
+        ]
         norm = []
         for ln in lines:
             ln = re.sub(r"host\s*:.*", "host", ln)
@@ -198,7 +220,9 @@ def test_plain_exit_code_same(tmp_path: Path) -> None:
         d = tmp_path / which
         d.mkdir()
         env = base_env(DUMP_DIR=str(d / "dump"), EXIT_CODE="3")
-        codes[which] = launch(which, ["--standalone", "--nproc-per-node", "1", DUMP], cwd=d, env=env).returncode
+        codes[which] = launch(
+            which, ["--standalone", "--nproc-per-node", "1", DUMP], cwd=d, env=env
+        ).returncode
     assert codes["torchrun"] == codes["trainguard"] == 1
 
 
@@ -208,7 +232,12 @@ def test_max_restarts_counts(tmp_path: Path) -> None:
         d = tmp_path / which
         d.mkdir()
         env = base_env(DUMP_DIR=str(d / "dump"), EXIT_CODE="1", EXIT_UNTIL="2", EXIT_RANK="0")
-        r = launch(which, ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", DUMP], cwd=d, env=env)
+        r = launch(
+            which,
+            ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", DUMP],
+            cwd=d,
+            env=env,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         dumps = read_dumps(d / "dump")
         res[which] = sorted({k[0] for k in dumps})
@@ -226,8 +255,20 @@ def test_unknown_flag_is_argparse_error(tmp_path: Path) -> None:
 
 
 def test_script_args_that_look_like_flags_pass_through(tmp_path: Path) -> None:
-    script_args = ["--nproc-per-node", "7", "--standalone", "-m", "--max-restarts=9", "--", "-x", "--config", "y"]
-    res = _run_both(tmp_path, lambda w, d: ["--standalone", "--nproc-per-node", "1", DUMP, *script_args])
+    script_args = [
+        "--nproc-per-node",
+        "7",
+        "--standalone",
+        "-m",
+        "--max-restarts=9",
+        "--",
+        "-x",
+        "--config",
+        "y",
+    ]
+    res = _run_both(
+        tmp_path, lambda w, d: ["--standalone", "--nproc-per-node", "1", DUMP, *script_args]
+    )
     for which in BOTH:
         assert res[which]["dumps"][(0, 0)]["argv"][1:] == script_args, which
 
@@ -274,7 +315,11 @@ def test_train_mlp_bitwise_identical(tmp_path: Path) -> None:
         d = tmp_path / which
         d.mkdir()
         out = d / "final.pt"
-        r = launch(which, ["--standalone", "--nproc-per-node", "2", example, "--steps", "30", "--out", str(out)], cwd=d)
+        r = launch(
+            which,
+            ["--standalone", "--nproc-per-node", "2", example, "--steps", "30", "--out", str(out)],
+            cwd=d,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         return torch.load(out, weights_only=True)
 
@@ -292,7 +337,16 @@ def test_trainguard_run_writes_events_and_config(tmp_path: Path) -> None:
     env = base_env(DUMP_DIR=str(tmp_path / "dump"), EXIT_CODE="1", EXIT_UNTIL="1", EXIT_RANK="1")
     r = launch(
         "trainguard",
-        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--tg-run-dir", str(run_dir), DUMP],
+        [
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--tg-run-dir",
+            str(run_dir),
+            DUMP,
+        ],
         cwd=tmp_path,
         env=env,
     )
@@ -318,5 +372,7 @@ def test_trainguard_run_writes_events_and_config(tmp_path: Path) -> None:
 def test_subprocess_env_unchanged_by_import() -> None:
     # `import trainguard` must not pull in torch or exporter libraries.
     code = "import sys, trainguard; bad=[m for m in ('torch','opentelemetry','prometheus_client','pynvml') if m in sys.modules]; print(bad)"
-    out = subprocess.run([os.sys.executable, "-c", code], capture_output=True, text=True, env=base_env(), check=True)
+    out = subprocess.run(
+        [os.sys.executable, "-c", code], capture_output=True, text=True, env=base_env(), check=True
+    )
     assert out.stdout.strip() == "[]"

@@ -23,7 +23,9 @@ def main() -> None:
     out = os.environ["DUMP_DIR"]
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"env_{restart}_{rank}.json"), "w") as f:
-        json.dump({"env": dict(os.environ), "argv": sys.argv, "pid": os.getpid(), "cwd": os.getcwd()}, f)
+        json.dump(
+            {"env": dict(os.environ), "argv": sys.argv, "pid": os.getpid(), "cwd": os.getcwd()}, f
+        )
     print(f"hello from rank {rank} restart {restart}", flush=True)
     print(f"stderr line from rank {rank}", file=sys.stderr, flush=True)
     if os.environ.get("SLEEP_S"):

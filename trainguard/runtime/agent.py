@@ -152,6 +152,8 @@ class TrainGuardAgent(LocalElasticAgent):
 
     def _report_failures(self, worker_group: WorkerGroup, result: RunResult) -> None:
         local = {w.global_rank: w.local_rank for w in worker_group.workers}
+        # torch's report names the earliest failure the root cause; so do the events.
+        root = min(result.failures, key=lambda r: result.failures[r].timestamp, default=None)
         failures: list[WorkerFailure] = []
         for rank, f in sorted(result.failures.items()):
             failures.append(
@@ -174,6 +176,7 @@ class TrainGuardAgent(LocalElasticAgent):
                 message=f.message,
                 pid=f.pid,
                 state=result.state.name,
+                root_cause=f.rank == root,
             )
         if not failures:
             self.events.emit("worker_group_unhealthy", state=result.state.name)

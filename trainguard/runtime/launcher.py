@@ -81,7 +81,9 @@ def _validate(args: argparse.Namespace) -> None:
             f"--nnodes {args.nnodes!r} is not a node count: use N or MIN:MAX, e.g. --nnodes 2 or --nnodes 1:4"
         ) from None
     if not 0 < lo <= hi:
-        raise UsageError(f"--nnodes {args.nnodes!r}: need 0 < MIN <= MAX, e.g. --nnodes 1:4")
+        raise UsageError(
+            f"--nnodes {args.nnodes!r}: use N or MIN:MAX with 0 < MIN <= MAX, e.g. --nnodes 1:4"
+        )
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts {args.max_restarts}: must be >= 0")
     script = args.training_script

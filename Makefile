@@ -1,0 +1,33 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+DEMO   := trainguard-runs/demo
+
+.PHONY: demo test lint bench clean
+
+# The venv sees system site-packages so a torch the user already has is kept; where no torch
+# is importable, the CPU build torch==2.13.0 is installed (a bare `torch` pulls CUDA, GBs).
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	rm -rf $(DEMO)
+	$(VENV)/bin/trainguard run --standalone --nproc-per-node 2 --max-restarts 3 --tg-run-dir $(DEMO) \
+	    examples/train_mlp.py --steps 100 --fail-at-step 40 --fail-rank 1
+	@$(VENV)/bin/trainguard events $(DEMO)
+	@echo
+	@echo "Run directory: $(DEMO)  (events.jsonl, metrics/rank_*.jsonl, config.json)"
+	@echo "Events:        $(VENV)/bin/trainguard events $(DEMO)"
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) trainguard-runs

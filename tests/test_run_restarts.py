@@ -1,0 +1,45 @@
+"""Restarts never hang: a worker kill -9'ed mid-run, --max-restarts 3, many times in a row.
+
+torchrun 2.13 reuses one worker store across attempts, so a restarted worker can read a dead
+worker's address and hang in init_process_group; trainguard gives each attempt a fresh store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from tests.launch_utils import REPO, base_env, launch
+
+EXAMPLE = str(REPO / "examples" / "train_mlp.py")
+NUM_RUNS = int(os.environ.get("TRAINGUARD_TEST_RESTART_RUNS", "20"))
+
+
+def test_kill9_restart_twenty_times(tmp_path: Path) -> None:
+    finals = []
+    for i in range(NUM_RUNS):
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        args = [
+            "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--monitor-interval", "0.1",
+            "--tg-run-dir", str(d / "run"),
+            EXAMPLE, "--steps", "12", "--fail-at-step", str(3 + i % 6), "--fail-rank", str(i % 2),
+            "--out", str(d / "final.pt"),
+        ]  # fmt: skip
+        r = launch("trainguard", args, cwd=d, env=base_env(), timeout=120)
+        assert r.returncode == 0, f"run {i}: exit {r.returncode}\n{r.stderr[-3000:]}"
+        events = [json.loads(x) for x in (d / "run" / "events.jsonl").read_text().splitlines()]
+        kinds = [e["kind"] for e in events]
+        assert kinds.count("worker_failed") >= 1, kinds
+        failed = next(e for e in events if e["kind"] == "worker_failed" and e["root_cause"])
+        assert failed["rank"] == i % 2
+        assert failed["signal"] == "SIGKILL" and failed["cause"] == "killed"
+        assert events[-1]["kind"] == "job_finished" and events[-1]["state"] == "succeeded"
+        finals.append(torch.load(d / "final.pt", weights_only=True))
+    # Without checkpoints the restarted job trains from scratch: every run ends identical.
+    for f in finals[1:]:
+        for k in f:
+            assert torch.equal(f[k], finals[0][k])
