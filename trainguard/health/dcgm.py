@@ -35,15 +35,19 @@ class DcgmSource:
         self.policy = policy
         self._group: Any = None
         self._handle: Any = None
+        self._absent: str | None = None
 
     def _connect(self) -> ProbeResult | None:
         if self._group is not None:
             return None
+        if self._absent is not None:
+            return ProbeResult.unknown(NAME, self._absent, present=False)
         try:
             import dcgm_structs
             import pydcgm
         except ImportError:
-            return ProbeResult.unknown(NAME, "DCGM Python bindings not installed", present=False)
+            self._absent = "DCGM Python bindings not installed"
+            return ProbeResult.unknown(NAME, self._absent, present=False)
         try:
             self._handle = pydcgm.DcgmHandle(
                 ipAddress="127.0.0.1", opMode=dcgm_structs.DCGM_OPERATION_MODE_AUTO

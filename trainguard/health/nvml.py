@@ -47,19 +47,24 @@ class NvmlSource:
         self._nvml: Any = None
         self._events: Any = None
         self._xids: dict[str, list[int]] = {}
+        self._absent: ProbeResult | None = None
         self.thermal = ThermalTracker()
 
     def _init(self) -> ProbeResult | None:
         if self._nvml is not None:
             return None
+        if self._absent is not None:  # decided once: no driver appears while we run
+            return ProbeResult.unknown(NAME, str(self._absent.error), present=False)
         try:
             nvml = self._loader()
         except ImportError:
-            return ProbeResult.unknown(NAME, "nvidia-ml-py is not installed", present=False)
+            self._absent = ProbeResult.unknown(NAME, "nvidia-ml-py is not installed", present=False)
+            return self._absent
         try:
             nvml.nvmlInit()
         except Exception as e:  # NVMLError_LibraryNotFound / DriverNotLoaded on CPU nodes
-            return ProbeResult.unknown(NAME, f"NVML unavailable: {e}", present=False)
+            self._absent = ProbeResult.unknown(NAME, f"NVML unavailable: {e}", present=False)
+            return self._absent
         self._nvml = nvml
         return None
 

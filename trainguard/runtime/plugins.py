@@ -18,6 +18,10 @@ def default_plugins(cfg: TrainGuardConfig, run_dir: Path, events: EventLog) -> l
         from trainguard.telemetry.plugin import TelemetryPlugin
 
         plugins.append(TelemetryPlugin(cfg.telemetry, run_dir, events))
+    if cfg.health.enabled:
+        from trainguard.health.plugins import health_plugins
+
+        plugins.extend(health_plugins(cfg, run_dir, events))
     if cfg.checkpoint.enabled and cfg.checkpoint.memory_tier:
         from trainguard.checkpoint.memtier import MemoryTierPlugin
 
