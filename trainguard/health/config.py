@@ -107,6 +107,9 @@ class HealthConfig:
     """Steps ignored at the start of each attempt."""
     straggler_patience: int = 5
     """Consecutive evaluations above the threshold before a straggler is reported."""
+    straggler_min_delta_s: float = 0.05
+    """A rank is slow only if it is also this many seconds above the others' median (timing
+    noise of millisecond steps is not a straggler)."""
 
     def __post_init__(self) -> None:
         from trainguard.health.policy import validate_policy_overrides

@@ -2,16 +2,19 @@
 
 ``score = max(0, 1 - median(other ranks) / rank)`` over a rolling window of steps all local
 ranks completed, after warm-up: 0 for a rank at or below the median, 0.33 for a rank 50 %
-slower, → 1 for a rank that barely moves. A rank at or above ``straggler_threshold`` for
-``straggler_patience`` consecutive evaluations is reported once per attempt (event
+slower, → 1 for a rank that barely moves. A rank at or above ``straggler_threshold`` (and
+``straggler_min_delta_s`` above the median) for ``straggler_patience`` consecutive evaluations
+is reported once per attempt (event
 ``straggler_detected``; scores in ``<run_dir>/health/straggler_scores.json``).
 
 Step times come from the workers' metrics records (``<run_dir>/metrics/rank_<r>.jsonl``):
 ``step_time_s`` of each ``tg.step()``, or, when the worker logs it, ``compute_time_s`` for that
 step. In synchronous data parallelism every rank's wall step time is equalised by the
-all-reduce (the fast ranks wait for the slow one), so wall times find a straggler only when the
-slowness lies outside the synchronised region; a worker that logs its own compute time
-(``tg.log(compute_time_s=...)``) makes the straggler visible in any case.
+all-reduce (the fast ranks wait inside the step for the slow one; a rank slow *between* steps
+even shows the *shortest* step time), so wall step times find stragglers only among ranks that
+do not synchronise every step (rollout workers, pipelines). A worker that logs its own compute
+time before the collective (``tg.log(compute_time_s=...)``) makes the straggler visible in
+synchronous training; that value wins over the wall time for its step.
 """
 
 from __future__ import annotations
@@ -86,9 +89,11 @@ class StragglerScorer:
                 others = statistics.median(v for q, v in per_rank.items() if q != r)
                 score = max(0.0, 1.0 - others / per_rank[r]) if per_rank[r] > 0 else 0.0
                 self.scores[r] = round(score, 4)
-                self._streak[r] = (
-                    self._streak[r] + 1 if score >= self.cfg.straggler_threshold else 0
+                slow = (
+                    score >= self.cfg.straggler_threshold
+                    and per_rank[r] - others >= self.cfg.straggler_min_delta_s
                 )
+                self._streak[r] = self._streak[r] + 1 if slow else 0
                 if self._streak[r] >= self.cfg.straggler_patience and r not in self.reported:
                     self.reported.add(r)
                     new.append(
