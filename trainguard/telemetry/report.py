@@ -1,0 +1,384 @@
+"""``trainguard report RUN_DIR``: one self-contained HTML file describing a run.
+
+Reads ``events.jsonl`` and ``metrics/rank_*.jsonl`` (and nothing from the network); plots are
+inline SVG and the page has no script. Sections: summary, loss/reward/KL, throughput and MFU,
+goodput breakdown, a timeline of attempts, failures, recoveries, checkpoints and health
+incidents, a per-rank step-time heatmap, failure and incident tables.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from trainguard.runtime.events import read_events
+from trainguard.telemetry import svg
+from trainguard.telemetry.contract import LOSS_CAUSES
+from trainguard.telemetry.goodput import Goodput, compute_goodput
+from trainguard.telemetry.mfu import peak_flops
+
+__all__ = ["RunData", "load_run", "render_report", "write_report"]
+
+logger = logging.getLogger(__name__)
+Progress = Callable[[str], None]
+
+GOODPUT_COLORS = {
+    "productive": "#2ca02c",
+    "startup": "#9edae5",
+    "rendezvous": "#c7c7c7",
+    "checkpoint_stall": "#1f77b4",
+    "recomputed_steps": "#ff9896",
+    "hang": "#9467bd",
+    "restart": "#d62728",
+    "other": "#dbdb8d",
+}
+HEALTH_WORDS = ("health", "hang", "unhealthy", "straggler", "xid", "node_", "drain", "evict")
+
+
+def _is_health_incident(e: dict[str, Any]) -> bool:
+    kind = str(e.get("kind"))
+    if any(w in kind for w in HEALTH_WORDS) or e.get("cause") == "hang":
+        return True
+    return kind in ("preflight", "probe", "health_probe") and e.get("status") not in (None, "ok")
+
+
+@dataclass
+class RunData:
+    run_dir: Path
+    events: list[dict[str, Any]] = field(default_factory=list)
+    records: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def t0(self) -> float:
+        times = [float(e["time"]) for e in self.events if "time" in e]
+        for recs in self.records.values():
+            times += [
+                float(r["time"]) - float(r.get("step_time_s", 0.0)) for r in recs[:1] if "time" in r
+            ]
+        return min(times) if times else 0.0
+
+
+def load_run(run_dir: str | Path, progress: Progress | None = None) -> RunData:
+    """Read a run directory; a torn or malformed line is skipped."""
+    run_dir = Path(run_dir)
+    say = progress or (lambda s: None)
+    data = RunData(run_dir=run_dir)
+    data.events = list(read_events(run_dir))
+    say(f"read {len(data.events)} events")
+    try:
+        data.config = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        data.config = {}
+    for path in sorted((run_dir / "metrics").glob("rank_*.jsonl")):
+        try:
+            rank = int(path.stem.split("_", 1)[1])
+        except ValueError:
+            continue
+        recs = []
+        with path.open(encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    recs.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        data.records[rank] = recs
+        say(f"read {len(recs)} records of rank {rank}")
+    return data
+
+
+def _series(recs: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
+    out = []
+    for r in recs:
+        v = r.get(key)
+        if r.get("kind") == "log" and isinstance(v, int | float) and not isinstance(v, bool):
+            out.append((float(r.get("step", 0)), float(v)))
+    return out
+
+
+def _gapped(pts: list[tuple[dict[str, Any], float]], t0: float) -> list[tuple[float, float]]:
+    """(time since launch, value) with a NaN gap wherever the attempt changes."""
+    out: list[tuple[float, float]] = []
+    attempt = None
+    for rec, v in pts:
+        a = rec.get("attempt", 0)
+        if attempt is not None and a != attempt:
+            out.append((float("nan"), float("nan")))
+        attempt = a
+        out.append((float(rec["time"]) - t0, v))
+    return out
+
+
+def _steps(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in recs if r.get("kind") == "step" and "step_time_s" in r]
+
+
+def _peak(data: RunData, override: float | None) -> float | None:
+    if override:
+        return override
+    tcfg = data.config.get("trainguard", {}).get("telemetry", {})
+    if tcfg.get("peak_flops"):
+        return float(tcfg["peak_flops"])
+    for recs in data.records.values():
+        for r in recs:
+            if isinstance(r.get("device"), str):
+                return peak_flops(tcfg.get("device_name") or r["device"])
+    return None
+
+
+def _restart_markers(data: RunData, t0: float, by: str) -> list[svg.Marker]:
+    """Vertical markers where a new attempt starts, on a step axis (by="step") or time axis."""
+    out: list[svg.Marker] = []
+    ref = min(data.records) if data.records else None
+    if ref is None:
+        return out
+    seen: set[int] = set()
+    for r in _steps(data.records[ref]):
+        a = int(r.get("attempt", 0))
+        if a not in seen:
+            seen.add(a)
+            if a > 0:
+                x = float(r["step"]) if by == "step" else float(r["time"]) - t0
+                out.append((x, f"attempt {a} starts", "tg-restart"))
+    return out
+
+
+def _failure_rows(data: RunData, t0: float) -> list[dict[str, Any]]:
+    return [e for e in data.events if e.get("kind") in ("worker_failed", "worker_group_unhealthy")]
+
+
+def _timeline(data: RunData, t0: float, t_end: float) -> str:
+    bars = []
+    starts: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    for e in data.events:
+        a = int(e.get("attempt", 0))
+        t = float(e["time"]) - t0
+        if e.get("kind") == "workers_started":
+            starts.setdefault(a, t)
+        if e.get("kind") in ("worker_failed", "worker_group_unhealthy", "job_finished"):
+            ends[a] = min(ends.get(a, t), t)
+    for a, s in sorted(starts.items()):
+        failed = any(
+            e.get("kind") in ("worker_failed", "worker_group_unhealthy") and e.get("attempt") == a
+            for e in data.events
+        )
+        cls = "tg-attempt tg-attempt-failed" if failed else "tg-attempt"
+        bars.append((s, ends.get(a, t_end), f"attempt {a}", cls))
+    markers = []
+    for e in data.events:
+        kind = str(e.get("kind"))
+        t = float(e["time"]) - t0
+        desc = f"{kind} at {t:.2f} s: " + ", ".join(
+            f"{k}={v}" for k, v in e.items() if k not in ("time", "kind", "node") and v is not None
+        )
+        if kind == "worker_failed":
+            markers.append((t, desc, "tg-failure", "✖"))
+        elif "hang" in kind:
+            markers.append((t, desc, "tg-hang", "⌛"))
+        elif kind == "restart":
+            markers.append((t, desc, "tg-restart", "↻"))
+        elif kind == "rendezvous":
+            markers.append((t, desc, "tg-rendezvous", "◆"))
+        elif kind.startswith("checkpoint"):
+            cls = "tg-restore" if "restor" in kind else "tg-checkpoint"
+            markers.append((t, desc, cls, "▼" if cls == "tg-checkpoint" else "▲"))
+        elif _is_health_incident(e):
+            markers.append((t, desc, "tg-health", "!"))
+    return svg.timeline(
+        bars, markers, title="Timeline: attempts, failures, recoveries, checkpoints", t_end=t_end
+    )
+
+
+def _heatmap(data: RunData) -> str:
+    rows_raw = {r: {int(s["step"]): float(s["step_time_s"]) for s in _steps(recs)}
+                for r, recs in sorted(data.records.items())}  # fmt: skip
+    all_steps = [s for d in rows_raw.values() for s in d]
+    if not all_steps:
+        return svg.heatmap({}, title="Step time per rank", col_label="step")
+    lo, hi = min(all_steps), max(all_steps)
+    ncols = min(120, hi - lo + 1)
+    width = (hi - lo + 1) / ncols
+    rows: dict[str, list[float | None]] = {}
+    for rank, d in rows_raw.items():
+        cells: list[list[float]] = [[] for _ in range(ncols)]
+        for s, v in d.items():
+            cells[min(ncols - 1, int((s - lo) / width))].append(v)
+        rows[f"rank {rank}"] = [sum(c) / len(c) if c else None for c in cells]
+    return svg.heatmap(
+        rows, title="Step time per rank (mean per step bin)", col_label="step",
+        col_start=lo, col_step=width,
+    )  # fmt: skip
+
+
+def _table(rows: list[dict[str, Any]], cols: list[str], t0: float, cls: str) -> str:
+    if not rows:
+        return '<p class="tg-none">none recorded</p>'
+    head = "".join(f"<th>{escape(c)}</th>" for c in cols)
+    body = []
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            if c == "time" and isinstance(v, int | float):
+                v = f"+{float(v) - t0:.2f} s"
+            cells.append(f"<td>{escape('' if v is None else str(v))}</td>")
+        body.append(f'<tr class="{cls}">' + "".join(cells) + "</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+CSS = """
+body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;max-width:1000px}
+h1{font-size:20px}h2{font-size:16px;margin-top:28px;border-bottom:1px solid #ddd}
+.tg-grid{stroke:#eee}.tg-plot{fill:#fcfcfc;stroke:#ccc}
+.tg-title{font-weight:600;font-size:13px}.tg-ytick{font-size:10px;text-anchor:end}
+.tg-xtick{font-size:10px;text-anchor:middle}.tg-xlabel{font-size:11px;text-anchor:middle}
+.tg-xlabel-left,.tg-legend,.tg-ylabel{font-size:11px}.tg-ylabel{text-anchor:middle}
+.tg-marker{stroke-dasharray:4 3;stroke-width:1.2}.tg-marker.tg-restart{stroke:#d62728}
+.tg-attempt{fill:#98df8a}.tg-attempt-failed{fill:#ff9896}
+.tg-glyph{font-size:14px;text-anchor:middle}.tg-failure{fill:#d62728}.tg-hang{fill:#9467bd}
+.tg-restart{fill:#ff7f0e}.tg-rendezvous{fill:#7f7f7f}.tg-checkpoint,.tg-restore{fill:#1f77b4}
+.tg-health{fill:#9467bd}.tg-seglabel{font-size:11px;fill:#fff}.tg-empty{fill:#999}
+table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:3px 6px}
+.kv td:first-child{color:#666}.charts{display:flex;flex-wrap:wrap;gap:8px}
+"""
+
+
+def render_report(
+    data: RunData, *, peak_override: float | None = None, progress: Progress | None = None
+) -> str:
+    say = progress or (lambda s: None)
+    t0 = data.t0
+    ref = min(data.records) if data.records else None
+    ref_recs = data.records.get(ref, []) if ref is not None else []
+    finished = [e for e in data.events if e.get("kind") == "job_finished"]
+    last_t = max(
+        [float(e["time"]) for e in data.events]
+        + [float(r["time"]) for recs in data.records.values() for r in recs[-1:] if "time" in r]
+        + [t0]
+    )
+    t_end = last_t - t0
+    say("computing goodput")
+    all_recs = [r for recs in data.records.values() for r in recs]
+    g: Goodput = compute_goodput(data.events, all_recs)
+    failures = _failure_rows(data, t0)
+    health = [e for e in data.events if _is_health_incident(e)]
+    attempts = sorted({int(e.get("attempt", 0)) for e in data.events} | {0})
+    state = finished[-1].get("state", "?") if finished else "running or crashed"
+    run_id = data.run_dir.name
+
+    say("plotting training curves")
+    step_markers = _restart_markers(data, t0, "step")
+    curves = []
+    for title, keys in (
+        ("Loss", ("loss",)),
+        ("Reward", ("reward", "reward_mean")),
+        ("KL to reference", ("kl",)),
+        ("Entropy", ("entropy",)),
+    ):
+        series = {}
+        for rank, recs in sorted(data.records.items()):
+            for k in keys:
+                pts = _series(recs, k)
+                if pts:
+                    series[f"rank {rank}"] = pts
+                    break
+        if series or title in ("Loss", "Reward", "KL to reference"):
+            curves.append(
+                svg.line_chart(series, title=title, xlabel="step", markers=step_markers, width=460)
+            )
+
+    say("plotting throughput and MFU")
+    peak = _peak(data, peak_override)
+    time_markers = _restart_markers(data, t0, "time")
+    tput: dict[str, list[tuple[float, float]]] = {}
+    mfu: dict[str, list[tuple[float, float]]] = {}
+    unit = "tokens/s"
+    for rank, recs in sorted(data.records.items()):
+        steps = _steps(recs)
+        key = "tokens" if any("tokens" in s for s in steps) else "samples"
+        unit = f"{key}/s"
+        pts = _gapped([(s, float(s[key]) / float(s["step_time_s"]))
+                       for s in steps if key in s and s["step_time_s"] > 0], t0)  # fmt: skip
+        if pts:
+            tput[f"rank {rank}"] = pts
+        if peak:
+            m = _gapped([(s, 100 * float(s["flops"]) / float(s["step_time_s"]) / peak)
+                         for s in steps if s.get("flops") and s["step_time_s"] > 0], t0)  # fmt: skip
+            if m:
+                mfu[f"rank {rank}"] = m
+    speed = [
+        svg.line_chart(tput, title=f"Throughput ({unit} per device)", xlabel="seconds since launch",
+                       markers=time_markers, width=460),
+        svg.line_chart(mfu, title="MFU (%)" if peak else "MFU (peak FLOP/s unknown: omitted)",
+                       xlabel="seconds since launch", markers=time_markers, width=460),
+    ]  # fmt: skip
+
+    say("building timeline and heatmap")
+    parts = {"productive": g.productive_s, **{c: g.lost_s.get(c, 0.0) for c in LOSS_CAUSES}}
+    goodput_rows = "".join(
+        f"<tr><td>{escape(k)}</td><td>{v:.2f} s</td><td>{100 * v / g.total_s:.1f} %</td></tr>"
+        if g.total_s
+        else ""
+        for k, v in parts.items()
+    )
+    ettr = f"{100 * g.ettr:.1f} %" if g.ettr is not None else "n/a"
+    n_steps = len(_steps(ref_recs))
+    summary = {
+        "run": run_id,
+        "state": state,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0)) if t0 else "?",
+        "wall time": f"{t_end:.1f} s",
+        "attempts": len(attempts),
+        "worker failures": len([f for f in failures if f.get("kind") == "worker_failed"]),
+        "ranks": len(data.records),
+        "steps (lowest rank)": n_steps,
+        "ETTR": ettr,
+        "peak FLOP/s": f"{peak:.3g}" if peak else "unknown",
+    }
+    kv = "".join(
+        f"<tr><td>{escape(k)}</td><td>{escape(str(v))}</td></tr>" for k, v in summary.items()
+    )
+    html = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'; img-src data:">
+<title>trainguard report: {escape(run_id)}</title><style>{CSS}</style></head>
+<body>
+<h1>trainguard run report: {escape(run_id)}</h1>
+<table class="kv" id="summary">{kv}</table>
+<h2>Training</h2><div class="charts" id="training">{"".join(curves)}</div>
+<h2>Throughput and MFU</h2><div class="charts" id="speed">{"".join(speed)}</div>
+<h2>Goodput</h2><div id="goodput">
+{svg.bar_breakdown(parts, title=f"Wall time {g.total_s:.1f} s, ETTR {ettr}", colors=GOODPUT_COLORS)}
+<table>{goodput_rows}</table></div>
+<h2>Timeline</h2><div id="timeline">{_timeline(data, t0, t_end)}</div>
+<h2>Step time per rank</h2><div id="heatmap">{_heatmap(data)}</div>
+<h2>Failures</h2><div id="failures">{_table(failures, ["time", "kind", "attempt", "rank", "cause", "exitcode", "signal", "message"], t0, "tg-failure-row")}</div>
+<h2>Health incidents</h2><div id="health">{_table(health, ["time", "kind", "node", "rank", "cause", "message"], t0, "tg-health-row")}</div>
+<p class="tg-foot">Generated by trainguard from {escape(str(data.run_dir))}; self-contained, no network.</p>
+</body></html>
+"""
+    return html
+
+
+def write_report(
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    *,
+    peak_override: float | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """Write the report (default ``<run_dir>/report.html``) and return its path."""
+    data = load_run(run_dir, progress)
+    html = render_report(data, peak_override=peak_override, progress=progress)
+    path = Path(out) if out else Path(run_dir) / "report.html"
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(html, encoding="utf-8")
+    tmp.replace(path)
+    return path
