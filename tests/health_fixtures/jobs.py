@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from trainguard.runtime.events import read_events
@@ -28,6 +29,27 @@ def job_env(**health: object) -> dict[str, str]:
     return env
 
 
+def job_cmd(
+    run_dir: Path, worker_args: list[str], *, max_restarts: int = 0, nproc: int = 2
+) -> list[str]:
+    return [
+        sys.executable, "-m", "trainguard", "run", "--standalone",
+        "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+        "--monitor-interval", "0.1", "--tg-run-dir", str(run_dir),
+        str(WORKER), *worker_args,
+    ]  # fmt: skip
+
+
+def wait_for_event(run_dir: Path, kind: str, *, timeout: float = 60, count: int = 1) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = events(run_dir, kind)
+        if len(found) >= count:
+            return found
+        time.sleep(0.1)
+    raise TimeoutError(f"no {kind} event in {run_dir} after {timeout}s")
+
+
 def run_job(
     run_dir: Path,
     worker_args: list[str],
@@ -37,12 +59,7 @@ def run_job(
     nproc: int = 2,
     timeout: float = 120,
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable, "-m", "trainguard", "run", "--standalone",
-        "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-        "--monitor-interval", "0.1", "--tg-run-dir", str(run_dir),
-        str(WORKER), *worker_args,
-    ]  # fmt: skip
+    cmd = job_cmd(run_dir, worker_args, max_restarts=max_restarts, nproc=nproc)
     return subprocess.run(
         cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=timeout,
         stdin=subprocess.DEVNULL,
