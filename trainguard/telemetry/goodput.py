@@ -103,13 +103,15 @@ def compute_goodput(
             rdzv[a] = rdzv.get(a, 0.0) + float(e.get("duration_s") or 0.0)
     g.lost_s["rendezvous"] = sum(rdzv.values())
 
-    # checkpoint stalls (events of the reference rank or of no rank, and log records)
-    for e in evs:
-        if str(e.get("kind", "")).startswith("checkpoint") and e.get("rank", ref) == ref:
-            g.lost_s["checkpoint_stall"] += float(e.get("stall_s") or 0.0)
-    for r in logs:
-        if int(r.get("rank", 0)) == ref:
-            g.lost_s["checkpoint_stall"] += float(r.get("checkpoint_stall_s") or 0.0)
+    # checkpoint stalls: the reference rank's log records, else events (rank 0 or no rank)
+    logged = [float(r["checkpoint_stall_s"]) for r in logs
+              if int(r.get("rank", 0)) == ref and isinstance(r.get("checkpoint_stall_s"), int | float)]  # fmt: skip
+    if logged:
+        g.lost_s["checkpoint_stall"] = sum(logged)
+    else:
+        for e in evs:
+            if str(e.get("kind", "")).startswith("checkpoint") and e.get("rank", ref) == ref:
+                g.lost_s["checkpoint_stall"] += float(e.get("stall_s") or 0.0)
 
     first_start: dict[int, float] = {}
     last_end_in: dict[int, list[float]] = {}

@@ -69,6 +69,7 @@ class MetricsRecorder:
             (k, s) for s in METRICS for k in s.log_keys if s.kind != "histogram"
         ]
         self._devices: dict[int, str] = {}
+        self._pending_cause: str | None = None
         self.num_bad_records = 0
 
     @staticmethod
@@ -168,28 +169,26 @@ class MetricsRecorder:
 
     # -- lifecycle events -------------------------------------------------------------------
     def event(self, ev: Mapping[str, Any]) -> None:
-        """Feed one lifecycle event of this node."""
+        """Feed one lifecycle event of this node (checkpoint durations come from the
+        ``checkpoint_stall_s``/``checkpoint_persist_s`` log records, not from events)."""
         try:
             kind = ev.get("kind")
             node = {"node": self.node}
             if kind == "worker_failed":
                 cause = str(ev.get("cause") or "unknown")
                 self._inst["trainguard.job.failures"].add(1, {**node, "cause": cause})
+                if self._pending_cause is None and cause != "terminated":
+                    self._pending_cause = cause
+            elif kind == "hang_detected":
+                self._pending_cause = "hang"
             elif kind == "restart":
-                cause = str(ev.get("cause") or ev.get("reason") or "unknown")
-                self._inst["trainguard.job.restarts"].add(1, {**node, "cause": cause})
+                cause = ev.get("cause") or self._pending_cause or ev.get("reason") or "unknown"
+                self._pending_cause = None
+                self._inst["trainguard.job.restarts"].add(1, {**node, "cause": str(cause)})
             elif kind in ("rendezvous", "workers_started"):
                 a = _num(ev.get("attempt"))
                 if a is not None:
                     self._set("trainguard.job.attempt", a, node)
-            elif kind is not None and kind.startswith("checkpoint"):
-                for key, name in (
-                    ("stall_s", "trainguard.checkpoint.stall.duration"),
-                    ("persist_s", "trainguard.checkpoint.persist.duration"),
-                ):
-                    v = _num(ev.get(key))
-                    if v is not None:
-                        self._inst[name].record(v, node)
         except Exception:
             self.num_bad_records += 1
             logger.exception("skipping an event that could not be mapped")

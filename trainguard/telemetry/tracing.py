@@ -154,8 +154,11 @@ class AgentTracer:
         self.end_attempt(error=causes or "unhealthy")
 
     def event(self, ev: Mapping[str, Any]) -> None:
-        """Recoveries and other lifecycle events become events on the job span."""
+        """Recoveries and other lifecycle events become events on the job span; a committed
+        checkpoint becomes ``checkpoint.stage`` + ``checkpoint.persist`` spans of the attempt."""
         kind = str(ev.get("kind"))
+        if kind == "checkpoint_committed" and self.attempt is not None:
+            self._checkpoint_spans(ev)
         if (
             kind in ("restart", "worker_group_unhealthy")
             or "hang" in kind
@@ -164,6 +167,23 @@ class AgentTracer:
             fields = {k: v for k, v in ev.items() if k not in ("time", "kind")}
             target = self.round if kind == "restart" and self.round is not None else self.job
             target.add_event(kind, _attrs(fields), timestamp=int(float(ev["time"]) * 1e9))
+
+    def _checkpoint_spans(self, ev: Mapping[str, Any]) -> None:
+        assert self.attempt is not None
+        end = float(ev["time"])
+        persist = float(ev.get("persist_s") or 0.0) + float(ev.get("commit_s") or 0.0)
+        stall = float(ev.get("stall_s") or 0.0)
+        ctx = trace.set_span_in_context(self.attempt)
+        attrs = _attrs({"step": ev.get("step"), "bytes": ev.get("bytes"), "path": ev.get("path")})
+        attrs["trainguard.derived_from"] = "checkpoint_committed event"
+        for name, t0, t1 in (
+            ("checkpoint.stage", end - persist - stall, end - persist),
+            ("checkpoint.persist", end - persist, end),
+        ):
+            span = self.tracer.start_span(
+                name, context=ctx, start_time=int(t0 * 1e9), attributes=attrs
+            )
+            span.end(end_time=int(t1 * 1e9))
 
     def finish(self, state: str) -> None:
         self.end_attempt(error=None if state == "succeeded" else state)
