@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint import manifest as mf
 from trainguard.checkpoint.config import CheckpointConfig
@@ -362,7 +363,7 @@ class CheckpointManager:
     ) -> None:
         try:
             self._persist(result, slot, skeleton, infos, t0)
-        except Exception as e:  # never into training
+        except (Exception, CheckpointException) as e:  # never into training
             logger.exception("checkpoint persist of step %s failed", result.step)
             result.error = result.error or f"{type(e).__name__}: {e}"
         finally:
@@ -409,7 +410,7 @@ class CheckpointManager:
                 fsync_dir(path)
             records = {Path(p).name: v for p, v in fs.records.items()}
             self.faults.point("written", result.step, self.rank)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:
             error = f"{type(e).__name__}: {e}"
             logger.warning(
                 "rank %s: writing checkpoint step %s failed: %s", self.rank, result.step, error

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint import manifest as mf
 from trainguard.checkpoint.staging import list_snapshots, rank_dir, unflatten
@@ -139,7 +140,7 @@ def _load_disk(mgr: CheckpointManager, state: MutableMapping[str, Any], step: in
     try:
         dcp.load(target, storage_reader=reader, process_group=mgr._pg, no_dist=mgr._pg is None)
         ok = True
-    except Exception as e:
+    except (Exception, CheckpointException) as e:
         logger.warning("loading checkpoint step %s failed: %s", step, e)
         ok = False
     if not _all_ok(mgr, ok):

@@ -1,0 +1,358 @@
+"""trainguard.checkpoint in one process: save/commit/restore, memory tier, retention, checksum
+fallback, ENOSPC, torn writes (kill -9 of the persisting process at many points), preemption,
+and the automatic interval."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from trainguard.checkpoint import manifest as mf
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.manager import CheckpointManager
+from trainguard.checkpoint.storage import ChecksummingFileSystem, LocalStorage
+from trainguard.recovery.classify import REQUEUE_EXIT_CODE
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+
+def _train(m: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(4, 8, generator=g)
+    loss = m(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def _flat(m: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [p.detach().clone() for p in m.parameters()]
+    for s in opt.state.values():
+        out += [v.clone() for v in s.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+class Events:
+    def __init__(self) -> None:
+        self.items: list[tuple[str, dict]] = []
+
+    def __call__(self, kind: str, **fields: object) -> None:
+        self.items.append((kind, fields))
+
+    def kinds(self, kind: str) -> list[dict]:
+        return [f for k, f in self.items if k == kind]
+
+
+def _mgr(tmp_path: Path, events: Events | None = None, **cfg: object) -> CheckpointManager:
+    config = CheckpointConfig(dir=str(tmp_path / "ckpt"), **cfg)
+    return CheckpointManager(config=config, events=events, install_signal_handlers=False)
+
+
+def test_save_restore_roundtrip_is_exact(tmp_path: Path) -> None:
+    m, opt = _model()
+    extra = {"epoch": 0, "cursor": torch.tensor([0])}
+    mgr = _mgr(tmp_path)
+    for step in range(5):
+        _train(m, opt, step)
+    extra["epoch"], extra["cursor"][0] = 3, 42
+    torch.manual_seed(123)
+    assert mgr.save(5, {"model": m, "optim": opt, "extra": extra}).wait(timeout=60)
+    want = _flat(m, opt)
+    want_rand = torch.rand(3)
+    mgr.close()
+
+    m2, opt2 = _model()
+    extra2 = {"epoch": 0, "cursor": torch.tensor([0])}
+    events = Events()
+    mgr2 = _mgr(tmp_path, events)
+    assert mgr2.restore({"model": m2, "optim": opt2, "extra": extra2}) == 5
+    assert _equal(_flat(m2, opt2), want)
+    assert extra2["epoch"] == 3 and int(extra2["cursor"][0]) == 42
+    assert torch.equal(torch.rand(3), want_rand), "torch RNG state not restored"
+    assert events.kinds("checkpoint_restored")[0]["source"] == "disk"
+    # training continues identically
+    for step in range(5, 8):
+        _train(m, opt, step)
+        _train(m2, opt2, step)
+    assert _equal(_flat(m, opt), _flat(m2, opt2))
+    mgr2.close()
+
+
+def test_manifest_commit_layout_and_latest(tmp_path: Path) -> None:
+    m, opt = _model()
+    mgr = _mgr(tmp_path)
+    _train(m, opt, 0)
+    assert mgr.save(1, {"model": m, "optim": opt}).wait(timeout=60)
+    mgr.close()
+    root = tmp_path / "ckpt"
+    man = json.loads((root / "step_00000001" / "manifest.json").read_text())
+    assert man["step"] == 1 and man["world_size"] == 1
+    assert {"torch", "trainguard", "python"} <= set(man["versions"])
+    assert ".metadata" in man["files"] and "__0_0.distcp" in man["files"]
+    for name, f in man["files"].items():
+        assert (root / "step_00000001" / name).stat().st_size == f["size"]
+        assert LocalStorage().checksum(str(root / "step_00000001" / name)) == (
+            f["size"],
+            f["crc32"],
+        )
+    assert (root / "latest").read_text() == "step_00000001"
+
+
+def test_memory_tier_restore_is_exact_and_preferred(tmp_path: Path) -> None:
+    mem = tmp_path / "shm"
+    m, opt = _model()
+    cfg = CheckpointConfig(dir=str(tmp_path / "ckpt"), every_steps=4)
+    mgr = CheckpointManager(config=cfg, memory_dir=mem, install_signal_handlers=False)
+    state = {"model": m, "optim": opt}
+    for step in range(7):
+        _train(m, opt, step)
+        mgr.maybe_save(step + 1, state)
+    mgr.close()
+    want = _flat(m, opt)
+    assert mf.committed_steps(LocalStorage(), str(tmp_path / "ckpt")) == [4]
+
+    m2, opt2 = _model()
+    events = Events()
+    mgr2 = CheckpointManager(
+        config=cfg, memory_dir=mem, events=events, install_signal_handlers=False
+    )
+    assert mgr2.restore({"model": m2, "optim": opt2}) == 7
+    assert _equal(_flat(m2, opt2), want)
+    assert events.kinds("checkpoint_restored")[0]["source"] == "memory"
+    # without the memory tier: the disk checkpoint of step 4
+    m3, opt3 = _model()
+    assert mgr2.restore({"model": m3, "optim": opt3}, use_memory=False) == 4
+    mgr2.close()
+
+
+def test_retention_keeps_last_k_and_every_mth(tmp_path: Path) -> None:
+    assert mf.retention_victims([1, 2, 3, 4, 5, 6], keep_last=2, keep_every_steps=3) == [1, 2, 4]
+    assert mf.retention_victims([7], keep_last=1) == []
+    m, opt = _model()
+    mgr = _mgr(tmp_path, keep_last=2, keep_every_steps=3)
+    # an uncommitted directory (a save in flight elsewhere) is never touched by retention
+    (tmp_path / "ckpt" / "step_00000099").mkdir(parents=True)
+    for step in range(1, 7):
+        _train(m, opt, step)
+        assert mgr.save(step, {"model": m, "optim": opt}).wait(timeout=60)
+    mgr.close()
+    assert mf.committed_steps(LocalStorage(), str(tmp_path / "ckpt")) == [3, 5, 6]
+    assert (tmp_path / "ckpt" / "step_00000099").is_dir()
+
+
+def test_flipped_byte_falls_back_to_previous_with_event(tmp_path: Path) -> None:
+    m, opt = _model()
+    mgr = _mgr(tmp_path)
+    state = {"model": m, "optim": opt}
+    _train(m, opt, 0)
+    assert mgr.save(1, state).wait(timeout=60)
+    want = _flat(m, opt)
+    _train(m, opt, 1)
+    assert mgr.save(2, state).wait(timeout=60)
+    mgr.close()
+    shard = tmp_path / "ckpt" / "step_00000002" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+    m2, opt2 = _model()
+    events = Events()
+    mgr2 = _mgr(tmp_path, events)
+    assert mgr2.restore({"model": m2, "optim": opt2}) == 1
+    assert _equal(_flat(m2, opt2), want)
+    bad = events.kinds("checkpoint_corrupt")
+    assert bad and bad[0]["step"] == 2 and "crc32" in bad[0]["error"]
+    mgr2.close()
+
+
+def test_enospc_fails_the_save_training_goes_on_older_intact(tmp_path: Path) -> None:
+    budget: dict[str, int | None] = {"n": None}
+    events = Events()
+    mgr = CheckpointManager(
+        config=CheckpointConfig(dir=str(tmp_path / "ckpt")),
+        events=events,
+        filesystem_factory=lambda: ChecksummingFileSystem(fail_after_bytes=budget["n"]),
+        install_signal_handlers=False,
+    )
+    m, opt = _model()
+    state = {"model": m, "optim": opt}
+    _train(m, opt, 0)
+    assert mgr.save(1, state).wait(timeout=60)
+    want = _flat(m, opt)
+    budget["n"] = 3000  # the disk fills up part-way through the next save
+    _train(m, opt, 1)
+    res = mgr.save(2, state)
+    assert res.wait(timeout=60) is False
+    assert "ENOSPC" in (res.error or "") or "No space" in (res.error or "")
+    failed = events.kinds("checkpoint_failed")
+    assert failed and failed[0]["step"] == 2
+    assert mgr.num_failures == 1
+    _train(m, opt, 2)  # training goes on
+    root = str(tmp_path / "ckpt")
+    assert mf.committed_steps(LocalStorage(), root) == [1]
+    assert not (tmp_path / "ckpt" / "step_00000002").exists()
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step_00000001"
+    budget["n"] = None  # space again: the next save commits
+    assert mgr.save(3, state).wait(timeout=60)
+    mgr.close()
+    m2, opt2 = _model()
+    mgr2 = _mgr(tmp_path)
+    assert mgr2.restore({"model": m2, "optim": opt2}, use_memory=False) == 3
+    mgr2.close()
+    # and the old one still loads on its own
+    manifest = mf.read_manifest(LocalStorage(), root + "/step_00000001")
+    assert manifest is not None
+    mf.verify(LocalStorage(), root + "/step_00000001", manifest, list(manifest.files))
+    assert want  # (step 1 verified above)
+
+
+# -- torn writes: kill -9 of the persisting process --------------------------------------------
+def _torn_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 256))
+    return m, torch.optim.Adam(m.parameters(), lr=1e-3)
+
+
+def _torn_replay(steps: int) -> list[torch.Tensor]:
+    m, opt = _torn_model()
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        loss = m(torch.randn(8, 256, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return _flat(m, opt)
+
+
+TORN_POINTS = [
+    {"kill_at": "staged", "step": 4},
+    {"kill_at": "persist_start", "step": 4},
+    {"kill_after_bytes": 100, "step": 4},
+    {"kill_after_bytes": 200_000, "step": 4},
+    {"kill_after_bytes": 1_000_000, "step": 4},
+    {"kill_after_bytes": 2_000_000, "step": 4},
+    {"kill_at": "written", "step": 4},
+    {"kill_at": "before_manifest", "step": 4},
+    {"kill_at": "committed", "step": 4},
+    {"kill_at": "retention", "step": 1},  # while deleting step 1 after committing step 3
+    {"kill_at": "staged", "step": 1},
+    {"kill_after_bytes": 50_000, "step": 1},
+]
+
+
+def _torn_child(root: str, fault: dict) -> None:
+    os.environ["TRAINGUARD_CHECKPOINT_FAULT"] = json.dumps(fault)
+    torch.set_num_threads(1)
+    m, opt = _torn_model()
+    mgr = CheckpointManager(
+        config=CheckpointConfig(dir=root, keep_last=2), install_signal_handlers=False
+    )
+    for step in range(6):
+        g = torch.Generator().manual_seed(step)
+        loss = m(torch.randn(8, 256, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        mgr.save(step + 1, {"model": m, "optim": opt}).wait()
+    mgr.close()
+
+
+def _torn_kill(tmp_path: Path, i: int, fault: dict) -> Path:
+    """Run the saving loop in a forked process (torch is already imported) that the fault
+    kills with SIGKILL mid-save."""
+    import multiprocessing
+
+    root = tmp_path / f"case{i}" / "ckpt"
+    p = multiprocessing.get_context("fork").Process(target=_torn_child, args=(str(root), fault))
+    p.start()
+    p.join(timeout=180)
+    assert p.exitcode == -signal.SIGKILL, (fault, p.exitcode)
+    return root
+
+
+def test_kill_9_while_persisting_never_leaves_a_bad_latest(tmp_path: Path) -> None:
+    roots = [_torn_kill(tmp_path, i, fault) for i, fault in enumerate(TORN_POINTS)]
+    restored = []
+    for fault, root in zip(TORN_POINTS, roots, strict=True):
+        m, opt = _torn_model()
+        mgr = CheckpointManager(
+            config=CheckpointConfig(dir=str(root)), install_signal_handlers=False
+        )
+        step = mgr.restore({"model": m, "optim": opt})
+        mgr.close()
+        restored.append(step)
+        if step is not None:  # the loaded state is exactly the state of that step
+            assert _equal(_flat(m, opt), _torn_replay(step)), fault
+        latest = root / "latest"
+        if latest.exists():  # `latest` always names a committed, loadable checkpoint
+            assert (root / latest.read_text() / "manifest.json").exists(), fault
+    # kills during step 4's save leave step 3 (step 4 once its manifest is renamed in);
+    # kills during step 1's save leave nothing to restore
+    assert restored[:8] == [3] * 8, restored
+    assert restored[8:] == [4, 3, None, None], restored
+
+
+# -- preemption --------------------------------------------------------------------------------
+PREEMPT_SCRIPT = textwrap.dedent(
+    """
+    import sys, time, torch
+    from torch import nn
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.checkpoint.manager import CheckpointManager
+
+    m = nn.Linear(4, 4); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    mgr = CheckpointManager(config=CheckpointConfig(dir=sys.argv[1]))
+    print("READY", flush=True)
+    for step in range(100000):
+        loss = m(torch.ones(2, 4)).sum(); opt.zero_grad(); loss.backward(); opt.step()
+        mgr.maybe_save(step + 1, {"model": m, "optim": opt})
+        time.sleep(0.01)
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_signal_saves_and_exits_with_requeue_code(tmp_path: Path, sig: int) -> None:
+    script = tmp_path / "preempt.py"
+    script.write_text(PREEMPT_SCRIPT)
+    p = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "ckpt")], stdout=subprocess.PIPE, text=True
+    )
+    assert p.stdout is not None
+    assert p.stdout.readline().strip() == "READY"
+    time.sleep(0.5)
+    p.send_signal(sig)
+    assert p.wait(timeout=60) == REQUEUE_EXIT_CODE
+    steps = mf.committed_steps(LocalStorage(), str(tmp_path / "ckpt"))
+    assert len(steps) == 1 and steps[0] > 0
+
+
+def test_auto_interval_follows_young(tmp_path: Path) -> None:
+    events = Events()
+    mgr = _mgr(tmp_path, events, auto_interval=True, mtbf_s=3 * 3600.0, auto_min_interval_s=0.0)
+    for s in (6.0, 6.0, 6.0):
+        mgr._stalls.append(s)
+    mgr._update_interval()
+    assert mgr.interval_s() == pytest.approx((2 * 6.0 * 3 * 3600.0) ** 0.5)  # ~360 s
+    mgr.set_mtbf(600.0)
+    assert mgr.interval_s() == pytest.approx((2 * 6.0 * 600.0) ** 0.5)
+    assert len(events.kinds("checkpoint_interval")) == 2
+    mgr.close()
