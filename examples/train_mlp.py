@@ -5,6 +5,12 @@
 The same script runs under torchrun and plain python. ``--out FILE`` saves the final parameters
 (rank 0) for bitwise comparisons; ``--fail-at-step N`` makes ``--fail-rank`` kill itself with
 SIGKILL at step N on the first attempt only (a real ``kill -9`` injected from inside).
+
+Checkpoints go through ``tg.checkpoint``: resume from the newest checkpoint (the node's memory
+tier under ``trainguard run``, else disk), save to the memory tier every step and to disk every
+``--ckpt-every`` steps (0: no checkpointing) under ``TRAINGUARD_CHECKPOINT_DIR`` (default
+``<run dir>/checkpoints``). Batches are a function of the step, so a resumed
+run ends bitwise-identical to a straight one. ``--out-optim FILE`` saves rank 0's optimizer state.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ def main() -> None:
     p.add_argument("--fail-at-step", type=int, default=-1)
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step")
+    p.add_argument("--ckpt-every", type=int, default=20, help="disk checkpoint interval; 0: off")
+    p.add_argument("--out-optim", default=None, help="save final optimizer state (rank 0) here")
     args = p.parse_args()
 
     tg = trainguard.init()
@@ -48,7 +56,19 @@ def main() -> None:
     )
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
 
-    for step in range(args.steps):
+    state = {"model": model, "optim": opt}
+    ckpt = None
+    start = 0
+    if args.ckpt_every > 0:
+        ckpt = tg.checkpoint
+        ckpt.config.every_steps = args.ckpt_every
+        start = ckpt.restore_or_init(state)
+        tg.step_num = start
+        if tg.rank == 0 and start:
+            print(f"resumed at step {start}")
+
+    loss = torch.zeros(())
+    for step in range(start, args.steps):
         if (
             step == args.fail_at_step
             and tg.rank == args.fail_rank
@@ -66,9 +86,15 @@ def main() -> None:
 
                 time.sleep(args.step_sleep)
         tg.log(loss=loss.item())
+        if ckpt is not None:
+            ckpt.maybe_save(step + 1, state)
 
     if args.out and tg.rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, args.out)
+    if args.out_optim and tg.rank == 0:
+        torch.save(opt.state_dict(), args.out_optim)
+    if ckpt is not None:
+        ckpt.close()
     if tg.rank == 0:
         print(f"done: {args.steps} steps, final loss {loss.item():.6f}, run dir {tg.run_dir}")
     dist.destroy_process_group()

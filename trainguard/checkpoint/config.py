@@ -1,11 +1,101 @@
-"""Configuration of trainguard.checkpoint (section [checkpoint] of trainguard.toml, env TRAINGUARD_CHECKPOINT_*)."""
+"""Configuration of trainguard.checkpoint (section [checkpoint] of trainguard.toml, env TRAINGUARD_CHECKPOINT_*).
+
+Example::
+
+    [checkpoint]
+    dir = "/scratch/ckpt/job42"
+    every_steps = 500          # persist to disk every 500 steps ...
+    every_s = 0.0              # ... or every T seconds (0: off)
+    auto_interval = false      # ... or Young's sqrt(2 * stall * MTBF)
+    memory_every_steps = 1     # newest state in the node's memory every step
+    keep_last = 3
+    keep_every_steps = 5000
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     enabled: bool = True
     """Switch the checkpoint component on or off."""
+    dir: str | None = None
+    """Checkpoint root (a path, or an fsspec URL such as ``s3://bucket/job``); default
+    ``<run_dir>/checkpoints``."""
+
+    # -- when ------------------------------------------------------------------------------------
+    every_steps: int = 0
+    """``maybe_save`` persists to disk every N steps (0: off)."""
+    every_s: float = 0.0
+    """``maybe_save`` persists to disk when this many seconds passed since the last one (0: off)."""
+    auto_interval: bool = False
+    """Persist at Young's interval sqrt(2 * stall * MTBF), re-evaluated as stalls are measured."""
+    mtbf_s: float = 3 * 3600.0
+    """Mean time between failures for ``auto_interval`` until failures of this run are observed."""
+    auto_min_interval_s: float = 10.0
+    """Lower bound of the automatic interval."""
+    auto_max_interval_s: float = 3600.0
+    """Upper bound of the automatic interval."""
+    memory_every_steps: int = 1
+    """``maybe_save`` stages into the node's memory tier every N steps when it is present (0: off)."""
+
+    # -- how -------------------------------------------------------------------------------------
+    overlap_staging: bool = True
+    """Copy parameters and optimizer state in the background while the next step's forward and
+    backward run (they change only in ``optimizer.step()``, which waits for the copy)."""
+    in_flight_policy: Literal["wait", "skip"] = "wait"
+    """A disk save requested while one is still persisting: wait for it, or skip this one."""
+    memory_tier: bool = True
+    """Keep the newest staged state in the node agent's shared memory (needs ``trainguard run``)."""
+    memory_root: str = "/dev/shm"
+    """Where the agent creates the node's memory tier."""
+    peer_replication: bool = True
+    """Replicate each node's memory tier to the next node's agent."""
+    peer_host: str | None = None
+    """Address other agents reach this agent's replication server at; default: this host's IP."""
+    verify_checksums: bool = True
+    """Verify file checksums against the manifest before loading from disk."""
+    sync_files: bool = True
+    """fsync every checkpoint file before the commit."""
+    io_threads: int = 1
+    """Writer threads per rank (DCP FileSystemWriter ``thread_count``)."""
+    capture_rng: bool = True
+    """Save and restore python, numpy and torch (CPU/CUDA) RNG states per rank."""
+    collective_timeout_s: float = 600.0
+    """Timeout of the checkpoint process group's collectives."""
+
+    # -- retention -------------------------------------------------------------------------------
+    keep_last: int = 3
+    """Committed checkpoints to keep (the newest committed is never deleted)."""
+    keep_every_steps: int = 0
+    """Also keep every checkpoint whose step is a multiple of this (0: none)."""
+
+    # -- preemption ------------------------------------------------------------------------------
+    preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that make the worker save at the next step boundary and exit with the requeue code."""
+
+    def __post_init__(self) -> None:
+        for name in ("every_steps", "memory_every_steps", "keep_last", "keep_every_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("every_s", "mtbf_s", "auto_min_interval_s", "auto_max_interval_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.auto_min_interval_s > self.auto_max_interval_s:
+            raise ValueError("auto_min_interval_s must be <= auto_max_interval_s")
+        if self.keep_last < 1:
+            raise ValueError("keep_last must be >= 1 (the newest committed is always kept)")
+        if self.in_flight_policy not in ("wait", "skip"):
+            raise ValueError("in_flight_policy must be 'wait' or 'skip'")
+        if self.io_threads < 1:
+            raise ValueError("io_threads must be >= 1")
+        if self.collective_timeout_s <= 0:
+            raise ValueError("collective_timeout_s must be > 0")
+        import signal
+
+        for name in self.preemption_signals:
+            if not hasattr(signal, name):
+                raise ValueError(f"preemption_signals: unknown signal {name!r}")

@@ -1,1 +1,10 @@
-"""trainguard.health."""
+"""trainguard.health: node probes (dcgm-exporter, DCGM, NVML, host), the XID/counter policy,
+the preflight gate, in-job probing, hang and straggler detection.
+
+Importing this package is cheap: GPU libraries load only when a source is probed.
+"""
+
+from trainguard.health.config import HealthConfig
+from trainguard.health.result import Action, Finding, ProbeResult, Status
+
+__all__ = ["Action", "Finding", "HealthConfig", "ProbeResult", "Status"]

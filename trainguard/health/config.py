@@ -1,11 +1,136 @@
-"""Configuration of trainguard.health (section [health] of trainguard.toml, env TRAINGUARD_HEALTH_*)."""
+"""Configuration of trainguard.health (section [health] of trainguard.toml, env TRAINGUARD_HEALTH_*).
+
+Example::
+
+    [health]
+    dcgm_url = "http://127.0.0.1:9400/metrics"
+    expect_gpus = 8
+    probe_interval_s = 10.0
+    hang_timeout_s = 300.0
+
+    [health.xid_policy]       # XID -> ignore | warn | restart | drain
+    "13" = "ignore"
+
+    [health.counter_policy]   # counter/check name -> action (see trainguard.health.policy)
+    ecc_dbe_aggregate = "drain"
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
+
+ACTIONS = ("ignore", "warn", "restart", "drain")
 
 
 @dataclass(kw_only=True, slots=True)
 class HealthConfig:
     enabled: bool = True
-    """Switch the health component on or off."""
+    """Switch the health component on or off (probes, preflight, hang and straggler detection)."""
+
+    # -- sources -----------------------------------------------------------------------------
+    dcgm_url: str = "http://127.0.0.1:9400/metrics"
+    """dcgm-exporter endpoint. Connection refused at the default URL means "not present"."""
+    dcgm_timeout_s: float = 2.0
+    """HTTP timeout of one dcgm-exporter scrape."""
+    sources: list[str] = field(default_factory=lambda: ["dcgm_exporter", "dcgm", "nvml", "host"])
+    """Sources to try, in order; each one that is present on the node contributes."""
+    expect_gpus: int | None = None
+    """GPUs this node must show; fewer is a fail (a GPU fell off the bus). None: not checked."""
+
+    # -- policy ------------------------------------------------------------------------------
+    xid_policy: dict[str, str] = field(default_factory=dict)
+    """Overrides of the XID table (``"79" = "drain"``); defaults in trainguard.health.policy."""
+    counter_policy: dict[str, str] = field(default_factory=dict)
+    """Overrides of the counter/check table (``ecc_dbe_volatile = "drain"``)."""
+    unknown_xid_action: str = "warn"
+    """Action for an XID the table does not list."""
+    nvlink_error_threshold: int = 100
+    """NVLink CRC/replay/recovery errors above which a link is reported."""
+    pcie_replay_threshold: int = 100
+    """PCIe replays above which a GPU is reported."""
+    thermal_temp_c: float = 87.0
+    """A thermal clock slowdown at or above this temperature counts as sustained at once."""
+    thermal_sustain_samples: int = 3
+    """Consecutive samples with a thermal slowdown that count as sustained throttling."""
+    min_free_disk_gib: float = 10.0
+    """Free space the checkpoint directory needs (check ``host_disk_low``)."""
+    min_free_memory_gib: float = 2.0
+    """Available host memory the node needs (check ``host_memory_low``)."""
+    max_clock_skew_s: float = 2.0
+    """Clock difference to the other nodes above which ``clock_skew`` is reported."""
+    checkpoint_dir: str | None = None
+    """Directory whose free space is checked; default: the run directory."""
+
+    # -- preflight and in-job probing --------------------------------------------------------
+    preflight: bool = True
+    """Probe the node (and run the compute probe) before every rendezvous."""
+    preflight_policy: Literal["report", "exclude"] = "report"
+    """``exclude``: a node whose preflight fails (or is too slow) keeps out of the job."""
+    preflight_compute_s: float = 1.0
+    """Duration of the GEMM compute probe; 0 disables it."""
+    min_compute_fraction: float = 0.5
+    """A node below this fraction of the device peak (GPU) or of the nodes' median is slow."""
+    probe_interval_s: float = 10.0
+    """Seconds between in-job probes, run by the agent in a background thread; 0 disables."""
+
+    # -- hang detection ----------------------------------------------------------------------
+    hang_detection: bool = True
+    """Watch worker progress and end a hung worker group."""
+    hang_timeout_s: float | None = None
+    """No step progress for this long is a hang. None: max(hang_min_timeout_s,
+    hang_step_factor x median step time after warm-up)."""
+    hang_min_timeout_s: float = 60.0
+    """Lower bound of the automatic hang timeout."""
+    hang_step_factor: float = 5.0
+    """The automatic hang timeout is this many median step times (when above the minimum)."""
+    hang_warmup_steps: int = 3
+    """Steps ignored when computing the median step time (compilation, caches)."""
+    hang_idle_timeout_s: float = 1800.0
+    """Timeout for a rank that is alive (fresh heartbeat) but between steps or before its first
+    step: loading, evaluation, checkpointing, teardown."""
+    heartbeat_stale_s: float | None = None
+    """Heartbeat age that means a frozen process. None: max(3 x heartbeat interval, 2 s)."""
+    stack_dump: bool = True
+    """Dump every local rank's Python stack (py-spy, else faulthandler) on a hang."""
+    stack_dump_timeout_s: float = 10.0
+    """Time budget of the stack dump before the hung group is killed."""
+
+    # -- straggler detection -----------------------------------------------------------------
+    straggler_detection: bool = True
+    """Score each rank's step times against the median and report persistent stragglers."""
+    straggler_threshold: float = 0.2
+    """Score at or above which a rank is slow (0.2 = 25 % slower than the median)."""
+    straggler_window: int = 10
+    """Steps per rank in the rolling window a score is computed from."""
+    straggler_warmup_steps: int = 3
+    """Steps ignored at the start of each attempt."""
+    straggler_patience: int = 5
+    """Consecutive evaluations above the threshold before a straggler is reported."""
+
+    def __post_init__(self) -> None:
+        from trainguard.health.policy import validate_policy_overrides
+
+        for name in ("dcgm_timeout_s", "preflight_compute_s", "probe_interval_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.expect_gpus is not None and self.expect_gpus < 0:
+            raise ValueError("expect_gpus must be >= 0")
+        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
+            raise ValueError("hang_timeout_s must be > 0 (or unset for automatic)")
+        if self.hang_min_timeout_s <= 0 or self.hang_step_factor <= 0:
+            raise ValueError("hang_min_timeout_s and hang_step_factor must be > 0")
+        if not 0.0 < self.straggler_threshold < 1.0:
+            raise ValueError("straggler_threshold must be in (0, 1)")
+        if self.straggler_window < 2 or self.straggler_patience < 1:
+            raise ValueError("straggler_window must be >= 2 and straggler_patience >= 1")
+        if not 0.0 <= self.min_compute_fraction <= 1.0:
+            raise ValueError("min_compute_fraction must be in [0, 1]")
+        if self.unknown_xid_action not in ACTIONS:
+            raise ValueError(f"unknown_xid_action must be one of {', '.join(ACTIONS)}")
+        if self.preflight_policy not in ("report", "exclude"):
+            raise ValueError("preflight_policy must be 'report' or 'exclude'")
+        unknown = set(self.sources) - {"dcgm_exporter", "dcgm", "nvml", "host"}
+        if unknown:
+            raise ValueError(f"unknown health sources {sorted(unknown)}")
+        validate_policy_overrides(self.xid_policy, self.counter_policy)

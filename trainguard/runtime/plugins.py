@@ -14,4 +14,16 @@ __all__ = ["default_plugins"]
 def default_plugins(cfg: TrainGuardConfig, run_dir: Path, events: EventLog) -> list[AgentPlugin]:
     """Plugins enabled by ``cfg``. Components register theirs here as they land."""
     plugins: list[AgentPlugin] = []
+    if cfg.telemetry.enabled:
+        from trainguard.telemetry.plugin import TelemetryPlugin
+
+        plugins.append(TelemetryPlugin(cfg.telemetry, run_dir, events))
+    if cfg.health.enabled:
+        from trainguard.health.plugins import health_plugins
+
+        plugins.extend(health_plugins(cfg, run_dir, events))
+    if cfg.checkpoint.enabled and cfg.checkpoint.memory_tier:
+        from trainguard.checkpoint.memtier import MemoryTierPlugin
+
+        plugins.append(MemoryTierPlugin(cfg.checkpoint, run_dir, events))
     return plugins

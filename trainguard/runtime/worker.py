@@ -11,16 +11,18 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from trainguard.runtime import envvars
 from trainguard.runtime.events import EventLog
 from trainguard.runtime.progress import ProgressWriter, progress_path
+from trainguard.telemetry.spans import TRACEPARENT_ENV, SpanRecorder
 
 __all__ = ["TrainGuard", "init"]
 
@@ -64,6 +66,14 @@ class TrainGuard:
         self._metrics_lock = threading.Lock()
         self._sinks: list[Callable[[dict[str, Any]], None]] = []
         self._closed = False
+        self._spans = SpanRecorder(
+            self._write_record,
+            traceparent=env.get(TRACEPARENT_ENV),
+            every_n_steps=int(env.get("TRAINGUARD_TELEMETRY_TRACE_EVERY_N_STEPS", "10")),
+            base={"rank": self.rank, "attempt": self.attempt},
+        )
+        self._flops_per_step: float | None = None
+        self._device: str | None = None
         self._progress: ProgressWriter | None = None
         if self.under_agent:
             interval = float(env.get(envvars.HEARTBEAT_INTERVAL_S, "1.0"))
@@ -71,6 +81,9 @@ class TrainGuard:
                 progress_path(env[envvars.PROGRESS_DIR], self.rank),
                 heartbeat_interval_s=interval,
             )
+            from trainguard.health.stacks import register_stack_dump
+
+            self._stack_file = register_stack_dump(self.run_dir, self.rank, self.attempt)
 
     # -- context -----------------------------------------------------------------------------
     def _event_context(self) -> dict[str, Any]:
@@ -79,6 +92,17 @@ class TrainGuard:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def checkpoint(self) -> Any:
+        """The :class:`trainguard.checkpoint.CheckpointManager`, created on first use (after
+        ``init_process_group``: creating it is collective)."""
+        mgr = self.__dict__.get("_checkpoint")
+        if mgr is None:
+            from trainguard.checkpoint.manager import for_worker
+
+            mgr = self.__dict__["_checkpoint"] = for_worker(self)
+        return mgr
 
     def add_sink(self, fn: Callable[[dict[str, Any]], None]) -> None:
         """Receive every metrics record written by ``log``/``step`` (used by telemetry)."""
@@ -121,21 +145,34 @@ class TrainGuard:
         *,
         tokens: int | None = None,
         samples: int | None = None,
-        flops: float | None = None,
+        flops: float | Literal["auto"] | None = None,
     ) -> Iterator[int]:
         """Time one training step and report progress to the agent.
 
         Yields the step number. ``tokens``/``samples``/``flops`` are per-rank amounts processed
-        in this step; they feed throughput and MFU.
+        in this step; they feed throughput and MFU. ``flops="auto"`` counts the first step's
+        FLOPs with ``torch.utils.flop_counter`` and reuses the count for later steps.
         """
         num = self.step_num if step is None else step
         if self._progress is not None:
             self._progress.step_begin(num)
+        span_id, span_start = self._spans.begin_step(num)
+        counter = None
+        if flops == "auto" and self._flops_per_step is None:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            counter = FlopCounterMode(display=False)
+            counter.__enter__()
         t0 = time.perf_counter()
         try:
             yield num
         finally:
             dt = time.perf_counter() - t0
+            if counter is not None:
+                counter.__exit__(None, None, None)
+                self._flops_per_step = float(counter.get_total_flops())
+            if flops == "auto":
+                flops = self._flops_per_step
             if self._progress is not None:
                 self._progress.step_end(num, dt)
             self.step_num = num + 1
@@ -153,13 +190,35 @@ class TrainGuard:
                 record["samples"] = samples
             if flops is not None:
                 record["flops"] = flops
+            spans = self._spans.take_durations()
+            if spans:
+                record["spans"] = spans
+            self._add_device_info(record)
             self._write_record(record)
+            self._spans.end_step(num, span_id, span_start)
+
+    def span(self, name: str, **attributes: Any) -> Any:
+        """``with tg.span("rollout"):`` times a block; a child span of the current step
+        (recorded when the step is sampled, its duration always summed into the step record)."""
+        return self._spans.span(name, **attributes)
+
+    def _add_device_info(self, record: dict[str, Any]) -> None:
+        torch = sys.modules.get("torch")
+        cuda = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+        if self._device is None:
+            self._device = torch.cuda.get_device_name() if cuda else "cpu"
+            record["device"] = self._device
+        if cuda:
+            record["gpu_memory_bytes"] = torch.cuda.memory_allocated()
+            record["gpu_memory_peak_bytes"] = torch.cuda.max_memory_allocated()
 
     def close(self) -> None:
         """Flush and release resources; safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        if self.__dict__.get("_checkpoint") is not None:
+            self.__dict__["_checkpoint"].close()
         if self._progress is not None:
             self._progress.close()
         with self._metrics_lock:

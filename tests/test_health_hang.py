@@ -1,0 +1,116 @@
+"""Hang detection: HangTracker logic, and real 2-process jobs with a frozen or stuck rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.health_fixtures.jobs import events, job_env, run_job
+from trainguard.health.config import HealthConfig
+from trainguard.health.hang import HangTracker
+from trainguard.runtime.progress import ProgressSnapshot
+
+
+def snap(
+    rank: int, *, step: int, num: int, start: float, end: float, beat: float
+) -> ProgressSnapshot:
+    return ProgressSnapshot(rank, step, start, 0.1, beat, 1000 + rank, num, end)
+
+
+def test_auto_timeout_is_max_of_minimum_and_steps() -> None:
+    t = HangTracker(HealthConfig(hang_min_timeout_s=60, hang_step_factor=5, hang_warmup_steps=2))
+    assert t.step_timeout() is None  # warming up
+    for n in range(1, 10):
+        t._learn({0: ProgressSnapshot(0, n, 0.0, 30.0 if n > 2 else 500.0, 0, 1, n, 0)})
+    assert t.median_step_s == 30.0  # warm-up steps (500 s) ignored
+    assert t.step_timeout() == 150.0
+    t2 = HangTracker(HealthConfig(hang_timeout_s=7))
+    assert t2.step_timeout() == 7
+
+
+def test_frozen_vs_waiting() -> None:
+    cfg = HealthConfig(hang_timeout_s=5)
+    t = HangTracker(cfg, heartbeat_interval_s=1.0)
+    now = 1000.0
+    t.reset(now - 100)
+    # rank 1 frozen mid-step 10 (stale heartbeat); rank 0 in step 10 waiting, heartbeat fresh.
+    frozen = {
+        0: snap(0, step=10, num=10, start=now - 6, end=now - 6.1, beat=now - 0.5),
+        1: snap(1, step=10, num=10, start=now - 6, end=now - 6.1, beat=now - 6),
+    }
+    v = t.observe(frozen, now)
+    assert v is not None and v.kind == "frozen" and v.ranks == [1] and v.waiting == [0]
+    assert "rank(s) 1 frozen (heartbeat stale" in v.message
+    assert t.observe(frozen, now - 2) is None  # not yet past the timeout
+
+    # rank 1 alive between steps (stuck after step 9), rank 0 waits in step 10's collective.
+    waiting = {
+        0: snap(0, step=10, num=10, start=now - 6, end=now - 6.1, beat=now - 0.2),
+        1: snap(1, step=9, num=10, start=0.0, end=now - 6.1, beat=now - 0.3),
+    }
+    v = HangTracker(cfg).observe(waiting, now)
+    assert v is not None and v.kind == "waiting_for" and v.ranks == [1] and v.waiting == [0]
+    assert "waiting in a collective for rank 1" in v.message
+
+    # both wait in the same step with fresh heartbeats: the culprit is elsewhere
+    both = {r: snap(r, step=4, num=4, start=now - 9, end=now - 9.1, beat=now) for r in (0, 1)}
+    v = HangTracker(cfg).observe(both, now)
+    assert v is not None and v.kind == "collective" and v.ranks == [0, 1]
+
+
+def test_alive_between_steps_gets_idle_timeout() -> None:
+    cfg = HealthConfig(hang_timeout_s=5, hang_idle_timeout_s=600)
+    now = 1000.0
+    evaluating = {r: snap(r, step=4, num=5, start=0.0, end=now - 60, beat=now) for r in (0, 1)}
+    assert HangTracker(cfg).observe(evaluating, now) is None
+    assert HangTracker(cfg).observe(evaluating, now + 600) is not None
+
+
+def test_sigstopped_rank_is_named_stacks_dumped_and_job_recovers(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    p = run_job(
+        run_dir,
+        ["--steps", "25", "--stop-rank", "1", "--stop-at-step", "8"],
+        env=job_env(hang_timeout_s=5),
+        max_restarts=1,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    stopped_at = float((run_dir / "stopped_at").read_text())
+    [hang] = events(run_dir, "hang_detected")
+    assert hang["ranks"] == [1] and hang["hang_kind"] == "frozen"
+    assert hang["waiting_ranks"] == [0]
+    assert f"on node {hang['node']}" in hang["message"] and "rank(s) 1 frozen" in hang["message"]
+    latency = hang["time"] - stopped_at
+    assert 4.5 <= latency <= 5 + 2, latency
+    [stacks] = events(run_dir, "hang_stacks")
+    assert sorted(stacks["stacks"]) == ["0", "1"]
+    for r in ("0", "1"):
+        s = stacks["stacks"][r]
+        assert s["method"] in ("py-spy", "faulthandler"), s
+        assert "main" in s["stack"] and Path(s["path"]).is_file()
+    assert (
+        "all_reduce" in stacks["stacks"]["0"]["stack"] or "wait" in stacks["stacks"]["0"]["stack"]
+    )
+    assert events(run_dir, "hang_killed")[0]["ranks"] == [0, 1]
+    assert len(events(run_dir, "restart")) == 1
+    assert (run_dir / "done").read_text() == "1"
+    assert events(run_dir, "job_finished")[-1]["state"] == "succeeded"
+
+
+def test_rank_stuck_outside_collective_is_named_from_fresh_heartbeats(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    p = run_job(
+        run_dir,
+        ["--steps", "20", "--spin-rank", "0", "--spin-at-step", "6"],
+        env=job_env(hang_timeout_s=4, stack_dump="false"),
+        max_restarts=0,
+    )
+    assert p.returncode != 0
+    [hang] = events(run_dir, "hang_detected")
+    assert (
+        hang["hang_kind"] == "waiting_for" and hang["ranks"] == [0] and hang["waiting_ranks"] == [1]
+    )
+    assert "waiting in a collective for rank 0" in hang["message"]
+    assert not events(run_dir, "hang_stacks")
+    failed = events(run_dir, "worker_failed")
+    assert {e["rank"] for e in failed} == {0, 1} and {e["signal"] for e in failed} == {"SIGKILL"}
+    assert events(run_dir, "job_finished")[-1]["state"] == "failed"

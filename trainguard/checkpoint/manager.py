@@ -1,0 +1,621 @@
+"""The worker-side checkpoint manager: ``tg.checkpoint``.
+
+Save path (``save``/``maybe_save``)::
+
+    main thread     build state dict → pick a free slot → copy buffers/extras (sync)
+                    → hand parameters + optimizer state to the stager, return
+    stager thread   copy the rest into the slot (overlapping forward/backward; the next
+                    ``optimizer.step()`` waits for it) → publish the memory-tier snapshot
+                    → queue the persist
+    persist thread  DCP save of the slot on the checkpoint gloo group (checksummed, fsynced)
+                    → gather every rank's files → rank 0 renames the manifest into place
+                    → retention → everyone learns the outcome
+
+Failure semantics: a failed persist (ENOSPC, I/O error, a dead peer) is reported as a
+``checkpoint_failed`` event and a metric; it never raises into training and never touches
+committed checkpoints. Collective decisions (persist now? skip? preempted?) are taken with one
+small all-reduce on a control group so every rank makes the same choice.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainguard.checkpoint import manifest as mf
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.faults import Faults
+from trainguard.checkpoint.staging import (
+    Layout,
+    SlotPool,
+    as_dtensors,
+    dtensor_infos,
+    flatten,
+    local_tensor,
+    rank_dir,
+    unflatten,
+)
+from trainguard.checkpoint.state import build_state_dict, optimizer_tensor_ptrs, rng_key, rng_state
+from trainguard.checkpoint.storage import (
+    ChecksummingFileSystem,
+    ChecksummingWriter,
+    fsync_dir,
+    storage_for,
+)
+
+__all__ = ["CheckpointManager", "MEMORY_DIR_ENV", "SaveResult"]
+
+logger = logging.getLogger(__name__)
+
+MEMORY_DIR_ENV = "TRAINGUARD_CHECKPOINT_MEMORY_DIR"
+"""Set by the agent's memory-tier plugin: this node's shared-memory directory."""
+
+EventFn = Callable[..., Any]
+MetricFn = Callable[..., Any]
+
+
+class SaveResult:
+    """Outcome of one ``save``: ``staged`` (memory copy done), ``committed`` (on disk)."""
+
+    def __init__(self, step: int, persist: bool) -> None:
+        self.step = step
+        self.persist = persist
+        self.staged = threading.Event()
+        self.done = threading.Event()
+        self.committed = False
+        self.error: str | None = None
+        self.stall_s = 0.0
+        self.persist_s = 0.0
+        self.commit_s = 0.0
+        self.num_bytes = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until persisted (or staged, for memory-only saves); True if it committed."""
+        (self.done if self.persist else self.staged).wait(timeout)
+        return self.committed if self.persist else self.staged.is_set()
+
+
+class CheckpointManager:
+    """See the module docstring. One per worker process; ``close()`` when done."""
+
+    def __init__(
+        self,
+        *,
+        config: CheckpointConfig | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        run_dir: str | os.PathLike[str] | None = None,
+        events: EventFn | None = None,
+        metrics: MetricFn | None = None,
+        memory_dir: str | os.PathLike[str] | None = None,
+        filesystem_factory: Callable[[], ChecksummingFileSystem] | None = None,
+        install_signal_handlers: bool = True,
+    ) -> None:
+        self.config = config or CheckpointConfig()
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = rank if rank is not None else (dist.get_rank() if distributed else 0)
+        self.world_size = (
+            world_size if world_size is not None else (dist.get_world_size() if distributed else 1)
+        )
+        run_dir = Path(run_dir) if run_dir is not None else Path(".")
+        self.root = self.config.dir or str(run_dir / "checkpoints")
+        self.storage = storage_for(self.root)
+        self._emit = events or (lambda kind, **f: None)
+        self._metric = metrics or (lambda **m: None)
+        self.faults = Faults.from_env()
+        self._fs_factory = filesystem_factory
+        self._pg: Any = None
+        self._ctl_pg: Any = None
+        if distributed:
+            timeout = _td(self.config.collective_timeout_s)
+            self._pg = dist.new_group(backend="gloo", timeout=timeout)
+            self._ctl_pg = dist.new_group(backend="gloo", timeout=timeout)
+        if memory_dir is None and self.config.memory_tier:
+            memory_dir = os.environ.get(MEMORY_DIR_ENV) or None
+        self.memory_dir = Path(memory_dir) if memory_dir else None
+        self._pool = SlotPool(
+            directory=rank_dir(self.memory_dir, self.rank) if self.memory_dir else None,
+            pin=torch.cuda.is_available(),
+        )
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="tg-ckpt-stage")
+        self._persister = ThreadPoolExecutor(1, thread_name_prefix="tg-ckpt-persist")
+        self._staging: Future[None] | None = None
+        self._staging_t0 = 0.0
+        self._staging_result: SaveResult | None = None
+        self._cuda_event: Any = None
+        self._cuda_stream: Any = None
+        self._persisting: SaveResult | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.num_failures = 0
+        self.last_result: SaveResult | None = None
+        self._stalls: deque[float] = deque(maxlen=20)
+        self._last_persist_time = time.monotonic()
+        self._interval_s: float | None = None
+        self._mtbf_s = self.config.mtbf_s
+        self.preempt_signal: int | None = None
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._hook = register_optimizer_step_pre_hook(self._before_step)
+        if install_signal_handlers:
+            self._install_signal_handlers()
+        self._cleanup_uncommitted()
+
+    # -- public API ------------------------------------------------------------------------------
+    @property
+    def has_memory_tier(self) -> bool:
+        return self.memory_dir is not None
+
+    def save(self, step: int, state: Mapping[str, Any], *, persist: bool = True) -> SaveResult:
+        """Snapshot ``state`` as of ``step`` (the number of steps done = the step to resume
+        from). Returns once training may go on; parameters and optimizer state may still be
+        copying, and the next ``optimizer.step()`` waits for that. ``persist=False`` only
+        refreshes the memory tier. Collective: every rank calls it with the same arguments."""
+        if persist and self._persisting is not None:
+            self._wait_persist()
+        return self._save(step, state, persist=persist)
+
+    def maybe_save(self, step: int, state: Mapping[str, Any]) -> SaveResult | None:
+        """Call once per step boundary on every rank. Saves to memory / disk as configured,
+        and on a preemption signal saves, waits for the commit and exits with the requeue code."""
+        if not self.config.enabled:
+            return None
+        due = self._persist_due(step)
+        busy = self._persisting is not None and not self._persisting.done.is_set()
+        preempt, due, busy = self._agree(self.preempt_signal is not None, due, busy)
+        if preempt:
+            self._preempt_exit(step, state)
+        if due and busy and self.config.in_flight_policy == "skip":
+            if self.rank == 0:
+                self._emit("checkpoint_skipped", step=step, reason="persist in flight")
+            due = False
+        mem = (
+            self.has_memory_tier
+            and self.config.memory_every_steps > 0
+            and step % self.config.memory_every_steps == 0
+        )
+        if not (due or mem):
+            return None
+        return self.save(step, state, persist=due)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for staging and the persist in flight; True if the last persist committed."""
+        self.wait_staged()
+        res = self._persisting
+        if res is not None:
+            res.done.wait(timeout)
+        return self.last_result.committed if self.last_result is not None else True
+
+    def wait_staged(self) -> None:
+        """Block until the last save's copy is complete (``optimizer.step()`` calls this)."""
+        fut = self._staging
+        if fut is None:
+            return
+        t0 = time.perf_counter()
+        fut.result()
+        self._staging = None
+        if self._staging_result is not None:
+            self._staging_result.stall_s += time.perf_counter() - t0
+            self._record_stall(self._staging_result)
+
+    def restore(self, state: MutableMapping[str, Any], *, use_memory: bool = True) -> int | None:
+        """Load the newest good checkpoint into ``state`` (memory tier first when it has the
+        newest step on every rank, else disk with checksums verified, falling back to older
+        ones). Returns the saved step, or None if there is none. Collective."""
+        from trainguard.checkpoint.restore import restore
+
+        self.wait()
+        return restore(self, state, use_memory=use_memory)
+
+    def restore_or_init(
+        self, state: MutableMapping[str, Any], init: Callable[[], None] | None = None
+    ) -> int:
+        """``restore``; if there is nothing to restore, call ``init`` and return 0."""
+        step = self.restore(state)
+        if step is None:
+            if init is not None:
+                init()
+            return 0
+        return step
+
+    def interval_s(self) -> float | None:
+        """The automatic interval in seconds (Young), or None when not in auto mode."""
+        return self._interval_s
+
+    def close(self) -> None:
+        """Wait for work in flight, then release threads, hooks and buffers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        except Exception:
+            logger.exception("checkpoint work in flight failed at close")
+        self._hook.remove()
+        self._stager.shutdown(wait=True)
+        self._persister.shutdown(wait=True)
+        if not self.has_memory_tier:
+            self._pool.close()
+
+    # -- save internals --------------------------------------------------------------------------
+    def _save(self, step: int, state: Mapping[str, Any], *, persist: bool) -> SaveResult:
+        t0 = time.perf_counter()
+        self.wait_staged()
+        result = SaveResult(step, persist)
+        self.last_result = result if persist else (self.last_result or None)
+        sd = build_state_dict(state)
+        sd["_trainguard_step"] = step
+        if self.config.capture_rng:
+            sd[rng_key(self.rank)] = rng_state()
+        skeleton, tensors = flatten(sd)
+        skeleton = copy.deepcopy(skeleton)  # non-tensor leaves as of now
+        layout = Layout.of(tensors)
+        slot = self._pool.acquire(layout)
+        if slot is None:  # both slots persisting: cannot happen with one persist in flight
+            self._wait_persist()
+            slot = self._pool.acquire(layout)
+            assert slot is not None
+        slot.invalidate()
+        if persist:
+            slot.persisting = True
+            self._persisting = result
+        result.num_bytes = layout.nbytes
+        late_ptrs = optimizer_tensor_ptrs(state) if self.config.overlap_staging else set()
+        late: list[tuple[torch.Tensor, torch.Tensor]] = []
+        cuda_late: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for src, dst in zip(tensors, slot.views, strict=True):
+            src = local_tensor(src).detach()
+            if src.untyped_storage().data_ptr() in late_ptrs:
+                (cuda_late if src.is_cuda else late).append((src, dst))
+            else:
+                dst.copy_(src, non_blocking=src.is_cuda)
+        event = self._issue_cuda_copies(cuda_late) if cuda_late else None
+        if any(t.is_cuda for t in tensors) and event is None:
+            torch.cuda.current_stream().synchronize()
+        infos = dtensor_infos(tensors)
+        self._staging_result = result
+        self._cuda_event = event
+        self._staging = self._stager.submit(
+            self._finish_staging, result, slot, late, event, skeleton, infos, t0
+        )
+        if not self.config.overlap_staging:
+            self.wait_staged()
+        result.stall_s += time.perf_counter() - t0
+        if self._staging is None:
+            self._record_stall(result)
+        return result
+
+    def _issue_cuda_copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        if self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream()
+        s = self._cuda_stream
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for src, dst in pairs:
+                dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(s)
+        return ev
+
+    def _finish_staging(
+        self,
+        result: SaveResult,
+        slot: Any,
+        late: list[tuple[torch.Tensor, torch.Tensor]],
+        event: Any,
+        skeleton: Any,
+        infos: list[Any],
+        t0: float,
+    ) -> None:
+        for src, dst in late:
+            dst.copy_(src)
+        if event is not None:
+            event.synchronize()
+        elif torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        self.faults.point("staged", result.step, self.rank)
+        slot.publish(
+            step=result.step, rank=self.rank, world_size=self.world_size, skeleton=skeleton
+        )
+        result.staged.set()
+        if result.persist:
+            self._persister.submit(self._persist_safe, result, slot, skeleton, infos, t0)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._staging is None:
+            return
+        if self._cuda_event is not None and self._staging_result is not None:
+            # GPU: make the optimizer's kernels wait for the copy; the CPU does not block.
+            torch.cuda.current_stream().wait_event(self._cuda_event)
+            self._cuda_event = None
+            return
+        self.wait_staged()
+
+    def _record_stall(self, result: SaveResult) -> None:
+        self._staging_result = None
+        self._stalls.append(result.stall_s)
+        self._metric(step=result.step, checkpoint_stall_s=result.stall_s)
+        self._update_interval()
+
+    def _wait_persist(self) -> None:
+        self.wait_staged()
+        res = self._persisting
+        if res is not None:
+            res.done.wait()
+
+    # -- persist (persist thread) ----------------------------------------------------------------
+    def _persist_safe(
+        self, result: SaveResult, slot: Any, skeleton: Any, infos: list[Any], t0: float
+    ) -> None:
+        try:
+            self._persist(result, slot, skeleton, infos, t0)
+        except Exception as e:  # never into training
+            logger.exception("checkpoint persist of step %s failed", result.step)
+            result.error = result.error or f"{type(e).__name__}: {e}"
+        finally:
+            slot.persisting = False
+            if not result.committed:
+                self.num_failures += 1
+                self._emit(
+                    "checkpoint_failed", step=result.step, error=result.error, rank=self.rank
+                )
+                self._metric(step=result.step, checkpoint_failures=self.num_failures)
+            result.done.set()
+            if self._persisting is result:
+                self._persisting = None
+
+    def _persist(
+        self, result: SaveResult, slot: Any, skeleton: Any, infos: list[Any], t0: float
+    ) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        tp = time.perf_counter()
+        path = f"{self.root.rstrip('/')}/{mf.step_dir_name(result.step)}"
+        fs = self._new_filesystem(result.step)
+        error: str | None = None
+        records: dict[str, tuple[int, int]] = {}
+        try:
+            self.faults.point("persist_start", result.step, self.rank)
+            if "://" in self.root:
+                from torch.distributed.checkpoint import FsspecWriter
+
+                writer: Any = FsspecWriter(path, sync_files=self.config.sync_files)
+            else:
+                Path(path).mkdir(parents=True, exist_ok=True)
+                writer = ChecksummingWriter(
+                    path,
+                    fs=fs,
+                    sync_files=self.config.sync_files,
+                    thread_count=self.config.io_threads,
+                )
+            staged = unflatten(skeleton, as_dtensors(slot.views, infos))
+            dcp.save(
+                staged, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None
+            )
+            if "://" not in self.root and self.config.sync_files:
+                fsync_dir(path)
+            records = {Path(p).name: v for p, v in fs.records.items()}
+            self.faults.point("written", result.step, self.rank)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            logger.warning(
+                "rank %s: writing checkpoint step %s failed: %s", self.rank, result.step, error
+            )
+        gathered = self._gather((error, records))
+        outcome: list[Any] = [None]
+        if self.rank == 0:
+            outcome[0] = self._commit_or_discard(result.step, path, gathered)
+        if self._pg is not None:
+            dist.broadcast_object_list(outcome, src=0, group=self._pg)
+        committed, error_all = outcome[0]
+        result.committed = committed
+        result.error = error_all
+        result.persist_s = time.perf_counter() - tp
+        result.commit_s = time.perf_counter() - t0
+        self._last_persist_time = time.monotonic()
+        if committed:
+            self._metric(
+                step=result.step,
+                checkpoint_persist_s=result.persist_s,
+                checkpoint_commit_s=result.commit_s,
+                checkpoint_bytes=result.num_bytes,
+            )
+            if self.rank == 0:
+                self._emit(
+                    "checkpoint_committed",
+                    step=result.step,
+                    path=path,
+                    bytes=result.num_bytes * self.world_size,
+                    persist_s=round(result.persist_s, 4),
+                    commit_s=round(result.commit_s, 4),
+                    stall_s=round(result.stall_s, 4),
+                )
+
+    def _new_filesystem(self, step: int) -> ChecksummingFileSystem:
+        if self._fs_factory is not None:
+            return self._fs_factory()
+        if self.faults.applies(step, self.rank):
+            return ChecksummingFileSystem(
+                fail_after_bytes=self.faults.enospc_after_bytes,
+                kill_after_bytes=self.faults.kill_after_bytes,
+            )
+        return ChecksummingFileSystem()
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if self._pg is None:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._pg)
+        return out
+
+    def _commit_or_discard(
+        self, step: int, path: str, gathered: list[tuple[str | None, dict[str, Any]]]
+    ) -> tuple[bool, str | None]:
+        errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
+        if errors:
+            self.storage.remove(path)  # never committed; older checkpoints are untouched
+            return False, "; ".join(errors)
+        files: dict[str, dict[str, int]] = {}
+        for _, recs in gathered:
+            for name, (size, crc) in recs.items():
+                files[name] = {"size": size, "crc32": crc}
+        if "://" in self.root:  # fsspec writers do not report checksums: read back
+            for name in self.storage.list_dir(path):
+                size, crc = self.storage.checksum(f"{path}/{name}")
+                files[name] = {"size": size, "crc32": crc}
+        manifest = mf.Manifest(
+            step=step, world_size=self.world_size, files=files, versions=mf.versions()
+        )
+        try:
+            self.faults.point("before_manifest", step, self.rank)
+            mf.commit(self.storage, self.root, manifest)
+            self.faults.point("committed", step, self.rank)
+        except OSError as e:
+            self.storage.remove(path)
+            return False, f"commit: {e}"
+        self._retention()
+        return True, None
+
+    def _retention(self) -> None:
+        committed = mf.committed_steps(self.storage, self.root)
+        victims = mf.retention_victims(
+            committed,
+            keep_last=self.config.keep_last,
+            keep_every_steps=self.config.keep_every_steps,
+        )
+        for s in victims:
+            p = f"{self.root.rstrip('/')}/{mf.step_dir_name(s)}"
+            self.storage.remove(f"{p}/{mf.MANIFEST}")
+            self.faults.point("retention", s, self.rank)
+            self.storage.remove(p)
+
+    def _cleanup_uncommitted(self) -> None:
+        """Remove step directories left uncommitted by a dead attempt (nothing is in flight
+        yet: this runs in the constructor, on every rank before any save)."""
+        if self.rank == 0:
+            for step, p in mf.step_dirs(self.storage, self.root).items():
+                if mf.read_manifest(self.storage, p) is None:
+                    logger.info("removing uncommitted checkpoint step %s", step)
+                    self.storage.remove(p)
+        if self._pg is not None:
+            dist.barrier(group=self._pg)
+
+    # -- collective decisions, interval, preemption ----------------------------------------------
+    def _agree(self, *flags: bool) -> list[bool]:
+        if self._ctl_pg is None:
+            return list(flags)
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctl_pg)
+        return [bool(x) for x in t.tolist()]
+
+    def _persist_due(self, step: int) -> bool:
+        c = self.config
+        if c.every_steps and step > 0 and step % c.every_steps == 0:
+            return True
+        elapsed = time.monotonic() - self._last_persist_time
+        if c.every_s and elapsed >= c.every_s:
+            return True
+        return bool(
+            c.auto_interval and self._interval_s is not None and elapsed >= self._interval_s
+        )
+
+    def _update_interval(self) -> None:
+        if not self.config.auto_interval or not self._stalls:
+            return
+        stall = sorted(self._stalls)[len(self._stalls) // 2]
+        tau = math.sqrt(2.0 * max(stall, 1e-6) * self._mtbf_s)
+        tau = min(max(tau, self.config.auto_min_interval_s), self.config.auto_max_interval_s)
+        old = self._interval_s
+        self._interval_s = tau
+        if old is None or abs(tau - old) > 0.2 * old:
+            self._metric(checkpoint_interval_s=tau)
+            if self.rank == 0:
+                self._emit(
+                    "checkpoint_interval",
+                    interval_s=round(tau, 3),
+                    stall_s=stall,
+                    mtbf_s=self._mtbf_s,
+                )
+            logger.info(
+                "checkpoint interval %.1f s (stall %.3f s, MTBF %.0f s)", tau, stall, self._mtbf_s
+            )
+
+    def set_mtbf(self, mtbf_s: float) -> None:
+        """Observed mean time between failures (the runtime feeds it; auto interval uses it)."""
+        self._mtbf_s = mtbf_s
+        self._update_interval()
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in self.config.preemption_signals:
+            sig = getattr(signal, name)
+            try:
+                signal.signal(sig, self._on_signal)
+            except (OSError, ValueError):
+                logger.warning("cannot handle %s for preemption saves", name)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.preempt_signal is not None:  # second signal: stop now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.preempt_signal = signum
+
+    def _preempt_exit(self, step: int, state: Mapping[str, Any]) -> None:
+        from trainguard.recovery.classify import REQUEUE_EXIT_CODE
+
+        sig = signal.Signals(self.preempt_signal).name if self.preempt_signal else "peer"
+        if self.rank == 0:
+            self._emit("checkpoint_preempted", step=step, signal=sig)
+        result = self.save(step, state, persist=True)
+        ok = result.wait()
+        if self.rank == 0:
+            self._emit("checkpoint_preempt_saved", step=step, committed=ok, error=result.error)
+        self.close()
+        raise SystemExit(REQUEUE_EXIT_CODE)
+
+
+def _td(seconds: float) -> Any:
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+def load_worker_config(run_dir: Path) -> CheckpointConfig:
+    """The ``[checkpoint]`` section the agent resolved (``<run_dir>/config.json``), else env."""
+    import json
+
+    path = run_dir / "config.json"
+    try:
+        section = json.loads(path.read_text())["trainguard"]["checkpoint"]
+        return CheckpointConfig(**section)
+    except (OSError, KeyError, TypeError, ValueError):
+        from trainguard.config import load_config
+
+        return load_config().checkpoint
+
+
+def for_worker(tg: Any) -> CheckpointManager:
+    """The manager behind ``tg.checkpoint``: config, events and metrics from the handle."""
+    return CheckpointManager(
+        config=load_worker_config(Path(tg.run_dir)),
+        rank=tg.rank,
+        world_size=tg.world_size,
+        run_dir=tg.run_dir,
+        events=tg.events.emit,
+        metrics=tg.log,
+    )

@@ -1,0 +1,335 @@
+"""The node's in-memory checkpoint tier, owned by the agent, replicated to one peer agent.
+
+The agent plugin creates a directory in shared memory (``/dev/shm``) and exports it to its
+workers (``TRAINGUARD_CHECKPOINT_MEMORY_DIR``). Workers stage their snapshots into files there
+(see :mod:`trainguard.checkpoint.staging`), so a worker crash does not lose them: the agent
+owns the directory and removes it only when it exits.
+
+Replication: every agent runs a small TCP server. After each rendezvous the agents publish
+their addresses in the rendezvous store; each agent pushes its workers' newest snapshots to the
+next node (group rank + 1). Before workers start, an agent makes sure every local rank has a
+snapshot: from its own directory, from the replicas it holds, or fetched from the other agents
+(marked ``source: peer:<node>``, which the worker's restore reports as ``peer_memory``).
+
+Wire format: a 4-byte big-endian header length, a JSON header, then ``nbytes`` raw bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import socketserver
+import struct
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.manager import MEMORY_DIR_ENV
+from trainguard.checkpoint.staging import Snapshot, list_snapshots, rank_dir
+from trainguard.runtime.plugin import AgentPlugin
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.agent.server.api import WorkerGroup
+
+    from trainguard.runtime.agent import TrainGuardAgent
+    from trainguard.runtime.events import EventLog
+
+__all__ = ["MemoryTierPlugin", "fetch_snapshot", "push_snapshot"]
+
+logger = logging.getLogger(__name__)
+
+_TIMEOUT_S = 30.0
+
+
+# -- wire --------------------------------------------------------------------------------------
+def _send(sock: socket.socket, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+    h = json.dumps(header).encode()
+    sock.sendall(struct.pack(">I", len(h)) + h)
+    if payload:
+        sock.sendall(payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if not k:
+            raise ConnectionError("peer closed the connection")
+        got += k
+    return buf
+
+
+def _recv(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
+    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
+    header = json.loads(_recv_exact(sock, n))
+    payload = _recv_exact(sock, int(header.get("nbytes", 0)))
+    return header, payload
+
+
+def _read_snapshot(snap: Snapshot) -> bytes | None:
+    """The snapshot's bytes, or None if it changed while being read."""
+    try:
+        data = snap.bin_path.read_bytes()[: int(snap.meta["nbytes"])]
+    except OSError:
+        return None
+    return data if snap.still_valid() else None
+
+
+def _write_snapshot(directory: Path, meta: dict[str, Any], data: bytes | bytearray) -> Path:
+    """Store a snapshot under ``directory`` in the older of two slots, bytes first, meta last."""
+    directory.mkdir(parents=True, exist_ok=True)
+    existing = {s.meta_path.stem: s for s in list_snapshots(directory)}
+    name = (
+        "slot1"
+        if "slot0" in existing
+        and ("slot1" not in existing or existing["slot1"].step > existing["slot0"].step)
+        else "slot0"
+    )
+    meta_path = directory / f"{name}.json"
+    meta_path.unlink(missing_ok=True)
+    tmp = directory / f".{name}.bin.tmp"
+    tmp.write_bytes(data)
+    os.replace(tmp, directory / f"{name}.bin")
+    tmp_meta = directory / f".{name}.json.tmp"
+    tmp_meta.write_text(json.dumps(meta))
+    os.replace(tmp_meta, meta_path)
+    return meta_path
+
+
+def push_snapshot(addr: tuple[str, int], snap: Snapshot, data: bytes, *, node: str) -> None:
+    with socket.create_connection(addr, timeout=_TIMEOUT_S) as s:
+        _send(s, {"op": "put", "node": node, "meta": snap.meta, "nbytes": len(data)}, data)
+        header, _ = _recv(s)
+        if not header.get("ok"):
+            raise ConnectionError(f"peer refused snapshot: {header}")
+
+
+def fetch_snapshot(
+    addr: tuple[str, int], *, rank: int, world_size: int
+) -> tuple[dict[str, Any], bytearray] | None:
+    with socket.create_connection(addr, timeout=_TIMEOUT_S) as s:
+        _send(s, {"op": "get", "rank": rank, "world_size": world_size})
+        header, payload = _recv(s)
+    if not header.get("found"):
+        return None
+    return header["meta"], payload
+
+
+# -- server ------------------------------------------------------------------------------------
+class _Handler(socketserver.BaseRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        tier = self.server.tier
+        try:
+            header, payload = _recv(self.request)
+            if header["op"] == "put":
+                meta = dict(header["meta"])
+                meta["source"] = f"peer:{header.get('node', '?')}"
+                tier.store_replica(meta, payload)
+                _send(self.request, {"ok": True})
+            elif header["op"] == "get":
+                found = tier.find(int(header["rank"]), int(header["world_size"]))
+                if found is None:
+                    _send(self.request, {"found": False})
+                else:
+                    snap, data = found
+                    _send(
+                        self.request, {"found": True, "meta": snap.meta, "nbytes": len(data)}, data
+                    )
+        except (OSError, ValueError, KeyError) as e:
+            logger.warning("memory tier request from %s failed: %s", self.client_address, e)
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, addr: tuple[str, int], tier: MemoryTierPlugin) -> None:
+        self.tier = tier
+        super().__init__(addr, _Handler)
+
+
+# -- plugin ------------------------------------------------------------------------------------
+class MemoryTierPlugin(AgentPlugin):
+    """Owns the node's memory tier; see the module docstring."""
+
+    name = "checkpoint_memory_tier"
+
+    def __init__(self, cfg: CheckpointConfig, run_dir: Path, events: EventLog) -> None:
+        self.cfg = cfg
+        self.events = events
+        root = cfg.memory_root if os.path.isdir(cfg.memory_root) else None
+        _remove_orphans(Path(root or tempfile.gettempdir()))
+        self.dir = Path(tempfile.mkdtemp(prefix=f"trainguard-ckpt-{os.getpid()}-", dir=root))
+        self.local = self.dir / "local"
+        self.replica = self.dir / "replica"
+        self.local.mkdir()
+        self.replica.mkdir()
+        os.environ[MEMORY_DIR_ENV] = str(self.local)
+        self.node = events.node
+        self.group_rank = 0
+        self.peers: dict[int, dict[str, Any]] = {}
+        self._pushed: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        if cfg.peer_replication:
+            self._server = _Server(("0.0.0.0", 0), self)
+            threading.Thread(
+                target=self._server.serve_forever, name="tg-memtier-server", daemon=True
+            ).start()
+            self._thread = threading.Thread(
+                target=self._replicate_loop, name="tg-memtier-push", daemon=True
+            )
+            self._thread.start()
+
+    # -- server side -----------------------------------------------------------------------------
+    def store_replica(self, meta: dict[str, Any], data: bytes | bytearray) -> None:
+        with self._lock:
+            _write_snapshot(rank_dir(self.replica, int(meta["rank"])), meta, data)
+
+    def find(self, rank: int, world_size: int) -> tuple[Snapshot, bytes] | None:
+        """This node's newest intact snapshot of ``rank`` (own or replica)."""
+        snaps = list_snapshots(rank_dir(self.local, rank)) + list_snapshots(
+            rank_dir(self.replica, rank)
+        )
+        for snap in sorted(snaps, key=lambda s: -s.step):
+            if snap.world_size != world_size:
+                continue
+            data = _read_snapshot(snap)
+            if data is not None:
+                return snap, data
+        return None
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def after_rendezvous(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:
+        self.group_rank = group.group_rank
+        world = group.group_world_size
+        if self._server is not None and world > 1:
+            host = self.cfg.peer_host or _host_ip()
+            me = {"host": host, "port": self._server.server_address[1], "node": self.node}
+            prefix = f"trainguard/ckpt_memtier/{agent.attempt}/"
+            group.store.set(f"{prefix}{self.group_rank}", json.dumps(me))
+            self.peers = {
+                r: json.loads(group.store.get(f"{prefix}{r}"))
+                for r in range(world)
+                if r != self.group_rank
+            }
+        else:
+            self.peers = {}
+        with self._lock:
+            self._pushed.clear()
+        ranks = [w.global_rank for w in group.workers]
+        world_size = group.workers[0].world_size if group.workers else 0
+        self._fill(ranks, world_size)
+
+    def _fill(self, ranks: list[int], world_size: int) -> None:
+        for r in ranks:
+            if any(s.world_size == world_size for s in list_snapshots(rank_dir(self.local, r))):
+                continue
+            t0 = time.monotonic()
+            got = self.find(r, world_size)
+            source = "replica" if got is not None else None
+            meta: dict[str, Any] | None = None
+            data: bytes | bytearray | None = None
+            if got is not None:
+                meta, data = dict(got[0].meta), got[1]
+            else:
+                for peer in self.peers.values():
+                    try:
+                        fetched = fetch_snapshot(
+                            (peer["host"], peer["port"]), rank=r, world_size=world_size
+                        )
+                    except OSError as e:
+                        logger.warning("fetching rank %s from %s failed: %s", r, peer, e)
+                        continue
+                    if fetched is not None:
+                        meta, data = fetched
+                        if not str(meta.get("source", "")).startswith("peer"):
+                            meta["source"] = f"peer:{peer['node']}"
+                        source = f"peer:{peer['node']}"
+                        break
+            if meta is None or data is None:
+                continue
+            _write_snapshot(rank_dir(self.local, r), meta, data)
+            self.events.emit(
+                "checkpoint_memory_filled",
+                rank=r,
+                step=meta["step"],
+                source=source,
+                snapshot_source=meta.get("source"),
+                bytes=len(data),
+                duration_s=round(time.monotonic() - t0, 4),
+            )
+
+    def _replicate_loop(self) -> None:
+        while not self._stop.wait(0.05):
+            if not self.peers:
+                continue
+            target_rank = (self.group_rank + 1) % (len(self.peers) + 1)
+            peer = self.peers.get(target_rank)
+            if peer is None:
+                continue
+            try:
+                names = os.listdir(self.local)
+            except OSError:
+                continue
+            for name in names:
+                if not name.startswith("rank_"):
+                    continue
+                snaps = list_snapshots(self.local / name)
+                if not snaps or snaps[0].source.startswith("peer"):
+                    continue
+                snap = snaps[0]
+                if self._pushed.get(snap.rank) == snap.gen:
+                    continue
+                data = _read_snapshot(snap)
+                if data is None:
+                    continue
+                try:
+                    push_snapshot((peer["host"], peer["port"]), snap, data, node=self.node)
+                    self._pushed[snap.rank] = snap.gen
+                except OSError as e:
+                    logger.debug("replicating rank %s to %s failed: %s", snap.rank, peer, e)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if os.environ.get(MEMORY_DIR_ENV) == str(self.local):
+            del os.environ[MEMORY_DIR_ENV]
+
+
+def _host_ip() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _remove_orphans(root: Path) -> None:
+    """Remove memory tiers left by agents that were killed (their pid is gone)."""
+    for p in root.glob("trainguard-ckpt-*-*"):
+        try:
+            pid = int(p.name.split("-")[2])
+            os.kill(pid, 0)
+        except (ValueError, IndexError):
+            continue
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except PermissionError:
+            continue

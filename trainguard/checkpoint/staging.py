@@ -1,0 +1,357 @@
+"""Staging: flatten a state into tensors + a skeleton, copy the tensors into host buffers that
+are allocated once and reused, and (for the memory tier) publish them as a snapshot file.
+
+A *slot* is one set of host buffers big enough for the whole state of this rank. Each tensor
+gets its own storage (``torch.frombuffer`` on a slice of an ``mmap``, or ``torch.empty``), so
+DCP can ``torch.save`` a staged tensor without cloning it. With a memory tier the slot lives in
+a file under the agent's shared-memory directory::
+
+    <memory_dir>/rank_<r>/slot<i>.bin    the tensors' bytes (64-byte aligned)
+    <memory_dir>/rank_<r>/slot<i>.json   the snapshot's metadata; written (atomically) only after
+                                         the bytes are complete, removed before they change
+
+so a crash at any point leaves either a complete snapshot or none in that slot.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import json
+import logging
+import mmap
+import os
+import pickle
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["Layout", "Slot", "SlotPool", "Snapshot", "flatten", "list_snapshots", "unflatten"]
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class _Ref:
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class _DTensorInfo:
+    mesh: Any
+    placements: Any
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Replace every tensor in a nest of dicts/lists/tuples by a ``_Ref``; return (skeleton, tensors)."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            tensors.append(o)
+            return _Ref(len(tensors) - 1)
+        if isinstance(o, dict):
+            return {k: walk(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [walk(v) for v in o]
+        if isinstance(o, tuple):
+            return tuple(walk(v) for v in o)
+        return o
+
+    return walk(obj), tensors
+
+
+def unflatten(skeleton: Any, tensors: list[Any]) -> Any:
+    def walk(o: Any) -> Any:
+        if isinstance(o, _Ref):
+            return tensors[o.index]
+        if isinstance(o, dict):
+            return {k: walk(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [walk(v) for v in o]
+        if isinstance(o, tuple):
+            return tuple(walk(v) for v in o)
+        return o
+
+    return walk(skeleton)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local part of a DTensor, or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def _dtensor_info(t: torch.Tensor) -> _DTensorInfo | None:
+    if not hasattr(t, "device_mesh"):
+        return None
+    return _DTensorInfo(t.device_mesh, t.placements, tuple(t.shape), tuple(t.stride()))
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where each tensor of a flattened state sits in a slot."""
+
+    entries: tuple[tuple[str, tuple[int, ...], int, int], ...]
+    """(dtype name, shape, offset, nbytes) per tensor."""
+    nbytes: int
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> Layout:
+        entries = []
+        off = 0
+        for t in tensors:
+            lt = local_tensor(t)
+            n = lt.numel() * lt.element_size()
+            entries.append((str(lt.dtype).removeprefix("torch."), tuple(lt.shape), off, n))
+            off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+        return cls(tuple(entries), off)
+
+
+def _views_of(buf: Any, layout: Layout) -> list[torch.Tensor]:
+    views = []
+    for dtype, shape, off, n in layout.entries:
+        dt = getattr(torch, dtype)
+        if n == 0:
+            views.append(torch.empty(shape, dtype=dt))
+            continue
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off)
+        views.append(raw.view(dt).view(shape))
+    return views
+
+
+class Slot:
+    """One reusable set of host buffers (see module doc)."""
+
+    def __init__(self, index: int, layout: Layout, *, directory: Path | None, pin: bool) -> None:
+        self.index = index
+        self.layout = layout
+        self.directory = directory
+        self.persisting = False
+        self.step: int | None = None
+        self.time = 0.0
+        self._mm: mmap.mmap | None = None
+        self._registered = False
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.invalidate()
+            size = max(layout.nbytes, 1)
+            fd = os.open(self.bin_path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                self._mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            if pin and torch.cuda.is_available():
+                addr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+                rc = torch.cuda.cudart().cudaHostRegister(addr, size, 0)
+                self._registered = int(rc) == 0
+            self.views = _views_of(self._mm, layout)
+        else:
+            pin = pin and torch.cuda.is_available()
+            self.views = [
+                torch.empty(shape, dtype=getattr(torch, dt), pin_memory=pin)
+                for dt, shape, _, _ in layout.entries
+            ]
+
+    @property
+    def bin_path(self) -> Path:
+        assert self.directory is not None
+        return self.directory / f"slot{self.index}.bin"
+
+    @property
+    def meta_path(self) -> Path:
+        assert self.directory is not None
+        return self.directory / f"slot{self.index}.json"
+
+    def invalidate(self) -> None:
+        """Before the bytes change: the slot stops being a snapshot."""
+        self.step = None
+        if self.directory is not None:
+            try:
+                os.unlink(self.meta_path)
+            except FileNotFoundError:
+                pass
+
+    def publish(self, *, step: int, rank: int, world_size: int, skeleton: Any) -> None:
+        """After the bytes are complete: the slot becomes the snapshot of ``step``."""
+        self.step = step
+        self.time = time.time()
+        if self.directory is None:
+            return
+        meta = {
+            "step": step,
+            "rank": rank,
+            "world_size": world_size,
+            "gen": uuid.uuid4().hex,
+            "time": self.time,
+            "nbytes": self.layout.nbytes,
+            "entries": [list(e) for e in self.layout.entries],
+            "skeleton": base64.b64encode(pickle.dumps(skeleton)).decode(),
+            "source": "memory",
+        }
+        tmp = self.meta_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, self.meta_path)
+
+    def close(self) -> None:
+        self.views = []
+        if self._mm is not None:
+            if self._registered:
+                addr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+                torch.cuda.cudart().cudaHostUnregister(addr)
+            try:
+                self._mm.close()
+            except BufferError:  # a view is still alive somewhere; the OS frees it at exit
+                pass
+            self._mm = None
+
+
+class SlotPool:
+    """Two slots used alternately: one may persist to disk while the other is staged into, and
+    the memory tier always keeps at least one complete snapshot."""
+
+    def __init__(self, *, directory: Path | None, pin: bool, num_slots: int = 2) -> None:
+        self.directory = directory
+        self.pin = pin
+        self.num_slots = num_slots
+        self.slots: list[Slot] = []
+
+    def acquire(self, layout: Layout) -> Slot | None:
+        """The slot to stage into next (oldest not persisting), or None if all are persisting."""
+        if not self.slots or self.slots[0].layout != layout:
+            self.close()
+            self.slots = [
+                Slot(i, layout, directory=self.directory, pin=self.pin)
+                for i in range(self.num_slots)
+            ]
+        free = [s for s in self.slots if not s.persisting]
+        if not free:
+            return None
+        return min(free, key=lambda s: -1 if s.step is None else s.time)
+
+    def close(self) -> None:
+        for s in self.slots:
+            s.close()
+        self.slots = []
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """A complete memory-tier snapshot found on disk (tmpfs)."""
+
+    step: int
+    rank: int
+    world_size: int
+    gen: str
+    source: str
+    meta_path: Path
+    bin_path: Path
+    meta: dict[str, Any]
+
+    def load(self) -> tuple[Any, list[torch.Tensor]]:
+        """(skeleton, tensors) copied out of the snapshot; raises OSError/ValueError if it
+        changed while being read."""
+        layout = Layout(tuple((e[0], tuple(e[1]), e[2], e[3]) for e in self.meta["entries"]), 0)
+        with open(self.bin_path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < self.meta["nbytes"]:
+                raise ValueError(f"{self.bin_path}: {size} bytes, expected {self.meta['nbytes']}")
+            if size == 0:
+                tensors = [torch.empty(e[1], dtype=getattr(torch, e[0])) for e in layout.entries]
+            else:
+                # a private writable mapping: frombuffer needs a writable buffer; nothing is
+                # written back to the snapshot
+                mm = mmap.mmap(
+                    f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                )
+                try:
+                    views = _views_of(mm, layout)
+                    tensors = [v.clone() for v in views]
+                    del views
+                finally:
+                    try:
+                        mm.close()
+                    except BufferError:
+                        pass
+        if not self.still_valid():
+            raise ValueError(f"snapshot {self.meta_path} changed while being read")
+        skeleton = pickle.loads(base64.b64decode(self.meta["skeleton"]))
+        return skeleton, tensors
+
+    def still_valid(self) -> bool:
+        try:
+            return json.loads(self.meta_path.read_text()).get("gen") == self.gen
+        except (OSError, ValueError):
+            return False
+
+
+def list_snapshots(rank_dir: Path) -> list[Snapshot]:
+    """Complete snapshots of one rank, newest step first."""
+    out = []
+    try:
+        names = os.listdir(rank_dir)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        if not (name.startswith("slot") and name.endswith(".json")):
+            continue
+        meta_path = rank_dir / name
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError):
+            continue
+        out.append(
+            Snapshot(
+                step=int(meta["step"]),
+                rank=int(meta["rank"]),
+                world_size=int(meta["world_size"]),
+                gen=str(meta["gen"]),
+                source=str(meta.get("source", "memory")),
+                meta_path=meta_path,
+                bin_path=meta_path.with_suffix(".bin"),
+                meta=meta,
+            )
+        )
+    out.sort(key=lambda s: -s.step)
+    return out
+
+
+def rank_dir(memory_dir: str | os.PathLike[str], rank: int) -> Path:
+    return Path(memory_dir) / f"rank_{rank}"
+
+
+def dtensor_infos(tensors: list[torch.Tensor]) -> list[_DTensorInfo | None]:
+    return [_dtensor_info(t) for t in tensors]
+
+
+def as_dtensors(views: list[torch.Tensor], infos: list[_DTensorInfo | None]) -> list[torch.Tensor]:
+    """Wrap staged local shards back into DTensors so DCP sees the global layout."""
+    if not any(infos):
+        return views
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for v, info in zip(views, infos, strict=True):
+        if info is None:
+            out.append(v)
+        else:
+            out.append(
+                DTensor.from_local(
+                    v,
+                    info.mesh,
+                    info.placements,
+                    run_check=False,
+                    shape=torch.Size(info.shape),
+                    stride=info.stride,
+                )
+            )
+    return out

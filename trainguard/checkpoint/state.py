@@ -1,0 +1,148 @@
+"""Turning a user's ``state`` mapping into a flat-able state dict and back.
+
+``state`` maps names to: ``nn.Module`` (through ``get_model_state_dict``, so DDP/FSDP2/DTensor
+models give FQN-keyed, reshardable state), ``torch.optim.Optimizer`` (``get_optimizer_state_dict``
+against the one module in ``state``), objects with ``state_dict``/``load_state_dict`` (data
+loaders, schedulers), and plain values (dicts, tensors, numbers), which are restored in place.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["apply_state", "build_state_dict", "optimizer_tensor_ptrs", "rng_key", "rng_state"]
+
+
+def _model_of(state: Mapping[str, Any]) -> nn.Module | None:
+    models = [v for v in state.values() if isinstance(v, nn.Module)]
+    if len(models) > 1:
+        raise ValueError(
+            "checkpoint state holds several nn.Modules next to an optimizer: wrap them in one "
+            "nn.ModuleDict so optimizer state can be keyed by parameter name"
+        )
+    return models[0] if models else None
+
+
+def build_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    model = (
+        _model_of(state)
+        if any(isinstance(v, torch.optim.Optimizer) for v in state.values())
+        else None
+    )
+    out: dict[str, Any] = {}
+    for key, v in state.items():
+        if isinstance(v, nn.Module):
+            out[key] = get_model_state_dict(v)
+        elif isinstance(v, torch.optim.Optimizer):
+            if model is None:
+                raise ValueError(f"state[{key!r}] is an optimizer but state holds no nn.Module")
+            out[key] = get_optimizer_state_dict(model, v)
+        elif hasattr(v, "state_dict") and hasattr(v, "load_state_dict"):
+            out[key] = v.state_dict()
+        else:
+            out[key] = v
+    return out
+
+
+def optimizer_tensor_ptrs(state: Mapping[str, Any]) -> set[int]:
+    """Storage pointers that change only inside ``optimizer.step()``: parameters and
+    optimizer state. Everything else is copied synchronously at save time."""
+    ptrs: set[int] = set()
+    for v in state.values():
+        if isinstance(v, nn.Module):
+            for p in v.parameters():
+                t = p.to_local() if hasattr(p, "to_local") else p
+                ptrs.add(t.untyped_storage().data_ptr())
+        elif isinstance(v, torch.optim.Optimizer):
+            for s in v.state.values():
+                for t in s.values():
+                    if isinstance(t, torch.Tensor):
+                        t = t.to_local() if hasattr(t, "to_local") else t
+                        ptrs.add(t.untyped_storage().data_ptr())
+    return ptrs
+
+
+def apply_state(state: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> None:
+    """Load ``loaded`` (as built by :func:`build_state_dict`) back into the live objects."""
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model = (
+        _model_of(state)
+        if any(isinstance(v, torch.optim.Optimizer) for v in state.values())
+        else None
+    )
+    for key, v in state.items():
+        if key not in loaded:
+            continue
+        new = loaded[key]
+        if isinstance(v, nn.Module):
+            set_model_state_dict(v, new)
+        elif isinstance(v, torch.optim.Optimizer):
+            assert model is not None
+            set_optimizer_state_dict(model, v, new)
+        elif hasattr(v, "state_dict") and hasattr(v, "load_state_dict"):
+            v.load_state_dict(new)
+        elif isinstance(v, torch.Tensor):
+            if v.data_ptr() != new.data_ptr():
+                v.copy_(new)
+        elif isinstance(v, MutableMapping):
+            _update_in_place(v, new)
+        else:
+            state[key] = new
+
+
+def _update_in_place(dst: MutableMapping[str, Any], src: Mapping[str, Any]) -> None:
+    for k, new in src.items():
+        cur = dst.get(k)
+        if isinstance(cur, torch.Tensor) and isinstance(new, torch.Tensor):
+            if cur.data_ptr() != new.data_ptr():
+                cur.copy_(new)
+        elif isinstance(cur, MutableMapping) and isinstance(new, Mapping):
+            _update_in_place(cur, new)
+        else:
+            dst[k] = new
+
+
+def rng_key(rank: int) -> str:
+    return f"_trainguard_rng_rank{rank}"
+
+
+def rng_state() -> bytes:
+    st: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        st["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return pickle.dumps(st)
+
+
+def set_rng_state(blob: Any) -> None:
+    if isinstance(blob, torch.Tensor):  # never expected; DCP returns bytes objects as-is
+        return
+    st = pickle.loads(blob) if isinstance(blob, bytes | bytearray) else blob
+    random.setstate(st["python"])
+    torch.set_rng_state(st["torch"])
+    if "numpy" in st:
+        import numpy as np
+
+        np.random.set_state(st["numpy"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])

@@ -1,0 +1,257 @@
+"""Hang detection: the agent watches every local worker's progress heartbeat.
+
+A rank is *stalled* when it made no step progress for the hang timeout while it is inside a
+step or its heartbeat is stale; a rank that is alive between steps (loading, evaluating,
+checkpointing) gets the longer ``hang_idle_timeout_s``. On a stall the detector names the
+rank(s) and node, tells "rank r frozen (heartbeat stale)" apart from "ranks waiting in a
+collective for rank r" (fresh heartbeats, r behind), dumps every local rank's Python stack into
+the run directory and the events, and SIGKILLs the worker group (a stopped process ignores
+SIGTERM, torch would wait ``shutdown_timeout`` before escalating): the kills surface as the
+group's FAILED state, so the agent's restart path and failure report take over.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+
+from trainguard.health.config import HealthConfig
+from trainguard.runtime.plugin import AgentPlugin
+from trainguard.runtime.progress import ProgressSnapshot
+
+if TYPE_CHECKING:
+    from trainguard.runtime.agent import TrainGuardAgent
+
+__all__ = ["HangDetector", "HangTracker", "HangVerdict"]
+
+logger = logging.getLogger(__name__)
+_MAX_STACK_CHARS = 8000
+
+
+@dataclass(slots=True)
+class HangVerdict:
+    kind: str
+    """``frozen`` (a stale heartbeat), ``waiting_for`` (fresh heartbeats, one rank behind) or
+    ``collective`` (all local ranks wait; the culprit is not on this node)."""
+    ranks: list[int]
+    """The hung ranks to name: frozen ones, the one the others wait for, or all."""
+    waiting: list[int]
+    message: str
+    timeout_s: float
+    per_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+class HangTracker:
+    """Pure logic over progress snapshots (no processes, injectable clock)."""
+
+    def __init__(self, cfg: HealthConfig, *, heartbeat_interval_s: float = 1.0) -> None:
+        self.cfg = cfg
+        self.stale_s = cfg.heartbeat_stale_s or max(3.0 * heartbeat_interval_s, 2.0)
+        self.reset(time.time())
+
+    def reset(self, now: float) -> None:
+        self.started = now
+        self._num_steps: dict[int, int] = {}
+        self._times: deque[float] = deque(maxlen=256)
+
+    @property
+    def median_step_s(self) -> float | None:
+        return statistics.median(self._times) if self._times else None
+
+    def step_timeout(self) -> float | None:
+        """Timeout inside a step; None while the automatic timeout is still warming up."""
+        if self.cfg.hang_timeout_s is not None:
+            return self.cfg.hang_timeout_s
+        median = self.median_step_s
+        if median is None:
+            return None
+        return max(self.cfg.hang_min_timeout_s, self.cfg.hang_step_factor * median)
+
+    def _learn(self, snaps: dict[int, ProgressSnapshot]) -> None:
+        for r, s in snaps.items():
+            if s.num_steps != self._num_steps.get(r):
+                self._num_steps[r] = s.num_steps
+                if s.num_steps > self.cfg.hang_warmup_steps and s.last_step_s > 0:
+                    self._times.append(s.last_step_s)
+
+    def observe(self, snaps: dict[int, ProgressSnapshot], now: float) -> HangVerdict | None:
+        self._learn(snaps)
+        step_timeout = self.step_timeout()
+        per_rank: dict[int, dict[str, Any]] = {}
+        stalled: list[int] = []
+        frozen: list[int] = []
+        for r, s in sorted(snaps.items()):
+            last = max(s.step_start, s.step_end) or self.started
+            age, hb_age = now - last, now - s.heartbeat
+            is_frozen = hb_age > self.stale_s
+            if is_frozen:
+                frozen.append(r)
+                limit = step_timeout or self.cfg.hang_min_timeout_s
+            elif s.in_step:
+                limit = step_timeout or self.cfg.hang_idle_timeout_s
+            else:
+                limit = max(self.cfg.hang_idle_timeout_s, step_timeout or 0.0)
+            per_rank[r] = {
+                "step": s.step,
+                "num_steps": s.num_steps,
+                "in_step": s.in_step,
+                "no_progress_s": round(age, 3),
+                "heartbeat_age_s": round(hb_age, 3),
+                "limit_s": limit,
+                "pid": s.pid,
+            }
+            if age > limit:
+                stalled.append(r)
+        if not stalled:
+            return None
+        return self._verdict(snaps, stalled, frozen, per_rank, step_timeout)
+
+    def _verdict(
+        self,
+        snaps: dict[int, ProgressSnapshot],
+        stalled: list[int],
+        frozen: list[int],
+        per_rank: dict[int, dict[str, Any]],
+        step_timeout: float | None,
+    ) -> HangVerdict:
+        timeout = min(per_rank[r]["limit_s"] for r in stalled)
+        others = [r for r in sorted(snaps) if r not in frozen]
+        if frozen:
+            ages = ", ".join(f"rank {r} {per_rank[r]['heartbeat_age_s']:.1f}s" for r in frozen)
+            msg = f"rank(s) {_fmt(frozen)} frozen (heartbeat stale: {ages})"
+            if others:
+                msg += f"; rank(s) {_fmt(others)} waiting in a collective for them"
+            return HangVerdict("frozen", frozen, others, msg, timeout, per_rank)
+        behind = min(snaps.values(), key=lambda s: (s.step, s.num_steps))
+        ahead = [
+            r for r, s in snaps.items() if (s.step, s.num_steps) > (behind.step, behind.num_steps)
+        ]
+        tied = [
+            r for r, s in snaps.items() if (s.step, s.num_steps) == (behind.step, behind.num_steps)
+        ]
+        if ahead and len(tied) == 1:
+            r = behind.rank
+            msg = (
+                f"rank(s) {_fmt(sorted(ahead))} waiting in a collective for rank {r} "
+                f"(fresh heartbeats, no progress; rank {r} is at step {behind.step})"
+            )
+            return HangVerdict("waiting_for", [r], sorted(ahead), msg, timeout, per_rank)
+        msg = (
+            f"rank(s) {_fmt(sorted(snaps))} waiting in a collective (fresh heartbeats, no "
+            f"progress for {timeout:g}s); the rank they wait for is not on this node"
+        )
+        return HangVerdict("collective", sorted(snaps), sorted(snaps), msg, timeout, per_rank)
+
+
+def _fmt(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+class HangDetector(AgentPlugin):
+    """Agent plugin around :class:`HangTracker`; see the module docstring."""
+
+    name = "hang"
+
+    def __init__(
+        self,
+        cfg: HealthConfig,
+        *,
+        heartbeat_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.tracker = HangTracker(cfg, heartbeat_interval_s=heartbeat_interval_s)
+        self._clock = clock
+        self._fired = False
+        self.num_hangs = 0
+
+    def on_workers_started(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:
+        self.tracker.reset(self._clock())
+        self._fired = False
+
+    def on_monitor(
+        self, agent: TrainGuardAgent, group: WorkerGroup, result: RunResult
+    ) -> RunResult | None:
+        if self._fired:
+            return None
+        snaps = agent.worker_progress()
+        if not snaps:
+            return None
+        verdict = self.tracker.observe(snaps, self._clock())
+        if verdict is None:
+            return None
+        self._fired = True
+        self.num_hangs += 1
+        self._handle(agent, group, verdict)
+        # The SIGKILLed workers surface on the next tick as torch's own FAILED result (exit
+        # -9 per rank, the usual failure report and restart path); an UNHEALTHY result would
+        # end a job without restarts left as "succeeded" in torch's launch path.
+        return None
+
+    def _handle(self, agent: TrainGuardAgent, group: WorkerGroup, v: HangVerdict) -> None:
+        node = agent.events.node
+        logger.error("hang on node %s: %s", node, v.message)
+        agent.events.emit(
+            "hang_detected",
+            hang_kind=v.kind,
+            ranks=v.ranks,
+            waiting_ranks=v.waiting,
+            message=f"{v.message} on node {node}",
+            timeout_s=v.timeout_s,
+            median_step_s=self.tracker.median_step_s,
+            per_rank={str(r): d for r, d in v.per_rank.items()},
+        )
+        pids = self._pids(agent, group)
+        if self.cfg.stack_dump and pids:
+            from trainguard.health.stacks import dump_stacks
+
+            stacks = dump_stacks(
+                pids,
+                run_dir=agent.run_dir,
+                attempt=max(agent.attempt, 0),
+                timeout_s=self.cfg.stack_dump_timeout_s,
+            )
+            agent.events.emit(
+                "hang_stacks",
+                ranks=sorted(stacks),
+                stacks={
+                    str(r): {
+                        "method": d["method"],
+                        "path": d["path"],
+                        "stack": d["stack"][-_MAX_STACK_CHARS:],
+                    }
+                    for r, d in stacks.items()
+                },
+            )
+        killed = []
+        for rank, pid in sorted(pids.items()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(rank)
+            except ProcessLookupError:
+                pass
+            except OSError as e:
+                logger.warning("cannot kill rank %d (pid %d): %s", rank, pid, e)
+        agent.events.emit("hang_killed", ranks=killed, pids={str(r): pids[r] for r in killed})
+
+    @staticmethod
+    def _pids(agent: TrainGuardAgent, group: WorkerGroup) -> dict[int, int]:
+        """Global rank → pid of this node's workers."""
+        local = {w.local_rank: w.global_rank for w in group.workers}
+        pcontext = getattr(agent, "_pcontext", None)
+        try:
+            by_local = pcontext.pids() if pcontext is not None else {}
+        except Exception:
+            by_local = {}
+        if by_local:
+            return {local.get(lr, lr): pid for lr, pid in by_local.items()}
+        return {r: s.pid for r, s in agent.worker_progress().items() if s.pid}

@@ -1,0 +1,260 @@
+"""The health agent plugin: preflight gate before rendezvous, cross-node comparison after it,
+and in-job probing every ``probe_interval_s`` on a background thread of the agent (never in
+the training processes).
+
+Events: ``preflight`` (node verdict + compute probe), ``node_excluded`` (preflight policy
+``exclude`` kept the node out), ``preflight_compare`` (compute and clock across nodes),
+``health_probe`` (in-job verdict, emitted when it changes), ``health_unhealthy`` (an in-job
+finding whose action is restart or drain ended the worker group).
+
+The after-rendezvous all-reduce bandwidth probe of the design is not implemented yet: the
+comparison uses the compute probe and the clocks only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+
+from trainguard.health.config import HealthConfig
+from trainguard.health.node import NodeProbe, NodeReport, build_sources
+from trainguard.health.policy import Policy
+from trainguard.health.result import Action, ProbeResult, Status
+from trainguard.runtime.plugin import AgentPlugin
+
+if TYPE_CHECKING:
+    from trainguard.health.compute import ComputeResult
+    from trainguard.runtime.agent import TrainGuardAgent
+
+__all__ = ["HealthMonitor", "exchange_node_values"]
+
+logger = logging.getLogger(__name__)
+
+
+def exchange_node_values(
+    store: Any,
+    *,
+    prefix: str,
+    group_rank: int,
+    world_size: int,
+    value: dict[str, Any],
+    timeout_s: float = 30.0,
+) -> dict[int, dict[str, Any]]:
+    """Publish this node's ``value`` (plus its wall clock) in ``store`` and read every node's.
+
+    All nodes call it right after the same rendezvous, so the clocks they publish were read
+    within the rendezvous' exit spread of each other: good enough to flag skew of seconds.
+    """
+    value = dict(value, wall_time=time.time())
+    store.set(f"{prefix}/{group_rank}", json.dumps(value))
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    store.wait(keys, timedelta(seconds=timeout_s))
+    return {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
+
+
+def compare_nodes(
+    values: dict[int, dict[str, Any]], *, min_fraction: float, max_skew_s: float
+) -> dict[str, Any]:
+    """Slow nodes (below ``min_fraction`` of the median compute) and clock skew per node."""
+    flops = {r: v["flops_per_s"] for r, v in values.items() if v.get("flops_per_s")}
+    median = statistics.median(flops.values()) if flops else None
+    slow = sorted(r for r, f in flops.items() if median and f < min_fraction * median)
+    clocks = {r: v["wall_time"] for r, v in values.items()}
+    mid = statistics.median(clocks.values())
+    skew = {r: round(t - mid, 3) for r, t in clocks.items()}
+    return {
+        "median_flops_per_s": median,
+        "flops_per_s": flops,
+        "slow_nodes": slow,
+        "clock_skew_s": skew,
+        "skewed_nodes": sorted(r for r, s in skew.items() if abs(s) > max_skew_s),
+    }
+
+
+class HealthMonitor(AgentPlugin):
+    name = "health"
+
+    def __init__(
+        self,
+        cfg: HealthConfig,
+        *,
+        run_dir: Path,
+        rdzv_endpoint: str | None = None,
+        probe: NodeProbe | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.policy = Policy.from_overrides(
+            cfg.xid_policy, cfg.counter_policy, cfg.unknown_xid_action
+        )
+        self.probe = probe or NodeProbe(
+            build_sources(
+                cfg,
+                policy=self.policy,
+                checkpoint_dir=cfg.checkpoint_dir or run_dir,
+                rdzv_endpoint=rdzv_endpoint,
+            )
+        )
+        self._lock = threading.Lock()  # one probe at a time (NVML handles are shared)
+        self.compute: ComputeResult | None = None
+        self.latest: NodeReport | None = None
+        self.num_probes = 0
+        self._acted: set[tuple[str, str | None]] = set()
+        self._pending: tuple[Action, list[str]] | None = None
+        self._last_status: Status | None = None
+        self._events: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- preflight ---------------------------------------------------------------------------
+    def run_probe(self) -> NodeReport:
+        with self._lock:
+            report = self.probe.probe()
+        self.num_probes += 1
+        self.latest = report
+        return report
+
+    def _compute_probe(self) -> ProbeResult:
+        from trainguard.health.compute import gemm_probe
+
+        res = ProbeResult(source="compute")
+        try:
+            c = gemm_probe(self.cfg.preflight_compute_s)
+        except Exception as e:
+            logger.warning("compute probe failed: %s", e)
+            return ProbeResult.unknown("compute", f"compute probe failed: {e}")
+        self.compute = c
+        res.details.update(c.to_dict())
+        frac = c.fraction_of_peak
+        if frac is not None and frac < self.cfg.min_compute_fraction:
+            res.add(
+                self.policy.finding(
+                    "compute_slow",
+                    f"GEMM {c.flops_per_s / 1e12:.1f} TFLOP/s is {frac:.0%} of the device's "
+                    f"{c.peak_flops_per_s / 1e12:.0f} TFLOP/s bf16 peak",  # type: ignore[operator]
+                )
+            )
+        return res
+
+    def before_rendezvous(self, agent: TrainGuardAgent) -> None:
+        self._events = agent.events
+        if not self.cfg.preflight:
+            return
+        t0 = time.monotonic()
+        report = self.run_probe()
+        if self.cfg.preflight_compute_s > 0 and self.compute is None:
+            report.extra.append(self._compute_probe())
+        agent.events.emit(
+            "preflight",
+            **report.summary(),
+            note=report.note(),
+            compute=self.compute.to_dict() if self.compute else None,
+            duration_s=round(time.monotonic() - t0, 3),
+        )
+        self._last_status = report.status
+        if report.status is Status.FAIL and self.cfg.preflight_policy == "exclude":
+            from trainguard.runtime.agent import NodeUnhealthyError
+
+            agent.events.emit("node_excluded", reasons=report.reasons, action=report.action.value)
+            raise NodeUnhealthyError(
+                f"node {agent.events.node} failed its preflight: " + "; ".join(report.reasons)
+            )
+
+    def after_rendezvous(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:
+        world = group.group_world_size or 1
+        store = getattr(group, "store", None)
+        if world < 2 or store is None or not self.cfg.preflight:
+            return
+        value = {"node": agent.events.node}
+        if self.compute is not None:
+            value["flops_per_s"] = self.compute.flops_per_s
+        try:
+            values = exchange_node_values(
+                store,
+                prefix=f"trainguard/health/preflight/{max(agent.attempt, 0)}",
+                group_rank=group.group_rank or 0,
+                world_size=world,
+                value=value,
+            )
+        except Exception as e:
+            logger.warning("cross-node preflight comparison skipped: %s", e)
+            return
+        cmp = compare_nodes(
+            values, min_fraction=self.cfg.min_compute_fraction, max_skew_s=self.cfg.max_clock_skew_s
+        )
+        me = group.group_rank or 0
+        names = {r: v.get("node") for r, v in values.items()}
+        agent.events.emit(
+            "preflight_compare",
+            nodes={str(r): n for r, n in names.items()},
+            **{
+                k: ({str(r): x for r, x in v.items()} if isinstance(v, dict) else v)
+                for k, v in cmp.items()
+            },
+        )
+        if me in cmp["slow_nodes"] and self.cfg.preflight_policy == "exclude":
+            from trainguard.runtime.agent import NodeUnhealthyError
+
+            agent.events.emit("node_excluded", reasons=["compute below the nodes' median"])
+            raise NodeUnhealthyError(f"node {agent.events.node} is slower than its peers")
+
+    # -- in-job probing ----------------------------------------------------------------------
+    def on_workers_started(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:
+        self._events = agent.events
+        if self.cfg.probe_interval_s > 0 and self._thread is None:
+            self._thread = threading.Thread(
+                target=self._loop, name="trainguard-health-probe", daemon=True
+            )
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.cfg.probe_interval_s):
+            try:
+                self._probe_once()
+            except Exception:  # probes never take the agent down
+                logger.exception("in-job health probe failed")
+
+    def _probe_once(self) -> None:
+        report = self.run_probe()
+        if report.status is not self._last_status and self._events is not None:
+            self._events.emit(
+                "health_probe", **report.summary(), previous=_value(self._last_status)
+            )
+        self._last_status = report.status
+        fresh = [
+            f
+            for r in report.counted
+            for f in r.findings
+            if f.action in (Action.RESTART, Action.DRAIN) and (f.check, f.gpu) not in self._acted
+        ]
+        if fresh:
+            self._acted.update((f.check, f.gpu) for f in fresh)
+            action = max((f.action for f in fresh), key=lambda a: a.severity)
+            self._pending = (action, [f.reason for f in fresh])
+
+    def on_monitor(
+        self, agent: TrainGuardAgent, group: WorkerGroup, result: RunResult
+    ) -> RunResult | None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        action, reasons = pending
+        agent.events.emit("health_unhealthy", action=action.value, reasons=reasons)
+        return RunResult(state=WorkerState.UNHEALTHY)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        self.probe.close()
+
+
+def _value(status: Status | None) -> str | None:
+    return None if status is None else status.value

@@ -1,0 +1,32 @@
+"""The health component's agent plugins, built from the config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainguard.config import TrainGuardConfig
+from trainguard.runtime.events import EventLog
+from trainguard.runtime.plugin import AgentPlugin
+
+__all__ = ["health_plugins"]
+
+
+def health_plugins(cfg: TrainGuardConfig, run_dir: Path, events: EventLog) -> list[AgentPlugin]:
+    """Preflight + in-job probing, hang detection and straggler detection, as configured."""
+    h = cfg.health
+    plugins: list[AgentPlugin] = []
+    if not h.enabled:
+        return plugins
+    if h.preflight or h.probe_interval_s > 0:
+        from trainguard.health.monitor import HealthMonitor
+
+        plugins.append(HealthMonitor(h, run_dir=run_dir))
+    if h.hang_detection:
+        from trainguard.health.hang import HangDetector
+
+        plugins.append(HangDetector(h, heartbeat_interval_s=cfg.runtime.heartbeat_interval_s))
+    if h.straggler_detection:
+        from trainguard.health.straggler import StragglerDetector
+
+        plugins.append(StragglerDetector(h))
+    return plugins

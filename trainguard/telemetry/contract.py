@@ -1,0 +1,368 @@
+"""The metric contract: every metric trainguard emits, with unit, kind and description.
+
+Telemetry, the Prometheus endpoint, dashboards, alert rules and the HTML report all read these
+names from here. Names follow OpenTelemetry conventions (dotted, units as metadata); the
+Prometheus name is derived by :func:`prometheus_name` (dots → underscores, unit suffix,
+``_total`` for counters), as the OpenTelemetry→Prometheus compatibility spec does.
+
+This module imports nothing heavy and is safe to import anywhere.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "METRICS",
+    "MetricSpec",
+    "by_name",
+    "prometheus_name",
+]
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-/]{0,254}$")  # the OTel instrument-name rule
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One metric of the contract."""
+
+    name: str
+    """OpenTelemetry instrument name, e.g. ``trainguard.train.throughput``."""
+    unit: str
+    """UCUM unit as OpenTelemetry writes it: ``s``, ``By``, ``1``, ``{token}/s``..."""
+    kind: Kind
+    description: str
+    attributes: tuple[str, ...] = ()
+    """Attribute (label) keys every point carries."""
+    log_keys: tuple[str, ...] = ()
+    """Keys of ``tg.log(...)`` records that feed this metric (first match wins)."""
+
+    @property
+    def prometheus(self) -> str:
+        return prometheus_name(self)
+
+
+_UNIT_WORDS = {
+    "s": "seconds",
+    "ms": "milliseconds",
+    "By": "bytes",
+    "1": "ratio",
+    "%": "percent",
+}
+
+
+def _unit_suffix(unit: str) -> str:
+    unit = re.sub(r"\{[^}]*\}", "", unit)  # annotations like {token} are dropped
+    if not unit:
+        return ""
+    per = ""
+    if "/" in unit:
+        unit, _, denom = unit.partition("/")
+        per = "per_" + _UNIT_WORDS.get(denom, denom).rstrip("s") if denom else ""
+        if denom == "s":
+            per = "per_second"
+    word = _UNIT_WORDS.get(unit, unit) if unit else ""
+    return "_".join(p for p in (word, per) if p)
+
+
+def prometheus_name(spec: MetricSpec) -> str:
+    """``trainguard.train.step.duration`` (s, histogram) → ``trainguard_train_step_duration_seconds``."""
+    base = re.sub(r"[^A-Za-z0-9_]", "_", spec.name)
+    suffix = _unit_suffix(spec.unit)
+    if suffix and spec.kind == "gauge" and suffix == "ratio" and base.endswith("_ratio"):
+        suffix = ""
+    if suffix and not base.endswith("_" + suffix):
+        base = f"{base}_{suffix}"
+    if spec.kind == "counter":
+        base += "_total"
+    return base
+
+
+_R = ("rank", "node")
+_RL = "reinforcement learning: "
+
+METRICS: tuple[MetricSpec, ...] = (
+    # -- training progress and speed -------------------------------------------------------------
+    MetricSpec(
+        name="trainguard.train.step.duration",
+        unit="s",
+        kind="histogram",
+        description="Wall time of one training step on one rank.",
+        attributes=_R,
+    ),
+    MetricSpec(
+        name="trainguard.train.step",
+        unit="{step}",
+        kind="gauge",
+        description="Number of the last completed step.",
+        attributes=_R,
+    ),
+    MetricSpec(
+        name="trainguard.train.throughput",
+        unit="{token}/s",
+        kind="gauge",
+        description="Tokens processed per second by one device (rank).",
+        attributes=_R,
+    ),
+    MetricSpec(
+        name="trainguard.train.sample_throughput",
+        unit="{sample}/s",
+        kind="gauge",
+        description="Samples processed per second by one device (rank).",
+        attributes=_R,
+    ),
+    MetricSpec(
+        name="trainguard.job.throughput",
+        unit="{token}/s",
+        kind="gauge",
+        description="Tokens per second of the whole job (rank 0's rate times the world size).",
+        attributes=("node",),
+    ),
+    MetricSpec(
+        name="trainguard.job.sample_throughput",
+        unit="{sample}/s",
+        kind="gauge",
+        description="Samples per second of the whole job (rank 0's rate times the world size).",
+        attributes=("node",),
+    ),
+    MetricSpec(
+        name="trainguard.train.flops",
+        unit="{flop}/s",
+        kind="gauge",
+        description="Achieved FLOP/s of one device (FLOPs per step / step time).",
+        attributes=_R,
+    ),
+    MetricSpec(
+        name="trainguard.train.mfu",
+        unit="1",
+        kind="gauge",
+        description="Model FLOPs utilisation of one device: achieved FLOP/s / peak FLOP/s "
+        "(omitted when the device's peak is unknown).",
+        attributes=_R,
+    ),
+    MetricSpec(
+        name="trainguard.train.loss",
+        unit="{loss}",
+        kind="gauge",
+        description="Training loss.",
+        attributes=_R,
+        log_keys=("loss",),
+    ),
+    MetricSpec(
+        name="trainguard.train.grad_norm",
+        unit="{norm}",
+        kind="gauge",
+        description="Gradient norm before clipping.",
+        attributes=_R,
+        log_keys=("grad_norm",),
+    ),
+    MetricSpec(
+        name="trainguard.train.lr",
+        unit="{lr}",
+        kind="gauge",
+        description="Learning rate.",
+        attributes=_R,
+        log_keys=("lr", "learning_rate"),
+    ),
+    MetricSpec(
+        name="trainguard.gpu.memory.used",
+        unit="By",
+        kind="gauge",
+        description="Device memory allocated by the training process.",
+        attributes=_R,
+        log_keys=("gpu_memory_bytes",),
+    ),
+    MetricSpec(
+        name="trainguard.gpu.memory.peak",
+        unit="By",
+        kind="gauge",
+        description="Peak device memory allocated by the training process.",
+        attributes=_R,
+        log_keys=("gpu_memory_peak_bytes",),
+    ),
+    # -- reinforcement learning --------------------------------------------------------------
+    MetricSpec(
+        name="trainguard.rl.reward.mean",
+        unit="{reward}",
+        kind="gauge",
+        description=_RL + "mean reward of the step's rollouts.",
+        attributes=_R,
+        log_keys=("reward", "reward_mean"),
+    ),
+    MetricSpec(
+        name="trainguard.rl.reward.std",
+        unit="{reward}",
+        kind="gauge",
+        description=_RL + "standard deviation of the rewards.",
+        attributes=_R,
+        log_keys=("reward_std",),
+    ),
+    MetricSpec(
+        name="trainguard.rl.reward.min",
+        unit="{reward}",
+        kind="gauge",
+        description=_RL + "smallest reward.",
+        attributes=_R,
+        log_keys=("reward_min",),
+    ),
+    MetricSpec(
+        name="trainguard.rl.reward.max",
+        unit="{reward}",
+        kind="gauge",
+        description=_RL + "largest reward.",
+        attributes=_R,
+        log_keys=("reward_max",),
+    ),
+    MetricSpec(
+        name="trainguard.rl.kl",
+        unit="{nat}",
+        kind="gauge",
+        description=_RL + "KL divergence of the policy to the frozen reference.",
+        attributes=_R,
+        log_keys=("kl",),
+    ),
+    MetricSpec(
+        name="trainguard.rl.entropy",
+        unit="{nat}",
+        kind="gauge",
+        description=_RL + "mean token entropy of the policy.",
+        attributes=_R,
+        log_keys=("entropy",),
+    ),
+    MetricSpec(
+        name="trainguard.rl.clip_fraction",
+        unit="1",
+        kind="gauge",
+        description=_RL + "fraction of tokens whose probability ratio was clipped.",
+        attributes=_R,
+        log_keys=("clip_fraction", "clip_ratio", "clipfrac"),
+    ),
+    MetricSpec(
+        name="trainguard.rl.response_length.mean",
+        unit="{token}",
+        kind="gauge",
+        description=_RL + "mean response length.",
+        attributes=_R,
+        log_keys=("response_length", "response_length_mean"),
+    ),
+    MetricSpec(
+        name="trainguard.rl.response_length.max",
+        unit="{token}",
+        kind="gauge",
+        description=_RL + "longest response.",
+        attributes=_R,
+        log_keys=("response_length_max",),
+    ),
+    MetricSpec(
+        name="trainguard.rl.rollout.duration",
+        unit="s",
+        kind="gauge",
+        description=_RL + "time spent generating rollouts in the step (span 'rollout').",
+        attributes=_R,
+        log_keys=("rollout_time_s",),
+    ),
+    MetricSpec(
+        name="trainguard.rl.optimize.duration",
+        unit="s",
+        kind="gauge",
+        description=_RL + "time spent optimising in the step (span 'optimize').",
+        attributes=_R,
+        log_keys=("optimize_time_s",),
+    ),
+    # -- checkpoints, failures, restarts ------------------------------------------------------
+    MetricSpec(
+        name="trainguard.checkpoint.stall.duration",
+        unit="s",
+        kind="histogram",
+        description="Time training was blocked by a checkpoint save (staging).",
+        attributes=("node",),
+        log_keys=("checkpoint_stall_s",),
+    ),
+    MetricSpec(
+        name="trainguard.checkpoint.persist.duration",
+        unit="s",
+        kind="histogram",
+        description="Time a checkpoint took to persist in the background.",
+        attributes=("node",),
+        log_keys=("checkpoint_persist_s",),
+    ),
+    MetricSpec(
+        name="trainguard.job.failures",
+        unit="{failure}",
+        kind="counter",
+        description="Worker failures seen by this node's agent, by cause.",
+        attributes=("node", "cause"),
+    ),
+    MetricSpec(
+        name="trainguard.job.restarts",
+        unit="{restart}",
+        kind="counter",
+        description="Worker-group restarts, by cause (failure, membership_change, hang...).",
+        attributes=("node", "cause"),
+    ),
+    MetricSpec(
+        name="trainguard.job.attempt",
+        unit="{attempt}",
+        kind="gauge",
+        description="Current job-wide worker-group attempt (0-based).",
+        attributes=("node",),
+    ),
+    # -- goodput ------------------------------------------------------------------------------
+    MetricSpec(
+        name="trainguard.goodput.productive_time",
+        unit="s",
+        kind="gauge",
+        description="Wall time spent in steps that were not recomputed later.",
+        attributes=("node",),
+    ),
+    MetricSpec(
+        name="trainguard.goodput.lost_time",
+        unit="s",
+        kind="gauge",
+        description="Wall time lost, by cause: startup, rendezvous, checkpoint_stall, "
+        "recomputed_steps, hang, restart, other.",
+        attributes=("node", "cause"),
+    ),
+    MetricSpec(
+        name="trainguard.goodput.ettr",
+        unit="1",
+        kind="gauge",
+        description="Effective training time ratio: productive time / elapsed wall time.",
+        attributes=("node",),
+    ),
+    # -- telemetry itself ---------------------------------------------------------------------
+    MetricSpec(
+        name="trainguard.telemetry.export.failures",
+        unit="{failure}",
+        kind="counter",
+        description="Failed telemetry exports, by exporter (never raised into training).",
+        attributes=("node", "exporter"),
+    ),
+)
+
+_BY_NAME = {m.name: m for m in METRICS}
+assert len(_BY_NAME) == len(METRICS), "duplicate metric names in the contract"
+assert all(_NAME_RE.match(m.name) for m in METRICS)
+assert len({m.prometheus for m in METRICS}) == len(METRICS), "Prometheus name clash"
+
+LOSS_CAUSES = (
+    "startup",
+    "rendezvous",
+    "checkpoint_stall",
+    "recomputed_steps",
+    "hang",
+    "restart",
+    "other",
+)
+"""Values of the ``cause`` attribute of ``trainguard.goodput.lost_time``."""
+
+__all__ += ["LOSS_CAUSES"]
+
+
+def by_name(name: str) -> MetricSpec:
+    """The contract entry for an OpenTelemetry name; KeyError if it is not in the contract."""
+    return _BY_NAME[name]

@@ -1,0 +1,306 @@
+"""The node agent's telemetry plugin.
+
+It tails the JSON records its local workers append to ``<run_dir>/metrics/rank_<r>.jsonl``
+and the run's ``events.jsonl``, maps them onto the metric contract, and exports through:
+the JSONL files (always), ``/metrics`` on 127.0.0.1 (one port per node), and OTLP when
+configured. Everything runs on the agent's own threads: workers never open a port, and a
+failing exporter is counted, never raised.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainguard.runtime.events import EVENTS_FILE, EventLog
+from trainguard.runtime.plugin import AgentPlugin
+from trainguard.telemetry.config import TelemetryConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.agent.server.api import WorkerGroup
+
+    from trainguard.recovery.classify import WorkerFailure
+    from trainguard.runtime.agent import TrainGuardAgent
+
+__all__ = ["TelemetryPlugin"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Tail:
+    """Reads complete new lines of a growing JSONL file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self._partial = b""
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(chunk)
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        out = []
+        for line in lines:
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    logger.debug("skipping a malformed line in %s", self.path)
+        return out
+
+
+def _resource_attrs(run_dir: Path, node: str) -> dict[str, Any]:
+    job_id = ""
+    try:
+        cfg = json.loads((run_dir / "config.json").read_text())
+        job_id = str(cfg.get("torchrun", {}).get("rdzv_id") or "")
+    except (OSError, ValueError):
+        pass
+    attrs: dict[str, Any] = {
+        "service.name": "trainguard",
+        "host.name": node,
+        "trainguard.run_id": run_dir.name,
+        "trainguard.job_id": job_id or run_dir.name,
+        "trainguard.node": node,
+    }
+    if os.environ.get("SLURM_JOB_ID"):
+        attrs["slurm.job_id"] = os.environ["SLURM_JOB_ID"]
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("NVIDIA_VISIBLE_DEVICES")
+    if gpus and "GPU-" in gpus:
+        attrs["gpu.uuids"] = gpus
+    return attrs
+
+
+class TelemetryPlugin(AgentPlugin):
+    name = "telemetry"
+
+    def __init__(self, cfg: TelemetryConfig, run_dir: Path, events: EventLog) -> None:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+        from trainguard.telemetry import exporters as ex
+        from trainguard.telemetry.mfu import PeakResolver
+        from trainguard.telemetry.prometheus import (
+            PrometheusBridge,
+            PrometheusEndpoint,
+            endpoint_file,
+        )
+        from trainguard.telemetry.recorder import MetricsRecorder
+        from trainguard.telemetry.tracing import AgentTracer
+
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.node = events.node
+        self.export_failures: dict[str, int] = {}
+        self._lock = threading.Lock()
+        resource = Resource.create(_resource_attrs(run_dir, self.node))
+        tdir = run_dir / "telemetry"
+        tdir.mkdir(parents=True, exist_ok=True)
+        interval_ms = cfg.export_interval_s * 1000
+        readers: list[Any] = [
+            PeriodicExportingMetricReader(
+                ex.CountingMetricExporter(
+                    ex.JsonlMetricExporter(tdir / f"metrics_{self.node}.jsonl"),
+                    "jsonl",
+                    self._on_export_failure,
+                ),
+                export_interval_millis=interval_ms,
+            )
+        ]
+        processors: list[Any] = [
+            SimpleSpanProcessor(
+                ex.CountingSpanExporter(
+                    ex.JsonlSpanExporter(tdir / f"traces_{self.node}.jsonl"),
+                    "jsonl",
+                    self._on_export_failure,
+                )
+            )
+        ]
+        self.bridge: PrometheusBridge | None = None
+        if cfg.prometheus:
+            self.bridge = PrometheusBridge()
+            readers.append(self.bridge)
+        self.otlp = ex.resolve_otlp(cfg.otlp_endpoint, cfg.otlp_protocol)
+        if self.otlp is not None:
+            built = ex.build_otlp_exporters(*self.otlp, timeout_s=cfg.otlp_timeout_s)
+            if built is not None:
+                span_exp, metric_exp = built
+                readers.append(
+                    PeriodicExportingMetricReader(
+                        ex.CountingMetricExporter(
+                            metric_exp, "otlp_metrics", self._on_export_failure
+                        ),
+                        export_interval_millis=interval_ms,
+                        export_timeout_millis=cfg.otlp_timeout_s * 1000,
+                    )
+                )
+                processors.append(
+                    BatchSpanProcessor(
+                        ex.CountingSpanExporter(span_exp, "otlp_traces", self._on_export_failure),
+                        schedule_delay_millis=interval_ms,
+                        export_timeout_millis=cfg.otlp_timeout_s * 1000,
+                    )
+                )
+        self.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+        self.recorder = MetricsRecorder(
+            self.meter_provider,
+            node=self.node,
+            peak=PeakResolver(override=cfg.peak_flops, device_name=cfg.device_name),
+            flops_per_step=cfg.flops_per_step,
+        )
+        self.tracer = AgentTracer(
+            run_id=run_dir.name, node=self.node, resource=resource, processors=processors
+        )
+        self.endpoint: PrometheusEndpoint | None = None
+        if self.bridge is not None:
+            try:
+                self.endpoint = PrometheusEndpoint(
+                    self.bridge, host=cfg.prometheus_host, port=cfg.prometheus_port
+                )
+                self.endpoint.write(endpoint_file(run_dir, self.node))
+                logger.info("metrics of node %s at %s", self.node, self.endpoint.url)
+            except OSError as e:
+                logger.warning("no metrics endpoint for node %s: %s", self.node, e)
+        self._ranks: set[int] = set()
+        self._tails: dict[int, _Tail] = {}
+        self._events_tail = _Tail(run_dir / EVENTS_FILE)
+        self._events: list[dict[str, Any]] = []
+        self._goodput_records: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_goodput = 0.0
+
+    # -- export failure accounting -----------------------------------------------------------
+    def _on_export_failure(self, exporter: str) -> None:
+        with self._lock:
+            self.export_failures[exporter] = self.export_failures.get(exporter, 0) + 1
+        self.recorder.export_failure(exporter)
+
+    # -- tailing -----------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Read and map every new record and event (also called by tests)."""
+        ref = min(self._ranks) if self._ranks else 0
+        for ev in self._events_tail.read():
+            self._events.append(ev)
+            if ev.get("node") != self.node:
+                continue
+            ckpt = str(ev.get("kind", "")).startswith("checkpoint")
+            if not ckpt or ev.get("rank", ref) == ref:
+                self.recorder.event(ev)
+            self.tracer.event(ev)
+        for rank in sorted(self._ranks):
+            tail = self._tails.setdefault(
+                rank, _Tail(self.run_dir / "metrics" / f"rank_{rank}.jsonl")
+            )
+            for rec in tail.read():
+                kind = rec.get("kind")
+                if kind == "span":
+                    self.tracer.worker_span(rec)
+                    continue
+                self.recorder.record(rec)
+                if rank == ref and (kind == "step" or "checkpoint_stall_s" in rec):
+                    self._goodput_records.append(rec)
+        now = time.time()
+        if now - self._last_goodput >= self.cfg.export_interval_s / 2:
+            self._last_goodput = now
+            self.update_goodput(now)
+
+    def update_goodput(self, now: float | None = None) -> Any:
+        from trainguard.telemetry.goodput import compute_goodput
+
+        mine = [e for e in self._events if e.get("node") == self.node]
+        g = compute_goodput(mine, self._goodput_records, now=now)
+        self.recorder.goodput(g)
+        return g
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.cfg.poll_interval_s):
+            try:
+                self.poll()
+            except Exception:
+                logger.exception("telemetry poll failed")
+
+    # -- hooks -------------------------------------------------------------------------------
+    def before_rendezvous(self, agent: TrainGuardAgent) -> None:
+        self.tracer.begin_round()
+
+    def after_rendezvous(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:
+        from trainguard.telemetry.spans import TRACEPARENT_ENV
+
+        world = group.workers[0].world_size if group.workers else 1
+        self.recorder.world_size = world
+        self._ranks.update(w.global_rank for w in group.workers)
+        tp = self.tracer.begin_attempt(
+            agent.attempt, group_rank=group.group_rank or 0, world_size=world
+        )
+        os.environ[TRACEPARENT_ENV] = tp
+        os.environ["TRAINGUARD_TELEMETRY_TRACE_EVERY_N_STEPS"] = str(self.cfg.trace_every_n_steps)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="tg-telemetry", daemon=True)
+            self._thread.start()
+
+    def on_failure(self, agent: TrainGuardAgent, failures: list[WorkerFailure]) -> None:
+        self.tracer.failure(failures)
+
+    def on_finish(self, agent: TrainGuardAgent, state: str) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        try:
+            self.poll()
+        except Exception:
+            logger.exception("final telemetry poll failed")
+        g = self.update_goodput()
+        self.tracer.finish(state)
+        self._write_summary(state, g)
+
+    def _write_summary(self, state: str, g: Any) -> None:
+        path = self.run_dir / "telemetry" / f"summary_{self.node}.json"
+        with self._lock:
+            failures = dict(self.export_failures)
+        info = {
+            "node": self.node,
+            "state": state,
+            "export_failures": failures,
+            "otlp": list(self.otlp) if self.otlp else None,
+            "prometheus_url": self.endpoint.url if self.endpoint else None,
+            "goodput": g.to_dict(),
+            "bad_records": self.recorder.num_bad_records,
+        }
+        try:
+            path.write_text(json.dumps(info, indent=2) + "\n")
+        except OSError as e:
+            logger.warning("could not write %s: %s", path, e)
+
+    def close(self) -> None:
+        self._stop.set()
+        for fn in (self.tracer.shutdown, self.meter_provider.shutdown):
+            try:
+                fn()
+            except Exception:
+                logger.exception("telemetry shutdown step failed")
+        if self.endpoint is not None:
+            self.endpoint.close()
+        # export failures during shutdown land in the summary too
+        summary = self.run_dir / "telemetry" / f"summary_{self.node}.json"
+        try:
+            info = json.loads(summary.read_text())
+            with self._lock:
+                info["export_failures"] = dict(self.export_failures)
+            summary.write_text(json.dumps(info, indent=2) + "\n")
+        except (OSError, ValueError):
+            pass

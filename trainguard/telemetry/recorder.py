@@ -1,0 +1,210 @@
+"""Maps worker records and lifecycle events onto the contract's OpenTelemetry instruments.
+
+The recorder is given a ``MeterProvider`` (tests pass one with an ``InMemoryMetricReader``);
+it never raises into its caller: a bad record is logged and skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry.metrics import MeterProvider
+
+from trainguard.telemetry.contract import LOSS_CAUSES, METRICS, MetricSpec
+from trainguard.telemetry.goodput import Goodput
+from trainguard.telemetry.mfu import PeakResolver
+
+__all__ = ["MetricsRecorder"]
+
+logger = logging.getLogger(__name__)
+
+_STEP_TIME_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+)
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v)
+
+
+class MetricsRecorder:
+    """One per process that serves metrics (the node agent, or a test)."""
+
+    def __init__(
+        self,
+        meter_provider: MeterProvider,
+        *,
+        node: str,
+        peak: PeakResolver | None = None,
+        flops_per_step: float | None = None,
+        world_size: int = 1,
+    ) -> None:
+        self.node = node
+        self.peak = peak or PeakResolver()
+        self.flops_per_step = flops_per_step
+        self.world_size = world_size
+        meter = meter_provider.get_meter("trainguard")
+        self._inst: dict[str, Any] = {}
+        for spec in METRICS:
+            self._inst[spec.name] = self._create(meter, spec)
+        self._log_keys: list[tuple[str, MetricSpec]] = [
+            (k, s) for s in METRICS for k in s.log_keys if s.kind != "histogram"
+        ]
+        self._devices: dict[int, str] = {}
+        self.num_bad_records = 0
+
+    @staticmethod
+    def _create(meter: Any, spec: MetricSpec) -> Any:
+        if spec.kind == "counter":
+            return meter.create_counter(spec.name, unit=spec.unit, description=spec.description)
+        if spec.kind == "histogram":
+            return meter.create_histogram(
+                spec.name,
+                unit=spec.unit,
+                description=spec.description,
+                explicit_bucket_boundaries_advisory=_STEP_TIME_BUCKETS,
+            )
+        return meter.create_gauge(spec.name, unit=spec.unit, description=spec.description)
+
+    def _set(self, name: str, value: float, attrs: Mapping[str, Any]) -> None:
+        self._inst[name].set(value, attrs)
+
+    # -- worker records ---------------------------------------------------------------------
+    def record(self, rec: Mapping[str, Any]) -> None:
+        """Feed one worker record (``kind`` step, log or span)."""
+        try:
+            kind = rec.get("kind")
+            if kind == "step":
+                self._step(rec)
+            elif kind == "log":
+                self._log(rec)
+        except Exception:
+            self.num_bad_records += 1
+            logger.exception("skipping a metrics record that could not be mapped")
+
+    def _step(self, rec: Mapping[str, Any]) -> None:
+        rank = int(rec.get("rank", 0))
+        attrs = {"rank": str(rank), "node": self.node}
+        dt = _num(rec.get("step_time_s"))
+        step = _num(rec.get("step"))
+        if isinstance(rec.get("device"), str):
+            self._devices[rank] = rec["device"]
+        if step is not None:
+            self._set("trainguard.train.step", step, attrs)
+        if dt is None or dt <= 0:
+            return
+        self._inst["trainguard.train.step.duration"].record(dt, attrs)
+        job = {"node": self.node}
+        tokens = _num(rec.get("tokens"))
+        if tokens is not None:
+            self._set("trainguard.train.throughput", tokens / dt, attrs)
+            if rank == 0:
+                self._set("trainguard.job.throughput", tokens / dt * self.world_size, job)
+        samples = _num(rec.get("samples"))
+        if samples is not None:
+            self._set("trainguard.train.sample_throughput", samples / dt, attrs)
+            if rank == 0:
+                self._set("trainguard.job.sample_throughput", samples / dt * self.world_size, job)
+        flops = _num(rec.get("flops"))
+        if flops is None:
+            flops = self.flops_per_step
+        if flops is not None:
+            self._set("trainguard.train.flops", flops / dt, attrs)
+            peak = self.peak.peak(self._devices.get(rank))
+            if peak is not None:
+                self._set("trainguard.train.mfu", flops / dt / peak, attrs)
+        spans = rec.get("spans")
+        if isinstance(spans, Mapping):
+            for key, name in (
+                ("rollout", "trainguard.rl.rollout.duration"),
+                ("optimize", "trainguard.rl.optimize.duration"),
+            ):
+                v = _num(spans.get(key))
+                if v is not None:
+                    self._set(name, v, attrs)
+        for key, name in (
+            ("gpu_memory_bytes", "trainguard.gpu.memory.used"),
+            ("gpu_memory_peak_bytes", "trainguard.gpu.memory.peak"),
+        ):
+            v = _num(rec.get(key))
+            if v is not None:
+                self._set(name, v, attrs)
+
+    def _log(self, rec: Mapping[str, Any]) -> None:
+        attrs = {"rank": str(int(rec.get("rank", 0))), "node": self.node}
+        done: set[str] = set()
+        for key, spec in self._log_keys:
+            if spec.name in done or key not in rec:
+                continue
+            v = _num(rec[key])
+            if v is not None:
+                self._set(spec.name, v, attrs)
+                done.add(spec.name)
+        for key, name in (
+            ("checkpoint_stall_s", "trainguard.checkpoint.stall.duration"),
+            ("checkpoint_persist_s", "trainguard.checkpoint.persist.duration"),
+        ):
+            v = _num(rec.get(key))
+            if v is not None:
+                self._inst[name].record(v, {"node": self.node})
+
+    # -- lifecycle events -------------------------------------------------------------------
+    def event(self, ev: Mapping[str, Any]) -> None:
+        """Feed one lifecycle event of this node."""
+        try:
+            kind = ev.get("kind")
+            node = {"node": self.node}
+            if kind == "worker_failed":
+                cause = str(ev.get("cause") or "unknown")
+                self._inst["trainguard.job.failures"].add(1, {**node, "cause": cause})
+            elif kind == "restart":
+                cause = str(ev.get("cause") or ev.get("reason") or "unknown")
+                self._inst["trainguard.job.restarts"].add(1, {**node, "cause": cause})
+            elif kind in ("rendezvous", "workers_started"):
+                a = _num(ev.get("attempt"))
+                if a is not None:
+                    self._set("trainguard.job.attempt", a, node)
+            elif kind is not None and kind.startswith("checkpoint"):
+                for key, name in (
+                    ("stall_s", "trainguard.checkpoint.stall.duration"),
+                    ("persist_s", "trainguard.checkpoint.persist.duration"),
+                ):
+                    v = _num(ev.get(key))
+                    if v is not None:
+                        self._inst[name].record(v, node)
+        except Exception:
+            self.num_bad_records += 1
+            logger.exception("skipping an event that could not be mapped")
+
+    def goodput(self, g: Goodput) -> None:
+        node = {"node": self.node}
+        self._set("trainguard.goodput.productive_time", g.productive_s, node)
+        for cause in LOSS_CAUSES:
+            self._set(
+                "trainguard.goodput.lost_time", g.lost_s.get(cause, 0.0), {**node, "cause": cause}
+            )
+        if g.ettr is not None:
+            self._set("trainguard.goodput.ettr", g.ettr, node)
+
+    def export_failure(self, exporter: str, n: int = 1) -> None:
+        self._inst["trainguard.telemetry.export.failures"].add(
+            n, {"node": self.node, "exporter": exporter}
+        )
