@@ -57,13 +57,18 @@ class WorkerFailure:
     pid: int | None = None
 
 
+_NO_ERROR_FILE = "<NONE>"  # torch's placeholder when a worker wrote no error file
+
+
 def _error_message(error_file_data: Any) -> str | None:
     if not isinstance(error_file_data, dict):
         return None
     msg = error_file_data.get("message")
     if isinstance(msg, dict):
-        return str(msg.get("message") or "")[:2000] or None
-    return str(msg)[:2000] if msg else None
+        msg = msg.get("message")
+    if not msg or msg == _NO_ERROR_FILE:
+        return None
+    return str(msg)[:2000]
 
 
 def classify_exit(
