@@ -20,14 +20,14 @@ def test_grpo_toy_learns_under_trainguard_run(tmp_path: Path) -> None:
     res = launch(
         "trainguard",
         ["--standalone", "--nproc-per-node", "2", "--tg-run-dir", str(run_dir), GRPO,
-         "--steps", "120"],
+         "--steps", "80"],
         cwd=tmp_path, env=base_env(), timeout=240,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     for rank in (0, 1):
         recs = [json.loads(line) for line in (run_dir / "metrics" / f"rank_{rank}.jsonl").open()]
         logs = [r for r in recs if r["kind"] == "log" and "reward" in r]
-        assert [r["step"] for r in logs] == list(range(120))
+        assert [r["step"] for r in logs] == list(range(80))
         for r in logs:
             for k in RL_KEYS:
                 assert isinstance(r[k], float | int), k

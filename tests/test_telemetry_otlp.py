@@ -88,7 +88,7 @@ def test_otlp_grpc_span_tree_and_metrics_reach_rotel(tmp_path: Path) -> None:
 def test_receiver_stopped_mid_run_leaves_training_unaffected(tmp_path: Path) -> None:
     rotel = Rotel(tmp_path / "rotel")
     run_dir = tmp_path / "run"
-    steps = 200
+    steps = 120
     env = base_env(
         TRAINGUARD_TELEMETRY_OTLP_ENDPOINT=f"http://127.0.0.1:{rotel.http_port}",
         TRAINGUARD_TELEMETRY_OTLP_PROTOCOL="http/protobuf",
