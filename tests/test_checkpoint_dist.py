@@ -1,0 +1,187 @@
+"""trainguard.checkpoint across processes under ``trainguard run`` (gloo, CPU): exact resume of
+examples/train_mlp.py after a kill -9 (from disk and from the memory tier), and resharding
+2 → 1 and 2 → 4 ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from tests.launch_utils import REPO, base_env
+
+EXAMPLE = str(REPO / "examples" / "train_mlp.py")
+
+
+def _run(args: list[str], *, cwd: Path, env: dict[str, str] | None = None, timeout: float = 240):
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(
+        [sys.executable, "-m", "trainguard", "run", *args],
+        cwd=cwd,
+        env=env or base_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x]
+
+
+def _train(tmp: Path, name: str, *extra: str, env: dict[str, str] | None = None) -> Path:
+    d = tmp / name
+    r = _run(
+        [
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--tg-run-dir",
+            str(d / "run"),
+            EXAMPLE,
+            "--steps",
+            "100",
+            "--out",
+            str(d / "params.pt"),
+            "--out-optim",
+            str(d / "optim.pt"),
+            *extra,
+        ],
+        cwd=d,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    return d
+
+
+def _assert_same(a: Path, b: Path) -> None:
+    pa, pb = torch.load(a / "params.pt"), torch.load(b / "params.pt")
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+    oa, ob = torch.load(a / "optim.pt"), torch.load(b / "optim.pt")
+    assert oa["param_groups"] == ob["param_groups"]
+    for i in oa["state"]:
+        for k in oa["state"][i]:
+            assert torch.equal(oa["state"][i][k], ob["state"][i][k]), (i, k)
+
+
+def test_kill_9_resume_is_bitwise_identical_from_disk_and_memory(tmp_path: Path) -> None:
+    no_memory = base_env(TRAINGUARD_CHECKPOINT_MEMORY_TIER="0")
+    with ThreadPoolExecutor(3) as ex:
+        straight = ex.submit(_train, tmp_path, "straight", "--ckpt-every", "0")
+        disk = ex.submit(_train, tmp_path, "disk", "--fail-at-step", "55", env=no_memory)
+        memory = ex.submit(_train, tmp_path, "memory", "--fail-at-step", "55")
+        straight_d, disk_d, memory_d = straight.result(), disk.result(), memory.result()
+
+    _assert_same(straight_d, disk_d)
+    _assert_same(straight_d, memory_d)
+
+    restored = [
+        e for e in _events(disk_d / "run") if e["kind"] == "checkpoint_restored" and e["step"]
+    ]
+    assert {e["source"] for e in restored} == {"disk"} and {e["step"] for e in restored} == {40}
+    assert any(
+        e["kind"] == "worker_failed" and e["signal"] == "SIGKILL" for e in _events(disk_d / "run")
+    )
+
+    restored = [
+        e for e in _events(memory_d / "run") if e["kind"] == "checkpoint_restored" and e["step"]
+    ]
+    assert {e["source"] for e in restored} == {"memory"}, restored
+    assert len(restored) == 2 and min(e["step"] for e in restored) >= 53, restored
+
+
+RESHARD_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    import trainguard
+
+    mode, out = sys.argv[1], sys.argv[2]
+    tg = trainguard.init()
+    dist.init_process_group("gloo")
+    ws = dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mesh = init_device_mesh("cpu", (ws,))
+    full = torch.arange(48 * 4, dtype=torch.float32).reshape(48, 4)
+    table = distribute_tensor(full.clone() if mode == "save" else torch.zeros_like(full), mesh, [Shard(0)])
+    extra = {"table": table, "epoch": 0}
+    state = {"model": model, "optim": opt, "extra": extra}
+    ckpt = tg.checkpoint
+    if mode == "save":
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            loss = model(torch.randn(8, 16, generator=g)).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+        extra["epoch"] = 7
+        assert ckpt.save(3, state).wait()
+        if tg.rank == 0:
+            torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                        "optim": opt.state_dict()}, out)
+    else:
+        step = ckpt.restore(state)
+        want = torch.load(out)
+        assert step == 3, step
+        assert extra["epoch"] == 7
+        assert torch.equal(extra["table"].full_tensor(), full)
+        assert extra["table"].to_local().shape[0] == 48 // ws
+        for p, q in zip(model.parameters(), want["params"]):
+            assert torch.equal(p.detach(), q)
+        got = opt.state_dict()
+        for i in want["optim"]["state"]:
+            for k, v in want["optim"]["state"][i].items():
+                assert torch.equal(got["state"][i][k], v), (i, k)
+        print(f"RESHARD_OK rank {tg.rank}/{ws}")
+    ckpt.close()
+    dist.destroy_process_group()
+    tg.close()
+    """
+)
+
+
+def test_reshard_2_to_1_and_2_to_4(tmp_path: Path) -> None:
+    script = tmp_path / "reshard.py"
+    script.write_text(RESHARD_SCRIPT)
+    ckpt = tmp_path / "ckpt"
+    env = base_env(TRAINGUARD_CHECKPOINT_DIR=str(ckpt))
+    out = str(tmp_path / "saved.pt")
+
+    def launch(n: int, mode: str, name: str):
+        return _run(
+            [
+                "--standalone",
+                "--nproc-per-node",
+                str(n),
+                "--tg-run-dir",
+                str(tmp_path / name),
+                str(script),
+                mode,
+                out,
+            ],
+            cwd=tmp_path / name,
+            env=env,
+        )
+
+    r = launch(2, "save", "save2")
+    assert r.returncode == 0, r.stderr[-4000:]
+    with ThreadPoolExecutor(2) as ex:
+        r1, r4 = ex.map(lambda a: launch(*a), [(1, "load", "load1"), (4, "load", "load4")])
+    assert r1.returncode == 0, r1.stderr[-4000:]
+    assert r4.returncode == 0, r4.stderr[-4000:]
+    assert r1.stdout.count("RESHARD_OK") == 1
+    assert r4.stdout.count("RESHARD_OK") == 4
+    for name in ("load1", "load4"):
+        restored = [e for e in _events(tmp_path / name) if e["kind"] == "checkpoint_restored"]
+        assert restored and all(e["source"] == "disk" and e["step"] == 3 for e in restored)
