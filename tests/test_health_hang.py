@@ -114,3 +114,36 @@ def test_rank_stuck_outside_collective_is_named_from_fresh_heartbeats(tmp_path: 
     failed = events(run_dir, "worker_failed")
     assert {e["rank"] for e in failed} == {0, 1} and {e["signal"] for e in failed} == {"SIGKILL"}
     assert events(run_dir, "job_finished")[-1]["state"] == "failed"
+
+
+def test_faulthandler_fallback_dumps_a_stopped_process(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from trainguard.health.stacks import dump_stacks, faulthandler_path
+
+    code = (
+        "import sys, time\n"
+        "from trainguard.health.stacks import register_stack_dump\n"
+        f"f = register_stack_dump({str(tmp_path)!r}, 3, 0)\n"
+        "def deep_wait():\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(60)\n"
+        "deep_wait()\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        stacks = dump_stacks({3: p.pid}, run_dir=tmp_path, attempt=0, use_py_spy=False)
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+    assert stacks[3]["method"] == "faulthandler"
+    assert "deep_wait" in stacks[3]["stack"]
+    assert faulthandler_path(tmp_path, 0, 3).is_file()
+    assert "deep_wait" in Path(stacks[3]["path"]).read_text()
