@@ -24,7 +24,7 @@ from typing import Any
 
 from trainguard.telemetry.contract import LOSS_CAUSES
 
-__all__ = ["Goodput", "compute_goodput"]
+__all__ = ["Goodput", "GoodputTracker", "compute_goodput"]
 
 
 @dataclass(slots=True)
@@ -52,94 +52,120 @@ def _is_hang(ev: Mapping[str, Any]) -> bool:
     return "hang" in str(ev.get("kind", "")) or "hang" in str(ev.get("cause", ""))
 
 
+class GoodputTracker:
+    """Incremental form: feed one rank's records in file order with :meth:`add`, then call
+    :meth:`result` with the events. Memory stays constant per attempt, not per step."""
+
+    def __init__(self) -> None:
+        self.productive_s = 0.0
+        self.recomputed_s = 0.0
+        self.num_recomputed = 0
+        self.max_done = -1
+        self.first_start: dict[int, float] = {}
+        self.last_end: dict[int, float] = {}
+        self.first_step_start: float | None = None
+        self.last_time: float | None = None
+        self.logged_stall: float | None = None
+
+    def add(self, r: Mapping[str, Any]) -> None:
+        kind = r.get("kind")
+        if kind == "log":
+            v = r.get("checkpoint_stall_s")
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                self.logged_stall = (self.logged_stall or 0.0) + float(v)
+            return
+        if kind != "step" or "step_time_s" not in r:
+            return
+        dt = float(r["step_time_s"])
+        end = float(r["time"])
+        start = end - dt
+        n = int(r.get("step", 0))
+        if n <= self.max_done:
+            self.recomputed_s += dt
+            self.num_recomputed += 1
+        else:
+            self.productive_s += dt
+            self.max_done = n
+        a = int(r.get("attempt", 0))
+        self.first_start.setdefault(a, start)
+        self.last_end[a] = max(self.last_end.get(a, end), end)
+        if self.first_step_start is None:
+            self.first_step_start = start
+        self.last_time = end if self.last_time is None else max(self.last_time, end)
+
+    def result(self, events: Iterable[Mapping[str, Any]], *, now: float | None = None) -> Goodput:
+        evs = sorted(events, key=lambda e: float(e.get("time", 0.0)))
+        g = Goodput()
+        if self.first_step_start is None and not evs:
+            return g
+        launches = [float(e["time"]) for e in evs if e.get("kind") == "launch"]
+        if launches:
+            t0 = min(launches)
+        elif self.first_step_start is not None:
+            t0 = self.first_step_start
+        else:
+            t0 = float(evs[0]["time"])
+        finished = [float(e["time"]) for e in evs if e.get("kind") == "job_finished"]
+        last = max([float(e["time"]) for e in evs] + [self.last_time or t0, t0])
+        t_end = max(finished) if finished else (now if now is not None else last)
+        g.total_s = max(0.0, t_end - t0)
+        g.productive_s = self.productive_s
+        g.lost_s["recomputed_steps"] = self.recomputed_s
+        g.num_recomputed_steps = self.num_recomputed
+
+        rdzv: dict[int, float] = {}
+        for e in evs:
+            if e.get("kind") == "rendezvous":
+                a = int(e.get("attempt", 0))
+                rdzv[a] = rdzv.get(a, 0.0) + float(e.get("duration_s") or 0.0)
+        g.lost_s["rendezvous"] = sum(rdzv.values())
+
+        # checkpoint stalls: the rank's log records, else events of rank 0 or of no rank
+        if self.logged_stall is not None:
+            g.lost_s["checkpoint_stall"] = self.logged_stall
+        else:
+            for e in evs:
+                if str(e.get("kind", "")).startswith("checkpoint") and e.get("rank", 0) == 0:
+                    g.lost_s["checkpoint_stall"] += float(e.get("stall_s") or 0.0)
+
+        first_start = self.first_start
+        if first_start:
+            a0 = min(first_start)
+            g.lost_s["startup"] = max(0.0, first_start[a0] - t0 - rdzv.get(a0, 0.0))
+
+        failed: dict[int, list[Mapping[str, Any]]] = {}
+        for e in evs:
+            if e.get("kind") in ("worker_failed", "worker_group_unhealthy") or _is_hang(e):
+                failed.setdefault(int(e.get("attempt", 0)), []).append(e)
+        for a, fevs in sorted(failed.items()):
+            t_fail = min(float(e["time"]) for e in fevs)
+            end = self.last_end.get(a)
+            prev = end if end is not None and end <= t_fail else first_start.get(a, t_fail)
+            cause = "hang" if any(_is_hang(e) for e in fevs) else "restart"
+            g.lost_s[cause] += max(0.0, t_fail - prev)
+            later = [first_start[b] for b in first_start if b > a]
+            t_next = min(later) if later else t_end
+            rd = sum(v for b, v in rdzv.items() if b > a and first_start.get(b, t_end) <= t_next)
+            g.lost_s["restart"] += max(0.0, t_next - t_fail - rd)
+
+        accounted = g.productive_s + sum(v for k, v in g.lost_s.items() if k != "other")
+        g.lost_s["other"] = max(0.0, g.total_s - accounted)
+        return g
+
+
 def compute_goodput(
     events: Iterable[Mapping[str, Any]],
     records: Iterable[Mapping[str, Any]],
     *,
     now: float | None = None,
 ) -> Goodput:
-    """Split the job's wall time; ``now`` ends a job that has not finished yet."""
-    evs = sorted(events, key=lambda e: float(e.get("time", 0.0)))
-    steps_all = [r for r in records if r.get("kind") == "step" and "step_time_s" in r]
-    logs = [r for r in records if r.get("kind") == "log"]
-    g = Goodput()
-    if not steps_all and not evs:
-        return g
-    ref = min((int(r.get("rank", 0)) for r in steps_all), default=0)
-    steps = sorted(
-        (r for r in steps_all if int(r.get("rank", 0)) == ref), key=lambda r: float(r["time"])
-    )
-
-    launches = [float(e["time"]) for e in evs if e.get("kind") == "launch"]
-    t0 = min(launches) if launches else None
-    if t0 is None and steps:
-        t0 = float(steps[0]["time"]) - float(steps[0]["step_time_s"])
-    if t0 is None:
-        t0 = float(evs[0]["time"])
-    finished = [float(e["time"]) for e in evs if e.get("kind") == "job_finished"]
-    last = max(
-        [float(e["time"]) for e in evs] + [float(r["time"]) for r in steps] + [t0],
-    )
-    t_end = max(finished) if finished else (now if now is not None else last)
-    g.total_s = max(0.0, t_end - t0)
-
-    # productive vs recomputed
-    max_done = -1
-    for r in steps:
-        dt = float(r["step_time_s"])
-        n = int(r.get("step", 0))
-        if n <= max_done:
-            g.lost_s["recomputed_steps"] += dt
-            g.num_recomputed_steps += 1
-        else:
-            g.productive_s += dt
-            max_done = n
-
-    # rendezvous, per attempt
-    rdzv: dict[int, float] = {}
-    for e in evs:
-        if e.get("kind") == "rendezvous":
-            a = int(e.get("attempt", 0))
-            rdzv[a] = rdzv.get(a, 0.0) + float(e.get("duration_s") or 0.0)
-    g.lost_s["rendezvous"] = sum(rdzv.values())
-
-    # checkpoint stalls: the reference rank's log records, else events (rank 0 or no rank)
-    logged = [float(r["checkpoint_stall_s"]) for r in logs
-              if int(r.get("rank", 0)) == ref and isinstance(r.get("checkpoint_stall_s"), int | float)]  # fmt: skip
-    if logged:
-        g.lost_s["checkpoint_stall"] = sum(logged)
-    else:
-        for e in evs:
-            if str(e.get("kind", "")).startswith("checkpoint") and e.get("rank", ref) == ref:
-                g.lost_s["checkpoint_stall"] += float(e.get("stall_s") or 0.0)
-
-    first_start: dict[int, float] = {}
-    last_end_in: dict[int, list[float]] = {}
-    for r in steps:
-        a = int(r.get("attempt", 0))
-        start = float(r["time"]) - float(r["step_time_s"])
-        first_start.setdefault(a, start)
-        last_end_in.setdefault(a, []).append(float(r["time"]))
-    if first_start:
-        a0 = min(first_start)
-        g.lost_s["startup"] = max(0.0, first_start[a0] - t0 - rdzv.get(a0, 0.0))
-
-    # failures: group by attempt
-    failed: dict[int, list[Mapping[str, Any]]] = {}
-    for e in evs:
-        if e.get("kind") in ("worker_failed", "worker_group_unhealthy") or _is_hang(e):
-            failed.setdefault(int(e.get("attempt", 0)), []).append(e)
-    for a, fevs in sorted(failed.items()):
-        t_fail = min(float(e["time"]) for e in fevs)
-        ends = [t for t in last_end_in.get(a, []) if t <= t_fail]
-        prev = max(ends) if ends else first_start.get(a, t_fail)
-        cause = "hang" if any(_is_hang(e) for e in fevs) else "restart"
-        g.lost_s[cause] += max(0.0, t_fail - prev)
-        later = [first_start[b] for b in first_start if b > a]
-        t_next = min(later) if later else t_end
-        rd = sum(v for b, v in rdzv.items() if b > a and first_start.get(b, t_end) <= t_next)
-        g.lost_s["restart"] += max(0.0, t_next - t_fail - rd)
-
-    accounted = g.productive_s + sum(v for k, v in g.lost_s.items() if k != "other")
-    g.lost_s["other"] = max(0.0, g.total_s - accounted)
-    return g
+    """Split the job's wall time (records of the lowest rank present count); ``now`` ends a
+    job that has not finished yet."""
+    recs = [r for r in records if r.get("kind") in ("step", "log")]
+    ranks = [int(r.get("rank", 0)) for r in recs if r.get("kind") == "step"]
+    ref = min(ranks, default=0)
+    tracker = GoodputTracker()
+    mine = [r for r in recs if int(r.get("rank", 0)) == ref]
+    for r in sorted(mine, key=lambda r: float(r.get("time", 0.0))):
+        tracker.add(r)
+    return tracker.result(events, now=now)

@@ -179,7 +179,9 @@ class TelemetryPlugin(AgentPlugin):
         self._tails: dict[int, _Tail] = {}
         self._events_tail = _Tail(run_dir / EVENTS_FILE)
         self._events: list[dict[str, Any]] = []
-        self._goodput_records: list[dict[str, Any]] = []
+        from trainguard.telemetry.goodput import GoodputTracker
+
+        self._goodput = GoodputTracker()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_goodput = 0.0
@@ -195,9 +197,9 @@ class TelemetryPlugin(AgentPlugin):
         """Read and map every new record and event (also called by tests)."""
         ref = min(self._ranks) if self._ranks else 0
         for ev in self._events_tail.read():
-            self._events.append(ev)
             if ev.get("node") != self.node:
                 continue
+            self._events.append(ev)
             ckpt = str(ev.get("kind", "")).startswith("checkpoint")
             if not ckpt or ev.get("rank", ref) == ref:
                 self.recorder.event(ev)
@@ -212,18 +214,15 @@ class TelemetryPlugin(AgentPlugin):
                     self.tracer.worker_span(rec)
                     continue
                 self.recorder.record(rec)
-                if rank == ref and (kind == "step" or "checkpoint_stall_s" in rec):
-                    self._goodput_records.append(rec)
+                if rank == ref:
+                    self._goodput.add(rec)
         now = time.time()
         if now - self._last_goodput >= self.cfg.export_interval_s / 2:
             self._last_goodput = now
             self.update_goodput(now)
 
     def update_goodput(self, now: float | None = None) -> Any:
-        from trainguard.telemetry.goodput import compute_goodput
-
-        mine = [e for e in self._events if e.get("node") == self.node]
-        g = compute_goodput(mine, self._goodput_records, now=now)
+        g = self._goodput.result(self._events, now=now)
         self.recorder.goodput(g)
         return g
 
