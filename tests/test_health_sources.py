@@ -176,3 +176,33 @@ def test_a_raising_source_becomes_unknown() -> None:
     report = NodeProbe([Broken()]).probe()
     assert report.status is Status.UNKNOWN and report.exit_code == 1
     assert "boom" in report.reasons[0]
+
+
+@pytest.mark.parametrize(
+    ("verdict", "rc", "status"), [("Pass", 0, Status.OK), ("Fail", 1, Status.FAIL)]
+)
+def test_dcgm_diag_through_a_dcgmi_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verdict: str, rc: int, status: Status
+) -> None:
+    from trainguard.health.dcgm import run_diag
+
+    exe = tmp_path / "dcgmi"
+    result = {"name": "Memory", "results": [{"status": verdict}]}
+    body = __import__("json").dumps(
+        {"DCGM GPU Diagnostic": {"test_categories": [{"tests": [result]}]}}
+    )
+    exe.write_text(f"#!/bin/sh\necho '{body}'\nexit {rc}\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    res = run_diag(1, timeout_s=30)
+    assert res.status is status
+    if status is Status.FAIL:
+        assert res.action is Action.DRAIN and "dcgmi diag -r 1" in res.reasons[0]
+
+
+def test_dcgm_sources_absent_here() -> None:
+    from trainguard.health.dcgm import DcgmSource, run_diag
+
+    assert not DcgmSource(HealthConfig(), Policy()).probe().present
+    if __import__("shutil").which("dcgmi") is None:
+        assert not run_diag(1).present

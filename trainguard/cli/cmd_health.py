@@ -1,7 +1,10 @@
 """``trainguard health``: one-shot node check (dcgm-exporter / DCGM / NVML / host).
 
 Exit code 0 healthy, 1 degraded (warn, or a source could not tell), 2 unhealthy (fail);
-usable as a Slurm prolog or ``HealthCheckProgram``.
+usable as a Slurm prolog or ``HealthCheckProgram``. Slurm drains a node on any non-zero prolog
+exit, so a prolog that should drain only unhealthy nodes reads::
+
+    trainguard health --expect-gpus 8 > /var/log/trainguard-health.log; [ $? -lt 2 ]
 """
 
 from __future__ import annotations
