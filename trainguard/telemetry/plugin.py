@@ -163,7 +163,10 @@ class TelemetryPlugin(AgentPlugin):
             flops_per_step=cfg.flops_per_step,
         )
         self.tracer = AgentTracer(
-            run_id=run_dir.name, node=self.node, resource=resource, processors=processors
+            run_id=str(resource.attributes["trainguard.job_id"]),
+            node=self.node,
+            resource=resource,
+            processors=processors,
         )
         self.endpoint: PrometheusEndpoint | None = None
         if self.bridge is not None:

@@ -81,7 +81,7 @@ class AgentTracer:
         self.trace_id, root_id = job_ids(run_id)
         self._ids.trace_id, self._ids.span_id = self.trace_id, root_id
         self.job = self.tracer.start_span(
-            "trainguard.job", attributes={"trainguard.run_id": run_id, "trainguard.node": node}
+            "trainguard.job", attributes={"trainguard.job_id": run_id, "trainguard.node": node}
         )
         self.round: trace.Span | None = None
         self.attempt: trace.Span | None = None
