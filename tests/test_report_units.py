@@ -1,0 +1,93 @@
+"""The HTML report on synthetic run directories (no browser): sections, markers, edge cases."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.launch_utils import REPO, base_env
+from trainguard.telemetry.report import load_run, render_report, write_report
+
+T0 = 1_700_000_000.0
+
+
+def _write(run: Path, events: list[dict], records: dict[int, list[dict]]) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run / "metrics").mkdir(exist_ok=True)
+    for rank, recs in records.items():
+        (run / "metrics" / f"rank_{rank}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in recs) + '{"torn": '
+        )
+
+
+def _run(tmp_path: Path) -> Path:
+    events = [
+        {"time": T0, "kind": "launch", "node": "n", "attempt": 0},
+        {"time": T0 + 1, "kind": "rendezvous", "node": "n", "attempt": 0, "duration_s": 0.5},
+        {"time": T0 + 1.2, "kind": "workers_started", "node": "n", "attempt": 0},
+        {"time": T0 + 3, "kind": "straggler_detected", "node": "n", "attempt": 0, "rank": 1,
+         "message": "rank 1 is 3x slower"},
+        {"time": T0 + 4, "kind": "hang_detected", "node": "n", "attempt": 0, "ranks": [1],
+         "message": "rank 1 frozen"},
+        {"time": T0 + 4.1, "kind": "worker_failed", "node": "n", "attempt": 0, "rank": 1,
+         "cause": "hang", "signal": "SIGKILL", "exitcode": -9},
+        {"time": T0 + 4.2, "kind": "restart", "node": "n", "attempt": 0, "reason": "failure"},
+        {"time": T0 + 5, "kind": "rendezvous", "node": "n", "attempt": 1, "duration_s": 0.5},
+        {"time": T0 + 5.2, "kind": "workers_started", "node": "n", "attempt": 1},
+        {"time": T0 + 5.5, "kind": "checkpoint_restored", "node": "n", "attempt": 1, "rank": 0},
+        {"time": T0 + 8, "kind": "job_finished", "node": "n", "attempt": 1, "state": "succeeded"},
+    ]  # fmt: skip
+    records: dict[int, list[dict]] = {0: [], 1: []}
+    for rank in (0, 1):
+        for i in range(4):
+            records[rank].append({"time": T0 + 2 + 0.4 * i, "kind": "step", "rank": rank,
+                                  "attempt": 0, "step": i, "step_time_s": 0.3, "tokens": 64,
+                                  "flops": 1e9})  # fmt: skip
+            records[rank].append({"kind": "log", "rank": rank, "step": i, "loss": 1.0 / (i + 1),
+                                  "reward": 0.1 * i, "kl": 0.01 * i})  # fmt: skip
+        for i in range(2, 6):
+            records[rank].append({"time": T0 + 6 + 0.3 * i, "kind": "step", "rank": rank,
+                                  "attempt": 1, "step": i, "step_time_s": 0.25, "tokens": 64,
+                                  "flops": 1e9})  # fmt: skip
+    run = tmp_path / "run"
+    _write(run, events, records)
+    (run / "config.json").write_text(
+        json.dumps({"trainguard": {"telemetry": {"peak_flops": 1e10}}})
+    )
+    return run
+
+
+def test_report_sections_markers_and_incidents(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    data = load_run(run)
+    assert len(data.records[0]) == 12  # the torn last line is skipped
+    html = render_report(data)
+    assert "MFU (%)" in html and "peak FLOP/s</td><td>1e+10" in html
+    assert html.count('class="tg-glyph tg-failure"') == 1
+    assert 'class="tg-glyph tg-hang"' in html
+    assert 'class="tg-glyph tg-restore"' in html
+    assert 'class="tg-marker tg-restart"' in html
+    assert "rank 1 is 3x slower" in html and "rank 1 frozen" in html  # health incidents
+    assert "tg-attempt-failed" in html
+    assert "<script" not in html
+    # goodput: the hang (last step end 3.2 s → detection 4 s) is its own cause
+    assert "<td>hang</td><td>0.80 s</td>" in html
+
+
+def test_report_of_a_run_without_events_or_steps(tmp_path: Path) -> None:
+    run = tmp_path / "empty"
+    (run / "metrics").mkdir(parents=True)
+    path = write_report(run)
+    html = path.read_text()
+    assert "no data" in html and "none recorded" in html
+
+
+def test_report_cli_rejects_a_non_run_dir(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "trainguard", "report", str(tmp_path)],
+        capture_output=True, text=True, env=base_env(), cwd=REPO, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and "pass a run directory" in r.stderr
