@@ -251,3 +251,28 @@ def test_plugin_end_to_end_in_process(tmp_path: Path, monkeypatch: pytest.Monkey
     assert len({s["trace_id"] for s in spans}) == 1
     points = [json.loads(x) for x in (tmp_path / "telemetry" / "metrics_n1.jsonl").open()]
     assert any(p["name"] == "trainguard.goodput.ettr" for p in points)
+
+
+def test_a_step_that_raises_is_recorded_as_failed(tmp_path: Path) -> None:
+    code = (
+        "import sys, trainguard\ntg = trainguard.init(run_dir=sys.argv[1])\n"
+        "with tg.step(tokens=8): pass\n"
+        "try:\n    with tg.step(tokens=8):\n        raise RuntimeError('peer died')\n"
+        "except RuntimeError: pass\ntg.close()\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+        env=base_env(), cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(x) for x in (tmp_path / "metrics" / "rank_0.jsonl").open()]
+    steps = [r for r in recs if r["kind"] == "step"]
+    assert [s.get("failed", False) for s in steps] == [False, True]
+    assert (
+        next(r for r in recs if r["kind"] == "span" and r["attributes"]["step"] == 1)["status"]
+        == "error"
+    )
+    from trainguard.telemetry.goodput import compute_goodput
+
+    g = compute_goodput([], recs)
+    assert g.productive_s == pytest.approx(steps[0]["step_time_s"])

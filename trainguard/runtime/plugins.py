@@ -15,9 +15,11 @@ def default_plugins(cfg: TrainGuardConfig, run_dir: Path, events: EventLog) -> l
     """Plugins enabled by ``cfg``. Components register theirs here as they land."""
     plugins: list[AgentPlugin] = []
     if cfg.telemetry.enabled:
-        from trainguard.telemetry.plugin import TelemetryPlugin
+        from trainguard.telemetry.plugin import create_telemetry_plugin
 
-        plugins.append(TelemetryPlugin(cfg.telemetry, run_dir, events))
+        telemetry = create_telemetry_plugin(cfg.telemetry, run_dir, events)
+        if telemetry is not None:
+            plugins.append(telemetry)
     if cfg.health.enabled:
         from trainguard.health.plugins import health_plugins
 

@@ -164,13 +164,18 @@ class TrainGuard:
             counter = FlopCounterMode(display=False)
             counter.__enter__()
         t0 = time.perf_counter()
+        failed = False
         try:
             yield num
+        except BaseException:
+            failed = True  # recorded as a failed step (not progress), then re-raised
+            raise
         finally:
             dt = time.perf_counter() - t0
             if counter is not None:
                 counter.__exit__(None, None, None)
-                self._flops_per_step = float(counter.get_total_flops())
+                if not failed:
+                    self._flops_per_step = float(counter.get_total_flops())
             if flops == "auto":
                 flops = self._flops_per_step
             if self._progress is not None:
@@ -190,12 +195,14 @@ class TrainGuard:
                 record["samples"] = samples
             if flops is not None:
                 record["flops"] = flops
+            if failed:
+                record["failed"] = True
             spans = self._spans.take_durations()
             if spans:
                 record["spans"] = spans
             self._add_device_info(record)
             self._write_record(record)
-            self._spans.end_step(num, span_id, span_start)
+            self._spans.end_step(num, span_id, span_start, failed=failed)
 
     def span(self, name: str, **attributes: Any) -> Any:
         """``with tg.span("rollout"):`` times a block; a child span of the current step

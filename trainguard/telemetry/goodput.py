@@ -74,7 +74,7 @@ class GoodputTracker:
             if isinstance(v, int | float) and not isinstance(v, bool):
                 self.logged_stall = (self.logged_stall or 0.0) + float(v)
             return
-        if kind != "step" or "step_time_s" not in r:
+        if kind != "step" or "step_time_s" not in r or r.get("failed"):
             return
         dt = float(r["step_time_s"])
         end = float(r["time"])

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from trainguard.recovery.classify import WorkerFailure
     from trainguard.runtime.agent import TrainGuardAgent
 
-__all__ = ["TelemetryPlugin"]
+__all__ = ["TelemetryPlugin", "create_telemetry_plugin"]
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +186,7 @@ class TelemetryPlugin(AgentPlugin):
 
         self._goodput = GoodputTracker()
         self._stop = threading.Event()
+        self._state_lock = threading.RLock()  # poll thread vs the agent's hooks
         self._thread: threading.Thread | None = None
         self._last_goodput = 0.0
 
@@ -198,6 +199,10 @@ class TelemetryPlugin(AgentPlugin):
     # -- tailing -----------------------------------------------------------------------------
     def poll(self) -> None:
         """Read and map every new record and event (also called by tests)."""
+        with self._state_lock:
+            self._poll()
+
+    def _poll(self) -> None:
         ref = min(self._ranks) if self._ranks else 0
         for ev in self._events_tail.read():
             if ev.get("node") != self.node:
@@ -238,17 +243,19 @@ class TelemetryPlugin(AgentPlugin):
 
     # -- hooks -------------------------------------------------------------------------------
     def before_rendezvous(self, agent: TrainGuardAgent) -> None:
-        self.tracer.begin_round()
+        with self._state_lock:
+            self.tracer.begin_round()
 
     def after_rendezvous(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:
         from trainguard.telemetry.spans import TRACEPARENT_ENV
 
         world = group.workers[0].world_size if group.workers else 1
-        self.recorder.world_size = world
-        self._ranks.update(w.global_rank for w in group.workers)
-        tp = self.tracer.begin_attempt(
-            agent.attempt, group_rank=group.group_rank or 0, world_size=world
-        )
+        with self._state_lock:
+            self.recorder.world_size = world
+            self._ranks.update(w.global_rank for w in group.workers)
+            tp = self.tracer.begin_attempt(
+                agent.attempt, group_rank=group.group_rank or 0, world_size=world
+            )
         os.environ[TRACEPARENT_ENV] = tp
         os.environ["TRAINGUARD_TELEMETRY_TRACE_EVERY_N_STEPS"] = str(self.cfg.trace_every_n_steps)
         if self._thread is None:
@@ -256,7 +263,8 @@ class TelemetryPlugin(AgentPlugin):
             self._thread.start()
 
     def on_failure(self, agent: TrainGuardAgent, failures: list[WorkerFailure]) -> None:
-        self.tracer.failure(failures)
+        with self._state_lock:
+            self.tracer.failure(failures)
 
     def on_finish(self, agent: TrainGuardAgent, state: str) -> None:
         self._stop.set()
@@ -266,8 +274,9 @@ class TelemetryPlugin(AgentPlugin):
             self.poll()
         except Exception:
             logger.exception("final telemetry poll failed")
-        g = self.update_goodput()
-        self.tracer.finish(state)
+        with self._state_lock:
+            g = self.update_goodput()
+            self.tracer.finish(state)
         self._write_summary(state, g)
 
     def _write_summary(self, state: str, g: Any) -> None:
@@ -306,3 +315,14 @@ class TelemetryPlugin(AgentPlugin):
             summary.write_text(json.dumps(info, indent=2) + "\n")
         except (OSError, ValueError):
             pass
+
+
+def create_telemetry_plugin(
+    cfg: TelemetryConfig, run_dir: Path, events: EventLog
+) -> TelemetryPlugin | None:
+    """The plugin, or None (logged) when it cannot start: telemetry never stops a launch."""
+    try:
+        return TelemetryPlugin(cfg, run_dir, events)
+    except Exception:
+        logger.exception("telemetry disabled for this run: the agent plugin failed to start")
+        return None

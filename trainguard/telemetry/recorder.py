@@ -93,7 +93,7 @@ class MetricsRecorder:
         """Feed one worker record (``kind`` step, log or span)."""
         try:
             kind = rec.get("kind")
-            if kind == "step":
+            if kind == "step" and not rec.get("failed"):
                 self._step(rec)
             elif kind == "log":
                 self._log(rec)

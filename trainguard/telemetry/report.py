@@ -116,7 +116,9 @@ def _gapped(pts: list[tuple[dict[str, Any], float]], t0: float) -> list[tuple[fl
 
 
 def _steps(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in recs if r.get("kind") == "step" and "step_time_s" in r]
+    return [
+        r for r in recs if r.get("kind") == "step" and "step_time_s" in r and not r.get("failed")
+    ]
 
 
 def _peak(data: RunData, override: float | None) -> float | None:

@@ -82,11 +82,21 @@ class SpanRecorder:
         self._step_span = sid
         return sid, time.time()
 
-    def end_step(self, step: int, span_id: str | None, start: float, **attributes: Any) -> None:
+    def end_step(
+        self, step: int, span_id: str | None, start: float, *, failed: bool = False
+    ) -> None:
         if span_id is not None:
             if self._stack and self._stack[-1] == span_id:
                 self._stack.pop()
-            self._emit("step", span_id, self._parent(), start, time.time(), step=step, **attributes)
+            self._emit(
+                "step",
+                span_id,
+                self._parent(),
+                start,
+                time.time(),
+                status="error" if failed else None,
+                step=step,
+            )
         self._step_span = None
         self._sampled = True
 
