@@ -83,10 +83,16 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
          "reward": 0.6, "reward_std": 0.2, "reward_min": 0.0, "reward_max": 1.0, "kl": 0.05,
          "entropy": 1.25, "clip_ratio": 0.125, "response_length": 3.5,
          "response_length_max": 6, "rollout_time_s": 0.3, "optimize_time_s": 0.1,
-         "checkpoint_persist_s": 1.5, "checkpoint_stall_s": 0.25}
+         "checkpoint_persist_s": 1.5, "checkpoint_stall_s": 0.25, "checkpoint_bytes": 2e6,
+         "checkpoint_interval_s": 360.0, "checkpoint_failures": 2}
     )  # fmt: skip
-    for ev in events:
+    for ev in events + [
+        {"time": T0 + 5.0, "kind": "straggler_detected", "rank": 1},
+        {"time": T0 + 5.1, "kind": "preflight", "status": "ok"},  # not an incident
+        {"time": T0 + 5.2, "kind": "preflight", "status": "unhealthy"},
+    ]:
         rec.event(ev)
+    rec.straggler_scores({"0": 0.0, "1": 0.5})
     rec.goodput(compute_goodput(events, records))
     rec.export_failure("otlp_traces", 3)
 
@@ -114,6 +120,10 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
         "trainguard.rl.response_length.max": 6,
         "trainguard.rl.rollout.duration": 0.3,
         "trainguard.rl.optimize.duration": 0.1,
+        "trainguard.checkpoint.size": 2e6,
+        "trainguard.checkpoint.interval": 360.0,
+        "trainguard.checkpoint.failures": 2,
+        "trainguard.health.straggler_score": 0.0,
     }
     job_values = {
         "trainguard.job.throughput": 4000.0,
@@ -142,6 +152,9 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
     # the restart's cause is the failure that caused it, not the agent's generic reason
     assert point(got["trainguard.job.restarts"][1], cause="signal").value == 1
     assert point(got["trainguard.telemetry.export.failures"][1], exporter="otlp_traces").value == 3
+    incidents = {p.attributes["kind"]: p.value for p in got["trainguard.health.incidents"][1]}
+    assert incidents == {"straggler_detected": 1, "preflight_failed": 1}
+    assert point(got["trainguard.health.straggler_score"][1], rank="1").value == 0.5
     lost = {p.attributes["cause"]: p.value for p in got["trainguard.goodput.lost_time"][1]}
     assert set(lost) == set(LOSS_CAUSES)
     assert lost["rendezvous"] == pytest.approx(3.0)

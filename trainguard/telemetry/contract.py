@@ -291,6 +291,46 @@ METRICS: tuple[MetricSpec, ...] = (
         log_keys=("checkpoint_persist_s",),
     ),
     MetricSpec(
+        name="trainguard.checkpoint.size",
+        unit="By",
+        kind="gauge",
+        description="Bytes of the last checkpoint written by this rank.",
+        attributes=_R,
+        log_keys=("checkpoint_bytes",),
+    ),
+    MetricSpec(
+        name="trainguard.checkpoint.interval",
+        unit="s",
+        kind="gauge",
+        description="Current checkpoint interval (e.g. Young's interval from stall and MTBF).",
+        attributes=_R,
+        log_keys=("checkpoint_interval_s",),
+    ),
+    MetricSpec(
+        name="trainguard.checkpoint.failures",
+        unit="{failure}",
+        kind="gauge",
+        description="Checkpoint saves of this rank that failed so far.",
+        attributes=_R,
+        log_keys=("checkpoint_failures",),
+    ),
+    MetricSpec(
+        name="trainguard.health.incidents",
+        unit="{incident}",
+        kind="counter",
+        description="Health incidents seen by this node's agent, by kind (hang_detected, "
+        "straggler_detected, health_unhealthy, node_excluded, preflight_failed...).",
+        attributes=("node", "kind"),
+    ),
+    MetricSpec(
+        name="trainguard.health.straggler_score",
+        unit="1",
+        kind="gauge",
+        description="Straggler score of a rank: 0 at or below the other ranks' median step "
+        "time, towards 1 for a rank that barely moves.",
+        attributes=_R,
+    ),
+    MetricSpec(
         name="trainguard.job.failures",
         unit="{failure}",
         kind="counter",

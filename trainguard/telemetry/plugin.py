@@ -189,6 +189,7 @@ class TelemetryPlugin(AgentPlugin):
         self._state_lock = threading.RLock()  # poll thread vs the agent's hooks
         self._thread: threading.Thread | None = None
         self._last_goodput = 0.0
+        self._scores_mtime = 0.0
 
     # -- export failure accounting -----------------------------------------------------------
     def _on_export_failure(self, exporter: str) -> None:
@@ -224,10 +225,24 @@ class TelemetryPlugin(AgentPlugin):
                 self.recorder.record(rec)
                 if rank == ref:
                     self._goodput.add(rec)
+        self._read_straggler_scores()
         now = time.time()
         if now - self._last_goodput >= self.cfg.export_interval_s / 2:
             self._last_goodput = now
             self.update_goodput(now)
+
+    def _read_straggler_scores(self) -> None:
+        path = self.run_dir / "health" / f"straggler_scores.{self.node}.json"
+        try:
+            mtime = path.stat().st_mtime
+            if mtime == self._scores_mtime:
+                return
+            self._scores_mtime = mtime
+            scores = json.loads(path.read_text()).get("scores") or {}
+        except (OSError, ValueError, AttributeError):
+            return
+        if isinstance(scores, dict):
+            self.recorder.straggler_scores(scores)
 
     def update_goodput(self, now: float | None = None) -> Any:
         g = self._goodput.result(self._events, now=now)

@@ -45,6 +45,18 @@ def _num(v: Any) -> float | None:
     return float(v)
 
 
+_INCIDENTS = ("hang_detected", "straggler_detected", "health_unhealthy", "node_excluded")
+
+
+def _incident_kind(ev: Mapping[str, Any]) -> str | None:
+    kind = str(ev.get("kind"))
+    if kind in _INCIDENTS:
+        return kind
+    if kind == "preflight" and ev.get("status") not in (None, "ok"):
+        return "preflight_failed"
+    return None
+
+
 class MetricsRecorder:
     """One per process that serves metrics (the node agent, or a test)."""
 
@@ -189,9 +201,21 @@ class MetricsRecorder:
                 a = _num(ev.get("attempt"))
                 if a is not None:
                     self._set("trainguard.job.attempt", a, node)
+            incident = _incident_kind(ev)
+            if incident is not None:
+                self._inst["trainguard.health.incidents"].add(1, {**node, "kind": incident})
         except Exception:
             self.num_bad_records += 1
             logger.exception("skipping an event that could not be mapped")
+
+    def straggler_scores(self, scores: Mapping[str, Any]) -> None:
+        """``{rank: score}`` as the health component writes them."""
+        for rank, score in scores.items():
+            v = _num(score)
+            if v is not None:
+                self._set(
+                    "trainguard.health.straggler_score", v, {"rank": str(rank), "node": self.node}
+                )
 
     def goodput(self, g: Goodput) -> None:
         node = {"node": self.node}
