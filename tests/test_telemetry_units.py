@@ -179,7 +179,7 @@ def test_config_validation() -> None:
 
 
 def _fake(attempt: int, ranks: list[int]) -> tuple[SimpleNamespace, SimpleNamespace]:
-    workers = [SimpleNamespace(global_rank=r, world_size=len(ranks)) for r in ranks]
+    workers = [SimpleNamespace(global_rank=r, local_rank=r, world_size=len(ranks)) for r in ranks]
     return SimpleNamespace(attempt=attempt), SimpleNamespace(workers=workers, group_rank=0)
 
 
@@ -248,6 +248,9 @@ def test_plugin_end_to_end_in_process(tmp_path: Path, monkeypatch: pytest.Monkey
     assert a1["links"] == [{"trace_id": job["trace_id"], "span_id": a0["span_id"]}]
     assert {s["parent_span_id"] for s in by_name["rollout"]} == {a0["span_id"]}
     assert {s["resource"]["trainguard.rank"] for s in by_name["rollout"]} == {0, 1}
+    assert {s["resource"]["trainguard.local_rank"] for s in by_name["rollout"]} == {0, 1}
+    for key in ("trainguard.job_id", "trainguard.run_id", "trainguard.node", "service.name"):
+        assert key in job["resource"]
     assert len({s["trace_id"] for s in spans}) == 1
     points = [json.loads(x) for x in (tmp_path / "telemetry" / "metrics_n1.jsonl").open()]
     assert any(p["name"] == "trainguard.goodput.ettr" for p in points)

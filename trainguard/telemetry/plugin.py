@@ -80,7 +80,29 @@ def _resource_attrs(run_dir: Path, node: str) -> dict[str, Any]:
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("NVIDIA_VISIBLE_DEVICES")
     if gpus and "GPU-" in gpus:
         attrs["gpu.uuids"] = gpus
+    else:
+        uuids = _gpu_uuids()
+        if uuids:
+            attrs["gpu.uuids"] = ",".join(uuids)
     return attrs
+
+
+def _gpu_uuids() -> list[str]:
+    """UUIDs of this node's GPUs from ``nvidia-smi`` (none when absent or slow)."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=uuid", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=5, check=False,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip().startswith("GPU-")]
 
 
 class TelemetryPlugin(AgentPlugin):
@@ -268,6 +290,8 @@ class TelemetryPlugin(AgentPlugin):
         with self._state_lock:
             self.recorder.world_size = world
             self._ranks.update(w.global_rank for w in group.workers)
+            for w in group.workers:
+                self.tracer.local_ranks[w.global_rank] = getattr(w, "local_rank", None)
             tp = self.tracer.begin_attempt(
                 agent.attempt, group_rank=group.group_rank or 0, world_size=world
             )

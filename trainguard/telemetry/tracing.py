@@ -88,6 +88,8 @@ class AgentTracer:
         self._prev_attempt: SpanContext | None = None
         self.group_rank = 0
         self._resources: dict[int, Resource] = {}
+        self.local_ranks: dict[int, int | None] = {}
+        """Global → local rank of this node's workers (resource attributes of their spans)."""
 
     # -- agent lifecycle --------------------------------------------------------------------
     def begin_round(self) -> None:
@@ -200,7 +202,10 @@ class AgentTracer:
     def _worker_resource(self, rank: int) -> Resource:
         r = self._resources.get(rank)
         if r is None:
-            r = self.resource.merge(Resource({"trainguard.rank": rank}))
+            attrs: dict[str, Any] = {"trainguard.rank": rank}
+            if self.local_ranks.get(rank) is not None:
+                attrs["trainguard.local_rank"] = self.local_ranks[rank]
+            r = self.resource.merge(Resource(attrs))
             self._resources[rank] = r
         return r
 
