@@ -173,7 +173,7 @@ def test_endpoint_falls_back_when_port_taken(tmp_path: Path) -> None:
 
 def test_config_validation() -> None:
     for kw in ({"prometheus_port": 70000}, {"peak_flops": 0.0}, {"trace_every_n_steps": -1},
-               {"poll_interval_s": 0.0}, {"flops_per_step": -1.0}):  # fmt: skip
+               {"poll_interval_s": 0.0}, {"flops_per_step": -1.0}, {"flush_interval_s": 0}):  # fmt: skip
         with pytest.raises(ValueError):
             TelemetryConfig(**kw)
 
@@ -189,6 +189,7 @@ def test_plugin_end_to_end_in_process(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.setenv(TRACEPARENT_ENV, "")  # restored by monkeypatch after the plugin sets it
     monkeypatch.setenv("TRAINGUARD_TELEMETRY_TRACE_EVERY_N_STEPS", "")
+    monkeypatch.setenv("TRAINGUARD_TELEMETRY_FLUSH_INTERVAL_S", "")
     cfg = TelemetryConfig(prometheus_port=0, peak_flops=1e9, export_interval_s=0.2)
     events = EventLog(tmp_path, node="n1")
     plugin = TelemetryPlugin(cfg, tmp_path, events)

@@ -40,6 +40,22 @@ def _default_run_dir() -> Path:
     return Path(root) / run_id
 
 
+def _env_number(name: str, default: float) -> float:
+    """A positive-or-zero number from the environment; a bad value → default + a warning
+    (telemetry settings never stop a worker)."""
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        logger.warning("ignoring %s=%r (not a number >= 0); using %s", name, raw, default)
+        return default
+    return value
+
+
 class TrainGuard:
     """Handle returned by :func:`init`. One per worker process.
 
@@ -73,7 +89,7 @@ class TrainGuard:
         self._spans = SpanRecorder(
             self._write_record,
             traceparent=env.get(TRACEPARENT_ENV),
-            every_n_steps=int(env.get("TRAINGUARD_TELEMETRY_TRACE_EVERY_N_STEPS", "10")),
+            every_n_steps=int(_env_number("TRAINGUARD_TELEMETRY_TRACE_EVERY_N_STEPS", 10)),
             base={"rank": self.rank, "attempt": self.attempt},
         )
         self._flops_per_step: float | None = None
@@ -135,7 +151,7 @@ class TrainGuard:
         import atexit
         import weakref
 
-        interval = float(os.environ.get("TRAINGUARD_TELEMETRY_FLUSH_INTERVAL_S", "0.2"))
+        interval = _env_number("TRAINGUARD_TELEMETRY_FLUSH_INTERVAL_S", 0.2) or 0.2
         ref = weakref.ref(self)
         stop = self._flush_stop
 

@@ -30,6 +30,9 @@ class TelemetryConfig:
     """How often the agent reads its workers' new metric records."""
     trace_every_n_steps: int = 10
     """Step spans are sampled: steps 0..2 and every n-th step get a span (0: no step spans)."""
+    flush_interval_s: float = 0.2
+    """How often a worker's background thread appends its buffered metric records to
+    ``metrics/rank_<r>.jsonl`` (a SIGKILL loses at most this much)."""
     flops_per_step: float | None = None
     """FLOPs one rank executes per step, when the script passes none to ``tg.step``."""
     peak_flops: float | None = None
@@ -46,6 +49,8 @@ class TelemetryConfig:
             raise ValueError("export_interval_s must be > 0")
         if self.poll_interval_s <= 0:
             raise ValueError("poll_interval_s must be > 0")
+        if self.flush_interval_s <= 0:
+            raise ValueError("flush_interval_s must be > 0")
         if self.trace_every_n_steps < 0:
             raise ValueError("trace_every_n_steps must be >= 0")
         if self.flops_per_step is not None and self.flops_per_step <= 0:

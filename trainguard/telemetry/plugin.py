@@ -297,6 +297,7 @@ class TelemetryPlugin(AgentPlugin):
             )
         os.environ[TRACEPARENT_ENV] = tp
         os.environ["TRAINGUARD_TELEMETRY_TRACE_EVERY_N_STEPS"] = str(self.cfg.trace_every_n_steps)
+        os.environ["TRAINGUARD_TELEMETRY_FLUSH_INTERVAL_S"] = str(self.cfg.flush_interval_s)
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="tg-telemetry", daemon=True)
             self._thread.start()
