@@ -119,3 +119,42 @@ def test_gemm_probe_on_cpu() -> None:
 )
 def test_peaks(name: str, peak: float | None) -> None:
     assert peak_bf16_flops(name) == peak
+
+
+def test_two_agents_compare_compute_and_clocks_after_rendezvous(tmp_path: Path) -> None:
+    from tests.health_fixtures.jobs import WORKER
+    from tests.launch_utils import free_port
+
+    run_dir = tmp_path / "run"
+    port = free_port()
+    procs = []
+    for n in range(2):
+        env = job_env(**HOST_OK, probe_interval_s=0)
+        env.update(TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S="0.2", SLURMD_NODENAME=f"node{n}")
+        cmd = [
+            "-m", "trainguard", "run", "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hc",
+            "--tg-run-dir", str(run_dir), str(WORKER), "--steps", "3",
+        ]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [__import__("sys").executable, *cmd],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+        )
+    try:
+        errs = [p.communicate(timeout=150)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:] + errs[1][-2000:]
+    cmps = events(run_dir, "preflight_compare")
+    assert sorted(e["node"] for e in cmps) == ["node0", "node1"]
+    a, b = cmps
+    assert a["nodes"] == b["nodes"] == {"0": "node0", "1": "node1"}
+    assert a["flops_per_s"] == b["flops_per_s"] and len(a["flops_per_s"]) == 2
+    assert all(abs(s) < 2.0 for s in a["clock_skew_s"].values()) and a["skewed_nodes"] == []
