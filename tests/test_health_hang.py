@@ -147,3 +147,29 @@ def test_faulthandler_fallback_dumps_a_stopped_process(tmp_path: Path) -> None:
     assert "deep_wait" in stacks[3]["stack"]
     assert faulthandler_path(tmp_path, 0, 3).is_file()
     assert "deep_wait" in Path(stacks[3]["path"]).read_text()
+
+
+def test_exited_ranks_are_skipped_and_stopped_ones_named() -> None:
+    cfg = HealthConfig(hang_timeout_s=5)
+    now = 1000.0
+    # rank 0 finished and exited (stale heartbeat); rank 1 is still saving, alive.
+    snaps = {
+        0: snap(0, step=99, num=100, start=0.0, end=now - 100, beat=now - 100),
+        1: snap(1, step=99, num=100, start=0.0, end=now - 100, beat=now - 0.5),
+    }
+    states = {1000: None, 1001: "S"}
+    assert HangTracker(cfg).observe(snaps, now, process_state=states.get) is None
+    assert HangTracker(cfg).observe(snaps, now) is not None  # without /proc: looks frozen
+    # a stopped process is frozen even while its heartbeat is still fresh
+    stopped = {0: snap(0, step=5, num=5, start=now - 6, end=now - 7, beat=now - 1)}
+    v = HangTracker(cfg).observe(stopped, now, process_state={1000: "T"}.get)
+    assert v is not None and v.kind == "frozen" and "(process stopped)" in v.message
+
+
+def test_process_state_reads_proc() -> None:
+    import os
+
+    from trainguard.health.hang import process_state
+
+    assert process_state(os.getpid()) in ("R", "S")
+    assert process_state(2**22 + 12345) is None

@@ -83,8 +83,22 @@ class HangTracker:
                 if s.num_steps > self.cfg.hang_warmup_steps and s.last_step_s > 0:
                     self._times.append(s.last_step_s)
 
-    def observe(self, snaps: dict[int, ProgressSnapshot], now: float) -> HangVerdict | None:
+    def observe(
+        self,
+        snaps: dict[int, ProgressSnapshot],
+        now: float,
+        *,
+        process_state: Callable[[int], str | None] | None = None,
+    ) -> HangVerdict | None:
+        """``process_state(pid)`` (Linux ``/proc`` state letter, None when gone) lets exited
+        ranks be skipped (their heartbeat stops too) and stopped ones be named as such."""
         self._learn(snaps)
+        states: dict[int, str | None] = {}
+        if process_state is not None:
+            states = {r: process_state(s.pid) for r, s in snaps.items() if s.pid}
+            snaps = {r: s for r, s in snaps.items() if states.get(r, "?") not in (None, "Z", "X")}
+            if not snaps:
+                return None
         step_timeout = self.step_timeout()
         per_rank: dict[int, dict[str, Any]] = {}
         stalled: list[int] = []
@@ -92,7 +106,7 @@ class HangTracker:
         for r, s in sorted(snaps.items()):
             last = max(s.step_start, s.step_end) or self.started
             age, hb_age = now - last, now - s.heartbeat
-            is_frozen = hb_age > self.stale_s
+            is_frozen = hb_age > self.stale_s or states.get(r) == "T"
             if is_frozen:
                 frozen.append(r)
                 limit = step_timeout or self.cfg.hang_min_timeout_s
@@ -108,6 +122,7 @@ class HangTracker:
                 "heartbeat_age_s": round(hb_age, 3),
                 "limit_s": limit,
                 "pid": s.pid,
+                "process_state": states.get(r),
             }
             if age > limit:
                 stalled.append(r)
@@ -126,7 +141,11 @@ class HangTracker:
         timeout = min(per_rank[r]["limit_s"] for r in stalled)
         others = [r for r in sorted(snaps) if r not in frozen]
         if frozen:
-            ages = ", ".join(f"rank {r} {per_rank[r]['heartbeat_age_s']:.1f}s" for r in frozen)
+            ages = ", ".join(
+                f"rank {r} {per_rank[r]['heartbeat_age_s']:.1f}s"
+                + (" (process stopped)" if per_rank[r]["process_state"] == "T" else "")
+                for r in frozen
+            )
             msg = f"rank(s) {_fmt(frozen)} frozen (heartbeat stale: {ages})"
             if others:
                 msg += f"; rank(s) {_fmt(others)} waiting in a collective for them"
@@ -150,6 +169,18 @@ class HangTracker:
             f"progress for {timeout:g}s); the rank they wait for is not on this node"
         )
         return HangVerdict("collective", sorted(snaps), sorted(snaps), msg, timeout, per_rank)
+
+
+def process_state(pid: int) -> str | None:
+    """State letter of ``pid`` from /proc (R, S, D, T stopped, Z zombie...); None when the
+    process is gone; "?" where /proc is not available."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return None
+    except (OSError, IndexError):
+        return "?"
 
 
 def _fmt(ranks: list[int]) -> str:
@@ -186,7 +217,7 @@ class HangDetector(AgentPlugin):
         snaps = agent.worker_progress()
         if not snaps:
             return None
-        verdict = self.tracker.observe(snaps, self._clock())
+        verdict = self.tracker.observe(snaps, self._clock(), process_state=process_state)
         if verdict is None:
             return None
         self._fired = True
