@@ -225,3 +225,15 @@ def test_cli_subprocess_table_and_exit_code(cfg_file: Path) -> None:
     assert p.returncode == 2, p.stderr
     assert "FAIL" in p.stdout and "XID 48" in p.stdout
     assert "NVIDIA H100 80GB HBM3" in p.stdout
+
+
+def test_repeated_application_xids_escalate_to_drain() -> None:
+    once = probe(h100_node(xid_counts={2: {13: 1}}))
+    assert once.action is Action.RESTART and "1 occurrence" in once.reasons[0]
+    many = probe(h100_node(xid_counts={2: {13: 4, 31: 1}}))
+    assert many.action is Action.DRAIN and many.status is Status.FAIL
+    [x13] = [f for f in many.findings if f.check == "xid.13"]
+    assert x13.action is Action.DRAIN and "escalated: 4 >= 3" in x13.reason
+    [x31] = [f for f in many.findings if f.check == "xid.31"]
+    assert x31.action is Action.RESTART
+    assert probe(h100_node(xid_counts={2: {13: 4}}), xid_escalate_after=0).action is Action.RESTART

@@ -155,6 +155,7 @@ def h100_node(
     xid_msgs: dict[int, str] | None = None,
     missing: set[int] | frozenset[int] = frozenset(),
     num_gpus: int = 8,
+    xid_counts: dict[int, dict[int, int]] | None = None,
 ) -> str:
     faults = faults or {}
     xid_msgs = xid_msgs or {}
@@ -176,6 +177,18 @@ def h100_node(
                 labels += f',err_code="{int(value)}",err_msg="{msg}"'
             v = int(value) if float(value).is_integer() else value
             lines.append(f"{name}{{{labels}}} {v}")
+    if xid_counts:  # off by default in dcgm-exporter; a health suite asks for it
+        lines.append(
+            "# HELP DCGM_EXP_XID_ERRORS_COUNT Count of XID Errors within user-specified time window (see xid-count-window-size param)."
+        )
+        lines.append("# TYPE DCGM_EXP_XID_ERRORS_COUNT gauge")
+        for gpu, per_xid in xid_counts.items():
+            for xid, n in per_xid.items():
+                lines.append(
+                    f'DCGM_EXP_XID_ERRORS_COUNT{{gpu="{gpu}",UUID="{UUIDS[gpu]}",'
+                    f'device="nvidia{gpu}",modelName="NVIDIA H100 80GB HBM3",'
+                    f'{host_label}="{hostname}",window_size_in_ms="300000",xid="{xid}"}} {n}'
+                )
     return "\n".join(lines) + "\n"
 
 

@@ -45,6 +45,10 @@ class HealthConfig:
     """Overrides of the counter/check table (``ecc_dbe_volatile = "drain"``)."""
     unknown_xid_action: str = "warn"
     """Action for an XID the table does not list."""
+    xid_escalate_after: int = 3
+    """An XID whose action is warn or restart that occurred this many times (counts from
+    ``DCGM_EXP_XID_ERRORS_COUNT`` or NVML events) escalates to drain ("watch, then drain";
+    "do not drain on the first"). 0 disables."""
     nvlink_error_threshold: int = 100
     """NVLink CRC/replay/recovery errors above which a link is reported."""
     pcie_replay_threshold: int = 100
@@ -117,6 +121,8 @@ class HealthConfig:
         for name in ("dcgm_timeout_s", "preflight_compute_s", "probe_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.xid_escalate_after < 0:
+            raise ValueError("xid_escalate_after must be >= 0 (0 disables)")
         if self.expect_gpus is not None and self.expect_gpus < 0:
             raise ValueError("expect_gpus must be >= 0")
         if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:

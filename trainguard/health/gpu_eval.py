@@ -15,7 +15,7 @@ from typing import Any
 
 from trainguard.health.config import HealthConfig
 from trainguard.health.policy import Policy
-from trainguard.health.result import ProbeResult
+from trainguard.health.result import Action, Finding, ProbeResult
 
 __all__ = ["THERMAL_REASONS", "ThermalTracker", "evaluate_gpus"]
 
@@ -64,15 +64,7 @@ def evaluate_gpus(
         )
     thermal = thermal or ThermalTracker()
     for gpu, r in sorted(readings.items(), key=lambda kv: _gpu_key(kv[0])):
-        xids: dict[int, str | None] = {}
-        last = int(_num(r, "xid"))
-        if last:
-            xids[last] = r.get("xid_msg")
-        for code, count in (r.get("xid_counts") or {}).items():
-            if count and int(code) not in xids:
-                xids[int(code)] = f"{int(count)} occurrence(s)"
-        for code, msg in sorted(xids.items()):
-            result.add(policy.xid_finding(code, gpu=gpu, msg=msg))
+        _xids(result, gpu, r, policy=policy, cfg=cfg)
         if _num(r, "ecc_dbe_volatile") > 0:
             result.add(
                 policy.finding(
@@ -136,6 +128,32 @@ def evaluate_gpus(
                 )
             )
         _thermal(result, gpu, r, policy=policy, cfg=cfg, tracker=thermal)
+
+
+def _xids(
+    result: ProbeResult, gpu: str, r: dict[str, Any], *, policy: Policy, cfg: HealthConfig
+) -> None:
+    counts = {int(c): int(n) for c, n in (r.get("xid_counts") or {}).items() if n}
+    last = int(_num(r, "xid"))
+    codes = sorted(set(counts) | ({last} if last else set()))
+    for code in codes:
+        n = counts.get(code, 0)
+        msg = r.get("xid_msg") if code == last else None
+        if n > 1 or (n and not msg):
+            msg = f"{msg}; {n} occurrences" if msg else f"{n} occurrence(s)"
+        finding = policy.xid_finding(code, gpu=gpu, msg=msg)
+        if (
+            cfg.xid_escalate_after
+            and n >= cfg.xid_escalate_after
+            and finding.action in (Action.WARN, Action.RESTART)
+        ):
+            finding = Finding(
+                check=finding.check,
+                action=Action.DRAIN,
+                reason=f"{finding.reason} (escalated: {n} >= {cfg.xid_escalate_after})",
+                gpu=gpu,
+            )
+        result.add(finding)
 
 
 def _thermal(
