@@ -129,7 +129,7 @@ def test_two_agents_compare_compute_and_clocks_after_rendezvous(tmp_path: Path) 
     port = free_port()
     procs = []
     for n in range(2):
-        env = job_env(**HOST_OK, probe_interval_s=0)
+        env = job_env(**HOST_OK, probe_interval_s=0, allreduce_probe="true", allreduce_probe_mb=4)
         env.update(TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S="0.2", SLURMD_NODENAME=f"node{n}")
         cmd = [
             "-m", "trainguard", "run", "--nnodes", "2", "--nproc-per-node", "1",
@@ -158,3 +158,6 @@ def test_two_agents_compare_compute_and_clocks_after_rendezvous(tmp_path: Path) 
     assert a["nodes"] == b["nodes"] == {"0": "node0", "1": "node1"}
     assert a["flops_per_s"] == b["flops_per_s"] and len(a["flops_per_s"]) == 2
     assert all(abs(s) < 2.0 for s in a["clock_skew_s"].values()) and a["skewed_nodes"] == []
+    probes = events(run_dir, "allreduce_probe")
+    assert len(probes) == 2 and all(p["backend"] == "gloo" and p["busbw_gbps"] > 0 for p in probes)
+    assert all(p["bytes"] == 4 << 20 and p["status"] == "ok" for p in probes)

@@ -75,6 +75,13 @@ class HealthConfig:
     """Duration of the GEMM compute probe; 0 disables it."""
     min_compute_fraction: float = 0.5
     """A node below this fraction of the device peak (GPU) or of the nodes' median is slow."""
+    allreduce_probe: bool = False
+    """After a multi-node rendezvous, measure all-reduce bandwidth across the nodes (a child
+    process per node; NCCL on GPU, gloo on CPU). Off by default: it adds seconds per attempt."""
+    allreduce_probe_mb: float = 64.0
+    """Buffer size of the all-reduce probe."""
+    min_allreduce_busbw_gbps: float | None = None
+    """Bus bandwidth below which ``allreduce_slow`` is reported. None: only measured."""
     probe_interval_s: float = 10.0
     """Seconds between in-job probes, run by the agent in a background thread; 0 disables."""
 

@@ -7,8 +7,9 @@ Events: ``preflight`` (node verdict + compute probe), ``node_excluded`` (preflig
 ``health_probe`` (in-job verdict, emitted when it changes), ``health_unhealthy`` (an in-job
 finding whose action is restart or drain ended the worker group).
 
-The after-rendezvous all-reduce bandwidth probe of the design is not implemented yet: the
-comparison uses the compute probe and the clocks only.
+With ``allreduce_probe`` on, a multi-node rendezvous is followed by an all-reduce bandwidth
+probe across the nodes (event ``allreduce_probe``); it measures the group, it does not say
+which node's link is slow.
 """
 
 from __future__ import annotations
@@ -199,11 +200,36 @@ class HealthMonitor(AgentPlugin):
                 for k, v in cmp.items()
             },
         )
+        if self.cfg.allreduce_probe:
+            self._allreduce(agent, group, world)
         if me in cmp["slow_nodes"] and self.cfg.preflight_policy == "exclude":
             from trainguard.runtime.agent import NodeUnhealthyError
 
             agent.events.emit("node_excluded", reasons=["compute below the nodes' median"])
             raise NodeUnhealthyError(f"node {agent.events.node} is slower than its peers")
+
+    def _allreduce(self, agent: TrainGuardAgent, group: WorkerGroup, world: int) -> None:
+        from trainguard.health.allreduce import run_allreduce_probe
+
+        if not group.master_addr or not group.master_port:
+            return
+        res = run_allreduce_probe(
+            master_addr=group.master_addr,
+            master_port=group.master_port,
+            rank=group.group_rank or 0,
+            world_size=world,
+            prefix=f"trainguard/health/allreduce/{max(agent.attempt, 0)}/",
+            size_mb=self.cfg.allreduce_probe_mb,
+        )
+        floor = self.cfg.min_allreduce_busbw_gbps
+        slow = floor is not None and "busbw_gbps" in res and res["busbw_gbps"] < floor
+        agent.events.emit(
+            "allreduce_probe",
+            **res,
+            nodes=world,
+            status="warn" if slow or "error" in res else "ok",
+            action=self.policy.counters["allreduce_slow"].value if slow else "ignore",
+        )
 
     # -- in-job probing ----------------------------------------------------------------------
     def on_workers_started(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:

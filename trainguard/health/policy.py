@@ -51,6 +51,7 @@ DEFAULT_COUNTER_POLICY: dict[str, Action] = {
     "rdzv_unreachable": Action.WARN,
     "clock_skew": Action.WARN,
     "compute_slow": Action.WARN,
+    "allreduce_slow": Action.WARN,
 }
 COUNTER_CHECKS = tuple(DEFAULT_COUNTER_POLICY)
 
