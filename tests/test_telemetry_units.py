@@ -228,6 +228,8 @@ def test_plugin_end_to_end_in_process(tmp_path: Path, monkeypatch: pytest.Monkey
         events.emit("restart", attempt=0, reason="failure", agent_restarts=1)
         plugin.before_rendezvous(agent)
         plugin.after_rendezvous(SimpleNamespace(attempt=1), group)
+        ckpt = events.emit("checkpoint_committed", attempt=1, rank=0, step=5, stall_s=0.1,
+                           persist_s=0.2, commit_s=0.05, bytes=100)  # fmt: skip
         plugin.poll()
         with urllib.request.urlopen(plugin.endpoint.url, timeout=5) as r:
             text = r.read().decode()
@@ -246,6 +248,17 @@ def test_plugin_end_to_end_in_process(tmp_path: Path, monkeypatch: pytest.Monkey
     assert len(by_name["trainguard.rendezvous_round"]) == 2
     a0, a1 = sorted(by_name["trainguard.attempt"], key=lambda s: s["start"])
     assert a0["status"] == "ERROR" and a0["events"][0]["name"] == "worker_failed"
+    assert a0["events"][0]["attributes"]["cause"] == "killed"
+    recoveries = [e for r in by_name["trainguard.rendezvous_round"] for e in r["events"]
+                  if e["name"] == "restart"]  # fmt: skip
+    assert recoveries and recoveries[0]["attributes"]["reason"] == "failure"
+    (stage,) = by_name["checkpoint.stage"]
+    (persist,) = by_name["checkpoint.persist"]
+    assert stage["parent_span_id"] == persist["parent_span_id"] == a1["span_id"]
+    assert persist["end"] == pytest.approx(ckpt["time"], abs=1e-6)
+    assert persist["end"] - persist["start"] == pytest.approx(0.25, abs=1e-6)
+    assert stage["end"] == pytest.approx(persist["start"], abs=1e-6)
+    assert stage["end"] - stage["start"] == pytest.approx(0.1, abs=1e-6)
     assert a1["links"] == [{"trace_id": job["trace_id"], "span_id": a0["span_id"]}]
     assert {s["parent_span_id"] for s in by_name["rollout"]} == {a0["span_id"]}
     assert {s["resource"]["trainguard.rank"] for s in by_name["rollout"]} == {0, 1}
