@@ -50,6 +50,10 @@ class CheckpointConfig:
     """A disk save requested while one is still persisting: wait for it, or skip this one."""
     memory_tier: bool = True
     """Keep the newest staged state in the node agent's shared memory (needs ``trainguard run``)."""
+    memory_slots: int = 3
+    """Host buffer sets per rank (each the size of the rank's state). One may be persisting to
+    disk while another is staged into; the rest keep older snapshots, so that after a node loss
+    the survivors and the (slightly lagging) peer replica still share a step. Minimum 2."""
     memory_root: str = "/dev/shm"
     """Where the agent creates the node's memory tier."""
     peer_replication: bool = True
@@ -90,6 +94,8 @@ class CheckpointConfig:
             raise ValueError("keep_last must be >= 1 (the newest committed is always kept)")
         if self.in_flight_policy not in ("wait", "skip"):
             raise ValueError("in_flight_policy must be 'wait' or 'skip'")
+        if self.memory_slots < 2:
+            raise ValueError("memory_slots must be >= 2")
         if self.io_threads < 1:
             raise ValueError("io_threads must be >= 1")
         if self.collective_timeout_s <= 0:

@@ -130,6 +130,7 @@ class CheckpointManager:
         self._pool = SlotPool(
             directory=rank_dir(self.memory_dir, self.rank) if self.memory_dir else None,
             pin=torch.cuda.is_available(),
+            num_slots=self.config.memory_slots if memory_dir else 2,
         )
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="tg-ckpt-stage")
         self._persister = ThreadPoolExecutor(1, thread_name_prefix="tg-ckpt-persist")

@@ -45,6 +45,8 @@ __all__ = ["MemoryTierPlugin", "fetch_snapshot", "push_snapshot"]
 logger = logging.getLogger(__name__)
 
 _TIMEOUT_S = 30.0
+_KEEP = 3
+"""Snapshots per rank kept when storing replicas or fetched copies (replication may lag)."""
 
 
 # -- wire --------------------------------------------------------------------------------------
@@ -84,15 +86,14 @@ def _read_snapshot(snap: Snapshot) -> bytes | None:
 
 
 def _write_snapshot(directory: Path, meta: dict[str, Any], data: bytes | bytearray) -> Path:
-    """Store a snapshot under ``directory`` in the older of two slots, bytes first, meta last."""
+    """Store a snapshot under ``directory`` in its oldest of ``_KEEP`` slots, bytes first, meta
+    last (a crash in between leaves no meta, so no snapshot)."""
     directory.mkdir(parents=True, exist_ok=True)
-    existing = {s.meta_path.stem: s for s in list_snapshots(directory)}
-    name = (
-        "slot1"
-        if "slot0" in existing
-        and ("slot1" not in existing or existing["slot1"].step > existing["slot0"].step)
-        else "slot0"
-    )
+    steps = {s.meta_path.stem: s.step for s in list_snapshots(directory)}
+    if any(v == meta["step"] for v in steps.values()):
+        return directory  # already there
+    names = [f"slot{i}" for i in range(_KEEP)]
+    name = next((n for n in names if n not in steps), None) or min(names, key=lambda n: steps[n])
     meta_path = directory / f"{name}.json"
     meta_path.unlink(missing_ok=True)
     tmp = directory / f".{name}.bin.tmp"
@@ -113,10 +114,11 @@ def push_snapshot(addr: tuple[str, int], snap: Snapshot, data: bytes, *, node: s
 
 
 def fetch_snapshot(
-    addr: tuple[str, int], *, rank: int, world_size: int
+    addr: tuple[str, int], *, rank: int, world_size: int, below: int | None = None
 ) -> tuple[dict[str, Any], bytearray] | None:
+    """The peer's newest snapshot of ``rank`` (older than step ``below`` if given)."""
     with socket.create_connection(addr, timeout=_TIMEOUT_S) as s:
-        _send(s, {"op": "get", "rank": rank, "world_size": world_size})
+        _send(s, {"op": "get", "rank": rank, "world_size": world_size, "below": below})
         header, payload = _recv(s)
     if not header.get("found"):
         return None
@@ -137,7 +139,9 @@ class _Handler(socketserver.BaseRequestHandler):
                 tier.store_replica(meta, payload)
                 _send(self.request, {"ok": True})
             elif header["op"] == "get":
-                found = tier.find(int(header["rank"]), int(header["world_size"]))
+                found = tier.find(
+                    int(header["rank"]), int(header["world_size"]), below=header.get("below")
+                )
                 if found is None:
                     _send(self.request, {"found": False})
                 else:
@@ -198,13 +202,15 @@ class MemoryTierPlugin(AgentPlugin):
         with self._lock:
             _write_snapshot(rank_dir(self.replica, int(meta["rank"])), meta, data)
 
-    def find(self, rank: int, world_size: int) -> tuple[Snapshot, bytes] | None:
-        """This node's newest intact snapshot of ``rank`` (own or replica)."""
+    def find(
+        self, rank: int, world_size: int, *, below: int | None = None
+    ) -> tuple[Snapshot, bytes] | None:
+        """This node's newest intact snapshot of ``rank`` (own or replica), older than ``below``."""
         snaps = list_snapshots(rank_dir(self.local, rank)) + list_snapshots(
             rank_dir(self.replica, rank)
         )
         for snap in sorted(snaps, key=lambda s: -s.step):
-            if snap.world_size != world_size:
+            if snap.world_size != world_size or (below is not None and snap.step >= below):
                 continue
             data = _read_snapshot(snap)
             if data is not None:
@@ -234,46 +240,58 @@ class MemoryTierPlugin(AgentPlugin):
         self._fill(ranks, world_size)
 
     def _fill(self, ranks: list[int], world_size: int) -> None:
+        """Give every local rank without a snapshot the newest ``_KEEP`` ones this node holds
+        as replicas, or else the other agents hold."""
         for r in ranks:
             if any(s.world_size == world_size for s in list_snapshots(rank_dir(self.local, r))):
                 continue
             t0 = time.monotonic()
-            got = self.find(r, world_size)
-            source = "replica" if got is not None else None
-            meta: dict[str, Any] | None = None
-            data: bytes | bytearray | None = None
-            if got is not None:
-                meta, data = dict(got[0].meta), got[1]
-            else:
-                for peer in self.peers.values():
-                    try:
-                        fetched = fetch_snapshot(
-                            (peer["host"], peer["port"]), rank=r, world_size=world_size
-                        )
-                    except OSError as e:
-                        logger.warning("fetching rank %s from %s failed: %s", r, peer, e)
-                        continue
-                    if fetched is not None:
-                        meta, data = fetched
-                        if not str(meta.get("source", "")).startswith("peer"):
-                            meta["source"] = f"peer:{peer['node']}"
-                        source = f"peer:{peer['node']}"
-                        break
-            if meta is None or data is None:
+            got = self._collect(r, world_size)
+            for _, meta, data in reversed(got):
+                _write_snapshot(rank_dir(self.local, r), meta, data)
+            if got:
+                self.events.emit(
+                    "checkpoint_memory_filled",
+                    rank=r,
+                    steps=[m["step"] for _, m, _ in got],
+                    step=got[0][1]["step"],
+                    source=got[0][0],
+                    snapshot_source=got[0][1].get("source"),
+                    bytes=sum(len(d) for _, _, d in got),
+                    duration_s=round(time.monotonic() - t0, 4),
+                )
+
+    def _collect(self, rank: int, world_size: int) -> list[tuple[str, dict[str, Any], Any]]:
+        out: list[tuple[str, dict[str, Any], Any]] = []
+        below: int | None = None
+        while len(out) < _KEEP:
+            found = self.find(rank, world_size, below=below)
+            if found is not None:
+                out.append(("replica", dict(found[0].meta), found[1]))
+                below = found[0].step
                 continue
-            _write_snapshot(rank_dir(self.local, r), meta, data)
-            self.events.emit(
-                "checkpoint_memory_filled",
-                rank=r,
-                step=meta["step"],
-                source=source,
-                snapshot_source=meta.get("source"),
-                bytes=len(data),
-                duration_s=round(time.monotonic() - t0, 4),
-            )
+            fetched = None
+            for peer in self.peers.values():
+                try:
+                    fetched = fetch_snapshot(
+                        (peer["host"], peer["port"]), rank=rank, world_size=world_size, below=below
+                    )
+                except OSError as e:
+                    logger.warning("fetching rank %s from %s failed: %s", rank, peer, e)
+                    continue
+                if fetched is not None:
+                    meta, data = fetched
+                    if not str(meta.get("source", "")).startswith("peer"):
+                        meta["source"] = f"peer:{peer['node']}"
+                    out.append((f"peer:{peer['node']}", meta, data))
+                    below = meta["step"]
+                    break
+            if fetched is None:
+                break
+        return out
 
     def _replicate_loop(self) -> None:
-        while not self._stop.wait(0.05):
+        while not self._stop.wait(0.01):
             if not self.peers:
                 continue
             target_rank = (self.group_rank + 1) % (len(self.peers) + 1)

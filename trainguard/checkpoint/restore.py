@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint import manifest as mf
-from trainguard.checkpoint.staging import list_snapshots, rank_dir, unflatten
+from trainguard.checkpoint.staging import flatten, list_snapshots, rank_dir, ref_paths, unflatten
 from trainguard.checkpoint.state import apply_state, build_state_dict, rng_key, set_rng_state
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ def restore(
             loaded, source, err = None, "memory", None
             try:
                 snap = mem[step]
-                skeleton, tensors = snap.load()
+                skeleton, tensors = snap.load(into=_live_tensors(state))
                 loaded = unflatten(skeleton, tensors)
                 source = "peer_memory" if snap.source.startswith("peer") else "memory"
             except (OSError, ValueError, KeyError) as e:
@@ -85,9 +85,20 @@ def restore(
                 return step
     if mgr.rank == 0:
         mgr._emit(
-            "checkpoint_restored", step=None, source="none", duration_s=time.perf_counter() - t0
+            "checkpoint_restored",
+            step=None,
+            source="none",
+            duration_s=round(time.perf_counter() - t0, 4),
+            memory_steps=per_rank,
+            disk_steps=disk,
         )
     return None
+
+
+def _live_tensors(state: MutableMapping[str, Any]) -> dict[tuple[Any, ...], torch.Tensor]:
+    """Key path → the live tensor (parameter / optimizer state) a state dict entry aliases."""
+    skeleton, tensors = flatten(build_state_dict(state))
+    return {path: tensors[i] for i, path in ref_paths(skeleton).items()}
 
 
 def _apply(mgr: CheckpointManager, state: MutableMapping[str, Any], loaded: dict[str, Any]) -> None:

@@ -84,6 +84,24 @@ def unflatten(skeleton: Any, tensors: list[Any]) -> Any:
     return walk(skeleton)
 
 
+def ref_paths(skeleton: Any) -> dict[int, tuple[Any, ...]]:
+    """Tensor index → its key path in the nest."""
+    out: dict[int, tuple[Any, ...]] = {}
+
+    def walk(o: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(o, _Ref):
+            out[o.index] = path
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                walk(v, (*path, k))
+        elif isinstance(o, list | tuple):
+            for i, v in enumerate(o):
+                walk(v, (*path, i))
+
+    walk(skeleton, ())
+    return out
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local part of a DTensor, or the tensor itself."""
     to_local = getattr(t, "to_local", None)
@@ -257,34 +275,40 @@ class Snapshot:
     bin_path: Path
     meta: dict[str, Any]
 
-    def load(self) -> tuple[Any, list[torch.Tensor]]:
+    def load(
+        self, into: dict[tuple[Any, ...], torch.Tensor] | None = None
+    ) -> tuple[Any, list[torch.Tensor]]:
         """(skeleton, tensors) copied out of the snapshot; raises OSError/ValueError if it
-        changed while being read."""
+        changed while being read. ``into`` maps key paths to CPU tensors to read straight into
+        (the live parameters and optimizer state: one copy, no new allocations)."""
+        skeleton = pickle.loads(base64.b64decode(self.meta["skeleton"]))
+        paths = ref_paths(skeleton) if into else {}
         layout = Layout(tuple((e[0], tuple(e[1]), e[2], e[3]) for e in self.meta["entries"]), 0)
+        tensors = []
         with open(self.bin_path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < self.meta["nbytes"]:
                 raise ValueError(f"{self.bin_path}: {size} bytes, expected {self.meta['nbytes']}")
-            if size == 0:
-                tensors = [torch.empty(e[1], dtype=getattr(torch, e[0])) for e in layout.entries]
-            else:
-                # a private writable mapping: frombuffer needs a writable buffer; nothing is
-                # written back to the snapshot
-                mm = mmap.mmap(
-                    f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-                )
-                try:
-                    views = _views_of(mm, layout)
-                    tensors = [v.clone() for v in views]
-                    del views
-                finally:
-                    try:
-                        mm.close()
-                    except BufferError:
-                        pass
+            for i, (dtype, shape, off, n) in enumerate(layout.entries):
+                dt = getattr(torch, dtype)
+                t = (into or {}).get(paths.get(i, ()))
+                if not (
+                    t is not None
+                    and t.device.type == "cpu"
+                    and t.dtype == dt
+                    and tuple(t.shape) == tuple(shape)
+                    and t.is_contiguous()
+                    and type(t) is torch.Tensor
+                ):
+                    t = torch.empty(shape, dtype=dt)
+                if n:
+                    dst = memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
+                    got = os.preadv(f.fileno(), [dst], off)
+                    if got != n:
+                        raise ValueError(f"{self.bin_path}: short read at {off}")
+                tensors.append(t)
         if not self.still_valid():
             raise ValueError(f"snapshot {self.meta_path} changed while being read")
-        skeleton = pickle.loads(base64.b64decode(self.meta["skeleton"]))
         return skeleton, tensors
 
     def still_valid(self) -> bool:

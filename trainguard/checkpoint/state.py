@@ -76,6 +76,7 @@ def optimizer_tensor_ptrs(state: Mapping[str, Any]) -> set[int]:
 def apply_state(state: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> None:
     """Load ``loaded`` (as built by :func:`build_state_dict`) back into the live objects."""
     from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
@@ -90,7 +91,8 @@ def apply_state(state: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> N
             continue
         new = loaded[key]
         if isinstance(v, nn.Module):
-            set_model_state_dict(v, new)
+            if not _aliases(get_model_state_dict(v), new):
+                set_model_state_dict(v, new)
         elif isinstance(v, torch.optim.Optimizer):
             assert model is not None
             set_optimizer_state_dict(model, v, new)
@@ -103,6 +105,20 @@ def apply_state(state: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> N
             _update_in_place(v, new)
         else:
             state[key] = new
+
+
+def _aliases(cur: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """True if ``new`` holds exactly the live tensors of ``cur`` (restored in place already)."""
+    if cur.keys() != new.keys():
+        return False
+    return all(
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and type(a) is torch.Tensor
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        for a, b in ((cur[k], new[k]) for k in cur)
+    )
 
 
 def _update_in_place(dst: MutableMapping[str, Any], src: Mapping[str, Any]) -> None:
