@@ -93,6 +93,7 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
     ]:
         rec.event(ev)
     rec.straggler_scores({"0": 0.0, "1": 0.5})
+    rec.run_info(run_id="r1", job_id="j1")
     rec.goodput(compute_goodput(events, records))
     rec.export_failure("otlp_traces", 3)
 
@@ -152,6 +153,8 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
     # the restart's cause is the failure that caused it, not the agent's generic reason
     assert point(got["trainguard.job.restarts"][1], cause="signal").value == 1
     assert point(got["trainguard.telemetry.export.failures"][1], exporter="otlp_traces").value == 3
+    info = point(got["trainguard.run.info"][1], run_id="r1")
+    assert info.value == 1 and info.attributes["job_id"] == "j1"
     incidents = {p.attributes["kind"]: p.value for p in got["trainguard.health.incidents"][1]}
     assert incidents == {"straggler_detected": 1, "preflight_failed": 1}
     assert point(got["trainguard.health.straggler_score"][1], rank="1").value == 0.5

@@ -376,6 +376,13 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     # -- telemetry itself ---------------------------------------------------------------------
     MetricSpec(
+        name="trainguard.run.info",
+        unit="{info}",
+        kind="gauge",
+        description="Always 1; labels identify the run (run_id, job_id, slurm_job_id) for joins.",
+        attributes=("node", "run_id", "job_id", "slurm_job_id"),
+    ),
+    MetricSpec(
         name="trainguard.telemetry.export.failures",
         unit="{failure}",
         kind="counter",

@@ -184,6 +184,12 @@ class TelemetryPlugin(AgentPlugin):
             peak=PeakResolver(override=cfg.peak_flops, device_name=cfg.device_name),
             flops_per_step=cfg.flops_per_step,
         )
+        ra = resource.attributes
+        self.recorder.run_info(
+            run_id=str(ra["trainguard.run_id"]),
+            job_id=str(ra["trainguard.job_id"]),
+            slurm_job_id=str(ra.get("slurm.job_id", "")),
+        )
         self.tracer = AgentTracer(
             run_id=str(resource.attributes["trainguard.job_id"]),
             node=self.node,

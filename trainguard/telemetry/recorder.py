@@ -217,6 +217,11 @@ class MetricsRecorder:
                     "trainguard.health.straggler_score", v, {"rank": str(rank), "node": self.node}
                 )
 
+    def run_info(self, *, run_id: str, job_id: str, slurm_job_id: str = "") -> None:
+        attrs = {"node": self.node, "run_id": run_id, "job_id": job_id}
+        attrs["slurm_job_id"] = slurm_job_id
+        self._set("trainguard.run.info", 1, attrs)
+
     def goodput(self, g: Goodput) -> None:
         node = {"node": self.node}
         self._set("trainguard.goodput.productive_time", g.productive_s, node)
