@@ -67,9 +67,32 @@ def test_in_job_probe_finding_restarts_the_group(tmp_path: Path) -> None:
     assert bad["action"] == "restart" and "XID 13" in bad["reasons"][0]
     probes = events(run_dir, "health_probe")
     assert any(e["status"] == "warn" for e in probes)
+    assert bad["ranks"] == [0, 1]
+    assert {e["signal"] for e in events(run_dir, "worker_failed")} == {"SIGKILL"}
     assert len(events(run_dir, "restart")) == 1
     assert len(events(run_dir, "preflight")) == 2  # probes before every rendezvous
     assert (run_dir / "done").read_text() == "1"
+
+
+def test_in_job_drain_without_restarts_fails_the_job(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with ExporterServer(h100_node()) as srv:
+        env = job_env(dcgm_url=srv.url, probe_interval_s=0.3, **HOST_OK)
+        proc = subprocess.Popen(
+            job_cmd(run_dir, ["--steps", "300", "--compute-s", "0.05", "--sleep"]),
+            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            wait_for_event(run_dir, "workers_started")
+            srv.text = h100_node(faults={2: {"DCGM_FI_DEV_XID_ERRORS": 79}})
+            proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+    assert proc.returncode != 0
+    [bad] = events(run_dir, "health_unhealthy")
+    assert bad["action"] == "drain" and "XID 79" in bad["reasons"][0]
+    assert events(run_dir, "job_finished")[-1]["state"] == "failed"
+    assert not (run_dir / "done").exists()
 
 
 def test_exchange_and_compare_across_nodes_over_a_real_store() -> None:

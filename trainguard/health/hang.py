@@ -171,6 +171,37 @@ class HangTracker:
         return HangVerdict("collective", sorted(snaps), sorted(snaps), msg, timeout, per_rank)
 
 
+def local_worker_pids(agent: TrainGuardAgent, group: WorkerGroup) -> dict[int, int]:
+    """Global rank → pid of this node's workers."""
+    local = {w.local_rank: w.global_rank for w in group.workers}
+    pcontext = getattr(agent, "_pcontext", None)
+    try:
+        by_local = pcontext.pids() if pcontext is not None else {}
+    except Exception:
+        by_local = {}
+    if by_local:
+        return {local.get(lr, lr): pid for lr, pid in by_local.items()}
+    return {r: s.pid for r, s in agent.worker_progress().items() if s.pid}
+
+
+def kill_workers(pids: dict[int, int]) -> list[int]:
+    """SIGKILL every worker (a stopped process ignores SIGTERM); returns the ranks killed.
+
+    The kills surface on the agent's next monitor tick as torch's own FAILED result (exit -9
+    per rank, the failure report, the restart path). Returning an UNHEALTHY RunResult instead
+    would, with no restarts left, end the job as "succeeded" in torch's launch path."""
+    killed = []
+    for rank, pid in sorted(pids.items()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(rank)
+        except ProcessLookupError:
+            pass
+        except OSError as e:
+            logger.warning("cannot kill rank %d (pid %d): %s", rank, pid, e)
+    return killed
+
+
 def process_state(pid: int) -> str | None:
     """State letter of ``pid`` from /proc (R, S, D, T stopped, Z zombie...); None when the
     process is gone; "?" where /proc is not available."""
@@ -223,10 +254,7 @@ class HangDetector(AgentPlugin):
         self._fired = True
         self.num_hangs += 1
         self._handle(agent, group, verdict)
-        # The SIGKILLed workers surface on the next tick as torch's own FAILED result (exit
-        # -9 per rank, the usual failure report and restart path); an UNHEALTHY result would
-        # end a job without restarts left as "succeeded" in torch's launch path.
-        return None
+        return None  # the kills surface as FAILED on the next tick (see kill_workers)
 
     def _handle(self, agent: TrainGuardAgent, group: WorkerGroup, v: HangVerdict) -> None:
         node = agent.events.node
@@ -241,7 +269,7 @@ class HangDetector(AgentPlugin):
             median_step_s=self.tracker.median_step_s,
             per_rank={str(r): d for r, d in v.per_rank.items()},
         )
-        pids = self._pids(agent, group)
+        pids = local_worker_pids(agent, group)
         if self.cfg.stack_dump and pids:
             from trainguard.health.stacks import dump_stacks
 
@@ -263,26 +291,5 @@ class HangDetector(AgentPlugin):
                     for r, d in stacks.items()
                 },
             )
-        killed = []
-        for rank, pid in sorted(pids.items()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(rank)
-            except ProcessLookupError:
-                pass
-            except OSError as e:
-                logger.warning("cannot kill rank %d (pid %d): %s", rank, pid, e)
+        killed = kill_workers(pids)
         agent.events.emit("hang_killed", ranks=killed, pids={str(r): pids[r] for r in killed})
-
-    @staticmethod
-    def _pids(agent: TrainGuardAgent, group: WorkerGroup) -> dict[int, int]:
-        """Global rank → pid of this node's workers."""
-        local = {w.local_rank: w.global_rank for w in group.workers}
-        pcontext = getattr(agent, "_pcontext", None)
-        try:
-            by_local = pcontext.pids() if pcontext is not None else {}
-        except Exception:
-            by_local = {}
-        if by_local:
-            return {local.get(lr, lr): pid for lr, pid in by_local.items()}
-        return {r: s.pid for r, s in agent.worker_progress().items() if s.pid}

@@ -5,7 +5,8 @@ the training processes).
 Events: ``preflight`` (node verdict + compute probe), ``node_excluded`` (preflight policy
 ``exclude`` kept the node out), ``preflight_compare`` (compute and clock across nodes),
 ``health_probe`` (in-job verdict, emitted when it changes), ``health_unhealthy`` (an in-job
-finding whose action is restart or drain ended the worker group).
+finding whose action is restart or drain: the node's workers are SIGKILLed, so the group fails
+and restarts, or the job fails when no restarts are left).
 
 With ``allreduce_probe`` on, a multi-node rendezvous is followed by an all-reduce bandwidth
 probe across the nodes (event ``allreduce_probe``); it measures the group, it does not say
@@ -23,7 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 from trainguard.health.config import HealthConfig
 from trainguard.health.node import NodeProbe, NodeReport, build_sources
@@ -272,8 +273,15 @@ class HealthMonitor(AgentPlugin):
         if pending is None:
             return None
         action, reasons = pending
-        agent.events.emit("health_unhealthy", action=action.value, reasons=reasons)
-        return RunResult(state=WorkerState.UNHEALTHY)
+        from trainguard.health.hang import kill_workers, local_worker_pids
+
+        logger.error("node %s unhealthy (%s): %s", agent.events.node, action.value, reasons)
+        pids = local_worker_pids(agent, group)
+        agent.events.emit(
+            "health_unhealthy", action=action.value, reasons=reasons, ranks=sorted(pids)
+        )
+        kill_workers(pids)  # surfaces as FAILED: restart, or the job fails when none are left
+        return None
 
     def close(self) -> None:
         self._stop.set()
