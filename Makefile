@@ -19,8 +19,12 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/trainguard run --standalone --nproc-per-node 2 --max-restarts 3 --tg-run-dir $(DEMO) \
 	    examples/train_mlp.py --steps 100 --fail-at-step 40 --fail-rank 1
 	@$(VENV)/bin/trainguard events $(DEMO)
+	@$(VENV)/bin/trainguard report -q $(DEMO)
 	@echo
-	@echo "Run directory: $(DEMO)  (events.jsonl, metrics/rank_*.jsonl, config.json)"
+	@echo "Run directory: $(DEMO)  (events.jsonl, metrics/, checkpoints/, config.json)"
+	@echo "Report:        $(DEMO)/report.html  (loss, throughput, goodput, failures and recoveries)"
+	@echo "Metrics:       $(DEMO)/metrics/rank_*.jsonl and telemetry/; while a job runs, its node's"
+	@echo "               Prometheus endpoint is in $(DEMO)/prometheus_<node>.json"
 	@echo "Events:        $(VENV)/bin/trainguard events $(DEMO)"
 
 test: $(VENV)/.installed

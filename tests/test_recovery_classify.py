@@ -13,7 +13,10 @@ def test_signals() -> None:
 
 
 def test_exit_codes_and_error_files() -> None:
-    assert classify_exit(rank=0, local_rank=0, exitcode=REQUEUE_EXIT_CODE).kind is FailureKind.PREEMPTED
+    assert (
+        classify_exit(rank=0, local_rank=0, exitcode=REQUEUE_EXIT_CODE).kind
+        is FailureKind.PREEMPTED
+    )
     assert classify_exit(rank=0, local_rank=0, exitcode=3).kind is FailureKind.EXITED
     none = classify_exit(rank=0, local_rank=0, exitcode=1, error_file_data={"message": "<NONE>"})
     assert none.kind is FailureKind.EXITED and none.message is None

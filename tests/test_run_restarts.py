@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.launch_utils import REPO, base_env, launch
@@ -18,6 +19,7 @@ EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 NUM_RUNS = int(os.environ.get("TRAINGUARD_TEST_RESTART_RUNS", "20"))
 
 
+@pytest.mark.timeout(1200)
 def test_kill9_restart_twenty_times(tmp_path: Path) -> None:
     finals = []
     for i in range(NUM_RUNS):

@@ -26,12 +26,21 @@ tg.close()
 
 def test_plain_python_writes_run_dir(tmp_path: Path) -> None:
     env = base_env()
-    out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     run_dir, rank, world, under = out.stdout.split()
     assert (rank, world, under) == ("0", "1", "False")
     run_dir = tmp_path / run_dir
     assert run_dir.parent.name == "trainguard-runs"
-    records = [json.loads(x) for x in (run_dir / "metrics" / "rank_0.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(x) for x in (run_dir / "metrics" / "rank_0.jsonl").read_text().splitlines()
+    ]
     steps = [r for r in records if r["kind"] == "step"]
     logs = [r for r in records if r["kind"] == "log"]
     assert [r["step"] for r in steps] == [0, 1, 2]
@@ -45,12 +54,19 @@ def test_under_torchrun_shares_run_dir_by_run_id(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     dirs = list((tmp_path / "trainguard-runs").iterdir())
     assert len(dirs) == 1
-    assert sorted(p.name for p in (dirs[0] / "metrics").iterdir()) == ["rank_0.jsonl", "rank_1.jsonl"]
+    assert sorted(p.name for p in (dirs[0] / "metrics").iterdir()) == [
+        "rank_0.jsonl",
+        "rank_1.jsonl",
+    ]
 
 
 def test_under_agent_progress_is_visible(tmp_path: Path) -> None:
     (tmp_path / "w.py").write_text(SCRIPT)
-    r = launch("trainguard", ["--standalone", "--nproc-per-node", "2", "--tg-run-dir", "run", "w.py"], cwd=tmp_path)
+    r = launch(
+        "trainguard",
+        ["--standalone", "--nproc-per-node", "2", "--tg-run-dir", "run", "w.py"],
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     reader = ProgressReader(tmp_path / "run" / "progress" / "attempt_0")
     snaps = reader.read_all()
@@ -88,10 +104,17 @@ def test_cli_events_command(tmp_path: Path) -> None:
     log = EventLog(tmp_path, node="n1", context=lambda: {"attempt": 2, "restart_count": 2})
     log.emit("launch", pid=1)
     out = subprocess.run(
-        [sys.executable, "-m", "trainguard", "events", str(tmp_path)], capture_output=True, text=True, env=base_env(), cwd=REPO
+        [sys.executable, "-m", "trainguard", "events", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=base_env(),
+        cwd=REPO,
     )
     assert out.returncode == 0 and "launch" in out.stdout and "n1" in out.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "trainguard", "events", str(tmp_path / "nope")], capture_output=True, text=True, env=base_env()
+        [sys.executable, "-m", "trainguard", "events", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        env=base_env(),
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# All GPU checks of the open issues, in one prepared run on a machine with a CUDA GPU (H200).
+# Usage (repo root): bash bench/gpu_checks.sh OUTDIR
+# Installs carried OpenTelemetry wheels from .whl/ if present (the GPU image lacks them).
+set -u
+out=${1:-gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch;print('torch',torch.__version__,torch.cuda.get_device_name(0))"; } 2>&1 | tee "$out/env.log"
+step() {  # step NAME TIMEOUT_S CMD...
+  local name=$1 t=$2; shift 2
+  echo "=== $name: $*" | tee -a "$out/summary.log"
+  timeout "$t" "$@" > "$out/$name.log" 2>&1
+  echo "rc=$?" >> "$out/$name.log"
+  tail -n 25 "$out/$name.log" | tee -a "$out/summary.log"
+}
+step health 150 python3 bench/gpu_health.py
+step mfu 150 python3 bench/gpu_mfu.py
+if [ -f bench/checkpoint.py ]; then
+  step checkpoint 240 python3 bench/checkpoint.py --device cuda
+fi
