@@ -185,3 +185,58 @@ def test_reshard_2_to_1_and_2_to_4(tmp_path: Path) -> None:
     for name in ("load1", "load4"):
         restored = [e for e in _events(tmp_path / name) if e["kind"] == "checkpoint_restored"]
         assert restored and all(e["source"] == "disk" and e["step"] == 3 for e in restored)
+
+
+def _steps_done(run_dir: Path) -> int:
+    best = -1
+    for f in (run_dir / "metrics").glob("rank_*.jsonl"):
+        for line in f.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("kind") == "step":
+                best = max(best, int(rec["step"]))
+    return best
+
+
+def test_sigterm_to_the_agent_saves_commits_and_requeues(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    env = base_env(TRAINGUARD_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
+    args = [
+        sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
+        "--tg-run-dir", str(tmp_path / "run1"),
+        EXAMPLE, "--steps", "100000", "--step-sleep", "0.05", "--ckpt-every", "100000",
+    ]  # fmt: skip
+    p = subprocess.Popen(
+        args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while _steps_done(tmp_path / "run1") < 15:
+        assert time.monotonic() < deadline and p.poll() is None, (
+            p.stderr.read()[-3000:] if p.stderr else ""
+        )
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)  # e.g. Slurm's --signal, forwarded by the agent
+    _, err = p.communicate(timeout=120)
+    assert p.returncode != 0
+    assert "exitcode: 75" in err or "75" in err, err[-3000:]
+    events = _events(tmp_path / "run1")
+    pre = [e for e in events if e["kind"] == "checkpoint_preempted"]
+    saved = [e for e in events if e["kind"] == "checkpoint_preempt_saved"]
+    assert pre and saved and saved[0]["committed"] is True, events[-5:]
+    step = saved[0]["step"]
+    assert step >= 15
+    assert (tmp_path / "ckpt" / f"step_{step:08d}" / "manifest.json").exists()
+
+    # the requeued job resumes from the preemption checkpoint
+    r = _run(
+        ["--standalone", "--nproc-per-node", "2", "--tg-run-dir", str(tmp_path / "run2"),
+         EXAMPLE, "--steps", str(step + 3), "--ckpt-every", "100000"],
+        cwd=tmp_path,
+        env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed at step {step}" in r.stdout

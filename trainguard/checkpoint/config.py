@@ -14,7 +14,9 @@ Example::
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 
@@ -105,3 +107,15 @@ class CheckpointConfig:
         for name in self.preemption_signals:
             if not hasattr(signal, name):
                 raise ValueError(f"preemption_signals: unknown signal {name!r}")
+
+
+def load_worker_config(run_dir: Path) -> CheckpointConfig:
+    """The ``[checkpoint]`` section the agent resolved (``<run_dir>/config.json``), else env."""
+    path = run_dir / "config.json"
+    try:
+        section = json.loads(path.read_text())["trainguard"]["checkpoint"]
+        return CheckpointConfig(**section)
+    except (OSError, KeyError, TypeError, ValueError):
+        from trainguard.config import load_config
+
+        return load_config().checkpoint

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 import signal
 import threading
@@ -37,8 +36,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint import manifest as mf
-from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.config import CheckpointConfig, load_worker_config
 from trainguard.checkpoint.faults import Faults
+from trainguard.checkpoint.interval import observed_mtbf_s, young_interval_s
 from trainguard.checkpoint.staging import (
     Layout,
     SlotPool,
@@ -284,7 +284,14 @@ class CheckpointManager:
                 (cuda_late if src.is_cuda else late).append((src, dst))
             else:
                 dst.copy_(src, non_blocking=src.is_cuda)
-        event = self._issue_cuda_copies(cuda_late) if cuda_late else None
+        event = None
+        if cuda_late:
+            # GPU: the optimizer's kernels will wait for the copy stream (no CPU block), so
+            # the few CPU tensors of the optimizer (step counters) are copied right now.
+            event = self._issue_cuda_copies(cuda_late)
+            for src, dst in late:
+                dst.copy_(src)
+            late = []
         if any(t.is_cuda for t in tensors) and event is None:
             torch.cuda.current_stream().synchronize()
         infos = dtensor_infos(tensors)
@@ -326,8 +333,6 @@ class CheckpointManager:
             dst.copy_(src)
         if event is not None:
             event.synchronize()
-        elif torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
         self.faults.point("staged", result.step, self.rank)
         slot.publish(
             step=result.step, rank=self.rank, world_size=self.world_size, skeleton=skeleton
@@ -538,8 +543,12 @@ class CheckpointManager:
         if not self.config.auto_interval or not self._stalls:
             return
         stall = sorted(self._stalls)[len(self._stalls) // 2]
-        tau = math.sqrt(2.0 * max(stall, 1e-6) * self._mtbf_s)
-        tau = min(max(tau, self.config.auto_min_interval_s), self.config.auto_max_interval_s)
+        tau = young_interval_s(
+            stall,
+            self._mtbf_s,
+            lo=self.config.auto_min_interval_s,
+            hi=self.config.auto_max_interval_s,
+        )
         old = self._interval_s
         self._interval_s = tau
         if old is None or abs(tau - old) > 0.2 * old:
@@ -597,23 +606,9 @@ def _td(seconds: float) -> Any:
     return timedelta(seconds=seconds)
 
 
-def load_worker_config(run_dir: Path) -> CheckpointConfig:
-    """The ``[checkpoint]`` section the agent resolved (``<run_dir>/config.json``), else env."""
-    import json
-
-    path = run_dir / "config.json"
-    try:
-        section = json.loads(path.read_text())["trainguard"]["checkpoint"]
-        return CheckpointConfig(**section)
-    except (OSError, KeyError, TypeError, ValueError):
-        from trainguard.config import load_config
-
-        return load_config().checkpoint
-
-
 def for_worker(tg: Any) -> CheckpointManager:
     """The manager behind ``tg.checkpoint``: config, events and metrics from the handle."""
-    return CheckpointManager(
+    mgr = CheckpointManager(
         config=load_worker_config(Path(tg.run_dir)),
         rank=tg.rank,
         world_size=tg.world_size,
@@ -621,3 +616,8 @@ def for_worker(tg: Any) -> CheckpointManager:
         events=tg.events.emit,
         metrics=tg.log,
     )
+    if mgr.config.auto_interval:
+        observed = observed_mtbf_s(Path(tg.run_dir))
+        if observed is not None:
+            mgr.set_mtbf(min(observed, mgr.config.mtbf_s))
+    return mgr

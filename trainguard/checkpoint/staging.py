@@ -170,7 +170,7 @@ class Slot:
                 os.close(fd)
             if pin and torch.cuda.is_available():
                 addr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
-                rc = torch.cuda.cudart().cudaHostRegister(addr, size, 0)
+                rc = torch.cuda.cudart().cudaHostRegister(addr, size, 1)  # cudaHostRegisterPortable
                 self._registered = int(rc) == 0
             self.views = _views_of(self._mm, layout)
         else:
