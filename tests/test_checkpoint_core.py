@@ -356,3 +356,24 @@ def test_auto_interval_follows_young(tmp_path: Path) -> None:
     assert mgr.interval_s() == pytest.approx((2 * 6.0 * 600.0) ** 0.5)
     assert len(events.kinds("checkpoint_interval")) == 2
     mgr.close()
+
+
+def test_object_storage_through_fsspec(tmp_path: Path) -> None:
+    import uuid
+
+    import fsspec
+
+    root = f"memory://tg-{uuid.uuid4().hex}"
+    m, opt = _model()
+    _train(m, opt, 0)
+    mgr = CheckpointManager(config=CheckpointConfig(dir=root), install_signal_handlers=False)
+    assert mgr.save(1, {"model": m, "optim": opt}).wait(timeout=60)
+    fs = fsspec.filesystem("memory")
+    names = fs.ls(root.removeprefix("memory://"), detail=False)
+    assert any(n.endswith("step_00000001") for n in names) and any(
+        n.endswith("latest") for n in names
+    )
+    m2, opt2 = _model()
+    assert mgr.restore({"model": m2, "optim": opt2}) == 1
+    assert _equal(_flat(m2, opt2), _flat(m, opt))
+    mgr.close()

@@ -397,7 +397,7 @@ class CheckpointManager:
         try:
             self.faults.point("persist_start", result.step, self.rank)
             if "://" in self.root:
-                from torch.distributed.checkpoint import FsspecWriter
+                from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
                 writer: Any = FsspecWriter(path, sync_files=self.config.sync_files)
             else:

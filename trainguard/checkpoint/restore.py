@@ -143,7 +143,12 @@ def _load_disk(mgr: CheckpointManager, state: MutableMapping[str, Any], step: in
     assert manifest is not None
     target = build_state_dict(state)
     target["_trainguard_step"] = step
-    reader = dcp.FileSystemReader(path) if "://" not in mgr.root else dcp.FsspecReader(path)
+    if "://" in mgr.root:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        reader: Any = FsspecReader(path)
+    else:
+        reader = dcp.FileSystemReader(path)
     keys = set(reader.read_metadata().state_dict_metadata)
     rk = rng_key(mgr.rank)
     if mgr.config.capture_rng and manifest.world_size == mgr.world_size and rk in keys:
