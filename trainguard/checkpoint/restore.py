@@ -131,7 +131,7 @@ def _load_disk(mgr: CheckpointManager, state: MutableMapping[str, Any], step: in
     elif mgr.config.verify_checksums:
         names = sorted(manifest.files)[mgr.rank :: mgr.world_size]
         try:
-            mf.verify(mgr.storage, path, manifest, names)
+            mf.verify(mgr.storage, path, manifest, names, threads=mgr.config.io_threads)
         except mf.VerifyError as e:
             err = str(e)
     if not _all_ok(mgr, err is None):
