@@ -87,7 +87,10 @@ def test_kill_9_resume_is_bitwise_identical_from_disk_and_memory(tmp_path: Path)
     restored = [
         e for e in _events(disk_d / "run") if e["kind"] == "checkpoint_restored" and e["step"]
     ]
-    assert {e["source"] for e in restored} == {"disk"} and {e["step"] for e in restored} == {40}
+    # disk checkpoints every 20 steps; step 40's may still be persisting when step 55 dies,
+    # in which case it never committed and the restore falls back to step 20
+    assert {e["source"] for e in restored} == {"disk"}
+    assert len({e["step"] for e in restored}) == 1 and restored[0]["step"] in (20, 40), restored
     assert any(
         e["kind"] == "worker_failed" and e["signal"] == "SIGKILL" for e in _events(disk_d / "run")
     )
