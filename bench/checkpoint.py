@@ -131,6 +131,13 @@ def _phase(name: str, t0: list[float]) -> None:
     )
 
 
+def _shm_free() -> int:
+    try:
+        return shutil.disk_usage("/dev/shm").free
+    except OSError:
+        return 0
+
+
 def _median(xs: list[float]) -> float:
     return round(statistics.median(xs), 4) if xs else float("nan")
 
@@ -259,7 +266,7 @@ def _dcp_best(b: Bench, out: dict[str, Any], T: int) -> None:
     stager = DefaultStager(
         StagingOptions(
             use_pinned_memory=cuda,
-            use_shared_memory=True,
+            use_shared_memory=_shm_free() > 1.2 * b.state_bytes,
             use_async_staging=True,
             use_non_blocking_copy=cuda,
         )
@@ -288,7 +295,8 @@ def _trainguard(b: Bench, out: dict[str, Any], T: int) -> None:
     from trainguard.checkpoint.config import CheckpointConfig
     from trainguard.checkpoint.manager import CheckpointManager
 
-    shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    shm_root = "/dev/shm" if _shm_free() > 3.3 * b.state_bytes else None  # 3 slots
+    out["memory_tier_dir"] = shm_root or tempfile.gettempdir()
     mem = Path(tempfile.mkdtemp(prefix="tg-bench-mem-", dir=shm_root))
     # one writer thread per core is DCP's knob too; on a GPU host there are cores to spare
     io_threads = 4 if b.device == "cuda" else 1

@@ -265,7 +265,15 @@ class CheckpointManager:
         skeleton, tensors = flatten(sd)
         skeleton = copy.deepcopy(skeleton)  # non-tensor leaves as of now
         layout = Layout.of(tensors)
-        slot = self._pool.acquire(layout)
+        try:
+            slot = self._pool.acquire(layout)
+        except OSError as e:  # e.g. /dev/shm too small: keep going without the memory tier
+            logger.warning("memory tier unavailable (%s); staging into private buffers", e)
+            self._emit("checkpoint_memory_tier_disabled", rank=self.rank, error=str(e))
+            self._pool.close()
+            self.memory_dir = None
+            self._pool = SlotPool(directory=None, pin=self._pool.pin)
+            slot = self._pool.acquire(layout)
         if slot is None:  # both slots persisting: cannot happen with one persist in flight
             self._wait_persist()
             slot = self._pool.acquire(layout)

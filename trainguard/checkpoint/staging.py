@@ -164,7 +164,9 @@ class Slot:
             size = max(layout.nbytes, 1)
             fd = os.open(self.bin_path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
+                # allocate now: a full tmpfs fails here with ENOSPC, not later with SIGBUS
                 os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)
                 self._mm = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
