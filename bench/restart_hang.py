@@ -33,7 +33,14 @@ def once(which: str, i: int, tmp: Path, timeout: float) -> str:
         cmd += ["--tg-run-dir", str(tmp / f"run{i}")]
     cmd += [EXAMPLE, "--steps", "12", "--fail-at-step", str(3 + i % 6), "--fail-rank", str(i % 2)]
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    p = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=tmp,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         return "ok" if p.wait(timeout=timeout) == 0 else "failed"
     except subprocess.TimeoutExpired:

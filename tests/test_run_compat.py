@@ -376,3 +376,25 @@ def test_subprocess_env_unchanged_by_import() -> None:
         [os.sys.executable, "-c", code], capture_output=True, text=True, env=base_env(), check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_unhealthy_group_without_restarts_fails_the_job(tmp_path: Path) -> None:
+    """A plugin's UNHEALTHY verdict with no restarts left is a failure (exit 1 + report)."""
+    import json
+    import sys
+
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import time, trainguard\ntg = trainguard.init()\n"
+        "for i in range(600):\n    with tg.step():\n        time.sleep(0.05)\n"
+    )
+    cmd = [sys.executable, str(WORKERS / "unhealthy_launcher.py"), "--standalone", "--nproc-per-node", "1",
+           "--tg-run-dir", str(tmp_path / "run"), str(script)]  # fmt: skip
+    p = subprocess.run(
+        cmd, cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "Root Cause (first observed failure)" in p.stderr
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["kind"] == "job_finished" and events[-1]["state"] == "failed"
+    assert "worker_group_unhealthy" in [e["kind"] for e in events]

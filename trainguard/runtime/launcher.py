@@ -24,9 +24,9 @@ from typing import Any
 from torch.distributed import run as torchrun
 from torch.distributed.elastic import events as torch_events
 from torch.distributed.elastic import metrics as torch_metrics
-from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -150,6 +150,16 @@ def _master_addr_port(params: RendezvousParameters) -> tuple[str | None, int | N
     return addr, port
 
 
+def _unhealthy_failures(agent: TrainGuardAgent) -> dict[int, ProcessFailure]:
+    """One failure per local worker of a group the agent declared unhealthy (exit code 1)."""
+    return {
+        w.global_rank: ProcessFailure(
+            local_rank=w.local_rank, pid=w.id or -1, exitcode=1, error_file=""
+        )
+        for w in agent.get_worker_group().workers
+    }
+
+
 def launch(
     config: LaunchConfig,
     entrypoint: Callable[..., Any] | str,
@@ -226,6 +236,12 @@ def launch(
         torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
         if result.is_failed():
             raise ChildFailedError(name=name, failures=result.failures)
+        if result.state == WorkerState.UNHEALTHY:
+            # torch hands an UNHEALTHY group back when no restarts are left, and its
+            # is_failed() is False: report it like a failure instead of a success.
+            raise ChildFailedError(
+                name=name, failures=result.failures or _unhealthy_failures(agent)
+            )
         state = "succeeded"
         return result.return_values
     except ChildFailedError:

@@ -39,7 +39,8 @@ class AgentPlugin:
         self, agent: TrainGuardAgent, group: WorkerGroup, result: RunResult
     ) -> RunResult | None:
         """Every monitor tick. Return a RunResult to override the group's state
-        (e.g. ``UNHEALTHY`` after a hang), or ``None`` to keep it."""
+        (e.g. ``UNHEALTHY`` after a hang: the agent restarts the group, or, with no restarts
+        left, the launcher reports the job failed), or ``None`` to keep it."""
         return None
 
     def on_failure(self, agent: TrainGuardAgent, failures: list[WorkerFailure]) -> None:
