@@ -183,6 +183,7 @@ class MemoryTierPlugin(AgentPlugin):
         self.group_rank = 0
         self.peers: dict[int, dict[str, Any]] = {}
         self._pushed: dict[int, str] = {}
+        self._seen: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._server: _Server | None = None
@@ -235,6 +236,7 @@ class MemoryTierPlugin(AgentPlugin):
             self.peers = {}
         with self._lock:
             self._pushed.clear()
+            self._seen.clear()
         ranks = [w.global_rank for w in group.workers]
         world_size = group.workers[0].world_size if group.workers else 0
         self._fill(ranks, world_size)
@@ -305,6 +307,10 @@ class MemoryTierPlugin(AgentPlugin):
             for name in names:
                 if not name.startswith("rank_"):
                     continue
+                stamp = _dir_stamp(self.local / name)
+                if stamp is None or self._seen.get(name) == stamp:
+                    continue  # nothing new: skip parsing the metadata
+                self._seen[name] = stamp
                 snaps = list_snapshots(self.local / name)
                 if not snaps or snaps[0].source.startswith("peer"):
                     continue
@@ -313,11 +319,13 @@ class MemoryTierPlugin(AgentPlugin):
                     continue
                 data = _read_snapshot(snap)
                 if data is None:
+                    self._seen.pop(name, None)  # changed while read: look again
                     continue
                 try:
                     push_snapshot((peer["host"], peer["port"]), snap, data, node=self.node)
                     self._pushed[snap.rank] = snap.gen
                 except OSError as e:
+                    self._seen.pop(name, None)
                     logger.debug("replicating rank %s to %s failed: %s", snap.rank, peer, e)
 
     def close(self) -> None:
@@ -330,6 +338,18 @@ class MemoryTierPlugin(AgentPlugin):
         shutil.rmtree(self.dir, ignore_errors=True)
         if os.environ.get(MEMORY_DIR_ENV) == str(self.local):
             del os.environ[MEMORY_DIR_ENV]
+
+
+def _dir_stamp(d: Path) -> tuple[tuple[str, int], ...] | None:
+    """(name, mtime) of the snapshot metadata files: changes whenever a snapshot is published."""
+    try:
+        return tuple(
+            sorted(
+                (e.name, e.stat().st_mtime_ns) for e in os.scandir(d) if e.name.endswith(".json")
+            )
+        )
+    except OSError:
+        return None
 
 
 def _host_ip() -> str:
