@@ -23,6 +23,7 @@ def test_preflight_reports_sources_and_compute(tmp_path: Path) -> None:
     with ExporterServer(h100_node()) as srv:
         env = job_env(dcgm_url=srv.url, expect_gpus=8, probe_interval_s=0, **HOST_OK)
         env["TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S"] = "0.2"
+        env["TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_CPU"] = "true"  # this node has no GPU
         p = run_job(run_dir, ["--steps", "3"], env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     [pre] = events(run_dir, "preflight")
@@ -153,7 +154,11 @@ def test_two_agents_compare_compute_and_clocks_after_rendezvous(tmp_path: Path) 
     procs = []
     for n in range(2):
         env = job_env(**HOST_OK, probe_interval_s=0, allreduce_probe="true", allreduce_probe_mb=4)
-        env.update(TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S="0.2", SLURMD_NODENAME=f"node{n}")
+        env.update(
+            TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S="0.2",
+            TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_CPU="true",
+            SLURMD_NODENAME=f"node{n}",
+        )
         cmd = [
             "-m", "trainguard", "run", "--nnodes", "2", "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hc",

@@ -56,12 +56,13 @@ from trainguard.checkpoint.storage import (
     fsync_dir,
     storage_for,
 )
+from trainguard.runtime import envvars
 
 __all__ = ["CheckpointManager", "MEMORY_DIR_ENV", "SaveResult"]
 
 logger = logging.getLogger(__name__)
 
-MEMORY_DIR_ENV = "TRAINGUARD_CHECKPOINT_MEMORY_DIR"
+MEMORY_DIR_ENV = envvars.CHECKPOINT_MEMORY_DIR
 """Set by the agent's memory-tier plugin: this node's shared-memory directory."""
 
 EventFn = Callable[..., Any]

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainguard.checkpoint.config import CheckpointConfig
-from trainguard.checkpoint.manager import MEMORY_DIR_ENV
 from trainguard.checkpoint.staging import Snapshot, list_snapshots, rank_dir
+from trainguard.runtime.envvars import CHECKPOINT_MEMORY_DIR as MEMORY_DIR_ENV
 from trainguard.runtime.plugin import AgentPlugin
 
 if TYPE_CHECKING:

@@ -73,6 +73,9 @@ class HealthConfig:
     """``exclude``: a node whose preflight fails (or is too slow) keeps out of the job."""
     preflight_compute_s: float = 1.0
     """Duration of the GEMM compute probe; 0 disables it."""
+    preflight_compute_cpu: bool = False
+    """Also run the compute probe on nodes without a GPU (it then times a CPU GEMM). Off by
+    default: a CPU-only node has no accelerator to vet, and the probe would delay every launch."""
     min_compute_fraction: float = 0.5
     """A node below this fraction of the device peak (GPU) or of the nodes' median is slow."""
     allreduce_probe: bool = False

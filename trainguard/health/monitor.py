@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
+from trainguard.health.compute import ComputeResult
 from trainguard.health.config import HealthConfig
 from trainguard.health.node import NodeProbe, NodeReport, build_sources
 from trainguard.health.policy import Policy
@@ -124,11 +128,9 @@ class HealthMonitor(AgentPlugin):
         return report
 
     def _compute_probe(self) -> ProbeResult:
-        from trainguard.health.compute import gemm_probe
-
         res = ProbeResult(source="compute")
         try:
-            c = gemm_probe(self.cfg.preflight_compute_s)
+            c = run_gemm_probe_in_child(self.cfg.preflight_compute_s)
         except Exception as e:
             logger.warning("compute probe failed: %s", e)
             return ProbeResult.unknown("compute", f"compute probe failed: {e}")
@@ -151,7 +153,11 @@ class HealthMonitor(AgentPlugin):
             return
         t0 = time.monotonic()
         report = self.run_probe()
-        if self.cfg.preflight_compute_s > 0 and self.compute is None:
+        if (
+            self.cfg.preflight_compute_s > 0
+            and self.compute is None
+            and (self.cfg.preflight_compute_cpu or _gpu_visible())
+        ):
             report.extra.append(self._compute_probe())
         agent.events.emit(
             "preflight",
@@ -292,3 +298,35 @@ class HealthMonitor(AgentPlugin):
 
 def _value(status: Status | None) -> str | None:
     return None if status is None else status.value
+
+
+def _gpu_visible() -> bool:
+    """Whether this node has a CUDA GPU (asked without creating a CUDA context)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+_PROBE_CODE = (
+    "import dataclasses, json, sys\n"
+    "from trainguard.health.compute import gemm_probe\n"
+    "print(json.dumps(dataclasses.asdict(gemm_probe(float(sys.argv[1])))))\n"
+)
+
+
+def run_gemm_probe_in_child(duration_s: float) -> ComputeResult:
+    """The GEMM probe in a child process, so the agent never holds a CUDA context (and its
+    GPU memory) for the rest of the job."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE_CODE, str(duration_s)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60 + 20 * duration_s,
+        check=False,
+    )
+    if out.returncode != 0:
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"compute probe exited {out.returncode}: {tail}")
+    return ComputeResult(**json.loads(out.stdout.strip().splitlines()[-1]))

@@ -11,4 +11,7 @@ NODE = "TRAINGUARD_NODE"
 HEARTBEAT_INTERVAL_S = "TRAINGUARD_HEARTBEAT_INTERVAL_S"
 """Seconds between heartbeats of a worker's background thread."""
 
+CHECKPOINT_MEMORY_DIR = "TRAINGUARD_CHECKPOINT_MEMORY_DIR"
+"""The node's in-memory checkpoint tier (a directory in host shared memory) owned by the agent."""
+
 ALL = (RUN_DIR, PROGRESS_DIR, ATTEMPT, NODE, HEARTBEAT_INTERVAL_S)
