@@ -18,8 +18,8 @@ step() {  # step NAME TIMEOUT_S CMD...
   echo "rc=$?" >> "$out/$name.log"
   tail -n 25 "$out/$name.log" | tee -a "$out/summary.log"
 }
-step health 150 python3 bench/gpu_health.py
-step mfu 150 python3 bench/gpu_mfu.py
+step health 110 python3 bench/gpu_health.py
+step mfu 130 python3 bench/gpu_mfu.py
 if [ -f bench/checkpoint.py ]; then
-  step checkpoint 240 python3 bench/checkpoint.py --device cuda
+  step checkpoint 270 python3 bench/checkpoint.py --device cuda
 fi
