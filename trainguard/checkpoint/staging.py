@@ -15,13 +15,11 @@ so a crash at any point leaves either a complete snapshot or none in that slot.
 
 from __future__ import annotations
 
-import base64
 import ctypes
 import json
 import logging
 import mmap
 import os
-import pickle
 import time
 import uuid
 from dataclasses import dataclass
@@ -29,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from trainguard.checkpoint import jsoncodec
 
 __all__ = ["Layout", "Slot", "SlotPool", "Snapshot", "flatten", "list_snapshots", "unflatten"]
 
@@ -40,6 +40,9 @@ _ALIGN = 64
 @dataclass(frozen=True, slots=True)
 class _Ref:
     index: int
+
+
+jsoncodec.register_ref("ref", _Ref, lambda r: r.index, lambda v: _Ref(int(v)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +218,7 @@ class Slot:
             "time": self.time,
             "nbytes": self.layout.nbytes,
             "entries": [list(e) for e in self.layout.entries],
-            "skeleton": base64.b64encode(pickle.dumps(skeleton)).decode(),
+            "skeleton": jsoncodec.dumps(skeleton),
             "source": "memory",
         }
         tmp = self.meta_path.with_suffix(".json.tmp")
@@ -283,7 +286,7 @@ class Snapshot:
         """(skeleton, tensors) copied out of the snapshot; raises OSError/ValueError if it
         changed while being read. ``into`` maps key paths to CPU tensors to read straight into
         (the live parameters and optimizer state: one copy, no new allocations)."""
-        skeleton = pickle.loads(base64.b64decode(self.meta["skeleton"]))
+        skeleton = jsoncodec.loads(self.meta["skeleton"])
         paths = ref_paths(skeleton) if into else {}
         layout = Layout(tuple((e[0], tuple(e[1]), e[2], e[3]) for e in self.meta["entries"]), 0)
         tensors: list[torch.Tensor] = []

@@ -8,13 +8,14 @@ loaders, schedulers), and plain values (dicts, tensors, numbers), which are rest
 
 from __future__ import annotations
 
-import pickle
 import random
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
 from torch import nn
+
+from trainguard.checkpoint import jsoncodec
 
 __all__ = ["apply_state", "build_state_dict", "optimizer_tensor_ptrs", "rng_key", "rng_state"]
 
@@ -147,13 +148,13 @@ def rng_state() -> bytes:
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         st["cuda"] = torch.cuda.get_rng_state_all()
-    return pickle.dumps(st)
+    return jsoncodec.dumps(st).encode()
 
 
 def set_rng_state(blob: Any) -> None:
     if isinstance(blob, torch.Tensor):  # never expected; DCP returns bytes objects as-is
         return
-    st = pickle.loads(blob) if isinstance(blob, bytes | bytearray) else blob
+    st = jsoncodec.loads(bytes(blob)) if isinstance(blob, bytes | bytearray) else blob
     random.setstate(st["python"])
     torch.set_rng_state(st["torch"])
     if "numpy" in st:
