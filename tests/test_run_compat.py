@@ -126,7 +126,7 @@ def test_entrypoint_modes(tmp_path: Path, mode: str) -> None:
                 "--nproc-per-node",
                 "1",
                 "-m",
-                "tests.workers.dump_env_mod",
+                "tests.workers.dump_env",
                 "x",
             ]
         if mode == "no_python":

@@ -16,6 +16,7 @@ from opentelemetry.sdk.metrics.export import MetricExportResult
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from tests.launch_utils import REPO, base_env
+from trainguard.runtime.jsonl import JsonlTail
 from trainguard.telemetry.config import TelemetryConfig
 from trainguard.telemetry.exporters import (
     CountingMetricExporter,
@@ -23,7 +24,7 @@ from trainguard.telemetry.exporters import (
     JsonlMetricExporter,
     resolve_otlp,
 )
-from trainguard.telemetry.plugin import TelemetryPlugin, _Tail
+from trainguard.telemetry.plugin import TelemetryPlugin
 from trainguard.telemetry.prometheus import PrometheusBridge, PrometheusEndpoint
 from trainguard.telemetry.spans import (
     TRACEPARENT_ENV,
@@ -105,7 +106,7 @@ def test_import_and_init_do_not_load_opentelemetry(tmp_path: Path) -> None:
 
 def test_tail_reads_only_complete_lines(tmp_path: Path) -> None:
     path = tmp_path / "a.jsonl"
-    tail = _Tail(path)
+    tail = JsonlTail(path)
     assert tail.read() == []
     path.write_text('{"a": 1}\n{"b"')
     assert tail.read() == [{"a": 1}]

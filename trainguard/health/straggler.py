@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 from trainguard.health.config import HealthConfig
+from trainguard.runtime.jsonl import JsonlTail
 from trainguard.runtime.plugin import AgentPlugin
 
 if TYPE_CHECKING:
@@ -114,35 +115,6 @@ class StragglerScorer:
         return new
 
 
-class _Tail:
-    """Reads appended JSON lines of one file."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self._partial = ""
-
-    def read(self) -> list[dict[str, Any]]:
-        try:
-            with self.path.open("r", encoding="utf-8") as f:
-                f.seek(self.offset)
-                data = f.read()
-                self.offset = f.tell()
-        except OSError:
-            return []
-        data = self._partial + data
-        lines = data.split("\n")
-        self._partial = lines.pop()
-        out = []
-        for line in lines:
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-        return out
-
-
 class StragglerDetector(AgentPlugin):
     """Agent plugin: tails local ranks' metrics and reports persistent stragglers."""
 
@@ -152,7 +124,7 @@ class StragglerDetector(AgentPlugin):
         self.cfg = cfg
         self.poll_interval_s = poll_interval_s
         self.scorer: StragglerScorer | None = None
-        self._tails: dict[int, _Tail] = {}
+        self._tails: dict[int, JsonlTail] = {}
         self._attempt = -1
         self._next_poll = 0.0
         self.reports: list[dict[str, Any]] = []
@@ -164,7 +136,7 @@ class StragglerDetector(AgentPlugin):
         metrics = Path(agent.run_dir) / "metrics"
         self._tails = {}
         for r in ranks:
-            tail = _Tail(metrics / f"rank_{r}.jsonl")
+            tail = JsonlTail(metrics / f"rank_{r}.jsonl")
             try:  # skip what earlier attempts wrote
                 tail.offset = tail.path.stat().st_size
             except OSError:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainguard.runtime.events import EVENTS_FILE, EventLog
+from trainguard.runtime.jsonl import JsonlTail
 from trainguard.runtime.plugin import AgentPlugin
 from trainguard.telemetry.config import TelemetryConfig
 
@@ -30,35 +31,6 @@ if TYPE_CHECKING:
 __all__ = ["TelemetryPlugin", "create_telemetry_plugin"]
 
 logger = logging.getLogger(__name__)
-
-
-class _Tail:
-    """Reads complete new lines of a growing JSONL file."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self._partial = b""
-
-    def read(self) -> list[dict[str, Any]]:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(chunk)
-        data = self._partial + chunk
-        lines = data.split(b"\n")
-        self._partial = lines.pop()
-        out = []
-        for line in lines:
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    logger.debug("skipping a malformed line in %s", self.path)
-        return out
 
 
 def _resource_attrs(run_dir: Path, node: str) -> dict[str, Any]:
@@ -207,8 +179,8 @@ class TelemetryPlugin(AgentPlugin):
             except OSError as e:
                 logger.warning("no metrics endpoint for node %s: %s", self.node, e)
         self._ranks: set[int] = set()
-        self._tails: dict[int, _Tail] = {}
-        self._events_tail = _Tail(run_dir / EVENTS_FILE)
+        self._tails: dict[int, JsonlTail] = {}
+        self._events_tail = JsonlTail(run_dir / EVENTS_FILE)
         self._events: list[dict[str, Any]] = []
         from trainguard.telemetry.goodput import GoodputTracker
 
@@ -243,7 +215,7 @@ class TelemetryPlugin(AgentPlugin):
             self.tracer.event(ev)
         for rank in sorted(self._ranks):
             tail = self._tails.setdefault(
-                rank, _Tail(self.run_dir / "metrics" / f"rank_{rank}.jsonl")
+                rank, JsonlTail(self.run_dir / "metrics" / f"rank_{rank}.jsonl")
             )
             for rec in tail.read():
                 kind = rec.get("kind")
