@@ -104,6 +104,7 @@ class Bench:
         trials: int,
         slowdown: list[float] | None = None,
         done: Callable[[Any], bool] | None = None,
+        cleanup: bool = True,
     ) -> tuple[list[float], list[float]]:
         """(stalls, commit times) over ``trials`` saves."""
         stalls, commits = [], []
@@ -121,6 +122,8 @@ class Bench:
             if finish is not None:
                 finish(handle)
             commits.append(time.perf_counter() - ts)
+            if cleanup:  # an 8 GiB state x trials would fill a small disk
+                self.clean()
         return stalls, commits
 
     def clean(self) -> None:
@@ -265,6 +268,7 @@ def _dcp_async_default(b: Bench, out: dict[str, Any], T: int) -> None:
         )
 
     async_process(999).result()  # the first call starts the background process
+    b.clean()
     stalls, commits = b.measure(async_process, lambda f: f.result(), trials=T)
     out["dcp_async_process_stall_s"] = _median(stalls)
     out["dcp_async_process_commit_while_training_s"] = _median(commits)
@@ -298,6 +302,7 @@ def _dcp_best(b: Bench, out: dict[str, Any], T: int) -> None:
         return resp
 
     best(998).upload_completion.result()
+    b.clean()
     stalls, commits = b.measure(best, lambda r: r.upload_completion.result(), trials=T)
     out["dcp_best_stall_s"] = _median(stalls)
     out["dcp_best_commit_while_training_s"] = _median(commits)
@@ -325,6 +330,7 @@ def _trainguard(b: Bench, out: dict[str, Any], T: int) -> None:
         trials=T,
         slowdown=slow,
         done=lambda r: r.done.is_set(),
+        cleanup=False,  # its own retention keeps the newest
     )
     out["trainguard_stall_s"] = _median(stalls)
     out["trainguard_commit_while_training_s"] = _median(commits)
