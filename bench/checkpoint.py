@@ -109,6 +109,7 @@ class Bench:
     ) -> tuple[list[float], list[float]]:
         """(stalls, commit times) over ``trials`` saves."""
         stalls, commits = [], []
+        self.bases: list[float] = []
         for i in range(trials):
             base = self.base_two_steps()
             t0 = time.perf_counter()
@@ -126,6 +127,7 @@ class Bench:
             if self.device == "cpu":  # noisy shared box: baseline before and after the save
                 base = (base + self.base_two_steps()) / 2
             stalls.append(window - base)
+            self.bases.append(base / 2)
             if cleanup:  # an 8 GiB state x trials would fill a small disk
                 self.clean()
         return stalls, commits
@@ -348,8 +350,9 @@ def _trainguard(b: Bench, out: dict[str, Any], T: int) -> None:
             assert mgr.save(100 + i, state).wait()
             idle.append(time.perf_counter() - t0)
         out["trainguard_commit_s"] = _median(idle)
+    # steps while a persist runs vs the steps without a save measured around them
     out["persist_step_slowdown"] = (
-        round(statistics.median(slow) / out["base_step_s"], 3) if slow else None
+        round(statistics.median(slow) / statistics.median(b.bases), 3) if slow else None
     )
     out["persist_steps_observed"] = len(slow)
     mgr.close()
