@@ -37,7 +37,7 @@ def _agent(tmp: Path, name: str, port: int, run_dir: Path, out: Path) -> subproc
     # torch's dynamic rendezvous with a shared agent TCP store deadlocks when a new node joins a
     # later round (the old rank 0 does not republish MASTER_ADDR/PORT for that round); without
     # store sharing every round publishes them.
-    env = base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = base_env()
     return subprocess.Popen(
         args, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )

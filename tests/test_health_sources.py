@@ -109,7 +109,6 @@ def test_real_nvml_without_a_driver_is_not_present() -> None:
     import pynvml  # the test extra installs nvidia-ml-py
 
     try:
-
         pynvml.nvmlInit()
         pynvml.nvmlShutdown()
         pytest.skip("this machine has an NVIDIA driver; bench/gpu_health.py covers it")

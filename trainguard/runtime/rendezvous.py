@@ -7,7 +7,9 @@ worker-group attempt (``TORCHELASTIC_USE_AGENT_STORE=True``). Workers call
 read a dead worker's address and fail or hang forever in ``init_process_group``
 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` avoids it, at the price of a different env contract).
 This wrapper keeps the agent-store contract but hosts a *new* store server for every round on
-the rank-0 node, so each attempt starts from an empty key space.
+the rank-0 node, so each attempt starts from an empty key space. It also keeps torch from
+caching that address across rounds, which left a replacement node joining a later round
+waiting forever for it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from torch.distributed.elastic.rendezvous import (
 __all__ = ["AttemptRendezvousHandler", "RoundInfo"]
 
 logger = logging.getLogger(__name__)
+
+_NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,7 @@ class AttemptRendezvousHandler(RendezvousHandler):
 
     @property
     def use_agent_store(self) -> bool:
+        # torch's answer outside next_rendezvous (where we flip the env var it reads)
         return self._inner.use_agent_store
 
     def is_closed(self) -> bool:
@@ -82,7 +87,18 @@ class AttemptRendezvousHandler(RendezvousHandler):
 
     # -- the additions -------------------------------------------------------------------------
     def next_rendezvous(self) -> RendezvousInfo:
-        info = self._inner.next_rendezvous()
+        # torch caches the shared store's address after the first round, so a node that joins
+        # a later round (a replacement) waits forever for keys the old rank 0 never publishes
+        # again. We host our own store every round anyway: ask torch for its uncached path.
+        previous = os.environ.get(_NO_SHARED_STORE)
+        os.environ[_NO_SHARED_STORE] = "1"
+        try:
+            info = self._inner.next_rendezvous()
+        finally:
+            if previous is None:
+                del os.environ[_NO_SHARED_STORE]
+            else:
+                os.environ[_NO_SHARED_STORE] = previous
         self._num_rounds += 1
         store, rank, world_size = info.store, info.rank, info.world_size
         static = self.get_backend() == "static"
@@ -105,7 +121,7 @@ class AttemptRendezvousHandler(RendezvousHandler):
         )
 
         bootstrap = info.bootstrap_store_info
-        if static or not self.use_agent_store or bootstrap is None:
+        if static or bootstrap is None or not self.use_agent_store:
             return info
         return RendezvousInfo(
             store, rank, world_size, self._fresh_worker_store(store, rank, prefix, bootstrap)
