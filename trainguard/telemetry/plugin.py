@@ -80,7 +80,44 @@ def _gpu_uuids() -> list[str]:
 class TelemetryPlugin(AgentPlugin):
     name = "telemetry"
 
-    def __init__(self, cfg: TelemetryConfig, run_dir: Path, events: EventLog) -> None:
+    def __init__(
+        self, cfg: TelemetryConfig, run_dir: Path, events: EventLog, *, background: bool = False
+    ) -> None:
+        """``background=True`` builds the providers on a thread, overlapping the agent's
+        rendezvous, so telemetry adds nothing to launch-to-first-step; hooks wait for it."""
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.node = events.node
+        self._round_start_ns: int | None = None
+        self._builder: threading.Thread | None = None
+        self._build_error: BaseException | None = None
+        self._built = threading.Event()
+        if background:
+            self._builder = threading.Thread(
+                target=self._build_in_background, name="tg-telemetry-init", daemon=True
+            )
+            self._builder.start()
+        else:
+            self._build()
+            self._built.set()
+
+    def _build_in_background(self) -> None:
+        try:
+            self._build()
+        except BaseException as e:  # telemetry never stops a launch: hooks become no-ops
+            self._build_error = e
+            logger.exception("telemetry disabled for this run: the agent plugin failed to start")
+        finally:
+            self._built.set()
+
+    def _ready(self, timeout: float = 60.0) -> bool:
+        """Wait for a background build; False when it failed or timed out."""
+        if not self._built.wait(timeout):
+            logger.warning("telemetry still starting after %.0f s; skipping a hook", timeout)
+            return False
+        return self._build_error is None
+
+    def _build(self) -> None:
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
         from opentelemetry.sdk.resources import Resource
@@ -96,9 +133,7 @@ class TelemetryPlugin(AgentPlugin):
         from trainguard.telemetry.recorder import MetricsRecorder
         from trainguard.telemetry.tracing import AgentTracer
 
-        self.cfg = cfg
-        self.run_dir = run_dir
-        self.node = events.node
+        cfg, run_dir = self.cfg, self.run_dir
         self.export_failures: dict[str, int] = {}
         self._lock = threading.Lock()
         resource = Resource.create(_resource_attrs(run_dir, self.node))
@@ -200,6 +235,8 @@ class TelemetryPlugin(AgentPlugin):
     # -- tailing -----------------------------------------------------------------------------
     def poll(self) -> None:
         """Read and map every new record and event (also called by tests)."""
+        if not self._ready():
+            return
         with self._state_lock:
             self._poll()
 
@@ -258,11 +295,23 @@ class TelemetryPlugin(AgentPlugin):
 
     # -- hooks -------------------------------------------------------------------------------
     def before_rendezvous(self, agent: TrainGuardAgent) -> None:
+        if not self._built.is_set():  # still building: open the round span when it is done
+            self._round_start_ns = time.time_ns()
+            return
+        if not self._ready():
+            return
         with self._state_lock:
             self.tracer.begin_round()
 
     def after_rendezvous(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:
         from trainguard.telemetry.spans import TRACEPARENT_ENV
+
+        if not self._ready():
+            return
+        if self._round_start_ns is not None:
+            with self._state_lock:
+                self.tracer.begin_round(start_time=self._round_start_ns)
+            self._round_start_ns = None
 
         world = group.workers[0].world_size if group.workers else 1
         with self._state_lock:
@@ -281,10 +330,14 @@ class TelemetryPlugin(AgentPlugin):
             self._thread.start()
 
     def on_failure(self, agent: TrainGuardAgent, failures: list[WorkerFailure]) -> None:
+        if not self._ready():
+            return
         with self._state_lock:
             self.tracer.failure(failures)
 
     def on_finish(self, agent: TrainGuardAgent, state: str) -> None:
+        if not self._ready():
+            return
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -316,6 +369,8 @@ class TelemetryPlugin(AgentPlugin):
             logger.warning("could not write %s: %s", path, e)
 
     def close(self) -> None:
+        if not self._ready():
+            return
         self._stop.set()
         for fn in (self.tracer.shutdown, self.meter_provider.shutdown):
             try:
@@ -340,7 +395,7 @@ def create_telemetry_plugin(
 ) -> TelemetryPlugin | None:
     """The plugin, or None (logged) when it cannot start: telemetry never stops a launch."""
     try:
-        return TelemetryPlugin(cfg, run_dir, events)
+        return TelemetryPlugin(cfg, run_dir, events, background=True)
     except Exception:
         logger.exception("telemetry disabled for this run: the agent plugin failed to start")
         return None

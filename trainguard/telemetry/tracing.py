@@ -92,13 +92,17 @@ class AgentTracer:
         """Global → local rank of this node's workers (resource attributes of their spans)."""
 
     # -- agent lifecycle --------------------------------------------------------------------
-    def begin_round(self) -> None:
+    def begin_round(self, *, start_time: int | None = None) -> None:
+        """Open a rendezvous-round span (``start_time`` in ns when it began earlier)."""
         self.end_attempt()
         if self.round is not None:
             self.round.end()
         ctx = trace.set_span_in_context(self.job)
         self.round = self.tracer.start_span(
-            "trainguard.rendezvous_round", context=ctx, attributes={"trainguard.node": self.node}
+            "trainguard.rendezvous_round",
+            context=ctx,
+            attributes={"trainguard.node": self.node},
+            start_time=start_time,
         )
 
     def begin_attempt(self, attempt: int, *, group_rank: int, world_size: int) -> str:
