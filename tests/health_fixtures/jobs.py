@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tests.launch_utils import base_env
 from trainguard.runtime.events import read_events
 
 REPO = Path(__file__).resolve().parents[2]
@@ -15,13 +15,7 @@ WORKER = Path(__file__).resolve().parent / "health_worker.py"
 
 
 def job_env(**health: object) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PET_", "TORCHELASTIC_", "TRAINGUARD_"))
-    }
-    env.pop("OMP_NUM_THREADS", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = base_env()
     env["TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S"] = "0"
     env["TRAINGUARD_TELEMETRY_ENABLED"] = "false"
     for k, v in health.items():
