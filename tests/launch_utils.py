@@ -104,3 +104,17 @@ def read_dumps(dump_dir: Path) -> dict[tuple[int, int], dict]:
         _, restart, rank = p.stem.split("_")
         out[(int(restart), int(rank))] = json.loads(p.read_text())
     return out
+
+
+def steps_done(run_dir: Path) -> int:
+    """The highest step any rank of a run recorded in its metrics file (-1 if none)."""
+    best = -1
+    for f in (run_dir / "metrics").glob("rank_*.jsonl"):
+        for line in f.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("kind") == "step":
+                best = max(best, int(rec["step"]))
+    return best

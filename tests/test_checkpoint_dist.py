@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tests.launch_utils import REPO, base_env
+from tests.launch_utils import REPO, base_env, steps_done
 
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 
@@ -190,19 +190,6 @@ def test_reshard_2_to_1_and_2_to_4(tmp_path: Path) -> None:
         assert restored and all(e["source"] == "disk" and e["step"] == 3 for e in restored)
 
 
-def _steps_done(run_dir: Path) -> int:
-    best = -1
-    for f in (run_dir / "metrics").glob("rank_*.jsonl"):
-        for line in f.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("kind") == "step":
-                best = max(best, int(rec["step"]))
-    return best
-
-
 def test_sigterm_to_the_agent_saves_commits_and_requeues(tmp_path: Path) -> None:
     import signal
     import time
@@ -217,7 +204,7 @@ def test_sigterm_to_the_agent_saves_commits_and_requeues(tmp_path: Path) -> None
         args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     deadline = time.monotonic() + 120
-    while _steps_done(tmp_path / "run1") < 15:
+    while steps_done(tmp_path / "run1") < 15:
         assert time.monotonic() < deadline and p.poll() is None, (
             p.stderr.read()[-3000:] if p.stderr else ""
         )

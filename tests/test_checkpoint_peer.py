@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tests.launch_utils import REPO, base_env, free_port
+from tests.launch_utils import REPO, base_env, free_port, steps_done
 
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 STEPS = "120"
@@ -41,19 +41,6 @@ def _agent(tmp: Path, name: str, port: int, run_dir: Path, out: Path) -> subproc
     return subprocess.Popen(
         args, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
-
-
-def _steps_done(run_dir: Path) -> int:
-    best = -1
-    for f in (run_dir / "metrics").glob("rank_*.jsonl"):
-        for line in f.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("kind") == "step":
-                best = max(best, int(rec["step"]))
-    return best
 
 
 def _descendants(pid: int) -> list[int]:
@@ -115,7 +102,7 @@ def test_replacement_node_restores_from_peer_memory(tmp_path: Path) -> None:
         b = _agent(tmp_path, "b", port, run_dir, out)
         procs.append(b)
         deadline = time.monotonic() + 150
-        while _steps_done(run_dir) < 40:
+        while steps_done(run_dir) < 40:
             assert time.monotonic() < deadline, (tmp_path / "b.log").read_text()[-3000:]
             assert a.poll() is None and b.poll() is None, (tmp_path / "a.log").read_text()[-3000:]
             time.sleep(0.2)
