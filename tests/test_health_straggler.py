@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 
-from tests.health_fixtures.jobs import events, job_env, run_job
+import pytest
+
+from tests.health_fixtures.jobs import events, job_env, node_cmd, run_job
+from tests.launch_utils import free_port
 from trainguard.health.config import HealthConfig
 from trainguard.health.straggler import StragglerScorer
 
@@ -51,6 +56,35 @@ def test_single_rank_has_no_straggler() -> None:
     assert feed(sc, range(50), {0: 1.0}) == []
 
 
+def test_local_rank_slow_against_the_remote_median_is_reported() -> None:
+    # One local rank: only the other nodes' medians make a comparison possible.
+    sc = StragglerScorer(HealthConfig(**CFG), [1])
+    assert feed(sc, range(20), {1: 0.15}) == []  # nobody to compare with yet
+    assert sc.latest == {1: 0.15} and sc.latest_step == 19
+    sc.set_remote({0: 0.1, 2: 0.1, 3: 0.1})
+    found = feed(sc, range(20, 40), {1: 0.15})
+    assert [f["rank"] for f in found] == [1]
+    assert abs(found[0]["score"] - (1 - 0.1 / 0.15)) < 1e-3
+    assert found[0]["median_others_s"] == 0.1 and found[0]["ranks_compared"] == 4
+
+
+def test_remote_straggler_is_not_reported_by_this_node() -> None:
+    sc = StragglerScorer(HealthConfig(**CFG), [0, 1])
+    sc.set_remote({2: 0.3, 3: 0.1})  # rank 2 (elsewhere) is slow: its node's business
+    assert feed(sc, range(60), {0: 0.1, 1: 0.1}) == []
+    assert sc.scores == {0: 0.0, 1: 0.0}
+    # A local rank listed among the remote ones is ignored (no self-comparison).
+    sc.set_remote({0: 0.01, 2: 0.1})
+    assert sc.remote == {2: 0.1}
+
+
+def test_straggler_policy_is_validated() -> None:
+    assert HealthConfig().straggler_policy == "report"
+    assert HealthConfig(straggler_policy="exclude").straggler_policy == "exclude"
+    with pytest.raises(ValueError, match="straggler_policy"):
+        HealthConfig(straggler_policy="drain")  # type: ignore[arg-type]
+
+
 def test_slow_rank_is_reported_within_30_steps(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     p = run_job(
@@ -88,3 +122,63 @@ def test_clean_200_step_run_reports_none(tmp_path: Path) -> None:
     assert events(run_dir, "straggler_detected") == []
     scores = json.loads(next((run_dir / "health").glob("straggler_scores.*.json")).read_text())
     assert scores["stragglers"] == [] and set(scores["scores"]) == {"0", "1"}
+
+
+SLOW_RANK_1 = ["--compute-s", "0.08", "--sleep", "--slow-rank", "1", "--slow-factor", "1.5"]
+
+
+def start_nodes(
+    tmp_path: Path, run_dir: Path, worker_args: list[str], *, nodes: int = 2, **kw: object
+) -> list[subprocess.Popen[str]]:
+    port = free_port()
+    procs = []
+    for n in range(nodes):
+        env = job_env(straggler_min_delta_s=0.005, probe_interval_s=0, **kw)
+        env["SLURMD_NODENAME"] = f"node{n}"
+        cmd = node_cmd(run_dir, worker_args, port=port)
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        )
+        if n == 0:
+            time.sleep(1.0)  # node0 hosts the rendezvous store
+    return procs
+
+
+def finish(procs: list[subprocess.Popen[str]], timeout: float = 90) -> list[str]:
+    try:
+        return [p.communicate(timeout=timeout)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def node_of_rank(run_dir: Path) -> dict[int, str]:
+    return {w["rank"]: e["node"] for e in events(run_dir, "workers_started") for w in e["workers"]}
+
+
+def test_two_nodes_one_rank_each_compare_across_nodes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    procs = start_nodes(tmp_path, run_dir, ["--steps", "40", *SLOW_RANK_1])
+    errs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:] + errs[1][-2000:]
+    where = node_of_rank(run_dir)
+    assert sorted(where.values()) == ["node0", "node1"]
+    found = events(run_dir, "straggler_detected")
+    assert [(e["rank"], e["node"]) for e in found] == [(1, where[1])], found
+    assert found[0]["step"] < 30 and 0.2 <= found[0]["score"] <= 0.45
+    assert found[0]["ranks_compared"] == 2
+    # Each node scored only its own rank, against the other node's published median.
+    for rank, node in where.items():
+        scores = json.loads((run_dir / "health" / f"straggler_scores.{node}.json").read_text())
+        assert set(scores["scores"]) == {str(rank)} and scores["node"] == node
+        other = 1 - rank
+        assert scores["remote_medians_s"][str(other)]["node"] == where[other]
+        assert scores["stragglers"] == ([1] if rank == 1 else [])

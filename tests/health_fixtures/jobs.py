@@ -34,6 +34,27 @@ def job_cmd(
     ]  # fmt: skip
 
 
+def node_cmd(
+    run_dir: Path,
+    worker_args: list[str],
+    *,
+    port: int,
+    nnodes: str = "2",
+    nproc: int = 1,
+    max_restarts: int = 0,
+    rdzv_conf: str = "",
+) -> list[str]:
+    """One node's `trainguard run` of a multi-node job (c10d rendezvous on 127.0.0.1:port)."""
+    conf = ["--rdzv-conf", rdzv_conf] if rdzv_conf else []
+    return [
+        sys.executable, "-m", "trainguard", "run", "--nnodes", nnodes,
+        "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+        "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "tg", *conf,
+        "--tg-run-dir", str(run_dir), str(WORKER), *worker_args,
+    ]  # fmt: skip
+
+
 def wait_for_event(run_dir: Path, kind: str, *, timeout: float = 60, count: int = 1) -> list[dict]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

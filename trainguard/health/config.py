@@ -124,6 +124,9 @@ class HealthConfig:
     straggler_min_delta_s: float = 0.05
     """A rank is slow only if it is also this many seconds above the others' median (timing
     noise of millisecond steps is not a straggler)."""
+    straggler_policy: Literal["report", "exclude"] = "report"
+    """``exclude``: a node with a persistent straggler among its ranks leaves the job (event
+    ``node_excluded``): a single-node job fails, an elastic one carries on without it."""
 
     def __post_init__(self) -> None:
         from trainguard.health.policy import validate_policy_overrides
@@ -143,6 +146,8 @@ class HealthConfig:
             raise ValueError("straggler_threshold must be in (0, 1)")
         if self.straggler_window < 2 or self.straggler_patience < 1:
             raise ValueError("straggler_window must be >= 2 and straggler_patience >= 1")
+        if self.straggler_policy not in ("report", "exclude"):
+            raise ValueError("straggler_policy must be 'report' or 'exclude'")
         if not 0.0 <= self.min_compute_fraction <= 1.0:
             raise ValueError("min_compute_fraction must be in [0, 1]")
         if self.unknown_xid_action not in ACTIONS:
