@@ -5,15 +5,19 @@ examples/train_mlp.py after a kill -9 (from disk and from the memory tier), and 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.launch_utils import REPO, base_env, steps_done
+from trainguard.recovery.classify import REQUEUE_EXIT_CODE
 
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 
@@ -190,14 +194,12 @@ def test_reshard_2_to_1_and_2_to_4(tmp_path: Path) -> None:
         assert restored and all(e["source"] == "disk" and e["step"] == 3 for e in restored)
 
 
-def test_sigterm_to_the_agent_saves_commits_and_requeues(tmp_path: Path) -> None:
-    import signal
+def _start_long_job(tmp_path: Path, env: dict[str, str], *extra: str) -> subprocess.Popen:
     import time
 
-    env = base_env(TRAINGUARD_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
     args = [
         sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
-        "--tg-run-dir", str(tmp_path / "run1"),
+        *extra, "--tg-run-dir", str(tmp_path / "run1"),
         EXAMPLE, "--steps", "100000", "--step-sleep", "0.05", "--ckpt-every", "100000",
     ]  # fmt: skip
     p = subprocess.Popen(
@@ -209,17 +211,39 @@ def test_sigterm_to_the_agent_saves_commits_and_requeues(tmp_path: Path) -> None
             p.stderr.read()[-3000:] if p.stderr else ""
         )
         time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)  # e.g. Slurm's --signal, forwarded by the agent
-    p.communicate(timeout=120)
-    assert p.returncode != 0  # the exit code 75 of the workers: see test_checkpoint_core
-    events = _events(tmp_path / "run1")
+    return p
+
+
+def _preempt_saved_step(run_dir: Path, ckpt: Path) -> int:
+    events = _events(run_dir)
     pre = [e for e in events if e["kind"] == "checkpoint_preempted"]
     saved = [e for e in events if e["kind"] == "checkpoint_preempt_saved"]
     assert pre and saved and saved[0]["committed"] is True, events[-5:]
     step = saved[0]["step"]
     assert step >= 15
-    assert (tmp_path / "ckpt" / f"step_{step:08d}" / "manifest.json").exists()
+    assert (ckpt / f"step_{step:08d}" / "manifest.json").exists()
+    assert [e for e in events if e["kind"] == "requeue"], events[-5:]
+    assert not [e for e in events if e["kind"] == "restart"]
+    assert events[-1]["kind"] == "job_finished" and events[-1]["state"] == "requeue"
+    return step
 
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_to_the_agent_saves_commits_and_exits_with_the_requeue_code(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """SIGTERM (scancel, a time limit) or SIGUSR1 (Slurm's ``--signal=B:USR1@T``) reaches the
+    agent; it forwards the signal, the workers save at the next step boundary, wait for the
+    commit and exit 75, and ``trainguard run`` exits 75 (torchrun's agent dies on SIGUSR1)."""
+    env = base_env(TRAINGUARD_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
+    p = _start_long_job(tmp_path, env)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == REQUEUE_EXIT_CODE, err[-3000:]
+    assert "requeue" in err.splitlines()[-1], err[-2000:]
+    step = _preempt_saved_step(tmp_path / "run1", tmp_path / "ckpt")
+    if sig != signal.SIGTERM:
+        return
     # the requeued job resumes from the preemption checkpoint
     r = _run(
         ["--standalone", "--nproc-per-node", "2", "--tg-run-dir", str(tmp_path / "run2"),
@@ -229,3 +253,19 @@ def test_sigterm_to_the_agent_saves_commits_and_requeues(tmp_path: Path) -> None
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed at step {step}" in r.stdout
+
+
+def test_signal_to_the_workers_is_a_requeue_not_a_restart(tmp_path: Path) -> None:
+    """Slurm's ``--signal=USR1@T`` (no ``B:``) signals every process of the step, so the
+    workers see it first: they save and exit 75, and the agent must not spend a restart on
+    them (``--max-restarts 3``) but exit 75 itself."""
+    env = base_env(TRAINGUARD_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
+    p = _start_long_job(tmp_path, env, "--max-restarts", "3")
+    started = [e for e in _events(tmp_path / "run1") if e["kind"] == "workers_started"]
+    for w in started[-1]["workers"]:
+        os.kill(w["pid"], signal.SIGUSR1)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == REQUEUE_EXIT_CODE, err[-3000:]
+    _preempt_saved_step(tmp_path / "run1", tmp_path / "ckpt")
+    failed = [e for e in _events(tmp_path / "run1") if e["kind"] == "worker_failed"]
+    assert failed and all(e["cause"] == "preempted" and e["exitcode"] == 75 for e in failed)

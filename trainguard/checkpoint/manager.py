@@ -56,6 +56,7 @@ from trainguard.checkpoint.storage import (
     fsync_dir,
     storage_for,
 )
+from trainguard.recovery.classify import REQUEUE_EXIT_CODE
 from trainguard.runtime import envvars
 
 __all__ = ["CheckpointManager", "MEMORY_DIR_ENV", "SaveResult"]
@@ -150,6 +151,7 @@ class CheckpointManager:
         self._interval_s: float | None = None
         self._mtbf_s = self.config.mtbf_s
         self.preempt_signal: int | None = None
+        self._preempt_committed = False
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._hook = register_optimizer_step_pre_hook(self._before_step)
@@ -590,19 +592,20 @@ class CheckpointManager:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.preempt_signal is not None:  # second signal: stop now
+            if self._preempt_committed:  # the state is safe: still ask to be requeued
+                os._exit(REQUEUE_EXIT_CODE)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         self.preempt_signal = signum
 
     def _preempt_exit(self, step: int, state: Mapping[str, Any]) -> None:
-        from trainguard.recovery.classify import REQUEUE_EXIT_CODE
-
         sig = signal.Signals(self.preempt_signal).name if self.preempt_signal else "peer"
         if self.rank == 0:
             self._emit("checkpoint_preempted", step=step, signal=sig)
         result = self.save(step, state, persist=True)
         ok = result.wait()
+        self._preempt_committed = ok
         if self.rank == 0:
             self._emit("checkpoint_preempt_saved", step=step, committed=ok, error=result.error)
         self.close()

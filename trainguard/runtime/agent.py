@@ -12,7 +12,12 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from trainguard.config import TrainGuardConfig
-from trainguard.recovery.classify import WorkerFailure, classify_exit
+from trainguard.recovery.classify import (
+    REQUEUE_EXIT_CODE,
+    FailureKind,
+    WorkerFailure,
+    classify_exit,
+)
 from trainguard.runtime import envvars
 from trainguard.runtime.events import EventLog
 from trainguard.runtime.plugin import AgentPlugin
@@ -50,6 +55,9 @@ class TrainGuardAgent(LocalElasticAgent):
         self.attempt = -1
         self.num_plugin_errors = 0
         self.progress: ProgressReader | None = None
+        self.requeue = False
+        """Every failed worker exited with the requeue code after a preemption save: the agent
+        does not restart them and ``trainguard run`` exits with that code."""
         self._failed_reported = False
 
     # -- helpers -------------------------------------------------------------------------------
@@ -180,6 +188,21 @@ class TrainGuardAgent(LocalElasticAgent):
             )
         if not failures:
             self.events.emit("worker_group_unhealthy", state=result.state.name)
+        kinds = {f.kind for f in failures}
+        if FailureKind.PREEMPTED in kinds and kinds <= {
+            FailureKind.PREEMPTED,
+            FailureKind.TERMINATED,  # torch's teardown SIGTERMs the ranks still exiting
+        }:
+            # The workers saved and asked to be requeued: restarting them here would only
+            # train on until the scheduler's kill. Stop, and exit with their code.
+            self.requeue = True
+            self._remaining_restarts = 0
+            self.events.emit(
+                "requeue",
+                exitcode=REQUEUE_EXIT_CODE,
+                ranks=sorted(f.rank for f in failures),
+                message="workers saved a preemption checkpoint and asked to be requeued",
+            )
         self._call("on_failure", failures)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:

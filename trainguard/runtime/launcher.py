@@ -33,6 +33,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 
 from trainguard.config import ConfigError, TrainGuardConfig, load_config
+from trainguard.recovery.classify import REQUEUE_EXIT_CODE
 from trainguard.runtime.agent import TrainGuardAgent
 from trainguard.runtime.events import EventLog
 from trainguard.runtime.plugin import AgentPlugin
@@ -160,6 +161,39 @@ def _unhealthy_failures(agent: TrainGuardAgent) -> dict[int, ProcessFailure]:
     }
 
 
+def _worker_exitcodes(agent: TrainGuardAgent) -> list[int | None]:
+    """Exit codes of the local workers after the agent shut them down (script or function
+    entrypoints); empty when none were started."""
+    pc = getattr(agent, "_pcontext", None)
+    handlers = getattr(pc, "subprocess_handlers", None)
+    if handlers:
+        return [h.proc.returncode for h in handlers.values()]
+    procs = getattr(getattr(pc, "_pc", None), "processes", None)
+    if procs:
+        return [p.exitcode for p in procs]
+    return []
+
+
+def _requeue_exit(name: str) -> SystemExit:
+    print(
+        f"trainguard run: the workers of {name} saved a preemption checkpoint and exited with "
+        f"{REQUEUE_EXIT_CODE}; exiting with {REQUEUE_EXIT_CODE} so the scheduler requeues the job",
+        file=sys.stderr,
+        flush=True,
+    )
+    return SystemExit(REQUEUE_EXIT_CODE)
+
+
+def _signals_to_handle(configured: str, preemption_signals: list[str]) -> str:
+    """torch's handled signals plus the preemption signals the workers save on (SIGUSR1, which
+    Slurm's ``--signal`` sends, would otherwise kill the agent and orphan its workers)."""
+    names = [n.strip() for n in configured.split(",") if n.strip()]
+    for sig in preemption_signals:
+        if sig not in names:
+            names.append(sig)
+    return ",".join(names)
+
+
 def launch(
     config: LaunchConfig,
     entrypoint: Callable[..., Any] | str,
@@ -182,7 +216,9 @@ def launch(
         **config.rdzv_configs,
     )
     master_addr, master_port = _master_addr_port(params)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _signals_to_handle(
+        config.signals_to_handle, tg_config.checkpoint.preemption_signals
+    )
     handler = AttemptRendezvousHandler(
         rdzv_registry.get_rendezvous_handler(params), node=events.node
     )
@@ -234,6 +270,9 @@ def launch(
         torch_metrics.initialize_metrics(torch_metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()
         torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
+        if result.is_failed() and agent.requeue:
+            state = "requeue"
+            raise _requeue_exit(name)
         if result.is_failed():
             raise ChildFailedError(name=name, failures=result.failures)
         if result.state == WorkerState.UNHEALTHY:
@@ -250,6 +289,18 @@ def launch(
         state = e.sigval.name
         shutdown_rdzv = False
         torch_events.record(agent.get_event_failed(), config.event_log_handler)
+        codes = _worker_exitcodes(agent)
+        if codes and all(c == REQUEUE_EXIT_CODE for c in codes):
+            # The signal was a preemption notice and every worker saved and asked to be
+            # requeued: say so with their exit code instead of torch's signal error.
+            state = "requeue"
+            events.emit(
+                "requeue",
+                exitcode=REQUEUE_EXIT_CODE,
+                signal=e.sigval.name,
+                message="workers saved a preemption checkpoint and asked to be requeued",
+            )
+            raise _requeue_exit(name) from None
         raise
     except Exception:
         torch_events.record(agent.get_event_failed(), config.event_log_handler)
