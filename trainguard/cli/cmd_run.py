@@ -9,6 +9,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainguard.config import ConfigError
 from trainguard.runtime import launcher
+from trainguard.runtime.agent import NodeUnhealthyError
 
 __all__ = ["main", "tgrun_main"]
 
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None, *, prog: str = "trainguard run") -> None
     except (launcher.UsageError, ConfigError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except NodeUnhealthyError as e:  # the node left the job (health policy): no traceback
+        print(f"{prog}: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 def tgrun_main() -> None:

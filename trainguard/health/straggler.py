@@ -234,7 +234,7 @@ class StragglerDetector(AgentPlugin):
         for f in found:
             self.reports.append(f)
             logger.warning(
-                "rank %d is a straggler on node %s (score %.2f, %.2fx the median of %d ranks)",
+                "rank %d is a straggler on node %s (score %.2f, %.2fx the median of %d other ranks)",
                 f["rank"],
                 agent.events.node,
                 f["score"],
@@ -312,8 +312,8 @@ class StragglerDetector(AgentPlugin):
         node = agent.events.node
         reasons = [
             f"rank {f['rank']} is a straggler: score {f['score']:.2f}, "
-            f"{f['step_time_s'] / f['median_others_s']:.2f}x the median step time of "
-            f"{f['ranks_compared'] - 1} other ranks"
+            f"{f['step_time_s'] / f['median_others_s']:.2f}x the median step time of the "
+            f"job's {f['ranks_compared'] - 1} other rank(s)"
             for f in found
         ]
         logger.error("node %s leaves the job (straggler_policy=exclude): %s", node, reasons)
