@@ -259,7 +259,7 @@ TORN_POINTS = [
 
 
 def _torn_child(root: str, fault: dict) -> None:
-    os.environ["TRAINGUARD_CHECKPOINT_FAULT"] = json.dumps(fault)
+    os.environ["TRAINGUARD_TEST_CHECKPOINT_FAULT"] = json.dumps(fault)
     torch.set_num_threads(1)
     m, opt = _torn_model()
     mgr = CheckpointManager(
@@ -308,6 +308,62 @@ def test_kill_9_while_persisting_never_leaves_a_bad_latest(tmp_path: Path) -> No
     # kills during step 1's save leave nothing to restore
     assert restored[:8] == [3] * 8, restored
     assert restored[8:] == [4, 3, None, None], restored
+
+
+PERSISTER_POINTS = [
+    {"kill_at": "persist_start", "step": 4},
+    {"kill_after_bytes": 200_000, "step": 4},
+    {"kill_at": "written", "step": 4},
+    {"kill_at": "before_manifest", "step": 4},
+    {"kill_at": "committed", "step": 4},
+    {"kill_at": "retention", "step": 2},  # while deleting step 2 after committing step 4
+]
+
+
+@pytest.mark.parametrize("fault", PERSISTER_POINTS, ids=lambda f: f"{next(iter(f))}")
+def test_kill_9_of_the_persister_process_fails_one_save_and_training_goes_on(
+    tmp_path: Path, fault: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """persist_mode=process: SIGKILL of the persister process at a point of step 4's save.
+    ``latest`` stays loadable and exact, the manager starts a new persister, later saves
+    commit, and the last one restores exactly."""
+    monkeypatch.setenv("TRAINGUARD_TEST_CHECKPOINT_FAULT", json.dumps(fault))
+    root = str(tmp_path / "ckpt")
+    events = Events()
+    m, opt = _torn_model()
+    cfg = CheckpointConfig(dir=root, keep_last=2, persist_mode="process")
+    mgr = CheckpointManager(config=cfg, events=events, install_signal_handlers=False)
+    outcomes = {}
+    for step in range(6):
+        g = torch.Generator().manual_seed(step)
+        loss = m(torch.randn(8, 256, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        outcomes[step + 1] = mgr.save(step + 1, {"model": m, "optim": opt}).wait(timeout=120)
+        if step + 1 == 4:  # right after the kill: latest names an exact, loadable checkpoint
+            monkeypatch.delenv("TRAINGUARD_TEST_CHECKPOINT_FAULT")
+            m2, opt2 = _torn_model()
+            other = CheckpointManager(
+                config=CheckpointConfig(dir=root, memory_tier=False), install_signal_handlers=False
+            )
+            got = other.restore({"model": m2, "optim": opt2}, use_memory=False)
+            other.close()
+            assert got in (3, 4), fault
+            assert _equal(_flat(m2, opt2), _torn_replay(got)), fault
+    mgr.close()
+    # a persister killed after renaming the manifest in did commit, and the manager says so
+    after_commit = fault.get("kill_at") in ("committed", "retention")
+    assert outcomes == {1: True, 2: True, 3: True, 4: after_commit, 5: True, 6: True}, outcomes
+    failed = [f["step"] for f in events.kinds("checkpoint_failed")]
+    assert failed == ([] if after_commit else [4]), failed
+    assert len(events.kinds("checkpoint_persister_started")) == 2  # the first and its successor
+    assert all(f["persist_mode"] == "process" for f in events.kinds("checkpoint_committed"))
+    m3, opt3 = _torn_model()
+    last = CheckpointManager(config=CheckpointConfig(dir=root), install_signal_handlers=False)
+    assert last.restore({"model": m3, "optim": opt3}, use_memory=False) == 6
+    last.close()
+    assert _equal(_flat(m3, opt3), _torn_replay(6))
 
 
 # -- preemption --------------------------------------------------------------------------------

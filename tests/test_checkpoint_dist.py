@@ -79,14 +79,36 @@ def _assert_same(a: Path, b: Path) -> None:
 
 def test_kill_9_resume_is_bitwise_identical_from_disk_and_memory(tmp_path: Path) -> None:
     no_memory = base_env(TRAINGUARD_CHECKPOINT_MEMORY_TIER="0")
-    with ThreadPoolExecutor(3) as ex:
+    # persist_mode=process, and rank 1's persister process is SIGKILLed while writing step 20
+    process = base_env(
+        TRAINGUARD_CHECKPOINT_MEMORY_TIER="0",
+        TRAINGUARD_CHECKPOINT_PERSIST_MODE="process",
+        TRAINGUARD_TEST_CHECKPOINT_FAULT=json.dumps(
+            {"kill_at": "written", "step": 20, "rank": 1, "attempt": 0}
+        ),
+    )
+    with ThreadPoolExecutor(4) as ex:
         straight = ex.submit(_train, tmp_path, "straight", "--ckpt-every", "0")
         disk = ex.submit(_train, tmp_path, "disk", "--fail-at-step", "55", env=no_memory)
         memory = ex.submit(_train, tmp_path, "memory", "--fail-at-step", "55")
+        proc = ex.submit(_train, tmp_path, "process", "--fail-at-step", "55", env=process)
         straight_d, disk_d, memory_d = straight.result(), disk.result(), memory.result()
+        proc_d = proc.result()
 
     _assert_same(straight_d, disk_d)
     _assert_same(straight_d, memory_d)
+    _assert_same(straight_d, proc_d)
+
+    ev = _events(proc_d / "run")
+    first = [e for e in ev if e["attempt"] == 0]
+    failed = [e["step"] for e in first if e["kind"] == "checkpoint_failed" and e["rank"] == 1]
+    assert failed[:1] == [20], failed
+    errors = [e["error"] for e in first if e["kind"] == "checkpoint_failed" and e["step"] == 20]
+    assert any("died (exit code -9)" in x for x in errors), errors
+    assert any(e["kind"] == "checkpoint_persister_replaced" for e in first)
+    assert 20 not in {e["step"] for e in first if e["kind"] == "checkpoint_committed"}
+    committed = [e for e in ev if e["kind"] == "checkpoint_committed"]
+    assert committed and all(e["persist_mode"] == "process" for e in committed)
 
     restored = [
         e for e in _events(disk_d / "run") if e["kind"] == "checkpoint_restored" and e["step"]

@@ -214,12 +214,6 @@ def wait_listening(port: int, timeout: float = 30) -> None:
     raise TimeoutError(f"nothing listens on {port} after {timeout}s")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs trainguard/runtime/launcher.py to keep the rendezvous open when the agent "
-    "raises NodeUnhealthyError (shutdown_rdzv = False, as for a signal); today the leaving "
-    "node closes it and the survivor's re-rendezvous fails",
-)
 def test_elastic_job_carries_on_without_the_excluded_node(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     port = free_port()

@@ -66,6 +66,10 @@ class CheckpointConfig:
     """Verify file checksums against the manifest before loading from disk."""
     sync_files: bool = True
     """fsync every checkpoint file before the commit."""
+    persist_mode: Literal["thread", "process"] = "thread"
+    """Where persisting runs: a background thread of the worker, or a persister process per
+    rank that maps the staged buffers (shared memory, zero copy) and writes them, so that
+    serialisation never contends with training for the GIL."""
     io_threads: int = 1
     """Writer threads per rank (DCP FileSystemWriter ``thread_count``)."""
     capture_rng: bool = True
@@ -98,6 +102,8 @@ class CheckpointConfig:
             raise ValueError("in_flight_policy must be 'wait' or 'skip'")
         if self.memory_slots < 2:
             raise ValueError("memory_slots must be >= 2")
+        if self.persist_mode not in ("thread", "process"):
+            raise ValueError("persist_mode must be 'thread' or 'process'")
         if self.io_threads < 1:
             raise ValueError("io_threads must be >= 1")
         if self.collective_timeout_s <= 0:

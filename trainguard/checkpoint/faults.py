@@ -1,6 +1,6 @@
 """Fault injection for checkpoint tests: crash points and storage faults, set by environment.
 
-``TRAINGUARD_CHECKPOINT_FAULT`` holds a JSON object, for example::
+``TRAINGUARD_TEST_CHECKPOINT_FAULT`` holds a JSON object, for example::
 
     {"kill_at": "before_manifest", "step": 30}     SIGKILL this process at that point
     {"kill_after_bytes": 100000, "step": 30}       SIGKILL after N bytes of the step's files
@@ -8,7 +8,8 @@
 
 Points, in save order: ``staged``, ``persist_start``, ``written`` (this rank's files fsynced),
 ``before_manifest`` / ``committed`` (rank 0), ``retention`` (between removing a victim's
-manifest and its files). ``step`` restricts the fault to saves of that step; ``rank`` to one rank.
+manifest and its files). ``step`` restricts the fault to saves of that step; ``rank`` to one rank;
+``attempt`` to one attempt of a ``trainguard run`` job (``TRAINGUARD_ATTEMPT``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ import os
 import signal
 from dataclasses import dataclass
 
+from trainguard.runtime import envvars
+
 __all__ = ["FAULT_ENV", "Faults"]
 
 logger = logging.getLogger(__name__)
 
-FAULT_ENV = "TRAINGUARD_CHECKPOINT_FAULT"
+FAULT_ENV = "TRAINGUARD_TEST_CHECKPOINT_FAULT"
+ATTEMPT_ENV = envvars.ATTEMPT
 
 
 @dataclass(kw_only=True, slots=True)
@@ -33,6 +37,7 @@ class Faults:
     enospc_after_bytes: int | None = None
     step: int | None = None
     rank: int | None = None
+    attempt: int | None = None
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -46,6 +51,8 @@ class Faults:
             return cls()
 
     def applies(self, step: int, rank: int) -> bool:
+        if self.attempt is not None and self.attempt != int(os.environ.get(ATTEMPT_ENV) or 0):
+            return False
         return (self.step is None or self.step == step) and (self.rank is None or self.rank == rank)
 
     def point(self, name: str, step: int, rank: int) -> None:

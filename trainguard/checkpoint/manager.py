@@ -20,6 +20,7 @@ small all-reduce on a control group so every rank makes the same choice.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import signal
@@ -35,10 +36,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from trainguard.checkpoint import jsoncodec
 from trainguard.checkpoint import manifest as mf
 from trainguard.checkpoint.config import CheckpointConfig, load_worker_config
 from trainguard.checkpoint.faults import Faults
 from trainguard.checkpoint.interval import observed_mtbf_s, young_interval_s
+from trainguard.checkpoint.persist import Writer
 from trainguard.checkpoint.staging import (
     Layout,
     SlotPool,
@@ -50,12 +53,7 @@ from trainguard.checkpoint.staging import (
     unflatten,
 )
 from trainguard.checkpoint.state import build_state_dict, optimizer_tensor_ptrs, rng_key, rng_state
-from trainguard.checkpoint.storage import (
-    ChecksummingFileSystem,
-    ChecksummingWriter,
-    fsync_dir,
-    storage_for,
-)
+from trainguard.checkpoint.storage import ChecksummingFileSystem, storage_for
 from trainguard.recovery.classify import REQUEUE_EXIT_CODE
 from trainguard.runtime import envvars
 
@@ -94,6 +92,8 @@ class SaveResult:
 class CheckpointManager:
     """See the module docstring. One per worker process; ``close()`` when done."""
 
+    _instances = 0  # per process; part of the persister group's store prefix
+
     def __init__(
         self,
         *,
@@ -129,8 +129,24 @@ class CheckpointManager:
         if memory_dir is None and self.config.memory_tier:
             memory_dir = os.environ.get(MEMORY_DIR_ENV) or None
         self.memory_dir = Path(memory_dir) if memory_dir else None
+        self._writer = Writer(
+            root=self.root,
+            storage=self.storage,
+            config=self.config,
+            rank=self.rank,
+            world_size=self.world_size,
+            pg=self._pg,
+            faults=self.faults,
+            fs_factory=filesystem_factory,
+        )
+        CheckpointManager._instances += 1
+        self._instance = CheckpointManager._instances
+        self._proc: Any = None
+        self._proc_gen = 0
+        self._private_dir = self._process_mode_dir(filesystem_factory)
+        slot_dir = rank_dir(self.memory_dir, self.rank) if self.memory_dir else self._private_dir
         self._pool = SlotPool(
-            directory=rank_dir(self.memory_dir, self.rank) if self.memory_dir else None,
+            directory=slot_dir,
             pin=torch.cuda.is_available(),
             num_slots=self.config.memory_slots if memory_dir else 2,
         )
@@ -158,6 +174,8 @@ class CheckpointManager:
         if install_signal_handlers:
             self._install_signal_handlers()
         self._cleanup_uncommitted()
+        if self.config.persist_mode == "process" and (self.memory_dir or self._private_dir):
+            self._start_persister()
 
     # -- public API ------------------------------------------------------------------------------
     @property
@@ -170,7 +188,9 @@ class CheckpointManager:
         copying, and the next ``optimizer.step()`` waits for that. ``persist=False`` only
         refreshes the memory tier. Collective: every rank calls it with the same arguments."""
         if persist and self._persisting is not None:
-            self._wait_persist()
+            self._wait_persist()  # a dead peer persister fails it fast (gloo sees the close)
+        if persist and self._proc is not None:
+            self._check_persister()
         return self._save(step, state, persist=persist)
 
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> SaveResult | None:
@@ -180,7 +200,11 @@ class CheckpointManager:
             return None
         due = self._persist_due(step)
         busy = self._persisting is not None and not self._persisting.done.is_set()
-        preempt, due, busy = self._agree(self.preempt_signal is not None, due, busy)
+        broken = self._proc is not None and self._proc.broken is not None
+        preempt, due, busy, broken = self._agree(self.preempt_signal is not None, due, busy, broken)
+        if broken:  # before the skip decision: a save stuck behind a dead persister never ends
+            self._check_persister()
+            busy = False
         if preempt:
             self._preempt_exit(step, state)
         if due and busy and self.config.in_flight_policy == "skip":
@@ -252,8 +276,14 @@ class CheckpointManager:
         self._hook.remove()
         self._stager.shutdown(wait=True)
         self._persister.shutdown(wait=True)
+        if self._proc is not None:
+            self._proc.close()
         if not self.has_memory_tier:
             self._pool.close()
+        if self._private_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._private_dir, ignore_errors=True)
 
     # -- save internals --------------------------------------------------------------------------
     def _save(self, step: int, state: Mapping[str, Any], *, persist: bool) -> SaveResult:
@@ -398,49 +428,29 @@ class CheckpointManager:
     def _persist(
         self, result: SaveResult, slot: Any, skeleton: Any, infos: list[Any], t0: float
     ) -> None:
-        import torch.distributed.checkpoint as dcp
-
         tp = time.perf_counter()
-        path = f"{self.root.rstrip('/')}/{mf.step_dir_name(result.step)}"
-        fs = self._new_filesystem(result.step)
-        error: str | None = None
-        records: dict[str, tuple[int, int]] = {}
-        try:
-            self.faults.point("persist_start", result.step, self.rank)
-            if "://" in self.root:
-                from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-                writer: Any = FsspecWriter(path, sync_files=self.config.sync_files)
-            else:
-                Path(path).mkdir(parents=True, exist_ok=True)
-                writer = ChecksummingWriter(
-                    path,
-                    fs=fs,
-                    sync_files=self.config.sync_files,
-                    thread_count=self.config.io_threads,
-                )
+        proc = self._proc
+        if proc is not None and slot.directory is not None and not any(infos):
+            committed, error = proc.persist(
+                {
+                    "step": result.step,
+                    "bin_path": str(slot.bin_path),
+                    "nbytes": slot.layout.nbytes,
+                    "entries": [list(e) for e in slot.layout.entries],
+                    "skeleton": jsoncodec.dumps(skeleton),
+                }
+            )
+            if not committed and proc.broken is not None:
+                # died after the manifest was renamed in (or a peer did): it did commit
+                step_dir = self._writer.step_path(result.step)
+                if mf.read_manifest(self.storage, step_dir) is not None:
+                    committed, error = True, None
+        else:  # thread mode (or DTensor state, which needs the device mesh of this process)
             staged = unflatten(skeleton, as_dtensors(slot.views, infos))
-            dcp.save(
-                staged, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None
-            )
-            if "://" not in self.root and self.config.sync_files:
-                fsync_dir(path)
-            records = {Path(p).name: v for p, v in fs.records.items()}
-            self.faults.point("written", result.step, self.rank)
-        except (Exception, CheckpointException) as e:
-            error = f"{type(e).__name__}: {e}"
-            logger.warning(
-                "rank %s: writing checkpoint step %s failed: %s", self.rank, result.step, error
-            )
-        gathered = self._gather((error, records))
-        outcome: list[Any] = [None]
-        if self.rank == 0:
-            outcome[0] = self._commit_or_discard(result.step, path, gathered)
-        if self._pg is not None:
-            dist.broadcast_object_list(outcome, src=0, group=self._pg)
-        committed, error_all = outcome[0]
+            committed, error = self._writer.write_and_commit(result.step, staged)
+        path = self._writer.step_path(result.step)
         result.committed = committed
-        result.error = error_all
+        result.error = error
         result.persist_s = time.perf_counter() - tp
         result.commit_s = time.perf_counter() - t0
         self._last_persist_time = time.monotonic()
@@ -460,65 +470,84 @@ class CheckpointManager:
                     persist_s=round(result.persist_s, 4),
                     commit_s=round(result.commit_s, 4),
                     stall_s=round(result.stall_s, 4),
+                    persist_mode="process" if proc is not None else "thread",
                 )
 
-    def _new_filesystem(self, step: int) -> ChecksummingFileSystem:
-        if self._fs_factory is not None:
-            return self._fs_factory()
-        if self.faults.applies(step, self.rank):
-            return ChecksummingFileSystem(
-                fail_after_bytes=self.faults.enospc_after_bytes,
-                kill_after_bytes=self.faults.kill_after_bytes,
-            )
-        return ChecksummingFileSystem()
+    # -- persister process -----------------------------------------------------------------------
+    def _process_mode_dir(self, fs_factory: Any) -> Path | None:
+        """Without the memory tier, process mode stages into a private shared-memory directory
+        the persister can map. None when process mode is off or cannot work here."""
+        if self.config.persist_mode != "process" or self.memory_dir is not None:
+            return None
+        why = None
+        if fs_factory is not None:
+            why = "a filesystem factory was given (it cannot cross into another process)"
+        elif self.world_size > 1 and not (
+            os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")
+        ):
+            why = "MASTER_ADDR/MASTER_PORT are not set (the persisters meet through that store)"
+        elif not os.path.isdir(self.config.memory_root):
+            why = f"{self.config.memory_root} does not exist"
+        if why:
+            logger.warning("persist_mode=process unavailable: %s; persisting in a thread", why)
+            return None
+        import tempfile
 
-    def _gather(self, obj: Any) -> list[Any]:
-        if self._pg is None:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._pg)
-        return out
+        return Path(tempfile.mkdtemp(prefix="trainguard-persist-", dir=self.config.memory_root))
 
-    def _commit_or_discard(
-        self, step: int, path: str, gathered: list[tuple[str | None, dict[str, Any]]]
-    ) -> tuple[bool, str | None]:
-        errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
-        if errors:
-            self.storage.remove(path)  # never committed; older checkpoints are untouched
-            return False, "; ".join(errors)
-        files: dict[str, dict[str, int]] = {}
-        for _, recs in gathered:
-            for name, (size, crc) in recs.items():
-                files[name] = {"size": size, "crc32": crc}
-        if "://" in self.root:  # fsspec writers do not report checksums: read back
-            for name in self.storage.list_dir(path):
-                size, crc = self.storage.checksum(f"{path}/{name}")
-                files[name] = {"size": size, "crc32": crc}
-        manifest = mf.Manifest(
-            step=step, world_size=self.world_size, files=files, versions=mf.versions()
+    def _start_persister(self) -> None:
+        """Start this rank's persister process (generation ``self._proc_gen``)."""
+        from trainguard.checkpoint.persist_proc import PersisterProcess
+
+        attempt = os.environ.get(envvars.ATTEMPT) or os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        init = {
+            "root": self.root,
+            "config": dataclasses.asdict(self.config),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "master_addr": os.environ.get("MASTER_ADDR"),
+            "master_port": os.environ.get("MASTER_PORT"),
+            "prefix": f"trainguard/ckpt-persist/{run_id}/{attempt}/{self._instance}/"
+            f"{self._proc_gen}/",
+            "timeout_s": self.config.collective_timeout_s,
+        }
+        self._proc = PersisterProcess(init)
+        self._emit_local("checkpoint_persister_started", pid=self._proc.pid, gen=self._proc_gen)
+
+    def _check_persister(self) -> None:
+        """Collective. If any rank's persister died, every rank replaces its own: the others
+        may sit in a collective with the dead one, so all are killed (their saves in flight
+        fail) and a new generation starts. If one could not start at all, every rank falls back
+        to persisting in a thread."""
+        proc = self._proc
+        if proc is None:
+            return
+        broken, failed = self._agree(proc.broken is not None, proc.start_failed)
+        if not broken:
+            return
+        reason = proc.broken
+        proc.kill()
+        if self._persisting is not None:
+            self._persisting.done.wait()
+        if self._ctl_pg is not None:  # no rank's old persister is still writing
+            dist.barrier(group=self._ctl_pg)
+        self._cleanup_uncommitted()
+        if failed:
+            logger.warning("persister process unavailable (%s); persisting in a thread", reason)
+            self._proc = None
+            return
+        logger.warning("rank %s: replacing the persister processes (%s)", self.rank, reason)
+        self._emit_local(
+            "checkpoint_persister_replaced", reason=reason or "another rank's persister died"
         )
-        try:
-            self.faults.point("before_manifest", step, self.rank)
-            mf.commit(self.storage, self.root, manifest)
-            self.faults.point("committed", step, self.rank)
-        except OSError as e:
-            self.storage.remove(path)
-            return False, f"commit: {e}"
-        self._retention()
-        return True, None
+        self._proc_gen += 1
+        self._start_persister()
 
-    def _retention(self) -> None:
-        committed = mf.committed_steps(self.storage, self.root)
-        victims = mf.retention_victims(
-            committed,
-            keep_last=self.config.keep_last,
-            keep_every_steps=self.config.keep_every_steps,
-        )
-        for s in victims:
-            p = f"{self.root.rstrip('/')}/{mf.step_dir_name(s)}"
-            self.storage.remove(f"{p}/{mf.MANIFEST}")
-            self.faults.point("retention", s, self.rank)
-            self.storage.remove(p)
+    def _emit_local(self, kind: str, **fields: Any) -> None:
+        logger.info("%s %s", kind, fields)
+        if self.rank == 0:
+            self._emit(kind, **fields)
 
     def _cleanup_uncommitted(self) -> None:
         """Remove step directories left uncommitted by a dead attempt (nothing is in flight

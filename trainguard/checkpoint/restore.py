@@ -39,7 +39,7 @@ def _all_ok(mgr: CheckpointManager, ok: bool) -> bool:
 
 
 def _gather(mgr: CheckpointManager, obj: Any) -> list[Any]:
-    return mgr._gather(obj)
+    return mgr._writer.gather(obj)
 
 
 def _broadcast(mgr: CheckpointManager, obj: Any) -> Any:

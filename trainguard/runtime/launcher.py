@@ -34,7 +34,7 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from trainguard.config import ConfigError, TrainGuardConfig, load_config
 from trainguard.recovery.classify import REQUEUE_EXIT_CODE
-from trainguard.runtime.agent import TrainGuardAgent
+from trainguard.runtime.agent import NodeUnhealthyError, TrainGuardAgent
 from trainguard.runtime.events import EventLog
 from trainguard.runtime.plugin import AgentPlugin
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
@@ -301,6 +301,12 @@ def launch(
                 message="workers saved a preemption checkpoint and asked to be requeued",
             )
             raise _requeue_exit(name) from None
+        raise
+    except NodeUnhealthyError:
+        # This node leaves (health policy); the rendezvous stays open for the others.
+        state = "excluded"
+        shutdown_rdzv = False
+        torch_events.record(agent.get_event_failed(), config.event_log_handler)
         raise
     except Exception:
         torch_events.record(agent.get_event_failed(), config.event_log_handler)

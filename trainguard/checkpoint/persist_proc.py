@@ -1,0 +1,226 @@
+"""The persister process (``persist_mode = "process"``): one per rank, started by the worker's
+checkpoint manager, writing checkpoints so that serialisation, checksumming and the write
+syscalls never hold the training process's GIL.
+
+Zero copy: the staged slots are files in shared memory (the node's memory tier, or a private
+directory in ``/dev/shm``); the persister maps the slot it is asked to write, builds tensor
+views over it and hands them to DCP. The persisters of all ranks form their own gloo group
+through the job's store (``MASTER_ADDR:MASTER_PORT``, a key prefix per generation), so their
+collectives never touch the training process group.
+
+Protocol, one JSON line each way over the child's stdin/stdout (the child's own prints go to
+stderr): first the parent's ``init``; the child answers ``{"ready": true}``; then per save
+``{"step", "bin_path", "nbytes", "entries", "skeleton"}`` → ``{"committed", "error"}``.
+A dead child (kill -9, OOM) is an EOF: that save fails, and the manager replaces the
+persisters of every rank before the next save (see ``CheckpointManager.maybe_save``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from typing import IO, Any
+
+__all__ = ["PersisterProcess", "main"]
+
+logger = logging.getLogger(__name__)
+
+
+class PersisterProcess:
+    """Parent-side handle of one rank's persister process."""
+
+    def __init__(self, init: dict[str, Any]) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trainguard.checkpoint.persist_proc"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
+        self._lock = threading.Lock()
+        self._ready = False
+        self.broken: str | None = None
+        """Why the persister cannot take saves any more (it died, or never started)."""
+        self.start_failed = False
+        self._send(init)  # the child imports torch and joins its group meanwhile
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def _recv(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # blocks without the GIL
+        if not line:
+            code = self.proc.wait()
+            raise EOFError(f"persister process {self.proc.pid} died (exit code {code})")
+        return json.loads(line)
+
+    def persist(self, request: dict[str, Any]) -> tuple[bool, str | None]:
+        """Send one save and wait for its outcome; a dead child marks the handle broken."""
+        with self._lock:
+            if self.broken:
+                return False, self.broken
+            try:
+                if not self._ready:
+                    reply = self._recv()
+                    if not reply.get("ready"):
+                        self.start_failed = True
+                        raise EOFError(f"persister failed to start: {reply.get('error')}")
+                    self._ready = True
+                self._send(request)
+                reply = self._recv()
+            except (OSError, EOFError, ValueError) as e:
+                self.broken = str(e)
+                return False, self.broken
+            return bool(reply.get("committed")), reply.get("error")
+
+    def kill(self) -> None:
+        """SIGKILL the child (it may be stuck in a collective with a dead peer) and reap it."""
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Ask the child to leave (EOF on its stdin); kill it if it does not."""
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            self.proc.wait(timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self.kill()
+
+
+# -- the child -----------------------------------------------------------------------------------
+def _views(path: str, nbytes: int, entries: list[list[Any]], maps: dict[str, Any]) -> list[Any]:
+    import torch
+
+    mm = maps.get(path)
+    if mm is None or len(mm) < nbytes:
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), max(nbytes, 1), access=mmap.ACCESS_READ)
+        maps[path] = mm
+    views = []
+    with warnings.catch_warnings():  # DCP only reads them
+        warnings.simplefilter("ignore", UserWarning)
+        for dtype, shape, off, n in entries:
+            dt = getattr(torch, dtype)
+            if n == 0:
+                views.append(torch.empty(shape, dtype=dt))
+                continue
+            raw = torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=off)
+            views.append(raw.view(dt).view(shape))
+    return views
+
+
+def _init_group(init: dict[str, Any]) -> Any:
+    if init["world_size"] <= 1:
+        return None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=init["timeout_s"])
+    store = dist.TCPStore(
+        init["master_addr"], int(init["master_port"]), is_master=False, timeout=timeout
+    )
+    store = dist.PrefixStore(init["prefix"], store)
+    dist.init_process_group(
+        "gloo", store=store, rank=init["rank"], world_size=init["world_size"], timeout=timeout
+    )
+    return dist.group.WORLD
+
+
+def _serve(rx: IO[str], tx: IO[str]) -> None:
+    from trainguard.checkpoint import jsoncodec
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.checkpoint.faults import Faults
+    from trainguard.checkpoint.persist import Writer
+    from trainguard.checkpoint.staging import unflatten
+    from trainguard.checkpoint.storage import storage_for
+
+    def reply(**msg: Any) -> None:
+        tx.write(json.dumps(msg) + "\n")
+        tx.flush()
+
+    init = json.loads(rx.readline())
+    try:
+        pg = _init_group(init)
+        writer = Writer(
+            root=init["root"],
+            storage=storage_for(init["root"]),
+            config=CheckpointConfig(**init["config"]),
+            rank=init["rank"],
+            world_size=init["world_size"],
+            pg=pg,
+            faults=Faults.from_env(),
+        )
+    except Exception as e:  # the parent reports it and falls back to its thread
+        reply(ready=False, error=f"{type(e).__name__}: {e}")
+        return
+    reply(ready=True)
+    maps: dict[str, Any] = {}
+    for line in rx:
+        req = json.loads(line)
+        try:
+            views = _views(req["bin_path"], req["nbytes"], req["entries"], maps)
+            staged = unflatten(jsoncodec.loads(req["skeleton"]), views)
+            del views
+            committed, error = writer.write_and_commit(req["step"], staged)
+            del staged
+        except Exception as e:
+            logger.exception("persist of step %s failed", req.get("step"))
+            committed, error = False, f"{type(e).__name__}: {e}"
+        reply(committed=committed, error=error)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A persister never outlives its worker (kill -9, OOM): it may sit in a collective or a
+    store wait with a peer that is gone, and it holds the worker's stderr open."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def main() -> None:
+    """Entry point of ``python -m trainguard.checkpoint.persist_proc``."""
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    logging.basicConfig(level=logging.WARNING, format="[tg-persist %(process)d] %(message)s")
+    proto_out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything printed by libraries goes to stderr, not into the protocol
+    sys.stdout = sys.stderr
+    try:
+        _serve(sys.stdin, proto_out)
+    except (BrokenPipeError, KeyboardInterrupt):
+        pass
+    # stdin closed: the manager is done (or gone). Nothing to flush; leave without tearing
+    # down a process group whose peers may already be gone.
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
