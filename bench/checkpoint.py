@@ -323,8 +323,8 @@ def _trainguard(b: Bench, out: dict[str, Any], T: int) -> None:
     shm_root = "/dev/shm" if _shm_free() > 3.3 * b.state_bytes else None  # 3 slots
     out["memory_tier_dir"] = shm_root or tempfile.gettempdir()
     mem = Path(tempfile.mkdtemp(prefix="tg-bench-mem-", dir=shm_root))
-    # one writer thread per core is DCP's knob too; on a GPU host there are cores to spare
-    io_threads = 4 if b.device == "cuda" else 1
+    # DCP's thread_count knob; on a GPU host there are cores to spare
+    io_threads = 4 if b.device == "cuda" else None  # None: the automatic value
     state = {"model": b.model, "optim": b.opt}
     for mode in ("thread", "process"):
         cfg = CheckpointConfig(

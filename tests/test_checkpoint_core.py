@@ -405,8 +405,7 @@ def test_auto_interval_follows_young(tmp_path: Path) -> None:
     events = Events()
     mgr = _mgr(tmp_path, events, auto_interval=True, mtbf_s=3 * 3600.0, auto_min_interval_s=0.0)
     for s in (6.0, 6.0, 6.0):
-        mgr._stalls.append(s)
-    mgr._update_interval()
+        mgr.interval.record_stall(s)
     assert mgr.interval_s() == pytest.approx((2 * 6.0 * 3 * 3600.0) ** 0.5)  # ~360 s
     mgr.set_mtbf(600.0)
     assert mgr.interval_s() == pytest.approx((2 * 6.0 * 600.0) ** 0.5)

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -70,8 +71,11 @@ class CheckpointConfig:
     """Where persisting runs: a background thread of the worker, or a persister process per
     rank that maps the staged buffers (shared memory, zero copy) and writes them, so that
     serialisation never contends with training for the GIL."""
-    io_threads: int = 1
-    """Writer threads per rank (DCP FileSystemWriter ``thread_count``)."""
+    io_threads: int | None = None
+    """Writer threads per rank (DCP FileSystemWriter ``thread_count``; also the checksum
+    verification threads of a restore). None: one per 8 cores, 1 to 4. More threads commit
+    sooner (1.1 GiB: 2.6 s with 2 vs 4.6 s with 1, idle 2-core box) but take cores from the
+    training loop while they run (stall 0.63 s with 2 vs 0.12 s with 1 on that box)."""
     capture_rng: bool = True
     """Save and restore python, numpy and torch (CPU/CUDA) RNG states per rank."""
     collective_timeout_s: float = 600.0
@@ -104,7 +108,7 @@ class CheckpointConfig:
             raise ValueError("memory_slots must be >= 2")
         if self.persist_mode not in ("thread", "process"):
             raise ValueError("persist_mode must be 'thread' or 'process'")
-        if self.io_threads < 1:
+        if self.io_threads is not None and self.io_threads < 1:
             raise ValueError("io_threads must be >= 1")
         if self.collective_timeout_s <= 0:
             raise ValueError("collective_timeout_s must be > 0")
@@ -113,6 +117,13 @@ class CheckpointConfig:
         for name in self.preemption_signals:
             if not hasattr(signal, name):
                 raise ValueError(f"preemption_signals: unknown signal {name!r}")
+
+
+def writer_threads(config: CheckpointConfig) -> int:
+    """``config.io_threads``, or its automatic value on this host."""
+    if config.io_threads is not None:
+        return config.io_threads
+    return min(4, max(1, (os.cpu_count() or 1) // 8))
 
 
 def load_worker_config(run_dir: Path) -> CheckpointConfig:

@@ -9,7 +9,9 @@ Save path (``save``/``maybe_save``)::
                     → queue the persist
     persist thread  DCP save of the slot on the checkpoint gloo group (checksummed, fsynced)
                     → gather every rank's files → rank 0 renames the manifest into place
-                    → retention → everyone learns the outcome
+                    → everyone learns the outcome → retention (rank 0)
+    (``persist_mode = "process"``: the same, in a persister process per rank that maps the
+    slot; see trainguard.checkpoint.persist_proc)
 
 Failure semantics: a failed persist (ENOSPC, I/O error, a dead peer) is reported as a
 ``checkpoint_failed`` event and a metric; it never raises into training and never touches
@@ -23,10 +25,8 @@ import copy
 import dataclasses
 import logging
 import os
-import signal
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -40,8 +40,9 @@ from trainguard.checkpoint import jsoncodec
 from trainguard.checkpoint import manifest as mf
 from trainguard.checkpoint.config import CheckpointConfig, load_worker_config
 from trainguard.checkpoint.faults import Faults
-from trainguard.checkpoint.interval import observed_mtbf_s, young_interval_s
+from trainguard.checkpoint.interval import IntervalPolicy, observed_mtbf_s
 from trainguard.checkpoint.persist import Writer
+from trainguard.checkpoint.preemption import Preemption
 from trainguard.checkpoint.staging import (
     Layout,
     SlotPool,
@@ -162,17 +163,13 @@ class CheckpointManager:
         self._closed = False
         self.num_failures = 0
         self.last_result: SaveResult | None = None
-        self._stalls: deque[float] = deque(maxlen=20)
-        self._last_persist_time = time.monotonic()
-        self._interval_s: float | None = None
-        self._mtbf_s = self.config.mtbf_s
-        self.preempt_signal: int | None = None
-        self._preempt_committed = False
+        self.interval = IntervalPolicy(self.config, on_change=self._interval_changed)
+        self.preemption = Preemption(self.config.preemption_signals)
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._hook = register_optimizer_step_pre_hook(self._before_step)
         if install_signal_handlers:
-            self._install_signal_handlers()
+            self.preemption.install()
         self._cleanup_uncommitted()
         if self.config.persist_mode == "process" and (self.memory_dir or self._private_dir):
             self._start_persister()
@@ -198,10 +195,12 @@ class CheckpointManager:
         and on a preemption signal saves, waits for the commit and exits with the requeue code."""
         if not self.config.enabled:
             return None
-        due = self._persist_due(step)
+        due = self.interval.due(step)
         busy = self._persisting is not None and not self._persisting.done.is_set()
-        broken = self._proc is not None and self._proc.broken is not None
-        preempt, due, busy, broken = self._agree(self.preempt_signal is not None, due, busy, broken)
+        broken = self._proc is not None and self._proc.check() is not None
+        preempt, due, busy, broken = self._agree(
+            self.preemption.signum is not None, due, busy, broken
+        )
         if broken:  # before the skip decision: a save stuck behind a dead persister never ends
             self._check_persister()
             busy = False
@@ -262,7 +261,7 @@ class CheckpointManager:
 
     def interval_s(self) -> float | None:
         """The automatic interval in seconds (Young), or None when not in auto mode."""
-        return self._interval_s
+        return self.interval.interval_s
 
     def close(self) -> None:
         """Wait for work in flight, then release threads, hooks and buffers. Idempotent."""
@@ -394,9 +393,8 @@ class CheckpointManager:
 
     def _record_stall(self, result: SaveResult) -> None:
         self._staging_result = None
-        self._stalls.append(result.stall_s)
         self._metric(step=result.step, checkpoint_stall_s=result.stall_s)
-        self._update_interval()
+        self.interval.record_stall(result.stall_s)
 
     def _wait_persist(self) -> None:
         self.wait_staged()
@@ -424,6 +422,11 @@ class CheckpointManager:
             result.done.set()
             if self._persisting is result:
                 self._persisting = None
+        if result.committed and self.rank == 0 and self._proc is None:
+            try:  # after the outcome: deleting old checkpoints is not part of the commit
+                self._writer.retention()
+            except Exception:
+                logger.exception("retention after step %s failed", result.step)
 
     def _persist(
         self, result: SaveResult, slot: Any, skeleton: Any, infos: list[Any], t0: float
@@ -453,7 +456,7 @@ class CheckpointManager:
         result.error = error
         result.persist_s = time.perf_counter() - tp
         result.commit_s = time.perf_counter() - t0
-        self._last_persist_time = time.monotonic()
+        self.interval.persisted()
         if committed:
             self._metric(
                 step=result.step,
@@ -523,7 +526,7 @@ class CheckpointManager:
         proc = self._proc
         if proc is None:
             return
-        broken, failed = self._agree(proc.broken is not None, proc.start_failed)
+        broken, failed = self._agree(proc.check() is not None, proc.start_failed)
         if not broken:
             return
         reason = proc.broken
@@ -568,73 +571,22 @@ class CheckpointManager:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctl_pg)
         return [bool(x) for x in t.tolist()]
 
-    def _persist_due(self, step: int) -> bool:
-        c = self.config
-        if c.every_steps and step > 0 and step % c.every_steps == 0:
-            return True
-        elapsed = time.monotonic() - self._last_persist_time
-        if c.every_s and elapsed >= c.every_s:
-            return True
-        return bool(
-            c.auto_interval and self._interval_s is not None and elapsed >= self._interval_s
-        )
-
-    def _update_interval(self) -> None:
-        if not self.config.auto_interval or not self._stalls:
-            return
-        stall = sorted(self._stalls)[len(self._stalls) // 2]
-        tau = young_interval_s(
-            stall,
-            self._mtbf_s,
-            lo=self.config.auto_min_interval_s,
-            hi=self.config.auto_max_interval_s,
-        )
-        old = self._interval_s
-        self._interval_s = tau
-        if old is None or abs(tau - old) > 0.2 * old:
-            self._metric(checkpoint_interval_s=tau)
-            if self.rank == 0:
-                self._emit(
-                    "checkpoint_interval",
-                    interval_s=round(tau, 3),
-                    stall_s=stall,
-                    mtbf_s=self._mtbf_s,
-                )
-            logger.info(
-                "checkpoint interval %.1f s (stall %.3f s, MTBF %.0f s)", tau, stall, self._mtbf_s
-            )
+    def _interval_changed(self, tau: float, stall: float, mtbf: float) -> None:
+        self._metric(checkpoint_interval_s=tau)
+        if self.rank == 0:
+            self._emit("checkpoint_interval", interval_s=round(tau, 3), stall_s=stall, mtbf_s=mtbf)
+        logger.info("checkpoint interval %.1f s (stall %.3f s, MTBF %.0f s)", tau, stall, mtbf)
 
     def set_mtbf(self, mtbf_s: float) -> None:
         """Observed mean time between failures (the runtime feeds it; auto interval uses it)."""
-        self._mtbf_s = mtbf_s
-        self._update_interval()
-
-    def _install_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for name in self.config.preemption_signals:
-            sig = getattr(signal, name)
-            try:
-                signal.signal(sig, self._on_signal)
-            except (OSError, ValueError):
-                logger.warning("cannot handle %s for preemption saves", name)
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if self.preempt_signal is not None:  # second signal: stop now
-            if self._preempt_committed:  # the state is safe: still ask to be requeued
-                os._exit(REQUEUE_EXIT_CODE)
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        self.preempt_signal = signum
+        self.interval.set_mtbf(mtbf_s)
 
     def _preempt_exit(self, step: int, state: Mapping[str, Any]) -> None:
-        sig = signal.Signals(self.preempt_signal).name if self.preempt_signal else "peer"
         if self.rank == 0:
-            self._emit("checkpoint_preempted", step=step, signal=sig)
+            self._emit("checkpoint_preempted", step=step, signal=self.preemption.name)
         result = self.save(step, state, persist=True)
         ok = result.wait()
-        self._preempt_committed = ok
+        self.preemption.committed = ok
         if self.rank == 0:
             self._emit("checkpoint_preempt_saved", step=step, committed=ok, error=result.error)
         self.close()

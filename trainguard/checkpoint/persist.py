@@ -5,8 +5,9 @@ process per rank (``"process"``, :mod:`trainguard.checkpoint.persist_proc`).
 ``Writer.write_and_commit`` is collective over its gloo group: every rank writes its DCP shard
 through the checksumming writer (fsync), the ranks gather each other's outcome and file
 records, rank 0 renames the JSON manifest into place when every rank succeeded (else removes
-the step directory; older checkpoints are never touched), applies retention, and broadcasts
-the outcome.
+the step directory; older checkpoints are never touched) and broadcasts the outcome. Retention
+(``retention``, rank 0) runs after the outcome is out, so deleting old checkpoints is never
+part of the time to a durable commit.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint import manifest as mf
-from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.config import CheckpointConfig, writer_threads
 from trainguard.checkpoint.faults import Faults
 from trainguard.checkpoint.storage import (
     ChecksummingFileSystem,
@@ -70,7 +71,7 @@ class Writer:
                     path,
                     fs=fs,
                     sync_files=self.config.sync_files,
-                    thread_count=self.config.io_threads,
+                    thread_count=writer_threads(self.config),
                 )
             dcp.save(staged, storage_writer=writer, process_group=self.pg, no_dist=self.pg is None)
             if "://" not in self.root and self.config.sync_files:
@@ -131,7 +132,6 @@ class Writer:
         except OSError as e:
             self.storage.remove(path)
             return False, f"commit: {e}"
-        self.retention()
         return True, None
 
     def retention(self) -> None:

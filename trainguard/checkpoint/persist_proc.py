@@ -57,6 +57,15 @@ class PersisterProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    def check(self) -> str | None:
+        """Why this persister cannot take saves (None: it can). Notices a child that died
+        between saves, e.g. while applying retention after its last reply."""
+        if self.broken is None and self.proc.poll() is not None:
+            self.broken = (
+                f"persister process {self.proc.pid} died (exit code {self.proc.returncode})"
+            )
+        return self.broken
+
     def _send(self, msg: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(msg) + "\n")
@@ -195,6 +204,11 @@ def _serve(rx: IO[str], tx: IO[str]) -> None:
             logger.exception("persist of step %s failed", req.get("step"))
             committed, error = False, f"{type(e).__name__}: {e}"
         reply(committed=committed, error=error)
+        if committed and writer.rank == 0:
+            try:
+                writer.retention()
+            except Exception:
+                logger.exception("retention after step %s failed", req.get("step"))
 
 
 def _exit_with_parent(parent: int) -> None:

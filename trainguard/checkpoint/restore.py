@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint import manifest as mf
+from trainguard.checkpoint.config import writer_threads
 from trainguard.checkpoint.staging import flatten, list_snapshots, rank_dir, ref_paths, unflatten
 from trainguard.checkpoint.state import apply_state, build_state_dict, rng_key, set_rng_state
 
@@ -131,7 +132,7 @@ def _load_disk(mgr: CheckpointManager, state: MutableMapping[str, Any], step: in
     elif mgr.config.verify_checksums:
         names = sorted(manifest.files)[mgr.rank :: mgr.world_size]
         try:
-            mf.verify(mgr.storage, path, manifest, names, threads=mgr.config.io_threads)
+            mf.verify(mgr.storage, path, manifest, names, threads=writer_threads(mgr.config))
         except mf.VerifyError as e:
             err = str(e)
     if not _all_ok(mgr, err is None):
