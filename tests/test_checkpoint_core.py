@@ -231,14 +231,18 @@ def _torn_model() -> tuple[nn.Module, torch.optim.Optimizer]:
     return m, torch.optim.Adam(m.parameters(), lr=1e-3)
 
 
+def _torn_step(m: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    loss = m(torch.randn(8, 256, generator=g)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
 def _torn_replay(steps: int) -> list[torch.Tensor]:
     m, opt = _torn_model()
     for step in range(steps):
-        g = torch.Generator().manual_seed(step)
-        loss = m(torch.randn(8, 256, generator=g)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        _torn_step(m, opt, step)
     return _flat(m, opt)
 
 
@@ -266,11 +270,7 @@ def _torn_child(root: str, fault: dict) -> None:
         config=CheckpointConfig(dir=root, keep_last=2), install_signal_handlers=False
     )
     for step in range(6):
-        g = torch.Generator().manual_seed(step)
-        loss = m(torch.randn(8, 256, generator=g)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        _torn_step(m, opt, step)
         mgr.save(step + 1, {"model": m, "optim": opt}).wait()
     mgr.close()
 
@@ -335,11 +335,7 @@ def test_kill_9_of_the_persister_process_fails_one_save_and_training_goes_on(
     mgr = CheckpointManager(config=cfg, events=events, install_signal_handlers=False)
     outcomes = {}
     for step in range(6):
-        g = torch.Generator().manual_seed(step)
-        loss = m(torch.randn(8, 256, generator=g)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        _torn_step(m, opt, step)
         outcomes[step + 1] = mgr.save(step + 1, {"model": m, "optim": opt}).wait(timeout=120)
         if step + 1 == 4:  # right after the kill: latest names an exact, loadable checkpoint
             monkeypatch.delenv("TRAINGUARD_TEST_CHECKPOINT_FAULT")

@@ -129,14 +129,21 @@ SLOW_RANK_1 = ["--compute-s", "0.08", "--sleep", "--slow-rank", "1", "--slow-fac
 
 
 def start_nodes(
-    tmp_path: Path, run_dir: Path, worker_args: list[str], *, nodes: int = 2, **kw: object
+    tmp_path: Path,
+    run_dir: Path,
+    worker_args: list[str],
+    *,
+    nodes: int = 2,
+    cmd_kw: dict[str, object] | None = None,
+    **kw: object,
 ) -> list[subprocess.Popen[str]]:
+    """One `trainguard run` per node; node0 hosts the rendezvous store (started first)."""
     port = free_port()
     procs = []
     for n in range(nodes):
         env = job_env(straggler_min_delta_s=0.005, probe_interval_s=0, **kw)
         env["SLURMD_NODENAME"] = f"node{n}"
-        cmd = node_cmd(run_dir, worker_args, port=port)
+        cmd = node_cmd(run_dir, worker_args, port=port, **(cmd_kw or {}))  # type: ignore[arg-type]
         procs.append(
             subprocess.Popen(
                 cmd,
@@ -149,7 +156,7 @@ def start_nodes(
             )  # fmt: skip
         )
         if n == 0:
-            time.sleep(1.0)  # node0 hosts the rendezvous store
+            wait_listening(port)
     return procs
 
 
@@ -216,29 +223,17 @@ def wait_listening(port: int, timeout: float = 30) -> None:
 
 def test_elastic_job_carries_on_without_the_excluded_node(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    port = free_port()
-    args = ["--steps", "80", *SLOW_RANK_1]
-    procs = []
-    for n in range(2):
-        env = job_env(straggler_min_delta_s=0.005, straggler_policy="exclude", probe_interval_s=0)
-        env["SLURMD_NODENAME"] = f"node{n}"
-        cmd = node_cmd(
-            run_dir, args, port=port, nnodes="1:2", max_restarts=1,
-            rdzv_conf="last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
-        )  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                cwd=tmp_path,
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-                stdin=subprocess.DEVNULL,
-            )  # fmt: skip
-        )
-        if n == 0:
-            wait_listening(port)  # node0 hosts the rendezvous store and outlives node1
+    procs = start_nodes(
+        tmp_path,
+        run_dir,
+        ["--steps", "80", *SLOW_RANK_1],
+        cmd_kw={
+            "nnodes": "1:2",
+            "max_restarts": 1,
+            "rdzv_conf": "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
+        },
+        straggler_policy="exclude",
+    )  # node0 hosts the rendezvous store and outlives node1
     errs = finish(procs, timeout=120)
     rcs = [p.returncode for p in procs]
     assert rcs == [0, 1], f"{rcs}\n" + errs[0][-3000:] + "\n----\n" + errs[1][-3000:]

@@ -125,24 +125,17 @@ class PersisterProcess:
 
 # -- the child -----------------------------------------------------------------------------------
 def _views(path: str, nbytes: int, entries: list[list[Any]], maps: dict[str, Any]) -> list[Any]:
-    import torch
+    from trainguard.checkpoint.staging import Layout, views_of
 
     mm = maps.get(path)
     if mm is None or len(mm) < nbytes:
         with open(path, "rb") as f:
             mm = mmap.mmap(f.fileno(), max(nbytes, 1), access=mmap.ACCESS_READ)
         maps[path] = mm
-    views = []
-    with warnings.catch_warnings():  # DCP only reads them
+    layout = Layout.from_entries(entries, nbytes)
+    with warnings.catch_warnings():  # a read-only mapping; DCP only reads the views
         warnings.simplefilter("ignore", UserWarning)
-        for dtype, shape, off, n in entries:
-            dt = getattr(torch, dtype)
-            if n == 0:
-                views.append(torch.empty(shape, dtype=dt))
-                continue
-            raw = torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=off)
-            views.append(raw.view(dt).view(shape))
-    return views
+        return views_of(mm, layout)
 
 
 def _init_group(init: dict[str, Any]) -> Any:

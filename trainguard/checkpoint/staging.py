@@ -30,7 +30,16 @@ import torch
 
 from trainguard.checkpoint import jsoncodec
 
-__all__ = ["Layout", "Slot", "SlotPool", "Snapshot", "flatten", "list_snapshots", "unflatten"]
+__all__ = [
+    "Layout",
+    "Slot",
+    "SlotPool",
+    "Snapshot",
+    "flatten",
+    "list_snapshots",
+    "unflatten",
+    "views_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +145,13 @@ class Layout:
             off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
         return cls(tuple(entries), off)
 
+    @classmethod
+    def from_entries(cls, entries: list[list[Any]], nbytes: int) -> Layout:
+        """The layout written into a snapshot's JSON metadata (``[dtype, shape, off, n]``)."""
+        return cls(tuple((e[0], tuple(e[1]), e[2], e[3]) for e in entries), nbytes)
 
-def _views_of(buf: Any, layout: Layout) -> list[torch.Tensor]:
+
+def views_of(buf: Any, layout: Layout) -> list[torch.Tensor]:
     views = []
     for dtype, shape, off, n in layout.entries:
         dt = getattr(torch, dtype)
@@ -177,7 +191,7 @@ class Slot:
                 addr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
                 rc = torch.cuda.cudart().cudaHostRegister(addr, size, 1)  # cudaHostRegisterPortable
                 self._registered = int(rc) == 0
-            self.views = _views_of(self._mm, layout)
+            self.views = views_of(self._mm, layout)
         else:
             pin = pin and torch.cuda.is_available()
             self.views = [
@@ -288,7 +302,7 @@ class Snapshot:
         (the live parameters and optimizer state: one copy, no new allocations)."""
         skeleton = jsoncodec.loads(self.meta["skeleton"])
         paths = ref_paths(skeleton) if into else {}
-        layout = Layout(tuple((e[0], tuple(e[1]), e[2], e[3]) for e in self.meta["entries"]), 0)
+        layout = Layout.from_entries(self.meta["entries"], 0)
         tensors: list[torch.Tensor] = []
         reads: list[tuple[memoryview, int, int]] = []
         for i, (dtype, shape, off, n) in enumerate(layout.entries):
