@@ -362,6 +362,66 @@ def test_kill_9_of_the_persister_process_fails_one_save_and_training_goes_on(
     assert _equal(_flat(m3, opt3), _torn_replay(6))
 
 
+ORPHAN_SCRIPT = textwrap.dedent(
+    """
+    import sys, time, torch
+    from torch import nn
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.checkpoint.manager import CheckpointManager
+
+    m = nn.Linear(64, 64); opt = torch.optim.Adam(m.parameters())
+    cfg = CheckpointConfig(dir=sys.argv[1], persist_mode="process", memory_root=sys.argv[2])
+    mgr = CheckpointManager(config=cfg, install_signal_handlers=False)
+    assert mgr.save(1, {"model": m, "optim": opt}).wait(timeout=120)
+    print("DIR", mgr._private_dir, mgr._proc.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_kill_9_of_a_worker_in_process_mode_frees_its_shared_memory(tmp_path: Path) -> None:
+    """The worker's private staging directory (shared memory) goes with the worker: its
+    persister removes it when the worker is SIGKILLed; and a later manager sweeps directories
+    whose worker and persister both died."""
+    from trainguard.checkpoint.persist_proc import sweep_private_dirs
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN_SCRIPT)
+    p = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "ckpt"), str(shm)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = p.stdout.readline() if p.stdout else ""
+        assert line.startswith("DIR "), line
+        _, private, child = line.split()
+        assert Path(private).is_dir() and Path(private).parent == shm
+        p.kill()
+        p.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while Path(private).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(private).exists()
+        with pytest.raises(ProcessLookupError):  # the persister is gone too
+            for _ in range(100):
+                os.kill(int(child), 0)
+                time.sleep(0.1)
+    finally:
+        p.kill()
+    # worker and persister both gone without cleaning up: the next manager sweeps
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = shm / f"trainguard-persist-{dead.pid}-abc"
+    live = shm / f"trainguard-persist-{os.getpid()}-abc"
+    stale.mkdir()
+    live.mkdir()
+    assert sweep_private_dirs(str(shm)) == [stale.name]
+    assert not stale.exists() and live.exists()
+
+
 # -- preemption --------------------------------------------------------------------------------
 PREEMPT_SCRIPT = textwrap.dedent(
     """

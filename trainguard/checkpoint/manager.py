@@ -496,7 +496,11 @@ class CheckpointManager:
             return None
         import tempfile
 
-        return Path(tempfile.mkdtemp(prefix="trainguard-persist-", dir=self.config.memory_root))
+        from trainguard.checkpoint.persist_proc import PRIVATE_DIR_PREFIX, sweep_private_dirs
+
+        sweep_private_dirs(self.config.memory_root)  # left by workers that were kill -9'ed
+        prefix = f"{PRIVATE_DIR_PREFIX}{os.getpid()}-"
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=self.config.memory_root))
 
     def _start_persister(self) -> None:
         """Start this rank's persister process (generation ``self._proc_gen``)."""
@@ -514,6 +518,8 @@ class CheckpointManager:
             "prefix": f"trainguard/ckpt-persist/{run_id}/{attempt}/{self._instance}/"
             f"{self._proc_gen}/",
             "timeout_s": self.config.collective_timeout_s,
+            # the persister removes the private staging directory if its worker dies
+            "cleanup_dir": str(self._private_dir) if self._private_dir else None,
         }
         self._proc = PersisterProcess(init)
         self._emit_local("checkpoint_persister_started", pid=self._proc.pid, gen=self._proc_gen)

@@ -28,7 +28,43 @@ import time
 import warnings
 from typing import IO, Any
 
-__all__ = ["PersisterProcess", "main"]
+__all__ = ["PRIVATE_DIR_PREFIX", "PersisterProcess", "main", "sweep_private_dirs"]
+
+PRIVATE_DIR_PREFIX = "trainguard-persist-"
+"""``<memory_root>/trainguard-persist-<worker pid>-<random>``: process mode's staging slots when
+the node has no memory tier."""
+
+
+def sweep_private_dirs(root: str) -> list[str]:
+    """Remove private staging directories whose worker is gone (kill -9 of worker and
+    persister together); returns what was removed."""
+    import shutil
+
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(PRIVATE_DIR_PREFIX):
+            continue
+        pid_text = name[len(PRIVATE_DIR_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +149,10 @@ class PersisterProcess:
                 pass
 
     def close(self, timeout: float = 30.0) -> None:
-        """Ask the child to leave (EOF on its stdin); kill it if it does not."""
+        """Ask the child to leave; kill it if it does not."""
         try:
             if self.proc.stdin is not None:
+                self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
                 self.proc.stdin.close()
             self.proc.wait(timeout)
         except (OSError, subprocess.TimeoutExpired):
@@ -156,7 +193,8 @@ def _init_group(init: dict[str, Any]) -> Any:
     return dist.group.WORLD
 
 
-def _serve(rx: IO[str], tx: IO[str]) -> None:
+def _serve(rx: IO[str], tx: IO[str]) -> bool:
+    """Serve saves until told to exit (True) or until stdin closes: the worker died (False)."""
     from trainguard.checkpoint import jsoncodec
     from trainguard.checkpoint.config import CheckpointConfig
     from trainguard.checkpoint.faults import Faults
@@ -169,6 +207,8 @@ def _serve(rx: IO[str], tx: IO[str]) -> None:
         tx.flush()
 
     init = json.loads(rx.readline())
+    global _cleanup_dir
+    _cleanup_dir = init.get("cleanup_dir")
     try:
         pg = _init_group(init)
         writer = Writer(
@@ -182,11 +222,13 @@ def _serve(rx: IO[str], tx: IO[str]) -> None:
         )
     except Exception as e:  # the parent reports it and falls back to its thread
         reply(ready=False, error=f"{type(e).__name__}: {e}")
-        return
+        return True
     reply(ready=True)
     maps: dict[str, Any] = {}
     for line in rx:
         req = json.loads(line)
+        if req.get("op") == "exit":
+            return True
         try:
             views = _views(req["bin_path"], req["nbytes"], req["entries"], maps)
             staged = unflatten(jsoncodec.loads(req["skeleton"]), views)
@@ -202,13 +244,22 @@ def _serve(rx: IO[str], tx: IO[str]) -> None:
                 writer.retention()
             except Exception:
                 logger.exception("retention after step %s failed", req.get("step"))
+    return False
+
+
+_cleanup_dir: str | None = None
 
 
 def _exit_with_parent(parent: int) -> None:
     """A persister never outlives its worker (kill -9, OOM): it may sit in a collective or a
-    store wait with a peer that is gone, and it holds the worker's stderr open."""
+    store wait with a peer that is gone, and it holds the worker's stderr open. On its way out
+    it removes the worker's private staging directory (shared memory nobody else frees)."""
     while os.getppid() == parent:
         time.sleep(0.5)
+    if _cleanup_dir:
+        import shutil
+
+        shutil.rmtree(_cleanup_dir, ignore_errors=True)
     os._exit(1)
 
 
@@ -219,10 +270,15 @@ def main() -> None:
     proto_out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything printed by libraries goes to stderr, not into the protocol
     sys.stdout = sys.stderr
+    told_to_exit = False
     try:
-        _serve(sys.stdin, proto_out)
+        told_to_exit = _serve(sys.stdin, proto_out)
     except (BrokenPipeError, KeyboardInterrupt):
         pass
+    if not told_to_exit and _cleanup_dir:  # the worker died: free its shared memory
+        import shutil
+
+        shutil.rmtree(_cleanup_dir, ignore_errors=True)
     # stdin closed: the manager is done (or gone). Nothing to flush; leave without tearing
     # down a process group whose peers may already be gone.
     sys.stderr.flush()
