@@ -290,4 +290,6 @@ def test_signal_to_the_workers_is_a_requeue_not_a_restart(tmp_path: Path) -> Non
     assert p.returncode == REQUEUE_EXIT_CODE, err[-3000:]
     _preempt_saved_step(tmp_path / "run1", tmp_path / "ckpt")
     failed = [e for e in _events(tmp_path / "run1") if e["kind"] == "worker_failed"]
-    assert failed and all(e["cause"] == "preempted" and e["exitcode"] == 75 for e in failed)
+    # the first rank out exits 75; torch's teardown may SIGTERM a rank still on its way out
+    assert any(e["cause"] == "preempted" and e["exitcode"] == 75 for e in failed), failed
+    assert {e["cause"] for e in failed} <= {"preempted", "terminated"}, failed
