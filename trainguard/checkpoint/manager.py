@@ -144,7 +144,16 @@ class CheckpointManager:
         self._instance = CheckpointManager._instances
         self._proc: Any = None
         self._proc_gen = 0
-        self._private_dir = self._process_mode_dir(filesystem_factory)
+        self._process_mode = False
+        self._private_dir: Path | None = None  # process mode without the memory tier stages here
+        if self.config.persist_mode == "process":
+            from trainguard.checkpoint import persist_proc
+
+            self._process_mode = persist_proc.usable(
+                self.config, self.world_size, filesystem_factory
+            )
+            if self._process_mode and self.memory_dir is None:
+                self._private_dir = persist_proc.private_staging_dir(self.config.memory_root)
         slot_dir = rank_dir(self.memory_dir, self.rank) if self.memory_dir else self._private_dir
         self._pool = SlotPool(
             directory=slot_dir,
@@ -171,7 +180,7 @@ class CheckpointManager:
         if install_signal_handlers:
             self.preemption.install()
         self._cleanup_uncommitted()
-        if self.config.persist_mode == "process" and (self.memory_dir or self._private_dir):
+        if self._process_mode:
             self._start_persister()
 
     # -- public API ------------------------------------------------------------------------------
@@ -477,31 +486,6 @@ class CheckpointManager:
                 )
 
     # -- persister process -----------------------------------------------------------------------
-    def _process_mode_dir(self, fs_factory: Any) -> Path | None:
-        """Without the memory tier, process mode stages into a private shared-memory directory
-        the persister can map. None when process mode is off or cannot work here."""
-        if self.config.persist_mode != "process" or self.memory_dir is not None:
-            return None
-        why = None
-        if fs_factory is not None:
-            why = "a filesystem factory was given (it cannot cross into another process)"
-        elif self.world_size > 1 and not (
-            os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")
-        ):
-            why = "MASTER_ADDR/MASTER_PORT are not set (the persisters meet through that store)"
-        elif not os.path.isdir(self.config.memory_root):
-            why = f"{self.config.memory_root} does not exist"
-        if why:
-            logger.warning("persist_mode=process unavailable: %s; persisting in a thread", why)
-            return None
-        import tempfile
-
-        from trainguard.checkpoint.persist_proc import PRIVATE_DIR_PREFIX, sweep_private_dirs
-
-        sweep_private_dirs(self.config.memory_root)  # left by workers that were kill -9'ed
-        prefix = f"{PRIVATE_DIR_PREFIX}{os.getpid()}-"
-        return Path(tempfile.mkdtemp(prefix=prefix, dir=self.config.memory_root))
-
     def _start_persister(self) -> None:
         """Start this rank's persister process (generation ``self._proc_gen``)."""
         from trainguard.checkpoint.persist_proc import PersisterProcess
@@ -522,7 +506,7 @@ class CheckpointManager:
             "cleanup_dir": str(self._private_dir) if self._private_dir else None,
         }
         self._proc = PersisterProcess(init)
-        self._emit_local("checkpoint_persister_started", pid=self._proc.pid, gen=self._proc_gen)
+        self._emit_rank0("checkpoint_persister_started", pid=self._proc.pid, gen=self._proc_gen)
 
     def _check_persister(self) -> None:
         """Collective. If any rank's persister died, every rank replaces its own: the others
@@ -547,13 +531,13 @@ class CheckpointManager:
             self._proc = None
             return
         logger.warning("rank %s: replacing the persister processes (%s)", self.rank, reason)
-        self._emit_local(
+        self._emit_rank0(
             "checkpoint_persister_replaced", reason=reason or "another rank's persister died"
         )
         self._proc_gen += 1
         self._start_persister()
 
-    def _emit_local(self, kind: str, **fields: Any) -> None:
+    def _emit_rank0(self, kind: str, **fields: Any) -> None:
         logger.info("%s %s", kind, fields)
         if self.rank == 0:
             self._emit(kind, **fields)

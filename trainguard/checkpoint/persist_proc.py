@@ -26,9 +26,20 @@ import sys
 import threading
 import time
 import warnings
-from typing import IO, Any
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
 
-__all__ = ["PRIVATE_DIR_PREFIX", "PersisterProcess", "main", "sweep_private_dirs"]
+if TYPE_CHECKING:
+    from trainguard.checkpoint.config import CheckpointConfig
+
+__all__ = [
+    "PRIVATE_DIR_PREFIX",
+    "PersisterProcess",
+    "main",
+    "private_staging_dir",
+    "sweep_private_dirs",
+    "usable",
+]
 
 PRIVATE_DIR_PREFIX = "trainguard-persist-"
 """``<memory_root>/trainguard-persist-<worker pid>-<random>``: process mode's staging slots when
@@ -54,6 +65,29 @@ def sweep_private_dirs(root: str) -> list[str]:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         removed.append(name)
     return removed
+
+
+def usable(config: CheckpointConfig, world_size: int, fs_factory: Any) -> bool:
+    """Whether process mode can work for this worker (else it persists in a thread, logged)."""
+    why = None
+    if fs_factory is not None:
+        why = "a filesystem factory was given (it cannot cross into another process)"
+    elif world_size > 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        why = "MASTER_ADDR/MASTER_PORT are not set (the persisters meet through that store)"
+    elif not os.path.isdir(config.memory_root):
+        why = f"{config.memory_root} does not exist"
+    if why:
+        logger.warning("persist_mode=process unavailable: %s; persisting in a thread", why)
+    return why is None
+
+
+def private_staging_dir(root: str) -> Path:
+    """A new private staging directory for this worker under ``root`` (after sweeping those
+    of dead workers)."""
+    import tempfile
+
+    sweep_private_dirs(root)
+    return Path(tempfile.mkdtemp(prefix=f"{PRIVATE_DIR_PREFIX}{os.getpid()}-", dir=root))
 
 
 def _alive(pid: int) -> bool:

@@ -138,6 +138,7 @@ class StragglerScorer:
                             "step": end,
                             "step_time_s": per_rank[r],
                             "median_others_s": others,
+                            "ratio": round(per_rank[r] / others, 3),  # times are > 0
                             "ranks_compared": len(per_rank) + len(remote),
                             "window": w,
                         }
@@ -238,13 +239,13 @@ class StragglerDetector(AgentPlugin):
                 f["rank"],
                 agent.events.node,
                 f["score"],
-                f["step_time_s"] / f["median_others_s"],
+                f["ratio"],
                 f["ranks_compared"] - 1,
             )
             agent.events.emit(
                 "straggler_detected",
                 message=f"rank {f['rank']} on node {agent.events.node} is "
-                f"{f['step_time_s'] / f['median_others_s']:.2f}x the other ranks' median step time",
+                f"{f['ratio']:.2f}x the other ranks' median step time",
                 **f,
             )
         if self.scorer.scores:
@@ -312,7 +313,7 @@ class StragglerDetector(AgentPlugin):
         node = agent.events.node
         reasons = [
             f"rank {f['rank']} is a straggler: score {f['score']:.2f}, "
-            f"{f['step_time_s'] / f['median_others_s']:.2f}x the median step time of the "
+            f"{f['ratio']:.2f}x the median step time of the "
             f"job's {f['ranks_compared'] - 1} other rank(s)"
             for f in found
         ]
