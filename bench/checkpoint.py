@@ -317,8 +317,8 @@ def _dcp_best(b: Bench, out: dict[str, Any], T: int) -> None:
 
 
 def _trainguard(b: Bench, out: dict[str, Any], T: int) -> None:
-    from trainguard.checkpoint.config import CheckpointConfig
     from trainguard.checkpoint.manager import CheckpointManager
+    from trainguard.core.config.checkpoint import CheckpointConfig
 
     shm_root = "/dev/shm" if _shm_free() > 3.3 * b.state_bytes else None  # 3 slots
     out["memory_tier_dir"] = shm_root or tempfile.gettempdir()

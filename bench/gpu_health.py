@@ -45,7 +45,7 @@ def cli_report(expect: int | None) -> dict:
 
 
 def nvml_cost() -> dict:
-    from trainguard.health.config import HealthConfig
+    from trainguard.core.config.health import HealthConfig
     from trainguard.health.nvml import NvmlSource
     from trainguard.health.policy import Policy
 

@@ -125,7 +125,7 @@ def main() -> None:
     for k in list(os.environ):
         if k.startswith(("TRAINGUARD_", "TORCHELASTIC_")):
             del os.environ[k]
-    from trainguard.runtime.worker import TrainGuard
+    from trainguard.worker.api import TrainGuard
 
     with tempfile.TemporaryDirectory() as d:
         tg = TrainGuard(run_dir=d)

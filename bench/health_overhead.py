@@ -74,7 +74,7 @@ def run_once(setting: str, steps: int, root: Path) -> dict[str, float]:
 
 def probe_cost(reps: int = 50) -> dict[str, float]:
     """Wall and CPU time of one in-job probe (all default sources), in the bench process."""
-    from trainguard.health.config import HealthConfig
+    from trainguard.core.config.health import HealthConfig
     from trainguard.health.node import NodeProbe, build_sources
 
     probe = NodeProbe(build_sources(HealthConfig(), checkpoint_dir=tempfile.gettempdir()))

@@ -40,7 +40,7 @@ def trainguard_handle(run_dir: str):  # noqa: ANN201
     for k in list(os.environ):
         if k.startswith(("TRAINGUARD_", "TORCHELASTIC_")):
             del os.environ[k]
-    from trainguard.runtime.worker import TrainGuard
+    from trainguard.worker.api import TrainGuard
 
     return TrainGuard(run_dir=run_dir)
 

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from trainguard.checkpoint import manifest as mf
-from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.manager import CheckpointManager
 from trainguard.checkpoint.storage import ChecksummingFileSystem, LocalStorage
-from trainguard.recovery.classify import REQUEUE_EXIT_CODE
+from trainguard.core.config.checkpoint import CheckpointConfig
+from trainguard.core.failures import REQUEUE_EXIT_CODE
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -366,7 +366,7 @@ ORPHAN_SCRIPT = textwrap.dedent(
     """
     import sys, time, torch
     from torch import nn
-    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.core.config.checkpoint import CheckpointConfig
     from trainguard.checkpoint.manager import CheckpointManager
 
     m = nn.Linear(64, 64); opt = torch.optim.Adam(m.parameters())
@@ -427,7 +427,7 @@ PREEMPT_SCRIPT = textwrap.dedent(
     """
     import sys, time, torch
     from torch import nn
-    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.core.config.checkpoint import CheckpointConfig
     from trainguard.checkpoint.manager import CheckpointManager
 
     m = nn.Linear(4, 4); opt = torch.optim.SGD(m.parameters(), lr=0.1)

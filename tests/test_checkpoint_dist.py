@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.launch_utils import REPO, base_env, steps_done
-from trainguard.recovery.classify import REQUEUE_EXIT_CODE
+from trainguard.core.failures import REQUEUE_EXIT_CODE
 
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.config import ConfigError, load_config
+from trainguard.core.config import ConfigError, load_config
 
 
 def test_defaults() -> None:

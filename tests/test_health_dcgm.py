@@ -11,7 +11,7 @@ import pytest
 
 from tests.health_fixtures.dcgm_text import ExporterServer, h100_node
 from trainguard.cli import cmd_health
-from trainguard.health.config import HealthConfig
+from trainguard.core.config.health import HealthConfig
 from trainguard.health.dcgm_exporter import DcgmExporterSource, parse_exposition
 from trainguard.health.policy import Policy
 from trainguard.health.result import Action, Status

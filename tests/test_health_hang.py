@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.health_fixtures.jobs import events, job_env, run_job
-from trainguard.health.config import HealthConfig
+from trainguard.core.config.health import HealthConfig
+from trainguard.core.progress import ProgressSnapshot
 from trainguard.health.hang import HangTracker
-from trainguard.runtime.progress import ProgressSnapshot
 
 
 def snap(

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from trainguard.health.config import HealthConfig
+from trainguard.core.config.health import HealthConfig
 from trainguard.health.host import HostSource, parse_endpoint
 from trainguard.health.node import NodeProbe, build_sources
 from trainguard.health.nvml import NvmlSource

@@ -12,7 +12,7 @@ import pytest
 
 from tests.health_fixtures.jobs import events, job_env, node_cmd, run_job
 from tests.launch_utils import free_port, steps_done
-from trainguard.health.config import HealthConfig
+from trainguard.core.config.health import HealthConfig
 from trainguard.health.straggler import StragglerScorer
 
 CFG = dict(straggler_min_delta_s=0.005)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainguard.recovery.classify import REQUEUE_EXIT_CODE, FailureKind, classify_exit
+from trainguard.core.failures import REQUEUE_EXIT_CODE, FailureKind, classify_exit
 
 
 def test_signals() -> None:

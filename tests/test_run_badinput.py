@@ -65,7 +65,7 @@ def test_unknown_key_and_bad_type(tmp_path: Path) -> None:
 
 def test_unreadable_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Tests run as root (CI too), and root reads a chmod-0 file; so the EACCES is injected.
-    from trainguard.config import ConfigError, load_config
+    from trainguard.core.config import ConfigError, load_config
 
     cfg = tmp_path / "tg.toml"
     cfg.write_text("[runtime]\n")

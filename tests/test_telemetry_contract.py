@@ -8,7 +8,7 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from trainguard.telemetry.contract import LOSS_CAUSES, METRICS, by_name, prometheus_name
+from trainguard.core.contract import LOSS_CAUSES, METRICS, by_name, prometheus_name
 from trainguard.telemetry.goodput import compute_goodput
 from trainguard.telemetry.mfu import PeakResolver, peak_flops, transformer_flops_per_token
 from trainguard.telemetry.recorder import MetricsRecorder

@@ -16,8 +16,8 @@ from opentelemetry.sdk.metrics.export import MetricExportResult
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from tests.launch_utils import REPO, base_env
-from trainguard.runtime.jsonl import JsonlTail
-from trainguard.telemetry.config import TelemetryConfig
+from trainguard.core.config.telemetry import TelemetryConfig
+from trainguard.core.jsonl import JsonlTail
 from trainguard.telemetry.exporters import (
     CountingMetricExporter,
     CountingSpanExporter,
@@ -185,7 +185,7 @@ def _fake(attempt: int, ranks: list[int]) -> tuple[SimpleNamespace, SimpleNamesp
 
 
 def test_plugin_end_to_end_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainguard.runtime.events import EventLog
+    from trainguard.core.events import EventLog
 
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.setenv(TRACEPARENT_ENV, "")  # restored by monkeypatch after the plugin sets it

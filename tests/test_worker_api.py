@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from tests.launch_utils import REPO, base_env, launch
-from trainguard.runtime.progress import ProgressReader, ProgressWriter, progress_path
+from trainguard.core.progress import ProgressReader, ProgressWriter, progress_path
 
 SCRIPT = """
 import trainguard
@@ -99,7 +99,7 @@ def test_progress_writer_heartbeat_and_steps(tmp_path: Path) -> None:
 
 
 def test_cli_events_command(tmp_path: Path) -> None:
-    from trainguard.runtime.events import EventLog
+    from trainguard.core.events import EventLog
 
     log = EventLog(tmp_path, node="n1", context=lambda: {"attempt": 2, "restart_count": 2})
     log.emit("launch", pid=1)

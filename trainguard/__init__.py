@@ -17,12 +17,12 @@ __version__ = "0.1.0"
 __all__ = ["TrainGuard", "__version__", "init"]
 
 if TYPE_CHECKING:
-    from trainguard.runtime.worker import TrainGuard, init
+    from trainguard.worker.api import TrainGuard, init
 
 
 def __getattr__(name: str) -> Any:
     if name in ("init", "TrainGuard"):
-        from trainguard.runtime import worker
+        from trainguard.worker import api as worker
 
         return getattr(worker, name)
     raise AttributeError(f"module 'trainguard' has no attribute {name!r}")

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from tests.launch_utils import base_env
-from trainguard.runtime.events import read_events
+from trainguard.core.events import read_events
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "health_worker.py"

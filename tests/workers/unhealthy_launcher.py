@@ -5,8 +5,8 @@ import sys
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from trainguard.core.plugin import AgentPlugin
 from trainguard.runtime import launcher
-from trainguard.runtime.plugin import AgentPlugin
 
 
 class Unhealthy(AgentPlugin):

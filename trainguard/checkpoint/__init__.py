@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["CheckpointConfig", "CheckpointManager", "SaveResult"]
 
 if TYPE_CHECKING:
-    from trainguard.checkpoint.config import CheckpointConfig
     from trainguard.checkpoint.manager import CheckpointManager, SaveResult
+    from trainguard.core.config.checkpoint import CheckpointConfig
 
 
 def __getattr__(name: str) -> Any:
     if name == "CheckpointConfig":
-        from trainguard.checkpoint.config import CheckpointConfig
+        from trainguard.core.config.checkpoint import CheckpointConfig
 
         return CheckpointConfig
     if name in ("CheckpointManager", "SaveResult"):

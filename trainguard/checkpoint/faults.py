@@ -20,7 +20,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-from trainguard.runtime import envvars
+from trainguard.core import envvars
 
 __all__ = ["FAULT_ENV", "Faults"]
 

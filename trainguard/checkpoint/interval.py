@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.core.config.checkpoint import CheckpointConfig
 
 __all__ = ["IntervalPolicy", "observed_mtbf_s", "young_interval_s"]
 
@@ -30,7 +30,7 @@ def young_interval_s(
 def observed_mtbf_s(run_dir: Path) -> float | None:
     """Mean time between failures of this run so far (from its events), or None before the
     first failure."""
-    from trainguard.runtime.events import read_events
+    from trainguard.core.events import read_events
 
     start: float | None = None
     failed_attempts: set[int] = set()

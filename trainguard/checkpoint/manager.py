@@ -38,7 +38,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint import jsoncodec
 from trainguard.checkpoint import manifest as mf
-from trainguard.checkpoint.config import CheckpointConfig, load_worker_config
 from trainguard.checkpoint.faults import Faults
 from trainguard.checkpoint.interval import IntervalPolicy, observed_mtbf_s
 from trainguard.checkpoint.persist import Writer
@@ -55,8 +54,9 @@ from trainguard.checkpoint.staging import (
 )
 from trainguard.checkpoint.state import build_state_dict, optimizer_tensor_ptrs, rng_key, rng_state
 from trainguard.checkpoint.storage import ChecksummingFileSystem, storage_for
-from trainguard.recovery.classify import REQUEUE_EXIT_CODE
-from trainguard.runtime import envvars
+from trainguard.core import envvars
+from trainguard.core.config.checkpoint import CheckpointConfig, load_worker_config
+from trainguard.core.failures import REQUEUE_EXIT_CODE
 
 __all__ = ["CheckpointManager", "MEMORY_DIR_ENV", "SaveResult"]
 

@@ -29,16 +29,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.staging import Snapshot, list_snapshots, rank_dir
-from trainguard.runtime.envvars import CHECKPOINT_MEMORY_DIR as MEMORY_DIR_ENV
-from trainguard.runtime.plugin import AgentPlugin
+from trainguard.core.config.checkpoint import CheckpointConfig
+from trainguard.core.envvars import CHECKPOINT_MEMORY_DIR as MEMORY_DIR_ENV
+from trainguard.core.plugin import AgentPlugin
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import WorkerGroup
 
+    from trainguard.core.events import EventLog
     from trainguard.runtime.agent import TrainGuardAgent
-    from trainguard.runtime.events import EventLog
 
 __all__ = ["MemoryTierPlugin", "fetch_snapshot", "push_snapshot"]
 

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint import manifest as mf
-from trainguard.checkpoint.config import CheckpointConfig, writer_threads
 from trainguard.checkpoint.faults import Faults
 from trainguard.checkpoint.storage import (
     ChecksummingFileSystem,
@@ -30,6 +29,7 @@ from trainguard.checkpoint.storage import (
     Storage,
     fsync_dir,
 )
+from trainguard.core.config.checkpoint import CheckpointConfig, writer_threads
 
 __all__ = ["Writer"]
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.core.config.checkpoint import CheckpointConfig
 
 __all__ = [
     "PRIVATE_DIR_PREFIX",
@@ -230,11 +230,11 @@ def _init_group(init: dict[str, Any]) -> Any:
 def _serve(rx: IO[str], tx: IO[str]) -> bool:
     """Serve saves until told to exit (True) or until stdin closes: the worker died (False)."""
     from trainguard.checkpoint import jsoncodec
-    from trainguard.checkpoint.config import CheckpointConfig
     from trainguard.checkpoint.faults import Faults
     from trainguard.checkpoint.persist import Writer
     from trainguard.checkpoint.staging import unflatten
     from trainguard.checkpoint.storage import storage_for
+    from trainguard.core.config.checkpoint import CheckpointConfig
 
     def reply(**msg: Any) -> None:
         tx.write(json.dumps(msg) + "\n")

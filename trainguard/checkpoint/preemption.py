@@ -1,6 +1,6 @@
 """Preemption notices: SIGTERM / SIGUSR1 (configurable) mark the worker preempted; the
 checkpoint manager then saves at the next step boundary, waits for the commit and exits with
-:data:`~trainguard.recovery.classify.REQUEUE_EXIT_CODE`.
+:data:`~trainguard.core.failures.REQUEUE_EXIT_CODE`.
 
 A second signal stops the worker at once: with the requeue code when the preemption save has
 already committed (the state is safe), else by the signal's default action.
@@ -14,7 +14,7 @@ import signal
 import threading
 from typing import Any
 
-from trainguard.recovery.classify import REQUEUE_EXIT_CODE
+from trainguard.core.failures import REQUEUE_EXIT_CODE
 
 __all__ = ["Preemption"]
 

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint import manifest as mf
-from trainguard.checkpoint.config import writer_threads
 from trainguard.checkpoint.staging import flatten, list_snapshots, rank_dir, ref_paths, unflatten
 from trainguard.checkpoint.state import apply_state, build_state_dict, rng_key, set_rng_state
+from trainguard.core.config.checkpoint import writer_threads
 
 if TYPE_CHECKING:
     from trainguard.checkpoint.manager import CheckpointManager

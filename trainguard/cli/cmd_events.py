@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard.runtime.events import EVENTS_FILE, read_events
+from trainguard.core.events import EVENTS_FILE, read_events
 
 
 def main(argv: list[str], *, prog: str = "trainguard events") -> int:

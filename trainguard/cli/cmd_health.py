@@ -15,7 +15,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from trainguard.config import ConfigError, load_config
+from trainguard.core.config import ConfigError, load_config
 
 if TYPE_CHECKING:
     from trainguard.health.node import NodeReport

@@ -7,7 +7,7 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainguard.config import ConfigError
+from trainguard.core.config import ConfigError
 from trainguard.runtime import launcher
 from trainguard.runtime.agent import NodeUnhealthyError
 

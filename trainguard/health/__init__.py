@@ -4,7 +4,7 @@ the preflight gate, in-job probing, hang and straggler detection.
 Importing this package is cheap: GPU libraries load only when a source is probed.
 """
 
-from trainguard.health.config import HealthConfig
+from trainguard.core.config.health import HealthConfig
 from trainguard.health.result import Action, Finding, ProbeResult, Status
 
 __all__ = ["Action", "Finding", "HealthConfig", "ProbeResult", "Status"]

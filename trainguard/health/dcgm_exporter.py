@@ -7,7 +7,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from trainguard.health.config import HealthConfig
+from trainguard.core.config.health import HealthConfig
 from trainguard.health.gpu_eval import ThermalTracker, evaluate_gpus
 from trainguard.health.policy import Policy
 from trainguard.health.result import ProbeResult

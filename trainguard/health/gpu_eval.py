@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.health.config import HealthConfig
+from trainguard.core.config.health import HealthConfig
 from trainguard.health.policy import Policy
 from trainguard.health.result import Action, Finding, ProbeResult
 

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
-from trainguard.health.config import HealthConfig
-from trainguard.runtime.plugin import AgentPlugin
-from trainguard.runtime.progress import ProgressSnapshot
+from trainguard.core.config.health import HealthConfig
+from trainguard.core.plugin import AgentPlugin
+from trainguard.core.progress import ProgressSnapshot
 
 if TYPE_CHECKING:
     from trainguard.runtime.agent import TrainGuardAgent

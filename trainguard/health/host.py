@@ -9,7 +9,7 @@ import socket
 import time
 from pathlib import Path
 
-from trainguard.health.config import HealthConfig
+from trainguard.core.config.health import HealthConfig
 from trainguard.health.policy import Policy
 from trainguard.health.result import ProbeResult
 

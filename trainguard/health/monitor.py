@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
+from trainguard.core.config.health import HealthConfig
+from trainguard.core.plugin import AgentPlugin
 from trainguard.health.compute import ComputeResult
-from trainguard.health.config import HealthConfig
 from trainguard.health.node import NodeProbe, NodeReport, build_sources
 from trainguard.health.policy import Policy
 from trainguard.health.result import Action, ProbeResult, Status
-from trainguard.runtime.plugin import AgentPlugin
 
 if TYPE_CHECKING:
     from trainguard.health.compute import ComputeResult

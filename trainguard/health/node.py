@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from trainguard.health.config import HealthConfig
+from trainguard.core.config.health import HealthConfig
 from trainguard.health.policy import Policy
 from trainguard.health.result import (
     Action,

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainguard.health.config import HealthConfig
+from trainguard.core.config.health import HealthConfig
 from trainguard.health.gpu_eval import ThermalTracker, evaluate_gpus
 from trainguard.health.policy import Policy
 from trainguard.health.result import ProbeResult

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainguard.config import TrainGuardConfig
-from trainguard.runtime.events import EventLog
-from trainguard.runtime.plugin import AgentPlugin
+from trainguard.core.config import TrainGuardConfig
+from trainguard.core.events import EventLog
+from trainguard.core.plugin import AgentPlugin
 
 __all__ = ["health_plugins"]
 

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
-from trainguard.health.config import HealthConfig
-from trainguard.runtime.jsonl import JsonlTail
-from trainguard.runtime.plugin import AgentPlugin
+from trainguard.core.config.health import HealthConfig
+from trainguard.core.jsonl import JsonlTail
+from trainguard.core.plugin import AgentPlugin
 
 if TYPE_CHECKING:
     from trainguard.runtime.agent import TrainGuardAgent

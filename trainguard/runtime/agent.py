@@ -11,17 +11,17 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from trainguard.config import TrainGuardConfig
-from trainguard.recovery.classify import (
+from trainguard.core import envvars
+from trainguard.core.config import TrainGuardConfig
+from trainguard.core.events import EventLog
+from trainguard.core.failures import (
     REQUEUE_EXIT_CODE,
     FailureKind,
     WorkerFailure,
     classify_exit,
 )
-from trainguard.runtime import envvars
-from trainguard.runtime.events import EventLog
-from trainguard.runtime.plugin import AgentPlugin
-from trainguard.runtime.progress import ProgressReader, ProgressSnapshot
+from trainguard.core.plugin import AgentPlugin
+from trainguard.core.progress import ProgressReader, ProgressSnapshot
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
 __all__ = ["NodeUnhealthyError", "TrainGuardAgent"]

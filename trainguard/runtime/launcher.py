@@ -32,11 +32,11 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 
-from trainguard.config import ConfigError, TrainGuardConfig, load_config
-from trainguard.recovery.classify import REQUEUE_EXIT_CODE
+from trainguard.core.config import ConfigError, TrainGuardConfig, load_config
+from trainguard.core.events import EventLog
+from trainguard.core.failures import REQUEUE_EXIT_CODE
+from trainguard.core.plugin import AgentPlugin
 from trainguard.runtime.agent import NodeUnhealthyError, TrainGuardAgent
-from trainguard.runtime.events import EventLog
-from trainguard.runtime.plugin import AgentPlugin
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
 __all__ = ["UsageError", "build_parser", "launch", "run"]
@@ -356,7 +356,7 @@ def prepare(
 def run(args: argparse.Namespace, *, plugin_factory: PluginFactory | None = None) -> None:
     config, cmd, cmd_args, tg_config, run_dir = prepare(args)
     if plugin_factory is None:
-        from trainguard.runtime.plugins import default_plugins
+        from trainguard.runtime.registry import default_plugins
 
         plugin_factory = default_plugins
     launch(

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.telemetry.contract import LOSS_CAUSES
+from trainguard.core.contract import LOSS_CAUSES
 
 __all__ = ["Goodput", "GoodputTracker", "compute_goodput"]
 

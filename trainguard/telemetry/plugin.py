@@ -17,15 +17,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainguard.runtime.events import EVENTS_FILE, EventLog
-from trainguard.runtime.jsonl import JsonlTail
-from trainguard.runtime.plugin import AgentPlugin
-from trainguard.telemetry.config import TelemetryConfig
+from trainguard.core.config.telemetry import TelemetryConfig
+from trainguard.core.events import EVENTS_FILE, EventLog
+from trainguard.core.jsonl import JsonlTail
+from trainguard.core.plugin import AgentPlugin
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import WorkerGroup
 
-    from trainguard.recovery.classify import WorkerFailure
+    from trainguard.core.failures import WorkerFailure
     from trainguard.runtime.agent import TrainGuardAgent
 
 __all__ = ["TelemetryPlugin", "create_telemetry_plugin"]

@@ -23,7 +23,7 @@ from opentelemetry.sdk.metrics.export import (
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.metrics_core import Metric
 
-from trainguard.telemetry.contract import by_name, prometheus_name
+from trainguard.core.contract import by_name, prometheus_name
 
 __all__ = ["PrometheusBridge", "PrometheusEndpoint", "endpoint_file"]
 
@@ -34,7 +34,7 @@ def _prom_name(otel_name: str, unit: str, kind: str) -> str:
     try:
         return by_name(otel_name).prometheus
     except KeyError:
-        from trainguard.telemetry.contract import MetricSpec
+        from trainguard.core.contract import MetricSpec
 
         return prometheus_name(MetricSpec(name=otel_name, unit=unit, kind=kind, description=""))  # type: ignore[arg-type]
 

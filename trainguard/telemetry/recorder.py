@@ -12,7 +12,7 @@ from typing import Any
 
 from opentelemetry.metrics import MeterProvider
 
-from trainguard.telemetry.contract import LOSS_CAUSES, METRICS, MetricSpec
+from trainguard.core.contract import LOSS_CAUSES, METRICS, MetricSpec
 from trainguard.telemetry.goodput import Goodput
 from trainguard.telemetry.mfu import PeakResolver
 

@@ -17,9 +17,9 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from trainguard.runtime.events import read_events
-from trainguard.telemetry import svg
-from trainguard.telemetry.contract import LOSS_CAUSES
+from trainguard.core import svg
+from trainguard.core.contract import LOSS_CAUSES
+from trainguard.core.events import read_events
 from trainguard.telemetry.goodput import Goodput, compute_goodput
 from trainguard.telemetry.mfu import peak_flops
 

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint.config import CheckpointConfig
-from trainguard.health.config import HealthConfig
-from trainguard.recovery.config import RecoveryConfig
-from trainguard.runtime.config import RuntimeConfig
-from trainguard.telemetry.config import TelemetryConfig
+from trainguard.core.config.checkpoint import CheckpointConfig
+from trainguard.core.config.health import HealthConfig
+from trainguard.core.config.recovery import RecoveryConfig
+from trainguard.core.config.runtime import RuntimeConfig
+from trainguard.core.config.telemetry import TelemetryConfig
 
 __all__ = ["ConfigError", "TrainGuardConfig", "load_config"]
 

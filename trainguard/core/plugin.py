@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 if TYPE_CHECKING:
-    from trainguard.recovery.classify import WorkerFailure
+    from trainguard.core.failures import WorkerFailure
     from trainguard.runtime.agent import TrainGuardAgent
 
 __all__ = ["AgentPlugin"]

@@ -19,9 +19,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
-from trainguard.runtime import envvars
-from trainguard.runtime.events import EventLog
-from trainguard.runtime.progress import ProgressWriter, progress_path
+from trainguard.core import envvars
+from trainguard.core.events import EventLog
+from trainguard.core.progress import ProgressWriter, progress_path
 from trainguard.telemetry.spans import TRACEPARENT_ENV, SpanRecorder
 
 __all__ = ["TrainGuard", "init"]

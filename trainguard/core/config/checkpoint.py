@@ -133,6 +133,6 @@ def load_worker_config(run_dir: Path) -> CheckpointConfig:
         section = json.loads(path.read_text())["trainguard"]["checkpoint"]
         return CheckpointConfig(**section)
     except (OSError, KeyError, TypeError, ValueError):
-        from trainguard.config import load_config
+        from trainguard.core.config import load_config
 
         return load_config().checkpoint
