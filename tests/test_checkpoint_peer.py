@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tests.launch_utils import REPO, base_env, free_port, steps_done
+from tests.launch_utils import REPO, base_env, free_port, steps_done, wait_listening
 
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 STEPS = "120"
@@ -98,7 +98,7 @@ def test_replacement_node_restores_from_peer_memory(tmp_path: Path) -> None:
     try:
         a = _agent(tmp_path, "a", port, run_dir, out)
         procs.append(a)
-        time.sleep(3)  # agent a hosts the rendezvous store
+        wait_listening(port, timeout=60)  # agent a hosts the rendezvous store
         b = _agent(tmp_path, "b", port, run_dir, out)
         procs.append(b)
         deadline = time.monotonic() + 150

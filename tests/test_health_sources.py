@@ -105,6 +105,32 @@ def test_nvml_xid_events_and_missing_gpu() -> None:
     assert checks["xid.79"].gpu == "2" and checks["gpu_missing"].action is Action.DRAIN
 
 
+class GpuIsLost(NVMLError):
+    value = 15  # NVML_ERROR_GPU_IS_LOST, as pynvml's NVMLError subclasses carry it
+
+
+def _lost(*_: Any) -> Any:
+    raise GpuIsLost("GPU is lost")
+
+
+@pytest.mark.parametrize("where", ["temperature", "handle", "count"])
+def test_nvml_gpu_is_lost_is_a_drain_not_unsupported(where: str) -> None:
+    gpus: list[dict[str, Any]] = [{}, {}]
+    nvml = fake_nvml(gpus)
+    if where == "temperature":  # one GPU's queries start failing with "GPU is lost"
+        nvml.nvmlDeviceGetTemperature = lambda h, *a: _lost() if h == 1 else 40
+    elif where == "handle":
+        nvml.nvmlDeviceGetHandleByIndex = lambda i: _lost() if i == 1 else i
+    else:
+        nvml.nvmlDeviceGetCount = _lost
+    res = NvmlSource(HealthConfig(), Policy(), nvml_loader=lambda: nvml).probe()
+    assert res.status is Status.FAIL and res.action is Action.DRAIN, res.to_dict()
+    lost = [f for f in res.findings if f.check == "gpu_lost"]
+    assert lost and "GPU is lost" in lost[0].reason
+    if where != "count":
+        assert lost[0].gpu == "1" and res.gpus["0"].get("temp_c") == 40
+
+
 def test_real_nvml_without_a_driver_is_not_present() -> None:
     import pynvml  # the test extra installs nvidia-ml-py
 

@@ -19,14 +19,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tests.ports import free_port
+
 CACHE = Path(os.environ.get("TRAINGUARD_TEST_CACHE", "/tmp/trainguard-test-cache"))
 ROTEL_SPEC = "rotel==0.0.1a15"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_open(port: int) -> bool:

@@ -6,7 +6,8 @@ so the rules live in one place:
 ``xid`` (last XID, 0 = none), ``xid_msg``, ``xid_counts`` ({code: count}), ``temp_c``,
 ``ecc_dbe_volatile``, ``ecc_dbe_aggregate``, ``row_remap_failure``, ``row_remap_pending``,
 ``row_remap_uncorrectable``, ``retired_pages_pending``, ``nvlink_errors``, ``pcie_replay``,
-``pcie_width``/``pcie_width_max``, ``pcie_gen``/``pcie_gen_max``, ``clocks_event_reasons``.
+``pcie_width``/``pcie_width_max``, ``pcie_gen``/``pcie_gen_max``, ``clocks_event_reasons``,
+``lost`` (the driver's error text when the GPU is lost or needs a reset).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def evaluate_gpus(
         )
     thermal = thermal or ThermalTracker()
     for gpu, r in sorted(readings.items(), key=lambda kv: _gpu_key(kv[0])):
+        if r.get("lost"):
+            result.add(policy.finding("gpu_lost", f"GPU unreachable: {r['lost']}", gpu=gpu))
         _xids(result, gpu, r, policy=policy, cfg=cfg)
         if _num(r, "ecc_dbe_volatile") > 0:
             result.add(

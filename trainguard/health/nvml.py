@@ -75,6 +75,9 @@ class NvmlSource:
             return absent
         try:
             result = self._probe()
+        except GpuLost as e:  # e.g. nvmlDeviceGetCount itself: the whole node's GPUs
+            result = ProbeResult(source=NAME)
+            result.add(self.policy.finding("gpu_lost", f"NVML: {e}"))
         except Exception as e:
             logger.debug("NVML probe failed", exc_info=True)
             result = ProbeResult.unknown(NAME, f"NVML query failed: {e}")
@@ -83,10 +86,20 @@ class NvmlSource:
 
     def _probe(self) -> ProbeResult:
         nvml = self._nvml
-        count = nvml.nvmlDeviceGetCount()
-        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-        self._poll_xids(handles)
-        readings = {str(i): self._read(h, str(i)) for i, h in enumerate(handles)}
+        count = _call(nvml.nvmlDeviceGetCount)
+        handles: dict[str, Any] = {}
+        readings: dict[str, dict[str, Any]] = {}
+        for i in range(count):
+            try:
+                handles[str(i)] = _call(nvml.nvmlDeviceGetHandleByIndex, i)
+            except GpuLost as e:
+                readings[str(i)] = {"lost": str(e)}
+        self._poll_xids(list(handles.values()))
+        for gpu, h in handles.items():
+            try:
+                readings[gpu] = self._read(h, gpu)
+            except GpuLost as e:
+                readings[gpu] = {"lost": str(e)}
         result = ProbeResult(source=NAME)
         result.details["driver_version"] = _text(_try(nvml.nvmlSystemGetDriverVersion))
         evaluate_gpus(result, readings, policy=self.policy, cfg=self.cfg, thermal=self.thermal)
@@ -110,13 +123,13 @@ class NvmlSource:
                 return
         if not self._events:
             return
-        uuids = {_text(_try(nvml.nvmlDeviceGetUUID, h)): str(i) for i, h in enumerate(handles)}
+        uuids = {_text(_safe(nvml.nvmlDeviceGetUUID, h)): str(i) for i, h in enumerate(handles)}
         for _ in range(64):
             try:
                 ev = nvml.nvmlEventSetWait_v2(self._events, 0)
             except Exception:  # NVML_ERROR_TIMEOUT: no pending event
                 break
-            gpu = uuids.get(_text(_try(nvml.nvmlDeviceGetUUID, ev.device)), "?")
+            gpu = uuids.get(_text(_safe(nvml.nvmlDeviceGetUUID, ev.device)), "?")
             self._xids.setdefault(gpu, []).append(int(ev.eventData))
 
     def _read(self, h: Any, gpu: str) -> dict[str, Any]:
@@ -197,14 +210,48 @@ class NvmlSource:
     def close(self) -> None:
         if self._nvml is not None:
             if self._events:
-                _try(self._nvml.nvmlEventSetFree, self._events)
-            _try(self._nvml.nvmlShutdown)
+                _safe(self._nvml.nvmlEventSetFree, self._events)
+            _safe(self._nvml.nvmlShutdown)
             self._nvml = None
             self._events = None
 
 
+class GpuLost(RuntimeError):
+    """NVML says the GPU is lost or needs a reset: a drain verdict, never "unsupported"."""
+
+
+# NVML_ERROR_GPU_IS_LOST, NVML_ERROR_RESET_REQUIRED (pynvml's values; stable across releases).
+_LOST_CODES = frozenset({15, 16})
+
+
+def _lost(e: Exception) -> bool:
+    code = getattr(e, "value", None)
+    return code in _LOST_CODES or "gpu is lost" in str(e).lower()
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call an NVML function that must work; a lost GPU raises :class:`GpuLost`."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        if _lost(e):
+            raise GpuLost(str(e) or "GPU is lost") from e
+        raise
+
+
 def _try(fn: Callable[..., Any], *args: Any) -> Any:
-    """Call an NVML query; None where the GPU or driver does not support it."""
+    """Call an NVML query; None where the GPU or driver does not support it, but a lost GPU
+    raises :class:`GpuLost` (an unreachable GPU is a failure, not a missing feature)."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        if _lost(e):
+            raise GpuLost(str(e) or "GPU is lost") from e
+        return None
+
+
+def _safe(fn: Callable[..., Any], *args: Any) -> Any:
+    """Like :func:`_try`, but a lost GPU is None too (the per-GPU read reports it)."""
     try:
         return fn(*args)
     except Exception:

@@ -34,6 +34,7 @@ DEFAULT_XID_POLICY: dict[int, tuple[Action, str]] = {
 
 DEFAULT_COUNTER_POLICY: dict[str, Action] = {
     "gpu_missing": Action.DRAIN,
+    "gpu_lost": Action.DRAIN,
     "ecc_dbe_volatile": Action.DRAIN,
     "ecc_dbe_aggregate": Action.WARN,
     "row_remap_failure": Action.DRAIN,
