@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from tests.procs import kill_tree  # noqa: E402  (ends workers in their own sessions, by PID)
+
 WORKER = REPO / "tests" / "health_fixtures" / "health_worker.py"
 WORKER_ARGS = [
     "--steps",
@@ -51,14 +53,6 @@ def base_env() -> dict[str, str]:
     return env
 
 
-def kill_group(p: subprocess.Popen) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    p.wait(timeout=30)
-
-
 def trainguard_once(root: Path) -> float | None:
     run_dir = root / f"tg-{time.monotonic_ns()}"
     env = base_env()
@@ -70,7 +64,17 @@ def trainguard_once(root: Path) -> float | None:
         sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
         "--tg-run-dir", str(run_dir), str(WORKER), *WORKER_ARGS,
     ]  # fmt: skip
-    p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.Popen(
+        cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        p.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        # The SIGSTOPped worker (and any other) is ended by PID even if trainguard did not.
+        kill_tree(p)
     stopped = float((run_dir / "stopped_at").read_text())
     for line in (run_dir / "events.jsonl").read_text().splitlines():
         ev = json.loads(line)
@@ -107,7 +111,9 @@ def torchrun_once(root: Path, wait_s: float) -> tuple[float | None, str]:
             time.sleep(0.1)
         return None, f"not detected after {wait_s:g} s (torchrun still waiting)"
     finally:
-        kill_group(p)
+        # torchrun never ends the stopped worker; it runs in a session of its own, so a
+        # process-group kill misses it: end the whole tree by PID.
+        kill_tree(p)
 
 
 def main() -> None:
