@@ -65,6 +65,9 @@ def test_standalone_worker_env_matches(tmp_path: Path) -> None:
         }
         assert torch_names <= set(tg[key]["env"])
         assert tr[key]["argv"][1:] == tg[key]["argv"][1:]
+        # byte for byte torchrun's value: trainguard handles SIGUSR1 in the agent without it
+        sig = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+        assert tr[key]["env"][sig] == tg[key]["env"][sig] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
     assert tg[(0, 0)]["env"]["TRAINGUARD_RUN_DIR"]
 
 

@@ -33,12 +33,16 @@ from trainguard.checkpoint.staging import Snapshot, list_snapshots, rank_dir
 from trainguard.core.config.checkpoint import CheckpointConfig
 from trainguard.core.envvars import CHECKPOINT_MEMORY_DIR as MEMORY_DIR_ENV
 from trainguard.core.plugin import AgentPlugin
+from trainguard.core.storeutil import gather
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import WorkerGroup
 
     from trainguard.core.events import EventLog
     from trainguard.runtime.agent import TrainGuardAgent
+
+PEER_WAIT_S = 10.0
+"""How long a node waits after the rendezvous for its peers' memory-tier addresses."""
 
 __all__ = ["MemoryTierPlugin", "fetch_snapshot", "push_snapshot"]
 
@@ -227,11 +231,15 @@ class MemoryTierPlugin(AgentPlugin):
             me = {"host": host, "port": self._server.server_address[1], "node": self.node}
             prefix = f"trainguard/ckpt_memtier/{agent.attempt}/"
             group.store.set(f"{prefix}{self.group_rank}", json.dumps(me))
+            others = [r for r in range(world) if r != self.group_rank]
+            got = gather(group.store, [f"{prefix}{r}" for r in others], timeout_s=PEER_WAIT_S)
             self.peers = {
-                r: json.loads(group.store.get(f"{prefix}{r}"))
-                for r in range(world)
-                if r != self.group_rank
+                r: json.loads(got[f"{prefix}{r}"]) for r in others if f"{prefix}{r}" in got
             }
+            missing = [r for r in others if r not in self.peers]
+            if missing:
+                # dead since the round, or not a trainguard agent: never waited for again
+                self.events.emit("checkpoint_peer_skipped", group_ranks=missing, wait_s=PEER_WAIT_S)
         else:
             self.peers = {}
         with self._lock:
@@ -296,7 +304,8 @@ class MemoryTierPlugin(AgentPlugin):
         while not self._stop.wait(0.01):
             if not self.peers:
                 continue
-            target_rank = (self.group_rank + 1) % (len(self.peers) + 1)
+            ring = sorted(self.peers)  # the next peer after this node, wrapping around
+            target_rank = next((r for r in ring if r > self.group_rank), ring[0])
             peer = self.peers.get(target_rank)
             if peer is None:
                 continue

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +30,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 from trainguard.core.config.health import HealthConfig
 from trainguard.core.plugin import AgentPlugin
+from trainguard.core.storeutil import gather
 from trainguard.health.compute import ComputeResult
 from trainguard.health.node import NodeProbe, NodeReport, build_sources
 from trainguard.health.policy import Policy
@@ -53,17 +53,21 @@ def exchange_node_values(
     world_size: int,
     value: dict[str, Any],
     timeout_s: float = 30.0,
+    skip: set[int] | frozenset[int] = frozenset(),
 ) -> dict[int, dict[str, Any]]:
     """Publish this node's ``value`` (plus its wall clock) in ``store`` and read every node's.
 
     All nodes call it right after the same rendezvous, so the clocks they publish were read
     within the rendezvous' exit spread of each other: good enough to flag skew of seconds.
+    Nodes that publish nothing by the deadline (dead, or not trainguard agents) are left out.
     """
     value = dict(value, wall_time=time.time())
     store.set(f"{prefix}/{group_rank}", json.dumps(value))
-    keys = [f"{prefix}/{r}" for r in range(world_size)]
-    store.wait(keys, timedelta(seconds=timeout_s))
-    return {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
+    keys = [f"{prefix}/{r}" for r in range(world_size) if r not in skip]
+    got = gather(store, keys, timeout_s=timeout_s)
+    if len(got) < 2 <= world_size:
+        raise TimeoutError(f"no other node published {prefix}/* within {timeout_s:g} s")
+    return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in got.items()}
 
 
 def compare_nodes(
@@ -178,7 +182,9 @@ class HealthMonitor(AgentPlugin):
     def after_rendezvous(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:
         world = group.group_world_size or 1
         store = getattr(group, "store", None)
-        if world < 2 or store is None or not self.cfg.preflight:
+        rnd = agent.rdzv.last_round if getattr(agent, "rdzv", None) else None
+        foreign = set(rnd.foreign_ranks) if rnd else set()
+        if world - len(foreign) < 2 or store is None or not self.cfg.preflight:
             return
         value = {"node": agent.events.node}
         if self.compute is not None:
@@ -190,6 +196,7 @@ class HealthMonitor(AgentPlugin):
                 group_rank=group.group_rank or 0,
                 world_size=world,
                 value=value,
+                skip=foreign,
             )
         except Exception as e:
             logger.warning("cross-node preflight comparison skipped: %s", e)

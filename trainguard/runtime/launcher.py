@@ -14,7 +14,9 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -184,14 +186,25 @@ def _requeue_exit(name: str) -> SystemExit:
     return SystemExit(REQUEUE_EXIT_CODE)
 
 
-def _signals_to_handle(configured: str, preemption_signals: list[str]) -> str:
-    """torch's handled signals plus the preemption signals the workers save on (SIGUSR1, which
-    Slurm's ``--signal`` sends, would otherwise kill the agent and orphan its workers)."""
-    names = [n.strip() for n in configured.split(",") if n.strip()]
-    for sig in preemption_signals:
-        if sig not in names:
-            names.append(sig)
-    return ",".join(names)
+def _handle_preemption_signals(configured: str, preemption_signals: list[str]) -> list[str]:
+    """Handle the preemption signals torch does not (SIGUSR1, which Slurm's ``--signal`` sends,
+    would otherwise kill the agent and orphan its workers) the way torch handles its own: raise
+    ``SignalException`` in the agent, which forwards the signal to the workers.
+
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE`` keeps torchrun's value: the workers inherit it."""
+    from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+
+    names = {n.strip() for n in configured.split(",") if n.strip()}
+    added = []
+    if threading.current_thread() is not threading.main_thread():
+        return added
+    for name in preemption_signals:
+        sig = getattr(signal, name, None)
+        if name in names or not isinstance(sig, signal.Signals):
+            continue
+        signal.signal(sig, _terminate_process_handler)
+        added.append(name)
+    return added
 
 
 def launch(
@@ -216,9 +229,8 @@ def launch(
         **config.rdzv_configs,
     )
     master_addr, master_port = _master_addr_port(params)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _signals_to_handle(
-        config.signals_to_handle, tg_config.checkpoint.preemption_signals
-    )
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    _handle_preemption_signals(config.signals_to_handle, tg_config.checkpoint.preemption_signals)
     handler = AttemptRendezvousHandler(
         rdzv_registry.get_rendezvous_handler(params), node=events.node
     )

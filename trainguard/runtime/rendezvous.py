@@ -10,6 +10,12 @@ This wrapper keeps the agent-store contract but hosts a *new* store server for e
 the rank-0 node, so each attempt starts from an empty key space. It also keeps torch from
 caching that address across rounds, which left a replacement node joining a later round
 waiting forever for it.
+
+The fresh store listens on the port torch itself publishes for the round (the round's
+``MASTER_ADDR``/``MASTER_PORT`` keys), so a plain torchrun agent in the same rendezvous (a
+cluster moved over node by node) reads the same address and its workers join the same store.
+trainguard agents announce themselves in the round's store; a member that does not within
+``member_timeout_s`` is recorded as a foreign agent instead of being waited for forever.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousInfo,
     RendezvousStoreInfo,
 )
+
+from trainguard.core.storeutil import gather
 
 __all__ = ["AttemptRendezvousHandler", "RoundInfo"]
 
@@ -46,15 +54,23 @@ class RoundInfo:
     world_size: int
     """Number of nodes in the round."""
     members: list[dict[str, Any]] = field(default_factory=list)
-    """One entry per group rank: node, host, pid."""
+    """One entry per group rank: node, host, pid; ``{"foreign": True}`` for a rank whose agent
+    is not trainguard's (a torchrun agent in the same rendezvous)."""
+
+    @property
+    def foreign_ranks(self) -> list[int]:
+        return [r for r, m in enumerate(self.members) if m.get("foreign")]
 
 
 class AttemptRendezvousHandler(RendezvousHandler):
     """Delegates to torch's handler; adds attempt numbering, membership and fresh stores."""
 
-    def __init__(self, inner: RendezvousHandler, *, node: str) -> None:
+    def __init__(
+        self, inner: RendezvousHandler, *, node: str, member_timeout_s: float = 10.0
+    ) -> None:
         self._inner = inner
         self._node = node
+        self._member_timeout_s = member_timeout_s
         self._num_rounds = 0
         self._last_attempt = -1
         self._worker_store: TCPStore | None = None
@@ -113,8 +129,8 @@ class AttemptRendezvousHandler(RendezvousHandler):
             "last_attempt": self._last_attempt,
         }
         store.set(f"{prefix}member/{rank}", json.dumps(me))
-        members = [json.loads(store.get(f"{prefix}member/{r}")) for r in range(world_size)]
-        attempt = max(m.pop("last_attempt") for m in members) + 1
+        members = self._members(store, prefix, world_size)
+        attempt = max(m.pop("last_attempt", -1) for m in members) + 1
         self._last_attempt = attempt
         self.last_round = RoundInfo(
             attempt=attempt, rank=rank, world_size=world_size, members=members
@@ -127,22 +143,45 @@ class AttemptRendezvousHandler(RendezvousHandler):
             store, rank, world_size, self._fresh_worker_store(store, rank, prefix, bootstrap)
         )
 
+    def _members(self, store: Store, prefix: str, world_size: int) -> list[dict[str, Any]]:
+        """Every rank's announcement; a rank that makes none in time runs another launcher."""
+        keys = [f"{prefix}member/{r}" for r in range(world_size)]
+        got = gather(store, keys, timeout_s=self._member_timeout_s)
+        members: list[dict[str, Any]] = []
+        for r, key in enumerate(keys):
+            if key in got:
+                members.append(json.loads(got[key]))
+            else:
+                logger.warning(
+                    "group rank %d of this rendezvous made no trainguard announcement within "
+                    "%.0f s: its agent is not trainguard's (torchrun?); the job runs on torchrun's "
+                    "contract with it, without trainguard's features on that node",
+                    r,
+                    self._member_timeout_s,
+                )
+                members.append({"foreign": True, "group_rank": r})
+        return members
+
     def _fresh_worker_store(
         self, store: Store, rank: int, prefix: str, bootstrap: RendezvousStoreInfo
     ) -> RendezvousStoreInfo:
+        # torch picked a free port on the rank-0 node and published it in the round's
+        # MASTER_ADDR/MASTER_PORT keys, where every agent (a torchrun one too) reads it: the
+        # fresh store listens there.
         if rank == 0:
             # Dropping the previous server closes it: its workers are gone.
             self._worker_store = None
             self._worker_store = TCPStore(
                 host_name=bootstrap.master_addr,
-                port=0,
+                port=bootstrap.master_port,
                 is_master=True,
                 multi_tenant=True,
                 wait_for_workers=False,
             )
-            store.set(f"{prefix}worker_store_port", str(self._worker_store.port))
-        port = int(store.get(f"{prefix}worker_store_port").decode())
         logger.debug(
-            "attempt %s uses worker store %s:%s", self._last_attempt, bootstrap.master_addr, port
+            "attempt %s uses worker store %s:%s",
+            self._last_attempt,
+            bootstrap.master_addr,
+            bootstrap.master_port,
         )
-        return RendezvousStoreInfo(master_addr=bootstrap.master_addr, master_port=port)
+        return bootstrap
