@@ -41,6 +41,8 @@ __all__ = [
     "JobSpec",
     "Tier",
     "evaluate",
+    "evaluate_counted",
+    "fit_rate",
     "optimize",
     "recommend_spares",
     "sensitivity",
@@ -264,7 +266,13 @@ def evaluate(
     spec: JobSpec, *, memory_s: Any = None, disk_s: Any = None, spares: int | None = None
 ) -> Any:
     """ETTR of ``spec`` (its own intervals, or ``memory_s`` / ``disk_s``, arrays broadcast).
-    Returns an :class:`Estimate` for scalars, else an array of ETTRs."""
+    Returns an :class:`Estimate` for scalars, else an array of ETTRs (0 where the job would
+    never finish)."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return _evaluate(spec, memory_s, disk_s, spares)
+
+
+def _evaluate(spec: JobSpec, memory_s: Any, disk_s: Any, spares: int | None) -> Any:
     if spares is not None:
         spec = replace(spec, spares=spares)
     scalar = memory_s is None and disk_s is None
@@ -306,7 +314,7 @@ def evaluate(
     running = np.where(feasible, w * (1 + s) / np.where(feasible, denom, 1.0), np.inf)
     fails = lam * running / (1 - lam * a)
     wall = spec.startup_s + running + fails * (a + wait)
-    ettr = np.where(feasible, w / wall, 0.0)
+    ettr = np.where(feasible & np.isfinite(wall), w / wall, 0.0)
     if not scalar:
         return ettr
     det_exposed = sum(t["p"] * _expm1_over(lam, t["det"]) for t in types)
@@ -332,7 +340,8 @@ def evaluate(
 
 def optimize(spec: JobSpec, *, max_disk_s: float | None = None) -> JobSpec:
     """``spec`` with the ETTR-optimal memory interval (whole steps when ``step_s`` is set) and
-    disk interval (a whole number of memory intervals), found on two nested log grids."""
+    disk interval (a whole number of memory intervals, at least the disk commit time: one
+    persist in flight at a time), found on two nested log grids."""
     top = min(max_disk_s or math.inf, spec.work_s, 50 * spec.mtti)
     step = spec.step_s
     if spec.memory is None:
@@ -353,7 +362,8 @@ def optimize(spec: JobSpec, *, max_disk_s: float | None = None) -> JobSpec:
     disk = np.geomspace(max(lo_m, spec.disk.stall_s), max(top, lo_m * 1.01), 160)
     m2, d2 = np.meshgrid(mem, disk, indexing="ij")
     d2 = np.maximum(1, np.round(d2 / m2)) * m2
-    ok = d2 >= spec.disk.stall_s
+    floor_d = max(spec.disk.stall_s, spec.disk.commit_s)  # one persist in flight at a time
+    ok = d2 >= floor_d
     e = np.where(ok, evaluate(spec, memory_s=m2, disk_s=d2), -1.0)
     i, j = np.unravel_index(int(np.argmax(e)), e.shape)
     best_m, best_d = float(m2[i, j]), float(d2[i, j])
@@ -366,7 +376,7 @@ def optimize(spec: JobSpec, *, max_disk_s: float | None = None) -> JobSpec:
     ks = np.unique(np.maximum(1, np.round(np.geomspace(max(1, k0 / 1.2), k0 * 1.2 + 1, 41))))
     m3, k3 = np.meshgrid(mem_f, ks, indexing="ij")
     d3 = m3 * k3
-    e3 = np.where(d3 >= spec.disk.stall_s, evaluate(spec, memory_s=m3, disk_s=d3), -1.0)
+    e3 = np.where(d3 >= floor_d, evaluate(spec, memory_s=m3, disk_s=d3), -1.0)
     i, j = np.unravel_index(int(np.argmax(e3)), e3.shape)
     if e3[i, j] >= e.max():
         best_m, best_d = float(m3[i, j]), float(d3[i, j])
@@ -441,3 +451,61 @@ def sensitivity(spec: JobSpec) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+
+def evaluate_counted(spec: JobSpec, failures: float) -> Estimate:
+    """The model's accounting for a job that had exactly ``failures`` interruptions, none of
+    them during a recovery: how a finished run is explained (its rate is not needed; the work
+    lost per failure is the expectation for failures spread evenly over the cycles)."""
+    o = spec.overhead_fraction
+    if spec.memory is not None:
+        tau_m, sm, cm = spec.memory.interval_s, spec.memory.stall_s, spec.memory.commit_s
+        k = spec.disk_every()
+    else:
+        tau_m, sm, cm, k = spec.disk.interval_s, spec.disk.stall_s, spec.disk.commit_s, 1
+    sd, cd = spec.disk.stall_s, spec.disk.commit_s
+    s_ckpt = ((k - 1) * sm + sd) / (k * tau_m)
+    s = s_ckpt + o
+    types = failure_types(spec)
+    p_mem = sum(t["p"] for t in types if t["mem"])
+    ell = p_mem * float(_lost(tau_m * (1 + o) + sm, cm, 0.0)) + (1 - p_mem) * float(
+        _lost(k * tau_m * (1 + o) + (k - 1) * sm + sd, cd, 0.0)
+    )
+    w = spec.work_s
+    running = w * (1 + s) + failures * ell
+    req = types[2]["p"]
+    badput = {
+        "checkpoint_stall": running * s_ckpt / (1 + s),
+        "lost_work": running / (1 + s) - w,
+        "restart": failures * sum(t["p"] * (t["x"] - t["det"]) for t in types),
+        "detection": failures * (sum(t["p"] * t["det"] for t in types) + req * spec.detect_s),
+        "requeue": failures * req * spec.requeue_s,
+        "startup": spec.startup_s,
+        "other": running * o / (1 + s),
+    }
+    wall = w + sum(badput.values())
+    return Estimate(
+        ettr=w / wall,
+        wall_s=wall,
+        failures=failures,
+        badput_s=badput,
+        memory_interval_s=tau_m if spec.memory is not None else None,
+        disk_interval_s=k * tau_m,
+    )
+
+
+def fit_rate(spec: JobSpec, failures: float) -> JobSpec:
+    """``spec`` with the interruption rate at which the model expects ``failures``
+    interruptions over the job (method of moments; bisection on the log of the rate)."""
+    if failures <= 0:
+        return replace(spec, mtti_s=1e15, node_mtbf_s=None)
+    lo, hi = -40.0, 10.0  # log rate per second
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        e = evaluate(replace(spec, mtti_s=math.exp(-mid), node_mtbf_s=None))
+        if e.ettr > 0 and e.failures < failures:
+            lo = mid
+        else:
+            hi = mid
+    return replace(spec, mtti_s=math.exp(-lo), node_mtbf_s=None)
