@@ -82,9 +82,7 @@ def read_run(run_dir: str | Path) -> RunCosts:
     if not steps_all:
         raise ValueError(f"{run_dir / 'metrics'}: no step records: the run never trained a step")
     ref = min(int(r.get("rank", 0)) for r in steps_all)
-    mine = sorted(
-        (r for r in recs if int(r.get("rank", 0)) == ref), key=lambda r: float(r["time"])
-    )
+    mine = sorted((r for r in recs if int(r.get("rank", 0)) == ref), key=lambda r: float(r["time"]))
     t0 = min((float(e["time"]) for e in events if e.get("kind") == "launch"), default=None)
     finished = [float(e["time"]) for e in events if e.get("kind") == "job_finished"]
     first_start: dict[int, float] = {}

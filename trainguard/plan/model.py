@@ -453,7 +453,6 @@ def sensitivity(spec: JobSpec) -> list[dict[str, Any]]:
     return rows
 
 
-
 def evaluate_counted(spec: JobSpec, failures: float) -> Estimate:
     """The model's accounting for a job that had exactly ``failures`` interruptions, none of
     them during a recovery: how a finished run is explained (its rate is not needed; the work
