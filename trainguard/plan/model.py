@@ -40,6 +40,7 @@ __all__ = [
     "Estimate",
     "JobSpec",
     "Tier",
+    "best_disk_interval",
     "evaluate",
     "evaluate_counted",
     "fit_rate",
@@ -381,6 +382,24 @@ def optimize(spec: JobSpec, *, max_disk_s: float | None = None) -> JobSpec:
     if e3[i, j] >= e.max():
         best_m, best_d = float(m3[i, j]), float(d3[i, j])
     return spec.with_intervals(best_m, best_d)
+
+
+def best_disk_interval(spec: JobSpec, *, hi: float | None = None) -> float:
+    """The ETTR-optimal disk interval with the memory interval held (a whole number of memory
+    intervals, at least the disk commit time)."""
+    floor_d = max(spec.disk.stall_s, spec.disk.commit_s, 1e-3)
+    top = max(min(hi or math.inf, spec.work_s, 50 * spec.mtti), floor_d * 1.01)
+    grid = np.geomspace(floor_d, top, 400)
+    if spec.memory is not None:
+        m = spec.memory.interval_s
+        grid = np.unique(np.maximum(1, np.ceil(grid / m)) * m)
+    best = float(grid[int(np.argmax(evaluate(spec, disk_s=grid)))])
+    fine = np.geomspace(max(floor_d, best / 1.03), best * 1.03, 61)
+    if spec.memory is not None:
+        fine = np.unique(
+            np.maximum(1, np.ceil(fine / spec.memory.interval_s)) * spec.memory.interval_s
+        )
+    return float(fine[int(np.argmax(evaluate(spec, disk_s=fine)))])
 
 
 def recommend_spares(spec: JobSpec, *, max_spares: int | None = None) -> dict[str, Any]:
