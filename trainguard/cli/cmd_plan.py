@@ -109,9 +109,14 @@ def _spec(args: argparse.Namespace, run_spec: Any) -> Any:
     if run_spec is not None:
         base = run_spec
         if args.gpus is not None or args.mtti_h is not None or args.node_mtbf_h is not None:
+            # the run's costs for a job at another scale: a long job, node losses, the
+            # failure rate given (or Llama 3.1's 2.5 h MTTI)
+            mtbf = args.node_mtbf_h * HOUR if args.node_mtbf_h is not None else None
+            mtti = args.mtti_h * HOUR if args.mtti_h is not None else None
             base = replace(base, gpus=args.gpus or 16384, gpus_per_node=args.gpus_per_node or 8,
                            work_s=10 * 86400.0, startup_s=0.0, node_loss_fraction=1.0,
-                           peer_replication=True, mtti_s=None, node_mtbf_s=None)  # fmt: skip
+                           peer_replication=True, node_mtbf_s=mtbf,
+                           mtti_s=mtti if mtti or mtbf else 2.5 * HOUR)  # fmt: skip
     else:
         base = default_spec(gpus=args.gpus or 16384, mtti_s=2.5 * HOUR)
         if args.profile == "torchrun":
