@@ -5,9 +5,9 @@ grid, and the Llama 3.1 reference scenario.
 
 Grid: 1k-100k GPUs (8 per node) x node MTBF 5,000 / 20,000 / 50,000 h x two recoveries
 (trainguard's measured costs with 4 spares; torchrun-like: blocking saves, no spares, 180 s
-mean detection, 600 s requeue; both + 120 s restart at scale) x two disk intervals (the model's
-optimum and 3x it), exponential node failures, plus Weibull (shape 0.7) node failures on part
-of the grid. Each point simulates ``--job-days`` job-days (jobs of 30 MTTIs of training, at
+mean detection, 600 s requeue; both + 120 s restart at scale) x intervals (the model's optimum,
+3x and 10x its disk interval; for trainguard also 5x both intervals, and no spares),
+exponential node failures, plus Weibull (shape 0.7) node failures on part of the grid. Each point simulates ``--job-days`` job-days (jobs of 30 MTTIs of training, at
 most 10 days, as many copies as it takes); the grid's wall time is measured as a whole.
 Ends with one line of JSON.
 """
@@ -64,11 +64,15 @@ def grid() -> list[tuple[str, JobSpec]]:
                 tr = torchrun_like(b, extra_restart_s=120.0)
                 for label, spec in (("trainguard", tg), ("torchrun", tr)):
                     best = optimize(spec)
+                    d = best.disk.interval_s
                     name = f"{gpus:>6} GPUs {mtbf_h:>7.0f} h k={shape} {label:<10}"
                     points.append((f"{name} opt", best))
-                    points.append(
-                        (f"{name} 3x ", best.with_intervals(None, best.disk.interval_s * 3))
-                    )
+                    points.append((f"{name} 3x disk", best.with_intervals(None, d * 3)))
+                    points.append((f"{name} 10x disk", best.with_intervals(None, d * 10)))
+                    if best.memory is not None:
+                        m = best.memory.interval_s
+                        points.append((f"{name} 5x both", best.with_intervals(m * 5, d * 5)))
+                        points.append((f"{name} 0 spares", replace(best, spares=0)))
     return points
 
 
@@ -101,7 +105,7 @@ def main() -> None:
         diff = 100 * (sim.ettr - model)
         worst = max(worst, abs(diff))
         print(
-            f"  {name:<48} {mtti / 60:>6.1f} m {disk:>6.0f} s {100 * model:>7.2f} "
+            f"  {name:<53} {mtti / 60:>6.1f} m {disk:>6.0f} s {100 * model:>7.2f} "
             f"{100 * sim.ettr:>7.2f} {100 * sim.ettr_stderr:>6.2f} {diff:>+8.2f}"
         )
     print(f"grid: {grid_s:.1f} s wall on {os.cpu_count()} cores, max |diff| {worst:.2f} points")

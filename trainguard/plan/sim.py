@@ -102,15 +102,20 @@ def failure_stream(
 ) -> np.ndarray:
     """Sorted failure times per job, shape (jobs, n + 1), padded with +inf."""
     if spec.weibull_shape == 1.0:
-        counts = rng.poisson(spec.rate * horizon, size=jobs)
-        times = rng.random(int(counts.sum())) * horizon
-        owners = np.repeat(np.arange(jobs), counts)
-    else:
-        mean = spec.node_mtbf_s if spec.node_mtbf_s else spec.mtti * spec.nodes
-        if spec.mtti_s is not None:
-            mean = spec.mtti_s * spec.nodes
-        times, owners = _weibull_stream(rng, jobs, spec.nodes, mean, spec.weibull_shape, horizon)
-    order = np.lexsort((times, owners))
+        # a Poisson process per job: running sums of exponential gaps, cut at the horizon
+        mean = spec.rate * horizon
+        width = int(mean + 8 * math.sqrt(mean) + 16)
+        out = np.cumsum(rng.exponential(1.0 / spec.rate, size=(jobs, width)), axis=1)
+        while (out[:, -1] < horizon).any():  # a row ran out of gaps: extend every row
+            more = np.cumsum(rng.exponential(1.0 / spec.rate, size=(jobs, width)), axis=1)
+            out = np.concatenate([out, out[:, -1:] + more], axis=1)
+        out[out >= horizon] = np.inf
+        last = int(np.isfinite(out).sum(axis=1).max(initial=0))
+        return np.concatenate([out[:, :last], np.full((jobs, 1), np.inf)], axis=1)
+    mean = spec.mtti_s * spec.nodes if spec.mtti_s is not None else spec.node_mtbf_s
+    assert mean is not None
+    times, owners = _weibull_stream(rng, jobs, spec.nodes, mean, spec.weibull_shape, horizon)
+    order = np.argsort(owners * (2.0 * horizon) + times, kind="stable")
     times, owners = times[order], owners[order]
     counts = np.bincount(owners, minlength=jobs)
     width = int(counts.max(initial=0)) + 1
@@ -218,6 +223,7 @@ def _run(spec: JobSpec, rng: np.random.Generator, jobs: int, horizon: float) -> 
     spares = np.full(jobs, nspare)
     acc = {c: np.zeros(jobs) for c in ("running", "lost", "detection", "restart", "requeue")}
     nfail = np.zeros(jobs)
+    t_fin = t_seg + cyc.wall_to(j0, work_total)  # when each copy finishes if nothing fails
 
     while True:
         live = phase != DONE
@@ -234,10 +240,11 @@ def _run(spec: JobSpec, rng: np.random.Generator, jobs: int, horizon: float) -> 
         j0[done] = target[done]
         mem_ok[done] = target[done]
         t_seg[done] = t[done]
+        if done.any():
+            t_fin[done] = t_seg[done] + cyc.wall_to(j0[done], work_total)
         cf = rec & ~done
         # -- running copies: finish, or fail at nf ---------------------------------------------
         run = phase == RUN
-        t_fin = t_seg + cyc.wall_to(j0, work_total)
         fin = run & (nf >= t_fin)
         acc["running"][fin] += (t_fin - t)[fin]
         t[fin] = t_fin[fin]
@@ -246,63 +253,73 @@ def _run(spec: JobSpec, rng: np.random.Generator, jobs: int, horizon: float) -> 
         fail = rf | cf
         if not fail.any():
             continue
-        tf = nf
-        nfail += fail
-        ptr = ptr + fail
+        fi = np.nonzero(fail)[0]  # the rest works on the failing copies only
+        tf = nf[fi]
+        nfail[fi] += 1
+        ptr[fi] += 1
+        is_run = rf[fi]
         # failures while running: how far did the work get, which saves are usable
-        if rf.any():
-            y = np.where(rf, tf - t_seg, 0.0)
-            _, work_f = cyc.advance(j0, y)
-            i_m, _ = cyc.advance(j0, np.maximum(y - cyc.cm, 0.0))
-            m_new = np.where(y >= cyc.cm, j0 + i_m, j0)
-            i_d, _ = cyc.advance(j0, np.maximum(y - cyc.cd, 0.0))
-            d_last = ((j0 + i_d) // cyc.k) * cyc.k
-            d_new = np.where((y >= cyc.cd) & (d_last > j0), d_last, disk_ok)
-            mem_ok = np.where(rf, np.maximum(mem_ok, m_new), mem_ok)
-            disk_ok = np.where(rf, np.maximum(disk_ok, d_new), disk_ok)
-            acc["running"][rf] += (tf - t)[rf]
-        else:
-            work_f = np.zeros(jobs)
+        work_f = np.zeros(fi.size)
+        if is_run.any():
+            r = fi[is_run]
+            jr = j0[r]
+            y = tf[is_run] - t_seg[r]
+            _, work_f[is_run] = cyc.advance(jr, y)
+            i_m, _ = cyc.advance(jr, np.maximum(y - cyc.cm, 0.0))
+            m_new = np.where(y >= cyc.cm, jr + i_m, jr)
+            i_d, _ = cyc.advance(jr, np.maximum(y - cyc.cd, 0.0))
+            d_last = ((jr + i_d) // cyc.k) * cyc.k
+            d_new = np.where((y >= cyc.cd) & (d_last > jr), d_last, disk_ok[r])
+            mem_ok[r] = np.maximum(mem_ok[r], m_new)
+            disk_ok[r] = np.maximum(disk_ok[r], d_new)
+            acc["running"][r] += tf[is_run] - t[r]
         # interrupted recoveries: account the part done
-        e = np.where(cf, tf - rec_start, 0.0)
-        det = np.minimum(e, rec_det)
-        acc["detection"][cf] += det[cf]
-        acc["restart"][cf] += (e - det)[cf]
+        is_rec = ~is_run
+        if is_rec.any():
+            c = fi[is_rec]
+            e = tf[is_rec] - rec_start[c]
+            det = np.minimum(e, rec_det[c])
+            acc["detection"][c] += det
+            acc["restart"][c] += e - det
         # kind of failure
-        node = rng.random(jobs) < f
-        swap = fail & node & (spares > 0)
-        requeue = fail & node & ~swap
-        spares = np.where(swap, spares - 1, np.where(requeue, nspare, spares))
+        node = rng.random(fi.size) < f
+        sp = spares[fi]
+        swap = node & (sp > 0)
+        requeue = node & ~swap
+        spares[fi] = np.where(swap, sp - 1, np.where(requeue, nspare, sp))
         mem_possible = np.where(node, peer & ~requeue, has_mem)
         # restore point
-        new_target = np.where(mem_possible, np.maximum(mem_ok, disk_ok), disk_ok)
-        from_run_target = np.where(rf, new_target, target)
-        acc["lost"][rf] += (work_f - new_target * cyc.tau)[rf]
-        downgrade = cf & ~mem_possible & (target > disk_ok)
-        acc["lost"][downgrade] += ((target - disk_ok) * cyc.tau)[downgrade]
-        target = np.where(downgrade, disk_ok, from_run_target)
-        target_mem = np.where(rf, mem_possible, target_mem & mem_possible)
-        mem_ok = np.where(fail & ~mem_possible, disk_ok, mem_ok)
+        mo, do, tg = mem_ok[fi], disk_ok[fi], target[fi]
+        new_target = np.where(mem_possible, np.maximum(mo, do), do)
+        downgrade = is_rec & ~mem_possible & (tg > do)
+        acc["lost"][fi] += np.where(is_run, work_f - new_target * cyc.tau, 0.0) + np.where(
+            downgrade, (tg - do) * cyc.tau, 0.0
+        )
+        target[fi] = np.where(is_run, new_target, np.where(downgrade, do, tg))
+        tm = np.where(is_run, mem_possible, target_mem[fi] & mem_possible)
+        target_mem[fi] = tm
+        mem_ok[fi] = np.where(mem_possible, mo, do)
         # the recovery
-        restore = np.where(target_mem & has_mem, r_mem, r_disk)
+        restore = np.where(tm & has_mem, r_mem, r_disk)
         t_start = tf.copy()
-        wait = spec.detect_s + spec.requeue_s
         if requeue.any():
-            t_start = np.where(requeue, tf + wait, t_start)
-            acc["detection"][requeue] += spec.detect_s
-            acc["requeue"][requeue] += spec.requeue_s
+            q = fi[requeue]
+            t_start[requeue] = tf[requeue] + spec.detect_s + spec.requeue_s
+            acc["detection"][q] += spec.detect_s
+            acc["requeue"][q] += spec.requeue_s
             # the job holds no nodes while it waits: failures in that window do not hit it
-            late = requeue & (stream[idx, np.minimum(ptr, width - 1)] < t_start)
+            tq = t_start[requeue]
+            late = stream[q, np.minimum(ptr[q], width - 1)] < tq
             while late.any():
-                ptr = ptr + late
-                late = late & (stream[idx, np.minimum(ptr, width - 1)] < t_start)
+                ptr[q] += late
+                late &= stream[q, np.minimum(ptr[q], width - 1)] < tq
         det_len = np.where(requeue, 0.0, spec.detect_s)
         x = det_len + np.where(swap, spec.swap_s, 0.0) + spec.restart_s + restore
-        rec_start = np.where(fail, t_start, rec_start)
-        rec_det = np.where(fail, det_len, rec_det)
-        rec_end = np.where(fail, t_start + x, rec_end)
-        t = np.where(fail, tf, t)
-        phase = np.where(fail, REC, phase)
+        rec_start[fi] = t_start
+        rec_det[fi] = det_len
+        rec_end[fi] = t_start + x
+        t[fi] = tf
+        phase[fi] = REC
 
     if (t > horizon).any():
         return None
