@@ -75,6 +75,7 @@ def test_html_is_one_self_contained_page(
         (["--disk-interval-s", "1", "--disk-stall-s", "5"], "shorter than its checkpoint stall"),
         (["--memory-interval-s", "0.01", "--memory-stall-s", "1"], "memory interval"),
         (["--node-loss-fraction", "1.5"], "--node-loss-fraction"),
+        (["--gpus", "100000", "--node-mtbf-h", "10"], "never finishes"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(
@@ -138,6 +139,10 @@ def test_from_run_reproduces_measured_goodput(
     measured = _measured_ettr(failed_run)
     assert 0.05 < measured < 0.9
     assert abs(run["model_ettr"] - measured) < 0.05, (run["model_ettr"], measured)
+    # what auto_interval would learn from this run: its one restart came from memory
+    from trainguard.checkpoint.interval import observed_memory_fraction
+
+    assert observed_memory_fraction(failed_run) == 1.0
     # the run's costs at 16k GPUs: a plan, with the run's restore and restart costs in it
     rc, out, _ = _plan(capsys, "--from-run", str(failed_run), "--gpus", "16384", "--mtti-h",
                        "2.5", "--json", "--no-scenarios")  # fmt: skip

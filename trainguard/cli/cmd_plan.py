@@ -168,6 +168,36 @@ def _flagged(msg: str) -> str:
     return msg
 
 
+def _answer(args: argparse.Namespace, spec: Any, run_info: Any, run_spec: Any) -> dict[str, Any]:
+    """The plan for ``spec`` (plus the run's check and the simulation when asked)."""
+    from trainguard.plan.model import evaluate
+    from trainguard.plan.report import build_plan
+
+    fixed = args.memory_interval_s is not None or args.disk_interval_s is not None
+    plan = build_plan(
+        spec,
+        fixed_intervals=fixed,
+        recommend=args.spares is None,
+        scenarios=not args.no_scenarios,
+    )
+    if run_info is not None:
+        if run_spec is not None:
+            run_info["model_expected_failures_ettr"] = evaluate(run_spec).ettr
+        plan["run"] = run_info
+    if args.simulate_days > 0:
+        from trainguard.plan.model import JobSpec
+        from trainguard.plan.sim import simulate
+
+        rec = plan["recommendation"]
+        best = JobSpec(**{**{k: getattr(spec, k) for k in spec.__dataclass_fields__},
+                          "spares": rec["spares"]})  # fmt: skip
+        best = best.with_intervals(rec["memory_interval_s"], rec["disk_interval_s"])
+        res = simulate(best, job_days=args.simulate_days, seed=0)
+        plan["simulation"] = {**res.to_dict(), "model_ettr": rec["ettr"],
+                              "diff_pp": 100 * (res.ettr - rec["ettr"])}  # fmt: skip
+    return plan
+
+
 def main(argv: list[str], *, prog: str = "trainguard plan") -> int:
     args = _parser(prog).parse_args(argv)
     try:
@@ -198,31 +228,13 @@ def main(argv: list[str], *, prog: str = "trainguard plan") -> int:
     except ValueError as e:
         print(f"{prog}: error: {_flagged(str(e))}", file=sys.stderr)
         return 2
-    from trainguard.plan.model import evaluate
-    from trainguard.plan.report import build_plan, render_html, render_text
+    from trainguard.plan.report import render_html, render_text
 
-    fixed = args.memory_interval_s is not None or args.disk_interval_s is not None
-    plan = build_plan(
-        spec,
-        fixed_intervals=fixed,
-        recommend=args.spares is None,
-        scenarios=not args.no_scenarios,
-    )
-    if run_info is not None:
-        if run_spec is not None:
-            run_info["model_expected_failures_ettr"] = evaluate(run_spec).ettr
-        plan["run"] = run_info
-    if args.simulate_days > 0:
-        from trainguard.plan.model import JobSpec
-        from trainguard.plan.sim import simulate
-
-        rec = plan["recommendation"]
-        best = JobSpec(**{**{k: getattr(spec, k) for k in spec.__dataclass_fields__},
-                          "spares": rec["spares"]})  # fmt: skip
-        best = best.with_intervals(rec["memory_interval_s"], rec["disk_interval_s"])
-        res = simulate(best, job_days=args.simulate_days, seed=0)
-        plan["simulation"] = {**res.to_dict(), "model_ettr": rec["ettr"],
-                              "diff_pp": 100 * (res.ettr - rec["ettr"])}  # fmt: skip
+    try:
+        plan = _answer(args, spec, run_info, run_spec)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     if args.html:
         try:
             Path(args.html).write_text(render_html(plan), encoding="utf-8")

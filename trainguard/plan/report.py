@@ -84,6 +84,12 @@ def build_plan(
     ``fixed_intervals``; spares are recommended when ``recommend``."""
     given = evaluate(spec)
     best = spec if fixed_intervals else optimize(spec)
+    if evaluate(best).ettr <= 0:
+        raise ValueError(
+            f"with an interruption every {_dur(spec.mtti)} this job never finishes at "
+            f"{'these intervals' if fixed_intervals else 'any interval'}: recoveries and lost "
+            "work outpace progress; use fewer GPUs, a longer MTBF or cheaper recovery"
+        )
     spares = recommend_spares(best) if recommend else None
     if spares is not None and spares["spares"] != best.spares:
         best = replace(best, spares=spares["spares"])
@@ -187,7 +193,12 @@ def render_text(plan: dict[str, Any]) -> str:
         r = plan["run"]
         lines.append(
             f"run {r['run_dir']}: measured ETTR {100 * r['measured_ettr']:.2f} %, model "
-            f"{100 * r['model_ettr']:.2f} % ({r['failures']} interruptions)"
+            f"{100 * r['model_ettr']:.2f} % with its costs and {r['failures']} interruption(s)"
+            + (
+                f"; {100 * r['model_expected_failures_ettr']:.2f} % at the fitted rate"
+                if r.get("model_expected_failures_ettr") is not None
+                else ""
+            )
         )
     return "\n".join(lines)
 
