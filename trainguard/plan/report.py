@@ -116,6 +116,9 @@ def build_plan(
                 else None
             ),
             "disk_interval_s": est.disk_interval_s,
+            "disk_interval_steps": round(est.disk_interval_s / spec.step_s)
+            if spec.step_s
+            else None,
             "disk_every_memory_saves": best.disk_every() if best.memory else None,
             "spares": best.spares,
             "ettr": est.ettr,
@@ -161,7 +164,8 @@ def render_text(plan: dict[str, Any]) -> str:
         "recommended:",
         f"  memory tier every {_dur(rec['memory_interval_s'])}"
         + (f" ({rec['memory_interval_steps']} steps)" if rec["memory_interval_steps"] else ""),
-        f"  disk tier every {_dur(rec['disk_interval_s'])}",
+        f"  disk tier every {_dur(rec['disk_interval_s'])}"
+        + (f" ({rec['disk_interval_steps']} steps)" if rec["disk_interval_steps"] else ""),
         f"  spares {rec['spares']}",
         f"  ETTR {100 * rec['ettr']:.2f} %  (per allocated node "
         f"{100 * rec['goodput_per_allocated_node']:.2f} %), {est['expected_failures']:.1f} "
