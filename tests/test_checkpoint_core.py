@@ -457,15 +457,24 @@ def test_preemption_signal_saves_and_exits_with_requeue_code(tmp_path: Path, sig
     assert len(steps) == 1 and steps[0] > 0
 
 
-def test_auto_interval_follows_young(tmp_path: Path) -> None:
+def test_auto_interval_follows_the_planner(tmp_path: Path) -> None:
+    from trainguard.plan.formulas import daly_interval, young_interval
+
     events = Events()
     mgr = _mgr(tmp_path, events, auto_interval=True, mtbf_s=3 * 3600.0, auto_min_interval_s=0.0)
     for s in (6.0, 6.0, 6.0):
         mgr.interval.record_stall(s)
-    assert mgr.interval_s() == pytest.approx((2 * 6.0 * 3 * 3600.0) ** 0.5)  # ~360 s
+    # no commit lag, every failure needs the disk: the planner's optimum is Daly's (~356 s),
+    # a little under Young's 360 s
+    assert mgr.interval_s() == pytest.approx(daly_interval(6.0, 3 * 3600.0), rel=0.02)
+    assert mgr.interval_s() < young_interval(6.0, 3 * 3600.0)
     mgr.set_mtbf(600.0)
-    assert mgr.interval_s() == pytest.approx((2 * 6.0 * 600.0) ** 0.5)
+    assert mgr.interval_s() == pytest.approx(daly_interval(6.0, 600.0), rel=0.02)
     assert len(events.kinds("checkpoint_interval")) == 2
+    # 90 % of recoveries from the memory tier: the disk is needed 10x less often
+    mgr.set_mtbf(3 * 3600.0)
+    mgr.interval.set_memory_fraction(0.9)
+    assert mgr.interval_s() > 2.5 * young_interval(6.0, 3 * 3600.0)
     mgr.close()
 
 

@@ -39,7 +39,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from trainguard.checkpoint import jsoncodec
 from trainguard.checkpoint import manifest as mf
 from trainguard.checkpoint.faults import Faults
-from trainguard.checkpoint.interval import IntervalPolicy, observed_mtbf_s
+from trainguard.checkpoint.interval import (
+    IntervalPolicy,
+    observed_memory_fraction,
+    observed_mtbf_s,
+)
 from trainguard.checkpoint.persist import Writer
 from trainguard.checkpoint.preemption import Preemption
 from trainguard.checkpoint.staging import (
@@ -269,7 +273,7 @@ class CheckpointManager:
         return step
 
     def interval_s(self) -> float | None:
-        """The automatic interval in seconds (Young), or None when not in auto mode."""
+        """The automatic interval in seconds (the planner's), or None when not in auto mode."""
         return self.interval.interval_s
 
     def close(self) -> None:
@@ -467,6 +471,7 @@ class CheckpointManager:
         result.commit_s = time.perf_counter() - t0
         self.interval.persisted()
         if committed:
+            self.interval.record_commit(result.commit_s)
             self._metric(
                 step=result.step,
                 checkpoint_persist_s=result.persist_s,
@@ -603,4 +608,5 @@ def for_worker(tg: Any) -> CheckpointManager:
         observed = observed_mtbf_s(Path(tg.run_dir))
         if observed is not None:
             mgr.set_mtbf(min(observed, mgr.config.mtbf_s))
+        mgr.interval.set_memory_fraction(observed_memory_fraction(Path(tg.run_dir)))
     return mgr

@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "health": ("trainguard.cli.cmd_health", "one-shot node health check (exit 0/1/2)"),
     "report": ("trainguard.cli.cmd_report", "write the HTML report of a run directory"),
     "events": ("trainguard.cli.cmd_events", "print the lifecycle events of a run directory"),
+    "plan": ("trainguard.cli.cmd_plan", "goodput planner: ETTR, checkpoint intervals, spares"),
 }
 
 

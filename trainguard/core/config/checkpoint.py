@@ -6,7 +6,7 @@ Example::
     dir = "/scratch/ckpt/job42"
     every_steps = 500          # persist to disk every 500 steps ...
     every_s = 0.0              # ... or every T seconds (0: off)
-    auto_interval = false      # ... or Young's sqrt(2 * stall * MTBF)
+    auto_interval = false      # ... or the goodput planner's optimum for the measured costs
     memory_every_steps = 1     # newest state in the node's memory every step
     keep_last = 3
     keep_every_steps = 5000
@@ -35,7 +35,9 @@ class CheckpointConfig:
     every_s: float = 0.0
     """``maybe_save`` persists to disk when this many seconds passed since the last one (0: off)."""
     auto_interval: bool = False
-    """Persist at Young's interval sqrt(2 * stall * MTBF), re-evaluated as stalls are measured."""
+    """Persist at the goodput planner's optimum disk interval (``trainguard.plan``) for the
+    measured stall and commit, the MTBF and the memory tier's share of recoveries, re-evaluated
+    as they are measured (Young's sqrt(2 * stall * MTBF) to first order)."""
     mtbf_s: float = 3 * 3600.0
     """Mean time between failures for ``auto_interval`` until failures of this run are observed."""
     auto_min_interval_s: float = 10.0

@@ -1,0 +1,220 @@
+"""Costs of a real run, read from its run directory: ``events.jsonl`` (launch, failures,
+restarts, checkpoint commits and restores, job end) and ``metrics/rank_*.jsonl`` (step times,
+checkpoint stalls) of the lowest rank.
+
+From them: the work done (step time of steps done for the first time), start-up and shutdown,
+per-save stall, memory and disk intervals, commit and restore times, detection (last step →
+failure event), restart (failure → first step of the next attempt, less the restore), the
+other time between steps, and the observed interruption rate. ``run_spec`` turns them into a
+:class:`JobSpec` of the same job, whose model ETTR can be held against the run's own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from trainguard.core.events import EVENTS_FILE, read_events
+from trainguard.plan.model import JobSpec, Tier, fit_rate
+
+__all__ = ["RunCosts", "read_run", "run_spec"]
+
+
+@dataclass(slots=True)
+class RunCosts:
+    world_size: int
+    wall_s: float
+    productive_s: float
+    measured_ettr: float
+    startup_s: float
+    step_s: float
+    steps: int
+    failures: int
+    exposed_s: float
+    memory_every_steps: int
+    memory_stall_s: float
+    disk_every_steps: int
+    disk_stall_s: float
+    disk_commit_s: float
+    memory_restore_s: float | None
+    disk_restore_s: float | None
+    detect_s: float
+    restart_s: float
+    overhead_fraction: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for path in sorted((run_dir / "metrics").glob("rank_*.jsonl")):
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(r, dict) and r.get("kind") in ("step", "log"):
+                    out.append(r)
+    return out
+
+
+def _median(values: list[float], default: float = 0.0) -> float:
+    return float(statistics.median(values)) if values else default
+
+
+def read_run(run_dir: str | Path) -> RunCosts:
+    """The costs of the run in ``run_dir``; ValueError naming what is missing."""
+    run_dir = Path(run_dir)
+    events = sorted(read_events(run_dir), key=lambda e: float(e.get("time", 0.0)))
+    if not events:
+        raise ValueError(
+            f"{run_dir / EVENTS_FILE}: no events (missing or empty): pass a trainguard run "
+            "directory (trainguard run --tg-run-dir DIR)"
+        )
+    recs = _records(run_dir)
+    steps_all = [r for r in recs if r["kind"] == "step" and "step_time_s" in r]
+    if not steps_all:
+        raise ValueError(f"{run_dir / 'metrics'}: no step records: the run never trained a step")
+    ref = min(int(r.get("rank", 0)) for r in steps_all)
+    mine = sorted((r for r in recs if int(r.get("rank", 0)) == ref), key=lambda r: float(r["time"]))
+    t0 = min((float(e["time"]) for e in events if e.get("kind") == "launch"), default=None)
+    finished = [float(e["time"]) for e in events if e.get("kind") == "job_finished"]
+    first_start: dict[int, float] = {}
+    last_end: dict[int, float] = {}
+    step_sum: dict[int, float] = {}
+    productive, max_done, times = 0.0, -1, []
+    stalls: list[float] = []
+    stall_steps: set[int] = set()
+    for r in mine:
+        if r["kind"] == "log":
+            v = r.get("checkpoint_stall_s")
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                stalls.append(float(v))
+                stall_steps.add(int(r.get("step", 0)))
+            continue
+        if r.get("failed"):
+            continue
+        dt, end, a, n = float(r["step_time_s"]), float(r["time"]), int(r.get("attempt", 0)), int(r.get("step", 0))  # fmt: skip
+        times.append(dt)
+        first_start.setdefault(a, end - dt)
+        last_end[a] = max(last_end.get(a, end), end)
+        step_sum[a] = step_sum.get(a, 0.0) + dt
+        if n > max_done:
+            productive += dt
+            max_done = n
+    if t0 is None:
+        t0 = min(first_start.values())
+    t_end = max(finished) if finished else max(last_end.values())
+    a_first, a_last = min(first_start), max(last_end)
+    startup = (first_start[a_first] - t0) + max(0.0, t_end - last_end[a_last])
+    wall = t_end - t0
+
+    failed: dict[int, float] = {}
+    for e in events:
+        if e.get("kind") in ("worker_failed", "worker_group_unhealthy") or "hang" in str(
+            e.get("kind", "")
+        ):
+            a = int(e.get("attempt", 0))
+            failed[a] = min(failed.get(a, math.inf), float(e["time"]))
+    restores: dict[str, list[float]] = {"memory": [], "disk": []}
+    for e in events:
+        if e.get("kind") == "checkpoint_restored" and e.get("rank", 0) == 0:
+            src = str(e.get("source", ""))
+            key = "memory" if "memory" in src else "disk" if src not in ("none", "") else None
+            if key:
+                restores[key].append(float(e.get("duration_s") or 0.0))
+    mem_restore = _median(restores["memory"]) if restores["memory"] else None
+    disk_restore = _median(restores["disk"]) if restores["disk"] else None
+    detects, restarts = [], []
+    for a, t_fail in sorted(failed.items()):
+        if a in last_end and last_end[a] <= t_fail:
+            detects.append(t_fail - last_end[a])
+        later = [first_start[b] for b in first_start if b > a]
+        if later:
+            restarts.append(min(later) - t_fail)
+    restore_used = mem_restore if mem_restore is not None else (disk_restore or 0.0)
+    commits = [e for e in events if e.get("kind") == "checkpoint_committed"]
+    committed_steps = sorted({int(e["step"]) for e in commits if e.get("step") is not None})
+    gaps = [b - a for a, b in zip(committed_steps, committed_steps[1:], strict=False)]
+    steps_done = max_done + 1
+    mem_every = max(1, round(steps_done / len(stall_steps))) if stall_steps else 0
+    in_attempts = sum(last_end[a] - first_start[a] for a in last_end)
+    running = sum(step_sum.values())
+    stall_total = sum(stalls)
+    exposed = max(wall - startup, 1e-9)
+    return RunCosts(
+        world_size=1 + max(int(r.get("rank", 0)) for r in steps_all),
+        wall_s=wall,
+        productive_s=productive,
+        measured_ettr=productive / wall if wall > 0 else 0.0,
+        startup_s=startup,
+        step_s=_median(times),
+        steps=steps_done,
+        failures=len(failed),
+        exposed_s=exposed,
+        memory_every_steps=mem_every,
+        memory_stall_s=stall_total / len(stalls) if stalls else 0.0,
+        disk_every_steps=int(_median([float(g) for g in gaps], 0.0)) if gaps else 0,
+        disk_stall_s=_median([float(e.get("stall_s") or 0.0) for e in commits]),
+        disk_commit_s=_median([float(e.get("commit_s") or 0.0) for e in commits]),
+        memory_restore_s=mem_restore,
+        disk_restore_s=disk_restore,
+        detect_s=_median(detects),
+        restart_s=max(0.0, _median(restarts) - restore_used),
+        overhead_fraction=max(0.0, (in_attempts - running) / running) if running else 0.0,
+    )
+
+
+def run_spec(costs: RunCosts, *, gpus_per_node: int | None = None) -> JobSpec:
+    """The run as a :class:`JobSpec`: same work and costs, interruptions restarting in place
+    (no node loss), no spares, and the interruption rate at which the model expects as many
+    interruptions as the run had (method of moments)."""
+    step = costs.step_s
+    o = costs.overhead_fraction
+    mem_every = costs.memory_every_steps
+    memory = None
+    if mem_every and costs.memory_restore_s is not None:
+        memory = Tier(
+            interval_s=mem_every * step,
+            stall_s=min(costs.memory_stall_s, mem_every * step),
+            commit_s=0.0,
+            restore_s=costs.memory_restore_s,
+        )
+    disk_every = costs.disk_every_steps or max(costs.steps, 1)
+    disk_interval = disk_every * step
+    disk_stall = costs.disk_stall_s if memory is not None else costs.memory_stall_s
+    if memory is not None:
+        disk_stall = max(disk_stall, memory.stall_s)
+    disk = Tier(
+        interval_s=disk_interval,
+        stall_s=min(disk_stall, disk_interval),
+        commit_s=costs.disk_commit_s,
+        restore_s=costs.disk_restore_s if costs.disk_restore_s is not None else 0.0,
+    )
+    # stalls that fall inside the measured step times are already in the work: the overhead
+    # is what the attempts' wall time holds beyond steps and stalls
+    stall_frac = (memory.stall_s / memory.interval_s) if memory else disk.stall_s / disk_interval
+    mtti = costs.exposed_s / costs.failures if costs.failures else 1e12
+    spec = JobSpec(
+        gpus=costs.world_size,
+        gpus_per_node=gpus_per_node or costs.world_size,
+        mtti_s=mtti,
+        work_s=costs.productive_s,
+        step_s=step,
+        memory=memory,
+        disk=disk,
+        peer_replication=False,
+        restart_s=costs.restart_s,
+        detect_s=costs.detect_s,
+        startup_s=costs.startup_s,
+        spares=0,
+        node_loss_fraction=0.0,
+        overhead_fraction=max(0.0, o - stall_frac),
+    )
+    return fit_rate(spec, costs.failures)
