@@ -16,6 +16,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "health": ("trainguard.cli.cmd_health", "one-shot node health check (exit 0/1/2)"),
     "report": ("trainguard.cli.cmd_report", "write the HTML report of a run directory"),
     "events": ("trainguard.cli.cmd_events", "print the lifecycle events of a run directory"),
+    "dashboards": (
+        "trainguard.cli.cmd_dashboards",
+        "export Grafana dashboards, alert rules, Alertmanager config; push to Grafana",
+    ),
 }
 
 
