@@ -137,6 +137,10 @@ _KEYWORDS = frozenset(
 def metric_names(expr: str) -> set[str]:
     """Metric names referenced by a PromQL expression (a lexical scan, for tests and guards):
     identifiers outside strings and label matchers that are not functions or keywords."""
+    m = re.fullmatch(r"\s*label_values\((.*),\s*\w+\s*\)\s*", expr, re.S)
+    m = m or re.fullmatch(r"\s*query_result\((.*)\)\s*", expr, re.S)
+    if m:  # a Grafana variable query around a PromQL expression
+        expr = m.group(1)
     no_strings = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
     no_matchers = re.sub(r"\{[^}]*\}", "{}", no_strings)
     no_by = re.sub(
