@@ -335,7 +335,8 @@ METRICS: tuple[MetricSpec, ...] = (
         name="trainguard.job.failures",
         unit="{failure}",
         kind="counter",
-        description="Worker failures seen by this node's agent, by cause.",
+        description="Worker failures seen by this node's agent, by cause (every failure kind "
+        "is exported from 0).",
         attributes=("node", "cause"),
     ),
     MetricSpec(

@@ -230,16 +230,19 @@ def job_dashboard() -> dm.Dashboard:
     r = f'{NODE}, rank=~"$rank"'
 
     d.row("Progress")
-    d.stat("Step", _j(f"max({tg('trainguard.train.step', NODE)})"), legend="step")
-    d.stat("Attempt", _j(f"max({tg('trainguard.job.attempt', NODE)})"), legend="attempt")
-    d.stat("ETTR (goodput)", _j(f'min({tg("trainguard.goodput.ettr", NODE)})'),
-           unit="percentunit", legend="ETTR")  # fmt: skip
-    d.stat("Job throughput", _j(f'sum({tg("trainguard.job.throughput", NODE)})'),
-           unit="short", legend="tokens/s")  # fmt: skip
-    d.stat("Hung", _j(f'max({tg("trainguard.job.hung", NODE)})'), legend="hung",
+
+    def agg(fn: str, name: str) -> str:
+        return f"{fn}({_j(tg(name, NODE))})"
+
+    d.stat("Step", agg("max", "trainguard.train.step"), legend="step")
+    d.stat("Attempt", agg("max", "trainguard.job.attempt"), legend="attempt")
+    d.stat("ETTR (goodput)", agg("min", "trainguard.goodput.ettr"), unit="percentunit",
+           legend="ETTR")  # fmt: skip
+    d.stat("Job throughput", agg("sum", "trainguard.job.throughput"), legend="tokens/s")
+    d.stat("Hung", agg("max", "trainguard.job.hung"), legend="hung",
            description="1 while the agent's hang verdict stands (until a step completes).")  # fmt: skip
     d.stat("Last checkpoint age",
-           _j(f'time() - max({tg("trainguard.checkpoint.last_commit.time", NODE)})'),
+           "time() - " + agg("max", "trainguard.checkpoint.last_commit.time"),
            unit="s", legend="age")  # fmt: skip
 
     d.row("Training")

@@ -19,6 +19,7 @@ from trainguard.core.contract import (
     RESTART_CAUSES,
     MetricSpec,
 )
+from trainguard.core.failures import FailureKind
 from trainguard.telemetry.goodput import Goodput
 from trainguard.telemetry.mfu import PeakResolver
 
@@ -96,6 +97,8 @@ class MetricsRecorder:
             self._inst["trainguard.health.incidents"].add(0, {**node, "kind": kind})
         for cause in RESTART_CAUSES:
             self._inst["trainguard.job.restarts"].add(0, {**node, "cause": cause})
+        for kind in FailureKind:
+            self._inst["trainguard.job.failures"].add(0, {**node, "cause": kind.value})
         self._set("trainguard.job.hung", 0, node)
 
     @staticmethod
