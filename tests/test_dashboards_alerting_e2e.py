@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.health_fixtures.jobs import WORKER, events, job_env
 from tests.services.alerting_services import Alertmanager, PrometheusRules, WebhookReceiver
 from tests.services.telemetry_services import free_port
@@ -23,6 +25,7 @@ HANG_TIMEOUT_S = 5
 logger = logging.getLogger(__name__)
 
 
+@pytest.mark.slow
 def test_sigstopped_rank_pages_through_prometheus_and_alertmanager_then_resolves(
     tmp_path: Path,
 ) -> None:

@@ -191,6 +191,7 @@ def _targets() -> list[tuple[str, str, str]]:
     return out
 
 
+@pytest.mark.slow
 def test_every_panel_query_returns_data_from_real_runs_and_dcgm(scraped: dict[str, Any]) -> None:
     prom: PrometheusRules = scraped["prom"]
     targets = _targets()
