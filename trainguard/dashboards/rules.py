@@ -440,7 +440,7 @@ def _gpu_rules(p: RuleParams) -> list[AlertRule]:
         ),
         AlertRule(
             name="TrainGuardGpuMissing",
-            expr=f"max_over_time((count by (node) ({temp}))[1h:1m])\n> count by (node) ({temp})",
+            expr=f"max_over_time((count by (node) ({temp}))[1h:5m])\n> count by (node) ({temp})",
             severity="critical",
             component="gpu",
             group="trainguard-gpu",
