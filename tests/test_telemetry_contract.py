@@ -8,7 +8,14 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from trainguard.core.contract import LOSS_CAUSES, METRICS, by_name, prometheus_name
+from trainguard.core.contract import (
+    INCIDENT_KINDS,
+    LOSS_CAUSES,
+    METRICS,
+    RESTART_CAUSES,
+    by_name,
+    prometheus_name,
+)
 from trainguard.telemetry.goodput import compute_goodput
 from trainguard.telemetry.mfu import PeakResolver, peak_flops, transformer_flops_per_token
 from trainguard.telemetry.recorder import MetricsRecorder
@@ -90,6 +97,7 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
         {"time": T0 + 5.0, "kind": "straggler_detected", "rank": 1},
         {"time": T0 + 5.1, "kind": "preflight", "status": "ok"},  # not an incident
         {"time": T0 + 5.2, "kind": "preflight", "status": "unhealthy"},
+        {"time": T0 + 5.3, "kind": "checkpoint_committed", "step": 4},
     ]:
         rec.event(ev)
     rec.straggler_scores({"0": 0.0, "1": 0.5})
@@ -132,6 +140,8 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
         "trainguard.job.attempt": 1,
         "trainguard.goodput.productive_time": 3.0,  # steps 0..5 once
         "trainguard.goodput.ettr": 0.25,  # 3 s of 12 s
+        "trainguard.checkpoint.last_commit.time": T0 + 5.3,
+        "trainguard.job.hung": 0,
     }
     seen = set()
     for spec in METRICS:
@@ -156,12 +166,37 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
     info = point(got["trainguard.run.info"][1], run_id="r1")
     assert info.value == 1 and info.attributes["job_id"] == "j1"
     incidents = {p.attributes["kind"]: p.value for p in got["trainguard.health.incidents"][1]}
-    assert incidents == {"straggler_detected": 1, "preflight_failed": 1}
+    assert incidents == {k: 0 for k in INCIDENT_KINDS} | {
+        "straggler_detected": 1,
+        "preflight_failed": 1,
+    }
     assert point(got["trainguard.health.straggler_score"][1], rank="1").value == 0.5
     lost = {p.attributes["cause"]: p.value for p in got["trainguard.goodput.lost_time"][1]}
     assert set(lost) == set(LOSS_CAUSES)
     assert lost["rendezvous"] == pytest.approx(3.0)
     assert lost["recomputed_steps"] == pytest.approx(1.0)  # steps 3, 4 redone
+
+
+def test_job_hung_gauge_holds_from_the_verdict_to_the_next_completed_step() -> None:
+    reader = InMemoryMetricReader()
+    rec = MetricsRecorder(MeterProvider(metric_readers=[reader]), node="n0")
+
+    def hung() -> float:
+        return point(collect(reader)["trainguard.job.hung"][1], node="n0").value
+
+    assert hung() == 0
+    rec.event({"time": T0 + 10, "kind": "hang_detected", "ranks": [1]})
+    assert hung() == 1
+    # a record written before the verdict (read late) does not clear it
+    rec.record({"time": T0 + 9, "kind": "step", "rank": 0, "step": 3, "step_time_s": 0.1})
+    rec.event({"time": T0 + 11, "kind": "workers_started", "attempt": 1})
+    assert hung() == 1
+    rec.record({"time": T0 + 14, "kind": "step", "rank": 0, "step": 3, "step_time_s": 0.1})
+    assert hung() == 0
+    restarts = {
+        p.attributes["cause"]: p.value for p in collect(reader)["trainguard.job.restarts"][1]
+    }
+    assert restarts == {c: 0 for c in RESTART_CAUSES}  # exported from 0, before any restart
 
 
 def test_goodput_breakdown_of_the_synthetic_run() -> None:

@@ -17,6 +17,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("trainguard.cli.cmd_report", "write the HTML report of a run directory"),
     "events": ("trainguard.cli.cmd_events", "print the lifecycle events of a run directory"),
     "plan": ("trainguard.cli.cmd_plan", "goodput planner: ETTR, checkpoint intervals, spares"),
+    "dashboards": (
+        "trainguard.cli.cmd_dashboards",
+        "export Grafana dashboards, alert rules, Alertmanager config; push to Grafana",
+    ),
 }
 
 

@@ -319,7 +319,8 @@ METRICS: tuple[MetricSpec, ...] = (
         unit="{incident}",
         kind="counter",
         description="Health incidents seen by this node's agent, by kind (hang_detected, "
-        "straggler_detected, health_unhealthy, node_excluded, preflight_failed...).",
+        "straggler_detected, health_unhealthy, node_excluded, preflight_failed...); the kinds in "
+        "INCIDENT_KINDS start at 0 so that rate() and increase() see the first one.",
         attributes=("node", "kind"),
     ),
     MetricSpec(
@@ -334,7 +335,8 @@ METRICS: tuple[MetricSpec, ...] = (
         name="trainguard.job.failures",
         unit="{failure}",
         kind="counter",
-        description="Worker failures seen by this node's agent, by cause.",
+        description="Worker failures seen by this node's agent, by cause (every failure kind "
+        "is exported from 0).",
         attributes=("node", "cause"),
     ),
     MetricSpec(
@@ -343,6 +345,21 @@ METRICS: tuple[MetricSpec, ...] = (
         kind="counter",
         description="Worker-group restarts, by cause (failure, membership_change, hang...).",
         attributes=("node", "cause"),
+    ),
+    MetricSpec(
+        name="trainguard.job.hung",
+        unit="{state}",
+        kind="gauge",
+        description="1 from the agent's hang verdict on this node until the workers complete a "
+        "step again (or the job ends), else 0: the alert rules' 'job hung' signal.",
+        attributes=("node",),
+    ),
+    MetricSpec(
+        name="trainguard.checkpoint.last_commit.time",
+        unit="s",
+        kind="gauge",
+        description="Unix time of the last committed checkpoint seen by this node's agent.",
+        attributes=("node",),
     ),
     MetricSpec(
         name="trainguard.job.attempt",
@@ -407,7 +424,28 @@ LOSS_CAUSES = (
 )
 """Values of the ``cause`` attribute of ``trainguard.goodput.lost_time``."""
 
-__all__ += ["LOSS_CAUSES"]
+INCIDENT_KINDS = (
+    "hang_detected",
+    "straggler_detected",
+    "health_unhealthy",
+    "node_excluded",
+    "preflight_failed",
+)
+"""Values of the ``kind`` attribute of ``trainguard.health.incidents`` (exported from 0)."""
+
+RESTART_CAUSES = (
+    "killed",
+    "crashed",
+    "exception",
+    "exited",
+    "hang",
+    "membership_change",
+    "failure",
+)
+"""Common values of the ``cause`` attribute of ``trainguard.job.restarts`` (exported from 0;
+failure causes of the worker classification appear as they happen)."""
+
+__all__ += ["INCIDENT_KINDS", "LOSS_CAUSES", "RESTART_CAUSES"]
 
 
 def by_name(name: str) -> MetricSpec:

@@ -28,4 +28,10 @@ def default_plugins(cfg: TrainGuardConfig, run_dir: Path, events: EventLog) -> l
         from trainguard.checkpoint.memtier import MemoryTierPlugin
 
         plugins.append(MemoryTierPlugin(cfg.checkpoint, run_dir, events))
+    if cfg.alerts.webhook_url:
+        from trainguard.dashboards.pager import create_pager_plugin
+
+        pager = create_pager_plugin(cfg.alerts, run_dir, events)
+        if pager is not None:
+            plugins.append(pager)
     return plugins

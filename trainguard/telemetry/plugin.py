@@ -191,6 +191,7 @@ class TelemetryPlugin(AgentPlugin):
             peak=PeakResolver(override=cfg.peak_flops, device_name=cfg.device_name),
             flops_per_step=cfg.flops_per_step,
         )
+        self.recorder.export_failure("jsonl", 0)  # exported from 0, like the other counters
         ra = resource.attributes
         self.recorder.run_info(
             run_id=str(ra["trainguard.run_id"]),

@@ -12,7 +12,14 @@ from typing import Any
 
 from opentelemetry.metrics import MeterProvider
 
-from trainguard.core.contract import LOSS_CAUSES, METRICS, MetricSpec
+from trainguard.core.contract import (
+    INCIDENT_KINDS,
+    LOSS_CAUSES,
+    METRICS,
+    RESTART_CAUSES,
+    MetricSpec,
+)
+from trainguard.core.failures import FailureKind
 from trainguard.telemetry.goodput import Goodput
 from trainguard.telemetry.mfu import PeakResolver
 
@@ -82,7 +89,17 @@ class MetricsRecorder:
         ]
         self._devices: dict[int, str] = {}
         self._pending_cause: str | None = None
+        self._hung_since: float | None = None
         self.num_bad_records = 0
+        node = {"node": node}
+        # counters start at 0 so that the first increment shows in rate()/increase()
+        for kind in INCIDENT_KINDS:
+            self._inst["trainguard.health.incidents"].add(0, {**node, "kind": kind})
+        for cause in RESTART_CAUSES:
+            self._inst["trainguard.job.restarts"].add(0, {**node, "cause": cause})
+        for kind in FailureKind:
+            self._inst["trainguard.job.failures"].add(0, {**node, "cause": kind.value})
+        self._set("trainguard.job.hung", 0, node)
 
     @staticmethod
     def _create(meter: Any, spec: MetricSpec) -> Any:
@@ -122,6 +139,10 @@ class MetricsRecorder:
             self._devices[rank] = rec["device"]
         if step is not None:
             self._set("trainguard.train.step", step, attrs)
+        t = _num(rec.get("time"))
+        if self._hung_since is not None and t is not None and t > self._hung_since:
+            self._hung_since = None  # a step completed after the hang: the job recovered
+            self._set("trainguard.job.hung", 0, {"node": self.node})
         if dt is None or dt <= 0:
             return
         self._inst["trainguard.train.step.duration"].record(dt, attrs)
@@ -193,6 +214,15 @@ class MetricsRecorder:
                     self._pending_cause = cause
             elif kind == "hang_detected":
                 self._pending_cause = "hang"
+                self._hung_since = _num(ev.get("time")) or 0.0
+                self._set("trainguard.job.hung", 1, node)
+            elif kind == "job_finished":
+                self._hung_since = None
+                self._set("trainguard.job.hung", 0, node)
+            elif kind == "checkpoint_committed":
+                t = _num(ev.get("time"))
+                if t is not None:
+                    self._set("trainguard.checkpoint.last_commit.time", t, node)
             elif kind == "restart":
                 cause = ev.get("cause") or self._pending_cause or ev.get("reason") or "unknown"
                 self._pending_cause = None

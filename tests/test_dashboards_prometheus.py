@@ -1,0 +1,235 @@
+"""The generated rules, Alertmanager config and dashboards against Debian's real Prometheus 2.42
+and Alertmanager 0.25: promtool/amtool checks, every rule's unit tests (and that each case can
+fail), routing and inhibition in a running Alertmanager, and every dashboard query run against
+a Prometheus that scraped two real trainguard runs and two dcgm-exporter text endpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.health_fixtures.dcgm_text import ExporterServer, h100_node
+from tests.launch_utils import REPO, base_env, popen
+from tests.services.alerting_services import Alertmanager, PrometheusRules, WebhookReceiver
+from tests.services.telemetry_services import apt_ensure, free_port, wait_until
+from trainguard.dashboards import export, rule_tests
+from trainguard.dashboards.alertmanager import AlertmanagerParams, alertmanager_document
+from trainguard.dashboards.yamlgen import dump
+
+DASH = REPO / "dashboards"
+RULES = DASH / export.RULES_FILE
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _packages() -> None:
+    apt_ensure("prometheus", "prometheus-alertmanager")
+
+
+def test_promtool_checks_and_unit_tests_every_rule(tmp_path: Path) -> None:
+    p = _run(["promtool", "check", "rules", str(RULES)])
+    assert p.returncode == 0 and "SUCCESS: 23 rules found" in p.stdout, p.stdout + p.stderr
+    p = _run(["promtool", "test", "rules", export.RULE_TESTS_FILE.split("/")[1]], RULES.parent)
+    assert p.returncode == 0 and "SUCCESS" in p.stdout, p.stdout + p.stderr
+    # every case can fail: flip each expectation and promtool must report every one of them
+    flipped = [dataclasses.replace(c, fires=not c.fires) for c in rule_tests.CASES]
+    saved = rule_tests.CASES[:]
+    try:
+        rule_tests.CASES[:] = flipped
+        doc = rule_tests.tests_document(str(RULES))
+    finally:
+        rule_tests.CASES[:] = saved
+    (tmp_path / "flipped.test.yml").write_text(dump(doc))
+    p = _run(["promtool", "test", "rules", "flipped.test.yml"], tmp_path)
+    assert p.returncode != 0
+    assert p.stdout.count("alertname:") + p.stderr.count("alertname:") == len(flipped)
+
+
+def test_amtool_checks_the_alertmanager_template() -> None:
+    p = _run(["amtool", "check-config", str(DASH / export.ALERTMANAGER_FILE)])
+    assert p.returncode == 0 and "SUCCESS" in p.stdout, p.stdout + p.stderr
+    assert "3 receivers" in p.stdout and "2 inhibit rules" in p.stdout
+
+
+def test_alertmanager_routes_by_severity_and_node_down_inhibits_gpu_alerts(tmp_path: Path) -> None:
+    rx = WebhookReceiver()
+    am = None
+    try:
+        (tmp_path / "pd_key").write_text("PDKEY\n")
+        (tmp_path / "slack_url").write_text(rx.base + "/slack\n")
+        params = AlertmanagerParams(
+            webhook_url=rx.base + "/generic", pagerduty_url=rx.base + "/pd",
+            pagerduty_routing_key_file=str(tmp_path / "pd_key"),
+            slack_api_url_file=str(tmp_path / "slack_url"),
+            group_wait="0s", group_interval="1s",
+        )  # fmt: skip
+        am = Alertmanager(tmp_path / "am", dump(alertmanager_document(params)))
+
+        def alert(name: str, severity: str, component: str, node: str, **extra: str) -> dict:
+            return {"labels": {"alertname": name, "severity": severity, "component": component,
+                               "node": node, **extra},
+                    "annotations": {"summary": f"{name} on {node}", "runbook": "do x",
+                                    "description": "d"}}  # fmt: skip
+
+        am.post_alerts([
+            alert("TrainGuardNodeDown", "critical", "node", "node-1"),
+            alert("TrainGuardEccDbe", "critical", "gpu", "node-1", gpu="3"),
+            alert("TrainGuardEccDbe", "critical", "gpu", "node-2", gpu="5"),
+            alert("TrainGuardRestartStorm", "warning", "job", "node-3", job_id="j1"),
+        ])  # fmt: skip
+
+        def inhibited() -> list[dict]:
+            got = am.alerts(inhibited="true", active="false", silenced="false")
+            return [a for a in got if a["status"]["inhibitedBy"]]
+
+        [inh] = wait_until(inhibited, 30, "an inhibited alert")
+        assert (
+            inh["labels"]["node"] == "node-1" and inh["labels"]["alertname"] == "TrainGuardEccDbe"
+        )
+        pd = rx.wait_for(lambda x: x[1] == "/pd" and "node-2" in json.dumps(x[2]), 30, "page")[2]
+        assert pd["routing_key"] == "PDKEY" and pd["event_action"] == "trigger"
+        assert pd["payload"]["severity"] == "critical"
+        rx.wait_for(lambda x: x[1] == "/slack" and "TrainGuardRestartStorm" in json.dumps(x[2]),
+                    30, "slack message")  # fmt: skip
+        rx.wait_for(lambda x: x[1] == "/generic" and x[2]["commonLabels"].get("node") == "node-3",
+                    30, "generic webhook")  # fmt: skip
+        time.sleep(2)  # give Alertmanager the chance to (wrongly) send the inhibited one
+        pages = [b["payload"]["summary"] for _, path, b in rx.got if path == "/pd"]
+        assert "TrainGuardEccDbe on node-2" in pages and "TrainGuardNodeDown on node-1" in pages
+        assert "TrainGuardEccDbe on node-1" not in pages  # inhibited by its node being down
+        slack = [json.dumps(b) for _, path, b in rx.got if path == "/slack"]
+        assert slack and all("TrainGuardRestartStorm" in m for m in slack)  # warnings only
+    finally:
+        if am is not None:
+            am.stop()
+        rx.close()
+
+
+# -- every dashboard query returns data from real runs and exporters ------------------------------
+GPU_ONLY = {"trainguard_gpu_memory_used_bytes", "trainguard_gpu_memory_peak_bytes"}
+"""Logged only by CUDA workers: empty on a CPU machine (each has its panel to itself)."""
+
+
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("panels")
+    exp_a = ExporterServer(h100_node(hostname="node-a", host_label="Hostname",
+                                     faults={3: {"DCGM_FI_DEV_XID_ERRORS": 79,
+                                                 "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": 2}},
+                                     xid_counts={3: {79: 1}}))  # fmt: skip
+    exp_b = ExporterServer(h100_node(hostname="node-b", host_label="hostname",
+                                     faults={1: {"DCGM_FI_DEV_ROW_REMAP_FAILURE": 1}}))  # fmt: skip
+    exp_a.__enter__()
+    exp_b.__enter__()
+    ports = [free_port(), free_port()]
+    dcgm_targets = [e.url.split("/")[2] for e in (exp_a, exp_b)]
+    prom = PrometheusRules(tmp / "prom", {"trainguard": [f"127.0.0.1:{p}" for p in ports],
+                                          "dcgm": dcgm_targets})  # fmt: skip
+    start = time.time()
+    runs = []
+    jobs = [
+        [str(REPO / "examples" / "grpo_toy.py"), "--steps", "100000", "--step-sleep", "0.05",
+         "--fail-at-step", "12", "--fail-rank", "1"],
+        [str(REPO / "examples" / "train_mlp.py"), "--steps", "100000", "--step-sleep", "0.05",
+         "--ckpt-every", "5"],
+    ]  # fmt: skip
+    try:
+        for i, (port, job) in enumerate(zip(ports, jobs, strict=True)):
+            env = base_env(
+                TRAINGUARD_TELEMETRY_PROMETHEUS_PORT=str(port),
+                TRAINGUARD_TELEMETRY_PEAK_FLOPS="1e10",
+                TRAINGUARD_TELEMETRY_POLL_INTERVAL_S="0.2",
+                TRAINGUARD_TELEMETRY_EXPORT_INTERVAL_S="1",
+                TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S="0",
+                TRAINGUARD_CHECKPOINT_AUTO_INTERVAL="true",
+                TRAINGUARD_CHECKPOINT_AUTO_MIN_INTERVAL_S="1",
+            )
+            runs.append(popen("trainguard", ["--standalone", "--nproc-per-node", "2",
+                                             "--max-restarts", "2", "--tg-run-dir",
+                                             str(tmp / f"run{i}"), *job],
+                              cwd=tmp, env=env))  # fmt: skip
+        yield {"prom": prom, "start": start, "runs": runs, "tmp": tmp}
+    finally:
+        for p in runs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in runs:
+            try:
+                p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate(timeout=30)
+        prom.stop()
+        exp_a.__exit__(None, None, None)
+        exp_b.__exit__(None, None, None)
+
+
+def _substitute(expr: str) -> str:
+    for var in ("$job", "$slurm_job", "$node", "$rank", "$gpu"):
+        expr = expr.replace(f'"{var}"', '".*"')
+    return expr.replace("$__rate_interval", "10s")
+
+
+def _targets() -> list[tuple[str, str, str]]:
+    out = []
+    for name in ("trainguard-job", "trainguard-gpu-fleet"):
+        board = json.loads(export.render()[f"grafana/{name}.json"])
+        for p in board["panels"]:
+            for t in p.get("targets", []):
+                out.append((f"{name}: {p['title']}", t["refId"], t["expr"]))
+    return out
+
+
+@pytest.mark.slow
+def test_every_panel_query_returns_data_from_real_runs_and_dcgm(scraped: dict[str, Any]) -> None:
+    prom: PrometheusRules = scraped["prom"]
+    targets = _targets()
+    from trainguard.dashboards.promql import metric_names
+
+    def empty() -> list[str]:
+        now = time.time()
+        missing = []
+        for panel, ref, expr in targets:
+            if metric_names(expr) & GPU_ONLY:
+                continue
+            if not prom.query_range(_substitute(expr), scraped["start"], now, 1.0):
+                missing.append(f"{panel} [{ref}]")
+        for p in scraped["runs"]:
+            assert p.poll() is None, p.communicate()[1][-3000:]
+        return missing
+
+    last: list[list[str]] = [[]]
+
+    def all_have_data() -> bool:
+        last[0] = empty()
+        return not last[0]
+
+    try:
+        wait_until(all_have_data, 240, "data for every panel query", interval=3)
+    except TimeoutError:
+        raise AssertionError(f"panel queries without data: {last[0]}") from None
+    # both dcgm-exporter host label spellings end up under hostname
+    hosts = {r["metric"]["hostname"] for r in prom.query_range(
+        _substitute(targets[[t[0] for t in targets].index("trainguard-gpu-fleet: Temperature")][2]),
+        scraped["start"], time.time())}  # fmt: skip
+    assert hosts == {"node-a", "node-b"}
+    # the GPU-only panels are exactly the two device-memory queries
+    gpu_only = [t for t in targets if metric_names(t[2]) & GPU_ONLY]
+    assert {t[0] for t in gpu_only} == {"trainguard-job: Device memory"}
+    # annotations run too; failures and restarts happened in the GRPO run
+    job = json.loads(export.render()["grafana/trainguard-job.json"])
+    for a in job["annotations"]["list"]:
+        res = prom.query_range(_substitute(a["expr"]), scraped["start"], time.time())
+        if a["name"] in ("Failures", "Recoveries (restarts)"):
+            assert res, a["name"]
