@@ -16,6 +16,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "health": ("trainguard.cli.cmd_health", "one-shot node health check (exit 0/1/2)"),
     "report": ("trainguard.cli.cmd_report", "write the HTML report of a run directory"),
     "events": ("trainguard.cli.cmd_events", "print the lifecycle events of a run directory"),
+    "sbatch": ("trainguard.cli.cmd_sbatch", "write and submit a Slurm job with hot spares"),
+    "slurm": ("trainguard.cli.cmd_slurm", "Slurm jobs: status (and the batch script's steps)"),
 }
 
 

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -194,6 +195,27 @@ def _signals_to_handle(configured: str, preemption_signals: list[str]) -> str:
     return ",".join(names)
 
 
+def _log_preemption_notice(signum: int, frame: Any) -> None:
+    logger.warning(
+        "trainguard run: %s received; the workers got it from the scheduler too and save "
+        "a checkpoint; the agent keeps watching them",
+        signal.Signals(signum).name,
+    )
+
+
+def _direct_preemption_signals(configured: str, preemption_signals: list[str]) -> str:
+    """The scheduler signals the workers itself: the agent logs the preemption signals (a
+    handler, not SIG_IGN, so the workers do not inherit an ignored signal) and torch's handler
+    (which would forward them) is left to the others."""
+    for sig in preemption_signals:
+        try:
+            signal.signal(getattr(signal, sig), _log_preemption_notice)
+        except (AttributeError, ValueError, OSError):
+            logger.warning("cannot handle %s in the agent", sig)
+    names = [n.strip() for n in configured.split(",") if n.strip()]
+    return ",".join(n for n in names if n not in preemption_signals)
+
+
 def launch(
     config: LaunchConfig,
     entrypoint: Callable[..., Any] | str,
@@ -216,9 +238,14 @@ def launch(
         **config.rdzv_configs,
     )
     master_addr, master_port = _master_addr_port(params)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _signals_to_handle(
-        config.signals_to_handle, tg_config.checkpoint.preemption_signals
-    )
+    if tg_config.runtime.preemption_signals_direct:
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _direct_preemption_signals(
+            config.signals_to_handle, tg_config.checkpoint.preemption_signals
+        )
+    else:
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _signals_to_handle(
+            config.signals_to_handle, tg_config.checkpoint.preemption_signals
+        )
     handler = AttemptRendezvousHandler(
         rdzv_registry.get_rendezvous_handler(params), node=events.node
     )
@@ -269,6 +296,11 @@ def launch(
     try:
         torch_metrics.initialize_metrics(torch_metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()
+        if result is None:
+            # torch returns nothing for a node that waited in the rendezvous's redundancy
+            # list (a spare) when the job ended without it.
+            state = "spare_released"
+            return {}
         torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
         if result.is_failed() and agent.requeue:
             state = "requeue"
