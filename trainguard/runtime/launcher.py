@@ -28,7 +28,7 @@ from torch.distributed.elastic import metrics as torch_metrics
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
@@ -334,6 +334,21 @@ def launch(
             )
             raise _requeue_exit(name) from None
         raise
+    except RendezvousConnectionError:
+        if agent.attempt >= 0:
+            torch_events.record(agent.get_event_failed(), config.event_log_handler)
+            raise
+        # A spare that never joined a round: its rendezvous store went away, which is how a
+        # job that ended without it (or lost its store host) looks from the waiting list.
+        state = "rendezvous_lost"
+        shutdown_rdzv = False
+        print(
+            "trainguard run: the rendezvous store closed while this node waited as a spare "
+            "(the job ended without it, or the store's host failed); nothing to save",
+            file=sys.stderr,
+            flush=True,
+        )
+        return {}
     except NodeUnhealthyError:
         # This node leaves (health policy); the rendezvous stays open for the others.
         state = "excluded"

@@ -81,7 +81,7 @@ class SlurmCli(Protocol):
         ...
 
     def requeue(self, job_id: str) -> None:
-        """``scontrol requeue JOB``; raises SlurmError."""
+        """``scontrol requeue JOB`` (and eligible again at once); raises SlurmError."""
         ...
 
 
@@ -205,6 +205,13 @@ class CommandSlurm:
 
     def requeue(self, job_id: str) -> None:
         self._run(["scontrol", "requeue", str(job_id)])
+        # Slurm holds a requeued batch job for about two minutes (BeginTime; measured 124 s on
+        # 22.05) although its nodes are free at once: make it eligible now. Best effort: the
+        # requeue is already ending this batch step.
+        try:
+            self._run(["scontrol", "update", f"jobid={job_id}", "starttime=now"])
+        except SlurmError:
+            pass
 
 
 def make_slurm(api: str = "cli") -> SlurmCli:

@@ -42,6 +42,9 @@ class SlurmConfig:
     """``host:port`` of etcd when ``rdzv_backend = "etcd"``."""
     rdzv_port: int = 29400
     """Port of the c10d rendezvous store on the first node."""
+    max_restarts: int = 3
+    """Worker-group restarts per agent (``trainguard run --max-restarts``) when the user gives
+    none: a spare can only take over in a restart (torchrun's default, 0, ends the job)."""
     join_timeout_s: int = 600
     """How long agents wait for enough nodes in a rendezvous round before the job fails (and
     is resubmitted when ``max_resubmits`` allows)."""
@@ -68,6 +71,8 @@ class SlurmConfig:
             raise ValueError('rdzv_backend = "etcd" needs etcd_endpoint = "host:port"')
         if not 0 < self.rdzv_port < 65536:
             raise ValueError("rdzv_port must be a TCP port (1..65535)")
+        if self.max_restarts < 0:
+            raise ValueError("max_restarts must be >= 0")
         if self.join_timeout_s <= 0:
             raise ValueError("join_timeout_s must be > 0")
 
