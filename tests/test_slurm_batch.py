@@ -416,11 +416,12 @@ def test_cli_dry_run_and_option_split(tmp_path: Path, capsys, monkeypatch) -> No
     (tmp_path / "train.py").write_text("print('hi')\n")
     rc, out, err = _sbatch_cli(
         "--nodes", "2", "--spares", "1", "--nproc-per-node", "2", "--time", "10:00",
-        "--dry-run", "train.py", "--steps", "5", "--nodes", "x",
+        "--sbatch-arg", "--qos=high", "--dry-run", "train.py", "--steps", "5", "--nodes", "x",
         cwd=tmp_path, capsys=capsys, monkeypatch=monkeypatch,
     )  # fmt: skip
     assert rc == 0, err
     assert "#SBATCH --nodes=3" in out and "#SBATCH --time=10:00" in out
+    assert "#SBATCH --qos=high" in out
     assert "--nproc-per-node 2 \\\n    train.py --steps 5 --nodes x\n" in out
 
 

@@ -87,12 +87,16 @@ def _split(argv: list[str], own: argparse.ArgumentParser, run: argparse.Argument
             action = run_actions[name]
         else:
             raise _BadInput(f"unknown option {tok!r}: see 'trainguard sbatch --help'")
-        target.append(tok)
         if action.nargs != 0 and "=" not in tok:
             if i + 1 >= len(argv):
                 raise _BadInput(f"option {name} needs a value")
-            target.append(argv[i + 1])
             i += 1
+            # NAME=VALUE, so that a value such as --sbatch-arg's "--mem=4G" is not an option
+            tok = f"{tok}={argv[i]}" if target is own_opts else tok
+            if target is run_opts:
+                target.append(tok)
+                tok = argv[i]
+        target.append(tok)
         i += 1
     if i >= len(argv):
         return own_opts, run_opts, None, []
@@ -175,7 +179,7 @@ def main(argv: list[str], *, prog: str = "trainguard sbatch") -> int:
         if args.dry_run:
             print(req.materialize(), end="")
             return 0
-        slurm = make_slurm(cfg.slurm.api)
+        slurm = make_slurm()
         _check_slurm(req, slurm)
         os.makedirs(cfg.slurm.runs_root, exist_ok=True)
         job_id = slurm.submit(req.materialize())

@@ -80,7 +80,7 @@ def _finish(argv: list[str], prog: str) -> int:
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    slurm = make_slurm(cfg.api)
+    slurm = make_slurm()
     fencer = SlurmFencer(slurm, record_only=cfg.drain == "record")
     return finish(
         rc=args.rc,
@@ -106,7 +106,7 @@ def _status(argv: list[str], prog: str) -> int:
 
     try:
         cfg = load_config(args.config).slurm
-        st = collect(args.job_id, make_slurm(cfg.api), run_dir=args.run_dir)
+        st = collect(args.job_id, make_slurm(), run_dir=args.run_dir, runs_root=cfg.runs_root)
     except (ConfigError, SlurmError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

@@ -5,8 +5,7 @@
 Why the commands and not a binding: their output formats (``-o``, ``--parsable``, ``scontrol
 show -o``) are stable across Slurm versions, they need no compiler or ``libslurm`` headers at
 install time, and they work wherever the user can type ``sbatch``. ``pyslurm`` has no release
-for Slurm 22.05 on PyPI (see the README); :func:`make_slurm` uses it for reads when the
-``[slurm] api = "pyslurm"`` setting asks for it and it imports.
+for Slurm 22.05 on PyPI, and its 25.11 release refuses to build against 22.05 (see the README).
 """
 
 from __future__ import annotations
@@ -81,7 +80,8 @@ class SlurmCli(Protocol):
         ...
 
     def requeue(self, job_id: str) -> None:
-        """``scontrol requeue JOB`` (and eligible again at once); raises SlurmError."""
+        """``scontrol requeue JOB``; raises SlurmError. Slurm lets the job start again after
+        ``AuthInfo`` ``cred_expire`` + 1 s (default 121 s)."""
         ...
 
 
@@ -205,20 +205,9 @@ class CommandSlurm:
 
     def requeue(self, job_id: str) -> None:
         self._run(["scontrol", "requeue", str(job_id)])
-        # Slurm holds a requeued batch job for about two minutes (BeginTime; measured 124 s on
-        # 22.05) although its nodes are free at once: make it eligible now. Best effort: the
-        # requeue is already ending this batch step.
-        try:
-            self._run(["scontrol", "update", f"jobid={job_id}", "starttime=now"])
-        except SlurmError:
-            pass
 
 
-def make_slurm(api: str = "cli") -> SlurmCli:
-    """The configured way to Slurm (``[slurm] api``); the commands unless pyslurm imports."""
-    if api == "pyslurm":
-        try:
-            import pyslurm  # noqa: F401  (no 22.05 release; see the README)
-        except ImportError:
-            pass
+def make_slurm() -> SlurmCli:
+    """The way to Slurm: its commands. (pyslurm has no release for Slurm 22.05 on PyPI; 25.11
+    refuses to build against it: see the README.)"""
     return CommandSlurm()

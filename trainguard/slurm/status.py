@@ -95,7 +95,9 @@ def _from_events(st: JobStatus, events: Iterable[dict[str, Any]]) -> None:
     st.restarts = len(attempts)
 
 
-def collect(job_id: str, slurm: SlurmCli, *, run_dir: str | None = None) -> JobStatus:
+def collect(
+    job_id: str, slurm: SlurmCli, *, run_dir: str | None = None, runs_root: str | None = None
+) -> JobStatus:
     st = JobStatus(job_id=str(job_id))
     job = slurm.job(job_id)
     if job:
@@ -105,7 +107,7 @@ def collect(job_id: str, slurm: SlurmCli, *, run_dir: str | None = None) -> JobS
             st.allocation = slurm.hostnames(job.get("NodeList", ""))
         except SlurmError:
             st.allocation = []
-    rd = Path(run_dir) if run_dir else find_run_dir(job)
+    rd = Path(run_dir) if run_dir else find_run_dir(job or {"JobId": str(job_id)}, runs_root)
     if rd is not None and rd.is_dir():
         st.run_dir = os.fspath(rd)
         _from_events(st, read_events(rd))

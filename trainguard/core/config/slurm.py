@@ -53,9 +53,6 @@ class SlurmConfig:
     ``<runs_root>/slurm-<job id>.out`` (relative to the submit directory)."""
     python: str | None = None
     """Python interpreter the nodes run trainguard with (default: the submitting one)."""
-    api: Literal["cli", "pyslurm"] = "cli"
-    """How trainguard reaches Slurm: its commands (``sbatch``, ``scontrol``, ``sinfo``,
-    ``squeue``, ``scancel``), or the ``pyslurm`` binding for reads where it is installed."""
 
     def __post_init__(self) -> None:
         if not _SIGNAL.match(self.signal):
