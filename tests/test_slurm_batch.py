@@ -454,3 +454,48 @@ def test_repo_layout() -> None:
     for f in ("slurm-up.sh", "slurm-down.sh", "slurm-node.sh", "lib.sh"):
         assert (REPO / "tests" / "services" / "slurm" / f).is_file()
     assert os.access(REPO / "tests" / "services" / "slurm" / "slurm-up.sh", os.R_OK)
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def add(self, key: str, n: int) -> int:
+        self.counts[key] = self.counts.get(key, 0) + n
+        return self.counts[key]
+
+
+class _Round:
+    def __init__(self, attempt: int, nodes: list[str]) -> None:
+        self.attempt = attempt
+        self.members = [{"node": n} for n in nodes]
+
+
+class _Agent:
+    def __init__(self) -> None:
+        self.rdzv = type("R", (), {"last_round": None})()
+
+
+def test_drain_plugin_drains_a_node_gone_from_the_round(tmp_path: Path) -> None:
+    from trainguard.slurm.plugin import SlurmDrainPlugin
+
+    store = _Store()
+    group = type("G", (), {"store": store})()
+    slurm = FakeSlurm()
+    survivors = []
+    for node in ("n1", "n3"):  # two survivors see the same round; one drains
+        p = SlurmDrainPlugin(SlurmFencer(slurm), EventLog(tmp_path, node=node), "77")
+        agent = _Agent()
+        agent.rdzv.last_round = _Round(0, ["n1", "n2"] if node == "n1" else [])
+        p.after_rendezvous(agent, group)  # first round (n3 was a spare): nothing lost
+        survivors.append((p, agent))
+    assert slurm.drained == []
+    for p, agent in survivors:
+        agent.rdzv.last_round = _Round(1, ["n3", "n1"])
+        p.after_rendezvous(agent, group)
+        p.close()
+    assert slurm.drained == [
+        ("n2", "trainguard: node left job 77 at attempt 1 (agent lost or excluded)")
+    ]
+    ev = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e["node_name"], e["fenced"]) for e in ev] == [("node_drained", "n2", True)]

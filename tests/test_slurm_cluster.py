@@ -173,8 +173,12 @@ def test_node_crash_spare_takes_over_and_node_is_drained(
     last_round = [e for e in ev if e["kind"] == "rendezvous"][-1]
     members = {m["node"] for m in last_round["members"]}
     assert victim not in members and len(members) == 2
+    # drained by a surviving agent as the spare's round formed, not only at the job's end
+    (drain,) = [e for e in ev if e["kind"] == "node_drained"]
+    finish = next(e for e in ev if e["kind"] == "slurm_finish")
+    assert drain["node_name"] == victim and drain["fenced"] and drain["time"] < finish["time"]
     st, reason = c.node_state(victim)
-    assert "DRAIN" in st and reason.startswith(f"trainguard: agent lost in job {job}")
+    assert "DRAIN" in st and reason.startswith(f"trainguard: node left job {job} at attempt 1")
     _assert_same_weights(tmp_path, local_weights)
 
 
@@ -249,14 +253,25 @@ def test_spares_exhausted_resubmits_without_the_bad_node(
     ],
 )  # fmt: skip
 def test_bad_input_submits_nothing(
-    cluster: SlurmCluster, tmp_path: Path, args: list[str], fragment: str
+    cluster: SlurmCluster,
+    tmp_path: Path,
+    args: list[str],
+    fragment: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from trainguard.cli import cmd_sbatch
+
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
+    monkeypatch.chdir(tmp_path)
     before = cluster.jobs()
-    p = _sbatch(cluster, tmp_path, *args, TRAIN)
-    assert p.returncode != 0
-    lines = [x for x in p.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and fragment in lines[0], p.stderr
-    assert p.stdout == "" and cluster.jobs() == before
+    capsys.readouterr()
+    rc = cmd_sbatch.main([*args, TRAIN])
+    out = capsys.readouterr()
+    assert rc != 0
+    lines = [x for x in out.err.splitlines() if x.strip()]
+    assert len(lines) == 1 and fragment in lines[0], out.err
+    assert out.out == "" and cluster.jobs() == before
     assert not (tmp_path / "trainguard-runs").exists()
 
 

@@ -40,7 +40,9 @@ _TIME = re.compile(
 )
 _SAFE_SBATCH = re.compile(r"\A--?[A-Za-z][A-Za-z0-9-]*(=[^\n\r]*)?\Z")
 CHAIN_ENV = "TRAINGUARD_SBATCH_CHAIN_ID"
-"""The first job id of a chain of resubmissions: the run directory (checkpoints) is keyed by it."""
+"""The first job id of a chain of resubmissions: the run directory (checkpoints) is keyed by it.
+Its presence also tells the agents they run in a ``trainguard sbatch`` job (they drain lost
+nodes: trainguard.runtime.registry)."""
 RESUBMITS_ENV = "TRAINGUARD_SBATCH_RESUBMITS"
 """How many times the chain has been resubmitted so far."""
 

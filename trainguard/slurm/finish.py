@@ -155,7 +155,8 @@ def finish(
         drained_before=drained_by_trainguard(events),
     )
     say(f"trainguard: job {job_id}: {d.action.value}: {d.message}")
-    for n in d.lost:
+    already = set(drained_by_trainguard(events))
+    for n in (n for n in d.lost if n not in already):  # the agents drain lost nodes at once
         res = fencer.fence(n, f"agent lost in job {job_id} (node failed or unreachable)")
         log.emit("node_drained", node_name=n, fenced=res.fenced, detail=res.detail, job_id=job_id)
         say(f"trainguard: {res.detail}")
