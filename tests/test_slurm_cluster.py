@@ -134,7 +134,11 @@ def test_job_with_spare_completes_like_a_local_run(
         sorted(finished)
         == c.run("scontrol", "show", "hostnames", c.job_field(job, "NodeList")).split()
     )
-    assert sorted(finished.values()) == ["spare_released", "succeeded", "succeeded"]
+    states = sorted(finished.values())
+    # the spare ends without training: it saw the rendezvous close, or (when the store's host
+    # exited first) lost the store; either way exit 0 and one line
+    assert states[1:] == ["succeeded", "succeeded"]
+    assert states[0] in ("spare_released", "rendezvous_lost")
     p = subprocess.run(
         [sys.executable, "-m", "trainguard", "slurm", "status", job, "--json"],
         cwd=tmp_path, env=c.env, capture_output=True, text=True, timeout=60,

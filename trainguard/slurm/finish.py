@@ -26,7 +26,7 @@ from enum import Enum
 from typing import Any
 
 from trainguard.core.config.slurm import SlurmConfig
-from trainguard.core.events import EventLog
+from trainguard.core.events import EventLog, read_events
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.fencing import NodeFencer
 from trainguard.slurm.batch import CHAIN_ENV, RESUBMITS_ENV
@@ -136,8 +136,6 @@ def finish(
     job_id = env.get("SLURM_JOB_ID", "")
     node = env.get("SLURMD_NODENAME") or None
     log = EventLog(run_dir, node=node)
-    from trainguard.core.events import read_events
-
     events = list(read_events(run_dir))
     allocation = slurm.hostnames(env.get("SLURM_JOB_NODELIST", ""))
     try:
