@@ -112,7 +112,7 @@ class SlurmCluster:
 
 def _free_base(n: int) -> int:
     for _ in range(50):
-        base = random.randint(20000, 40000)
+        base = random.randint(20000, 32000)  # below the ephemeral range (32768-60999)
         if all(not port_open(base + k) for k in range(n + 2)):
             return base
     raise RuntimeError("no free port range for slurmd")
@@ -122,28 +122,37 @@ def start_cluster(nodes: int = 4) -> Iterator[SlurmCluster]:
     """Generator for a module fixture: yields a running cluster, then tears it down."""
     apt_ensure("slurm-wlm", "munge", "iproute2")
     d = Path(tempfile.mkdtemp(prefix="tg-slurm-"))
-    base = _free_base(nodes)
-    env = base_env(
-        SLURM_CI_DIR=str(d),
-        SLURM_CI_NODES=str(nodes),
-        SLURM_CI_CTLD_PORT=str(base),
-        SLURM_CI_NODE_PORT_BASE=str(base + 1),
-        SLURM_CI_LINK_ETC="0",
-        SLURM_CI_SLURMD_TIMEOUT="10",
-        SLURM_CI_CRED_EXPIRE="10",  # a requeued job may start again 11 s later (default 121)
-        SLURM_CONF=str(d / "etc" / "slurm.conf"),
-    )
     cluster = SlurmCluster(d, d / "etc" / "slurm.conf", [f"node{k}" for k in range(1, nodes + 1)])
-    cluster.env = env
     try:
-        subprocess.run(
-            ["bash", str(SCRIPTS / "slurm-up.sh")],
-            env=env,
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        for _ in range(3):  # a port taken meanwhile, or a slurmd slow to start under load
+            base = _free_base(nodes)
+            cluster.env = base_env(
+                SLURM_CI_DIR=str(d),
+                SLURM_CI_NODES=str(nodes),
+                SLURM_CI_CTLD_PORT=str(base),
+                SLURM_CI_NODE_PORT_BASE=str(base + 1),
+                SLURM_CI_LINK_ETC="0",
+                SLURM_CI_SLURMD_TIMEOUT="10",
+                SLURM_CI_CRED_EXPIRE="10",  # a requeued job may start again 11 s later (not 121)
+                SLURM_CONF=str(cluster.conf),
+            )
+            p = subprocess.run(
+                ["bash", str(SCRIPTS / "slurm-up.sh")],
+                env=cluster.env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if p.returncode == 0:
+                break
+            subprocess.run(
+                ["bash", str(SCRIPTS / "slurm-down.sh")],
+                env=dict(cluster.env, SLURM_CI_KEEP="1"),
+                capture_output=True,
+                timeout=120,
+            )
+        else:
+            raise RuntimeError(f"slurm-up.sh failed 3 times: {p.stderr.strip()[-1500:]}")
         yield cluster
     finally:
         try:
@@ -152,12 +161,10 @@ def start_cluster(nodes: int = 4) -> Iterator[SlurmCluster]:
                 cluster.run("scancel", *jobs, check=False)
         except Exception:
             pass
-        for n in cluster.nodes:  # a crashed node's slurmd must be up for its stepd cleanup
-            try:
-                cluster.node("start", n)
-            except Exception:
-                pass
         subprocess.run(
-            ["bash", str(SCRIPTS / "slurm-down.sh")], env=env, capture_output=True, timeout=120
+            ["bash", str(SCRIPTS / "slurm-down.sh")],
+            env=cluster.env,
+            capture_output=True,
+            timeout=120,
         )
         cluster.kill_job_processes()
