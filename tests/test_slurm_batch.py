@@ -499,3 +499,13 @@ def test_drain_plugin_drains_a_node_gone_from_the_round(tmp_path: Path) -> None:
     ]
     ev = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [(e["kind"], e["node_name"], e["fenced"]) for e in ev] == [("node_drained", "n2", True)]
+
+
+def test_finish_does_not_drain_twice(tmp_path: Path) -> None:
+    # an agent drained n2 as the spare's round formed; the training then finished
+    EventLog(tmp_path, node="n1").emit("node_drained", node_name="n2", fenced=True, detail="x")
+    for n in ("n1", "n3"):
+        EventLog(tmp_path, node=n).emit("job_finished", state="succeeded")
+    slurm = FakeSlurm()
+    assert _finish(tmp_path, slurm, 1) == 0
+    assert slurm.drained == [] and slurm.submitted == []

@@ -65,7 +65,10 @@ def node_states(events: Iterable[dict[str, Any]], since: float) -> dict[str, str
 
 
 def drained_by_trainguard(events: Iterable[dict[str, Any]]) -> list[str]:
-    return sorted({str(e["node"]) for e in events if e.get("kind") == "node_drained"})
+    """Nodes trainguard drained in this run (``node_drained`` events; ``node`` is the writer)."""
+    return sorted(
+        {str(e["node_name"]) for e in events if e.get("kind") == "node_drained" and e.get("fenced")}
+    )
 
 
 def decide(
