@@ -37,7 +37,9 @@ class SlurmConfig:
     only recorded (users without operator rights)."""
     rdzv_backend: Literal["c10d", "etcd"] = "c10d"
     """``c10d``: the rendezvous store runs in the agent on the allocation's first node;
-    ``etcd``: an etcd v3 server at ``etcd_endpoint`` (no single point of failure in the job)."""
+    ``etcd``: ``--rdzv-backend etcd --rdzv-endpoint <etcd_endpoint>`` (whatever backend is
+    registered under that name: torch's etcd rendezvous, or trainguard's etcd v3 one), so the
+    job has no store on one of its own nodes."""
     etcd_endpoint: str | None = None
     """``host:port`` of etcd when ``rdzv_backend = "etcd"``."""
     rdzv_port: int = 29400
