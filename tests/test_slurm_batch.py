@@ -127,6 +127,7 @@ def test_materialize_all_options() -> None:
     assert "--rdzv-conf join_timeout=90" in srun
     assert "--config /etc/tg.toml" in srun
     assert "--max-restarts 3" not in srun  # the user's --max-restarts 5 wins
+    assert srun.count("--nproc-per-node") == 1  # the user's, not one per --gpus-per-node
     assert srun.rstrip().endswith(
         "--nproc-per-node 8 --max-restarts 5 \\\n    /data/train.py --lr 0.1"
     )
@@ -509,3 +510,8 @@ def test_finish_does_not_drain_twice(tmp_path: Path) -> None:
     slurm = FakeSlurm()
     assert _finish(tmp_path, slurm, 1) == 0
     assert slurm.drained == [] and slurm.submitted == []
+
+
+def test_one_worker_per_gpu_by_default() -> None:
+    text = BatchRequest(script="t.py", nodes=2, gpus_per_node=4, python=PY).materialize()
+    assert "#SBATCH --gpus-per-node=4" in text and "--nproc-per-node 4 \\\n" in text

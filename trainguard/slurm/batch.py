@@ -160,6 +160,9 @@ class BatchRequest:
             parts.append(f"--config {_q(self.config_file)}")
         if not any(a.split("=")[0] in ("--max-restarts", "--max_restarts") for a in self.run_args):
             parts.append(f"--max-restarts {cfg.max_restarts}")
+        nproc = ("--nproc-per-node", "--nproc_per_node")
+        if self.gpus_per_node and not any(a.split("=")[0] in nproc for a in self.run_args):
+            parts.append(f"--nproc-per-node {self.gpus_per_node}")  # one worker per GPU
         if self.run_args:
             parts.append(" ".join(_q(a) for a in self.run_args))
         parts.append(" ".join(_q(a) for a in [self.script, *self.script_args]))
