@@ -1,7 +1,9 @@
 """``trainguard health``: one-shot node check (dcgm-exporter / DCGM / NVML / host).
 
 Exit code 0 healthy, 1 degraded (warn, or a source could not tell), 2 unhealthy (fail);
-usable as a Slurm prolog or ``HealthCheckProgram``. Slurm drains a node on any non-zero prolog
+usable as a Slurm prolog or ``HealthCheckProgram``. With ``--slurm`` a failing node drains
+itself (``scontrol update nodename=$SLURMD_NODENAME state=drain reason="trainguard: health:
+..."``; ``[slurm] drain = "record"`` only says so). Slurm drains a node on any non-zero prolog
 exit, so a prolog that should drain only unhealthy nodes reads::
 
     trainguard health --expect-gpus 8 > /var/log/trainguard-health.log; [ $? -lt 2 ]
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -34,6 +37,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--diag", type=int, default=None, metavar="LEVEL", help="also run dcgmi diag -r LEVEL"
     )
+    p.add_argument(
+        "--slurm",
+        action="store_true",
+        help="on fail, drain this Slurm node (SLURMD_NODENAME, or --slurm-node) with the reasons",
+    )
+    p.add_argument("--slurm-node", default=None, help="the Slurm node name to drain")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -95,7 +104,25 @@ def main(argv: list[str], *, prog: str = "trainguard health") -> int:
         print(json.dumps(report.to_dict(), indent=2, default=str))
     else:
         _print_table(report)
+    if args.slurm and report.exit_code == 2:
+        _drain_self(args, report, prog)
     return report.exit_code
+
+
+def _drain_self(args: argparse.Namespace, report: NodeReport, prog: str) -> None:
+    """The node failed its check: drain it in Slurm with the reasons (one line either way)."""
+    from trainguard.slurm.cli import make_slurm
+    from trainguard.slurm.fencer import SlurmFencer
+
+    node = args.slurm_node or os.environ.get("SLURMD_NODENAME") or report.node
+    try:
+        cfg = load_config(args.config).slurm
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return
+    fencer = SlurmFencer(make_slurm(), record_only=cfg.drain == "record")
+    res = fencer.fence(node, "health: " + "; ".join(report.reasons or [report.status.value]))
+    print(f"{prog}: {res.detail}", file=sys.stderr)
 
 
 def _print_table(report: NodeReport) -> None:

@@ -21,6 +21,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "trainguard.cli.cmd_dashboards",
         "export Grafana dashboards, alert rules, Alertmanager config; push to Grafana",
     ),
+    "sbatch": ("trainguard.cli.cmd_sbatch", "write and submit a Slurm job with hot spares"),
+    "slurm": ("trainguard.cli.cmd_slurm", "Slurm jobs: status (and the batch script's steps)"),
 }
 
 

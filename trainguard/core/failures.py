@@ -7,10 +7,22 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-__all__ = ["FailureKind", "WorkerFailure", "classify_exit", "REQUEUE_EXIT_CODE"]
+__all__ = [
+    "DO_NOT_REQUEUE_EXIT_CODE",
+    "FailureKind",
+    "REQUEUE_EXIT_CODE",
+    "WorkerFailure",
+    "classify_exit",
+]
 
 REQUEUE_EXIT_CODE = 75
 """A worker that saved its state after a preemption signal exits with this code (EX_TEMPFAIL)."""
+
+DO_NOT_REQUEUE_EXIT_CODE = 93
+"""``trainguard run`` exits with this code when running the job again cannot help (a
+deterministic failure, a crash loop): a Slurm batch script from ``trainguard sbatch`` then ends
+the job instead of requeueing or resubmitting it (the same value as NVIDIA's resiliency
+extension uses)."""
 
 
 class FailureKind(str, Enum):

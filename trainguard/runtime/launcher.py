@@ -29,7 +29,7 @@ from torch.distributed.elastic import metrics as torch_metrics
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
@@ -207,6 +207,27 @@ def _handle_preemption_signals(configured: str, preemption_signals: list[str]) -
     return added
 
 
+def _log_preemption_notice(signum: int, frame: Any) -> None:
+    logger.warning(
+        "trainguard run: %s received; the workers got it from the scheduler too and save "
+        "a checkpoint; the agent keeps watching them",
+        signal.Signals(signum).name,
+    )
+
+
+def _direct_preemption_signals(configured: str, preemption_signals: list[str]) -> str:
+    """The scheduler signals the workers itself: the agent logs the preemption signals (a
+    handler, not SIG_IGN, so the workers do not inherit an ignored signal) and torch's handler
+    (which would forward them) is left to the others."""
+    for sig in preemption_signals:
+        try:
+            signal.signal(getattr(signal, sig), _log_preemption_notice)
+        except (AttributeError, ValueError, OSError):
+            logger.warning("cannot handle %s in the agent", sig)
+    names = [n.strip() for n in configured.split(",") if n.strip()]
+    return ",".join(n for n in names if n not in preemption_signals)
+
+
 def launch(
     config: LaunchConfig,
     entrypoint: Callable[..., Any] | str,
@@ -229,8 +250,16 @@ def launch(
         **config.rdzv_configs,
     )
     master_addr, master_port = _master_addr_port(params)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    _handle_preemption_signals(config.signals_to_handle, tg_config.checkpoint.preemption_signals)
+    if tg_config.runtime.preemption_signals_direct:
+        # inside a `trainguard sbatch` job the scheduler signals the workers itself
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _direct_preemption_signals(
+            config.signals_to_handle, tg_config.checkpoint.preemption_signals
+        )
+    else:
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+        _handle_preemption_signals(
+            config.signals_to_handle, tg_config.checkpoint.preemption_signals
+        )
     handler = AttemptRendezvousHandler(
         rdzv_registry.get_rendezvous_handler(params), node=events.node
     )
@@ -281,6 +310,11 @@ def launch(
     try:
         torch_metrics.initialize_metrics(torch_metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()
+        if result is None:
+            # torch returns nothing for a node that waited in the rendezvous's redundancy
+            # list (a spare) when the job ended without it.
+            state = "spare_released"
+            return {}
         torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
         if result.is_failed() and agent.requeue:
             state = "requeue"
@@ -314,6 +348,21 @@ def launch(
             )
             raise _requeue_exit(name) from None
         raise
+    except RendezvousConnectionError:
+        if agent.attempt >= 0:
+            torch_events.record(agent.get_event_failed(), config.event_log_handler)
+            raise
+        # A spare that never joined a round: its rendezvous store went away, which is how a
+        # job that ended without it (or lost its store host) looks from the waiting list.
+        state = "rendezvous_lost"
+        shutdown_rdzv = False
+        print(
+            "trainguard run: the rendezvous store closed while this node waited as a spare "
+            "(the job ended without it, or the store's host failed); nothing to save",
+            file=sys.stderr,
+            flush=True,
+        )
+        return {}
     except NodeUnhealthyError:
         # This node leaves (health policy); the rendezvous stays open for the others.
         state = "excluded"

@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from trainguard.core.config import TrainGuardConfig
 from trainguard.core.events import EventLog
+from trainguard.core.fencing import NodeFencer, RecordOnlyFencer
 from trainguard.core.plugin import AgentPlugin
 
-__all__ = ["default_plugins"]
+__all__ = ["default_plugins", "node_fencer"]
+
+_SBATCH_CHAIN_ENV = "TRAINGUARD_SBATCH_CHAIN_ID"  # trainguard.slurm.batch.CHAIN_ENV
+
+
+def _in_trainguard_sbatch_job() -> bool:
+    return bool(os.environ.get(_SBATCH_CHAIN_ENV) and os.environ.get("SLURM_JOB_ID"))
+
+
+def node_fencer(cfg: TrainGuardConfig) -> NodeFencer:
+    """How an evicted node is taken out of service: Slurm's drain in a job started by
+    ``trainguard sbatch`` (``[slurm] drain = "record"``: recorded only), else recorded only."""
+    if _in_trainguard_sbatch_job():
+        from trainguard.slurm.cli import make_slurm
+        from trainguard.slurm.fencer import SlurmFencer
+
+        return SlurmFencer(make_slurm(), record_only=cfg.slurm.drain == "record")
+    return RecordOnlyFencer()
 
 
 def default_plugins(cfg: TrainGuardConfig, run_dir: Path, events: EventLog) -> list[AgentPlugin]:
@@ -34,4 +53,8 @@ def default_plugins(cfg: TrainGuardConfig, run_dir: Path, events: EventLog) -> l
         pager = create_pager_plugin(cfg.alerts, run_dir, events)
         if pager is not None:
             plugins.append(pager)
+    if _in_trainguard_sbatch_job():
+        from trainguard.slurm.plugin import SlurmDrainPlugin
+
+        plugins.append(SlurmDrainPlugin(node_fencer(cfg), events, os.environ["SLURM_JOB_ID"]))
     return plugins

@@ -31,6 +31,7 @@ from trainguard.core.config.checkpoint import CheckpointConfig
 from trainguard.core.config.health import HealthConfig
 from trainguard.core.config.recovery import RecoveryConfig
 from trainguard.core.config.runtime import RuntimeConfig
+from trainguard.core.config.slurm import SlurmConfig
 from trainguard.core.config.telemetry import TelemetryConfig
 
 __all__ = ["ConfigError", "TrainGuardConfig", "load_config"]
@@ -52,6 +53,7 @@ class TrainGuardConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -13,6 +13,11 @@ class RuntimeConfig:
     """Parent of per-run directories when ``run_dir`` is not set."""
     heartbeat_interval_s: float = 1.0
     """How often a worker's background thread refreshes its heartbeat."""
+    preemption_signals_direct: bool = False
+    """The scheduler sends the preemption signals (``[checkpoint] preemption_signals``) to every
+    process of the job step, workers included (Slurm's ``--signal`` without ``B:``): the agent
+    then only logs them instead of forwarding them, so no worker gets one twice (a second
+    signal stops a worker before its preemption save commits). Set by ``trainguard sbatch``."""
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0:

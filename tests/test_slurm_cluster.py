@@ -1,0 +1,329 @@
+"""trainguard sbatch on a real Slurm 22.05 (4 nodes on this machine, one module-wide cluster):
+a job with a spare completes with the weights of a local run; a node crash mid-job is taken
+over by the spare and the node drained; a preemption notice saves, requeues and resumes; a lost
+node with no spare left resubmits the job without it; bad input submits nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch_utils import REPO, free_port
+from tests.services.slurm_cluster import SlurmCluster, start_cluster
+
+pytestmark = pytest.mark.timeout(900)
+
+TRAIN = str(REPO / "examples" / "train_mlp.py")
+STEPS = 60
+TRAIN_ARGS = ["--steps", str(STEPS), "--ckpt-every", "10", "--step-sleep", "0.15"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[SlurmCluster]:
+    yield from start_cluster(4)
+
+
+@pytest.fixture
+def fresh(cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+    """The cluster with every node idle before the test, and no job left after it."""
+    cluster.restore_nodes()
+    yield cluster
+    jobs = cluster.jobs()
+    if jobs:
+        cluster.run("scancel", *jobs, check=False)
+        deadline = time.monotonic() + 30
+        while cluster.jobs() and time.monotonic() < deadline:
+            time.sleep(0.5)
+    cluster.kill_job_processes()
+
+
+@pytest.fixture(scope="module")
+def local_weights(tmp_path_factory: pytest.TempPathFactory, cluster: SlurmCluster) -> dict:
+    """The same training run locally (2 processes, one machine)."""
+    d = tmp_path_factory.mktemp("local")
+    out = d / "final.pt"
+    p = subprocess.run(
+        [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
+         "--tg-run-dir", str(d / "run"), TRAIN, *TRAIN_ARGS, "--out", str(out)],
+        cwd=d, env=cluster.env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    return torch.load(out)
+
+
+def _config(d: Path, **slurm: object) -> Path:
+    lines = ["[slurm]", f"rdzv_port = {free_port()}"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in slurm.items()]
+    f = d / "tg.toml"
+    f.write_text("\n".join(lines) + "\n")
+    return f
+
+
+def _sbatch(c: SlurmCluster, d: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trainguard", "sbatch", *args],
+        cwd=d, env=c.env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def _submit(c: SlurmCluster, d: Path, *args: str, steps_args: list[str] | None = None) -> str:
+    p = _sbatch(c, d, *args, "--nproc-per-node", "1", TRAIN, *(steps_args or TRAIN_ARGS),
+                "--out", str(d / "final.pt"))  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    job = p.stdout.strip()
+    assert job.isdigit(), p.stdout
+    return job
+
+
+def _events(run_dir: Path) -> list[dict]:
+    f = run_dir / "events.jsonl"
+    if not f.exists():
+        return []
+    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+
+
+def _wait_event(run_dir: Path, pred, timeout: float, what: str) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for ev in _events(run_dir):
+            if pred(ev):
+                return ev
+        time.sleep(0.5)
+    raise TimeoutError(f"no {what} in {run_dir}/events.jsonl after {timeout:.0f} s")
+
+
+def _assert_same_weights(d: Path, local: dict) -> None:
+    got = torch.load(d / "final.pt")
+    assert got.keys() == local.keys()
+    for k in local:
+        assert torch.equal(got[k], local[k]), k
+
+
+def _log(c: SlurmCluster, d: Path, job: str) -> str:
+    f = d / "trainguard-runs" / f"slurm-{job}.out"
+    return f.read_text() if f.exists() else ""
+
+
+def _first_node(c: SlurmCluster, job: str) -> str:
+    return c.run("scontrol", "show", "hostnames", c.job_field(job, "NodeList")).split()[0]
+
+
+def test_job_with_spare_completes_like_a_local_run(
+    fresh: SlurmCluster, tmp_path: Path, local_weights: dict
+) -> None:
+    c = fresh
+    cfg = _config(tmp_path, join_timeout_s=120)
+    job = _submit(c, tmp_path, "--nodes", "2", "--spares", "1", "--config", str(cfg))
+    assert c.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"}, 240) == "COMPLETED", _log(
+        c, tmp_path, job
+    )
+    _assert_same_weights(tmp_path, local_weights)
+    run_dir = tmp_path / "trainguard-runs" / f"slurm-{job}"
+    ev = _events(run_dir)
+    finished = {e["node"]: e["state"] for e in ev if e["kind"] == "job_finished"}
+    # node identity is Slurm's (all nodes here share one hostname)
+    assert (
+        sorted(finished)
+        == c.run("scontrol", "show", "hostnames", c.job_field(job, "NodeList")).split()
+    )
+    states = sorted(finished.values())
+    # the spare ends without training: it saw the rendezvous close, or (when the store's host
+    # exited first) lost the store; either way exit 0 and one line
+    assert states[1:] == ["succeeded", "succeeded"]
+    assert states[0] in ("spare_released", "rendezvous_lost")
+    p = subprocess.run(
+        [sys.executable, "-m", "trainguard", "slurm", "status", job, "--json"],
+        cwd=tmp_path, env=c.env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    st = json.loads(p.stdout)
+    assert st["state"] == "COMPLETED" and len(st["active"]) == 2 and len(st["spares"]) == 1
+    assert st["last_checkpoint_step"] == STEPS and st["drained"] == {}
+
+
+def test_node_crash_spare_takes_over_and_node_is_drained(
+    fresh: SlurmCluster, tmp_path: Path, local_weights: dict
+) -> None:
+    c = fresh
+    cfg = _config(tmp_path, join_timeout_s=120, max_resubmits=0)
+    job = _submit(c, tmp_path, "--nodes", "2", "--spares", "1", "--config", str(cfg))
+    run_dir = tmp_path / "trainguard-runs" / f"slurm-{job}"
+    _wait_event(run_dir, lambda e: e["kind"] == "checkpoint_committed", 180, "checkpoint")
+    rdzv = next(e for e in _events(run_dir) if e["kind"] == "rendezvous")
+    active = [m["node"] for m in rdzv["members"]]
+    first = _first_node(c, job)  # hosts the c10d store: the single point of failure
+    victim = next(n for n in active if n != first)
+    t0 = time.time()
+    c.node("crash", victim)
+    started = _wait_event(
+        run_dir,
+        lambda e: e["kind"] == "workers_started" and e["time"] > t0 and e["attempt"] >= 1,
+        120,
+        "workers started after the crash",
+    )
+    takeover_s = started["time"] - t0
+    print(f"spare took over {takeover_s:.1f} s after the crash of {victim}")
+    assert c.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED", _log(
+        c, tmp_path, job
+    )
+    ev = _events(run_dir)
+    last_round = [e for e in ev if e["kind"] == "rendezvous"][-1]
+    members = {m["node"] for m in last_round["members"]}
+    assert victim not in members and len(members) == 2
+    # drained by a surviving agent as the spare's round formed, not only at the job's end
+    (drain,) = [e for e in ev if e["kind"] == "node_drained"]
+    finish = next(e for e in ev if e["kind"] == "slurm_finish")
+    assert drain["node_name"] == victim and drain["fenced"] and drain["time"] < finish["time"]
+    st, reason = c.node_state(victim)
+    assert "DRAIN" in st and reason.startswith(f"trainguard: node left job {job} at attempt 1")
+    _assert_same_weights(tmp_path, local_weights)
+
+
+def test_preemption_saves_requeues_and_resumes(
+    fresh: SlurmCluster, tmp_path: Path, local_weights: dict
+) -> None:
+    c = fresh
+    cfg = _config(tmp_path, join_timeout_s=120)
+    job = _submit(c, tmp_path, "--nodes", "2", "--spares", "1", "--config", str(cfg))
+    run_dir = tmp_path / "trainguard-runs" / f"slurm-{job}"
+    _wait_event(run_dir, lambda e: e["kind"] == "checkpoint_committed", 180, "checkpoint")
+    # the batch shell and every process of the step get it, as from --signal=USR1@grace
+    c.run("scancel", "--signal=USR1", "--full", job)
+    saved = _wait_event(run_dir, lambda e: e["kind"] == "checkpoint_preempt_saved", 60, "save")
+    assert saved["committed"] is True
+    _wait_event(
+        run_dir,
+        lambda e: e["kind"] == "slurm_finish" and e["action"] == "requeue",
+        60,
+        "requeue",
+    )
+    restored = _wait_event(
+        run_dir,
+        lambda e: e["kind"] == "checkpoint_restored" and e.get("step") is not None,
+        240,
+        "restore after the requeue",
+    )
+    assert restored["step"] == saved["step"] and restored["source"] == "disk"
+    assert c.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"}, 240) == "COMPLETED", _log(
+        c, tmp_path, job
+    )
+    assert c.job_field(job, "Restarts") == "1"
+    _assert_same_weights(tmp_path, local_weights)
+
+
+def test_spares_exhausted_resubmits_without_the_bad_node(
+    fresh: SlurmCluster, tmp_path: Path, local_weights: dict
+) -> None:
+    c = fresh
+    cfg = _config(tmp_path, join_timeout_s=20, max_resubmits=1)
+    job = _submit(c, tmp_path, "--nodes", "2", "--spares", "0", "--config", str(cfg))
+    run_dir = tmp_path / "trainguard-runs" / f"slurm-{job}"
+    _wait_event(run_dir, lambda e: e["kind"] == "checkpoint_committed", 180, "checkpoint")
+    first = _first_node(c, job)
+    nodes = c.run("scontrol", "show", "hostnames", c.job_field(job, "NodeList")).split()
+    victim = next(n for n in nodes if n != first)
+    c.node("crash", victim)
+    resub = _wait_event(run_dir, lambda e: e["kind"] == "resubmit", 180, "resubmission")
+    assert resub["exclude"] == [victim]
+    job2 = resub["new_job_id"]
+    assert c.wait_job(job, {"FAILED", "COMPLETED", "CANCELLED"}, 60) == "FAILED"
+    assert c.wait_job(job2, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED", _log(
+        c, tmp_path, job2
+    )
+    assert c.job_field(job2, "ExcNodeList") == victim
+    assert victim not in c.run("scontrol", "show", "hostnames", c.job_field(job2, "NodeList"))
+    st, reason = c.node_state(victim)
+    assert "DRAIN" in st and reason.startswith("trainguard: ")
+    # the resubmitted job trained on in the same run directory, from the checkpoint
+    restored = [e for e in _events(run_dir) if e["kind"] == "checkpoint_restored"]
+    assert restored[-1]["source"] == "disk" and restored[-1]["step"] >= 10
+    _assert_same_weights(tmp_path, local_weights)
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--nodes", "2", "--partition", "gpu"], "unknown partition 'gpu'"),
+        (["--nodes", "3", "--spares", "2"], "= 5 nodes, but partition debug has 4"),
+        (["--nodes", "2", "--time", "1:2:3:4"], "not a Slurm time limit"),
+        (["--nodes", "2", "--sbatch-arg", "--mem=999999999"], "Slurm would not run this job"),
+    ],
+)  # fmt: skip
+def test_bad_input_submits_nothing(
+    cluster: SlurmCluster,
+    tmp_path: Path,
+    args: list[str],
+    fragment: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from trainguard.cli import cmd_sbatch
+
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
+    monkeypatch.chdir(tmp_path)
+    before = cluster.jobs()
+    capsys.readouterr()
+    rc = cmd_sbatch.main([*args, TRAIN])
+    out = capsys.readouterr()
+    assert rc != 0
+    lines = [x for x in out.err.splitlines() if x.strip()]
+    assert len(lines) == 1 and fragment in lines[0], out.err
+    assert out.out == "" and cluster.jobs() == before
+    assert not (tmp_path / "trainguard-runs").exists()
+
+
+def test_missing_script_submits_nothing(cluster: SlurmCluster, tmp_path: Path) -> None:
+    before = cluster.jobs()
+    p = _sbatch(cluster, tmp_path, "--nodes", "2", "nope.py")
+    assert p.returncode == 2 and cluster.jobs() == before
+    (line,) = [x for x in p.stderr.splitlines() if x.strip()]
+    assert "training script 'nope.py' not found" in line
+
+
+def test_fencer_and_health_drain_on_the_real_cluster(fresh: SlurmCluster, tmp_path: Path) -> None:
+    from trainguard.slurm.cli import CommandSlurm
+    from trainguard.slurm.fencer import SlurmFencer
+
+    c = fresh
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(c.conf)
+    try:
+        res = SlurmFencer(CommandSlurm(), record_only=True).fence("node4", "just looking")
+        assert not res.fenced and c.node_state("node4")[0] == "IDLE"
+        res = SlurmFencer(CommandSlurm()).fence("node4", "XID 79 on GPU 2")
+        assert res.fenced
+        st, reason = c.node_state("node4")
+        assert st == "IDLE+DRAIN" and reason.startswith("trainguard: XID 79 on GPU 2 [")
+    finally:
+        if old is None:
+            del os.environ["SLURM_CONF"]
+        else:
+            os.environ["SLURM_CONF"] = old
+    # trainguard health --slurm as a node's check: a failing node drains itself
+    toml = tmp_path / "h.toml"
+    toml.write_text(
+        '[health]\nmin_free_memory_gib = 1000000\ncounter_policy = {host_memory_low = "drain"}\n'
+    )
+    env = dict(c.env, SLURMD_NODENAME="node3")
+    p = subprocess.run(
+        [sys.executable, "-m", "trainguard", "health", "--slurm", "--config", str(toml)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    st, reason = c.node_state("node3")
+    assert "DRAIN" in st and reason.startswith("trainguard: health: host: ")
+    assert "drained node node3" in p.stderr
+    # a healthy node is left alone
+    p = subprocess.run(
+        [sys.executable, "-m", "trainguard", "health", "--slurm"],
+        cwd=tmp_path, env=dict(c.env, SLURMD_NODENAME="node2"),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode in (0, 1) and c.node_state("node2")[0] == "IDLE"

@@ -1,0 +1,141 @@
+"""``trainguard slurm <status|agent|finish>``: trainguard jobs on Slurm.
+
+trainguard slurm status JOB [--run-dir DIR] [--json]
+    active nodes, spares, drained nodes with reasons, restarts, last checkpoint
+trainguard slurm agent [trainguard run options] script.py [args]
+    (in the batch script, one per node through srun) ``trainguard run`` with this node's
+    Slurm identity: SLURMD_NODENAME names the node in events and telemetry; the node that
+    hosts the c10d rendezvous store is the allocation's first
+trainguard slurm finish --run-dir DIR --rc RC --since T --script FILE [--config TOML]
+    (in the batch script, after the step) requeue, resubmit without lost nodes, or end
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from trainguard.core.config import ConfigError, load_config
+
+__all__ = ["main"]
+
+
+def _with_is_host(argv: list[str], is_host: bool) -> list[str]:
+    """Add ``is_host=...`` to the ``--rdzv-conf`` value (or add the option)."""
+    out = list(argv)
+    flag = f"is_host={'true' if is_host else 'false'}"
+    for i, tok in enumerate(out):
+        if tok in ("--rdzv-conf", "--rdzv_conf") and i + 1 < len(out):
+            out[i + 1] = f"{out[i + 1]},{flag}" if out[i + 1] else flag
+            return out
+        if tok.startswith(("--rdzv-conf=", "--rdzv_conf=")):
+            out[i] = f"{tok},{flag}"
+            return out
+    return ["--rdzv-conf", flag, *out]
+
+
+def _agent(argv: list[str], prog: str) -> int:
+    env = os.environ
+    job = env.get("SLURM_JOB_ID")
+    node = env.get("SLURMD_NODENAME")
+    if not job or not node:
+        print(
+            f"{prog}: error: runs inside a Slurm job step (srun): SLURM_JOB_ID/SLURMD_NODENAME "
+            "are not set; use 'trainguard sbatch' or 'trainguard run'",
+            file=sys.stderr,
+        )
+        return 2
+    rdzv_node = env.get("TRAINGUARD_SBATCH_RDZV_NODE")
+    if rdzv_node:
+        # All nodes of a test cluster may share one address: say which one hosts the store.
+        argv = _with_is_host(argv, node == rdzv_node)
+    print(
+        f"{prog}: node {node} (SLURM_NODEID {env.get('SLURM_NODEID', '?')}) of job {job}"
+        + (f", rendezvous on {rdzv_node}" if rdzv_node else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    from trainguard.cli import cmd_run
+
+    cmd_run.main(argv, prog=prog)
+    return 0
+
+
+def _finish(argv: list[str], prog: str) -> int:
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--rc", type=int, required=True)
+    p.add_argument("--since", type=float, required=True)
+    p.add_argument("--script", required=True)
+    p.add_argument("--config", default=None)
+    args = p.parse_args(argv)
+    from trainguard.slurm.cli import make_slurm
+    from trainguard.slurm.fencer import SlurmFencer
+    from trainguard.slurm.finish import finish
+
+    try:
+        cfg = load_config(args.config).slurm
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    slurm = make_slurm()
+    fencer = SlurmFencer(slurm, record_only=cfg.drain == "record")
+    return finish(
+        rc=args.rc,
+        since=args.since,
+        run_dir=args.run_dir,
+        script=args.script,
+        cfg=cfg,
+        slurm=slurm,
+        fencer=fencer,
+        say=lambda s: print(s, file=sys.stderr, flush=True),
+    )
+
+
+def _status(argv: list[str], prog: str) -> int:
+    p = argparse.ArgumentParser(prog=prog, description="a trainguard Slurm job's state")
+    p.add_argument("job_id")
+    p.add_argument("--run-dir", default=None, help="the job's run directory (default: found)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--config", default=None)
+    args = p.parse_args(argv)
+    from trainguard.slurm.cli import SlurmError, make_slurm
+    from trainguard.slurm.status import collect
+
+    try:
+        cfg = load_config(args.config).slurm
+        st = collect(args.job_id, make_slurm(), run_dir=args.run_dir, runs_root=cfg.runs_root)
+    except (ConfigError, SlurmError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if st.state == "UNKNOWN" and st.run_dir is None:
+        print(
+            f"{prog}: error: Slurm does not know job {args.job_id} and no run directory was "
+            "found: pass --run-dir",
+            file=sys.stderr,
+        )
+        return 2
+    if args.json:
+        print(json.dumps(st.to_dict(), indent=2))
+    else:
+        print("\n".join(st.lines()))
+    return 0
+
+
+_SUB = {"agent": _agent, "finish": _finish, "status": _status}
+
+
+def main(argv: list[str], *, prog: str = "trainguard slurm") -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    sub = _SUB.get(argv[0])
+    if sub is None:
+        print(
+            f"{prog}: error: unknown subcommand {argv[0]!r}: use {', '.join(_SUB)}",
+            file=sys.stderr,
+        )
+        return 2
+    return sub(argv[1:], f"{prog} {argv[0]}")

@@ -1,0 +1,222 @@
+"""The batch script of ``trainguard sbatch``: a pure request object rendered to text.
+
+The script allocates ``nodes + spares`` nodes and starts one ``trainguard slurm agent`` (a
+``trainguard run`` that reads the Slurm environment) per node with ``--nnodes N:N``: N agents
+train, the other K wait in torch's rendezvous redundancy list and join the next round when a
+node is lost. The rendezvous runs in the agent on the allocation's first node (c10d) or in
+etcd. Every value that comes from the user is shell-quoted.
+
+The preemption signal is ``--signal=USR1@grace`` *without* ``B:``. Slurm then sends it to every
+process of the job's steps (measured on Slurm 22.05: the agent and its workers each get one;
+``B:`` would signal only the batch shell, and the only way from there to the agents,
+``srun``/``scancel``, again reaches every process of the step). Every worker therefore gets the
+signal straight from Slurm and saves; the agents are told (``[runtime]
+preemption_signals_direct``) to log it rather than forward a second copy, which would stop a
+worker before its save commits. The batch shell traps the signal too, so ``scancel
+--signal=USR1 --full`` is harmless to it.
+
+After the step the script hands the outcome to ``trainguard slurm finish``, which ends the job
+(success, or the "do not requeue" exit code), requeues it (exit 75: preempted, checkpoint
+committed) or drains the lost nodes and resubmits the job without them.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from trainguard.core.config.slurm import SlurmConfig
+
+__all__ = ["BatchRequest", "TIME_FORMAT_HELP", "valid_time"]
+
+TIME_FORMAT_HELP = (
+    "use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (e.g. --time 2:00:00), or UNLIMITED"
+)
+_TIME = re.compile(
+    r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$"
+)
+_SAFE_SBATCH = re.compile(r"\A--?[A-Za-z][A-Za-z0-9-]*(=[^\n\r]*)?\Z")
+CHAIN_ENV = "TRAINGUARD_SBATCH_CHAIN_ID"
+"""The first job id of a chain of resubmissions: the run directory (checkpoints) is keyed by it.
+Its presence also tells the agents they run in a ``trainguard sbatch`` job (they drain lost
+nodes: trainguard.runtime.registry)."""
+RESUBMITS_ENV = "TRAINGUARD_SBATCH_RESUBMITS"
+"""How many times the chain has been resubmitted so far."""
+
+
+def valid_time(t: str) -> bool:
+    """Slurm's ``--time`` formats."""
+    return t.upper() in ("UNLIMITED", "INFINITE") or bool(_TIME.match(t))
+
+
+def _q(value: object) -> str:
+    return shlex.quote(str(value))
+
+
+def _sbatch_q(value: str, what: str) -> str:
+    """Quote a value of an ``#SBATCH`` line: sbatch strips single quotes itself, but has no
+    escape for a quote inside a quoted value, and a newline would end the directive."""
+    if "'" in value or "\n" in value or "\r" in value:
+        raise ValueError(f"{what} {value!r}: quotes and newlines are not allowed here")
+    return _q(value)
+
+
+@dataclass(kw_only=True, slots=True)
+class BatchRequest:
+    """Everything the batch script needs; :meth:`materialize` renders it, nothing else runs."""
+
+    script: str
+    """The training script (path as the nodes see it)."""
+    script_args: list[str] = field(default_factory=list)
+    nodes: int
+    """Nodes that train (``--nnodes N:N``)."""
+    spares: int = 0
+    """Extra nodes whose agents wait as hot spares."""
+    gpus_per_node: int | None = None
+    time: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    job_name: str | None = None
+    sbatch_args: list[str] = field(default_factory=list)
+    """More ``#SBATCH`` options, each one ``--name=value`` (or ``--flag``)."""
+    run_args: list[str] = field(default_factory=list)
+    """``trainguard run`` options for every agent (``--nproc-per-node 8``, ``--config F``...)."""
+    config_file: str | None = None
+    """trainguard.toml handed to the agents (``--config``); its [slurm] section is ``slurm``."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    python: str = field(default_factory=lambda: sys.executable)
+    workdir: str | None = None
+    """Directory the job runs in (``--chdir``); default: where ``sbatch`` was run."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ValueError(f"--nodes {self.nodes}: at least 1 node must train")
+        if self.spares < 0:
+            raise ValueError(f"--spares {self.spares}: must be >= 0")
+        if self.gpus_per_node is not None and self.gpus_per_node < 0:
+            raise ValueError(f"--gpus-per-node {self.gpus_per_node}: must be >= 0")
+        if self.time is not None and not valid_time(self.time):
+            raise ValueError(f"--time {self.time!r} is not a Slurm time limit: {TIME_FORMAT_HELP}")
+        for a in self.sbatch_args:
+            if not _SAFE_SBATCH.match(a):
+                raise ValueError(
+                    f"--sbatch-arg {a!r}: give one sbatch option as --name=value (no newlines)"
+                )
+        for name, v in (("--partition", self.partition), ("--account", self.account)):
+            if v is not None and not re.match(r"^[A-Za-z0-9._\-,]+$", v):
+                raise ValueError(f"{name} {v!r} is not a Slurm name")
+        self._directives()  # the #SBATCH values that cannot be quoted raise here
+
+    @property
+    def total_nodes(self) -> int:
+        return self.nodes + self.spares
+
+    def _directives(self) -> list[str]:
+        cfg = self.slurm
+        name = self.job_name or "trainguard-" + re.sub(r"[^A-Za-z0-9._-]", "_", _stem(self.script))
+        d = [
+            f"--job-name={_sbatch_q(name, '--job-name')}",
+            f"--nodes={self.total_nodes}",
+            "--ntasks-per-node=1",
+            f"--signal={cfg.signal_name}@{cfg.grace_s}",
+            "--requeue",
+            "--no-kill",
+            f"--output={_sbatch_q(cfg.runs_root + '/slurm-%j.out', '[slurm] runs_root')}",
+            "--open-mode=append",
+        ]
+        if self.time:
+            d.append(f"--time={self.time}")
+        if self.partition:
+            d.append(f"--partition={self.partition}")
+        if self.account:
+            d.append(f"--account={self.account}")
+        if self.gpus_per_node:
+            d.append(f"--gpus-per-node={self.gpus_per_node}")
+        if cfg.blocklist:
+            d.append(f"--exclude={','.join(cfg.blocklist)}")
+        if self.workdir:
+            d.append(f"--chdir={_sbatch_q(self.workdir, '--chdir')}")
+        d.extend(self.sbatch_args)
+        return ["#SBATCH " + x for x in d]
+
+    def _agent_command(self) -> str:
+        cfg = self.slurm
+        tg = f"{_q(self.python)} -m trainguard"
+        parts = [
+            "srun --ntasks-per-node=1 --kill-on-bad-exit=0 --no-kill",
+            f'--output="$RUN_DIR/logs/agent-%j-%t.out" {tg} slurm agent',
+            f"--nnodes {self.nodes}:{self.nodes}",
+        ]
+        if cfg.rdzv_backend == "etcd":
+            parts.append(f"--rdzv-backend etcd --rdzv-endpoint {_q(cfg.etcd_endpoint)}")
+        else:
+            parts.append('--rdzv-backend c10d --rdzv-endpoint "$RDZV_ADDR:$RDZV_PORT"')
+        parts.append(f'--rdzv-id "$RUN_ID" --rdzv-conf join_timeout={cfg.join_timeout_s}')
+        parts.append('--tg-run-dir "$RUN_DIR"')
+        if self.config_file:
+            parts.append(f"--config {_q(self.config_file)}")
+        if not any(a.split("=")[0] in ("--max-restarts", "--max_restarts") for a in self.run_args):
+            parts.append(f"--max-restarts {cfg.max_restarts}")
+        nproc = ("--nproc-per-node", "--nproc_per_node")
+        if self.gpus_per_node and not any(a.split("=")[0] in nproc for a in self.run_args):
+            parts.append(f"--nproc-per-node {self.gpus_per_node}")  # one worker per GPU
+        if self.run_args:
+            parts.append(" ".join(_q(a) for a in self.run_args))
+        parts.append(" ".join(_q(a) for a in [self.script, *self.script_args]))
+        return " \\\n    ".join(parts)
+
+    def materialize(self) -> str:
+        """The batch script's text."""
+        cfg = self.slurm
+        tg = f"{_q(self.python)} -m trainguard"
+        runs_root = _q(cfg.runs_root)
+        lines = [
+            "#!/bin/bash",
+            *self._directives(),
+            f"# generated by trainguard sbatch: {self.nodes} training node(s) + {self.spares} spare(s)",
+            "set -u",
+            "# Slurm sends the preemption signal to the agents and workers themselves (no B:);",
+            "# the batch shell only notes it and waits for them to save and exit 75.",
+            f"trap 'echo \"trainguard: SIG{cfg.signal_name} (preemption notice)\" >&2' "
+            f"{cfg.signal_name}",
+            f'RUN_ID="${{{CHAIN_ENV}:-$SLURM_JOB_ID}}"',
+            f'export {CHAIN_ENV}="$RUN_ID"',
+            f'export {RESUBMITS_ENV}="${{{RESUBMITS_ENV}:-0}}"',
+            f'RUN_DIR={runs_root}/"slurm-$RUN_ID"',
+            'mkdir -p "$RUN_DIR/logs"',
+            '[ -e "$RUN_DIR/job.sbatch" ] || cp "$0" "$RUN_DIR/job.sbatch"',
+            f'ln -sfn "slurm-$RUN_ID" {runs_root}/"job-$SLURM_JOB_ID"',
+            "export TRAINGUARD_RUNTIME_PREEMPTION_SIGNALS_DIRECT=1",
+        ]
+        if cfg.rdzv_backend == "c10d":
+            lines += [
+                'RDZV_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                'RDZV_ADDR=$(scontrol show node -o "$RDZV_NODE" '
+                "| sed -n 's/.* NodeAddr=\\([^ ]*\\).*/\\1/p')",
+                f"RDZV_PORT={cfg.rdzv_port}",
+                'export TRAINGUARD_SBATCH_RDZV_NODE="$RDZV_NODE"',
+            ]
+        lines += [
+            "STARTED=$(date +%s.%N)",
+            'echo "trainguard: job $SLURM_JOB_ID (run $RUN_ID, restart ${SLURM_RESTART_COUNT:-0},'
+            " resubmit ${" + RESUBMITS_ENV + '}) on $SLURM_JOB_NODELIST" >&2',
+            self._agent_command(),
+            "rc=$?",
+            f'exec {tg} slurm finish --run-dir "$RUN_DIR" --rc "$rc" --since "$STARTED" \\\n'
+            f'    --script "$RUN_DIR/job.sbatch"'
+            + (f" --config {_q(self.config_file)}" if self.config_file else ""),
+            "",
+        ]
+        return "\n".join(lines)
+
+
+def _stem(path: str) -> str:
+    base = path.rstrip("/").rsplit("/", 1)[-1]
+    return base[:-3] if base.endswith(".py") else base
+
+
+def render_list(args: Sequence[str]) -> str:
+    return " ".join(_q(a) for a in args)

@@ -1,0 +1,189 @@
+"""What the batch script does once the agents' ``srun`` step has ended.
+
+:func:`decide` is pure: from the step's exit code, the agents' ``job_finished`` events of this
+run of the job and the allocation, it picks one :class:`Action`:
+
+==========  ===================================================================================
+DONE        an agent finished the training (nodes whose agent was lost are drained; the job
+            ends with 0)
+STOP        the "do not requeue" exit code: the job ends with it, nothing is retried
+REQUEUE     the agents saved a preemption checkpoint and exited 75: ``scontrol requeue``
+RESUBMIT    the step failed and nodes were lost (spares used up): drain them and submit the
+            job again with ``--exclude`` of the lost, drained and blocklisted nodes, while
+            ``[slurm] max_resubmits`` allows
+FAIL        anything else: the job ends with the step's exit code
+==========  ===================================================================================
+
+:func:`finish` carries the action out through a :class:`SlurmCli` and a node fencer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from trainguard.core.config.slurm import SlurmConfig
+from trainguard.core.events import EventLog, read_events
+from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
+from trainguard.core.fencing import NodeFencer
+from trainguard.slurm.batch import CHAIN_ENV, RESUBMITS_ENV
+from trainguard.slurm.cli import SlurmCli, SlurmError
+
+__all__ = ["Action", "Decision", "decide", "finish", "node_states"]
+
+
+class Action(str, Enum):
+    DONE = "done"
+    STOP = "stop"
+    REQUEUE = "requeue"
+    RESUBMIT = "resubmit"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    exit_code: int
+    lost: list[str] = field(default_factory=list)
+    """Nodes of the allocation whose agent never reported the end of its run (killed, crashed,
+    node lost): they are drained."""
+    exclude: list[str] = field(default_factory=list)
+    """``--exclude`` of a resubmission."""
+    message: str = ""
+
+
+def node_states(events: Iterable[dict[str, Any]], since: float) -> dict[str, str]:
+    """Each node's last ``job_finished`` state at or after ``since`` (unix seconds)."""
+    out: dict[str, str] = {}
+    for ev in events:
+        if ev.get("kind") == "job_finished" and float(ev.get("time", 0)) >= since:
+            out[str(ev.get("node"))] = str(ev.get("state"))
+    return out
+
+
+def drained_by_trainguard(events: Iterable[dict[str, Any]]) -> list[str]:
+    """Nodes trainguard drained in this run (``node_drained`` events; ``node`` is the writer)."""
+    return sorted(
+        {str(e["node_name"]) for e in events if e.get("kind") == "node_drained" and e.get("fenced")}
+    )
+
+
+def decide(
+    *,
+    rc: int,
+    states: dict[str, str],
+    allocation: Sequence[str],
+    cfg: SlurmConfig,
+    resubmits: int,
+    unusable: Sequence[str] = (),
+    drained_before: Sequence[str] = (),
+) -> Decision:
+    """The action after the step (see the module doc); ``unusable``: allocated nodes Slurm
+    reports down/drained now; ``drained_before``: nodes trainguard drained earlier in the run."""
+    lost = sorted({n for n in allocation if n not in states} | set(unusable))
+    if any(s == "succeeded" for s in states.values()):
+        return Decision(Action.DONE, 0, lost, message="training finished")
+    if rc == DO_NOT_REQUEUE_EXIT_CODE or any(s == "do_not_requeue" for s in states.values()):
+        return Decision(
+            Action.STOP,
+            DO_NOT_REQUEUE_EXIT_CODE,
+            lost,
+            message=f"exit code {DO_NOT_REQUEUE_EXIT_CODE}: not requeued",
+        )
+    if rc == REQUEUE_EXIT_CODE or any(s == "requeue" for s in states.values()):
+        return Decision(
+            Action.REQUEUE,
+            REQUEUE_EXIT_CODE,
+            lost,
+            message="preemption checkpoint committed: requeueing the job",
+        )
+    code = rc if rc != 0 else 1
+    if not lost:
+        return Decision(Action.FAIL, code, message=f"the training failed (exit code {rc})")
+    if resubmits >= cfg.max_resubmits:
+        return Decision(
+            Action.FAIL,
+            code,
+            lost,
+            message=f"lost node(s) {','.join(lost)} and no resubmission left "
+            f"({resubmits} of [slurm] max_resubmits = {cfg.max_resubmits} used)",
+        )
+    exclude = sorted(set(lost) | set(drained_before) | set(cfg.blocklist))
+    return Decision(
+        Action.RESUBMIT,
+        code,
+        lost,
+        exclude,
+        message=f"lost node(s) {','.join(lost)} with no spare left: resubmitting without "
+        f"{','.join(exclude)} ({resubmits + 1} of {cfg.max_resubmits})",
+    )
+
+
+def finish(
+    *,
+    rc: int,
+    since: float,
+    run_dir: str,
+    script: str,
+    cfg: SlurmConfig,
+    slurm: SlurmCli,
+    fencer: NodeFencer,
+    env: dict[str, str] | None = None,
+    say: Any = print,
+) -> int:
+    """Decide and act; returns the batch script's exit code."""
+    env = dict(os.environ if env is None else env)
+    job_id = env.get("SLURM_JOB_ID", "")
+    node = env.get("SLURMD_NODENAME") or None
+    log = EventLog(run_dir, node=node)
+    events = list(read_events(run_dir))
+    allocation = slurm.hostnames(env.get("SLURM_JOB_NODELIST", ""))
+    try:
+        unusable = [n.name for n in slurm.nodes(allocation) if n.unusable] if allocation else []
+    except SlurmError:
+        unusable = []
+    resubmits = int(env.get(RESUBMITS_ENV, "0") or 0)
+    d = decide(
+        rc=rc,
+        states=node_states(events, since),
+        allocation=allocation,
+        cfg=cfg,
+        resubmits=resubmits,
+        unusable=unusable,
+        drained_before=drained_by_trainguard(events),
+    )
+    say(f"trainguard: job {job_id}: {d.action.value}: {d.message}")
+    already = set(drained_by_trainguard(events))
+    for n in (n for n in d.lost if n not in already):  # the agents drain lost nodes at once
+        res = fencer.fence(n, f"agent lost in job {job_id} (node failed or unreachable)")
+        log.emit("node_drained", node_name=n, fenced=res.fenced, detail=res.detail, job_id=job_id)
+        say(f"trainguard: {res.detail}")
+    log.emit("slurm_finish", action=d.action.value, rc=rc, job_id=job_id, message=d.message)
+    if d.action is Action.REQUEUE:
+        try:
+            slurm.requeue(job_id)
+        except SlurmError as e:
+            say(f"trainguard: scontrol requeue {job_id} failed: {e}")
+    elif d.action is Action.RESUBMIT:
+        chain = env.get(CHAIN_ENV) or job_id
+        extra = [
+            f"--exclude={','.join(d.exclude)}",
+            f"--export=ALL,{CHAIN_ENV}={chain},{RESUBMITS_ENV}={resubmits + 1}",
+        ]
+        try:
+            with open(script, encoding="utf-8") as f:
+                text = f.read()
+            clean = {
+                k: v for k, v in env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"
+            }
+            new_id = slurm.submit(text, extra, env=clean)
+        except (OSError, SlurmError) as e:
+            say(f"trainguard: resubmission of job {job_id} failed: {e}")
+            log.emit("resubmit_failed", job_id=job_id, error=str(e))
+        else:
+            say(f"trainguard: resubmitted as job {new_id} (--exclude={','.join(d.exclude)})")
+            log.emit("resubmit", job_id=job_id, new_job_id=new_id, exclude=d.exclude)
+    return d.exit_code
