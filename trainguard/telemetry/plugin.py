@@ -14,37 +14,30 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainguard.core.config.telemetry import TelemetryConfig
-from trainguard.core.events import EVENTS_FILE, EventLog
+from trainguard.core.events import EVENTS_FILE, MSG_STRAGGLER_SCORES
 from trainguard.core.jsonl import JsonlTail
-from trainguard.core.plugin import AgentPlugin
+from trainguard.core.plugin import AgentContext, AgentPlugin
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import WorkerGroup
 
     from trainguard.core.failures import WorkerFailure
-    from trainguard.runtime.agent import TrainGuardAgent
 
 __all__ = ["TelemetryPlugin", "create_telemetry_plugin"]
 
 logger = logging.getLogger(__name__)
 
 
-def _resource_attrs(run_dir: Path, node: str) -> dict[str, Any]:
-    job_id = ""
-    try:
-        cfg = json.loads((run_dir / "config.json").read_text())
-        job_id = str(cfg.get("torchrun", {}).get("rdzv_id") or "")
-    except (OSError, ValueError):
-        pass
+def _resource_attrs(ctx: AgentContext) -> dict[str, Any]:
+    node = ctx.node
     attrs: dict[str, Any] = {
         "service.name": "trainguard",
         "host.name": node,
-        "trainguard.run_id": run_dir.name,
-        "trainguard.job_id": job_id or run_dir.name,
+        "trainguard.run_id": ctx.run_dir.name,
+        "trainguard.job_id": ctx.run_id,
         "trainguard.node": node,
     }
     if os.environ.get("SLURM_JOB_ID"):
@@ -80,14 +73,15 @@ def _gpu_uuids() -> list[str]:
 class TelemetryPlugin(AgentPlugin):
     name = "telemetry"
 
-    def __init__(
-        self, cfg: TelemetryConfig, run_dir: Path, events: EventLog, *, background: bool = False
-    ) -> None:
+    def __init__(self, ctx: AgentContext, *, background: bool = False) -> None:
         """``background=True`` builds the providers on a thread, overlapping the agent's
         rendezvous, so telemetry adds nothing to launch-to-first-step; hooks wait for it."""
-        self.cfg = cfg
-        self.run_dir = run_dir
-        self.node = events.node
+        self.ctx = ctx
+        self.cfg: TelemetryConfig = ctx.config.telemetry
+        self.run_dir = ctx.run_dir
+        self.node = ctx.node
+        self._scores: dict[str, Any] | None = None  # latest from the bus, not yet recorded
+        ctx.events.subscribe(self._on_scores, kinds=[MSG_STRAGGLER_SCORES])
         self._round_start_ns: int | None = None
         self._builder: threading.Thread | None = None
         self._build_error: BaseException | None = None
@@ -136,7 +130,7 @@ class TelemetryPlugin(AgentPlugin):
         cfg, run_dir = self.cfg, self.run_dir
         self.export_failures: dict[str, int] = {}
         self._lock = threading.Lock()
-        resource = Resource.create(_resource_attrs(run_dir, self.node))
+        resource = Resource.create(_resource_attrs(self.ctx))
         tdir = run_dir / "telemetry"
         tdir.mkdir(parents=True, exist_ok=True)
         interval_ms = cfg.export_interval_s * 1000
@@ -224,7 +218,6 @@ class TelemetryPlugin(AgentPlugin):
         self._state_lock = threading.RLock()  # poll thread vs the agent's hooks
         self._thread: threading.Thread | None = None
         self._last_goodput = 0.0
-        self._scores_mtime = 0.0
 
     # -- export failure accounting -----------------------------------------------------------
     def _on_export_failure(self, exporter: str) -> None:
@@ -262,24 +255,19 @@ class TelemetryPlugin(AgentPlugin):
                 self.recorder.record(rec)
                 if rank == ref:
                     self._goodput.add(rec)
-        self._read_straggler_scores()
+        scores, self._scores = self._scores, None
+        if scores is not None:
+            self.recorder.straggler_scores(scores)
         now = time.time()
         if now - self._last_goodput >= self.cfg.export_interval_s / 2:
             self._last_goodput = now
             self.update_goodput(now)
 
-    def _read_straggler_scores(self) -> None:
-        path = self.run_dir / "health" / f"straggler_scores.{self.node}.json"
-        try:
-            mtime = path.stat().st_mtime
-            if mtime == self._scores_mtime:
-                return
-            self._scores_mtime = mtime
-            scores = json.loads(path.read_text()).get("scores") or {}
-        except (OSError, ValueError, AttributeError):
-            return
+    def _on_scores(self, msg: dict[str, Any]) -> None:
+        """Bus listener (the straggler detector's thread): the next poll records them."""
+        scores = msg.get("scores")
         if isinstance(scores, dict):
-            self.recorder.straggler_scores(scores)
+            self._scores = scores
 
     def update_goodput(self, now: float | None = None) -> Any:
         g = self._goodput.result(self._events, now=now)
@@ -294,7 +282,7 @@ class TelemetryPlugin(AgentPlugin):
                 logger.exception("telemetry poll failed")
 
     # -- hooks -------------------------------------------------------------------------------
-    def before_rendezvous(self, agent: TrainGuardAgent) -> None:
+    def before_rendezvous(self, ctx: AgentContext) -> None:
         if not self._built.is_set():  # still building: open the round span when it is done
             self._round_start_ns = time.time_ns()
             return
@@ -303,7 +291,7 @@ class TelemetryPlugin(AgentPlugin):
         with self._state_lock:
             self.tracer.begin_round()
 
-    def after_rendezvous(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:
+    def after_rendezvous(self, ctx: AgentContext, group: WorkerGroup) -> None:
         from trainguard.telemetry.spans import TRACEPARENT_ENV
 
         if not self._ready():
@@ -320,7 +308,7 @@ class TelemetryPlugin(AgentPlugin):
             for w in group.workers:
                 self.tracer.local_ranks[w.global_rank] = getattr(w, "local_rank", None)
             tp = self.tracer.begin_attempt(
-                agent.attempt, group_rank=group.group_rank or 0, world_size=world
+                ctx.attempt, group_rank=group.group_rank or 0, world_size=world
             )
         os.environ[TRACEPARENT_ENV] = tp
         os.environ["TRAINGUARD_TELEMETRY_TRACE_EVERY_N_STEPS"] = str(self.cfg.trace_every_n_steps)
@@ -329,13 +317,13 @@ class TelemetryPlugin(AgentPlugin):
             self._thread = threading.Thread(target=self._loop, name="tg-telemetry", daemon=True)
             self._thread.start()
 
-    def on_failure(self, agent: TrainGuardAgent, failures: list[WorkerFailure]) -> None:
+    def on_failure(self, ctx: AgentContext, failures: list[WorkerFailure]) -> None:
         if not self._ready():
             return
         with self._state_lock:
             self.tracer.failure(failures)
 
-    def on_finish(self, agent: TrainGuardAgent, state: str) -> None:
+    def on_finish(self, ctx: AgentContext, state: str) -> None:
         if not self._ready():
             return
         self._stop.set()
@@ -390,12 +378,10 @@ class TelemetryPlugin(AgentPlugin):
             pass
 
 
-def create_telemetry_plugin(
-    cfg: TelemetryConfig, run_dir: Path, events: EventLog
-) -> TelemetryPlugin | None:
+def create_telemetry_plugin(ctx: AgentContext) -> TelemetryPlugin | None:
     """The plugin, or None (logged) when it cannot start: telemetry never stops a launch."""
     try:
-        return TelemetryPlugin(cfg, run_dir, events, background=True)
+        return TelemetryPlugin(ctx, background=True)
     except Exception:
         logger.exception("telemetry disabled for this run: the agent plugin failed to start")
         return None
