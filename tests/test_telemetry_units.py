@@ -19,8 +19,8 @@ from tests.launch_utils import REPO, base_env
 from trainguard.core.config import TrainGuardConfig
 from trainguard.core.config.telemetry import TelemetryConfig
 from trainguard.core.events import MSG_STRAGGLER_SCORES
-from trainguard.core.plugin import AgentContext
 from trainguard.core.jsonl import JsonlTail
+from trainguard.core.plugin import AgentContext
 from trainguard.telemetry.exporters import (
     CountingMetricExporter,
     CountingSpanExporter,

@@ -20,11 +20,16 @@ from trainguard.core.config.telemetry import TelemetryConfig
 from trainguard.core.events import EVENTS_FILE, MSG_STRAGGLER_SCORES
 from trainguard.core.jsonl import JsonlTail
 from trainguard.core.plugin import AgentContext, AgentPlugin
+from trainguard.telemetry.goodput import GoodputTracker
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics import MeterProvider
     from torch.distributed.elastic.agent.server.api import WorkerGroup
 
     from trainguard.core.failures import WorkerFailure
+    from trainguard.telemetry.prometheus import PrometheusBridge, PrometheusEndpoint
+    from trainguard.telemetry.recorder import MetricsRecorder
+    from trainguard.telemetry.tracing import AgentTracer
 
 __all__ = ["TelemetryPlugin", "create_telemetry_plugin"]
 
@@ -73,6 +78,16 @@ def _gpu_uuids() -> list[str]:
 class TelemetryPlugin(AgentPlugin):
     name = "telemetry"
 
+    # Built by _build (on a thread with background=True); every hook first waits in _ready().
+    meter_provider: MeterProvider
+    recorder: MetricsRecorder
+    tracer: AgentTracer
+    bridge: PrometheusBridge | None
+    """The Prometheus reader (``[telemetry] prometheus``), served by ``endpoint``."""
+    endpoint: PrometheusEndpoint | None
+    otlp: tuple[str, str] | None
+    """(endpoint, protocol) of the OTLP export, when configured."""
+
     def __init__(self, ctx: AgentContext, *, background: bool = False) -> None:
         """``background=True`` builds the providers on a thread, overlapping the agent's
         rendezvous, so telemetry adds nothing to launch-to-first-step; hooks wait for it."""
@@ -80,6 +95,17 @@ class TelemetryPlugin(AgentPlugin):
         self.cfg: TelemetryConfig = ctx.config.telemetry
         self.run_dir = ctx.run_dir
         self.node = ctx.node
+        self.export_failures: dict[str, int] = {}
+        self._lock = threading.Lock()  # export_failures (exporter threads)
+        self._state_lock = threading.RLock()  # poll thread vs the agent's hooks
+        self._ranks: set[int] = set()
+        self._tails: dict[int, JsonlTail] = {}
+        self._events_tail = JsonlTail(self.run_dir / EVENTS_FILE)
+        self._events: list[dict[str, Any]] = []
+        self._goodput = GoodputTracker()
+        self._last_goodput = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self._scores: dict[str, Any] | None = None  # latest from the bus, not yet recorded
         ctx.events.subscribe(self._on_scores, kinds=[MSG_STRAGGLER_SCORES])
         self._round_start_ns: int | None = None
@@ -111,113 +137,109 @@ class TelemetryPlugin(AgentPlugin):
             return False
         return self._build_error is None
 
+    # -- build (the OTel SDK is imported here, off the launch path) ----------------------------
     def _build(self) -> None:
         from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-        from trainguard.telemetry import exporters as ex
-        from trainguard.telemetry.mfu import PeakResolver
-        from trainguard.telemetry.prometheus import (
-            PrometheusBridge,
-            PrometheusEndpoint,
-            endpoint_file,
-        )
-        from trainguard.telemetry.recorder import MetricsRecorder
         from trainguard.telemetry.tracing import AgentTracer
 
-        cfg, run_dir = self.cfg, self.run_dir
-        self.export_failures: dict[str, int] = {}
-        self._lock = threading.Lock()
         resource = Resource.create(_resource_attrs(self.ctx))
-        tdir = run_dir / "telemetry"
-        tdir.mkdir(parents=True, exist_ok=True)
-        interval_ms = cfg.export_interval_s * 1000
-        readers: list[Any] = [
-            PeriodicExportingMetricReader(
-                ex.CountingMetricExporter(
-                    ex.JsonlMetricExporter(tdir / f"metrics_{self.node}.jsonl"),
-                    "jsonl",
-                    self._on_export_failure,
-                ),
-                export_interval_millis=interval_ms,
-            )
-        ]
-        processors: list[Any] = [
-            SimpleSpanProcessor(
-                ex.CountingSpanExporter(
-                    ex.JsonlSpanExporter(tdir / f"traces_{self.node}.jsonl"),
-                    "jsonl",
-                    self._on_export_failure,
-                )
-            )
-        ]
-        self.bridge: PrometheusBridge | None = None
-        if cfg.prometheus:
-            self.bridge = PrometheusBridge()
-            readers.append(self.bridge)
-        self.otlp = ex.resolve_otlp(cfg.otlp_endpoint, cfg.otlp_protocol)
-        if self.otlp is not None:
-            built = ex.build_otlp_exporters(*self.otlp, timeout_s=cfg.otlp_timeout_s)
-            if built is not None:
-                span_exp, metric_exp = built
-                readers.append(
-                    PeriodicExportingMetricReader(
-                        ex.CountingMetricExporter(
-                            metric_exp, "otlp_metrics", self._on_export_failure
-                        ),
-                        export_interval_millis=interval_ms,
-                        export_timeout_millis=cfg.otlp_timeout_s * 1000,
-                    )
-                )
-                processors.append(
-                    BatchSpanProcessor(
-                        ex.CountingSpanExporter(span_exp, "otlp_traces", self._on_export_failure),
-                        schedule_delay_millis=interval_ms,
-                        export_timeout_millis=cfg.otlp_timeout_s * 1000,
-                    )
-                )
+        (self.run_dir / "telemetry").mkdir(parents=True, exist_ok=True)
+        readers, processors = self._exporters()
         self.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
-        self.recorder = MetricsRecorder(
-            self.meter_provider,
-            node=self.node,
-            peak=PeakResolver(override=cfg.peak_flops, device_name=cfg.device_name),
-            flops_per_step=cfg.flops_per_step,
-        )
-        ra = resource.attributes
-        self.recorder.run_info(
-            run_id=str(ra["trainguard.run_id"]),
-            job_id=str(ra["trainguard.job_id"]),
-            slurm_job_id=str(ra.get("slurm.job_id", "")),
-        )
+        self.recorder = self._recorder(resource.attributes)
         self.tracer = AgentTracer(
             run_id=str(resource.attributes["trainguard.job_id"]),
             node=self.node,
             resource=resource,
             processors=processors,
         )
-        self.endpoint: PrometheusEndpoint | None = None
-        if self.bridge is not None:
-            try:
-                self.endpoint = PrometheusEndpoint(
-                    self.bridge, host=cfg.prometheus_host, port=cfg.prometheus_port
-                )
-                self.endpoint.write(endpoint_file(run_dir, self.node))
-                logger.info("metrics of node %s at %s", self.node, self.endpoint.url)
-            except OSError as e:
-                logger.warning("no metrics endpoint for node %s: %s", self.node, e)
-        self._ranks: set[int] = set()
-        self._tails: dict[int, JsonlTail] = {}
-        self._events_tail = JsonlTail(run_dir / EVENTS_FILE)
-        self._events: list[dict[str, Any]] = []
-        from trainguard.telemetry.goodput import GoodputTracker
+        self.endpoint = self._open_endpoint()
 
-        self._goodput = GoodputTracker()
-        self._stop = threading.Event()
-        self._state_lock = threading.RLock()  # poll thread vs the agent's hooks
-        self._thread: threading.Thread | None = None
-        self._last_goodput = 0.0
+    def _exporters(self) -> tuple[list[Any], list[Any]]:
+        """Metric readers and span processors: JSONL always, the Prometheus bridge and OTLP
+        as configured; every exporter counts its failures."""
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+        from trainguard.telemetry import exporters as ex
+        from trainguard.telemetry.prometheus import PrometheusBridge
+
+        cfg, tdir, failed = self.cfg, self.run_dir / "telemetry", self._on_export_failure
+        interval_ms = cfg.export_interval_s * 1000
+        jsonl_metrics = ex.JsonlMetricExporter(tdir / f"metrics_{self.node}.jsonl")
+        jsonl_spans = ex.JsonlSpanExporter(tdir / f"traces_{self.node}.jsonl")
+        readers: list[Any] = [
+            PeriodicExportingMetricReader(
+                ex.CountingMetricExporter(jsonl_metrics, "jsonl", failed),
+                export_interval_millis=interval_ms,
+            )
+        ]
+        processors: list[Any] = [
+            SimpleSpanProcessor(ex.CountingSpanExporter(jsonl_spans, "jsonl", failed))
+        ]
+        self.bridge = PrometheusBridge() if cfg.prometheus else None
+        if self.bridge is not None:
+            readers.append(self.bridge)
+        self.otlp = ex.resolve_otlp(cfg.otlp_endpoint, cfg.otlp_protocol)
+        built = (
+            ex.build_otlp_exporters(*self.otlp, timeout_s=cfg.otlp_timeout_s)
+            if self.otlp is not None
+            else None
+        )
+        if built is not None:
+            span_exp, metric_exp = built
+            readers.append(
+                PeriodicExportingMetricReader(
+                    ex.CountingMetricExporter(metric_exp, "otlp_metrics", failed),
+                    export_interval_millis=interval_ms,
+                    export_timeout_millis=cfg.otlp_timeout_s * 1000,
+                )
+            )
+            processors.append(
+                BatchSpanProcessor(
+                    ex.CountingSpanExporter(span_exp, "otlp_traces", failed),
+                    schedule_delay_millis=interval_ms,
+                    export_timeout_millis=cfg.otlp_timeout_s * 1000,
+                )
+            )
+        return readers, processors
+
+    def _recorder(self, ra: Any) -> MetricsRecorder:
+        from trainguard.telemetry.mfu import PeakResolver
+        from trainguard.telemetry.recorder import MetricsRecorder
+
+        cfg = self.cfg
+        recorder = MetricsRecorder(
+            self.meter_provider,
+            node=self.node,
+            peak=PeakResolver(override=cfg.peak_flops, device_name=cfg.device_name),
+            flops_per_step=cfg.flops_per_step,
+        )
+        recorder.run_info(
+            run_id=str(ra["trainguard.run_id"]),
+            job_id=str(ra["trainguard.job_id"]),
+            slurm_job_id=str(ra.get("slurm.job_id", "")),
+        )
+        return recorder
+
+    def _open_endpoint(self) -> PrometheusEndpoint | None:
+        """This node's ``/metrics`` (127.0.0.1 by default), announced in the run directory."""
+        from trainguard.telemetry.prometheus import PrometheusEndpoint, endpoint_file
+
+        if self.bridge is None:
+            return None
+        try:
+            endpoint = PrometheusEndpoint(
+                self.bridge, host=self.cfg.prometheus_host, port=self.cfg.prometheus_port
+            )
+            endpoint.write(endpoint_file(self.run_dir, self.node))
+        except OSError as e:
+            logger.warning("no metrics endpoint for node %s: %s", self.node, e)
+            return None
+        logger.info("metrics of node %s at %s", self.node, endpoint.url)
+        return endpoint
 
     # -- export failure accounting -----------------------------------------------------------
     def _on_export_failure(self, exporter: str) -> None:
