@@ -260,3 +260,25 @@ def test_checkpoint_touched_on_one_rank_then_saved_on_every_rank(tmp_path: Path)
             f"{word} 0 3",
             f"{word} 1 3",
         ], out
+
+
+def test_event_bus_delivers_in_process(tmp_path: Path) -> None:
+    """EventLog's bus: emit is written and delivered, publish only delivered; kinds filter;
+    a raising listener is logged, not raised; unsubscribe stops delivery."""
+    from trainguard.core.events import EventLog, read_events
+
+    log = EventLog(tmp_path, node="n1", context=lambda: {"attempt": 1})
+    got: list[dict] = []
+    everything: list[str] = []
+    stop = log.subscribe(got.append, kinds=["scores"])
+    log.subscribe(lambda e: everything.append(e["kind"]))
+    log.subscribe(lambda e: 1 / 0)  # a broken listener does not stop the others
+    log.publish("scores", scores={"0": 0.1})
+    log.emit("launch", pid=1)
+    stop()
+    log.publish("scores", scores={"0": 0.2})
+    assert [(e["kind"], e["scores"], e["attempt"], e["node"]) for e in got] == [
+        ("scores", {"0": 0.1}, 1, "n1")
+    ]
+    assert everything == ["scores", "launch", "scores"]
+    assert [e["kind"] for e in read_events(tmp_path)] == ["launch"]  # published: not written

@@ -167,6 +167,13 @@ class CheckpointManager:
             faults=self.faults,
             fs_factory=filesystem_factory,
         )
+        self._init_pipeline()
+        self.interval = IntervalPolicy(self.config, on_change=self._interval_changed)
+        self.preemption = Preemption(self.config.preemption_signals)
+        self._remove_uncommitted()  # local (rank 0); setup's barrier orders it before any save
+
+    def _init_pipeline(self) -> None:
+        """The save pipeline's threads and its state between saves."""
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="tg-ckpt-stage")
         self._persister = ThreadPoolExecutor(1, thread_name_prefix="tg-ckpt-persist")
         self._staging: Future[None] | None = None
@@ -179,9 +186,6 @@ class CheckpointManager:
         self._closed = False
         self.num_failures = 0
         self.last_result: SaveResult | None = None
-        self.interval = IntervalPolicy(self.config, on_change=self._interval_changed)
-        self.preemption = Preemption(self.config.preemption_signals)
-        self._remove_uncommitted()  # local (rank 0); setup's barrier orders it before any save
 
     def _init_staging(self, memory_dir: str | os.PathLike[str] | None) -> None:
         """Where saves stage: the node's memory tier, a private shared-memory directory for
