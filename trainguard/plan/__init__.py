@@ -1,0 +1,1 @@
+"""trainguard.plan: the goodput planner (a pure model and simulator). Imports the core only."""
