@@ -113,22 +113,22 @@ def main() -> None:
     policy = Policy()
     reference = copy.deepcopy(policy).requires_grad_(False)
     opt = torch.optim.Adam(policy.parameters(), lr=args.lr)
-    start = 0
     if args.ckpt and os.path.exists(args.ckpt):
+        # this example keeps its own (rank 0) checkpoint file; with tg.checkpoint the restore
+        # sets tg.step_num itself. Either way "step" is the number of steps done.
         state = torch.load(args.ckpt, weights_only=True)
         policy.load_state_dict(state["policy"])
         reference.load_state_dict(state["reference"])
         opt.load_state_dict(state["opt"])
-        start = int(state["step"]) + 1
-        tg.events.emit("checkpoint_restored", step=start - 1)
-    tg.step_num = start
-    gen = torch.Generator().manual_seed(args.seed * 1000 + tg.rank * 7919 + start)
+        tg.step_num = int(state["step"])
+        tg.events.emit("checkpoint_restored", step=tg.step_num)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + tg.rank * 7919 + tg.step_num)
 
-    for step in range(start, args.steps):
+    while tg.step_num < args.steps:
         if (
-            step == args.fail_at_step
+            tg.step_num == args.fail_at_step
             and tg.rank == args.fail_rank
-            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+            and tg.agent_restarts == 0
         ):
             os.kill(os.getpid(), signal.SIGKILL)
         n = args.prompts * args.group
@@ -189,7 +189,7 @@ def main() -> None:
             grad_norm=grad_norm.item(),
             lr=args.lr,
         )
-        if args.ckpt and tg.rank == 0 and (step + 1) % args.ckpt_every == 0:
+        if args.ckpt and tg.rank == 0 and tg.step_num % args.ckpt_every == 0:
             t0 = time.perf_counter()
             tmp = args.ckpt + ".tmp"
             torch.save(
@@ -197,14 +197,14 @@ def main() -> None:
                     "policy": policy.state_dict(),
                     "reference": reference.state_dict(),
                     "opt": opt.state_dict(),
-                    "step": step,
+                    "step": tg.step_num,  # the steps done = where to resume
                 },
                 tmp,
             )
             os.replace(tmp, args.ckpt)
             stall = time.perf_counter() - t0
-            tg.events.emit("checkpoint_saved", step=step, stall_s=round(stall, 6))
-            tg.log(step=step, checkpoint_stall_s=stall)
+            tg.events.emit("checkpoint_saved", step=tg.step_num, stall_s=round(stall, 6))
+            tg.log(step=num, checkpoint_stall_s=stall)
 
     if tg.rank == 0:
         print(f"done: {args.steps} steps, last reward {r.mean().item():.3f}, run dir {tg.run_dir}")

@@ -9,8 +9,10 @@ SIGKILL at step N on the first attempt only (a real ``kill -9`` injected from in
 Checkpoints go through ``tg.checkpoint``: resume from the newest checkpoint (the node's memory
 tier under ``trainguard run``, else disk), save to the memory tier every step and to disk every
 ``--ckpt-every`` steps (0: no checkpointing) under ``TRAINGUARD_CHECKPOINT_DIR`` (default
-``<run dir>/checkpoints``). Batches are a function of the step, so a resumed
-run ends bitwise-identical to a straight one. ``--out-optim FILE`` saves rank 0's optimizer state.
+``<run dir>/checkpoints``). One step counter: ``tg.step_num`` (the steps done), which the restore
+sets and ``tg.step()`` advances; checkpoints are saved as of it. Batches are a function of the
+step, so a resumed run ends bitwise-identical to a straight one. ``--out-optim FILE`` saves rank
+0's optimizer state.
 """
 
 from __future__ import annotations
@@ -58,24 +60,21 @@ def main() -> None:
 
     state = {"model": model, "optim": opt}
     ckpt = None
-    start = 0
     if args.ckpt_every > 0:
-        ckpt = tg.checkpoint
+        ckpt = tg.checkpoint  # local; the collective setup runs in restore_or_init (every rank)
         ckpt.config.every_steps = args.ckpt_every
-        start = ckpt.restore_or_init(state)
-        tg.step_num = start
-        if tg.rank == 0 and start:
-            print(f"resumed at step {start}")
+        if ckpt.restore_or_init(state) and tg.rank == 0:  # sets tg.step_num
+            print(f"resumed at step {tg.step_num}")
 
     loss = torch.zeros(())
-    for step in range(start, args.steps):
+    while tg.step_num < args.steps:
         if (
-            step == args.fail_at_step
+            tg.step_num == args.fail_at_step
             and tg.rank == args.fail_rank
-            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+            and tg.agent_restarts == 0
         ):
             os.kill(os.getpid(), signal.SIGKILL)
-        x, y = make_batch(step, tg.rank, args.batch, args.dim)
+        x, y = make_batch(tg.step_num, tg.rank, args.batch, args.dim)
         with tg.step(samples=args.batch):
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
@@ -87,7 +86,7 @@ def main() -> None:
                 time.sleep(args.step_sleep)
         tg.log(loss=loss.item())
         if ckpt is not None:
-            ckpt.maybe_save(step + 1, state)
+            ckpt.maybe_save(tg.step_num, state)  # as of the steps done
 
     if args.out and tg.rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, args.out)

@@ -432,6 +432,7 @@ PREEMPT_SCRIPT = textwrap.dedent(
 
     m = nn.Linear(4, 4); opt = torch.optim.SGD(m.parameters(), lr=0.1)
     mgr = CheckpointManager(config=CheckpointConfig(dir=sys.argv[1]))
+    mgr.setup()  # installs the preemption signal handlers now (else: at the first save)
     print("READY", flush=True)
     for step in range(100000):
         loss = m(torch.ones(2, 4)).sum(); opt.zero_grad(); loss.backward(); opt.step()

@@ -360,7 +360,11 @@ def test_trainguard_run_writes_events_and_config(tmp_path: Path) -> None:
     for k in ("rendezvous", "workers_started", "worker_failed", "restart"):
         assert k in kinds, kinds
     for e in events:
-        assert {"time", "node", "attempt", "restart_count"} <= e.keys()
+        # one name per meaning: attempt (job-wide), agent_restarts (this agent's, torch's)
+        assert {"time", "node", "attempt"} <= e.keys() and "restart_count" not in e
+    agent_kinds = {"launch", "rendezvous", "workers_started", "worker_failed", "restart"}
+    assert all("agent_restarts" in e for e in events if e["kind"] in agent_kinds)
+    assert [e["agent_restarts"] for e in events if e["kind"] == "restart"] == [1]
     # rank 0 may be reported too (terminated by the agent); the root cause is rank 1's exit
     failed = next(e for e in events if e["kind"] == "worker_failed" and e["root_cause"])
     assert failed["rank"] == 1 and failed["exitcode"] == 1 and failed["attempt"] == 0

@@ -16,8 +16,11 @@ from opentelemetry.sdk.metrics.export import MetricExportResult
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from tests.launch_utils import REPO, base_env
+from trainguard.core.config import TrainGuardConfig
 from trainguard.core.config.telemetry import TelemetryConfig
+from trainguard.core.events import MSG_STRAGGLER_SCORES
 from trainguard.core.jsonl import JsonlTail
+from trainguard.core.plugin import AgentContext
 from trainguard.telemetry.exporters import (
     CountingMetricExporter,
     CountingSpanExporter,
@@ -179,9 +182,9 @@ def test_config_validation() -> None:
             TelemetryConfig(**kw)
 
 
-def _fake(attempt: int, ranks: list[int]) -> tuple[SimpleNamespace, SimpleNamespace]:
+def _fake_group(ranks: list[int]) -> SimpleNamespace:
     workers = [SimpleNamespace(global_rank=r, local_rank=r, world_size=len(ranks)) for r in ranks]
-    return SimpleNamespace(attempt=attempt), SimpleNamespace(workers=workers, group_rank=0)
+    return SimpleNamespace(workers=workers, group_rank=0)
 
 
 def test_plugin_end_to_end_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,13 +196,15 @@ def test_plugin_end_to_end_in_process(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("TRAINGUARD_TELEMETRY_FLUSH_INTERVAL_S", "")
     cfg = TelemetryConfig(prometheus_port=0, peak_flops=1e9, export_interval_s=0.2)
     events = EventLog(tmp_path, node="n1")
-    plugin = TelemetryPlugin(cfg, tmp_path, events)
+    ctx = AgentContext(config=TrainGuardConfig(telemetry=cfg), run_dir=tmp_path, events=events)
+    plugin = TelemetryPlugin(ctx)
     try:
-        agent, group = _fake(0, [0, 1])
+        group = _fake_group([0, 1])
         events.emit("launch", attempt=0, agent_restarts=0)
-        plugin.before_rendezvous(agent)
+        plugin.before_rendezvous(ctx)
+        ctx.attempt = 0
         events.emit("rendezvous", attempt=0, duration_s=0.1, agent_restarts=0)
-        plugin.after_rendezvous(agent, group)
+        plugin.after_rendezvous(ctx, group)
         tp = parse_traceparent(os.environ[TRACEPARENT_ENV])
         assert tp is not None
         metrics = tmp_path / "metrics"
@@ -223,12 +228,21 @@ def test_plugin_end_to_end_in_process(tmp_path: Path, monkeypatch: pytest.Monkey
         assert 'trainguard_train_throughput_per_second{node="n1",rank="0"} 200.0' in text
         assert 'trainguard_job_throughput_per_second{node="n1"} 400.0' in text
         assert 'trainguard_rl_kl{node="n1",rank="0"} 0.1' in text
-        plugin.on_failure(agent, [SimpleNamespace(rank=1, kind=SimpleNamespace(value="killed"),
+        # another plugin's message over the in-process bus (the straggler detector's scores)
+        assert "trainguard_health_straggler_score" not in text
+        events.publish(MSG_STRAGGLER_SCORES, scores={"0": 0.0, "1": 0.5}, stragglers=[])
+        plugin.poll()
+        with urllib.request.urlopen(plugin.endpoint.url, timeout=5) as r:
+            text = r.read().decode()
+        assert 'trainguard_health_straggler_score_ratio{node="n1",rank="1"} 0.5' in text
+        assert "straggler_scores" not in (tmp_path / "events.jsonl").read_text()  # not logged
+        plugin.on_failure(ctx, [SimpleNamespace(rank=1, kind=SimpleNamespace(value="killed"),
                                                   exitcode=-9, signal="SIGKILL", message="")])  # fmt: skip
         events.emit("worker_failed", attempt=0, rank=1, cause="killed", agent_restarts=0)
         events.emit("restart", attempt=0, reason="failure", agent_restarts=1)
-        plugin.before_rendezvous(agent)
-        plugin.after_rendezvous(SimpleNamespace(attempt=1), group)
+        plugin.before_rendezvous(ctx)
+        ctx.attempt = 1
+        plugin.after_rendezvous(ctx, group)
         ckpt = events.emit("checkpoint_committed", attempt=1, rank=0, step=5, stall_s=0.1,
                            persist_s=0.2, commit_s=0.05, bytes=100)  # fmt: skip
         plugin.poll()
@@ -236,7 +250,7 @@ def test_plugin_end_to_end_in_process(tmp_path: Path, monkeypatch: pytest.Monkey
             text = r.read().decode()
         assert 'trainguard_job_restarts_total{cause="killed",node="n1"} 1.0' in text
         events.emit("job_finished", attempt=1, state="succeeded", agent_restarts=1)
-        plugin.on_finish(agent, "succeeded")
+        plugin.on_finish(ctx, "succeeded")
     finally:
         plugin.close()
     summary = json.loads((tmp_path / "telemetry" / "summary_n1.json").read_text())

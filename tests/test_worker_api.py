@@ -101,7 +101,7 @@ def test_progress_writer_heartbeat_and_steps(tmp_path: Path) -> None:
 def test_cli_events_command(tmp_path: Path) -> None:
     from trainguard.core.events import EventLog
 
-    log = EventLog(tmp_path, node="n1", context=lambda: {"attempt": 2, "restart_count": 2})
+    log = EventLog(tmp_path, node="n1", context=lambda: {"attempt": 2, "agent_restarts": 2})
     log.emit("launch", pid=1)
     out = subprocess.run(
         [sys.executable, "-m", "trainguard", "events", str(tmp_path)],
@@ -118,3 +118,167 @@ def test_cli_events_command(tmp_path: Path) -> None:
         env=base_env(),
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+# -- a worker API without traps ----------------------------------------------------------------
+def test_init_is_idempotent_and_log_refuses_reserved_keys(tmp_path: Path) -> None:
+    import warnings
+
+    import pytest
+
+    import trainguard
+
+    tg = trainguard.init(run_dir=tmp_path / "run")
+    try:
+        assert trainguard.init() is tg
+        assert trainguard.init(run_dir=tmp_path / "run") is tg
+        with pytest.raises(ValueError, match="already writes to"):
+            trainguard.init(run_dir=tmp_path / "other")
+        for key in ("time", "kind", "rank", "attempt"):
+            with pytest.raises(ValueError, match=f"tg.log\\({key}=...\\): {key} is reserved"):
+                tg.log(**{key: 1.0, "loss": 0.5})
+        tg.log(loss=0.5, time_s=2.0)  # fine: not a record field
+        # one meaning per name: torch's per-agent count and the job-wide attempt
+        assert tg.agent_restarts == 0 and tg.attempt == 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert tg.restart_count == tg.agent_restarts
+        assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+    finally:
+        tg.close()
+    (rec,) = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "metrics" / "rank_0.jsonl").read_text().splitlines()
+    ]
+    assert rec["kind"] == "log" and rec["loss"] == 0.5 and rec["time_s"] == 2.0
+    assert rec["rank"] == 0 and rec["attempt"] == 0 and rec["time"] > 1e9
+    again = trainguard.init(run_dir=tmp_path / "run2")  # a closed handle is replaced
+    try:
+        assert again is not tg
+    finally:
+        again.close()
+
+
+def test_save_result_says_staged_or_committed(tmp_path: Path) -> None:
+    import torch
+    from torch import nn
+
+    from trainguard.checkpoint.manager import CheckpointManager
+    from trainguard.core.config.checkpoint import CheckpointConfig
+
+    m = nn.Linear(4, 4)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    state = {"model": m, "optim": opt}
+    cfg = CheckpointConfig(dir=str(tmp_path / "ckpt"), memory_tier=False)
+    mgr = CheckpointManager(config=cfg, install_signal_handlers=False)
+    try:
+        mem = mgr.save(1, state, persist=False)
+        assert mem.wait_staged(timeout=60) and mem.staged
+        assert mem.wait(timeout=60) is False and not mem.committed  # never commits
+        disk = mgr.save(2, state)
+        assert disk.wait(timeout=60) is True and disk.committed and disk.staged
+    finally:
+        mgr.close()
+    m2 = nn.Linear(4, 4)
+    fresh = CheckpointManager(config=cfg, install_signal_handlers=False)
+    seen: list[int] = []
+    fresh.on_restore(seen.append)
+    try:
+        st = {"model": m2, "optim": torch.optim.SGD(m2.parameters(), lr=0.1)}
+        assert fresh.restore_or_init(st) == 2 and seen == [2]
+        assert torch.equal(m2.weight, m.weight)
+    finally:
+        fresh.close()
+
+
+TOUCH_ONE_RANK = """
+import signal, sys, torch, torch.distributed as dist
+from torch import nn
+import trainguard
+
+mode = sys.argv[1]
+tg = trainguard.init()
+assert trainguard.init() is tg
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+m = nn.Linear(4, 4)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+state = {"model": m, "optim": opt}
+if mode == "save":
+    if tg.rank == 0:  # touched on one rank only: no collective, no signal handler
+        before = signal.getsignal(signal.SIGUSR1)
+        assert tg.checkpoint.config.enabled
+        assert signal.getsignal(signal.SIGUSR1) == before
+    dist.barrier()  # rank 0 would still sit in new_group here if touching were collective
+    for _ in range(3):
+        with tg.step():
+            loss = m(torch.ones(2, 4)).sum()
+            opt.zero_grad(); loss.backward(); opt.step()
+    res = tg.checkpoint.save(tg.step_num, state)  # every rank: the collective setup runs here
+    assert res.wait(timeout=60) and res.committed and res.staged
+    print("SAVED", tg.rank, tg.step_num, flush=True)
+else:
+    start = tg.checkpoint.restore_or_init(state)
+    assert start == tg.step_num == 3, (start, tg.step_num)
+    print("RESTORED", tg.rank, tg.step_num, flush=True)
+tg.checkpoint.close()
+dist.barrier()
+dist.destroy_process_group()
+tg.close()
+"""
+
+
+def test_checkpoint_touched_on_one_rank_then_saved_on_every_rank(tmp_path: Path) -> None:
+    """``tg.checkpoint`` on rank 0 only, then ``save`` on every rank: no deadlock; a restore
+    in a new job sets the handle's step."""
+    import signal as sig
+
+    script = tmp_path / "touch.py"
+    script.write_text(TOUCH_ONE_RANK)
+    env = base_env(TRAINGUARD_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
+    for mode in ("save", "restore"):
+        p = subprocess.Popen(
+            [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
+             "--tg-run-dir", str(tmp_path / mode), str(script), mode],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        try:
+            out, err = p.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, sig.SIGKILL)
+            out, err = p.communicate()
+            raise AssertionError(f"{mode}: deadlock (killed after 150 s): {err[-3000:]}") from None
+        finally:
+            try:
+                os.killpg(p.pid, sig.SIGKILL)
+            except ProcessLookupError:
+                pass
+        assert p.returncode == 0, err[-3000:]
+        word = "SAVED" if mode == "save" else "RESTORED"
+        assert sorted(line for line in out.splitlines() if line.startswith(word)) == [
+            f"{word} 0 3",
+            f"{word} 1 3",
+        ], out
+
+
+def test_event_bus_delivers_in_process(tmp_path: Path) -> None:
+    """EventLog's bus: emit is written and delivered, publish only delivered; kinds filter;
+    a raising listener is logged, not raised; unsubscribe stops delivery."""
+    from trainguard.core.events import EventLog, read_events
+
+    log = EventLog(tmp_path, node="n1", context=lambda: {"attempt": 1})
+    got: list[dict] = []
+    everything: list[str] = []
+    stop = log.subscribe(got.append, kinds=["scores"])
+    log.subscribe(lambda e: everything.append(e["kind"]))
+    log.subscribe(lambda e: 1 / 0)  # a broken listener does not stop the others
+    log.publish("scores", scores={"0": 0.1})
+    log.emit("launch", pid=1)
+    stop()
+    log.publish("scores", scores={"0": 0.2})
+    assert [(e["kind"], e["scores"], e["attempt"], e["node"]) for e in got] == [
+        ("scores", {"0": 0.1}, 1, "n1")
+    ]
+    assert everything == ["scores", "launch", "scores"]
+    assert [e["kind"] for e in read_events(tmp_path)] == ["launch"]  # published: not written

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from trainguard.core.version import __version__
+
 __all__ = ["TrainGuard", "__version__", "init"]
 
 if TYPE_CHECKING:

@@ -12,8 +12,8 @@ from trainguard.runtime import launcher
 class Unhealthy(AgentPlugin):
     name = "unhealthy"
 
-    def on_monitor(self, agent, group, result):
-        if any(s.num_steps >= 1 for s in agent.worker_progress().values()):
+    def on_monitor(self, ctx, group, result):
+        if any(s.num_steps >= 1 for s in ctx.worker_progress().values()):
             return RunResult(state=WorkerState.UNHEALTHY)
         return None
 
@@ -21,7 +21,7 @@ class Unhealthy(AgentPlugin):
 @record
 def main() -> None:
     args = launcher.build_parser().parse_args(sys.argv[1:])
-    launcher.run(args, plugin_factory=lambda cfg, run_dir, events: [Unhealthy()])
+    launcher.run(args, plugin_factory=lambda ctx: [Unhealthy()])
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Async, atomic, sharded checkpoints with an in-memory tier (``tg.checkpoint``).
 
-ckpt = tg.checkpoint
-start = ckpt.restore_or_init({"model": model, "optim": opt, "data": loader_state})
-for step in range(start, steps):
-    ...train...
-    ckpt.maybe_save(step + 1, {"model": model, "optim": opt, "data": loader_state})
+ckpt = tg.checkpoint                      # local: no collective, no signal handler
+state = {"model": model, "optim": opt, "data": loader_state}
+ckpt.restore_or_init(state)               # collective (every rank); sets tg.step_num
+while tg.step_num < steps:
+    with tg.step():                       # yields the 0-based step, then counts it done
+        ...train...
+    ckpt.maybe_save(tg.step_num, state)   # collective; the number of steps done
 ckpt.close()
 """
 

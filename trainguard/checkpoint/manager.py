@@ -59,7 +59,8 @@ from trainguard.checkpoint.staging import (
 from trainguard.checkpoint.state import build_state_dict, optimizer_tensor_ptrs, rng_key, rng_state
 from trainguard.checkpoint.storage import ChecksummingFileSystem, storage_for
 from trainguard.core import envvars
-from trainguard.core.config.checkpoint import CheckpointConfig, load_worker_config
+from trainguard.core.config import load_worker_section
+from trainguard.core.config.checkpoint import CheckpointConfig
 from trainguard.core.failures import REQUEUE_EXIT_CODE
 
 __all__ = ["CheckpointManager", "MEMORY_DIR_ENV", "SaveResult"]
@@ -74,13 +75,20 @@ MetricFn = Callable[..., Any]
 
 
 class SaveResult:
-    """Outcome of one ``save``: ``staged`` (memory copy done), ``committed`` (on disk)."""
+    """Outcome of one ``save``. Two stages, two names:
+
+    - ``staged``: the state is copied into the staging slot (and, with the memory tier, into
+      this node's shared memory): it survives the worker, not the node;
+    - ``committed``: the checkpoint is durably on disk (every rank's files fsynced and checked,
+      the manifest renamed in). Only a persisting save (``persist=True``) ever commits.
+    """
 
     def __init__(self, step: int, persist: bool) -> None:
         self.step = step
         self.persist = persist
-        self.staged = threading.Event()
+        self._staged = threading.Event()
         self.done = threading.Event()
+        """Set when this save will do nothing more (staged, and committed or failed)."""
         self.committed = False
         self.error: str | None = None
         self.stall_s = 0.0
@@ -88,14 +96,35 @@ class SaveResult:
         self.commit_s = 0.0
         self.num_bytes = 0
 
+    @property
+    def staged(self) -> bool:
+        return self._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Wait for the copy into the staging slot / memory tier; True once staged."""
+        return self._staged.wait(timeout)
+
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until persisted (or staged, for memory-only saves); True if it committed."""
-        (self.done if self.persist else self.staged).wait(timeout)
-        return self.committed if self.persist else self.staged.is_set()
+        """Wait until this save is durably committed (or failed); True if it committed.
+
+        A memory-only save (``persist=False``) never commits: this waits until it is staged
+        and returns False; use :meth:`wait_staged` for those."""
+        if not self.persist:
+            self._staged.wait(timeout)
+            return False
+        self.done.wait(timeout)
+        return self.committed
 
 
 class CheckpointManager:
-    """See the module docstring. One per worker process; ``close()`` when done."""
+    """See the module docstring. One per worker process; ``close()`` when done.
+
+    Creating the manager is local: no collective, no signal handler. :meth:`setup` is the
+    collective step (two ``new_group`` calls and a barrier on every rank, the preemption
+    signal handlers, the optimizer hook, the persister process); ``save``, ``maybe_save``,
+    ``restore`` and ``restore_or_init``, which every rank calls anyway, call it first, so
+    calling it explicitly is only needed to install the signal handlers early.
+    """
 
     _instances = 0  # per process; part of the persister group's store prefix
 
@@ -113,11 +142,11 @@ class CheckpointManager:
         install_signal_handlers: bool = True,
     ) -> None:
         self.config = config or CheckpointConfig()
-        distributed = dist.is_available() and dist.is_initialized()
-        self.rank = rank if rank is not None else (dist.get_rank() if distributed else 0)
-        self.world_size = (
-            world_size if world_size is not None else (dist.get_world_size() if distributed else 1)
-        )
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self.rank = rank if rank is not None else (dist.get_rank() if self._distributed else 0)
+        self.world_size = world_size if world_size is not None else (
+            dist.get_world_size() if self._distributed else 1
+        )  # fmt: skip
         run_dir = Path(run_dir) if run_dir is not None else Path(".")
         self.root = self.config.dir or str(run_dir / "checkpoints")
         self.storage = storage_for(self.root)
@@ -125,45 +154,30 @@ class CheckpointManager:
         self._metric = metrics or (lambda **m: None)
         self.faults = Faults.from_env()
         self._fs_factory = filesystem_factory
-        self._pg: Any = None
-        self._ctl_pg: Any = None
-        if distributed:
-            timeout = _td(self.config.collective_timeout_s)
-            self._pg = dist.new_group(backend="gloo", timeout=timeout)
-            self._ctl_pg = dist.new_group(backend="gloo", timeout=timeout)
-        if memory_dir is None and self.config.memory_tier:
-            memory_dir = os.environ.get(MEMORY_DIR_ENV) or None
-        self.memory_dir = Path(memory_dir) if memory_dir else None
+        self._install_signal_handlers = install_signal_handlers
+        self._pg: Any = None  # the checkpoint gloo group (setup)
+        self._ctl_pg: Any = None  # the control group of the collective decisions (setup)
+        self._is_setup = False
+        self._restore_listeners: list[Callable[[int], None]] = []
+        CheckpointManager._instances += 1
+        self._instance = CheckpointManager._instances
+        self._init_staging(memory_dir)
         self._writer = Writer(
             root=self.root,
             storage=self.storage,
             config=self.config,
             rank=self.rank,
             world_size=self.world_size,
-            pg=self._pg,
             faults=self.faults,
             fs_factory=filesystem_factory,
         )
-        CheckpointManager._instances += 1
-        self._instance = CheckpointManager._instances
-        self._proc: Any = None
-        self._proc_gen = 0
-        self._process_mode = False
-        self._private_dir: Path | None = None  # process mode without the memory tier stages here
-        if self.config.persist_mode == "process":
-            from trainguard.checkpoint import persist_proc
+        self._init_pipeline()
+        self.interval = IntervalPolicy(self.config, on_change=self._interval_changed)
+        self.preemption = Preemption(self.config.preemption_signals)
+        self._remove_uncommitted()  # local (rank 0); setup's barrier orders it before any save
 
-            self._process_mode = persist_proc.usable(
-                self.config, self.world_size, filesystem_factory
-            )
-            if self._process_mode and self.memory_dir is None:
-                self._private_dir = persist_proc.private_staging_dir(self.config.memory_root)
-        slot_dir = rank_dir(self.memory_dir, self.rank) if self.memory_dir else self._private_dir
-        self._pool = SlotPool(
-            directory=slot_dir,
-            pin=torch.cuda.is_available(),
-            num_slots=self.config.memory_slots if memory_dir else 2,
-        )
+    def _init_pipeline(self) -> None:
+        """The save pipeline's threads and its state between saves."""
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="tg-ckpt-stage")
         self._persister = ThreadPoolExecutor(1, thread_name_prefix="tg-ckpt-persist")
         self._staging: Future[None] | None = None
@@ -172,20 +186,62 @@ class CheckpointManager:
         self._cuda_event: Any = None
         self._cuda_stream: Any = None
         self._persisting: SaveResult | None = None
-        self._lock = threading.Lock()
+        self._hook: Any = None
         self._closed = False
         self.num_failures = 0
         self.last_result: SaveResult | None = None
-        self.interval = IntervalPolicy(self.config, on_change=self._interval_changed)
-        self.preemption = Preemption(self.config.preemption_signals)
+
+    def _init_staging(self, memory_dir: str | os.PathLike[str] | None) -> None:
+        """Where saves stage: the node's memory tier, a private shared-memory directory for
+        the persister process, or private buffers."""
+        if memory_dir is None and self.config.memory_tier:
+            memory_dir = os.environ.get(MEMORY_DIR_ENV) or None
+        self.memory_dir = Path(memory_dir) if memory_dir else None
+        self._proc: Any = None
+        self._proc_gen = 0
+        self._process_mode = False
+        self._private_dir: Path | None = None  # process mode without the memory tier stages here
+        if self.config.persist_mode == "process":
+            from trainguard.checkpoint import persist_proc
+
+            self._process_mode = persist_proc.usable(self.config, self.world_size, self._fs_factory)
+            if self._process_mode and self.memory_dir is None:
+                self._private_dir = persist_proc.private_staging_dir(self.config.memory_root)
+        slot_dir = rank_dir(self.memory_dir, self.rank) if self.memory_dir else self._private_dir
+        self._pool = SlotPool(
+            directory=slot_dir,
+            pin=torch.cuda.is_available(),
+            num_slots=self.config.memory_slots if memory_dir else 2,
+        )
+
+    def setup(self) -> None:
+        """**Collective**: every rank calls it (directly or through ``save``, ``maybe_save``,
+        ``restore``, ``restore_or_init``). Creates the checkpoint process groups, waits until
+        rank 0 removed what a dead attempt left uncommitted, installs the preemption signal
+        handlers and the optimizer hook, starts the persister process. Idempotent."""
+        if self._is_setup:
+            return
+        if self._closed:
+            raise RuntimeError("the checkpoint manager is closed")
+        self._is_setup = True
+        if self._distributed:
+            timeout = _td(self.config.collective_timeout_s)
+            self._pg = dist.new_group(backend="gloo", timeout=timeout)
+            self._ctl_pg = dist.new_group(backend="gloo", timeout=timeout)
+            self._writer.pg = self._pg
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._hook = register_optimizer_step_pre_hook(self._before_step)
-        if install_signal_handlers:
+        if self._install_signal_handlers:
             self.preemption.install()
-        self._cleanup_uncommitted()
+        if self._pg is not None:  # rank 0 removed what a dead attempt left (constructor)
+            dist.barrier(group=self._pg)
         if self._process_mode:
             self._start_persister()
+
+    def on_restore(self, fn: Callable[[int], None]) -> None:
+        """Call ``fn(step)`` after a successful restore (the worker handle sets its step)."""
+        self._restore_listeners.append(fn)
 
     # -- public API ------------------------------------------------------------------------------
     @property
@@ -197,6 +253,7 @@ class CheckpointManager:
         from). Returns once training may go on; parameters and optimizer state may still be
         copying, and the next ``optimizer.step()`` waits for that. ``persist=False`` only
         refreshes the memory tier. Collective: every rank calls it with the same arguments."""
+        self.setup()
         if persist and self._persisting is not None:
             self._wait_persist()  # a dead peer persister fails it fast (gloo sees the close)
         if persist and self._proc is not None:
@@ -208,6 +265,7 @@ class CheckpointManager:
         and on a preemption signal saves, waits for the commit and exits with the requeue code."""
         if not self.config.enabled:
             return None
+        self.setup()
         due = self.interval.due(step)
         busy = self._persisting is not None and not self._persisting.done.is_set()
         broken = self._proc is not None and self._proc.check() is not None
@@ -255,21 +313,42 @@ class CheckpointManager:
     def restore(self, state: MutableMapping[str, Any], *, use_memory: bool = True) -> int | None:
         """Load the newest good checkpoint into ``state`` (memory tier first when it has the
         newest step on every rank, else disk with checksums verified, falling back to older
-        ones). Returns the saved step, or None if there is none. Collective."""
-        from trainguard.checkpoint.restore import restore
+        ones). Returns the saved step (the number of steps done), or None if there is none.
+        Collective (it runs :meth:`setup` first)."""
+        from trainguard.checkpoint.restore import Restorer
 
+        self.setup()
         self.wait()
-        return restore(self, state, use_memory=use_memory)
+        step = Restorer(
+            config=self.config,
+            rank=self.rank,
+            world_size=self.world_size,
+            root=self.root,
+            storage=self.storage,
+            memory_dir=self.memory_dir,
+            pg=self._pg,
+            gather=self._writer.gather,
+            emit=self._emit,
+            metric=self._metric,
+        ).run(state, use_memory=use_memory)
+        if step is not None:
+            for fn in self._restore_listeners:
+                fn(step)
+        return step
 
     def restore_or_init(
         self, state: MutableMapping[str, Any], init: Callable[[], None] | None = None
     ) -> int:
-        """``restore``; if there is nothing to restore, call ``init`` and return 0."""
+        """``restore``; if there is nothing to restore, call ``init`` and return 0. The
+        step to resume from either way (the worker handle's ``step_num`` is set to it).
+        Collective: every rank calls it; the first call runs :meth:`setup`."""
         step = self.restore(state)
         if step is None:
             if init is not None:
                 init()
-            return 0
+            step = 0
+            for fn in self._restore_listeners:
+                fn(step)
         return step
 
     def interval_s(self) -> float | None:
@@ -285,7 +364,8 @@ class CheckpointManager:
             self.wait()
         except Exception:
             logger.exception("checkpoint work in flight failed at close")
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
         self._stager.shutdown(wait=True)
         self._persister.shutdown(wait=True)
         if self._proc is not None:
@@ -390,7 +470,7 @@ class CheckpointManager:
         slot.publish(
             step=result.step, rank=self.rank, world_size=self.world_size, skeleton=skeleton
         )
-        result.staged.set()
+        result._staged.set()
         if result.persist:
             self._persister.submit(self._persist_safe, result, slot, skeleton, infos, t0)
 
@@ -530,7 +610,9 @@ class CheckpointManager:
             self._persisting.done.wait()
         if self._ctl_pg is not None:  # no rank's old persister is still writing
             dist.barrier(group=self._ctl_pg)
-        self._cleanup_uncommitted()
+        self._remove_uncommitted()
+        if self._pg is not None:
+            dist.barrier(group=self._pg)
         if failed:
             logger.warning("persister process unavailable (%s); persisting in a thread", reason)
             self._proc = None
@@ -547,16 +629,16 @@ class CheckpointManager:
         if self.rank == 0:
             self._emit(kind, **fields)
 
-    def _cleanup_uncommitted(self) -> None:
-        """Remove step directories left uncommitted by a dead attempt (nothing is in flight
-        yet: this runs in the constructor, on every rank before any save)."""
-        if self.rank == 0:
-            for step, p in mf.step_dirs(self.storage, self.root).items():
-                if mf.read_manifest(self.storage, p) is None:
-                    logger.info("removing uncommitted checkpoint step %s", step)
-                    self.storage.remove(p)
-        if self._pg is not None:
-            dist.barrier(group=self._pg)
+    def _remove_uncommitted(self) -> None:
+        """Rank 0: remove step directories left uncommitted by a dead attempt or persister
+        (nothing of this job is in flight: the constructor, or every persister is dead). The
+        caller's barrier keeps every rank's next save after it."""
+        if self.rank != 0:
+            return
+        for step, p in mf.step_dirs(self.storage, self.root).items():
+            if mf.read_manifest(self.storage, p) is None:
+                logger.info("removing uncommitted checkpoint step %s", step)
+                self.storage.remove(p)
 
     # -- collective decisions, interval, preemption ----------------------------------------------
     def _agree(self, *flags: bool) -> list[bool]:
@@ -595,9 +677,10 @@ def _td(seconds: float) -> Any:
 
 
 def for_worker(tg: Any) -> CheckpointManager:
-    """The manager behind ``tg.checkpoint``: config, events and metrics from the handle."""
+    """The manager behind ``tg.checkpoint``: config, events and metrics from the handle; a
+    restore sets the handle's step. Local (see :meth:`CheckpointManager.setup`)."""
     mgr = CheckpointManager(
-        config=load_worker_config(Path(tg.run_dir)),
+        config=load_worker_section(Path(tg.run_dir), "checkpoint"),
         rank=tg.rank,
         world_size=tg.world_size,
         run_dir=tg.run_dir,
@@ -609,4 +692,5 @@ def for_worker(tg: Any) -> CheckpointManager:
         if observed is not None:
             mgr.set_mtbf(min(observed, mgr.config.mtbf_s))
         mgr.interval.set_memory_fraction(observed_memory_fraction(Path(tg.run_dir)))
+    mgr.on_restore(lambda step: setattr(tg, "step_num", step))
     return mgr

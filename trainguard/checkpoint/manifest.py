@@ -82,11 +82,11 @@ def step_dir_name(step: int) -> str:
 def versions() -> dict[str, str]:
     import torch
 
-    import trainguard
+    from trainguard.core.version import __version__
 
     return {
         "torch": torch.__version__,
-        "trainguard": trainguard.__version__,
+        "trainguard": __version__,
         "python": platform.python_version(),
     }
 

@@ -27,11 +27,7 @@ def main(argv: list[str], *, prog: str = "trainguard events") -> int:
             print(json.dumps(ev))
             continue
         t = time.strftime("%H:%M:%S", time.localtime(ev.get("time", 0)))
-        rest = {
-            k: v
-            for k, v in ev.items()
-            if k not in ("time", "kind", "node", "attempt", "restart_count")
-        }
+        rest = {k: v for k, v in ev.items() if k not in ("time", "kind", "node", "attempt")}
         print(
             f"{t} {ev.get('node', '?'):<12} a{ev.get('attempt', 0)} {ev.get('kind', '?'):<18} {json.dumps(rest, default=str)}"
         )

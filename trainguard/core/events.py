@@ -1,9 +1,15 @@
 """Lifecycle events of a run: one JSON object per line in ``<run_dir>/events.jsonl``.
 
-Every event carries ``time`` (unix seconds), ``kind``, ``node``, ``attempt`` (job-wide
-worker-group attempt, 0-based) and ``restart_count`` (job-wide restarts so far). Writers from
+Every event carries ``time`` (unix seconds), ``kind``, ``node`` and ``attempt`` (job-wide
+worker-group attempt, 0-based); the agent's also carry ``agent_restarts`` (this agent's
+restarts, torch's ``TORCHELASTIC_RESTART_COUNT``), the workers' their ``rank``. Writers from
 several processes (the agent and its workers) append with ``O_APPEND`` and one ``write`` per
 line, so lines never interleave.
+
+The log is also the in-process bus between the agent's plugins: ``subscribe`` a listener to
+some kinds (or all), ``emit`` an event (written and delivered) or ``publish`` a message that is
+only delivered in this process (frequent state such as straggler scores, not worth a line in
+the log). Listeners run on the emitting thread: they must be quick and must not raise.
 """
 
 from __future__ import annotations
@@ -13,14 +19,21 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EventLog", "read_events"]
+__all__ = ["MSG_STRAGGLER_SCORES", "EventLog", "Listener", "read_events"]
 
 logger = logging.getLogger(__name__)
 EVENTS_FILE = "events.jsonl"
+
+Listener = Callable[[dict[str, Any]], None]
+
+# In-process bus messages (``EventLog.publish``; never written to the log). Their kinds live
+# here so that the plugin that publishes and the one that listens need not know each other.
+MSG_STRAGGLER_SCORES = "straggler_scores"
+"""health → telemetry: ``scores`` (global rank as str → score), ``stragglers`` (ranks)."""
 
 
 class EventLog:
@@ -37,19 +50,41 @@ class EventLog:
         self.node = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         self._context = context or (lambda: {})
         self.num_write_failures = 0
-        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self._listeners: list[tuple[frozenset[str] | None, Listener]] = []
 
-    def add_listener(self, fn: Callable[[dict[str, Any]], None]) -> None:
-        """Call ``fn(event)`` for every event emitted through this log (e.g. telemetry)."""
-        self._listeners.append(fn)
+    def set_context(self, context: Callable[[], dict[str, Any]]) -> None:
+        """Fields every later event carries (e.g. the agent's ``attempt``)."""
+        self._context = context
 
-    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+    def subscribe(self, fn: Listener, kinds: Iterable[str] | None = None) -> Callable[[], None]:
+        """Call ``fn(event)`` for every event emitted or published here whose kind is in
+        ``kinds`` (all when None). Returns the function that unsubscribes."""
+        entry = (frozenset(kinds) if kinds is not None else None, fn)
+        self._listeners = [*self._listeners, entry]
+
+        def unsubscribe() -> None:
+            self._listeners = [e for e in self._listeners if e is not entry]
+
+        return unsubscribe
+
+    def _event(self, kind: str, fields: dict[str, Any]) -> dict[str, Any]:
         event: dict[str, Any] = {"time": time.time(), "kind": kind, "node": self.node}
         try:
             event.update(self._context())
         except Exception:  # context providers must not break event emission
             logger.exception("event context provider failed")
         event.update(fields)
+        return event
+
+    def publish(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Deliver a message to this process's listeners only (not written to the log)."""
+        event = self._event(kind, fields)
+        self._deliver(event)
+        return event
+
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Append an event to the log, then deliver it to this process's listeners."""
+        event = self._event(kind, fields)
         line = (json.dumps(event, default=str, separators=(",", ":")) + "\n").encode()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,12 +96,17 @@ class EventLog:
         except OSError as e:
             self.num_write_failures += 1
             logger.warning("could not write event %s to %s: %s", kind, self.path, e)
-        for fn in self._listeners:
+        self._deliver(event)
+        return event
+
+    def _deliver(self, event: dict[str, Any]) -> None:
+        for kinds, fn in self._listeners:
+            if kinds is not None and event["kind"] not in kinds:
+                continue
             try:
                 fn(event)
             except Exception:
-                logger.exception("event listener failed for %s", kind)
-        return event
+                logger.exception("event listener failed for %s", event["kind"])
 
 
 def read_events(run_dir: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:

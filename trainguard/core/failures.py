@@ -31,8 +31,8 @@ class FailureKind(str, Enum):
     ``KILLED`` (SIGKILL: OOM killer, kill -9, hang recovery), ``CRASHED`` (SIGSEGV/SIGBUS/
     SIGABRT/SIGILL/SIGFPE), ``TERMINATED`` (SIGTERM/SIGINT/SIGHUP), ``EXCEPTION`` (non-zero exit
     with a Python error file), ``EXITED`` (non-zero exit, no error file), ``PREEMPTED`` (exited
-    with :data:`REQUEUE_EXIT_CODE`), ``HUNG`` (stopped by the agent after no progress),
-    ``UNKNOWN``.
+    with :data:`REQUEUE_EXIT_CODE`), ``UNKNOWN``. A hung group the agent ends is ``KILLED``
+    (its ``hang_detected``/``hang_killed`` events say why).
     """
 
     KILLED = "killed"
@@ -41,7 +41,6 @@ class FailureKind(str, Enum):
     EXCEPTION = "exception"
     EXITED = "exited"
     PREEMPTED = "preempted"
-    HUNG = "hung"
     UNKNOWN = "unknown"
 
 

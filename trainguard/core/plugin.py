@@ -1,21 +1,93 @@
 """Extension points of the trainguard agent.
 
-A plugin subclasses :class:`AgentPlugin` and overrides the hooks it needs. Hooks run in the
-agent process, on the monitor thread; they must be quick (start threads for slow work) and
-must not raise: the agent logs and counts a raising hook and carries on.
+A plugin subclasses :class:`AgentPlugin` and overrides the hooks it needs. Every hook gets the
+node's :class:`AgentContext`: the config, the torchrun launch config, the run directory, the
+event log (with its in-process bus), the node name and, once a round completed, the attempt,
+the rendezvous store and endpoint, and the local workers' progress. Plugins never see the
+agent itself and never talk to each other directly: what one tells another goes through the
+event bus (``ctx.events.publish`` / ``ctx.events.subscribe``).
+
+Hooks run in the agent process, on the monitor thread; they must be quick (start threads for
+slow work) and must not raise: the agent logs and counts a raising hook and carries on. The
+one exception is :class:`NodeUnhealthyError`, which takes this node out of the job.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 if TYPE_CHECKING:
-    from trainguard.core.failures import WorkerFailure
-    from trainguard.runtime.agent import TrainGuardAgent
+    from torch.distributed import Store
 
-__all__ = ["AgentPlugin"]
+    from trainguard.core.config import TrainGuardConfig
+    from trainguard.core.events import EventLog
+    from trainguard.core.failures import WorkerFailure
+    from trainguard.core.progress import ProgressSnapshot
+
+__all__ = ["AgentContext", "AgentPlugin", "NodeUnhealthyError"]
+
+
+class NodeUnhealthyError(RuntimeError):
+    """Raised by a plugin (preflight, straggler exclusion) to take this node out of the job."""
+
+
+def _no_progress() -> dict[int, ProgressSnapshot]:
+    return {}
+
+
+@dataclass(eq=False)
+class AgentContext:
+    """Everything a plugin may know about its node's agent. Built by the launcher before the
+    plugins, kept current by the agent (``attempt``, ``store``, ``master_*``, ``group_*``)."""
+
+    config: TrainGuardConfig
+    """The resolved trainguard config (all sections)."""
+    run_dir: Path
+    events: EventLog
+    """The run's event log; also the in-process bus between plugins."""
+    launch_config: Any = None
+    """torchrun's ``LaunchConfig`` (``run_id``, ``rdzv_endpoint``, ``nproc_per_node`` ...);
+    None in unit tests."""
+    attempt: int = -1
+    """Job-wide worker-group attempt (0-based) of the current round; -1 before the first."""
+    agent_restarts: int = 0
+    """This agent's restarts so far (torch's per-agent ``TORCHELASTIC_RESTART_COUNT``)."""
+    store: Store | None = None
+    """The rendezvous store of the current round (shared by every node's agent)."""
+    group_rank: int = 0
+    group_world_size: int = 1
+    members: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per group rank of the current round: node, host, pid (``{"foreign": True}``
+    for a rank whose agent is not trainguard's)."""
+    foreign_ranks: list[int] = field(default_factory=list)
+    """Group ranks of this round whose agent is not trainguard's (a torchrun agent in the same
+    rendezvous): never wait for their keys in the store."""
+    master_addr: str | None = None
+    master_port: int | None = None
+    worker_progress: Callable[[], dict[int, ProgressSnapshot]] = field(default=_no_progress)
+    """Latest progress of every local worker, by global rank."""
+    worker_pids: Callable[[], dict[int, int]] = field(default=dict)
+    """Pids of this node's running workers, by global rank."""
+
+    @property
+    def node(self) -> str:
+        return self.events.node
+
+    @property
+    def run_id(self) -> str:
+        """torchrun's ``--rdzv-id`` (the job id every node shares), else the run dir's name."""
+        rid = getattr(self.launch_config, "run_id", None)
+        return str(rid) if rid and rid != "none" else self.run_dir.name
+
+    @property
+    def rdzv_endpoint(self) -> str:
+        """The rendezvous endpoint (``host:port``) the nodes meet at; empty when none."""
+        return str(getattr(self.launch_config, "rdzv_endpoint", "") or "")
 
 
 class AgentPlugin:
@@ -23,30 +95,30 @@ class AgentPlugin:
 
     name: str = "plugin"
 
-    def before_rendezvous(self, agent: TrainGuardAgent) -> None:
+    def before_rendezvous(self, ctx: AgentContext) -> None:
         """Before this node joins a rendezvous round (preflight probes go here).
 
-        Raise :class:`trainguard.runtime.agent.NodeUnhealthyError` to keep the node out.
+        Raise :class:`NodeUnhealthyError` to keep the node out.
         """
 
-    def after_rendezvous(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:
+    def after_rendezvous(self, ctx: AgentContext, group: WorkerGroup) -> None:
         """After a round completed, before workers start (e.g. cross-node probes)."""
 
-    def on_workers_started(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:
+    def on_workers_started(self, ctx: AgentContext, group: WorkerGroup) -> None:
         """Right after this node's workers were spawned."""
 
     def on_monitor(
-        self, agent: TrainGuardAgent, group: WorkerGroup, result: RunResult
+        self, ctx: AgentContext, group: WorkerGroup, result: RunResult
     ) -> RunResult | None:
         """Every monitor tick. Return a RunResult to override the group's state
         (e.g. ``UNHEALTHY`` after a hang: the agent restarts the group, or, with no restarts
         left, the launcher reports the job failed), or ``None`` to keep it."""
         return None
 
-    def on_failure(self, agent: TrainGuardAgent, failures: list[WorkerFailure]) -> None:
+    def on_failure(self, ctx: AgentContext, failures: list[WorkerFailure]) -> None:
         """The group failed; ``failures`` are classified per rank."""
 
-    def on_finish(self, agent: TrainGuardAgent, state: str) -> None:
+    def on_finish(self, ctx: AgentContext, state: str) -> None:
         """The agent is done (``state`` is succeeded, failed or a signal name)."""
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """Direct paging for the embedded default (no Prometheus or Alertmanager).
 
-The agent plugin listens to its node's lifecycle events (``EventLog.add_listener``) and sends
+The agent plugin listens to its node's lifecycle events (``EventLog.subscribe``) and sends
 the critical ones to a webhook: ``hang_detected`` (resolved when the workers are started
 again), ``node_excluded`` (node evicted) and ``job_finished`` with state ``failed`` (job
 stopped). Payloads are Alertmanager's webhook JSON (version 4) or PagerDuty Events API v2.
@@ -254,7 +254,7 @@ class PagerPlugin(AgentPlugin):
         self.job_id = self._job_id(run_dir)
         self.pager = pager or Pager(cfg, secret=read_secret(cfg))
         self._events = events
-        events.add_listener(self.on_event)
+        events.subscribe(self.on_event)
 
     @staticmethod
     def _job_id(run_dir: Path) -> str:

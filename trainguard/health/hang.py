@@ -20,16 +20,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 from trainguard.core.config.health import HealthConfig
-from trainguard.core.plugin import AgentPlugin
+from trainguard.core.plugin import AgentContext, AgentPlugin
 from trainguard.core.progress import ProgressSnapshot
-
-if TYPE_CHECKING:
-    from trainguard.runtime.agent import TrainGuardAgent
 
 __all__ = ["HangDetector", "HangTracker", "HangVerdict"]
 
@@ -171,17 +168,9 @@ class HangTracker:
         return HangVerdict("collective", sorted(snaps), sorted(snaps), msg, timeout, per_rank)
 
 
-def local_worker_pids(agent: TrainGuardAgent, group: WorkerGroup) -> dict[int, int]:
+def local_worker_pids(ctx: AgentContext, group: WorkerGroup) -> dict[int, int]:
     """Global rank → pid of this node's workers."""
-    local = {w.local_rank: w.global_rank for w in group.workers}
-    pcontext = getattr(agent, "_pcontext", None)
-    try:
-        by_local = pcontext.pids() if pcontext is not None else {}
-    except Exception:
-        by_local = {}
-    if by_local:
-        return {local.get(lr, lr): pid for lr, pid in by_local.items()}
-    return {r: s.pid for r, s in agent.worker_progress().items() if s.pid}
+    return ctx.worker_pids()
 
 
 def kill_workers(pids: dict[int, int]) -> list[int]:
@@ -236,16 +225,16 @@ class HangDetector(AgentPlugin):
         self._fired = False
         self.num_hangs = 0
 
-    def on_workers_started(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:
+    def on_workers_started(self, ctx: AgentContext, group: WorkerGroup) -> None:
         self.tracker.reset(self._clock())
         self._fired = False
 
     def on_monitor(
-        self, agent: TrainGuardAgent, group: WorkerGroup, result: RunResult
+        self, ctx: AgentContext, group: WorkerGroup, result: RunResult
     ) -> RunResult | None:
         if self._fired:
             return None
-        snaps = agent.worker_progress()
+        snaps = ctx.worker_progress()
         if not snaps:
             return None
         verdict = self.tracker.observe(snaps, self._clock(), process_state=process_state)
@@ -253,13 +242,13 @@ class HangDetector(AgentPlugin):
             return None
         self._fired = True
         self.num_hangs += 1
-        self._handle(agent, group, verdict)
+        self._handle(ctx, group, verdict)
         return None  # the kills surface as FAILED on the next tick (see kill_workers)
 
-    def _handle(self, agent: TrainGuardAgent, group: WorkerGroup, v: HangVerdict) -> None:
-        node = agent.events.node
+    def _handle(self, ctx: AgentContext, group: WorkerGroup, v: HangVerdict) -> None:
+        node = ctx.events.node
         logger.error("hang on node %s: %s", node, v.message)
-        agent.events.emit(
+        ctx.events.emit(
             "hang_detected",
             hang_kind=v.kind,
             ranks=v.ranks,
@@ -269,17 +258,17 @@ class HangDetector(AgentPlugin):
             median_step_s=self.tracker.median_step_s,
             per_rank={str(r): d for r, d in v.per_rank.items()},
         )
-        pids = local_worker_pids(agent, group)
+        pids = local_worker_pids(ctx, group)
         if self.cfg.stack_dump and pids:
             from trainguard.health.stacks import dump_stacks
 
             stacks = dump_stacks(
                 pids,
-                run_dir=agent.run_dir,
-                attempt=max(agent.attempt, 0),
+                run_dir=ctx.run_dir,
+                attempt=max(ctx.attempt, 0),
                 timeout_s=self.cfg.stack_dump_timeout_s,
             )
-            agent.events.emit(
+            ctx.events.emit(
                 "hang_stacks",
                 ranks=sorted(stacks),
                 stacks={
@@ -292,4 +281,4 @@ class HangDetector(AgentPlugin):
                 },
             )
         killed = kill_workers(pids)
-        agent.events.emit("hang_killed", ranks=killed, pids={str(r): pids[r] for r in killed})
+        ctx.events.emit("hang_killed", ranks=killed, pids={str(r): pids[r] for r in killed})

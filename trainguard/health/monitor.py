@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 from trainguard.core.config.health import HealthConfig
-from trainguard.core.plugin import AgentPlugin
+from trainguard.core.plugin import AgentContext, AgentPlugin, NodeUnhealthyError
 from trainguard.core.storeutil import gather
 from trainguard.health.compute import ComputeResult
 from trainguard.health.node import NodeProbe, NodeReport, build_sources
@@ -38,7 +38,6 @@ from trainguard.health.result import Action, ProbeResult, Status
 
 if TYPE_CHECKING:
     from trainguard.health.compute import ComputeResult
-    from trainguard.runtime.agent import TrainGuardAgent
 
 __all__ = ["HealthMonitor", "exchange_node_values"]
 
@@ -151,8 +150,8 @@ class HealthMonitor(AgentPlugin):
             )
         return res
 
-    def before_rendezvous(self, agent: TrainGuardAgent) -> None:
-        self._events = agent.events
+    def before_rendezvous(self, ctx: AgentContext) -> None:
+        self._events = ctx.events
         if not self.cfg.preflight:
             return
         t0 = time.monotonic()
@@ -163,7 +162,7 @@ class HealthMonitor(AgentPlugin):
             and (self.cfg.preflight_compute_cpu or _gpu_visible())
         ):
             report.extra.append(self._compute_probe())
-        agent.events.emit(
+        ctx.events.emit(
             "preflight",
             **report.summary(),
             note=report.note(),
@@ -172,27 +171,24 @@ class HealthMonitor(AgentPlugin):
         )
         self._last_status = report.status
         if report.status is Status.FAIL and self.cfg.preflight_policy == "exclude":
-            from trainguard.runtime.agent import NodeUnhealthyError
-
-            agent.events.emit("node_excluded", reasons=report.reasons, action=report.action.value)
+            ctx.events.emit("node_excluded", reasons=report.reasons, action=report.action.value)
             raise NodeUnhealthyError(
-                f"node {agent.events.node} failed its preflight: " + "; ".join(report.reasons)
+                f"node {ctx.events.node} failed its preflight: " + "; ".join(report.reasons)
             )
 
-    def after_rendezvous(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:
+    def after_rendezvous(self, ctx: AgentContext, group: WorkerGroup) -> None:
         world = group.group_world_size or 1
         store = getattr(group, "store", None)
-        rnd = agent.rdzv.last_round if getattr(agent, "rdzv", None) else None
-        foreign = set(rnd.foreign_ranks) if rnd else set()
+        foreign = set(ctx.foreign_ranks)
         if world - len(foreign) < 2 or store is None or not self.cfg.preflight:
             return
-        value = {"node": agent.events.node}
+        value = {"node": ctx.events.node}
         if self.compute is not None:
             value["flops_per_s"] = self.compute.flops_per_s
         try:
             values = exchange_node_values(
                 store,
-                prefix=f"trainguard/health/preflight/{max(agent.attempt, 0)}",
+                prefix=f"trainguard/health/preflight/{max(ctx.attempt, 0)}",
                 group_rank=group.group_rank or 0,
                 world_size=world,
                 value=value,
@@ -206,7 +202,7 @@ class HealthMonitor(AgentPlugin):
         )
         me = group.group_rank or 0
         names = {r: v.get("node") for r, v in values.items()}
-        agent.events.emit(
+        ctx.events.emit(
             "preflight_compare",
             nodes={str(r): n for r, n in names.items()},
             **{
@@ -215,14 +211,12 @@ class HealthMonitor(AgentPlugin):
             },
         )
         if self.cfg.allreduce_probe:
-            self._allreduce(agent, group, world)
+            self._allreduce(ctx, group, world)
         if me in cmp["slow_nodes"] and self.cfg.preflight_policy == "exclude":
-            from trainguard.runtime.agent import NodeUnhealthyError
+            ctx.events.emit("node_excluded", reasons=["compute below the nodes' median"])
+            raise NodeUnhealthyError(f"node {ctx.events.node} is slower than its peers")
 
-            agent.events.emit("node_excluded", reasons=["compute below the nodes' median"])
-            raise NodeUnhealthyError(f"node {agent.events.node} is slower than its peers")
-
-    def _allreduce(self, agent: TrainGuardAgent, group: WorkerGroup, world: int) -> None:
+    def _allreduce(self, ctx: AgentContext, group: WorkerGroup, world: int) -> None:
         from trainguard.health.allreduce import run_allreduce_probe
 
         if not group.master_addr or not group.master_port:
@@ -232,12 +226,12 @@ class HealthMonitor(AgentPlugin):
             master_port=group.master_port,
             rank=group.group_rank or 0,
             world_size=world,
-            prefix=f"trainguard/health/allreduce/{max(agent.attempt, 0)}/",
+            prefix=f"trainguard/health/allreduce/{max(ctx.attempt, 0)}/",
             size_mb=self.cfg.allreduce_probe_mb,
         )
         floor = self.cfg.min_allreduce_busbw_gbps
         slow = floor is not None and "busbw_gbps" in res and res["busbw_gbps"] < floor
-        agent.events.emit(
+        ctx.events.emit(
             "allreduce_probe",
             **res,
             nodes=world,
@@ -246,8 +240,8 @@ class HealthMonitor(AgentPlugin):
         )
 
     # -- in-job probing ----------------------------------------------------------------------
-    def on_workers_started(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:
-        self._events = agent.events
+    def on_workers_started(self, ctx: AgentContext, group: WorkerGroup) -> None:
+        self._events = ctx.events
         if self.cfg.probe_interval_s > 0 and self._thread is None:
             self._thread = threading.Thread(
                 target=self._loop, name="trainguard-health-probe", daemon=True
@@ -280,7 +274,7 @@ class HealthMonitor(AgentPlugin):
             self._pending = (action, [f.reason for f in fresh])
 
     def on_monitor(
-        self, agent: TrainGuardAgent, group: WorkerGroup, result: RunResult
+        self, ctx: AgentContext, group: WorkerGroup, result: RunResult
     ) -> RunResult | None:
         pending, self._pending = self._pending, None
         if pending is None:
@@ -288,9 +282,9 @@ class HealthMonitor(AgentPlugin):
         action, reasons = pending
         from trainguard.health.hang import kill_workers, local_worker_pids
 
-        logger.error("node %s unhealthy (%s): %s", agent.events.node, action.value, reasons)
-        pids = local_worker_pids(agent, group)
-        agent.events.emit(
+        logger.error("node %s unhealthy (%s): %s", ctx.events.node, action.value, reasons)
+        pids = local_worker_pids(ctx, group)
+        ctx.events.emit(
             "health_unhealthy", action=action.value, reasons=reasons, ranks=sorted(pids)
         )
         kill_workers(pids)  # surfaces as FAILED: restart, or the job fails when none are left

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from trainguard.core.config import TrainGuardConfig
-from trainguard.core.events import EventLog
-from trainguard.core.plugin import AgentPlugin
+from trainguard.core.plugin import AgentContext, AgentPlugin
 
 __all__ = ["health_plugins"]
 
 
-def health_plugins(cfg: TrainGuardConfig, run_dir: Path, events: EventLog) -> list[AgentPlugin]:
+def health_plugins(ctx: AgentContext) -> list[AgentPlugin]:
     """Preflight + in-job probing, hang detection and straggler detection, as configured."""
+    cfg = ctx.config
     h = cfg.health
     plugins: list[AgentPlugin] = []
     if not h.enabled:
@@ -20,7 +17,7 @@ def health_plugins(cfg: TrainGuardConfig, run_dir: Path, events: EventLog) -> li
     if h.preflight or h.probe_interval_s > 0:
         from trainguard.health.monitor import HealthMonitor
 
-        plugins.append(HealthMonitor(h, run_dir=run_dir))
+        plugins.append(HealthMonitor(h, run_dir=ctx.run_dir))
     if h.hang_detection:
         from trainguard.health.hang import HangDetector
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from trainguard.core.config.health import COUNTER_CHECKS, check_action, validate_policy_overrides
 from trainguard.health.result import Action, Finding
 
 __all__ = ["COUNTER_CHECKS", "DEFAULT_COUNTER_POLICY", "DEFAULT_XID_POLICY", "Policy"]
@@ -54,32 +55,12 @@ DEFAULT_COUNTER_POLICY: dict[str, Action] = {
     "compute_slow": Action.WARN,
     "allreduce_slow": Action.WARN,
 }
-COUNTER_CHECKS = tuple(DEFAULT_COUNTER_POLICY)
+if tuple(DEFAULT_COUNTER_POLICY) != COUNTER_CHECKS:  # the config validates against the names
+    raise ImportError("health.policy: DEFAULT_COUNTER_POLICY and config COUNTER_CHECKS differ")
 
 
 def _parse_action(value: str, where: str) -> Action:
-    try:
-        return Action(str(value).lower())
-    except ValueError:
-        raise ValueError(
-            f"{where}: {value!r} is not an action; use one of " + ", ".join(a.value for a in Action)
-        ) from None
-
-
-def validate_policy_overrides(xid: Mapping[str, str], counters: Mapping[str, str]) -> None:
-    """Raise ValueError naming the bad key or value."""
-    for key, value in xid.items():
-        try:
-            int(str(key))
-        except ValueError:
-            raise ValueError(f"xid_policy: key {key!r} is not an XID number") from None
-        _parse_action(value, f"xid_policy[{key}]")
-    for key, value in counters.items():
-        if key not in DEFAULT_COUNTER_POLICY:
-            raise ValueError(
-                f"counter_policy: unknown check {key!r}; known: {', '.join(COUNTER_CHECKS)}"
-            )
-        _parse_action(value, f"counter_policy[{key}]")
+    return Action(check_action(value, where))
 
 
 @dataclass(slots=True)

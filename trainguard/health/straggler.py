@@ -5,7 +5,7 @@ ranks completed, after warm-up: 0 for a rank at or below the median, 0.33 for a 
 slower, → 1 for a rank that barely moves. A rank at or above ``straggler_threshold`` (and
 ``straggler_min_delta_s`` above the median) for ``straggler_patience`` consecutive evaluations
 is reported once per attempt (event ``straggler_detected``; scores in
-``<run_dir>/health/straggler_scores.<node>.json``). With ``straggler_policy = "exclude"`` the
+``<run_dir>/health/straggler_scores.<node>.json``; telemetry gets them over the event bus). With ``straggler_policy = "exclude"`` the
 node then leaves the job (event ``node_excluded``, :class:`NodeUnhealthyError` from the agent's
 monitor loop): a single-node job fails, an elastic one carries on without this node.
 
@@ -33,16 +33,14 @@ import statistics
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 from trainguard.core.config.health import HealthConfig
+from trainguard.core.events import MSG_STRAGGLER_SCORES
 from trainguard.core.jsonl import JsonlTail
-from trainguard.core.plugin import AgentPlugin
-
-if TYPE_CHECKING:
-    from trainguard.runtime.agent import TrainGuardAgent
+from trainguard.core.plugin import AgentContext, AgentPlugin, NodeUnhealthyError
 
 __all__ = ["StragglerDetector", "StragglerScorer"]
 
@@ -178,17 +176,17 @@ class StragglerDetector(AgentPlugin):
         self.num_store_errors = 0
         self.reports: list[dict[str, Any]] = []
 
-    def on_workers_started(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:
+    def on_workers_started(self, ctx: AgentContext, group: WorkerGroup) -> None:
         ranks = [w.global_rank for w in group.workers]
         self.scorer = StragglerScorer(self.cfg, ranks)
-        self._attempt = max(agent.attempt, 0)
+        self._attempt = max(ctx.attempt, 0)
         self._store = getattr(group, "store", None)
         self._group_rank = group.group_rank or 0
         self._group_world = group.group_world_size or 1
         self._published_step = None
         self._seen = {}
         self.remote_nodes = {}
-        metrics = Path(agent.run_dir) / "metrics"
+        metrics = Path(ctx.run_dir) / "metrics"
         self._tails = {}
         for r in ranks:
             tail = JsonlTail(metrics / f"rank_{r}.jsonl")
@@ -199,23 +197,23 @@ class StragglerDetector(AgentPlugin):
             self._tails[r] = tail
 
     def on_monitor(
-        self, agent: TrainGuardAgent, group: WorkerGroup, result: RunResult
+        self, ctx: AgentContext, group: WorkerGroup, result: RunResult
     ) -> RunResult | None:
         now = time.monotonic()
         if self.scorer is None or now < self._next_poll:
             return None
         self._next_poll = now + self.poll_interval_s
-        found = self.poll(agent)
+        found = self.poll(ctx)
         if found and self.cfg.straggler_policy == "exclude":
-            self._exclude(agent, found)
+            self._exclude(ctx, found)
         return None
 
-    def on_finish(self, agent: TrainGuardAgent, state: str) -> None:
+    def on_finish(self, ctx: AgentContext, state: str) -> None:
         if self.scorer is not None:
-            self.poll(agent, exchange=False)  # the other nodes (and the store) may be gone
+            self.poll(ctx, exchange=False)  # the other nodes (and the store) may be gone
 
     # -- one poll ------------------------------------------------------------------------------
-    def poll(self, agent: TrainGuardAgent, *, exchange: bool = True) -> list[dict[str, Any]]:
+    def poll(self, ctx: AgentContext, *, exchange: bool = True) -> list[dict[str, Any]]:
         """Read new step times, exchange medians with the other nodes, report new stragglers."""
         assert self.scorer is not None
         for r, tail in self._tails.items():
@@ -231,25 +229,25 @@ class StragglerDetector(AgentPlugin):
             self._read_remote()
         found = self.scorer.evaluate()
         if cross:
-            self._publish(agent)
+            self._publish(ctx)
         for f in found:
             self.reports.append(f)
             logger.warning(
                 "rank %d is a straggler on node %s (score %.2f, %.2fx the median of %d other ranks)",
                 f["rank"],
-                agent.events.node,
+                ctx.events.node,
                 f["score"],
                 f["ratio"],
                 f["ranks_compared"] - 1,
             )
-            agent.events.emit(
+            ctx.events.emit(
                 "straggler_detected",
-                message=f"rank {f['rank']} on node {agent.events.node} is "
+                message=f"rank {f['rank']} on node {ctx.events.node} is "
                 f"{f['ratio']:.2f}x the other ranks' median step time",
                 **f,
             )
         if self.scorer.scores:
-            self._write_scores(agent)
+            self._write_scores(ctx)
         return found
 
     def _key(self, group_rank: int) -> str:
@@ -260,13 +258,13 @@ class StragglerDetector(AgentPlugin):
         log = logger.warning if self.num_store_errors <= 3 else logger.debug
         log("straggler exchange: cannot %s the agent store: %s", what, e)
 
-    def _publish(self, agent: TrainGuardAgent) -> None:
+    def _publish(self, ctx: AgentContext) -> None:
         assert self.scorer is not None
         step = self.scorer.latest_step
         if step is None or step == self._published_step:
             return
         entry = {
-            "node": agent.events.node,
+            "node": ctx.events.node,
             "step": step,
             "medians": {str(r): m for r, m in self.scorer.latest.items()},
         }
@@ -307,10 +305,8 @@ class StragglerDetector(AgentPlugin):
         )
 
     # -- exclusion -----------------------------------------------------------------------------
-    def _exclude(self, agent: TrainGuardAgent, found: list[dict[str, Any]]) -> None:
-        from trainguard.runtime.agent import NodeUnhealthyError
-
-        node = agent.events.node
+    def _exclude(self, ctx: AgentContext, found: list[dict[str, Any]]) -> None:
+        node = ctx.events.node
         reasons = [
             f"rank {f['rank']} is a straggler: score {f['score']:.2f}, "
             f"{f['ratio']:.2f}x the median step time of the "
@@ -318,7 +314,7 @@ class StragglerDetector(AgentPlugin):
             for f in found
         ]
         logger.error("node %s leaves the job (straggler_policy=exclude): %s", node, reasons)
-        agent.events.emit(
+        ctx.events.emit(
             "node_excluded",
             reason="straggler",
             reasons=reasons,
@@ -327,9 +323,16 @@ class StragglerDetector(AgentPlugin):
         )
         raise NodeUnhealthyError(f"node {node} excluded: " + "; ".join(reasons))
 
-    def _write_scores(self, agent: TrainGuardAgent) -> None:
+    def _write_scores(self, ctx: AgentContext) -> None:
+        """Tell the other plugins (telemetry) the scores over the bus, and leave them for
+        people and tests in ``<run_dir>/health/straggler_scores.<node>.json`` (no plugin
+        reads that file)."""
         assert self.scorer is not None
-        path = Path(agent.run_dir) / "health" / f"straggler_scores.{agent.events.node}.json"
+        scores = {str(r): s for r, s in self.scorer.scores.items()}
+        ctx.events.publish(
+            MSG_STRAGGLER_SCORES, scores=scores, stragglers=sorted(self.scorer.reported)
+        )
+        path = Path(ctx.run_dir) / "health" / f"straggler_scores.{ctx.node}.json"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -338,8 +341,8 @@ class StragglerDetector(AgentPlugin):
                     {
                         "time": time.time(),
                         "attempt": self._attempt,
-                        "node": agent.events.node,
-                        "scores": {str(r): s for r, s in self.scorer.scores.items()},
+                        "node": ctx.node,
+                        "scores": scores,
                         "stragglers": sorted(self.scorer.reported),
                         "remote_medians_s": {
                             str(r): {"node": e.get("node"), "median_s": m}

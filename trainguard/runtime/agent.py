@@ -10,6 +10,7 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from trainguard.core import envvars
 from trainguard.core.config import TrainGuardConfig
@@ -20,7 +21,7 @@ from trainguard.core.failures import (
     WorkerFailure,
     classify_exit,
 )
-from trainguard.core.plugin import AgentPlugin
+from trainguard.core.plugin import AgentContext, AgentPlugin, NodeUnhealthyError
 from trainguard.core.progress import ProgressReader, ProgressSnapshot
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
@@ -29,36 +30,73 @@ __all__ = ["NodeUnhealthyError", "TrainGuardAgent"]
 logger = logging.getLogger(__name__)
 
 
-class NodeUnhealthyError(RuntimeError):
-    """Raised by a preflight plugin to keep this node out of the job."""
-
-
 class TrainGuardAgent(LocalElasticAgent):
     """A ``LocalElasticAgent`` that records lifecycle events, exposes each worker's progress
-    and calls :class:`AgentPlugin` hooks. Worker env, restarts, logs and failure reporting are
-    torch's own."""
+    and calls :class:`AgentPlugin` hooks with the node's :class:`AgentContext` (which it keeps
+    current). Worker env, restarts, logs and failure reporting are torch's own."""
 
     def __init__(
         self,
         *args: Any,
-        tg_config: TrainGuardConfig,
-        run_dir: Path,
-        events: EventLog,
+        ctx: AgentContext,
         plugins: list[AgentPlugin] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.tg_config = tg_config
-        self.run_dir = run_dir
-        self.events = events
+        self.ctx = ctx
+        self.tg_config: TrainGuardConfig = ctx.config
+        self.run_dir: Path = ctx.run_dir
+        self.events: EventLog = ctx.events
         self.plugins = list(plugins or [])
-        self.attempt = -1
+        ctx.worker_progress = self.worker_progress
+        ctx.worker_pids = self.worker_pids
         self.num_plugin_errors = 0
         self.progress: ProgressReader | None = None
         self.requeue = False
         """Every failed worker exited with the requeue code after a preemption save: the agent
         does not restart them and ``trainguard run`` exits with that code."""
         self._failed_reported = False
+
+    # -- requeue (the one place that decides it) ------------------------------------------------
+    def _mark_requeue(self, **fields: Any) -> None:
+        if self.requeue:
+            return
+        self.requeue = True
+        self.events.emit(
+            "requeue",
+            exitcode=REQUEUE_EXIT_CODE,
+            message="workers saved a preemption checkpoint and asked to be requeued",
+            **fields,
+        )
+
+    def requeue_after_signal(self, signal: str) -> bool:
+        """The agent was signalled (a preemption notice reaches it too): True, and recorded,
+        when every local worker saved and exited with the requeue code."""
+        codes = self.worker_exitcodes()
+        if codes and all(c == REQUEUE_EXIT_CODE for c in codes):
+            self._mark_requeue(signal=signal)
+        return self.requeue
+
+    def worker_exitcodes(self) -> list[int | None]:
+        """Exit codes of the local workers after the agent shut them down (script or function
+        entrypoints); empty when none were started."""
+        pc = getattr(self, "_pcontext", None)
+        handlers = getattr(pc, "subprocess_handlers", None)
+        if handlers:
+            return [h.proc.returncode for h in handlers.values()]
+        procs = getattr(getattr(pc, "_pc", None), "processes", None)
+        if procs:
+            return [p.exitcode for p in procs]
+        return []
+
+    def unhealthy_failures(self) -> dict[int, ProcessFailure]:
+        """One failure per local worker of a group declared unhealthy (exit code 1)."""
+        return {
+            w.global_rank: ProcessFailure(
+                local_rank=w.local_rank, pid=w.id or -1, exitcode=1, error_file=""
+            )
+            for w in self._worker_group.workers
+        }
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -67,13 +105,17 @@ class TrainGuardAgent(LocalElasticAgent):
         return h if isinstance(h, AttemptRendezvousHandler) else None
 
     @property
-    def restart_count(self) -> int:
+    def attempt(self) -> int:
+        """Job-wide worker-group attempt of the current round (0-based; -1 before the first)."""
+        return self.ctx.attempt
+
+    @property
+    def agent_restarts(self) -> int:
         """This agent's restarts (torchrun's TORCHELASTIC_RESTART_COUNT)."""
         return self._worker_group.spec.max_restarts - self._remaining_restarts
 
     def event_context(self) -> dict[str, Any]:
-        attempt = max(self.attempt, 0)
-        return {"attempt": attempt, "restart_count": attempt, "agent_restarts": self.restart_count}
+        return {"attempt": max(self.attempt, 0), "agent_restarts": self.agent_restarts}
 
     def worker_progress(self) -> dict[int, ProgressSnapshot]:
         """Latest progress of every local worker, by global rank."""
@@ -87,11 +129,24 @@ class TrainGuardAgent(LocalElasticAgent):
                 out[r] = snap
         return out
 
+    def worker_pids(self) -> dict[int, int]:
+        """Global rank → pid of this node's workers (torch's process context, else the pids
+        the workers report in their progress files)."""
+        local = {w.local_rank: w.global_rank for w in self._worker_group.workers}
+        pcontext = getattr(self, "_pcontext", None)
+        try:
+            by_local = pcontext.pids() if pcontext is not None else {}
+        except Exception:
+            by_local = {}
+        if by_local:
+            return {local.get(lr, lr): pid for lr, pid in by_local.items()}
+        return {r: s.pid for r, s in self.worker_progress().items() if s.pid}
+
     def _call(self, hook: str, *args: Any) -> list[Any]:
         results = []
         for p in self.plugins:
             try:
-                results.append(getattr(p, hook)(self, *args))
+                results.append(getattr(p, hook)(self.ctx, *args))
             except NodeUnhealthyError:
                 raise
             except Exception:
@@ -105,10 +160,16 @@ class TrainGuardAgent(LocalElasticAgent):
         t0 = time.monotonic()
         super()._rendezvous(worker_group)
         rnd = self.rdzv.last_round if self.rdzv else None
-        if rnd is not None:
-            self.attempt = rnd.attempt
-        else:
-            self.attempt = self.restart_count
+        ctx = self.ctx
+        ctx.attempt = rnd.attempt if rnd is not None else self.agent_restarts
+        ctx.agent_restarts = self.agent_restarts
+        ctx.store = worker_group.store
+        ctx.group_rank = worker_group.group_rank or 0
+        ctx.group_world_size = worker_group.group_world_size or 1
+        ctx.members = list(rnd.members) if rnd is not None else []
+        ctx.foreign_ranks = list(rnd.foreign_ranks) if rnd is not None else []
+        ctx.master_addr = worker_group.master_addr
+        ctx.master_port = worker_group.master_port
         self.events.emit(
             "rendezvous",
             group_rank=worker_group.group_rank,
@@ -195,14 +256,8 @@ class TrainGuardAgent(LocalElasticAgent):
         }:
             # The workers saved and asked to be requeued: restarting them here would only
             # train on until the scheduler's kill. Stop, and exit with their code.
-            self.requeue = True
             self._remaining_restarts = 0
-            self.events.emit(
-                "requeue",
-                exitcode=REQUEUE_EXIT_CODE,
-                ranks=sorted(f.rank for f in failures),
-                message="workers saved a preemption checkpoint and asked to be requeued",
-            )
+            self._mark_requeue(ranks=sorted(f.rank for f in failures))
         self._call("on_failure", failures)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:

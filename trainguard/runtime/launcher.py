@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from torch.distributed.elastic import events as torch_events
 from torch.distributed.elastic import metrics as torch_metrics
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -37,15 +38,16 @@ from torch.distributed.launcher.api import LaunchConfig
 from trainguard.core.config import ConfigError, TrainGuardConfig, load_config
 from trainguard.core.events import EventLog
 from trainguard.core.failures import REQUEUE_EXIT_CODE
-from trainguard.core.plugin import AgentPlugin
-from trainguard.runtime.agent import NodeUnhealthyError, TrainGuardAgent
+from trainguard.core.plugin import AgentContext, AgentPlugin, NodeUnhealthyError
+from trainguard.runtime.agent import TrainGuardAgent
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
 __all__ = ["UsageError", "build_parser", "launch", "run"]
 
 logger = logging.getLogger(__name__)
 
-PluginFactory = Callable[[TrainGuardConfig, Path, EventLog], list[AgentPlugin]]
+PluginFactory = Callable[[AgentContext], list[AgentPlugin]]
+"""Builds the node's plugins from its context (default: runtime.registry.default_plugins)."""
 
 
 class UsageError(Exception):
@@ -153,39 +155,6 @@ def _master_addr_port(params: RendezvousParameters) -> tuple[str | None, int | N
     return addr, port
 
 
-def _unhealthy_failures(agent: TrainGuardAgent) -> dict[int, ProcessFailure]:
-    """One failure per local worker of a group the agent declared unhealthy (exit code 1)."""
-    return {
-        w.global_rank: ProcessFailure(
-            local_rank=w.local_rank, pid=w.id or -1, exitcode=1, error_file=""
-        )
-        for w in agent.get_worker_group().workers
-    }
-
-
-def _worker_exitcodes(agent: TrainGuardAgent) -> list[int | None]:
-    """Exit codes of the local workers after the agent shut them down (script or function
-    entrypoints); empty when none were started."""
-    pc = getattr(agent, "_pcontext", None)
-    handlers = getattr(pc, "subprocess_handlers", None)
-    if handlers:
-        return [h.proc.returncode for h in handlers.values()]
-    procs = getattr(getattr(pc, "_pc", None), "processes", None)
-    if procs:
-        return [p.exitcode for p in procs]
-    return []
-
-
-def _requeue_exit(name: str) -> SystemExit:
-    print(
-        f"trainguard run: the workers of {name} saved a preemption checkpoint and exited with "
-        f"{REQUEUE_EXIT_CODE}; exiting with {REQUEUE_EXIT_CODE} so the scheduler requeues the job",
-        file=sys.stderr,
-        flush=True,
-    )
-    return SystemExit(REQUEUE_EXIT_CODE)
-
-
 def _handle_preemption_signals(configured: str, preemption_signals: list[str]) -> list[str]:
     """Handle the preemption signals torch does not (SIGUSR1, which Slurm's ``--signal`` sends,
     would otherwise kill the agent and orphan its workers) the way torch handles its own: raise
@@ -195,7 +164,7 @@ def _handle_preemption_signals(configured: str, preemption_signals: list[str]) -
     from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
 
     names = {n.strip() for n in configured.split(",") if n.strip()}
-    added = []
+    added: list[str] = []
     if threading.current_thread() is not threading.main_thread():
         return added
     for name in preemption_signals:
@@ -216,9 +185,9 @@ def _log_preemption_notice(signum: int, frame: Any) -> None:
 
 
 def _direct_preemption_signals(configured: str, preemption_signals: list[str]) -> str:
-    """The scheduler signals the workers itself: the agent logs the preemption signals (a
-    handler, not SIG_IGN, so the workers do not inherit an ignored signal) and torch's handler
-    (which would forward them) is left to the others."""
+    """The scheduler signals the workers itself (a ``trainguard sbatch`` job): the agent logs
+    the preemption signals (a handler, not SIG_IGN, so the workers do not inherit an ignored
+    signal) and torch's handler (which would forward them) is left to the others."""
     for sig in preemption_signals:
         try:
             signal.signal(getattr(signal, sig), _log_preemption_notice)
@@ -228,18 +197,16 @@ def _direct_preemption_signals(configured: str, preemption_signals: list[str]) -
     return ",".join(n for n in names if n not in preemption_signals)
 
 
-def launch(
+def _worker_spec(
     config: LaunchConfig,
     entrypoint: Callable[..., Any] | str,
     args: list[str],
     *,
-    tg_config: TrainGuardConfig,
-    run_dir: Path,
-    plugin_factory: PluginFactory | None = None,
-) -> dict[int, Any]:
-    """Run one node's agent to completion; mirrors ``torch.distributed.launcher.api.launch_agent``."""
-    events = EventLog(run_dir)
-    name = _entrypoint_name(entrypoint, args)
+    node: str,
+    preemption_signals: list[str],
+    direct_signals: bool = False,
+) -> WorkerSpec:
+    """torch's WorkerSpec for ``config``, with trainguard's rendezvous handler."""
     params = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -250,20 +217,15 @@ def launch(
         **config.rdzv_configs,
     )
     master_addr, master_port = _master_addr_port(params)
-    if tg_config.runtime.preemption_signals_direct:
-        # inside a `trainguard sbatch` job the scheduler signals the workers itself
+    if direct_signals:
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _direct_preemption_signals(
-            config.signals_to_handle, tg_config.checkpoint.preemption_signals
+            config.signals_to_handle, preemption_signals
         )
     else:
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-        _handle_preemption_signals(
-            config.signals_to_handle, tg_config.checkpoint.preemption_signals
-        )
-    handler = AttemptRendezvousHandler(
-        rdzv_registry.get_rendezvous_handler(params), node=events.node
-    )
-    spec = WorkerSpec(
+        _handle_preemption_signals(config.signals_to_handle, preemption_signals)
+    handler = AttemptRendezvousHandler(rdzv_registry.get_rendezvous_handler(params), node=node)
+    return WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=entrypoint,
@@ -280,19 +242,136 @@ def launch(
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank,
     )
-    plugins = plugin_factory(tg_config, run_dir, events) if plugin_factory else []
+
+
+@dataclass
+class Outcome:
+    """How one node's agent ended.
+
+    ``state``: succeeded | failed | requeue | excluded | the name of the signal that stopped it
+    (the ``job_finished`` event and the plugins' ``on_finish`` get it).
+    """
+
+    state: str
+    error: BaseException | None = None
+    """What ``launch`` raises (torch's ChildFailedError, SignalException, NodeUnhealthyError...)."""
+    return_values: dict[int, Any] = field(default_factory=dict)
+    shutdown_rdzv: bool = True
+    """False when the others go on without this node (signal, exclusion): the rendezvous stays."""
+
+
+def _run_agent(agent: TrainGuardAgent, config: LaunchConfig, name: str) -> Outcome:
+    """Run the agent to completion and classify how it ended; raises nothing but BaseExceptions
+    that are not Exceptions (KeyboardInterrupt, SystemExit)."""
+    try:
+        torch_metrics.initialize_metrics(torch_metrics.MetricsConfig(config.metrics_cfg))
+        result = agent.run()
+    except SignalException as e:
+        torch_events.record(agent.get_event_failed(), config.event_log_handler)
+        # A preemption notice reaches the agent too: if every worker saved and asked to be
+        # requeued, that is what happened, not torch's signal error.
+        state = "requeue" if agent.requeue_after_signal(e.sigval.name) else e.sigval.name
+        return Outcome(state, error=e, shutdown_rdzv=False)
+    except NodeUnhealthyError as e:
+        # This node leaves (health policy); the rendezvous stays open for the others.
+        torch_events.record(agent.get_event_failed(), config.event_log_handler)
+        return Outcome("excluded", error=e, shutdown_rdzv=False)
+    except RendezvousConnectionError as e:
+        torch_events.record(agent.get_event_failed(), config.event_log_handler)
+        if agent.attempt >= 0:
+            return Outcome("failed", error=e)
+        # A spare that never joined a round: its rendezvous store went away, which is how a
+        # job that ended without it (or lost its store host) looks from the waiting list.
+        print(
+            "trainguard run: the rendezvous store closed while this node waited as a spare "
+            "(the job ended without it, or the store's host failed); nothing to save",
+            file=sys.stderr,
+            flush=True,
+        )
+        return Outcome("rendezvous_lost", shutdown_rdzv=False)
+    except Exception as e:
+        torch_events.record(agent.get_event_failed(), config.event_log_handler)
+        return Outcome("failed", error=e)
+    if result is None:
+        # torch returns nothing for a node that waited in the rendezvous's redundancy list
+        # (a spare) when the job ended without it.
+        return Outcome("spare_released")
+    torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
+    if result.is_failed() and agent.requeue:
+        return Outcome("requeue")
+    if result.is_failed():
+        return Outcome("failed", error=ChildFailedError(name=name, failures=result.failures))
+    if result.state == WorkerState.UNHEALTHY:
+        # torch hands an UNHEALTHY group back when no restarts are left, and its is_failed()
+        # is False: report it like a failure instead of a success.
+        failures = result.failures or agent.unhealthy_failures()
+        return Outcome("failed", error=ChildFailedError(name=name, failures=failures))
+    return Outcome("succeeded", return_values=result.return_values)
+
+
+def _conclude(outcome: Outcome, name: str) -> dict[int, Any]:
+    """The one place an outcome becomes launch's result: return values, or the exception that
+    ``trainguard run`` turns into its exit code (requeue: ``REQUEUE_EXIT_CODE``; a failure:
+    torch's ChildFailedError report, exit 1; a signal: torch's SignalException; exclusion:
+    NodeUnhealthyError, one line, exit 1)."""
+    if outcome.state == "requeue":
+        print(
+            f"trainguard run: the workers of {name} saved a preemption checkpoint and exited "
+            f"with {REQUEUE_EXIT_CODE}; exiting with {REQUEUE_EXIT_CODE} so the scheduler "
+            "requeues the job",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(REQUEUE_EXIT_CODE) from None
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome.return_values
+
+
+def _finish_plugins(plugins: list[AgentPlugin], ctx: AgentContext, state: str) -> None:
+    for p in plugins:
+        try:
+            p.on_finish(ctx, state)
+        except Exception:
+            logger.exception("plugin %s failed in on_finish", p.name)
+        try:
+            p.close()
+        except Exception:
+            logger.exception("plugin %s failed in close", p.name)
+
+
+def launch(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    args: list[str],
+    *,
+    tg_config: TrainGuardConfig,
+    run_dir: Path,
+    plugin_factory: PluginFactory | None = None,
+) -> dict[int, Any]:
+    """Run one node's agent to completion; mirrors ``torch.distributed.launcher.api.launch_agent``."""
+    events = EventLog(run_dir)
+    ctx = AgentContext(config=tg_config, run_dir=run_dir, events=events, launch_config=config)
+    name = _entrypoint_name(entrypoint, args)
+    spec = _worker_spec(
+        config,
+        entrypoint,
+        args,
+        node=events.node,
+        preemption_signals=tg_config.checkpoint.preemption_signals,
+        direct_signals=tg_config.runtime.preemption_signals_direct,
+    )
+    plugins = plugin_factory(ctx) if plugin_factory else []
     agent = TrainGuardAgent(
         spec=spec,
         logs_specs=config.logs_specs,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.shutdown_timeout,
-        tg_config=tg_config,
-        run_dir=run_dir,
-        events=events,
+        ctx=ctx,
         plugins=plugins,
     )
-    events._context = agent.event_context
+    events.set_context(agent.event_context)
     events.emit(
         "launch",
         run_id=config.run_id,
@@ -305,86 +384,15 @@ def launch(
         max_restarts=config.max_restarts,
         pid=os.getpid(),
     )
-    shutdown_rdzv = True
-    state = "failed"
+    outcome = Outcome("failed")
     try:
-        torch_metrics.initialize_metrics(torch_metrics.MetricsConfig(config.metrics_cfg))
-        result = agent.run()
-        if result is None:
-            # torch returns nothing for a node that waited in the rendezvous's redundancy
-            # list (a spare) when the job ended without it.
-            state = "spare_released"
-            return {}
-        torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
-        if result.is_failed() and agent.requeue:
-            state = "requeue"
-            raise _requeue_exit(name)
-        if result.is_failed():
-            raise ChildFailedError(name=name, failures=result.failures)
-        if result.state == WorkerState.UNHEALTHY:
-            # torch hands an UNHEALTHY group back when no restarts are left, and its
-            # is_failed() is False: report it like a failure instead of a success.
-            raise ChildFailedError(
-                name=name, failures=result.failures or _unhealthy_failures(agent)
-            )
-        state = "succeeded"
-        return result.return_values
-    except ChildFailedError:
-        raise
-    except SignalException as e:
-        state = e.sigval.name
-        shutdown_rdzv = False
-        torch_events.record(agent.get_event_failed(), config.event_log_handler)
-        codes = _worker_exitcodes(agent)
-        if codes and all(c == REQUEUE_EXIT_CODE for c in codes):
-            # The signal was a preemption notice and every worker saved and asked to be
-            # requeued: say so with their exit code instead of torch's signal error.
-            state = "requeue"
-            events.emit(
-                "requeue",
-                exitcode=REQUEUE_EXIT_CODE,
-                signal=e.sigval.name,
-                message="workers saved a preemption checkpoint and asked to be requeued",
-            )
-            raise _requeue_exit(name) from None
-        raise
-    except RendezvousConnectionError:
-        if agent.attempt >= 0:
-            torch_events.record(agent.get_event_failed(), config.event_log_handler)
-            raise
-        # A spare that never joined a round: its rendezvous store went away, which is how a
-        # job that ended without it (or lost its store host) looks from the waiting list.
-        state = "rendezvous_lost"
-        shutdown_rdzv = False
-        print(
-            "trainguard run: the rendezvous store closed while this node waited as a spare "
-            "(the job ended without it, or the store's host failed); nothing to save",
-            file=sys.stderr,
-            flush=True,
-        )
-        return {}
-    except NodeUnhealthyError:
-        # This node leaves (health policy); the rendezvous stays open for the others.
-        state = "excluded"
-        shutdown_rdzv = False
-        torch_events.record(agent.get_event_failed(), config.event_log_handler)
-        raise
-    except Exception:
-        torch_events.record(agent.get_event_failed(), config.event_log_handler)
-        raise
+        outcome = _run_agent(agent, config, name)
     finally:
-        events.emit("job_finished", state=state)
-        for p in plugins:
-            try:
-                p.on_finish(agent, state)
-            except Exception:
-                logger.exception("plugin %s failed in on_finish", p.name)
-            try:
-                p.close()
-            except Exception:
-                logger.exception("plugin %s failed in close", p.name)
-        if shutdown_rdzv:
+        events.emit("job_finished", state=outcome.state)
+        _finish_plugins(plugins, ctx, outcome.state)
+        if outcome.shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+    return _conclude(outcome, name)
 
 
 def prepare(

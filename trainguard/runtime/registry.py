@@ -1,14 +1,13 @@
-"""The default set of agent plugins, built from the config (a name → factory registry)."""
+"""The default set of agent plugins, built from the config (the only agent-side module that
+imports the features)."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from trainguard.core.config import TrainGuardConfig
-from trainguard.core.events import EventLog
 from trainguard.core.fencing import NodeFencer, RecordOnlyFencer
-from trainguard.core.plugin import AgentPlugin
+from trainguard.core.plugin import AgentContext, AgentPlugin
 
 __all__ = ["default_plugins", "node_fencer"]
 
@@ -30,31 +29,32 @@ def node_fencer(cfg: TrainGuardConfig) -> NodeFencer:
     return RecordOnlyFencer()
 
 
-def default_plugins(cfg: TrainGuardConfig, run_dir: Path, events: EventLog) -> list[AgentPlugin]:
-    """Plugins enabled by ``cfg``. Components register theirs here as they land."""
+def default_plugins(ctx: AgentContext) -> list[AgentPlugin]:
+    """Plugins enabled by ``ctx.config``. Components register theirs here as they land."""
+    cfg = ctx.config
     plugins: list[AgentPlugin] = []
     if cfg.telemetry.enabled:
         from trainguard.telemetry.plugin import create_telemetry_plugin
 
-        telemetry = create_telemetry_plugin(cfg.telemetry, run_dir, events)
+        telemetry = create_telemetry_plugin(ctx)
         if telemetry is not None:
             plugins.append(telemetry)
     if cfg.health.enabled:
         from trainguard.health.plugins import health_plugins
 
-        plugins.extend(health_plugins(cfg, run_dir, events))
+        plugins.extend(health_plugins(ctx))
     if cfg.checkpoint.enabled and cfg.checkpoint.memory_tier:
-        from trainguard.checkpoint.memtier import MemoryTierPlugin
+        from trainguard.checkpoint.memtier.plugin import MemoryTierPlugin
 
-        plugins.append(MemoryTierPlugin(cfg.checkpoint, run_dir, events))
+        plugins.append(MemoryTierPlugin(ctx))
     if cfg.alerts.webhook_url:
         from trainguard.dashboards.pager import create_pager_plugin
 
-        pager = create_pager_plugin(cfg.alerts, run_dir, events)
+        pager = create_pager_plugin(cfg.alerts, ctx.run_dir, ctx.events)
         if pager is not None:
             plugins.append(pager)
     if _in_trainguard_sbatch_job():
         from trainguard.slurm.plugin import SlurmDrainPlugin
 
-        plugins.append(SlurmDrainPlugin(node_fencer(cfg), events, os.environ["SLURM_JOB_ID"]))
+        plugins.append(SlurmDrainPlugin(node_fencer(cfg), ctx.events, os.environ["SLURM_JOB_ID"]))
     return plugins

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainguard.core.events import EventLog
 from trainguard.core.fencing import NodeFencer
-from trainguard.core.plugin import AgentPlugin
+from trainguard.core.plugin import AgentContext, AgentPlugin
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import WorkerGroup
@@ -39,11 +39,10 @@ class SlurmDrainPlugin(AgentPlugin):
         self._previous: set[str] = set()
         self._threads: list[threading.Thread] = []
 
-    def after_rendezvous(self, agent: Any, group: WorkerGroup) -> None:
-        rnd = agent.rdzv.last_round if agent.rdzv is not None else None
-        if rnd is None:
+    def after_rendezvous(self, ctx: AgentContext, group: WorkerGroup) -> None:
+        if not ctx.members:
             return
-        current = {str(m.get("node")) for m in rnd.members}
+        current = {str(m.get("node")) for m in ctx.members if not m.get("foreign")}
         lost = lost_members(self._previous, current) if self._previous else []
         self._previous = current
         for node in lost:
@@ -53,7 +52,7 @@ class SlurmDrainPlugin(AgentPlugin):
                 first = True
             if first:
                 t = threading.Thread(
-                    target=self._drain, args=(node, rnd.attempt), daemon=True, name="slurm-drain"
+                    target=self._drain, args=(node, ctx.attempt), daemon=True, name="slurm-drain"
                 )
                 t.start()
                 self._threads.append(t)

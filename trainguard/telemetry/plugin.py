@@ -14,37 +14,35 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainguard.core.config.telemetry import TelemetryConfig
-from trainguard.core.events import EVENTS_FILE, EventLog
+from trainguard.core.events import EVENTS_FILE, MSG_STRAGGLER_SCORES
 from trainguard.core.jsonl import JsonlTail
-from trainguard.core.plugin import AgentPlugin
+from trainguard.core.plugin import AgentContext, AgentPlugin
+from trainguard.telemetry.goodput import GoodputTracker
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics import MeterProvider
     from torch.distributed.elastic.agent.server.api import WorkerGroup
 
     from trainguard.core.failures import WorkerFailure
-    from trainguard.runtime.agent import TrainGuardAgent
+    from trainguard.telemetry.prometheus import PrometheusBridge, PrometheusEndpoint
+    from trainguard.telemetry.recorder import MetricsRecorder
+    from trainguard.telemetry.tracing import AgentTracer
 
 __all__ = ["TelemetryPlugin", "create_telemetry_plugin"]
 
 logger = logging.getLogger(__name__)
 
 
-def _resource_attrs(run_dir: Path, node: str) -> dict[str, Any]:
-    job_id = ""
-    try:
-        cfg = json.loads((run_dir / "config.json").read_text())
-        job_id = str(cfg.get("torchrun", {}).get("rdzv_id") or "")
-    except (OSError, ValueError):
-        pass
+def _resource_attrs(ctx: AgentContext) -> dict[str, Any]:
+    node = ctx.node
     attrs: dict[str, Any] = {
         "service.name": "trainguard",
         "host.name": node,
-        "trainguard.run_id": run_dir.name,
-        "trainguard.job_id": job_id or run_dir.name,
+        "trainguard.run_id": ctx.run_dir.name,
+        "trainguard.job_id": ctx.run_id,
         "trainguard.node": node,
     }
     if os.environ.get("SLURM_JOB_ID"):
@@ -80,14 +78,36 @@ def _gpu_uuids() -> list[str]:
 class TelemetryPlugin(AgentPlugin):
     name = "telemetry"
 
-    def __init__(
-        self, cfg: TelemetryConfig, run_dir: Path, events: EventLog, *, background: bool = False
-    ) -> None:
+    # Built by _build (on a thread with background=True); every hook first waits in _ready().
+    meter_provider: MeterProvider
+    recorder: MetricsRecorder
+    tracer: AgentTracer
+    bridge: PrometheusBridge | None
+    """The Prometheus reader (``[telemetry] prometheus``), served by ``endpoint``."""
+    endpoint: PrometheusEndpoint | None
+    otlp: tuple[str, str] | None
+    """(endpoint, protocol) of the OTLP export, when configured."""
+
+    def __init__(self, ctx: AgentContext, *, background: bool = False) -> None:
         """``background=True`` builds the providers on a thread, overlapping the agent's
         rendezvous, so telemetry adds nothing to launch-to-first-step; hooks wait for it."""
-        self.cfg = cfg
-        self.run_dir = run_dir
-        self.node = events.node
+        self.ctx = ctx
+        self.cfg: TelemetryConfig = ctx.config.telemetry
+        self.run_dir = ctx.run_dir
+        self.node = ctx.node
+        self.export_failures: dict[str, int] = {}
+        self._lock = threading.Lock()  # export_failures (exporter threads)
+        self._state_lock = threading.RLock()  # poll thread vs the agent's hooks
+        self._ranks: set[int] = set()
+        self._tails: dict[int, JsonlTail] = {}
+        self._events_tail = JsonlTail(self.run_dir / EVENTS_FILE)
+        self._events: list[dict[str, Any]] = []
+        self._goodput = GoodputTracker()
+        self._last_goodput = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._scores: dict[str, Any] | None = None  # latest from the bus, not yet recorded
+        ctx.events.subscribe(self._on_scores, kinds=[MSG_STRAGGLER_SCORES])
         self._round_start_ns: int | None = None
         self._builder: threading.Thread | None = None
         self._build_error: BaseException | None = None
@@ -117,115 +137,110 @@ class TelemetryPlugin(AgentPlugin):
             return False
         return self._build_error is None
 
+    # -- build (the OTel SDK is imported here, off the launch path) ----------------------------
     def _build(self) -> None:
         from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-        from trainguard.telemetry import exporters as ex
-        from trainguard.telemetry.mfu import PeakResolver
-        from trainguard.telemetry.prometheus import (
-            PrometheusBridge,
-            PrometheusEndpoint,
-            endpoint_file,
-        )
-        from trainguard.telemetry.recorder import MetricsRecorder
         from trainguard.telemetry.tracing import AgentTracer
 
-        cfg, run_dir = self.cfg, self.run_dir
-        self.export_failures: dict[str, int] = {}
-        self._lock = threading.Lock()
-        resource = Resource.create(_resource_attrs(run_dir, self.node))
-        tdir = run_dir / "telemetry"
-        tdir.mkdir(parents=True, exist_ok=True)
-        interval_ms = cfg.export_interval_s * 1000
-        readers: list[Any] = [
-            PeriodicExportingMetricReader(
-                ex.CountingMetricExporter(
-                    ex.JsonlMetricExporter(tdir / f"metrics_{self.node}.jsonl"),
-                    "jsonl",
-                    self._on_export_failure,
-                ),
-                export_interval_millis=interval_ms,
-            )
-        ]
-        processors: list[Any] = [
-            SimpleSpanProcessor(
-                ex.CountingSpanExporter(
-                    ex.JsonlSpanExporter(tdir / f"traces_{self.node}.jsonl"),
-                    "jsonl",
-                    self._on_export_failure,
-                )
-            )
-        ]
-        self.bridge: PrometheusBridge | None = None
-        if cfg.prometheus:
-            self.bridge = PrometheusBridge()
-            readers.append(self.bridge)
-        self.otlp = ex.resolve_otlp(cfg.otlp_endpoint, cfg.otlp_protocol)
-        if self.otlp is not None:
-            built = ex.build_otlp_exporters(*self.otlp, timeout_s=cfg.otlp_timeout_s)
-            if built is not None:
-                span_exp, metric_exp = built
-                readers.append(
-                    PeriodicExportingMetricReader(
-                        ex.CountingMetricExporter(
-                            metric_exp, "otlp_metrics", self._on_export_failure
-                        ),
-                        export_interval_millis=interval_ms,
-                        export_timeout_millis=cfg.otlp_timeout_s * 1000,
-                    )
-                )
-                processors.append(
-                    BatchSpanProcessor(
-                        ex.CountingSpanExporter(span_exp, "otlp_traces", self._on_export_failure),
-                        schedule_delay_millis=interval_ms,
-                        export_timeout_millis=cfg.otlp_timeout_s * 1000,
-                    )
-                )
+        resource = Resource.create(_resource_attrs(self.ctx))
+        (self.run_dir / "telemetry").mkdir(parents=True, exist_ok=True)
+        readers, processors = self._exporters()
         self.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
-        self.recorder = MetricsRecorder(
-            self.meter_provider,
-            node=self.node,
-            peak=PeakResolver(override=cfg.peak_flops, device_name=cfg.device_name),
-            flops_per_step=cfg.flops_per_step,
-        )
-        self.recorder.export_failure("jsonl", 0)  # exported from 0, like the other counters
-        ra = resource.attributes
-        self.recorder.run_info(
-            run_id=str(ra["trainguard.run_id"]),
-            job_id=str(ra["trainguard.job_id"]),
-            slurm_job_id=str(ra.get("slurm.job_id", "")),
-        )
+        self.recorder = self._recorder(resource.attributes)
         self.tracer = AgentTracer(
             run_id=str(resource.attributes["trainguard.job_id"]),
             node=self.node,
             resource=resource,
             processors=processors,
         )
-        self.endpoint: PrometheusEndpoint | None = None
-        if self.bridge is not None:
-            try:
-                self.endpoint = PrometheusEndpoint(
-                    self.bridge, host=cfg.prometheus_host, port=cfg.prometheus_port
-                )
-                self.endpoint.write(endpoint_file(run_dir, self.node))
-                logger.info("metrics of node %s at %s", self.node, self.endpoint.url)
-            except OSError as e:
-                logger.warning("no metrics endpoint for node %s: %s", self.node, e)
-        self._ranks: set[int] = set()
-        self._tails: dict[int, JsonlTail] = {}
-        self._events_tail = JsonlTail(run_dir / EVENTS_FILE)
-        self._events: list[dict[str, Any]] = []
-        from trainguard.telemetry.goodput import GoodputTracker
+        self.endpoint = self._open_endpoint()
 
-        self._goodput = GoodputTracker()
-        self._stop = threading.Event()
-        self._state_lock = threading.RLock()  # poll thread vs the agent's hooks
-        self._thread: threading.Thread | None = None
-        self._last_goodput = 0.0
-        self._scores_mtime = 0.0
+    def _exporters(self) -> tuple[list[Any], list[Any]]:
+        """Metric readers and span processors: JSONL always, the Prometheus bridge and OTLP
+        as configured; every exporter counts its failures."""
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+        from trainguard.telemetry import exporters as ex
+        from trainguard.telemetry.prometheus import PrometheusBridge
+
+        cfg, tdir, failed = self.cfg, self.run_dir / "telemetry", self._on_export_failure
+        interval_ms = cfg.export_interval_s * 1000
+        jsonl_metrics = ex.JsonlMetricExporter(tdir / f"metrics_{self.node}.jsonl")
+        jsonl_spans = ex.JsonlSpanExporter(tdir / f"traces_{self.node}.jsonl")
+        readers: list[Any] = [
+            PeriodicExportingMetricReader(
+                ex.CountingMetricExporter(jsonl_metrics, "jsonl", failed),
+                export_interval_millis=interval_ms,
+            )
+        ]
+        processors: list[Any] = [
+            SimpleSpanProcessor(ex.CountingSpanExporter(jsonl_spans, "jsonl", failed))
+        ]
+        self.bridge = PrometheusBridge() if cfg.prometheus else None
+        if self.bridge is not None:
+            readers.append(self.bridge)
+        self.otlp = ex.resolve_otlp(cfg.otlp_endpoint, cfg.otlp_protocol)
+        built = (
+            ex.build_otlp_exporters(*self.otlp, timeout_s=cfg.otlp_timeout_s)
+            if self.otlp is not None
+            else None
+        )
+        if built is not None:
+            span_exp, metric_exp = built
+            readers.append(
+                PeriodicExportingMetricReader(
+                    ex.CountingMetricExporter(metric_exp, "otlp_metrics", failed),
+                    export_interval_millis=interval_ms,
+                    export_timeout_millis=cfg.otlp_timeout_s * 1000,
+                )
+            )
+            processors.append(
+                BatchSpanProcessor(
+                    ex.CountingSpanExporter(span_exp, "otlp_traces", failed),
+                    schedule_delay_millis=interval_ms,
+                    export_timeout_millis=cfg.otlp_timeout_s * 1000,
+                )
+            )
+        return readers, processors
+
+    def _recorder(self, ra: Any) -> MetricsRecorder:
+        from trainguard.telemetry.mfu import PeakResolver
+        from trainguard.telemetry.recorder import MetricsRecorder
+
+        cfg = self.cfg
+        recorder = MetricsRecorder(
+            self.meter_provider,
+            node=self.node,
+            peak=PeakResolver(override=cfg.peak_flops, device_name=cfg.device_name),
+            flops_per_step=cfg.flops_per_step,
+        )
+        recorder.export_failure("jsonl", 0)  # exported from 0, like the other counters
+        recorder.run_info(
+            run_id=str(ra["trainguard.run_id"]),
+            job_id=str(ra["trainguard.job_id"]),
+            slurm_job_id=str(ra.get("slurm.job_id", "")),
+        )
+        return recorder
+
+    def _open_endpoint(self) -> PrometheusEndpoint | None:
+        """This node's ``/metrics`` (127.0.0.1 by default), announced in the run directory."""
+        from trainguard.telemetry.prometheus import PrometheusEndpoint, endpoint_file
+
+        if self.bridge is None:
+            return None
+        try:
+            endpoint = PrometheusEndpoint(
+                self.bridge, host=self.cfg.prometheus_host, port=self.cfg.prometheus_port
+            )
+            endpoint.write(endpoint_file(self.run_dir, self.node))
+        except OSError as e:
+            logger.warning("no metrics endpoint for node %s: %s", self.node, e)
+            return None
+        logger.info("metrics of node %s at %s", self.node, endpoint.url)
+        return endpoint
 
     # -- export failure accounting -----------------------------------------------------------
     def _on_export_failure(self, exporter: str) -> None:
@@ -263,24 +278,19 @@ class TelemetryPlugin(AgentPlugin):
                 self.recorder.record(rec)
                 if rank == ref:
                     self._goodput.add(rec)
-        self._read_straggler_scores()
+        scores, self._scores = self._scores, None
+        if scores is not None:
+            self.recorder.straggler_scores(scores)
         now = time.time()
         if now - self._last_goodput >= self.cfg.export_interval_s / 2:
             self._last_goodput = now
             self.update_goodput(now)
 
-    def _read_straggler_scores(self) -> None:
-        path = self.run_dir / "health" / f"straggler_scores.{self.node}.json"
-        try:
-            mtime = path.stat().st_mtime
-            if mtime == self._scores_mtime:
-                return
-            self._scores_mtime = mtime
-            scores = json.loads(path.read_text()).get("scores") or {}
-        except (OSError, ValueError, AttributeError):
-            return
+    def _on_scores(self, msg: dict[str, Any]) -> None:
+        """Bus listener (the straggler detector's thread): the next poll records them."""
+        scores = msg.get("scores")
         if isinstance(scores, dict):
-            self.recorder.straggler_scores(scores)
+            self._scores = scores
 
     def update_goodput(self, now: float | None = None) -> Any:
         g = self._goodput.result(self._events, now=now)
@@ -295,7 +305,7 @@ class TelemetryPlugin(AgentPlugin):
                 logger.exception("telemetry poll failed")
 
     # -- hooks -------------------------------------------------------------------------------
-    def before_rendezvous(self, agent: TrainGuardAgent) -> None:
+    def before_rendezvous(self, ctx: AgentContext) -> None:
         if not self._built.is_set():  # still building: open the round span when it is done
             self._round_start_ns = time.time_ns()
             return
@@ -304,7 +314,7 @@ class TelemetryPlugin(AgentPlugin):
         with self._state_lock:
             self.tracer.begin_round()
 
-    def after_rendezvous(self, agent: TrainGuardAgent, group: WorkerGroup) -> None:
+    def after_rendezvous(self, ctx: AgentContext, group: WorkerGroup) -> None:
         from trainguard.telemetry.spans import TRACEPARENT_ENV
 
         if not self._ready():
@@ -321,7 +331,7 @@ class TelemetryPlugin(AgentPlugin):
             for w in group.workers:
                 self.tracer.local_ranks[w.global_rank] = getattr(w, "local_rank", None)
             tp = self.tracer.begin_attempt(
-                agent.attempt, group_rank=group.group_rank or 0, world_size=world
+                ctx.attempt, group_rank=group.group_rank or 0, world_size=world
             )
         os.environ[TRACEPARENT_ENV] = tp
         os.environ["TRAINGUARD_TELEMETRY_TRACE_EVERY_N_STEPS"] = str(self.cfg.trace_every_n_steps)
@@ -330,13 +340,13 @@ class TelemetryPlugin(AgentPlugin):
             self._thread = threading.Thread(target=self._loop, name="tg-telemetry", daemon=True)
             self._thread.start()
 
-    def on_failure(self, agent: TrainGuardAgent, failures: list[WorkerFailure]) -> None:
+    def on_failure(self, ctx: AgentContext, failures: list[WorkerFailure]) -> None:
         if not self._ready():
             return
         with self._state_lock:
             self.tracer.failure(failures)
 
-    def on_finish(self, agent: TrainGuardAgent, state: str) -> None:
+    def on_finish(self, ctx: AgentContext, state: str) -> None:
         if not self._ready():
             return
         self._stop.set()
@@ -391,12 +401,10 @@ class TelemetryPlugin(AgentPlugin):
             pass
 
 
-def create_telemetry_plugin(
-    cfg: TelemetryConfig, run_dir: Path, events: EventLog
-) -> TelemetryPlugin | None:
+def create_telemetry_plugin(ctx: AgentContext) -> TelemetryPlugin | None:
     """The plugin, or None (logged) when it cannot start: telemetry never stops a launch."""
     try:
-        return TelemetryPlugin(cfg, run_dir, events, background=True)
+        return TelemetryPlugin(ctx, background=True)
     except Exception:
         logger.exception("telemetry disabled for this run: the agent plugin failed to start")
         return None

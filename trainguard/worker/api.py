@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,9 +25,16 @@ from trainguard.core.events import EventLog
 from trainguard.core.progress import ProgressWriter, progress_path
 from trainguard.telemetry.spans import TRACEPARENT_ENV, SpanRecorder
 
-__all__ = ["TrainGuard", "init"]
+__all__ = ["RESERVED_LOG_KEYS", "TrainGuard", "init"]
 
 logger = logging.getLogger(__name__)
+
+RESERVED_LOG_KEYS = frozenset({"time", "kind", "rank", "attempt"})
+"""Keys of every metrics record that ``tg.log(**metrics)`` may not overwrite (``step`` is its
+own keyword argument)."""
+
+_handle: TrainGuard | None = None
+_handle_lock = threading.Lock()
 
 
 def _default_run_dir() -> Path:
@@ -60,7 +68,10 @@ class TrainGuard:
     """Handle returned by :func:`init`. One per worker process.
 
     Attributes mirror torchrun's env contract: ``rank``, ``local_rank``, ``world_size``,
-    ``local_world_size``, ``restart_count``; plus ``attempt`` (job-wide) and ``run_dir``.
+    ``local_world_size``; plus two restart counters with one meaning each: ``attempt``, the
+    job-wide worker-group attempt (0-based, the same on every node, in every event and
+    record), and ``agent_restarts``, torch's per-agent ``TORCHELASTIC_RESTART_COUNT``; and
+    ``run_dir``, ``step_num`` (the one step counter).
     """
 
     def __init__(self, *, run_dir: str | os.PathLike[str] | None = None) -> None:
@@ -69,15 +80,17 @@ class TrainGuard:
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
         self.world_size = int(env.get("WORLD_SIZE", "1"))
         self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", "1"))
-        self.restart_count = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.attempt = int(env.get(envvars.ATTEMPT, str(self.restart_count)))
+        self.agent_restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.attempt = int(env.get(envvars.ATTEMPT, str(self.agent_restarts)))
         self.node = env.get(envvars.NODE) or env.get("SLURMD_NODENAME") or socket.gethostname()
         self.under_agent = envvars.PROGRESS_DIR in env
         self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(self.run_dir, node=self.node, context=self._event_context)
         self.step_num = 0
-        """The number of the next step ``step()`` will run (set it after a restore)."""
+        """The number of the next step ``step()`` will run = the steps done so far. ``step()``
+        advances it; a checkpoint restore (``tg.checkpoint.restore_or_init``) sets it."""
+        self._checkpoint: Any = None
         self._metrics_lock = threading.Lock()
         self._pending: list[dict[str, Any]] = []
         self._metrics_fd: int | None = None
@@ -107,7 +120,18 @@ class TrainGuard:
 
     # -- context -----------------------------------------------------------------------------
     def _event_context(self) -> dict[str, Any]:
-        return {"attempt": self.attempt, "restart_count": self.attempt, "rank": self.rank}
+        return {"attempt": self.attempt, "rank": self.rank}
+
+    @property
+    def restart_count(self) -> int:
+        """Deprecated: ``agent_restarts`` (torch's per-agent count) or ``attempt`` (job-wide)."""
+        warnings.warn(
+            "TrainGuard.restart_count is deprecated: use agent_restarts (torch's per-agent "
+            "TORCHELASTIC_RESTART_COUNT) or attempt (the job-wide attempt)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.agent_restarts
 
     @property
     def is_main(self) -> bool:
@@ -115,14 +139,15 @@ class TrainGuard:
 
     @property
     def checkpoint(self) -> Any:
-        """The :class:`trainguard.checkpoint.CheckpointManager`, created on first use (after
-        ``init_process_group``: creating it is collective)."""
-        mgr = self.__dict__.get("_checkpoint")
-        if mgr is None:
+        """The :class:`trainguard.checkpoint.CheckpointManager` of this worker, created on
+        first access. Local: touching it runs no collective and installs nothing, so any
+        rank may. The collective step is ``tg.checkpoint.setup()``, which ``restore``,
+        ``restore_or_init``, ``save`` and ``maybe_save`` (called on every rank) run first."""
+        if self._checkpoint is None:
             from trainguard.checkpoint.manager import for_worker
 
-            mgr = self.__dict__["_checkpoint"] = for_worker(self)
-        return mgr
+            self._checkpoint = for_worker(self)
+        return self._checkpoint
 
     def add_sink(self, fn: Callable[[dict[str, Any]], None]) -> None:
         """Receive every metrics record written by ``log``/``step`` (used by telemetry)."""
@@ -199,7 +224,18 @@ class TrainGuard:
                 logger.warning("could not write metrics to %s: %s", self.run_dir, e)
 
     def log(self, *, step: int | None = None, **metrics: float | int | str) -> None:
-        """Record named values (``loss=``, ``reward=``, ``kl=``...) for the current step."""
+        """Record named values (``loss=``, ``reward=``, ``kl=``...) for the current step.
+
+        The record's own keys (``time``, ``kind``, ``rank``, ``attempt``, ``step``) cannot be
+        metric names: ValueError."""
+        reserved = RESERVED_LOG_KEYS.intersection(metrics)
+        if reserved:
+            names = ", ".join(sorted(reserved))
+            raise ValueError(
+                f"tg.log({names}=...): {names} is reserved for the record's own fields "
+                f"({', '.join(sorted(RESERVED_LOG_KEYS))}, and step=, the step number); "
+                f"rename the metric, e.g. {sorted(reserved)[0]}_value="
+            )
         record: dict[str, Any] = {
             "time": time.time(),
             "kind": "log",
@@ -297,8 +333,8 @@ class TrainGuard:
         if self._closed:
             return
         self._closed = True
-        if self.__dict__.get("_checkpoint") is not None:
-            self.__dict__["_checkpoint"].close()
+        if self._checkpoint is not None:
+            self._checkpoint.close()
         if self._progress is not None:
             self._progress.close()
         self._flush_stop.set()
@@ -310,5 +346,17 @@ class TrainGuard:
 
 
 def init(*, run_dir: str | os.PathLike[str] | None = None) -> TrainGuard:
-    """Create the worker handle. Call once per process, after the process starts."""
-    return TrainGuard(run_dir=run_dir)
+    """The worker handle of this process: created by the first call, returned again by the
+    next ones (until it is closed). A later call asking for another ``run_dir`` is an error."""
+    global _handle
+    with _handle_lock:
+        tg = _handle
+        if tg is not None and not tg._closed:
+            if run_dir is not None and Path(run_dir).resolve() != tg.run_dir.resolve():
+                raise ValueError(
+                    f"trainguard.init(run_dir={str(run_dir)!r}): this process's handle already "
+                    f"writes to {tg.run_dir}; call init() without run_dir, or close() it first"
+                )
+            return tg
+        _handle = TrainGuard(run_dir=run_dir)
+        return _handle

@@ -34,7 +34,7 @@ from trainguard.core.config.runtime import RuntimeConfig
 from trainguard.core.config.slurm import SlurmConfig
 from trainguard.core.config.telemetry import TelemetryConfig
 
-__all__ = ["ConfigError", "TrainGuardConfig", "load_config"]
+__all__ = ["ConfigError", "TrainGuardConfig", "load_config", "load_worker_section"]
 
 ENV_PREFIX = "TRAINGUARD_"
 
@@ -199,9 +199,12 @@ def load_config(
             if where.startswith("env ") and key not in {f.name for f in dataclasses.fields(obj)}:
                 raise ConfigError(
                     f"{where}: unknown setting; known: "
-                    + ", ".join(
-                        f"{ENV_PREFIX}{name.upper()}_{f.name.upper()}"
-                        for f in dataclasses.fields(obj)
+                    + (
+                        ", ".join(
+                            f"{ENV_PREFIX}{name.upper()}_{f.name.upper()}"
+                            for f in dataclasses.fields(obj)
+                        )
+                        or "(none yet)"
                     )
                 )
             _apply(obj, key, raw, where)
@@ -211,3 +214,14 @@ def load_config(
             raise ConfigError(f"[{name}]: {e}") from None
         built[name] = obj
     return TrainGuardConfig(**built)
+
+
+def load_worker_section(run_dir: Path, name: str) -> Any:
+    """Section ``name`` of the config the agent resolved for this run
+    (``<run_dir>/config.json``), else as ``load_config()`` reads it (env, defaults)."""
+    cls = type(getattr(TrainGuardConfig(), name))
+    try:
+        section = json.loads((Path(run_dir) / "config.json").read_text())["trainguard"][name]
+        return cls(**section)
+    except (OSError, KeyError, TypeError, ValueError):
+        return getattr(load_config(), name)

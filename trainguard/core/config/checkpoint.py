@@ -14,10 +14,8 @@ Example::
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 
@@ -126,15 +124,3 @@ def writer_threads(config: CheckpointConfig) -> int:
     if config.io_threads is not None:
         return config.io_threads
     return min(4, max(1, (os.cpu_count() or 1) // 8))
-
-
-def load_worker_config(run_dir: Path) -> CheckpointConfig:
-    """The ``[checkpoint]`` section the agent resolved (``<run_dir>/config.json``), else env."""
-    path = run_dir / "config.json"
-    try:
-        section = json.loads(path.read_text())["trainguard"]["checkpoint"]
-        return CheckpointConfig(**section)
-    except (OSError, KeyError, TypeError, ValueError):
-        from trainguard.core.config import load_config
-
-        return load_config().checkpoint

@@ -17,10 +17,60 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 ACTIONS = ("ignore", "warn", "restart", "drain")
+"""Values of trainguard.health.result.Action, least to most severe."""
+
+COUNTER_CHECKS = (
+    "gpu_missing",
+    "ecc_dbe_volatile",
+    "ecc_dbe_aggregate",
+    "row_remap_failure",
+    "row_remap_pending",
+    "row_remap_uncorrectable",
+    "retired_pages_pending",
+    "nvlink_errors",
+    "pcie_replay",
+    "pcie_link_degraded",
+    "thermal_throttle",
+    "thermal_sustained",
+    "dcgm_health",
+    "host_disk_low",
+    "host_memory_low",
+    "rdzv_unreachable",
+    "clock_skew",
+    "compute_slow",
+    "allreduce_slow",
+)
+"""The checks ``[health.counter_policy]`` may override (trainguard.health.policy maps each to
+its default action)."""
+
+
+def check_action(value: object, where: str) -> str:
+    """The action name ``value`` stands for; ValueError naming ``where`` if it is none."""
+    action = str(value).lower()
+    if action not in ACTIONS:
+        raise ValueError(f"{where}: {value!r} is not an action; use one of " + ", ".join(ACTIONS))
+    return action
+
+
+def validate_policy_overrides(xid: Mapping[str, str], counters: Mapping[str, str]) -> None:
+    """Raise ValueError naming the bad key or value."""
+    for key, value in xid.items():
+        try:
+            int(str(key))
+        except ValueError:
+            raise ValueError(f"xid_policy: key {key!r} is not an XID number") from None
+        check_action(value, f"xid_policy[{key}]")
+    for key, value in counters.items():
+        if key not in COUNTER_CHECKS:
+            raise ValueError(
+                f"counter_policy: unknown check {key!r}; known: {', '.join(COUNTER_CHECKS)}"
+            )
+        check_action(value, f"counter_policy[{key}]")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -129,8 +179,6 @@ class HealthConfig:
     ``node_excluded``): a single-node job fails, an elastic one carries on without it."""
 
     def __post_init__(self) -> None:
-        from trainguard.health.policy import validate_policy_overrides
-
         for name in ("dcgm_timeout_s", "preflight_compute_s", "probe_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

@@ -1,4 +1,7 @@
-"""Configuration of trainguard.recovery (section [recovery] of trainguard.toml, env TRAINGUARD_RECOVERY_*)."""
+"""Configuration of trainguard.recovery (section [recovery] of trainguard.toml, env TRAINGUARD_RECOVERY_*).
+
+No settings yet: the recovery component adds its own here as it lands.
+"""
 
 from __future__ import annotations
 
@@ -7,5 +10,4 @@ from dataclasses import dataclass
 
 @dataclass(kw_only=True, slots=True)
 class RecoveryConfig:
-    enabled: bool = True
-    """Switch the recovery component on or off."""
+    """The ``[recovery]`` section (empty for now)."""

@@ -1,0 +1,127 @@
+"""The agent plugin that owns the node's memory tier (see the package docstring)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import WorkerGroup
+
+from trainguard.checkpoint.memtier.replication import Peers, Replicator, collect
+from trainguard.checkpoint.memtier.server import TierServer
+from trainguard.checkpoint.memtier.store import TierStore
+from trainguard.checkpoint.memtier.sweep import TIER_PREFIX, remove_orphans
+from trainguard.core.envvars import CHECKPOINT_MEMORY_DIR as MEMORY_DIR_ENV
+from trainguard.core.plugin import AgentContext, AgentPlugin
+from trainguard.core.storeutil import gather
+
+__all__ = ["MemoryTierPlugin"]
+
+PEER_WAIT_S = 10.0
+"""How long a node waits after the rendezvous for its peers' memory-tier addresses."""
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryTierPlugin(AgentPlugin):
+    """Creates the tier, exports it to the workers, serves and replicates it, fills ranks
+    before their workers start, and removes it at the end."""
+
+    name = "checkpoint_memory_tier"
+
+    def __init__(self, ctx: AgentContext) -> None:
+        self.cfg = cfg = ctx.config.checkpoint
+        self.events = ctx.events
+        self.node = ctx.node
+        root = cfg.memory_root if os.path.isdir(cfg.memory_root) else None
+        remove_orphans(Path(root or tempfile.gettempdir()))
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{TIER_PREFIX}{os.getpid()}-", dir=root))
+        self.store = TierStore(self.dir)
+        self.local = self.store.local
+        self.replica = self.store.replica
+        os.environ[MEMORY_DIR_ENV] = str(self.local)
+        self.group_rank = 0
+        self.peers: Peers = {}
+        self._server: TierServer | None = None
+        self._replicator: Replicator | None = None
+        if cfg.peer_replication:
+            self._server = TierServer(("0.0.0.0", 0), self.store)
+            self._server.start()
+            self._replicator = Replicator(self.store, node=self.node)
+            self._replicator.start()
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def after_rendezvous(self, ctx: AgentContext, group: WorkerGroup) -> None:
+        self.group_rank = group.group_rank
+        world = group.group_world_size
+        self.peers = self._exchange_addresses(ctx, group, world)
+        if self._replicator is not None:
+            self._replicator.set_peers(self.group_rank, self.peers)
+        ranks = [w.global_rank for w in group.workers]
+        world_size = group.workers[0].world_size if group.workers else 0
+        self._fill(ranks, world_size)
+
+    def _exchange_addresses(self, ctx: AgentContext, group: WorkerGroup, world: int) -> Peers:
+        """Publish this agent's server in the rendezvous store, read the others' (waiting at
+        most :data:`PEER_WAIT_S` for them)."""
+        if self._server is None or world <= 1:
+            return {}
+        host = self.cfg.peer_host or _host_ip()
+        me = {"host": host, "port": self._server.port, "node": self.node}
+        prefix = f"trainguard/ckpt_memtier/{ctx.attempt}/"
+        group.store.set(f"{prefix}{self.group_rank}", json.dumps(me))
+        others = [r for r in range(world) if r != self.group_rank and r not in ctx.foreign_ranks]
+        got = gather(group.store, [f"{prefix}{r}" for r in others], timeout_s=PEER_WAIT_S)
+        peers = {r: json.loads(got[f"{prefix}{r}"]) for r in others if f"{prefix}{r}" in got}
+        missing = [r for r in others if r not in peers]
+        if missing:  # dead since the round: never waited for again
+            ctx.events.emit("checkpoint_peer_skipped", group_ranks=missing, wait_s=PEER_WAIT_S)
+        return peers
+
+    def _fill(self, ranks: list[int], world_size: int) -> None:
+        """Give every local rank without a snapshot the newest ones this node holds as
+        replicas, or else the other agents hold."""
+        for r in ranks:
+            if self.store.has_local(r, world_size):
+                continue
+            t0 = time.monotonic()
+            got = collect(self.store, self.peers, r, world_size)
+            for _, meta, data in reversed(got):
+                self.store.store_local(meta, data)
+            if got:
+                self.events.emit(
+                    "checkpoint_memory_filled",
+                    rank=r,
+                    steps=[m["step"] for _, m, _ in got],
+                    step=got[0][1]["step"],
+                    source=got[0][0],
+                    snapshot_source=got[0][1].get("source"),
+                    bytes=sum(len(d) for _, _, d in got),
+                    duration_s=round(time.monotonic() - t0, 4),
+                )
+
+    def find(self, rank: int, world_size: int, *, below: int | None = None) -> Any:
+        return self.store.find(rank, world_size, below=below)
+
+    def close(self) -> None:
+        if self._replicator is not None:
+            self._replicator.stop()
+        if self._server is not None:
+            self._server.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if os.environ.get(MEMORY_DIR_ENV) == str(self.local):
+            del os.environ[MEMORY_DIR_ENV]
+
+
+def _host_ip() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

@@ -1,0 +1,97 @@
+"""The memory tier's files: this node's own snapshots (``local/``, written by its workers) and
+the replicas other agents pushed here (``replica/``), one directory per rank in each."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from trainguard.checkpoint.staging import Snapshot, list_snapshots, rank_dir
+
+__all__ = ["KEEP", "TierStore", "dir_stamp", "read_snapshot", "write_snapshot"]
+
+KEEP = 3
+"""Snapshots per rank kept when storing replicas or fetched copies (replication may lag)."""
+
+
+def read_snapshot(snap: Snapshot) -> bytes | None:
+    """The snapshot's bytes, or None if it changed while being read."""
+    try:
+        data = snap.bin_path.read_bytes()[: int(snap.meta["nbytes"])]
+    except OSError:
+        return None
+    return data if snap.still_valid() else None
+
+
+def write_snapshot(directory: Path, meta: dict[str, Any], data: bytes | bytearray) -> Path:
+    """Store a snapshot under ``directory`` in its oldest of ``KEEP`` slots, bytes first, meta
+    last (a crash in between leaves no meta, so no snapshot)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    steps = {s.meta_path.stem: s.step for s in list_snapshots(directory)}
+    if any(v == meta["step"] for v in steps.values()):
+        return directory  # already there
+    names = [f"slot{i}" for i in range(KEEP)]
+    name = next((n for n in names if n not in steps), None) or min(names, key=lambda n: steps[n])
+    meta_path = directory / f"{name}.json"
+    meta_path.unlink(missing_ok=True)
+    tmp = directory / f".{name}.bin.tmp"
+    tmp.write_bytes(data)
+    os.replace(tmp, directory / f"{name}.bin")
+    tmp_meta = directory / f".{name}.json.tmp"
+    tmp_meta.write_text(json.dumps(meta))
+    os.replace(tmp_meta, meta_path)
+    return meta_path
+
+
+def dir_stamp(d: Path) -> tuple[tuple[str, int], ...] | None:
+    """(name, mtime) of the snapshot metadata files: changes whenever a snapshot is published."""
+    try:
+        return tuple(
+            sorted(
+                (e.name, e.stat().st_mtime_ns) for e in os.scandir(d) if e.name.endswith(".json")
+            )
+        )
+    except OSError:
+        return None
+
+
+class TierStore:
+    """The tier's two directories under ``root`` (created here)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.local = root / "local"
+        self.replica = root / "replica"
+        self.local.mkdir(exist_ok=True)
+        self.replica.mkdir(exist_ok=True)
+        self._lock = threading.Lock()
+
+    def store_replica(self, meta: dict[str, Any], data: bytes | bytearray) -> None:
+        """Keep a snapshot another agent pushed (the server's ``put``)."""
+        with self._lock:
+            write_snapshot(rank_dir(self.replica, int(meta["rank"])), meta, data)
+
+    def store_local(self, meta: dict[str, Any], data: bytes | bytearray) -> None:
+        """Give a local rank a snapshot this node did not stage itself (a fill)."""
+        write_snapshot(rank_dir(self.local, int(meta["rank"])), meta, data)
+
+    def has_local(self, rank: int, world_size: int) -> bool:
+        return any(s.world_size == world_size for s in list_snapshots(rank_dir(self.local, rank)))
+
+    def find(
+        self, rank: int, world_size: int, *, below: int | None = None
+    ) -> tuple[Snapshot, bytes] | None:
+        """This node's newest intact snapshot of ``rank`` (own or replica), older than ``below``."""
+        snaps = list_snapshots(rank_dir(self.local, rank)) + list_snapshots(
+            rank_dir(self.replica, rank)
+        )
+        for snap in sorted(snaps, key=lambda s: -s.step):
+            if snap.world_size != world_size or (below is not None and snap.step >= below):
+                continue
+            data = read_snapshot(snap)
+            if data is not None:
+                return snap, data
+        return None
