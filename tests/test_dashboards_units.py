@@ -366,13 +366,19 @@ def test_pager_plugin_pages_hang_resolve_eviction_and_stop_to_a_real_webhook(
 
 def test_pager_is_registered_only_when_configured(tmp_path: Path) -> None:
     from trainguard.core.config import load_config
+    from trainguard.core.plugin import AgentContext
     from trainguard.runtime.registry import default_plugins
 
+    def ctx(env: dict[str, str]) -> AgentContext:
+        return AgentContext(
+            config=load_config(env=env), run_dir=tmp_path, events=EventLog(tmp_path)
+        )
+
     env = {"TRAINGUARD_TELEMETRY_ENABLED": "false", "TRAINGUARD_HEALTH_ENABLED": "false"}
-    names = [p.name for p in default_plugins(load_config(env=env), tmp_path, EventLog(tmp_path))]
+    names = [p.name for p in default_plugins(ctx(env))]
     assert "pager" not in names
     env["TRAINGUARD_ALERTS_WEBHOOK_URL"] = "http://127.0.0.1:9/hook"
-    plugins = default_plugins(load_config(env=env), tmp_path, EventLog(tmp_path))
+    plugins = default_plugins(ctx(env))
     assert [p.name for p in plugins if p.name == "pager"] == ["pager"]
     for p in plugins:
         p.close()

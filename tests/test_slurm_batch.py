@@ -10,6 +10,7 @@ import stat
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -466,15 +467,18 @@ class _Store:
         return self.counts[key]
 
 
-class _Round:
-    def __init__(self, attempt: int, nodes: list[str]) -> None:
-        self.attempt = attempt
-        self.members = [{"node": n} for n in nodes]
+def _ctx(tmp_path: Path, node: str) -> Any:
+    from trainguard.core.config import TrainGuardConfig
+    from trainguard.core.plugin import AgentContext
+
+    return AgentContext(
+        config=TrainGuardConfig(), run_dir=tmp_path, events=EventLog(tmp_path, node=node)
+    )
 
 
-class _Agent:
-    def __init__(self) -> None:
-        self.rdzv = type("R", (), {"last_round": None})()
+def _round(ctx: Any, attempt: int, nodes: list[str]) -> None:
+    ctx.attempt = attempt
+    ctx.members = [{"node": n} for n in nodes]
 
 
 def test_drain_plugin_drains_a_node_gone_from_the_round(tmp_path: Path) -> None:
@@ -485,15 +489,15 @@ def test_drain_plugin_drains_a_node_gone_from_the_round(tmp_path: Path) -> None:
     slurm = FakeSlurm()
     survivors = []
     for node in ("n1", "n3"):  # two survivors see the same round; one drains
-        p = SlurmDrainPlugin(SlurmFencer(slurm), EventLog(tmp_path, node=node), "77")
-        agent = _Agent()
-        agent.rdzv.last_round = _Round(0, ["n1", "n2"] if node == "n1" else [])
-        p.after_rendezvous(agent, group)  # first round (n3 was a spare): nothing lost
-        survivors.append((p, agent))
+        ctx = _ctx(tmp_path, node)
+        p = SlurmDrainPlugin(SlurmFencer(slurm), ctx.events, "77")
+        _round(ctx, 0, ["n1", "n2"] if node == "n1" else [])
+        p.after_rendezvous(ctx, group)  # first round (n3 was a spare): nothing lost
+        survivors.append((p, ctx))
     assert slurm.drained == []
-    for p, agent in survivors:
-        agent.rdzv.last_round = _Round(1, ["n3", "n1"])
-        p.after_rendezvous(agent, group)
+    for p, ctx in survivors:
+        _round(ctx, 1, ["n3", "n1"])
+        p.after_rendezvous(ctx, group)
         p.close()
     assert slurm.drained == [
         ("n2", "trainguard: node left job 77 at attempt 1 (agent lost or excluded)")

@@ -26,6 +26,7 @@ ACTIONS = ("ignore", "warn", "restart", "drain")
 
 COUNTER_CHECKS = (
     "gpu_missing",
+    "gpu_lost",
     "ecc_dbe_volatile",
     "ecc_dbe_aggregate",
     "row_remap_failure",
