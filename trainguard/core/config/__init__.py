@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core.config.checkpoint import CheckpointConfig
+from trainguard.core.config.ft import FTConfig
 from trainguard.core.config.health import HealthConfig
 from trainguard.core.config.recovery import RecoveryConfig
 from trainguard.core.config.runtime import RuntimeConfig
@@ -50,6 +51,7 @@ class TrainGuardConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    ft: FTConfig = field(default_factory=FTConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
