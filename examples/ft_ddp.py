@@ -7,7 +7,8 @@
 ``--plain-torchft`` runs the same loop on torchft's own DDP/optimizer wrappers without
 trainguard (the baseline of bench/ft.py; start ``torchft_lighthouse`` yourself). With
 ``--step-log FILE`` every committed step appends ``{"t", "step", "pid", "rg"}`` to FILE; with
-``--out DIR`` the final weights go to ``DIR/rg<id>_final.json``.
+``--out DIR`` the final weights go to ``DIR/rg<id>_final.json``; ``--stop-file`` lets a
+harness end both groups at the same step.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def main() -> None:
     ap.add_argument("--plain-torchft", action="store_true")
     ap.add_argument("--step-log", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--stop-file", default=None, help="a file holding a step to end at (read every step)"
+    )
     args = ap.parse_args()
     rg = int(os.environ.get("REPLICA_GROUP_ID", "0"))
 
@@ -41,7 +45,10 @@ def main() -> None:
     if args.plain_torchft:
         from datetime import timedelta
 
-        from torchft import DistributedDataParallel, Manager, OptimizerWrapper, ProcessGroupGloo
+        from torchft.ddp import DistributedDataParallel
+        from torchft.manager import Manager
+        from torchft.optim import OptimizerWrapper
+        from torchft.process_group import ProcessGroupGloo
 
         manager = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
@@ -65,7 +72,8 @@ def main() -> None:
         manager, ddp, optimizer, current_step = ft.manager, ft.model, ft.optimizer, ft.current_step
 
     log = open(args.step_log, "a", buffering=1) if args.step_log else None  # noqa: SIM115
-    while current_step() < args.steps:
+    stop_at = args.steps
+    while current_step() < stop_at:
         step = current_step()
         g = torch.Generator().manual_seed(step * 1000 + rg)
         x = torch.randn(32, 16, generator=g)
@@ -74,8 +82,8 @@ def main() -> None:
         def one_step(x: torch.Tensor = x, y: torch.Tensor = y) -> float:
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(ddp(x), y)
+            time.sleep(args.step_time)  # the compute; gradients are allreduced in backward
             loss.backward()
-            time.sleep(args.step_time)
             optimizer.step()
             return float(loss)
 
@@ -91,9 +99,19 @@ def main() -> None:
                 )
         else:
             loss = one_step()
+        if args.stop_file and os.path.exists(args.stop_file):
+            stop_at = int(Path(args.stop_file).read_text() or stop_at)
         if log is not None and current_step() > step:
             log.write(
-                json.dumps({"t": time.time(), "step": current_step(), "pid": os.getpid(), "rg": rg})
+                json.dumps(
+                    {
+                        "t": time.time(),
+                        "step": current_step(),
+                        "pid": os.getpid(),
+                        "rg": rg,
+                        "participants": manager.num_participants(),
+                    }
+                )
                 + "\n"
             )
     if args.out:
