@@ -183,7 +183,7 @@ def run_kills(
                     if r["t"] > last_before:
                         times.append(r["t"])
                         if r["t"] > t_kill and r.get("participants") == 1:
-                            return max(b - a for a, b in zip(times, times[1:]))
+                            return max(b - a for a, b in zip(times, times[1:], strict=False))
                 return None
 
             try:
@@ -192,6 +192,7 @@ def run_kills(
                 break  # a launcher gave up: counted below
         # end both groups at the same step, after the victim rejoined
         if groups[0].poll() is None and groups[1].poll() is None:
+
             def rejoined() -> bool:
                 recs = [r for r in committed(1) if r["pid"] not in killed]
                 return len(recs) >= 2
