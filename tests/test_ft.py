@@ -20,6 +20,7 @@ from tests.launch_utils import LAUNCHERS, REPO, base_env, free_port
 from trainguard.core.config.ft import FTConfig
 from trainguard.ft.lighthouse import FTUnavailable, ensure_lighthouse, reachable
 
+
 def _events(run_dir: Path, kind: str) -> list[dict]:
     path = run_dir / "events.jsonl"
     return [e for e in map(json.loads, path.read_text().splitlines()) if e["kind"] == kind]
