@@ -167,9 +167,9 @@ class FTRun:
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         if self._user_load_state_dict is not None:
             self._user_load_state_dict(state)
-            return
-        self.module.load_state_dict(state["model"])
-        self._inner_optimizer.load_state_dict(state["optim"])
+        else:
+            self.module.load_state_dict(state["model"])
+            self._inner_optimizer.load_state_dict(state["optim"])
         if self.tg is not None:
             self.tg.events.emit("ft_healed", replica_group=self.replica_group, step=self.step)
 
