@@ -85,9 +85,15 @@ def _binary() -> str:
     )
 
 
-def ensure_lighthouse(cfg: FTConfig, log_dir: Path, *, start_timeout_s: float = 15.0) -> Lighthouse:
+def ensure_lighthouse(cfg: FTConfig, log_dir: Path, *, start_timeout_s: float = 60.0) -> Lighthouse:
     """The lighthouse this job uses: ``cfg.lighthouse`` if set; else one already listening on
     127.0.0.1:``cfg.lighthouse_port``; else a new one started there (this process stops it)."""
+    error = torchft_error()
+    if error is not None:
+        raise FTUnavailable(
+            f"torchft mode needs torchft: import torchft failed ({error}); "
+            "pip install torchft==0.2.0 (or 'trainguard[ft]')"
+        )
     if cfg.lighthouse:
         parts = urlsplit(cfg.lighthouse)
         if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
@@ -113,9 +119,6 @@ def _find_or_start(
     url = f"http://{host}:{port}"
     if reachable(host, port):
         return Lighthouse(url=url)
-    error = torchft_error()
-    if error is not None:
-        raise FTUnavailable(f"torchft mode: import torchft failed: {error}")
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"ft_lighthouse_{port}.log"
     cmd = [
