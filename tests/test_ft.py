@@ -90,3 +90,26 @@ def test_bad_lighthouse_is_one_line(tmp_path: Path) -> None:
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "[ft] lighthouse" in lines[0] and "http://HOST:PORT" in lines[0]
     assert "Traceback" not in p.stderr
+
+
+def test_without_torchft_ft_is_one_line(tmp_path: Path) -> None:
+    # a torchft that fails to import (as on a host without it) shadows the installed one
+    fake = tmp_path / "shadow" / "torchft"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('no torchft on this host')\n")
+    env = base_env()
+    env["PYTHONPATH"] = f"{fake.parent}:{env['PYTHONPATH']}"
+    p = subprocess.run(
+        [*LAUNCHERS["trainguard"], "--ft", "--standalone", "--nproc-per-node", "1"]
+        + ["--tg-run-dir", str(tmp_path / "run"), str(REPO / "examples" / "ft_ddp.py")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no torchft on this host" in lines[0], p.stderr
+    assert "pip install torchft==0.2.0" in lines[0]
