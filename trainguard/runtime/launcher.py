@@ -75,6 +75,14 @@ def build_parser(prog: str = "trainguard run") -> argparse.ArgumentParser:
         metavar="DIR",
         help="Run directory for events, metrics and reports (default ./trainguard-runs/<run id>).",
     )
+    group.add_argument(
+        "--ft",
+        dest="tg_ft",
+        action="store_true",
+        default=None,
+        help="torchft mode: run as one torchft replica group (id: REPLICA_GROUP_ID or [ft] "
+        "replica_group); starts a lighthouse on 127.0.0.1 unless [ft] lighthouse is set.",
+    )
     return parser
 
 
@@ -400,7 +408,10 @@ def prepare(
 ) -> tuple[LaunchConfig, Callable[..., Any] | str, list[str], TrainGuardConfig, Path]:
     """Validate and resolve everything; raises UsageError/ConfigError on bad input."""
     _validate(args)
-    tg_config = load_config(args.tg_config, overrides={"runtime.run_dir": args.tg_run_dir})
+    tg_config = load_config(
+        args.tg_config,
+        overrides={"runtime.run_dir": args.tg_run_dir, "ft.enabled": getattr(args, "tg_ft", None)},
+    )
     _apply_torchrun_defaults(args)
     try:
         config, cmd, cmd_args = torchrun.config_from_args(args)
@@ -428,9 +439,23 @@ def run(args: argparse.Namespace, *, plugin_factory: PluginFactory | None = None
         from trainguard.runtime.registry import default_plugins
 
         plugin_factory = default_plugins
-    launch(
-        config, cmd, cmd_args, tg_config=tg_config, run_dir=run_dir, plugin_factory=plugin_factory
-    )
+    lighthouse = None
+    if tg_config.ft.enabled:
+        from trainguard.runtime.registry import start_ft
+
+        lighthouse = start_ft(tg_config, run_dir)
+    try:
+        launch(
+            config,
+            cmd,
+            cmd_args,
+            tg_config=tg_config,
+            run_dir=run_dir,
+            plugin_factory=plugin_factory,
+        )
+    finally:
+        if lighthouse is not None:
+            lighthouse.stop()
 
 
 __all__ += ["ConfigError", "prepare"]

@@ -4,12 +4,15 @@ imports the features)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Any
 
 from trainguard.core.config import TrainGuardConfig
+from trainguard.core.events import EventLog
 from trainguard.core.fencing import NodeFencer, RecordOnlyFencer
 from trainguard.core.plugin import AgentContext, AgentPlugin
 
-__all__ = ["default_plugins", "node_fencer"]
+__all__ = ["default_plugins", "node_fencer", "start_ft"]
 
 _SBATCH_CHAIN_ENV = "TRAINGUARD_SBATCH_CHAIN_ID"  # trainguard.slurm.batch.CHAIN_ENV
 
@@ -58,3 +61,27 @@ def default_plugins(ctx: AgentContext) -> list[AgentPlugin]:
 
         plugins.append(SlurmDrainPlugin(node_fencer(cfg), ctx.events, os.environ["SLURM_JOB_ID"]))
     return plugins
+
+
+def start_ft(cfg: TrainGuardConfig, run_dir: Path) -> Any:
+    """torchft mode: find or start the lighthouse and export torchft's env to the workers.
+    Returns the :class:`trainguard.ft.Lighthouse` (its ``stop()`` stops one we started).
+    Raises ConfigError (one line) where torchft cannot run."""
+    from trainguard.core.config import ConfigError
+    from trainguard.ft import FTUnavailable, ensure_lighthouse
+
+    try:
+        lighthouse = ensure_lighthouse(cfg.ft, run_dir)
+    except FTUnavailable as e:
+        raise ConfigError(str(e)) from None
+    os.environ["TORCHFT_LIGHTHOUSE"] = lighthouse.url
+    if cfg.ft.replica_group >= 0:
+        os.environ["REPLICA_GROUP_ID"] = str(cfg.ft.replica_group)
+    EventLog(run_dir).emit(
+        "ft_lighthouse",
+        url=lighthouse.url,
+        started=lighthouse.pid is not None,
+        pid=lighthouse.pid,
+        replica_group=os.environ.get("REPLICA_GROUP_ID", "0"),
+    )
+    return lighthouse

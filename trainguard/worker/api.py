@@ -149,6 +149,16 @@ class TrainGuard:
             self._checkpoint = for_worker(self)
         return self._checkpoint
 
+    def ft_wrap(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:
+        """torchft mode (``trainguard run --ft``): this process joins its replica group's
+        ``torchft.Manager``; returns :class:`trainguard.ft.worker.FTRun` (``.model``,
+        ``.optimizer``, ``.manager``, ``current_step()``)."""
+        from trainguard.ft.worker import wrap
+
+        run = wrap(model, optimizer, tg=self, **kwargs)
+        self.__dict__["_ft"] = run
+        return run
+
     def add_sink(self, fn: Callable[[dict[str, Any]], None]) -> None:
         """Receive every metrics record written by ``log``/``step`` (used by telemetry)."""
         self._sinks.append(fn)
@@ -333,6 +343,8 @@ class TrainGuard:
         if self._closed:
             return
         self._closed = True
+        if self.__dict__.get("_ft") is not None:
+            self.__dict__["_ft"].close()
         if self._checkpoint is not None:
             self._checkpoint.close()
         if self._progress is not None:

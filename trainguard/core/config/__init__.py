@@ -28,6 +28,7 @@ from typing import Any
 
 from trainguard.core.config.alerts import AlertsConfig
 from trainguard.core.config.checkpoint import CheckpointConfig
+from trainguard.core.config.ft import FTConfig
 from trainguard.core.config.health import HealthConfig
 from trainguard.core.config.recovery import RecoveryConfig
 from trainguard.core.config.runtime import RuntimeConfig
@@ -54,6 +55,7 @@ class TrainGuardConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    ft: FTConfig = field(default_factory=FTConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,0 +1,158 @@
+"""Find, start and stop a torchft lighthouse on 127.0.0.1 (``trainguard run --ft``)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from trainguard.core.config.ft import FTConfig
+
+__all__ = ["FTUnavailable", "Lighthouse", "ensure_lighthouse", "reachable", "torchft_error"]
+
+LIGHTHOUSE_BINARY = "torchft_lighthouse"
+
+
+class FTUnavailable(RuntimeError):
+    """torchft mode cannot run here; the message is one line with the cause and the fix."""
+
+
+def torchft_error() -> str | None:
+    """Why ``import torchft`` fails here (one line), or None when it imports."""
+    try:
+        import torchft  # noqa: F401
+    except Exception as e:  # ImportError, or a broken build (e.g. an ABI mismatch with torch)
+        return f"{type(e).__name__}: {e}".splitlines()[0]
+    return None
+
+
+def reachable(host: str, port: int, timeout_s: float = 0.2) -> bool:
+    """Whether something accepts TCP connections at host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Lighthouse:
+    """A lighthouse in use: ``pid`` is set only when this process started it (and stops it)."""
+
+    url: str
+    pid: int | None = None
+    log: Path | None = None
+    _proc: subprocess.Popen[bytes] | None = None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the lighthouse this process started (by PID, its process group); else no-op."""
+        if self.pid is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                break
+            if self._proc is None:
+                break
+            try:
+                self._proc.wait(timeout=timeout_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.pid = None
+
+
+def _binary() -> str:
+    beside = Path(sys.executable).parent / LIGHTHOUSE_BINARY
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which(LIGHTHOUSE_BINARY)
+    if found:
+        return found
+    raise FTUnavailable(
+        f"torchft mode: {LIGHTHOUSE_BINARY} not found next to {sys.executable} or on PATH: "
+        'pip install torchft==0.2.0, or give a running one with [ft] lighthouse = "http://host:port"'
+    )
+
+
+def ensure_lighthouse(cfg: FTConfig, log_dir: Path, *, start_timeout_s: float = 60.0) -> Lighthouse:
+    """The lighthouse this job uses: ``cfg.lighthouse`` if set; else one already listening on
+    127.0.0.1:``cfg.lighthouse_port``; else a new one started there (this process stops it)."""
+    error = torchft_error()
+    if error is not None:
+        raise FTUnavailable(
+            f"torchft mode needs torchft: import torchft failed ({error}); "
+            "pip install torchft==0.2.0 (or 'trainguard[ft]')"
+        )
+    if cfg.lighthouse:
+        parts = urlsplit(cfg.lighthouse)
+        if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
+            raise FTUnavailable(
+                f"[ft] lighthouse = {cfg.lighthouse!r} is not a URL: use http://HOST:PORT"
+            )
+        return Lighthouse(url=cfg.lighthouse)
+    host, port = "127.0.0.1", cfg.lighthouse_port
+    # Launchers of the replica groups on this host check-and-start under one lock: the second
+    # finds the first one's lighthouse instead of racing it for the port.
+    lock_path = Path(tempfile.gettempdir()) / f"trainguard-ft-lighthouse-{port}.lock"
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return _find_or_start(cfg, host, port, log_dir, start_timeout_s)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _find_or_start(
+    cfg: FTConfig, host: str, port: int, log_dir: Path, start_timeout_s: float
+) -> Lighthouse:
+    url = f"http://{host}:{port}"
+    if reachable(host, port):
+        return Lighthouse(url=url)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"ft_lighthouse_{port}.log"
+    cmd = [
+        _binary(),
+        "--bind",
+        f"{host}:{port}",
+        "--min_replicas",
+        str(cfg.min_replicas),
+        "--heartbeat_timeout_ms",
+        str(cfg.heartbeat_timeout_ms),
+        "--join_timeout_ms",
+        str(cfg.join_timeout_ms),
+        "--quorum_tick_ms",
+        str(cfg.quorum_tick_ms),
+    ]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+        )
+    deadline = time.monotonic() + start_timeout_s
+    while time.monotonic() < deadline:
+        if reachable(host, port):
+            if proc.poll() is not None:  # lost a race: another launcher's lighthouse is up
+                return Lighthouse(url=url)
+            return Lighthouse(url=url, pid=proc.pid, log=log, _proc=proc)
+        if proc.poll() is not None and not reachable(host, port):
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            raise FTUnavailable(
+                f"torchft mode: the lighthouse on {host}:{port} exited with {proc.returncode} "
+                f"({tail[0]}); see {log} or set [ft] lighthouse_port"
+            )
+        time.sleep(0.05)
+    Lighthouse(url=url, pid=proc.pid, _proc=proc).stop()
+    raise FTUnavailable(
+        f"torchft mode: the lighthouse on {host}:{port} did not listen within "
+        f"{start_timeout_s:.0f} s; see {log}"
+    )
