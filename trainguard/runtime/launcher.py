@@ -36,6 +36,7 @@ from trainguard.core.config import ConfigError, TrainGuardConfig, load_config
 from trainguard.core.events import EventLog
 from trainguard.core.failures import REQUEUE_EXIT_CODE
 from trainguard.core.plugin import AgentPlugin
+from trainguard.runtime import etcd_v3
 from trainguard.runtime.agent import NodeUnhealthyError, TrainGuardAgent
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
@@ -206,6 +207,10 @@ def launch(
     """Run one node's agent to completion; mirrors ``torch.distributed.launcher.api.launch_agent``."""
     events = EventLog(run_dir)
     name = _entrypoint_name(entrypoint, args)
+    rdzv_configs = dict(config.rdzv_configs)
+    if config.rdzv_backend == etcd_v3.BACKEND_NAME:
+        # [rendezvous] config fills in what --rdzv-conf leaves out
+        rdzv_configs = {**tg_config.rendezvous.rdzv_conf(), **rdzv_configs}
     params = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -213,15 +218,18 @@ def launch(
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
         local_addr=config.local_addr,
-        **config.rdzv_configs,
+        **rdzv_configs,
     )
     master_addr, master_port = _master_addr_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _signals_to_handle(
         config.signals_to_handle, tg_config.checkpoint.preemption_signals
     )
-    handler = AttemptRendezvousHandler(
-        rdzv_registry.get_rendezvous_handler(params), node=events.node
-    )
+    etcd_v3.register()
+    try:
+        inner = rdzv_registry.get_rendezvous_handler(params)
+    except etcd_v3.EtcdV3ConfigError as e:
+        raise UsageError(str(e)) from None
+    handler = AttemptRendezvousHandler(inner, node=events.node)
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,

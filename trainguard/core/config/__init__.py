@@ -29,6 +29,7 @@ from typing import Any
 from trainguard.core.config.checkpoint import CheckpointConfig
 from trainguard.core.config.health import HealthConfig
 from trainguard.core.config.recovery import RecoveryConfig
+from trainguard.core.config.rendezvous import RendezvousConfig
 from trainguard.core.config.runtime import RuntimeConfig
 from trainguard.core.config.telemetry import TelemetryConfig
 
@@ -50,6 +51,7 @@ class TrainGuardConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,0 +1,95 @@
+"""A real etcd 3.4 (Debian ``etcd-server``) on loopback with free ports, for tests and benchmarks.
+
+Started in its own process group, stopped by its PID (SIGTERM, then SIGKILL); ``stop()`` and
+``start()`` again on the same data directory is an etcd restart (the fault the etcd-v3
+rendezvous must survive).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from tests.services.telemetry_services import apt_ensure, free_port, wait_until
+
+ETCD = "/usr/bin/etcd"
+
+
+class Etcd:
+    """One etcd member; ``endpoint`` is ``127.0.0.1:<client port>``."""
+
+    def __init__(self, workdir: Path, *, no_fsync: bool = False) -> None:
+        apt_ensure("etcd-server")
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.peer_port = free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.url = f"http://{self.endpoint}"
+        self.no_fsync = no_fsync
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._started = False
+        self.start()
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "etcd is already running"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        args = [
+            ETCD, "--name", "tg", "--data-dir", str(self.dir / "data"),
+            "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"tg={peer}",
+            "--initial-cluster-state", "existing" if self._started else "new",
+            "--logger", "zap", "--log-level", "warn",
+        ]  # fmt: skip
+        if self.no_fsync:
+            args.append("--unsafe-no-fsync")
+        log = (self.dir / "etcd.log").open("ab")
+        self.proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        log.close()
+        self._started = True
+        wait_until(self._healthy, 60, f"etcd healthy on {self.endpoint}", interval=0.1)
+
+    def _healthy(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            tail = (self.dir / "etcd.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"etcd exited: {tail}")
+        with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+            return b'"true"' in r.read()
+
+    def stop(self) -> None:
+        """Stop this member by its PID (its data directory stays)."""
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+    def wait_stopped(self, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while self.proc is not None and self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("etcd did not stop")
+            time.sleep(0.05)
