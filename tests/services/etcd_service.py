@@ -22,7 +22,9 @@ ETCD = "/usr/bin/etcd"
 class Etcd:
     """One etcd member; ``endpoint`` is ``127.0.0.1:<client port>``."""
 
-    def __init__(self, workdir: Path, *, no_fsync: bool = False) -> None:
+    def __init__(
+        self, workdir: Path, *, no_fsync: bool = False, extra_args: list[str] | None = None
+    ) -> None:
         apt_ensure("etcd-server")
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -31,6 +33,7 @@ class Etcd:
         self.endpoint = f"127.0.0.1:{self.port}"
         self.url = f"http://{self.endpoint}"
         self.no_fsync = no_fsync
+        self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen[bytes] | None = None
         self._started = False
         self.start()
@@ -48,6 +51,7 @@ class Etcd:
         ]  # fmt: skip
         if self.no_fsync:
             args.append("--unsafe-no-fsync")
+        args += self.extra_args
         log = (self.dir / "etcd.log").open("ab")
         self.proc = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
