@@ -30,7 +30,7 @@ demo: $(VENV)/.installed
 # The Debian packages and the OTLP receiver the tests run for real are installed up front (the
 # fixtures would install them too, but inside a test's time limit).
 test: $(VENV)/.installed
-	$(PY) -c "from tests.services.telemetry_services import apt_ensure, rotel_binary; apt_ensure('prometheus', 'chromium'); rotel_binary()"
+	$(PY) -c "from tests.services.telemetry_services import apt_ensure, rotel_binary; apt_ensure('prometheus', 'chromium', 'etcd-server'); rotel_binary()"
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed

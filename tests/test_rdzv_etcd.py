@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
 from tests.launch_utils import REPO, base_env, steps_done
-from tests.services.etcd_service import Etcd
+from tests.services.etcd_service import Etcd, make_certs
 from trainguard.runtime import etcd_v3
 
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
@@ -349,3 +349,74 @@ def test_etcd_stopped_10s_mid_run_job_finishes(tmp_path: Path, etcd: Etcd) -> No
     assert steps_done(run_dir) == 399
     # training went on while etcd was down (the workers never need it)
     assert progressed > 0
+
+
+# -- auth and TLS ---------------------------------------------------------------------------------
+def _etcdctl(e: Etcd, *args: str) -> None:
+    subprocess.run(
+        ["etcdctl", "--endpoints", e.url, *args],
+        check=True, capture_output=True, timeout=30, env={**os.environ, "ETCDCTL_API": "3"},
+    )  # fmt: skip
+
+
+def test_user_password_from_env_or_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    e = Etcd(tmp_path / "etcd")
+    try:
+        _etcdctl(e, "user", "add", "root:rootpw", "--interactive=false")
+        _etcdctl(e, "user", "add", "tg:s3cret", "--interactive=false")
+        _etcdctl(e, "role", "add", "tgrole")
+        _etcdctl(e, "role", "grant-permission", "tgrole", "--prefix=true", "readwrite", "/tg/")
+        _etcdctl(e, "user", "grant-role", "tg", "tgrole")
+        _etcdctl(e, "auth", "enable")
+
+        monkeypatch.setenv(etcd_v3.PASSWORD_ENV, "s3cret")
+        backend, store = etcd_v3.create_backend(_params(e, "auth", user="tg", key_prefix="/tg"))
+        assert backend.set_state(b"x") is not None and backend.get_state()[0] == b"x"  # type: ignore[index]
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+
+        monkeypatch.delenv(etcd_v3.PASSWORD_ENV)
+        pw = tmp_path / "pw"
+        pw.write_text("s3cret\n")
+        _, s2 = etcd_v3.create_backend(
+            _params(e, "auth", user="tg", key_prefix="/tg", password_file=str(pw))
+        )
+        assert s2.get("k") == b"v"
+
+        # no credentials, a wrong password, or keys outside the role: clear errors, quickly
+        _, anon = etcd_v3.create_backend(_params(e, "auth", key_prefix="/tg", retry_timeout="2"))
+        with pytest.raises(RendezvousConnectionError):
+            anon.set("k", "v")
+        monkeypatch.setenv(etcd_v3.PASSWORD_ENV, "wrong")
+        _, bad = etcd_v3.create_backend(_params(e, "auth", user="tg", key_prefix="/tg"))
+        with pytest.raises(RendezvousConnectionError, match="rejected user 'tg'"):
+            bad.set("k", "v")
+        monkeypatch.setenv(etcd_v3.PASSWORD_ENV, "s3cret")
+        _, outside = etcd_v3.create_backend(_params(e, "auth", user="tg", key_prefix="/other"))
+        with pytest.raises(RendezvousConnectionError, match="may not use these keys"):
+            outside.set("k", "v")
+    finally:
+        e.kill()
+
+
+def test_mutual_tls(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path / "certs")
+    e = Etcd(tmp_path / "etcd", tls=certs)
+    try:
+        backend, store = etcd_v3.create_backend(
+            _params(
+                e, "tls", ca_cert=str(certs["ca"]), ssl_cert=str(certs["client_cert"]),
+                ssl_cert_key=str(certs["client_key"]),
+            )
+        )  # fmt: skip
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        assert backend.set_state(b"s") is not None
+        # without a client certificate etcd refuses the connection
+        _, nocert = etcd_v3.create_backend(
+            _params(e, "tls", ca_cert=str(certs["ca"]), retry_timeout="1")
+        )
+        with pytest.raises(RendezvousConnectionError):
+            nocert.get("k")
+    finally:
+        e.kill()

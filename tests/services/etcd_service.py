@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -23,7 +24,12 @@ class Etcd:
     """One etcd member; ``endpoint`` is ``127.0.0.1:<client port>``."""
 
     def __init__(
-        self, workdir: Path, *, no_fsync: bool = False, extra_args: list[str] | None = None
+        self,
+        workdir: Path,
+        *,
+        no_fsync: bool = False,
+        extra_args: list[str] | None = None,
+        tls: dict[str, Path] | None = None,
     ) -> None:
         apt_ensure("etcd-server")
         self.dir = workdir
@@ -31,7 +37,8 @@ class Etcd:
         self.port = free_port()
         self.peer_port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
-        self.url = f"http://{self.endpoint}"
+        self.tls = tls
+        self.url = f"{'https' if tls else 'http'}://{self.endpoint}"
         self.no_fsync = no_fsync
         self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen[bytes] | None = None
@@ -51,6 +58,13 @@ class Etcd:
         ]  # fmt: skip
         if self.no_fsync:
             args.append("--unsafe-no-fsync")
+        if self.tls:
+            args += [
+                "--cert-file", str(self.tls["server_cert"]),
+                "--key-file", str(self.tls["server_key"]),
+                "--trusted-ca-file", str(self.tls["ca"]),
+                "--client-cert-auth",
+            ]  # fmt: skip
         args += self.extra_args
         log = (self.dir / "etcd.log").open("ab")
         self.proc = subprocess.Popen(
@@ -65,7 +79,11 @@ class Etcd:
         if self.proc is None or self.proc.poll() is not None:
             tail = (self.dir / "etcd.log").read_text(errors="replace")[-2000:]
             raise RuntimeError(f"etcd exited: {tail}")
-        with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+        ctx = None
+        if self.tls:
+            ctx = ssl.create_default_context(cafile=str(self.tls["ca"]))
+            ctx.load_cert_chain(str(self.tls["client_cert"]), str(self.tls["client_key"]))
+        with urllib.request.urlopen(self.url + "/health", timeout=2, context=ctx) as r:
             return b'"true"' in r.read()
 
     def stop(self) -> None:
@@ -97,3 +115,28 @@ class Etcd:
             if time.monotonic() > deadline:
                 raise TimeoutError("etcd did not stop")
             time.sleep(0.05)
+
+
+def make_certs(d: Path) -> dict[str, Path]:
+    """A throw-away CA, a server certificate for 127.0.0.1 and a client certificate (openssl)."""
+    apt_ensure("openssl")
+    d.mkdir(parents=True, exist_ok=True)
+
+    def ssl_(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    ssl_("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=tg-test-ca",
+         "-keyout", "ca.key", "-out", "ca.pem")  # fmt: skip
+    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        ssl_("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+             "-keyout", f"{name}.key", "-out", f"{name}.csr")  # fmt: skip
+        ssl_("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+             "-CAcreateserial", "-days", "2", "-extfile", "san.cnf", "-out", f"{name}.pem")  # fmt: skip
+    return {
+        "ca": d / "ca.pem",
+        "server_cert": d / "server.pem",
+        "server_key": d / "server.key",
+        "client_cert": d / "client.pem",
+        "client_key": d / "client.key",
+    }

@@ -127,6 +127,10 @@ def _unb64(data: str | None) -> bytes:
     return base64.b64decode(data) if data else b""
 
 
+def _text(e: Exception) -> str:
+    return str(getattr(e, "detail_text", None) or e)
+
+
 def _range_end(prefix: bytes) -> bytes:
     """The end of the key range of every key starting with ``prefix``."""
     b = bytearray(prefix)
@@ -189,6 +193,7 @@ class EtcdV3Client:
             for h, p in endpoints
         ]
         self._current = 0
+        self._ca_cert = ca_cert
         self._user = user
         self._password = password
         self._token: str | None = None
@@ -205,11 +210,20 @@ class EtcdV3Client:
     def _post_once(self, index: int, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         c = self._clients[index]
         headers = {"Authorization": self._token} if self._token else None
+        extra: dict[str, Any] = {}
+        if self._ca_cert:
+            # per request: requests lets REQUESTS_CA_BUNDLE override a session's CA bundle
+            extra["verify"] = self._ca_cert
         try:
-            return c.post(c.get_url(path), json=payload, headers=headers)
+            return c.post(c.get_url(path), json=payload, headers=headers, **extra)
         except self._exc.Etcd3Exception as e:
             text = str(getattr(e, "detail_text", "") or e)
-            if "auth" in text.lower() or "permission denied" in text.lower():
+            if "permission denied" in text.lower():
+                raise RendezvousConnectionError(
+                    f"etcd user {self._user!r} may not use these keys ({text.strip()[:200]}): "
+                    "grant the user's role readwrite on the key prefix"
+                ) from None
+            if "auth" in text.lower() or "user name" in text.lower():
                 raise _AuthError(text) from e
             raise
 
@@ -267,11 +281,11 @@ class EtcdV3Client:
             if now >= deadline:
                 raise EtcdUnavailableError(
                     f"etcd at {self.endpoints_text()} did not answer for {self.retry_timeout:.0f} s"
-                    f" ({type(err).__name__}: {str(err)[:200]})"
+                    f" ({type(err).__name__}: {_text(err)[:300]})"
                 ) from None
             if attempt == 1 or attempt % 20 == 0:
                 logger.warning(
-                    "etcd call %s failed (%s: %s); retrying", path, type(err).__name__, err
+                    "etcd call %s failed (%s: %s); retrying", path, type(err).__name__, _text(err)
                 )
             self._current = (index + 1) % len(self._clients)
             time.sleep(min(random.uniform(0, delay), max(deadline - now, 0)))
