@@ -56,7 +56,7 @@ def child(
 
         conf["is_host"] = False
     else:
-        from trainguard.runtime.etcd_v3 import create_backend  # type: ignore[assignment]
+        from trainguard.runtime.etcd_v3 import create_rdzv_handler
 
     handlers = []
     backends = []
@@ -69,9 +69,14 @@ def child(
             max_nodes=n_total,
             **conf,
         )
-        be, store = create_backend(params)
+        if backend == "c10d":  # torch's registry does exactly this for c10d
+            be, store = create_backend(params)
+            h = create_handler(store, be, params)
+        else:  # the handler `--rdzv-backend etcd-v3` gets
+            h = create_rdzv_handler(params)
+            be = h._state_holder._backend  # type: ignore[attr-defined]
         backends.append(be)
-        handlers.append(create_handler(store, be, params))
+        handlers.append(h)
 
     go = threading.Event()
     ends: list[float] = []
@@ -105,8 +110,27 @@ def child(
 
 
 # -- parent --------------------------------------------------------------------------------------
+def _show_progress(endpoint: str, run_id: str, t0: float, stop: threading.Event) -> None:
+    import pickle
+
+    from trainguard.runtime.etcd_v3 import EtcdV3Client, _unpack, parse_endpoints
+
+    c = EtcdV3Client(parse_endpoints(endpoint))
+    while not stop.wait(2.0):
+        found = c.get(f"/trainguard/rdzv/{run_id}/state")
+        if found is None:
+            continue
+        st = pickle.loads(_unpack(found[0]))  # torch's own state format
+        print(
+            f"  t={time.time() - t0:5.1f}s rev={found[1]} round={st.round} "
+            f"participants={len(st.participants)} complete={st.complete} "
+            f"heartbeats={len(st.last_heartbeats)}",
+            flush=True,
+        )
+
+
 def one_round(
-    backend: str, endpoint: str, n: int, procs: int, timeout: float
+    backend: str, endpoint: str, n: int, procs: int, timeout: float, progress: bool = False
 ) -> tuple[float | None, str]:
     run_id = f"scale-{backend}-{n}-{uuid.uuid4().hex[:8]}"
     counts = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
@@ -143,6 +167,11 @@ def one_round(
         for c in children:
             c.stdin.write("go\n")  # type: ignore[union-attr]
             c.stdin.flush()  # type: ignore[union-attr]
+        stop = threading.Event()
+        if progress and backend == "etcd-v3":
+            threading.Thread(
+                target=_show_progress, args=(endpoint, run_id, t_go, stop), daemon=True
+            ).start()
         results = []
         deadline = time.monotonic() + timeout
         for c in children:
@@ -164,6 +193,8 @@ def one_round(
         stats = f"ok ({wins} of {writes} state writes won)" if writes else "ok"
         return max(r["t_end"] for r in results) - t_go, stats
     finally:
+        if progress:
+            stop.set()
         for c in children:
             if c.poll() is None:
                 try:
@@ -180,8 +211,11 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=4, help="processes the agents are spread over")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--only", choices=["etcd", "c10d"], default=None)
+    ap.add_argument("--progress", action="store_true", help="print the etcd round's progress")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    # a SIGTERM still runs the finally blocks that stop etcd and the agent processes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from torch.distributed import TCPStore
 
@@ -214,7 +248,7 @@ def main() -> None:
                             endpoint = etcd.endpoint
                         dt, why = one_round(
                             "c10d" if b == "c10d" else "etcd-v3", endpoint, n, args.procs,
-                            args.timeout,
+                            args.timeout, args.progress,
                         )  # fmt: skip
                         del store
                         times.setdefault((b, n), []).append(dt)

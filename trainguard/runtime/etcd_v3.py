@@ -44,12 +44,13 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import pickle
 import random
 import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import torch.distributed as dist
@@ -61,8 +62,13 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
     RendezvousBackend,
+    RendezvousSettings,
     Token,
+    _BackendRendezvousStateHolder,
+    _NodeDesc,
+    _RendezvousState,
     create_handler,
 )
 
@@ -73,7 +79,9 @@ __all__ = [
     "EtcdV3RendezvousBackend",
     "EtcdV3Store",
     "EtcdUnavailableError",
+    "ScalableStateHolder",
     "create_backend",
+    "create_rdzv_handler",
     "register",
 ]
 
@@ -480,8 +488,15 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return _unpack(found[0]), found[1]
 
     def set_state(
-        self, state: bytes, token: Token | None = None
+        self,
+        state: bytes,
+        token: Token | None = None,
+        *,
+        meta: bytes | None = None,
+        fetch: bool = True,
     ) -> tuple[bytes, Token, bool] | None:
+        """See base class. ``meta`` is written with the state; ``fetch=False``: a lost race
+        returns ``(b"", None, False)`` instead of reading the newest state."""
         key = _b64(self._key)
         if token is None:
             compare = {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
@@ -496,8 +511,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                 "target": "MOD",
                 "mod_revision": str(revision),
             }
-        packed = _pack(state)
-        out = self._client.txn([compare], [self._client.put_request(self._key, packed)], [])
+        puts = [self._client.put_request(self._key, _pack(state))]
+        if meta is not None:
+            puts.append(self._client.put_request(self._meta_key, meta))
+        out = self._client.txn([compare], puts, [])
         self.writes += 1
         if out.get("succeeded"):
             self.wins += 1
@@ -506,10 +523,200 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._losses += 1
         ceiling = min(self._backoff_cap, self._backoff_base * (2 ** min(self._losses, 16)))
         time.sleep(random.uniform(0, ceiling))
+        if not fetch:
+            return b"", None, False
         found = self.get_state()
         if found is None:
             return None
         return found[0], found[1], False
+
+    # -- what the scalable state holder adds -------------------------------------------------
+    @property
+    def _meta_key(self) -> str:
+        return self._key + ".meta"
+
+    @property
+    def _hb_prefix(self) -> str:
+        return self._key.rsplit("/", 1)[0] + "/heartbeat/"
+
+    def load(self) -> tuple[bytes, int, dict[str, float]] | None:
+        """The state, its revision and every node's heartbeat key, in one read."""
+        hb = self._hb_prefix
+        out = self._client.txn(
+            [],
+            [
+                {"request_range": {"key": _b64(self._key)}},
+                {
+                    "request_range": {
+                        "key": _b64(hb),
+                        "range_end": _b64(_range_end(hb.encode())),
+                    }
+                },
+            ],
+            [],
+        )
+        responses = out.get("responses") or [{}, {}]
+        kvs = (responses[0].get("response_range") or {}).get("kvs") or []
+        if not kvs:
+            return None
+        beats: dict[str, float] = {}
+        for kv in (responses[1].get("response_range") or {}).get("kvs") or []:
+            try:
+                beats[_unb64(kv["key"]).decode()[len(hb) :]] = float(_unb64(kv.get("value")))
+            except (KeyError, ValueError):
+                continue
+        return _unpack(_unb64(kvs[0].get("value"))), int(kvs[0].get("mod_revision", 0)), beats
+
+    def meta(self) -> bytes | None:
+        found = self._client.get(self._meta_key)
+        return None if found is None else found[0]
+
+    def put_heartbeat(self, node: str, when: float) -> None:
+        self._client.put(self._hb_prefix + node, repr(when))
+
+
+# --------------------------------------------------------------------------------------------
+# The state holder: heartbeats out of the shared state, cheap polls while a round fills
+# --------------------------------------------------------------------------------------------
+def _meta(state: _RendezvousState) -> bytes:
+    """What a node waiting for a round to fill must not miss: round, completion, closing, the
+    last-call deadline, and whether nodes wait for the next round."""
+    deadline = state.deadline.isoformat() if state.deadline else ""
+    return (
+        f"{state.round}|{int(state.complete)}|{int(state.closed)}|{deadline}|{len(state.wait_list)}"
+    ).encode()
+
+
+class ScalableStateHolder(_BackendRendezvousStateHolder):
+    """torch's state holder, made to scale on :class:`EtcdV3RendezvousBackend`.
+
+    torch keeps every node's keep-alive time inside the one shared state, so each keep-alive is
+    a compare-and-swap of the whole state that races every join: with a few hundred nodes the
+    keep-alives alone outrun what one key can take, nodes that cannot land theirs are declared
+    dead and removed, rejoin, and the round never completes. Here:
+
+    - a write that changes nothing but this node's keep-alive time goes to the node's own key
+      (``heartbeat/<node>``, no race); every full read overlays those times on the state before
+      torch's dead-node check, so liveness means exactly what it means in torch;
+    - a node waiting for an incomplete round to fill reads only a small summary key (round,
+      complete, closed, deadline, wait-list size, written with every state write) and reads
+      the full state only when it changes, or every ``max(keep_alive_interval, nodes/100 s)``
+      to check liveness, instead of decoding the whole state every second;
+    - a won write keeps the state it wrote instead of decoding it again.
+
+    Every decision is still torch's (the same operations and the same compare-and-swap); a
+    decision taken on a state that turns out stale simply loses its race and is retried.
+    """
+
+    def __init__(
+        self,
+        backend: EtcdV3RendezvousBackend,
+        settings: RendezvousSettings,
+        node: _NodeDesc,
+        cache_duration: int = 1,
+    ) -> None:
+        super().__init__(backend, settings, cache_duration)
+        self._etcd = backend
+        self._node = node
+        self._node_key = repr(node)
+        self._last_full = -float("inf")
+        self._meta_seen: bytes | None = None
+        self._poll = 1.0
+        self._next_poll = 0.0
+        self._snapshot: tuple[Any, ...] | None = None
+
+    def _take_snapshot(self) -> tuple[Any, ...]:
+        st = self._state
+        return (
+            st.round,
+            st.complete,
+            st.closed,
+            st.deadline,
+            dict(st.participants),
+            set(st.wait_list),
+            set(st.redundancy_list),
+            set(st.last_heartbeats),
+        )
+
+    def _heartbeat_only(self) -> bool:
+        return (
+            self._token is not None
+            and self._snapshot is not None
+            and self._node in self._state.last_heartbeats
+            and self._take_snapshot() == self._snapshot
+        )
+
+    def _load_full(self) -> None:
+        loaded = self._etcd.load()
+        if loaded is None:
+            self._state, self._token = _RendezvousState(), None
+        else:
+            bits, self._token, beats = loaded
+            try:
+                self._state = pickle.loads(bits)  # torch's own state format
+            except pickle.PickleError as exc:
+                raise RendezvousStateError(
+                    "The rendezvous state is corrupt. See inner exception for details."
+                ) from exc
+            hb = self._state.last_heartbeats
+            for node, when in hb.items():
+                t = beats.get(repr(node))
+                if t is not None and t > when.timestamp():
+                    hb[node] = datetime.fromtimestamp(t, timezone.utc)
+        self._meta_seen = _meta(self._state)
+        self._last_full = time.monotonic()
+        self._done()
+
+    def _done(self) -> None:
+        self._dirty = False
+        self._last_sync_time = time.monotonic()
+        self._sanitize()
+        self._snapshot = self._take_snapshot()
+
+    def _may_skip_full_read(self, now: float) -> bool:
+        st = self._state
+        if self._token is None or st.complete or self._node not in st.participants:
+            return False
+        full_every = max(
+            self._settings.keep_alive_interval.total_seconds(), len(st.last_heartbeats) / 100.0
+        )
+        if now - self._last_full >= full_every:
+            return False
+        if now < self._next_poll:
+            return True
+        if self._etcd.meta() != self._meta_seen:
+            return False
+        self._poll = min(self._poll * 1.5, 3.0)
+        self._next_poll = now + self._poll * random.uniform(0.5, 1.0)
+        return True
+
+    def sync(self) -> bool | None:
+        now = time.monotonic()
+        if self._dirty:
+            if self._heartbeat_only():
+                when = self._state.last_heartbeats[self._node].timestamp()
+                self._etcd.put_heartbeat(self._node_key, when)
+                self._done()
+                return True
+            bits = pickle.dumps(self._state)
+            meta = _meta(self._state)
+            out = self._etcd.set_state(bits, self._token, meta=meta, fetch=False)
+            if out is not None and out[2]:
+                self._token = out[1]
+                self._meta_seen = meta
+                self._done()
+                return True
+            self._load_full()
+            self._poll, self._next_poll = 1.0, 0.0
+            return False
+        if self._cache_duration > 0 and self._last_sync_time >= max(now - self._cache_duration, 0):
+            return None
+        if self._may_skip_full_read(now):
+            self._last_sync_time = now
+            return None
+        self._load_full()
+        self._poll, self._next_poll = 1.0, 0.0
+        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -787,11 +994,18 @@ def create_backend(
     return backend, store
 
 
-def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
+def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """The ``etcd-v3`` handler: torch's dynamic rendezvous on this backend, store and holder."""
     backend, store = create_backend(params)
-    return create_handler(store, backend, params)
+    stock = create_handler(store, backend, params)  # torch's parsing of the rdzv options
+    node = getattr(stock, "_this_node", None)
+    settings = getattr(stock, "_settings", None)
+    if node is None or settings is None:  # another torch: its own holder still works
+        return stock
+    holder = ScalableStateHolder(backend, settings, node)
+    return DynamicRendezvousHandler(node, settings, backend.name, store, holder)
 
 
 def register() -> None:
     """Register ``etcd-v3`` in torch's rendezvous handler registry (idempotent)."""
-    rdzv_registry.handler_registry.register(BACKEND_NAME, _create_handler)
+    rdzv_registry.handler_registry.register(BACKEND_NAME, create_rdzv_handler)
