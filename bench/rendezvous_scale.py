@@ -105,6 +105,7 @@ def child(
     out["ranks"] = sorted(ranks)
     out["writes"] = sum(getattr(b, "writes", 0) for b in backends)
     out["wins"] = sum(getattr(b, "wins", 0) for b in backends)
+    out["batched"] = sum(getattr(getattr(h, "_state_holder", None), "batched", 0) for h in handlers)
     print(json.dumps(out), flush=True)
     os._exit(0)  # skip torch's interpreter teardown of a thousand handlers
 
@@ -190,7 +191,10 @@ def one_round(
             return None, f"{ok}/{n} agents joined; errors: {errs[:2]}"
         writes = sum(r["writes"] for r in results)
         wins = sum(r["wins"] for r in results)
-        stats = f"ok ({wins} of {writes} state writes won)" if writes else "ok"
+        batched = sum(r.get("batched", 0) for r in results)
+        stats = f"ok ({wins} of {writes} state writes won" if writes else "ok"
+        if writes:
+            stats += f", {batched} agents admitted by another's write)"
         return max(r["t_end"] for r in results) - t_go, stats
     finally:
         if progress:

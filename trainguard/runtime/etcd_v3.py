@@ -42,6 +42,7 @@ Options (``--rdzv-conf key=value,...``, or the ``[rendezvous]`` config section):
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import os
 import pickle
@@ -539,23 +540,26 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def _hb_prefix(self) -> str:
         return self._key.rsplit("/", 1)[0] + "/heartbeat/"
 
-    def load(self) -> tuple[bytes, int, dict[str, float]] | None:
-        """The state, its revision and every node's heartbeat key, in one read."""
-        hb = self._hb_prefix
+    @property
+    def _join_prefix(self) -> str:
+        return self._key.rsplit("/", 1)[0] + "/join/"
+
+    def load(
+        self,
+    ) -> tuple[bytes, int, dict[str, float], list[tuple[int, dict[str, Any]]]] | None:
+        """The state, its revision, every node's heartbeat key and the join requests, in one
+        read."""
+        hb, jp = self._hb_prefix, self._join_prefix
         out = self._client.txn(
             [],
             [
                 {"request_range": {"key": _b64(self._key)}},
-                {
-                    "request_range": {
-                        "key": _b64(hb),
-                        "range_end": _b64(_range_end(hb.encode())),
-                    }
-                },
+                {"request_range": {"key": _b64(hb), "range_end": _b64(_range_end(hb.encode()))}},
+                {"request_range": {"key": _b64(jp), "range_end": _b64(_range_end(jp.encode()))}},
             ],
             [],
         )
-        responses = out.get("responses") or [{}, {}]
+        responses = out.get("responses") or [{}, {}, {}]
         kvs = (responses[0].get("response_range") or {}).get("kvs") or []
         if not kvs:
             return None
@@ -565,7 +569,15 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                 beats[_unb64(kv["key"]).decode()[len(hb) :]] = float(_unb64(kv.get("value")))
             except (KeyError, ValueError):
                 continue
-        return _unpack(_unb64(kvs[0].get("value"))), int(kvs[0].get("mod_revision", 0)), beats
+        joins: list[tuple[int, dict[str, Any]]] = []
+        for kv in (responses[2].get("response_range") or {}).get("kvs") or []:
+            try:
+                rnd = int(_unb64(kv["key"]).decode()[len(jp) :].split("/", 1)[0])
+                joins.append((rnd, json.loads(_unb64(kv.get("value")))))
+            except (KeyError, ValueError):
+                continue
+        state = _unpack(_unb64(kvs[0].get("value")))
+        return state, int(kvs[0].get("mod_revision", 0)), beats, joins
 
     def meta(self) -> bytes | None:
         found = self._client.get(self._meta_key)
@@ -573,6 +585,14 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
 
     def put_heartbeat(self, node: str, when: float) -> None:
         self._client.put(self._hb_prefix + node, repr(when))
+
+    def put_join(self, round_: int, node: _NodeDesc, when: float) -> None:
+        """This node asks to join ``round_`` as a participant (any writer may add it)."""
+        value = {"addr": node.addr, "pid": node.pid, "local_id": node.local_id, "t": when}
+        self._client.put(f"{self._join_prefix}{round_}/{node!r}", json.dumps(value))
+
+    def forget_joins(self, round_: int) -> None:
+        self._client.delete(f"{self._join_prefix}{round_}/", prefix=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -624,6 +644,11 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
         self._poll = 1.0
         self._next_poll = 0.0
         self._snapshot: tuple[Any, ...] | None = None
+        self._joins: dict[_NodeDesc, float] = {}
+        self._join_round: int | None = None
+        self._join_beat = 0.0
+        self.batched = 0
+        """Other nodes this node added to a round on their request (statistics)."""
 
     def _take_snapshot(self) -> tuple[Any, ...]:
         st = self._state
@@ -646,18 +671,67 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
             and self._take_snapshot() == self._snapshot
         )
 
+    def _joining(self) -> bool:
+        """This write adds this node to the participants of an open round."""
+        snap = self._snapshot
+        st = self._state
+        return (
+            snap is not None
+            and self._node not in snap[4]
+            and self._node in st.participants
+            and not st.closed
+        )
+
+    def _add_requested_joins(self, st: _RendezvousState) -> int:
+        """Add the nodes that asked to join this round, as each would add itself (torch's
+        ``_add_to_participants``: last-call deadline at ``min_nodes``, ranks at ``max_nodes``),
+        so one write admits many nodes instead of each racing for its own."""
+        settings = self._settings
+        fresh = (
+            time.time()
+            - (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
+        )
+        added = 0
+        for node, t in sorted(self._joins.items(), key=lambda kv: kv[1]):
+            if st.complete or len(st.participants) >= settings.max_nodes:
+                break
+            if node in st.participants or node in st.redundancy_list or t < fresh:
+                continue
+            st.wait_list.discard(node)
+            st.participants[node] = 0
+            # as of now: the node learns of its admission at its next read and keeps its
+            # heartbeat key fresh meanwhile
+            st.last_heartbeats[node] = datetime.now(timezone.utc)
+            added += 1
+            if len(st.participants) == settings.min_nodes:
+                st.deadline = datetime.now(timezone.utc) + settings.timeout.last_call
+            if len(st.participants) == settings.max_nodes:
+                st.complete = True
+                st.deadline = None
+                for rank, member in enumerate(sorted(st.participants)):
+                    st.participants[member] = rank
+        return added
+
     def _load_full(self) -> None:
         loaded = self._etcd.load()
         if loaded is None:
             self._state, self._token = _RendezvousState(), None
         else:
-            bits, self._token, beats = loaded
+            bits, self._token, beats, joins = loaded
             try:
                 self._state = pickle.loads(bits)  # torch's own state format
             except pickle.PickleError as exc:
                 raise RendezvousStateError(
                     "The rendezvous state is corrupt. See inner exception for details."
                 ) from exc
+            self._joins = {}
+            for rnd, j in joins:
+                if rnd == self._state.round:
+                    try:
+                        node = _NodeDesc(str(j["addr"]), int(j["pid"]), int(j["local_id"]))
+                        self._joins[node] = float(j["t"])
+                    except (KeyError, TypeError, ValueError):
+                        continue
             hb = self._state.last_heartbeats
             for node, when in hb.items():
                 t = beats.get(repr(node))
@@ -686,11 +760,24 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
             return True
         if self._etcd.meta() != self._meta_seen:
             return False
-        self._poll = min(self._poll * 1.5, 3.0)
+        self._poll = min(self._poll * 1.5, 2.0)
         self._next_poll = now + self._poll * random.uniform(0.5, 1.0)
         return True
 
+    def _refresh_pending_join(self) -> None:
+        """A node that asked to join keeps its heartbeat key fresh until it sees itself in the
+        state (another node may have admitted it already)."""
+        if self._join_round is None or self._join_round != self._state.round:
+            return
+        if self._node in self._state.last_heartbeats:
+            return
+        now = time.time()
+        if now - self._join_beat >= self._settings.keep_alive_interval.total_seconds():
+            self._etcd.put_heartbeat(self._node_key, now)
+            self._join_beat = now
+
     def sync(self) -> bool | None:
+        self._refresh_pending_join()
         now = time.monotonic()
         if self._dirty:
             if self._heartbeat_only():
@@ -698,12 +785,29 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
                 self._etcd.put_heartbeat(self._node_key, when)
                 self._done()
                 return True
+            was_complete = self._snapshot is not None and self._snapshot[1]
+            if self._joining():
+                st = self._state
+                if self._join_round != st.round:
+                    self._join_beat = time.time()
+                    self._etcd.put_heartbeat(self._node_key, self._join_beat)
+                    self._etcd.put_join(st.round, self._node, self._join_beat)
+                    self._join_round = st.round
+                added = self._add_requested_joins(st)
+            else:
+                added = 0
             bits = pickle.dumps(self._state)
             meta = _meta(self._state)
             out = self._etcd.set_state(bits, self._token, meta=meta, fetch=False)
             if out is not None and out[2]:
                 self._token = out[1]
                 self._meta_seen = meta
+                self.batched += added
+                if self._state.complete and not was_complete:
+                    try:
+                        self._etcd.forget_joins(self._state.round)
+                    except RendezvousConnectionError:
+                        pass  # they expire with the run's lease
                 self._done()
                 return True
             self._load_full()
