@@ -16,7 +16,7 @@ A round that does not finish in ``--timeout`` (300 s) counts as null. Medians of
 Ends with one JSON line: ``trainguard_etcd_rdzv_s_<N>`` and ``torch_c10d_rdzv_s_<N>`` for
 N in 100, 300, 1000.
 
-    python bench/rendezvous_scale.py [--sizes 100,300,1000] [--runs 3] [--procs 4]
+    python bench/rendezvous_scale.py [--sizes 100,300,1000] [--runs 3] [--runs-large 1] [--procs 4]
 """
 
 from __future__ import annotations
@@ -212,6 +212,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sizes", default="100,300,1000")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument(
+        "--runs-large", type=int, default=None, help="rounds for N > 100 (default: --runs)"
+    )
     ap.add_argument("--procs", type=int, default=4, help="processes the agents are spread over")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--only", choices=["etcd", "c10d"], default=None)
@@ -238,7 +241,8 @@ def main() -> None:
         )  # fmt: skip
         try:
             for n in sizes:
-                for r in range(args.runs):
+                runs = args.runs if n <= 100 or args.runs_large is None else args.runs_large
+                for r in range(runs):
                     for b in backends:
                         # c10d: a fresh store host per round, as a dedicated store node
                         store = None

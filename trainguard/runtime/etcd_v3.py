@@ -98,6 +98,8 @@ DEFAULT_REQUEST_TIMEOUT = 10.0
 DEFAULT_RETRY_TIMEOUT = 60.0
 DEFAULT_CAS_BACKOFF = 0.02
 DEFAULT_CAS_BACKOFF_MAX = 2.0
+JOIN_BATCH = 256
+"""Join requests one state write admits at most (each load reads this many)."""
 OPTIONS = (
     "protocol",
     "ca_cert",
@@ -545,17 +547,29 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return self._key.rsplit("/", 1)[0] + "/join/"
 
     def load(
-        self,
-    ) -> tuple[bytes, int, dict[str, float], list[tuple[int, dict[str, Any]]]] | None:
-        """The state, its revision, every node's heartbeat key and the join requests, in one
-        read."""
+        self, since: int = 0
+    ) -> tuple[bytes, int, dict[str, float], list[tuple[int, dict[str, Any]]], int] | None:
+        """In one read: the state, its revision, the heartbeat keys written after revision
+        ``since`` (all when 0), the oldest ``JOIN_BATCH`` join requests, and the store's
+        revision."""
         hb, jp = self._hb_prefix, self._join_prefix
+        beats: dict[str, Any] = {"key": _b64(hb), "range_end": _b64(_range_end(hb.encode()))}
+        if since > 0:
+            beats["min_mod_revision"] = str(since + 1)
         out = self._client.txn(
             [],
             [
                 {"request_range": {"key": _b64(self._key)}},
-                {"request_range": {"key": _b64(hb), "range_end": _b64(_range_end(hb.encode()))}},
-                {"request_range": {"key": _b64(jp), "range_end": _b64(_range_end(jp.encode()))}},
+                {"request_range": beats},
+                {
+                    "request_range": {
+                        "key": _b64(jp),
+                        "range_end": _b64(_range_end(jp.encode())),
+                        "sort_order": "ASCEND",
+                        "sort_target": "CREATE",
+                        "limit": str(JOIN_BATCH),
+                    }
+                },
             ],
             [],
         )
@@ -563,10 +577,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         kvs = (responses[0].get("response_range") or {}).get("kvs") or []
         if not kvs:
             return None
-        beats: dict[str, float] = {}
+        times: dict[str, float] = {}
         for kv in (responses[1].get("response_range") or {}).get("kvs") or []:
             try:
-                beats[_unb64(kv["key"]).decode()[len(hb) :]] = float(_unb64(kv.get("value")))
+                times[_unb64(kv["key"]).decode()[len(hb) :]] = float(_unb64(kv.get("value")))
             except (KeyError, ValueError):
                 continue
         joins: list[tuple[int, dict[str, Any]]] = []
@@ -577,7 +591,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             except (KeyError, ValueError):
                 continue
         state = _unpack(_unb64(kvs[0].get("value")))
-        return state, int(kvs[0].get("mod_revision", 0)), beats, joins
+        revision = int(out.get("header", {}).get("revision", 0))
+        return state, int(kvs[0].get("mod_revision", 0)), times, joins, revision
 
     def meta(self) -> bytes | None:
         found = self._client.get(self._meta_key)
@@ -593,6 +608,14 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
 
     def forget_joins(self, round_: int) -> None:
         self._client.delete(f"{self._join_prefix}{round_}/", prefix=True)
+
+    def forget_join_requests(self, round_: int, nodes: list[_NodeDesc]) -> None:
+        """Drop the join requests of admitted nodes (in transactions of at most 100 deletes,
+        below etcd's default limit of 128 operations)."""
+        keys = [f"{self._join_prefix}{round_}/{n!r}" for n in nodes]
+        for i in range(0, len(keys), 100):
+            ops = [{"request_delete_range": {"key": _b64(k)}} for k in keys[i : i + 100]]
+            self._client.txn([], ops, [])
 
 
 # --------------------------------------------------------------------------------------------
@@ -647,6 +670,9 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
         self._joins: dict[_NodeDesc, float] = {}
         self._join_round: int | None = None
         self._join_beat = 0.0
+        self._beats: dict[str, float] = {}
+        self._beats_rev = 0
+        self._admitted: list[_NodeDesc] = []
         self.batched = 0
         """Other nodes this node added to a round on their request (statistics)."""
 
@@ -692,6 +718,7 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
             - (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
         )
         added = 0
+        self._admitted = []
         for node, t in sorted(self._joins.items(), key=lambda kv: kv[1]):
             if st.complete or len(st.participants) >= settings.max_nodes:
                 break
@@ -699,6 +726,7 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
                 continue
             st.wait_list.discard(node)
             st.participants[node] = 0
+            self._admitted.append(node)
             # as of now: the node learns of its admission at its next read and keeps its
             # heartbeat key fresh meanwhile
             st.last_heartbeats[node] = datetime.now(timezone.utc)
@@ -713,11 +741,12 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
         return added
 
     def _load_full(self) -> None:
-        loaded = self._etcd.load()
+        loaded = self._etcd.load(self._beats_rev)
         if loaded is None:
             self._state, self._token = _RendezvousState(), None
         else:
-            bits, self._token, beats, joins = loaded
+            bits, self._token, beats, joins, self._beats_rev = loaded
+            self._beats.update(beats)
             try:
                 self._state = pickle.loads(bits)  # torch's own state format
             except pickle.PickleError as exc:
@@ -734,7 +763,7 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
                         continue
             hb = self._state.last_heartbeats
             for node, when in hb.items():
-                t = beats.get(repr(node))
+                t = self._beats.get(repr(node))
                 if t is not None and t > when.timestamp():
                     hb[node] = datetime.fromtimestamp(t, timezone.utc)
         self._meta_seen = _meta(self._state)
@@ -788,7 +817,11 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
             was_complete = self._snapshot is not None and self._snapshot[1]
             if self._joining():
                 st = self._state
-                if self._join_round != st.round:
+                if (
+                    self._join_round != st.round
+                    or time.time() - self._join_beat
+                    >= self._settings.keep_alive_interval.total_seconds()
+                ):
                     self._join_beat = time.time()
                     self._etcd.put_heartbeat(self._node_key, self._join_beat)
                     self._etcd.put_join(st.round, self._node, self._join_beat)
@@ -803,11 +836,13 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
                 self._token = out[1]
                 self._meta_seen = meta
                 self.batched += added
-                if self._state.complete and not was_complete:
-                    try:
+                try:
+                    if self._state.complete and not was_complete:
                         self._etcd.forget_joins(self._state.round)
-                    except RendezvousConnectionError:
-                        pass  # they expire with the run's lease
+                    elif added:
+                        self._etcd.forget_join_requests(self._state.round, self._admitted)
+                except RendezvousConnectionError:
+                    pass  # they expire with the run's lease
                 self._done()
                 return True
             self._load_full()
