@@ -467,3 +467,21 @@ def test_forty_agents_one_round_admitted_in_batches(etcd: Etcd) -> None:
     finally:
         for h in handlers:
             h._stop_heartbeats()  # type: ignore[attr-defined]
+
+
+def test_cli_bad_etcd_options_one_line(tmp_path: Path) -> None:
+    from tests.launch_utils import launch
+
+    for conf, what in (
+        (["--rdzv-endpoint", "h:1:2:3"], "not host:port"),
+        (["--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "user=u,password=p"], "password_file"),
+    ):
+        r = launch(
+            "trainguard",
+            ["--nnodes", "1", "--rdzv-backend", "etcd-v3", "--rdzv-id", "bad", *conf,
+             "--tg-run-dir", str(tmp_path / "run"), EXAMPLE],
+            cwd=tmp_path,
+        )  # fmt: skip
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert what in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert len([x for x in r.stderr.splitlines() if "error" in x]) == 1, r.stderr

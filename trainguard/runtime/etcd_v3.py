@@ -14,7 +14,10 @@ What lives in etcd, under ``<key_prefix>/<run id>/``:
   keys (straggler medians, memory-tier peers, ...). No GPU node hosts anything the job needs
   after that node is gone;
 - ``lease``: the run's lease id. Every key of the run is attached to one lease that every live
-  agent keeps alive; when no agent is left, the run's keys expire after ``lease_ttl`` seconds.
+  agent keeps alive; when no agent is left, the run's keys expire after ``lease_ttl`` seconds;
+- ``heartbeat/<node>``, ``join/<round>/<node>``, ``state.meta``: what
+  :class:`ScalableStateHolder` adds so that hundreds of agents can rendezvous (keep-alives
+  off the shared state, join requests admitted in batches, a small summary to poll).
 
 Every etcd call is retried with exponential backoff and jitter until ``retry_timeout`` (default
 60 s), failing over between the ``--rdzv-endpoint`` members, so an etcd restart or a leader

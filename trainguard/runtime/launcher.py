@@ -63,7 +63,7 @@ def build_parser(prog: str = "trainguard run") -> argparse.ArgumentParser:
         default=None,
         metavar="TRAINGUARD_TOML",
         help="trainguard's settings file (sections [runtime], [health], [checkpoint], "
-        "[telemetry], [recovery]); precedence: flag > file > TRAINGUARD_* env > default.",
+        "[telemetry], [recovery], [rendezvous]); precedence: flag > file > TRAINGUARD_* env > default.",
     )
     group.add_argument(
         "--tg-run-dir",
