@@ -282,7 +282,8 @@ def main() -> None:
             row.append("null" if m is None else f"{m:.2f}")
         print(f"{n:>7} | {row[0]:>22} | {row[1]:>15}")
     print(
-        f"(medians of {args.runs} rounds; {args.procs} processes of threads; {os.cpu_count()} cores)"
+        f"(medians of {args.runs} rounds, {args.runs_large or args.runs} for N > 100; "
+        f"{args.procs} processes of threads; {os.cpu_count()} cores)"
     )
     print(json.dumps(out))
 
