@@ -31,7 +31,7 @@ demo: $(VENV)/.installed
 # fixtures would install them too, but inside a test's time limit). The layering contracts
 # (pyproject.toml [tool.importlinter], README "Layout") are checked before the tests.
 test: $(VENV)/.installed
-	$(PY) -c "from tests.services.telemetry_services import apt_ensure, rotel_binary; apt_ensure('prometheus', 'prometheus-alertmanager', 'chromium', 'slurm-wlm', 'munge', 'iproute2'); rotel_binary()"
+	$(PY) -c "from tests.services.telemetry_services import apt_ensure, rotel_binary; apt_ensure('prometheus', 'prometheus-alertmanager', 'chromium', 'slurm-wlm', 'munge', 'iproute2', 'etcd-server'); rotel_binary()"
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 

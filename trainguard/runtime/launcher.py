@@ -39,6 +39,7 @@ from trainguard.core.config import ConfigError, TrainGuardConfig, load_config
 from trainguard.core.events import EventLog
 from trainguard.core.failures import REQUEUE_EXIT_CODE
 from trainguard.core.plugin import AgentContext, AgentPlugin, NodeUnhealthyError
+from trainguard.runtime import etcd_v3
 from trainguard.runtime.agent import TrainGuardAgent
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
@@ -66,7 +67,7 @@ def build_parser(prog: str = "trainguard run") -> argparse.ArgumentParser:
         default=None,
         metavar="TRAINGUARD_TOML",
         help="trainguard's settings file (sections [runtime], [health], [checkpoint], "
-        "[telemetry], [recovery]); precedence: flag > file > TRAINGUARD_* env > default.",
+        "[telemetry], [recovery], [rendezvous]); precedence: flag > file > TRAINGUARD_* env > default.",
     )
     group.add_argument(
         "--tg-run-dir",
@@ -213,8 +214,13 @@ def _worker_spec(
     node: str,
     preemption_signals: list[str],
     direct_signals: bool = False,
+    rdzv_defaults: dict[str, Any] | None = None,
 ) -> WorkerSpec:
     """torch's WorkerSpec for ``config``, with trainguard's rendezvous handler."""
+    rdzv_configs = dict(config.rdzv_configs)
+    if config.rdzv_backend == etcd_v3.BACKEND_NAME:
+        # [rendezvous] config fills in what --rdzv-conf leaves out
+        rdzv_configs = {**(rdzv_defaults or {}), **rdzv_configs}
     params = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -222,7 +228,7 @@ def _worker_spec(
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
         local_addr=config.local_addr,
-        **config.rdzv_configs,
+        **rdzv_configs,
     )
     master_addr, master_port = _master_addr_port(params)
     if direct_signals:
@@ -232,7 +238,12 @@ def _worker_spec(
     else:
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
         _handle_preemption_signals(config.signals_to_handle, preemption_signals)
-    handler = AttemptRendezvousHandler(rdzv_registry.get_rendezvous_handler(params), node=node)
+    etcd_v3.register()
+    try:
+        inner = rdzv_registry.get_rendezvous_handler(params)
+    except etcd_v3.EtcdV3ConfigError as e:
+        raise UsageError(str(e)) from None
+    handler = AttemptRendezvousHandler(inner, node=node)
     return WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
@@ -368,6 +379,7 @@ def launch(
         node=events.node,
         preemption_signals=tg_config.checkpoint.preemption_signals,
         direct_signals=tg_config.runtime.preemption_signals_direct,
+        rdzv_defaults=tg_config.rendezvous.rdzv_conf(),
     )
     plugins = plugin_factory(ctx) if plugin_factory else []
     agent = TrainGuardAgent(

@@ -29,6 +29,7 @@ from typing import Any
 
 from torch.distributed import Store, TCPStore
 from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousStoreInfo,
@@ -92,14 +93,24 @@ class AttemptRendezvousHandler(RendezvousHandler):
         self._inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        return self._inner.num_nodes_waiting()
+        # The agent asks this every monitor tick while its workers run; a rendezvous backend
+        # that cannot be reached right now (an etcd restart) must not kill a healthy job.
+        try:
+            return self._inner.num_nodes_waiting()
+        except RendezvousConnectionError as e:
+            logger.warning("rendezvous backend unreachable, assuming no node waits: %s", e)
+            return 0
 
     def get_run_id(self) -> str:
         return self._inner.get_run_id()
 
     def shutdown(self) -> bool:
         self._worker_store = None
-        return self._inner.shutdown()
+        try:
+            return self._inner.shutdown()
+        except RendezvousConnectionError as e:
+            logger.warning("could not close the rendezvous: %s", e)
+            return False
 
     # -- the additions -------------------------------------------------------------------------
     def next_rendezvous(self) -> RendezvousInfo:

@@ -1,0 +1,296 @@
+"""Rendezvous at scale: N simulated agents complete one round of torch's dynamic rendezvous.
+
+Every simulated agent is a real ``DynamicRendezvousHandler`` (``create_handler`` with
+``min_nodes = max_nodes = N``, torch's default keep-alive and timeouts) calling
+``next_rendezvous()`` once; no workers. The agents are threads spread over a few processes
+(``--procs``; one process's GIL would otherwise be the bottleneck). Two backends, side by side
+in one run, on the same machine:
+
+- ``trainguard etcd-v3``: trainguard's backend and store on a real etcd 3.4 (Debian
+  etcd-server, loopback, data directory on disk, fsync on);
+- ``torch c10d``: torch's ``C10dRendezvousBackend`` on a TCPStore hosted by this bench process
+  (as a dedicated store node would; each agent connects as a client).
+
+The time of a round is from "go" (every agent built and waiting) to the last agent's return.
+A round that does not finish in ``--timeout`` (300 s) counts as null. Medians of ``--runs``.
+Ends with one JSON line: ``trainguard_etcd_rdzv_s_<N>`` and ``torch_c10d_rdzv_s_<N>`` for
+N in 100, 300, 1000.
+
+    python bench/rendezvous_scale.py [--sizes 100,300,1000] [--runs 3] [--runs-large 1] [--procs 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+# -- child: a process with many simulated agents ------------------------------------------------
+def child(
+    backend: str, endpoint: str, run_id: str, n_total: int, n_here: int, timeout: int
+) -> None:
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as trainguard's wrapper does
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    conf: dict[str, object] = {"join_timeout": timeout}
+    extra = os.environ.get("RDZV_SCALE_CONF", "")  # e.g. cas_backoff=0.05 (etcd-v3 tuning)
+    if backend != "c10d" and extra:
+        conf.update(kv.split("=", 1) for kv in extra.split(","))
+    if backend == "c10d":
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+        conf["is_host"] = False
+    else:
+        from trainguard.runtime.etcd_v3 import create_rdzv_handler
+
+    handlers = []
+    backends = []
+    for _ in range(n_here):
+        params = RendezvousParameters(
+            backend=backend,
+            endpoint=endpoint,
+            run_id=run_id,
+            min_nodes=n_total,
+            max_nodes=n_total,
+            **conf,
+        )
+        if backend == "c10d":  # torch's registry does exactly this for c10d
+            be, store = create_backend(params)
+            h = create_handler(store, be, params)
+        else:  # the handler `--rdzv-backend etcd-v3` gets
+            h = create_rdzv_handler(params)
+            be = h._state_holder._backend  # type: ignore[attr-defined]
+        backends.append(be)
+        handlers.append(h)
+
+    go = threading.Event()
+    ends: list[float] = []
+    errors: list[str] = []
+    ranks: list[int] = []
+
+    def agent(h: object) -> None:
+        go.wait()
+        try:
+            info = h.next_rendezvous()  # type: ignore[attr-defined]
+            ranks.append(info.rank)
+            ends.append(time.time())
+        except Exception as e:  # reported to the parent
+            errors.append(f"{type(e).__name__}: {e}"[:300])
+
+    threads = [threading.Thread(target=agent, args=(h,), daemon=True) for h in handlers]
+    for t in threads:
+        t.start()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    go.set()
+    for t in threads:
+        t.join()
+    out = {"ok": len(ends), "errors": errors[:3], "n_errors": len(errors)}
+    out["t_end"] = max(ends) if ends else None
+    out["ranks"] = sorted(ranks)
+    out["writes"] = sum(getattr(b, "writes", 0) for b in backends)
+    out["wins"] = sum(getattr(b, "wins", 0) for b in backends)
+    out["batched"] = sum(getattr(getattr(h, "_state_holder", None), "batched", 0) for h in handlers)
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # skip torch's interpreter teardown of a thousand handlers
+
+
+# -- parent --------------------------------------------------------------------------------------
+def _show_progress(endpoint: str, run_id: str, t0: float, stop: threading.Event) -> None:
+    import pickle
+
+    from trainguard.runtime.etcd_v3 import EtcdV3Client, _unpack, parse_endpoints
+
+    c = EtcdV3Client(parse_endpoints(endpoint))
+    while not stop.wait(2.0):
+        found = c.get(f"/trainguard/rdzv/{run_id}/state")
+        if found is None:
+            continue
+        st = pickle.loads(_unpack(found[0]))  # torch's own state format
+        print(
+            f"  t={time.time() - t0:5.1f}s rev={found[1]} round={st.round} "
+            f"participants={len(st.participants)} complete={st.complete} "
+            f"heartbeats={len(st.last_heartbeats)}",
+            flush=True,
+        )
+
+
+def one_round(
+    backend: str, endpoint: str, n: int, procs: int, timeout: float, progress: bool = False
+) -> tuple[float | None, str]:
+    run_id = f"scale-{backend}-{n}-{uuid.uuid4().hex[:8]}"
+    counts = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+    counts = [c for c in counts if c]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    children = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                backend,
+                endpoint,
+                run_id,
+                str(n),
+                str(c),
+                str(int(timeout)),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        for c in counts
+    ]
+    try:
+        for c in children:
+            line = c.stdout.readline()  # type: ignore[union-attr]
+            if line.strip() != "ready":
+                return None, f"a child did not start: {line!r}"
+        t_go = time.time()
+        for c in children:
+            c.stdin.write("go\n")  # type: ignore[union-attr]
+            c.stdin.flush()  # type: ignore[union-attr]
+        stop = threading.Event()
+        if progress and backend == "etcd-v3":
+            threading.Thread(
+                target=_show_progress, args=(endpoint, run_id, t_go, stop), daemon=True
+            ).start()
+        results = []
+        deadline = time.monotonic() + timeout
+        for c in children:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([c.stdout], [], [], max(left, 0))
+            if not ready:
+                return None, f"did not finish in {timeout:.0f} s"
+            line = c.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                return None, "a child died"
+            results.append(json.loads(line))
+        ok = sum(r["ok"] for r in results)
+        ranks = sorted(x for r in results for x in r["ranks"])
+        if ok != n or ranks != list(range(n)):
+            errs = [e for r in results for e in r["errors"]]
+            return None, f"{ok}/{n} agents joined; errors: {errs[:2]}"
+        writes = sum(r["writes"] for r in results)
+        wins = sum(r["wins"] for r in results)
+        batched = sum(r.get("batched", 0) for r in results)
+        stats = f"ok ({wins} of {writes} state writes won" if writes else "ok"
+        if writes:
+            stats += f", {batched} agents admitted by another's write)"
+        return max(r["t_end"] for r in results) - t_go, stats
+    finally:
+        if progress:
+            stop.set()
+        for c in children:
+            if c.poll() is None:
+                try:
+                    os.killpg(c.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            c.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sizes", default="100,300,1000")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument(
+        "--runs-large", type=int, default=None, help="rounds for N > 100 (default: --runs)"
+    )
+    ap.add_argument("--procs", type=int, default=4, help="processes the agents are spread over")
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--only", choices=["etcd", "c10d"], default=None)
+    ap.add_argument("--progress", action="store_true", help="print the etcd round's progress")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    # a SIGTERM still runs the finally blocks that stop etcd and the agent processes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    from torch.distributed import TCPStore
+
+    from tests.services.etcd_service import Etcd
+
+    names = {"etcd": "trainguard_etcd_rdzv_s", "c10d": "torch_c10d_rdzv_s"}
+    backends = [args.only] if args.only else ["etcd", "c10d"]
+    times: dict[tuple[str, int], list[float | None]] = {}
+    with tempfile.TemporaryDirectory(prefix="rdzv-scale-") as d:
+        etcd = Etcd(
+            Path(d) / "etcd",
+            extra_args=[
+                "--auto-compaction-mode", "revision", "--auto-compaction-retention", "1000",
+                "--quota-backend-bytes", str(8 * 1024**3),
+            ],
+        )  # fmt: skip
+        try:
+            for n in sizes:
+                runs = args.runs if n <= 100 or args.runs_large is None else args.runs_large
+                for r in range(runs):
+                    for b in backends:
+                        # c10d: a fresh store host per round, as a dedicated store node
+                        store = None
+                        if b == "c10d":
+                            store = TCPStore(
+                                "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                multi_tenant=False,
+                            )  # fmt: skip
+                            endpoint = f"127.0.0.1:{store.port}"
+                        else:
+                            endpoint = etcd.endpoint
+                        dt, why = one_round(
+                            "c10d" if b == "c10d" else "etcd-v3", endpoint, n, args.procs,
+                            args.timeout, args.progress,
+                        )  # fmt: skip
+                        del store
+                        times.setdefault((b, n), []).append(dt)
+                        shown = f"{dt:7.2f} s" if dt is not None else "   null"
+                        print(f"N={n:<5} run {r + 1} {b:<5} {shown}  {why}", flush=True)
+        finally:
+            etcd.kill()
+
+    def median(xs: list[float | None]) -> float | None:
+        # a failed round counts as infinitely slow; null when most failed
+        vals = sorted(x if x is not None else float("inf") for x in xs)
+        m = statistics.median(vals) if vals else float("inf")
+        return None if m == float("inf") else round(m, 2)
+
+    print()
+    print(f"{'agents':>7} | {'trainguard etcd-v3 (s)':>22} | {'torch c10d (s)':>15}")
+    out: dict[str, float | None] = {}
+    for n in sizes:
+        row = []
+        for b in ["etcd", "c10d"]:
+            m = median(times.get((b, n), [])) if (b, n) in times else None
+            out[f"{names[b]}_{n}"] = m
+            row.append("null" if m is None else f"{m:.2f}")
+        print(f"{n:>7} | {row[0]:>22} | {row[1]:>15}")
+    print(
+        f"(medians of {args.runs} rounds, {args.runs_large or args.runs} for N > 100; "
+        f"{args.procs} processes of threads; {os.cpu_count()} cores)"
+    )
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        b, ep, rid, nt, nh, to = sys.argv[2:8]
+        child(b, ep, rid, int(nt), int(nh), int(to))
+    else:
+        main()

@@ -1,0 +1,487 @@
+"""The etcd v3 rendezvous backend against a real etcd 3.4 (Debian etcd-server, on loopback).
+
+Backend compare-and-swap semantics (two writers race, one wins), the Store operations, the run's
+lease, a real 2-agent x 2-process gloo job over ``--rdzv-backend etcd-v3``, kill -9 of the
+rank-0 agent (the one that hosts the store under c10d) with its workers, and etcd stopped for
+10 s mid-run and started again on the same data directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+
+from tests.launch_utils import REPO, base_env, steps_done
+from tests.services.etcd_service import Etcd, make_certs
+from trainguard.runtime import etcd_v3
+
+EXAMPLE = str(REPO / "examples" / "train_mlp.py")
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    e = Etcd(tmp_path_factory.mktemp("etcd"))
+    try:
+        yield e
+    finally:
+        e.kill()
+
+
+def _params(etcd: Etcd, run_id: str, **conf: str) -> RendezvousParameters:
+    return RendezvousParameters(
+        backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, min_nodes=1, max_nodes=2, **conf
+    )
+
+
+# -- backend and store against real etcd --------------------------------------------------------
+def test_backend_cas_two_writers_race_one_wins(etcd: Etcd) -> None:
+    a, _ = etcd_v3.create_backend(_params(etcd, "cas"))
+    b, _ = etcd_v3.create_backend(_params(etcd, "cas"))
+    assert a.get_state() is None
+    first = a.set_state(b"s0")
+    assert first is not None and first[0] == b"s0" and first[2] is True
+    state, token = b.get_state()  # type: ignore[misc]
+    assert state == b"s0" and token == first[1]
+
+    # Both writers hold the same token; they race from two threads at once.
+    results: dict[str, tuple[bytes, object, bool] | None] = {}
+    go = threading.Barrier(2)
+
+    def write(name: str, backend: etcd_v3.EtcdV3RendezvousBackend) -> None:
+        go.wait()
+        results[name] = backend.set_state(name.encode(), token)
+
+    threads = [threading.Thread(target=write, args=(n, be)) for n, be in (("A", a), ("B", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    won = [n for n, r in results.items() if r and r[2]]
+    assert len(won) == 1, results
+    loser = "B" if won == ["A"] else "A"
+    lost = results[loser]
+    # the loser gets the winner's state and its token back, not its own write
+    assert lost is not None and lost[0] == won[0].encode() and lost[2] is False
+    assert a.get_state() == (won[0].encode(), results[won[0]][1])  # type: ignore[index]
+
+    # a first write (token None) when the key exists fails too: the state is never clobbered
+    again = b.set_state(b"clobber", None)
+    assert again is not None and again[2] is False and again[0] == won[0].encode()
+    stale = a.set_state(b"stale", token)
+    assert stale is not None and stale[2] is False and stale[0] == won[0].encode()
+
+
+def test_store_ops(etcd: Etcd) -> None:
+    _, s = etcd_v3.create_backend(_params(etcd, "store"))
+    _, other = etcd_v3.create_backend(_params(etcd, "store"))  # a second agent, same run
+    s.set("k", "v")
+    assert other.get("k") == b"v"
+    s.set("bin", b"\x00\xff")
+    assert other.get("bin") == b"\x00\xff"
+    assert s.add("n", 3) == 3 and other.add("n", 2) == 5 and s.add("n", 0) == 5
+    assert s.compare_set("cs", "", "x") == b"x"  # absent + expected empty: set
+    assert s.compare_set("cs", "y", "z") == b"x"  # mismatch: current value
+    assert s.compare_set("cs", "x", "z") == b"z"
+    assert s.compare_set("absent", "e", "d") == b"e"  # absent + expected set: expected back
+    assert s.check(["k", "n"]) and not s.check(["k", "nope"])
+    n = s.num_keys()
+    assert s.delete_key("k") and not s.delete_key("k") and s.num_keys() == n - 1
+
+    # wait/get block until another agent sets the key
+    threading.Timer(0.5, lambda: other.set("late", "here")).start()
+    t0 = time.monotonic()
+    assert s.get("late") == b"here" and time.monotonic() - t0 >= 0.4
+    with pytest.raises(dist.DistStoreError):
+        s.wait(["never"], timedelta(seconds=0.3))
+    s.set_timeout(timedelta(seconds=0.3))
+    with pytest.raises(dist.DistStoreError):
+        s.get("never")
+
+    # through torch's PrefixStore, as the handler hands it out (multi_get/multi_set too)
+    p = dist.PrefixStore("torch.rendezvous.store.0", s)
+    p.multi_set(["a", "b"], ["1", "2"])
+    assert p.multi_get(["a", "b"]) == [b"1", b"2"]
+    p.append("a", "3")
+    assert p.get("a") == b"13"
+    # two runs do not see each other's keys
+    _, run2 = etcd_v3.create_backend(_params(etcd, "store-2"))
+    assert not run2.check(["n"])
+
+
+def test_atomic_add_from_many_clients(etcd: Etcd) -> None:
+    stores = [etcd_v3.create_backend(_params(etcd, "adds"))[1] for _ in range(4)]
+
+    def bump(s: etcd_v3.EtcdV3Store) -> None:
+        for _ in range(10):
+            s.add("ctr", 1)
+
+    threads = [threading.Thread(target=bump, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert stores[0].add("ctr", 0) == 40
+
+
+def test_run_keys_expire_with_the_last_agent(etcd: Etcd) -> None:
+    backend, store = etcd_v3.create_backend(_params(etcd, "lease", lease_ttl="2"))
+    backend.set_state(b"x")
+    store.set("k", "v")
+    store._client.close()  # the agent is gone: nobody keeps the run's lease alive
+    probe = etcd_v3.create_backend(_params(etcd, "other-run"))[0]._client
+    deadline = time.monotonic() + 20
+    while probe.get(backend.key) is not None:
+        assert time.monotonic() < deadline, "the run's keys did not expire"
+        time.sleep(0.2)
+    assert probe.get("/trainguard/rdzv/lease/store/k") is None
+
+
+def test_lease_is_kept_alive_while_an_agent_lives(etcd: Etcd) -> None:
+    backend, _ = etcd_v3.create_backend(_params(etcd, "alive", lease_ttl="2"))
+    backend.set_state(b"x")
+    time.sleep(5)  # well past the TTL: the keep-alive thread refreshed it
+    assert backend.get_state() is not None
+
+
+def test_bad_options_are_one_line_errors(etcd: Etcd, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(etcd_v3.EtcdV3ConfigError, match="password_file"):
+        etcd_v3.create_backend(_params(etcd, "x", user="u", password="secret"))
+    with pytest.raises(etcd_v3.EtcdV3ConfigError, match="not host:port"):
+        etcd_v3.parse_endpoints("a:b:c:d")
+    assert etcd_v3.parse_endpoints("h1:1,http://h2:2,h3") == [("h1", 1), ("h2", 2), ("h3", 2379)]
+    monkeypatch.setenv(etcd_v3.PASSWORD_ENV, "pw")
+    with pytest.raises(etcd_v3.EtcdV3ConfigError, match="no user"):
+        etcd_v3.create_backend(_params(etcd, "x"))
+
+
+def test_calls_retry_through_an_etcd_restart(tmp_path: Path) -> None:
+    e = Etcd(tmp_path / "etcd")
+    try:
+        _, s = etcd_v3.create_backend(_params(e, "restart"))
+        s.set("k", "before")
+        e.stop()
+        threading.Timer(3.0, e.start).start()
+        t0 = time.monotonic()
+        s.set("k", "after")  # blocks, retrying, until etcd is back
+        assert time.monotonic() - t0 >= 2.5
+        assert s.get("k") == b"after"
+    finally:
+        time.sleep(0.1)
+        e.kill()
+
+
+def test_calls_fail_after_the_retry_deadline(tmp_path: Path) -> None:
+    e = Etcd(tmp_path / "etcd")
+    _, s = etcd_v3.create_backend(_params(e, "gone", retry_timeout="1.5"))
+    s.set("k", "v")
+    e.kill()
+    t0 = time.monotonic()
+    with pytest.raises(etcd_v3.EtcdUnavailableError, match="did not answer"):
+        s.set("k", "w")
+    assert 1.0 < time.monotonic() - t0 < 15
+
+
+# -- real jobs ------------------------------------------------------------------------------------
+def _agent(
+    tmp: Path, name: str, etcd: Etcd, run_id: str, run_dir: Path, steps: int, *extra: str
+) -> subprocess.Popen[bytes]:
+    args = [
+        sys.executable, "-m", "trainguard", "run",
+        "--nnodes", "1:2", "--nproc-per-node", "2",
+        "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id,
+        "--max-restarts", "3", "--monitor-interval", "0.2",
+        "--tg-run-dir", str(run_dir), *extra,
+        EXAMPLE, "--steps", str(steps), "--step-sleep", "0.05", "--ckpt-every", "10",
+    ]  # fmt: skip
+    log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(
+        args, cwd=tmp, env=base_env(), stdout=log, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+
+
+def _descendants(pid: int) -> list[int]:
+    """Child processes (recursively): torchelastic starts workers in their own sessions."""
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def _kill_tree(p: subprocess.Popen[bytes]) -> None:
+    for pid in [p.pid, *_descendants(p.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _cleanup(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            _kill_tree(p)
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.wait(timeout=30)
+
+
+def _events(run_dir: Path) -> list[dict]:
+    f = run_dir / "events.jsonl"
+    if not f.exists():
+        return []
+    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+
+
+def _log(tmp: Path, name: str) -> str:
+    return (tmp / f"{name}.log").read_text(errors="replace")[-4000:]
+
+
+def _two_agents(
+    tmp: Path, etcd: Etcd, run_id: str, steps: int, *extra: str
+) -> tuple[list[subprocess.Popen[bytes]], Path]:
+    run_dir = tmp / "run"
+    a = _agent(tmp, "a", etcd, run_id, run_dir, steps, *extra)
+    time.sleep(0.5)  # a starts first
+    b = _agent(tmp, "b", etcd, run_id, run_dir, steps, *extra)
+    return [a, b], run_dir
+
+
+def _wait_steps(procs: list[subprocess.Popen[bytes]], tmp: Path, run_dir: Path, n: int) -> None:
+    deadline = time.monotonic() + 180
+    while steps_done(run_dir) < n:
+        assert time.monotonic() < deadline, _log(tmp, "a") + _log(tmp, "b")
+        for p, name in zip(procs, "ab", strict=False):
+            assert p.poll() is None, f"agent {name} exited early:\n" + _log(tmp, name)
+        time.sleep(0.2)
+
+
+FAST_RDZV = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=5"
+
+
+def test_two_agent_job_over_etcd_v3(tmp_path: Path, etcd: Etcd) -> None:
+    procs, run_dir = _two_agents(tmp_path, etcd, "job-ok", 60)
+    try:
+        for p, name in zip(procs, "ab", strict=True):
+            assert p.wait(timeout=240) == 0, _log(tmp_path, name)
+    finally:
+        _cleanup(procs)
+    assert steps_done(run_dir) == 59
+    rdzv = [e for e in _events(run_dir) if e["kind"] == "rendezvous"]
+    assert {e["group_world_size"] for e in rdzv} == {2}
+    assert sorted(e["group_rank"] for e in rdzv) == [0, 1]
+    # nothing of the job lives on the agents but the workers' store: the rendezvous state and
+    # the round's keys are in etcd
+    client = etcd_v3.create_backend(_params(etcd, "job-ok"))[0]._client
+    out = client.range("/trainguard/rdzv/job-ok/", prefix=True, keys_only=True)
+    keys = {etcd_v3._unb64(kv["key"]).decode() for kv in out.get("kvs", [])}
+    assert "/trainguard/rdzv/job-ok/state" in keys
+    assert any("/store/torch.rendezvous.job-ok." in k for k in keys), keys
+
+
+def test_kill9_of_the_rank0_agent_the_other_finishes(tmp_path: Path, etcd: Etcd) -> None:
+    procs, run_dir = _two_agents(tmp_path, etcd, "job-kill", 160, "--rdzv-conf", FAST_RDZV)
+    try:
+        _wait_steps(procs, tmp_path, run_dir, 30)
+        first = [e for e in _events(run_dir) if e["kind"] == "rendezvous"]
+        members = first[-1]["members"]
+        rank0_pid = members[0]["pid"]
+        victim = next(p for p in procs if p.pid == rank0_pid)
+        survivor = next(p for p in procs if p is not victim)
+        assert victim is procs[0], "the agent started first is expected to be rank 0"
+        _kill_tree(victim)  # the node is gone: agent and its workers
+        victim.wait(timeout=30)
+        assert survivor.wait(timeout=240) == 0, _log(tmp_path, "b")
+    finally:
+        _cleanup(procs)
+    assert steps_done(run_dir) == 159
+    after = [
+        e for e in _events(run_dir) if e["kind"] == "rendezvous" and e.get("group_world_size") == 1
+    ]
+    assert after, "the survivor did not re-rendezvous alone"
+    assert after[-1]["members"][0]["pid"] == survivor.pid
+
+
+def test_etcd_stopped_10s_mid_run_job_finishes(tmp_path: Path, etcd: Etcd) -> None:
+    procs, run_dir = _two_agents(tmp_path, etcd, "job-etcd-down", 400)
+    try:
+        _wait_steps(procs, tmp_path, run_dir, 40)
+        etcd.stop()
+        down_at = steps_done(run_dir)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10:
+            for p, name in zip(procs, "ab", strict=True):
+                assert p.poll() is None, f"agent {name} died while etcd was down:\n" + _log(
+                    tmp_path, name
+                )
+            time.sleep(0.2)
+        progressed = steps_done(run_dir) - down_at
+        etcd.start()
+        for p, name in zip(procs, "ab", strict=True):
+            assert p.wait(timeout=240) == 0, _log(tmp_path, name)
+    finally:
+        if etcd.proc is None or etcd.proc.poll() is not None:
+            etcd.start()  # the module's later tests need it
+        _cleanup(procs)
+    assert steps_done(run_dir) == 399
+    # training went on while etcd was down (the workers never need it)
+    assert progressed > 0
+
+
+# -- auth and TLS ---------------------------------------------------------------------------------
+def _etcdctl(e: Etcd, *args: str) -> None:
+    subprocess.run(
+        ["etcdctl", "--endpoints", e.url, *args],
+        check=True, capture_output=True, timeout=30, env={**os.environ, "ETCDCTL_API": "3"},
+    )  # fmt: skip
+
+
+def test_user_password_from_env_or_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    e = Etcd(tmp_path / "etcd")
+    try:
+        _etcdctl(e, "user", "add", "root:rootpw", "--interactive=false")
+        _etcdctl(e, "user", "add", "tg:s3cret", "--interactive=false")
+        _etcdctl(e, "role", "add", "tgrole")
+        _etcdctl(e, "role", "grant-permission", "tgrole", "--prefix=true", "readwrite", "/tg/")
+        _etcdctl(e, "user", "grant-role", "tg", "tgrole")
+        _etcdctl(e, "auth", "enable")
+
+        monkeypatch.setenv(etcd_v3.PASSWORD_ENV, "s3cret")
+        backend, store = etcd_v3.create_backend(_params(e, "auth", user="tg", key_prefix="/tg"))
+        assert backend.set_state(b"x") is not None and backend.get_state()[0] == b"x"  # type: ignore[index]
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+
+        monkeypatch.delenv(etcd_v3.PASSWORD_ENV)
+        pw = tmp_path / "pw"
+        pw.write_text("s3cret\n")
+        _, s2 = etcd_v3.create_backend(
+            _params(e, "auth", user="tg", key_prefix="/tg", password_file=str(pw))
+        )
+        assert s2.get("k") == b"v"
+
+        # no credentials, a wrong password, or keys outside the role: clear errors, quickly
+        _, anon = etcd_v3.create_backend(_params(e, "auth", key_prefix="/tg", retry_timeout="2"))
+        with pytest.raises(RendezvousConnectionError):
+            anon.set("k", "v")
+        monkeypatch.setenv(etcd_v3.PASSWORD_ENV, "wrong")
+        _, bad = etcd_v3.create_backend(_params(e, "auth", user="tg", key_prefix="/tg"))
+        with pytest.raises(RendezvousConnectionError, match="rejected user 'tg'"):
+            bad.set("k", "v")
+        monkeypatch.setenv(etcd_v3.PASSWORD_ENV, "s3cret")
+        _, outside = etcd_v3.create_backend(_params(e, "auth", user="tg", key_prefix="/other"))
+        with pytest.raises(RendezvousConnectionError, match="may not use these keys"):
+            outside.set("k", "v")
+    finally:
+        e.kill()
+
+
+def test_mutual_tls(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path / "certs")
+    e = Etcd(tmp_path / "etcd", tls=certs)
+    try:
+        backend, store = etcd_v3.create_backend(
+            _params(
+                e, "tls", ca_cert=str(certs["ca"]), ssl_cert=str(certs["client_cert"]),
+                ssl_cert_key=str(certs["client_key"]),
+            )
+        )  # fmt: skip
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        assert backend.set_state(b"s") is not None
+        # without a client certificate etcd refuses the connection
+        _, nocert = etcd_v3.create_backend(
+            _params(e, "tls", ca_cert=str(certs["ca"]), retry_timeout="1")
+        )
+        with pytest.raises(RendezvousConnectionError):
+            nocert.get("k")
+    finally:
+        e.kill()
+
+
+# -- many agents: the scalable state holder -------------------------------------------------------
+def test_forty_agents_one_round_admitted_in_batches(etcd: Etcd) -> None:
+    """40 real dynamic-rendezvous handlers (threads) complete one round over etcd-v3: every rank
+    once, and far fewer state writes than agents (join requests admitted in batches)."""
+    n = 40
+    params = [
+        RendezvousParameters(
+            backend="etcd-v3",
+            endpoint=etcd.endpoint,
+            run_id="forty",
+            min_nodes=n,
+            max_nodes=n,
+            join_timeout="120",
+        )  # fmt: skip
+        for _ in range(n)
+    ]
+    handlers = [etcd_v3.create_rdzv_handler(p) for p in params]
+    ranks: list[int] = []
+    errors: list[BaseException] = []
+
+    def join(h: object) -> None:
+        try:
+            ranks.append(h.next_rendezvous().rank)  # type: ignore[attr-defined]
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    try:
+        assert not errors, errors[:3]
+        assert sorted(ranks) == list(range(n))
+        holders = [h._state_holder for h in handlers]  # type: ignore[attr-defined]
+        assert all(isinstance(x, etcd_v3.ScalableStateHolder) for x in holders)
+        wins = sum(x._etcd.wins for x in holders)
+        assert sum(x.batched for x in holders) > 0
+        assert wins < n  # admitted by another's write, not each its own race
+        # keep-alives go to each node's own key, not through the shared state
+        h0 = handlers[0]
+        h0._keep_alive()  # type: ignore[attr-defined]
+    finally:
+        for h in handlers:
+            h._stop_heartbeats()  # type: ignore[attr-defined]
+
+
+def test_cli_bad_etcd_options_one_line(tmp_path: Path) -> None:
+    from tests.launch_utils import launch
+
+    for conf, what in (
+        (["--rdzv-endpoint", "h:1:2:3"], "not host:port"),
+        (["--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "user=u,password=p"], "password_file"),
+    ):
+        r = launch(
+            "trainguard",
+            ["--nnodes", "1", "--rdzv-backend", "etcd-v3", "--rdzv-id", "bad", *conf,
+             "--tg-run-dir", str(tmp_path / "run"), EXAMPLE],
+            cwd=tmp_path,
+        )  # fmt: skip
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert what in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert len([x for x in r.stderr.splitlines() if "error" in x]) == 1, r.stderr
