@@ -68,7 +68,7 @@ def test_standalone_worker_env_matches(tmp_path: Path) -> None:
         # byte for byte torchrun's value: trainguard handles SIGUSR1 in the agent without it
         sig = "TORCHELASTIC_SIGNALS_TO_HANDLE"
         assert tr[key]["env"][sig] == tg[key]["env"][sig] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
-    assert tg[(0, 0)]["env"]["TRAINGUARD_RUN_DIR"]
+    assert tg[(0, 0)]["env"]["TRAINGUARD_AGENT_RUN_DIR"]
 
 
 def test_nnodes_range_two_agents_c10d(tmp_path: Path) -> None:

@@ -282,3 +282,24 @@ def test_event_bus_delivers_in_process(tmp_path: Path) -> None:
     ]
     assert everything == ["scores", "launch", "scores"]
     assert [e["kind"] for e in read_events(tmp_path)] == ["launch"]  # published: not written
+
+
+def test_worker_under_agent_with_an_unreadable_config_fails_in_one_line(tmp_path: Path) -> None:
+    """A worker never silently runs on other settings than its agent resolved."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text('{"trainguard": {"runtime": ')  # torn write
+    env = base_env(
+        TRAINGUARD_AGENT_RUN_DIR=str(run_dir),
+        TRAINGUARD_AGENT_PROGRESS_DIR=str(run_dir / "progress" / "attempt_0"),
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()], p.stderr  # one line
+    assert "config.json" in p.stderr and "Traceback" not in p.stderr
+    # the agent-to-worker variables are never read as settings (no "unknown setting" error)
+    from trainguard.core.config import load_config
+
+    load_config(env={"TRAINGUARD_AGENT_MEMORY_DIR": "/dev/shm/x", **env})

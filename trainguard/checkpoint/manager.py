@@ -174,6 +174,7 @@ class CheckpointManager:
         self._init_pipeline()
         self.interval = IntervalPolicy(self.config, on_change=self._interval_changed)
         self.preemption = Preemption(self.config.preemption_signals)
+        self._preempting = False
         self._remove_uncommitted()  # local (rank 0); setup's barrier orders it before any save
 
     def _init_pipeline(self) -> None:
@@ -254,6 +255,10 @@ class CheckpointManager:
         copying, and the next ``optimizer.step()`` waits for that. ``persist=False`` only
         refreshes the memory tier. Collective: every rank calls it with the same arguments."""
         self.setup()
+        if not self._preempting:
+            (preempt,) = self._agree(self.preemption.signum is not None)
+            if preempt:  # a preemption notice came in: this save is the preemption save
+                self._preempt_exit(step, state)
         if persist and self._persisting is not None:
             self._wait_persist()  # a dead peer persister fails it fast (gloo sees the close)
         if persist and self._proc is not None:
@@ -366,6 +371,7 @@ class CheckpointManager:
             logger.exception("checkpoint work in flight failed at close")
         if self._hook is not None:
             self._hook.remove()
+        self.preemption.restore()
         self._stager.shutdown(wait=True)
         self._persister.shutdown(wait=True)
         if self._proc is not None:
@@ -659,6 +665,7 @@ class CheckpointManager:
         self.interval.set_mtbf(mtbf_s)
 
     def _preempt_exit(self, step: int, state: Mapping[str, Any]) -> None:
+        self._preempting = True
         if self.rank == 0:
             self._emit("checkpoint_preempted", step=step, signal=self.preemption.name)
         result = self.save(step, state, persist=True)

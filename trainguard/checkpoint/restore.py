@@ -74,8 +74,12 @@ class Restorer:
                     mem.setdefault(snap.step, snap)
         per_rank = self.gather(sorted(mem))
         common = set(per_rank[0]).intersection(*map(set, per_rank[1:])) if per_rank else set()
+        # rank 0 lists the committed steps for everyone; a rank without a process group (no
+        # torch.distributed in the script) lists them itself
         disk = self._broadcast(
-            mf.committed_steps(self.storage, self.root) if self.rank == 0 else None
+            mf.committed_steps(self.storage, self.root)
+            if self.rank == 0 or self.pg is None
+            else None
         )
         for step in sorted(common | set(disk), reverse=True):
             if step in common:

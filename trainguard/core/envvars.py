@@ -1,17 +1,29 @@
-"""Environment variables the trainguard agent sets for its workers (besides torchrun's)."""
+"""Environment variables the trainguard agent sets for its workers (besides torchrun's).
 
-RUN_DIR = "TRAINGUARD_RUN_DIR"
+They live in their own namespace, ``TRAINGUARD_AGENT_*``, which the config loader never reads
+as settings: ``TRAINGUARD_<SECTION>_<FIELD>`` variables are the user's settings, these are
+facts the agent hands its workers.
+"""
+
+PREFIX = "TRAINGUARD_AGENT_"
+"""The agent→worker namespace (reserved: no config section may be called ``agent``)."""
+
+RUN_DIR = PREFIX + "RUN_DIR"
 """The run directory shared by the agent and its workers."""
-PROGRESS_DIR = "TRAINGUARD_PROGRESS_DIR"
+PROGRESS_DIR = PREFIX + "PROGRESS_DIR"
 """Directory of this attempt's per-rank progress files; set only under the agent."""
-ATTEMPT = "TRAINGUARD_ATTEMPT"
+ATTEMPT = PREFIX + "ATTEMPT"
 """Job-wide worker-group attempt number (0-based), equal across nodes."""
-NODE = "TRAINGUARD_NODE"
+NODE = PREFIX + "NODE"
 """Node name as the agent reports it (SLURMD_NODENAME or hostname)."""
-HEARTBEAT_INTERVAL_S = "TRAINGUARD_HEARTBEAT_INTERVAL_S"
+HEARTBEAT_INTERVAL_S = PREFIX + "HEARTBEAT_INTERVAL_S"
 """Seconds between heartbeats of a worker's background thread."""
+TEARDOWN_FILE = PREFIX + "TEARDOWN_FILE"
+"""A file the agent creates before it stops this attempt's workers for a restart or at the end
+of a failed job: a worker that finds it treats the SIGTERM that follows as a teardown (exit at
+once), not as a preemption notice (save at the next step boundary)."""
 
-CHECKPOINT_MEMORY_DIR = "TRAINGUARD_CHECKPOINT_MEMORY_DIR"
+CHECKPOINT_MEMORY_DIR = PREFIX + "MEMORY_DIR"
 """The node's in-memory checkpoint tier (a directory in host shared memory) owned by the agent."""
 
-ALL = (RUN_DIR, PROGRESS_DIR, ATTEMPT, NODE, HEARTBEAT_INTERVAL_S)
+ALL = (RUN_DIR, PROGRESS_DIR, ATTEMPT, NODE, HEARTBEAT_INTERVAL_S, TEARDOWN_FILE)

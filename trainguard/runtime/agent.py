@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from trainguard.core import envvars
@@ -191,7 +193,10 @@ class TrainGuardAgent(LocalElasticAgent):
         os.environ[envvars.ATTEMPT] = str(self.attempt)
         os.environ[envvars.NODE] = self.events.node
         os.environ[envvars.HEARTBEAT_INTERVAL_S] = str(self.tg_config.runtime.heartbeat_interval_s)
+        self._teardown_file = progress_dir / "teardown"
+        os.environ[envvars.TEARDOWN_FILE] = str(self._teardown_file)
         pids = super()._start_workers(worker_group)
+        self._mark_teardowns(self._pcontext)
         self._failed_reported = False
         self.events.emit(
             "workers_started",
@@ -259,6 +264,33 @@ class TrainGuardAgent(LocalElasticAgent):
             self._remaining_restarts = 0
             self._mark_requeue(ranks=sorted(f.rank for f in failures))
         self._call("on_failure", failures)
+
+    def _mark_teardowns(self, pcontext: Any) -> None:
+        """torch stops workers through their process context: when one failed (inside its
+        poll), for a restart, at the end of a failed job, and when the agent itself was
+        signalled (inside torch's ``except SignalException``). Only that last one is a
+        preemption the workers must save on; before the others the teardown file tells them the
+        SIGTERM means "stop now", so a survivor inside a long step does not hold the restart
+        for the whole shutdown timeout."""
+        close = getattr(pcontext, "close", None)
+        if close is None:
+            return
+
+        def close_marking_teardown(*args: Any, **kwargs: Any) -> Any:
+            if not isinstance(sys.exc_info()[1], SignalException):
+                self._mark_teardown()
+            return close(*args, **kwargs)
+
+        pcontext.close = close_marking_teardown
+
+    def _mark_teardown(self) -> None:
+        path = getattr(self, "_teardown_file", None)
+        if path is None:
+            return
+        try:
+            path.touch()
+        except OSError as e:
+            logger.warning("cannot mark the teardown of attempt %s: %s", self.attempt, e)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.events.emit(

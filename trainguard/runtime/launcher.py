@@ -10,7 +10,6 @@ rendezvous handler that gives every attempt a fresh worker store.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -35,7 +34,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 
-from trainguard.core.config import ConfigError, TrainGuardConfig, load_config
+from trainguard.core.config import ConfigError, TrainGuardConfig, load_config, write_effective
 from trainguard.core.events import EventLog
 from trainguard.core.failures import REQUEUE_EXIT_CODE
 from trainguard.core.plugin import AgentContext, AgentPlugin, NodeUnhealthyError
@@ -441,7 +440,7 @@ def prepare(
         "torchrun": {k: v for k, v in vars(args).items() if not k.startswith("tg_")},
         "run_dir": str(run_dir),
     }
-    (run_dir / "config.json").write_text(json.dumps(effective, indent=2, default=str) + "\n")
+    write_effective(run_dir, effective)
     return config, cmd, cmd_args, tg_config, run_dir
 
 

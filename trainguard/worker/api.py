@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainguard.core import envvars
+from trainguard.core.config import ConfigError, load_worker_section
 from trainguard.core.events import EventLog
 from trainguard.core.progress import ProgressWriter, progress_path
 from trainguard.telemetry.spans import TRACEPARENT_ENV, SpanRecorder
@@ -86,6 +87,8 @@ class TrainGuard:
         self.under_agent = envvars.PROGRESS_DIR in env
         self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.under_agent:  # the agent's resolved config must be readable (ConfigError)
+            load_worker_section(self.run_dir, "runtime")
         self.events = EventLog(self.run_dir, node=self.node, context=self._event_context)
         self.step_num = 0
         """The number of the next step ``step()`` will run = the steps done so far. ``step()``
@@ -370,5 +373,9 @@ def init(*, run_dir: str | os.PathLike[str] | None = None) -> TrainGuard:
                     f"writes to {tg.run_dir}; call init() without run_dir, or close() it first"
                 )
             return tg
-        _handle = TrainGuard(run_dir=run_dir)
+        try:
+            _handle = TrainGuard(run_dir=run_dir)
+        except ConfigError as e:
+            print(f"trainguard.init(): {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
         return _handle

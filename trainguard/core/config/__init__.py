@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainguard.core import envvars
 from trainguard.core.config.alerts import AlertsConfig
 from trainguard.core.config.checkpoint import CheckpointConfig
 from trainguard.core.config.ft import FTConfig
@@ -36,7 +37,16 @@ from trainguard.core.config.runtime import RuntimeConfig
 from trainguard.core.config.slurm import SlurmConfig
 from trainguard.core.config.telemetry import TelemetryConfig
 
-__all__ = ["ConfigError", "TrainGuardConfig", "load_config", "load_worker_section"]
+__all__ = [
+    "CONFIG_JSON",
+    "ConfigError",
+    "TrainGuardConfig",
+    "load_config",
+    "load_worker_section",
+    "write_effective",
+]
+
+CONFIG_JSON = "config.json"
 
 ENV_PREFIX = "TRAINGUARD_"
 
@@ -169,8 +179,8 @@ def load_config(
     values: dict[str, dict[str, tuple[Any, str]]] = {name: {} for name in sections}
 
     for var, raw in env.items():
-        if not var.startswith(ENV_PREFIX):
-            continue
+        if not var.startswith(ENV_PREFIX) or var.startswith(envvars.PREFIX):
+            continue  # TRAINGUARD_AGENT_*: what the agent tells its workers, not settings
         rest = var[len(ENV_PREFIX) :].lower()
         for name in sections:
             if rest.startswith(name + "_"):
@@ -220,12 +230,38 @@ def load_config(
     return TrainGuardConfig(**built)
 
 
-def load_worker_section(run_dir: Path, name: str) -> Any:
+def load_worker_section(run_dir: Path | None, name: str) -> Any:
     """Section ``name`` of the config the agent resolved for this run
-    (``<run_dir>/config.json``), else as ``load_config()`` reads it (env, defaults)."""
+    (``<run_dir>/config.json``). Outside ``trainguard run`` (plain torchrun or python, no
+    config.json) it is read as ``load_config()`` reads it (env, defaults). Under the agent a
+    missing or unreadable config.json is a :class:`ConfigError`: a worker never silently runs on
+    other settings than its agent."""
     cls = type(getattr(TrainGuardConfig(), name))
-    try:
-        section = json.loads((Path(run_dir) / "config.json").read_text())["trainguard"][name]
-        return cls(**section)
-    except (OSError, KeyError, TypeError, ValueError):
+    path = Path(run_dir) / CONFIG_JSON if run_dir is not None else None
+    under_agent = bool(os.environ.get(envvars.PROGRESS_DIR))
+    if path is None or (not path.exists() and not under_agent):
         return getattr(load_config(), name)
+    try:
+        section = json.loads(path.read_text())["trainguard"][name]
+        return cls(**section)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot read the agent's resolved config {path}: {e.strerror or e}; the run "
+            "directory must be readable by the workers (check --tg-run-dir and permissions)"
+        ) from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(
+            f"{path}: section [{name}] is missing or invalid ({type(e).__name__}: {e}); it is "
+            "written by `trainguard run` at launch: was the run directory reused by another "
+            "trainguard version? start with a fresh --tg-run-dir"
+        ) from None
+
+
+def write_effective(run_dir: Path, effective: dict[str, Any]) -> Path:
+    """Write ``<run_dir>/config.json`` atomically (every node's agent writes it; a worker never
+    reads a half-written file)."""
+    path = Path(run_dir) / CONFIG_JSON
+    tmp = path.with_name(f".{CONFIG_JSON}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(effective, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    return path

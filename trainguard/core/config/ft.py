@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,12 +33,6 @@ class FTConfig:
 
 def load_worker_ft_config(run_dir: Path | None) -> FTConfig:
     """The ``[ft]`` section the launcher resolved (``<run_dir>/config.json``), else env."""
-    if run_dir is not None:
-        try:
-            section = json.loads((run_dir / "config.json").read_text())["trainguard"]["ft"]
-            return FTConfig(**section)
-        except (OSError, KeyError, TypeError, ValueError):
-            pass
-    from trainguard.core.config import load_config
+    from trainguard.core.config import load_worker_section
 
-    return load_config().ft
+    return load_worker_section(run_dir, "ft")
