@@ -231,3 +231,33 @@ def test_dcgm_sources_absent_here() -> None:
     assert not DcgmSource(HealthConfig(), Policy()).probe().present
     if __import__("shutil").which("dcgmi") is None:
         assert not run_diag(1).present
+
+
+def test_in_job_monitor_checks_the_rendezvous_endpoint_and_the_checkpoint_dir_in_use(
+    tmp_path: Path,
+) -> None:
+    """Under the agent the host checks get the job's rendezvous endpoint and the checkpoint
+    directory the job writes to (``[checkpoint] dir``), not ``[health] checkpoint_dir``."""
+    import types as _types
+
+    from trainguard.core.config import load_config
+    from trainguard.core.events import EventLog
+    from trainguard.core.plugin import AgentContext
+    from trainguard.health.monitor import HealthMonitor
+    from trainguard.health.plugins import health_plugins
+
+    ckpt = tmp_path / "ckpt"
+    cfg = load_config(env={"TRAINGUARD_CHECKPOINT_DIR": str(ckpt)})
+    launch = _types.SimpleNamespace(rdzv_endpoint="127.0.0.1:29400", run_id="j")
+    ctx = AgentContext(
+        config=cfg, run_dir=tmp_path, events=EventLog(tmp_path), launch_config=launch
+    )
+    [monitor] = [p for p in health_plugins(ctx) if isinstance(p, HealthMonitor)]
+    [host] = [s for s in monitor.probe.sources if isinstance(s, HostSource)]
+    assert host.rdzv_endpoint == "127.0.0.1:29400"
+    assert host.checkpoint_dir == ckpt
+    # --standalone's endpoint has no port until run time: nothing to check
+    ctx.launch_config = _types.SimpleNamespace(rdzv_endpoint="localhost:0", run_id="j")
+    [monitor] = [p for p in health_plugins(ctx) if isinstance(p, HealthMonitor)]
+    [host] = [s for s in monitor.probe.sources if isinstance(s, HostSource)]
+    assert host.rdzv_endpoint is None

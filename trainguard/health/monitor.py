@@ -97,6 +97,7 @@ class HealthMonitor(AgentPlugin):
         *,
         run_dir: Path,
         rdzv_endpoint: str | None = None,
+        checkpoint_dir: str | None = None,
         probe: NodeProbe | None = None,
     ) -> None:
         self.cfg = cfg
@@ -107,7 +108,7 @@ class HealthMonitor(AgentPlugin):
             build_sources(
                 cfg,
                 policy=self.policy,
-                checkpoint_dir=cfg.checkpoint_dir or run_dir,
+                checkpoint_dir=checkpoint_dir or cfg.checkpoint_dir or run_dir,
                 rdzv_endpoint=rdzv_endpoint,
             )
         )
@@ -287,8 +288,15 @@ class HealthMonitor(AgentPlugin):
         ctx.events.emit(
             "health_unhealthy", action=action.value, reasons=reasons, ranks=sorted(pids)
         )
-        kill_workers(pids)  # surfaces as FAILED: restart, or the job fails when none are left
-        return None
+        kill_workers(pids)
+        if action is Action.DRAIN:
+            # A node to drain must not run the job again: it leaves (the launcher keeps the
+            # rendezvous open for the others; a spare, or the recovery policy, takes over).
+            ctx.events.emit("node_excluded", reason="health", action=action.value, reasons=reasons)
+            raise NodeUnhealthyError(
+                f"node {ctx.events.node} must be drained: " + "; ".join(reasons)
+            )
+        return None  # restart: the killed group surfaces as FAILED and restarts in place
 
     def close(self) -> None:
         self._stop.set()
