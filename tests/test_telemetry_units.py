@@ -10,6 +10,7 @@ import sys
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.metrics.export import MetricExportResult
@@ -308,3 +309,54 @@ def test_a_step_that_raises_is_recorded_as_failed(tmp_path: Path) -> None:
 
     g = compute_goodput([], recs)
     assert g.productive_s == pytest.approx(steps[0]["step_time_s"])
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_failed_build_never_leaves_the_metrics_server_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build fails after the /metrics server started: close() still stops it; and an
+    endpoint that cannot be announced in the run directory is stopped at once."""
+    from trainguard.core.events import EventLog
+    from trainguard.telemetry import prometheus as prom
+
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    cfg = TelemetryConfig(prometheus_port=0, export_interval_s=0.2)
+    ctx = AgentContext(
+        config=TrainGuardConfig(telemetry=cfg), run_dir=tmp_path, events=EventLog(tmp_path)
+    )
+    ports: list[int] = []
+    original = TelemetryPlugin._open_endpoint
+
+    def open_then_fail(self: TelemetryPlugin) -> Any:
+        endpoint = original(self)
+        ports.append(endpoint.port)
+        raise RuntimeError("a later build step failed")
+
+    monkeypatch.setattr(TelemetryPlugin, "_open_endpoint", open_then_fail)
+    plugin = TelemetryPlugin(ctx, background=True)
+    assert plugin._built.wait(30) and plugin._build_error is not None
+    assert _listening(ports[0])
+    plugin.close()
+    assert not _listening(ports[0])
+    monkeypatch.setattr(TelemetryPlugin, "_open_endpoint", original)
+
+    started: list[int] = []
+
+    def unannounced(self: prom.PrometheusEndpoint, path: Path) -> None:
+        started.append(self.port)
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(prom.PrometheusEndpoint, "write", unannounced)
+    plugin = TelemetryPlugin(ctx, background=False)
+    try:
+        assert plugin.endpoint is None and started and not _listening(started[0])
+    finally:
+        plugin.close()

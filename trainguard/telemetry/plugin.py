@@ -109,6 +109,10 @@ class TelemetryPlugin(AgentPlugin):
         self._scores: dict[str, Any] | None = None  # latest from the bus, not yet recorded
         ctx.events.subscribe(self._on_scores, kinds=[MSG_STRAGGLER_SCORES])
         self._round_start_ns: int | None = None
+        # what the build creates; None until it did (close() stops whatever exists)
+        self.meter_provider: Any = None
+        self.tracer: Any = None
+        self.endpoint: PrometheusEndpoint | None = None
         self._builder: threading.Thread | None = None
         self._build_error: BaseException | None = None
         self._built = threading.Event()
@@ -235,9 +239,16 @@ class TelemetryPlugin(AgentPlugin):
             endpoint = PrometheusEndpoint(
                 self.bridge, host=self.cfg.prometheus_host, port=self.cfg.prometheus_port
             )
+        except OSError as e:
+            logger.warning("no metrics endpoint for node %s: %s", self.node, e)
+            return None
+        self.endpoint = endpoint  # from here on close() stops it, whatever fails next
+        try:
             endpoint.write(endpoint_file(self.run_dir, self.node))
         except OSError as e:
             logger.warning("no metrics endpoint for node %s: %s", self.node, e)
+            self.endpoint = None
+            endpoint.close()
             return None
         logger.info("metrics of node %s at %s", self.node, endpoint.url)
         return endpoint
@@ -380,16 +391,21 @@ class TelemetryPlugin(AgentPlugin):
             logger.warning("could not write %s: %s", path, e)
 
     def close(self) -> None:
-        if not self._ready():
-            return
+        """Stop what the build started, all of it also after a build that failed partway."""
+        self._built.wait(60.0)
         self._stop.set()
-        for fn in (self.tracer.shutdown, self.meter_provider.shutdown):
+        for part in (self.tracer, self.meter_provider):
+            if part is None:
+                continue
             try:
-                fn()
+                part.shutdown()
             except Exception:
                 logger.exception("telemetry shutdown step failed")
         if self.endpoint is not None:
             self.endpoint.close()
+            self.endpoint = None
+        if self._build_error is not None:
+            return
         # export failures during shutdown land in the summary too
         summary = self.run_dir / "telemetry" / f"summary_{self.node}.json"
         try:
