@@ -24,13 +24,15 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank = int(os.environ.get("RANK", "0"))
+    if restart > 0:  # the restarted group starts here (before any collective can hang)
+        (out / f"started_{restart}_{rank}").write_text(repr(time.time()))
     dist.init_process_group("gloo")
     tg = trainguard.init()
     state = {"w": torch.zeros(4)}
     tg.checkpoint.restore_or_init(state)  # collective setup: preemption handlers installed
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart > 0:
-        (out / f"started_{restart}_{tg.rank}").write_text(repr(time.time()))
         dist.barrier()
         tg.close()
         dist.destroy_process_group()
