@@ -18,8 +18,7 @@ demo: $(VENV)/.installed
 	rm -rf $(DEMO)
 	$(VENV)/bin/trainguard run --standalone --nproc-per-node 2 --max-restarts 3 --tg-run-dir $(DEMO) \
 	    examples/train_mlp.py --steps 100 --fail-at-step 40 --fail-rank 1
-	@$(VENV)/bin/trainguard events $(DEMO)
-	@$(VENV)/bin/trainguard report -q $(DEMO)
+	@$(VENV)/bin/trainguard report -q $(DEMO) >/dev/null
 	@echo
 	@echo "Run directory: $(DEMO)  (events.jsonl, metrics/, checkpoints/, config.json)"
 	@echo "Report:        $(DEMO)/report.html  (loss, throughput, goodput, failures and recoveries)"

@@ -61,7 +61,7 @@ from trainguard.checkpoint.storage import ChecksummingFileSystem, storage_for
 from trainguard.core import envvars
 from trainguard.core.config import load_worker_section
 from trainguard.core.config.checkpoint import CheckpointConfig
-from trainguard.core.failures import REQUEUE_EXIT_CODE
+from trainguard.core.failures import REQUEUE_EXIT_CODE, peer_failure
 
 __all__ = ["CheckpointManager", "MEMORY_DIR_ENV", "SaveResult"]
 
@@ -508,8 +508,18 @@ class CheckpointManager:
         try:
             self._persist(result, slot, skeleton, infos, t0)
         except (Exception, CheckpointException) as e:  # never into training
-            logger.exception("checkpoint persist of step %s failed", result.step)
-            result.error = result.error or f"{type(e).__name__}: {e}"
+            peer = peer_failure(e)
+            if peer:  # another rank failed: the writer said so in one line already
+                logger.debug(
+                    "rank %s: checkpoint step %s not committed: a peer rank failed (%s)",
+                    self.rank,
+                    result.step,
+                    peer,
+                )
+                result.error = result.error or f"a peer rank failed ({peer})"
+            else:
+                logger.exception("checkpoint persist of step %s failed", result.step)
+                result.error = result.error or f"{type(e).__name__}: {e}"
         finally:
             slot.persisting = False
             if not result.committed:

@@ -30,6 +30,7 @@ from trainguard.checkpoint.storage import (
     fsync_dir,
 )
 from trainguard.core.config.checkpoint import CheckpointConfig, writer_threads
+from trainguard.core.failures import peer_failure
 
 __all__ = ["Writer"]
 
@@ -80,7 +81,16 @@ class Writer:
             self.faults.point("written", step, self.rank)
         except (Exception, CheckpointException) as e:
             error = f"{type(e).__name__}: {e}"
-            logger.warning("rank %s: writing checkpoint step %s failed: %s", self.rank, step, error)
+            peer = peer_failure(e)
+            if peer:  # a consequence of another rank's failure: one line
+                error = f"a peer rank failed ({peer})"
+                logger.warning(
+                    "rank %s: checkpoint step %s not committed: %s", self.rank, step, error
+                )
+            else:
+                logger.warning(
+                    "rank %s: writing checkpoint step %s failed: %s", self.rank, step, error
+                )
         gathered = self.gather((error, records))
         outcome: list[Any] = [None]
         if self.rank == 0:

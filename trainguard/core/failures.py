@@ -13,6 +13,7 @@ __all__ = [
     "REQUEUE_EXIT_CODE",
     "WorkerFailure",
     "classify_exit",
+    "peer_failure",
 ]
 
 REQUEUE_EXIT_CODE = 75
@@ -109,3 +110,24 @@ def classify_exit(
     else:
         kind = FailureKind.UNKNOWN
     return WorkerFailure(rank, local_rank, exitcode, sig_name, kind, message, pid)
+
+
+# What gloo and NCCL say when the rank at the other end of a collective died: on a survivor
+# such an error is a consequence of a failure elsewhere, not a failure of its own.
+_PEER_LOSS = (
+    ("connection reset by peer", "connection reset by peer"),
+    ("connection closed by peer", "connection closed by peer"),
+    ("broken pipe", "broken pipe"),
+    ("remote process exited", "remote process exited"),
+    ("nccl communicator was aborted", "NCCL communicator aborted"),
+)
+
+
+def peer_failure(exc: BaseException) -> str | None:
+    """A short reason when ``exc`` is a collective that failed because a peer rank died (the
+    survivor's view of a failure elsewhere); None for any other error."""
+    text = str(exc).lower()
+    for needle, reason in _PEER_LOSS:
+        if needle in text:
+            return reason
+    return None

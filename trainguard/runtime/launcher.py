@@ -411,7 +411,21 @@ def launch(
         _finish_plugins(plugins, ctx, outcome.state)
         if outcome.shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+    if agent.attempt >= 0:
+        _print_recovery_summary(run_dir)
     return _conclude(outcome, name)
+
+
+def _print_recovery_summary(run_dir: Path) -> None:
+    """What failed and how the job recovered, in a few lines (never raises)."""
+    from trainguard.telemetry.summary import recovery_summary
+
+    try:
+        lines = recovery_summary(run_dir)
+    except Exception as e:  # a summary must never turn a finished job into a failure
+        logger.warning("no recovery summary: %s", e)
+        return
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def prepare(

@@ -151,6 +151,19 @@ def _restart_markers(data: RunData, t0: float, by: str) -> list[svg.Marker]:
     return out
 
 
+def _root_causes(failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The failures that caused a recovery: per attempt, the ranks flagged as the root cause
+    (all of the attempt's failures where none is flagged)."""
+    by_attempt: dict[Any, list[dict[str, Any]]] = {}
+    for f in failures:
+        by_attempt.setdefault(f.get("attempt"), []).append(f)
+    out: list[dict[str, Any]] = []
+    for group in by_attempt.values():
+        roots = [f for f in group if f.get("root_cause")]
+        out.extend(roots or group)
+    return out
+
+
 def _failure_rows(data: RunData, t0: float) -> list[dict[str, Any]]:
     return [e for e in data.events if e.get("kind") in ("worker_failed", "worker_group_unhealthy")]
 
@@ -338,7 +351,12 @@ def render_report(
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0)) if t0 else "?",
         "wall time": f"{t_end:.1f} s",
         "attempts": len(attempts),
-        "worker failures": len([f for f in failures if f.get("kind") == "worker_failed"]),
+        # a failure is its root cause; the ranks torch's teardown stopped are the recovery
+        "worker failures": len(_root_causes(failures)),
+        "ranks stopped by the recovery": len(
+            [f for f in failures if f.get("kind") == "worker_failed"]
+        )
+        - len([f for f in _root_causes(failures) if f.get("kind") == "worker_failed"]),
         "ranks": len(data.records),
         "steps (lowest rank)": n_steps,
         "ETTR": ettr,

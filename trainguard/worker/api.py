@@ -23,6 +23,7 @@ from typing import Any, Literal
 from trainguard.core import envvars
 from trainguard.core.config import ConfigError, load_worker_section
 from trainguard.core.events import EventLog
+from trainguard.core.failures import peer_failure
 from trainguard.core.progress import ProgressWriter, progress_path
 from trainguard.telemetry.spans import TRACEPARENT_ENV, SpanRecorder
 
@@ -89,6 +90,8 @@ class TrainGuard:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.under_agent:  # the agent's resolved config must be readable (ConfigError)
             load_worker_section(self.run_dir, "runtime")
+        if self.world_size > 1:
+            self._install_excepthook()
         self.events = EventLog(self.run_dir, node=self.node, context=self._event_context)
         self.step_num = 0
         """The number of the next step ``step()`` will run = the steps done so far. ``step()``
@@ -120,6 +123,24 @@ class TrainGuard:
             from trainguard.health.stacks import register_stack_dump
 
             self._stack_file = register_stack_dump(self.run_dir, self.rank, self.attempt)
+
+    def _install_excepthook(self) -> None:
+        """A survivor's collective that failed because a peer rank died is a consequence, not
+        a failure: one line instead of a traceback (other errors keep theirs)."""
+        previous = sys.excepthook
+
+        def hook(exc_type: Any, exc: Any, tb: Any) -> None:
+            peer = peer_failure(exc) if isinstance(exc, BaseException) else None
+            if peer is None:
+                previous(exc_type, exc, tb)
+                return
+            print(
+                f"rank {self.rank}: stopped after {self.step_num} steps: a peer rank failed ({peer})",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        sys.excepthook = hook
 
     # -- context -----------------------------------------------------------------------------
     def _event_context(self) -> dict[str, Any]:

@@ -1,0 +1,78 @@
+"""The recovery summary ``trainguard run`` prints when a job ends: every failure with its rank,
+cause and step, how long until the next completed step, how many steps were redone, where the
+job resumed from (memory, peer memory, disk), and the run's goodput."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from trainguard.telemetry.goodput import compute_goodput
+from trainguard.telemetry.report import RunData, _root_causes, load_run
+
+__all__ = ["recovery_summary"]
+
+
+def _steps(data: RunData) -> list[dict[str, Any]]:
+    return sorted(
+        (r for recs in data.records.values() for r in recs if r.get("kind") == "step"),
+        key=lambda r: float(r.get("time", 0.0)),
+    )
+
+
+def _cause(f: dict[str, Any]) -> str:
+    if f.get("signal"):
+        return f"killed by {f['signal']}"
+    if f.get("exitcode") is not None:
+        return f"exit code {f['exitcode']}"
+    return str(f.get("cause") or f.get("kind"))
+
+
+def recovery_summary(run_dir: str | Path) -> list[str]:
+    """Lines for the console (empty when the run directory has nothing to say)."""
+    data = load_run(run_dir)
+    failures = [e for e in data.events if e.get("kind") in ("worker_failed", "hang_detected")]
+    roots = _root_causes([e for e in failures if e.get("kind") == "worker_failed"])
+    hangs = [e for e in failures if e.get("kind") == "hang_detected"]
+    steps = _steps(data)
+    restored = [e for e in data.events if e.get("kind") == "checkpoint_restored" and e.get("step")]
+    lines = []
+    incidents = sorted(
+        [(float(f["time"]), f) for f in roots] + [(float(h["time"]), h) for h in hangs],
+        key=lambda x: x[0],
+    )
+    seen_attempts: set[Any] = set()
+    for t, f in incidents:
+        if f.get("attempt") in seen_attempts and f.get("kind") == "worker_failed":
+            continue  # one line per failed attempt: its first root cause
+        seen_attempts.add(f.get("attempt"))
+        # the ranks step in lockstep; the failed rank's own last records may never have been
+        # flushed, so the job's last completed step says where it failed
+        before = [s for s in steps if float(s["time"]) <= t]
+        done = int(before[-1]["step"]) + 1 if before else 0
+        after = [s for s in steps if float(s["time"]) > t]
+        resumed = next((e for e in restored if float(e["time"]) > t), None)
+        what = (
+            f"rank {f.get('rank')} {_cause(f)}"
+            if f.get("kind") == "worker_failed"
+            else f"hang of rank(s) {f.get('ranks') or f.get('rank')}"
+        )
+        line = f"  {what} after {done} step{'s' if done != 1 else ''}"
+        if after:
+            line += f"; next step done {float(after[0]['time']) - t:.1f} s later"
+        if resumed is not None:
+            redone = max(0, done - int(resumed["step"]))
+            line += f"; resumed from {resumed.get('source')} at step {resumed['step']}"
+            line += f" ({redone} step{'s' if redone != 1 else ''} redone)"
+        lines.append(line)
+    records = [r for recs in data.records.values() for r in recs]
+    g = compute_goodput(data.events, records)
+    head = f"trainguard run: {len(lines)} failure{'s' if len(lines) != 1 else ''} recovered"
+    if not lines:
+        head = "trainguard run: no failures"
+    if g.ettr is not None:
+        lost = ", ".join(f"{k} {v:.1f} s" for k, v in g.lost_s.items() if v > 0.05)
+        head += f"; goodput {100 * g.ettr:.1f} % of {g.total_s:.1f} s"
+        if lost:
+            head += f" (lost: {lost})"
+    return [head, *lines]
