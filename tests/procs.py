@@ -13,7 +13,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-__all__ = ["become_subreaper", "descendants", "kill_tree"]
+__all__ = ["alive", "become_subreaper", "descendants", "kill_tree"]
 
 
 def _parents() -> dict[int, int]:
@@ -36,10 +36,11 @@ def descendants(pid: int) -> list[int]:
         kids = [c for c, pp in parents.items() if pp == p]
         out.extend(kids)
         todo.extend(kids)
-    return [p for p in out if _alive(p)]
+    return [p for p in out if alive(p)]
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Running (or stopped): neither gone nor a zombie."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
