@@ -87,6 +87,10 @@ class CheckpointConfig:
     """Where persisting runs: a background thread of the worker, or a persister process per
     rank that maps the staged buffers (shared memory, zero copy) and writes them, so that
     serialisation never contends with training for the GIL."""
+    persist_timeout_s: float = 1800.0
+    """Longest a save may take to persist (the persister's answer, the wait for the save in
+    flight): after it the save fails (``checkpoint_save_failed``, counted), a persister process
+    that did not answer is killed and replaced, and training goes on."""
     io_threads: int | None = None
     """Writer threads per rank (DCP FileSystemWriter ``thread_count``; also the checksum
     verification threads of a restore). None: one per 8 cores, 1 to 4. More threads commit
@@ -132,7 +136,12 @@ class CheckpointConfig:
             raise ValueError("peer_max_header_bytes must be >= 1024")
         if self.peer_max_snapshot_bytes is not None and self.peer_max_snapshot_bytes < 0:
             raise ValueError("peer_max_snapshot_bytes must be >= 0")
-        for name in ("peer_backoff_s", "peer_backoff_max_s", "peer_fetch_timeout_s"):
+        for name in (
+            "persist_timeout_s",
+            "peer_backoff_s",
+            "peer_backoff_max_s",
+            "peer_fetch_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.collective_timeout_s <= 0:
