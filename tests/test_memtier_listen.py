@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from tests.launch_utils import REPO, base_env, free_port, steps_done, wait_listening
+from tests.services.telemetry_services import apt_ensure
 from tests.test_checkpoint_peer import _descendants
 from trainguard.checkpoint.memtier.wire import MAGIC, NONCE_LEN
 
@@ -58,6 +59,7 @@ def _replicas(pid: int) -> list[Path]:
 
 
 def test_tier_listens_on_the_route_and_refuses_strangers(tmp_path: Path) -> None:
+    apt_ensure("iproute2")  # ss
     port = free_port()
     run_dir = tmp_path / "run"
     procs = []
