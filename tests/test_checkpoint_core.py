@@ -501,3 +501,77 @@ def test_object_storage_through_fsspec(tmp_path: Path) -> None:
     assert mgr.restore({"model": m2, "optim": opt2}) == 1
     assert _equal(_flat(m2, opt2), _flat(m, opt))
     mgr.close()
+
+
+@pytest.mark.timeout(180)
+def test_stopped_persister_fails_the_save_at_its_deadline_and_training_goes_on(
+    tmp_path: Path,
+) -> None:
+    """persist_mode=process: the persister is SIGSTOPped (it never answers). The save fails
+    at ``persist_timeout_s`` with ``checkpoint_save_failed`` instead of waiting forever, the
+    stopped persister is killed and replaced, and the next save commits."""
+    events = Events()
+    m, opt = _model()
+    mgr = _mgr(tmp_path, events, persist_mode="process", persist_timeout_s=3.0)
+    stopped = None
+    try:
+        _train(m, opt, 0)
+        assert mgr.save(1, {"model": m, "optim": opt}).wait(timeout=120)
+        stopped = mgr._proc.pid
+        os.kill(stopped, signal.SIGSTOP)
+        _train(m, opt, 1)
+        t0 = time.monotonic()
+        res = mgr.save(2, {"model": m, "optim": opt})
+        assert res.wait(timeout=120) is False
+        assert time.monotonic() - t0 < 60  # the deadline, not a hang
+        assert "did not answer within 3 s" in (res.error or "")
+        failed = events.kinds("checkpoint_save_failed")
+        assert [(f["step"], f["reason"]) for f in failed] == [(2, "timeout")], failed
+        assert mgr.num_failures == 1
+        assert not Path(f"/proc/{stopped}").exists()  # killed and reaped
+        _train(m, opt, 2)
+        assert mgr.save(3, {"model": m, "optim": opt}).wait(timeout=120)
+        assert mgr._proc.pid != stopped
+        assert len(events.kinds("checkpoint_persister_started")) == 2
+    finally:
+        mgr.close()
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.timeout(120)
+def test_save_behind_a_stuck_persist_fails_at_the_deadline(tmp_path: Path) -> None:
+    """Thread mode, a persist that never returns (a writer stuck in storage): the next
+    persisting save waits at most the deadline, then fails at once with
+    ``checkpoint_save_failed`` for both saves; training goes on."""
+    import threading
+
+    events = Events()
+    m, opt = _model()
+    mgr = _mgr(tmp_path, events, persist_timeout_s=1.0)
+    release = threading.Event()
+    real = mgr._writer.write_and_commit
+
+    def stuck(step: int, staged: object) -> tuple[bool, str | None]:
+        release.wait(60)
+        return real(step, staged)
+
+    mgr._writer.write_and_commit = stuck  # type: ignore[method-assign]
+    try:
+        _train(m, opt, 0)
+        first = mgr.save(1, {"model": m, "optim": opt})
+        _train(m, opt, 1)
+        t0 = time.monotonic()
+        second = mgr.save(2, {"model": m, "optim": opt})
+        assert time.monotonic() - t0 < 30  # persist_timeout_s + margin, not forever
+        assert second.done.is_set() and not second.committed and second.error
+        assert first.timed_out and not first.committed
+        failed = events.kinds("checkpoint_save_failed")
+        assert [(f["step"], f["reason"]) for f in failed] == [(1, "timeout"), (2, "busy")]
+        assert mgr.num_failures == 2
+    finally:
+        release.set()
+        mgr.close()

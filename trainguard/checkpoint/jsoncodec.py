@@ -14,7 +14,41 @@ import json
 import math
 from typing import Any
 
-__all__ = ["dumps", "loads", "register_ref"]
+__all__ = ["DTYPE_SIZES", "dtype_of", "dumps", "loads", "register_ref"]
+
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "complex128": 16,
+    "complex64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+}
+"""The torch dtypes a checkpoint's metadata may name (bytes per element); a name read from a
+file or a peer never reaches ``getattr(torch, ...)`` unless it is one of these."""
+
+
+def dtype_of(name: str) -> Any:
+    """The ``torch.dtype`` called ``name`` (``"float32"`` or ``"torch.float32"``);
+    ``ValueError`` for a name outside :data:`DTYPE_SIZES`."""
+    import torch
+
+    key = name.removeprefix("torch.") if isinstance(name, str) else name
+    if key not in DTYPE_SIZES:
+        raise ValueError(f"dtype {name!r} is not allowed in checkpoint metadata")
+    return getattr(torch, key)
+
 
 _REF_TYPES: dict[str, tuple[type, Any, Any]] = {}
 
@@ -102,7 +136,7 @@ def _dec(o: Any) -> Any:
         if key == "$tensor":
             import torch
 
-            dtype = getattr(torch, val["dtype"])
+            dtype = dtype_of(val["dtype"])
             raw = bytearray(base64.b64decode(val["data"]))
             flat = (
                 torch.frombuffer(raw, dtype=torch.uint8)
@@ -116,7 +150,11 @@ def _dec(o: Any) -> Any:
             kind, v = val
             if kind == "Size":
                 return torch.Size(v)
-            return torch.device(v) if kind == "device" else getattr(torch, v.removeprefix("torch."))
+            if kind == "device":
+                return torch.device(v)
+            if kind == "dtype":
+                return dtype_of(v)
+            raise ValueError(f"unknown torch value {kind!r} in checkpoint metadata")
         if key == "$ndarray":
             import numpy as np
 

@@ -91,6 +91,8 @@ class SaveResult:
         """Set when this save will do nothing more (staged, and committed or failed)."""
         self.committed = False
         self.error: str | None = None
+        self.timed_out = False
+        """The persist did not finish within ``persist_timeout_s``: declared failed."""
         self.stall_s = 0.0
         self.persist_s = 0.0
         self.commit_s = 0.0
@@ -260,7 +262,9 @@ class CheckpointManager:
             if preempt:  # a preemption notice came in: this save is the preemption save
                 self._preempt_exit(step, state)
         if persist and self._persisting is not None:
-            self._wait_persist()  # a dead peer persister fails it fast (gloo sees the close)
+            # a dead peer persister fails it fast (gloo sees the close); a stuck one at the deadline
+            if not self._wait_persist():
+                return self._failed_save(step, "the previous save is still persisting")
         if persist and self._proc is not None:
             self._check_persister()
         return self._save(step, state, persist=persist)
@@ -300,7 +304,7 @@ class CheckpointManager:
         self.wait_staged()
         res = self._persisting
         if res is not None:
-            res.done.wait(timeout)
+            res.done.wait(self._persist_wait_s() if timeout is None else timeout)
         return self.last_result.committed if self.last_result is not None else True
 
     def wait_staged(self) -> None:
@@ -369,11 +373,13 @@ class CheckpointManager:
             self.wait()
         except Exception:
             logger.exception("checkpoint work in flight failed at close")
+        res = self._persisting
+        stuck = res is not None and not res.done.is_set()  # past its deadline: not waited for
         if self._hook is not None:
             self._hook.remove()
         self.preemption.restore()
         self._stager.shutdown(wait=True)
-        self._persister.shutdown(wait=True)
+        self._persister.shutdown(wait=not stuck)
         if self._proc is not None:
             self._proc.close()
         if not self.has_memory_tier:
@@ -495,11 +501,40 @@ class CheckpointManager:
         self._metric(step=result.step, checkpoint_stall_s=result.stall_s)
         self.interval.record_stall(result.stall_s)
 
-    def _wait_persist(self) -> None:
+    def _persist_wait_s(self) -> float:
+        """The longest wait for a persist in flight: the persister's own deadline, and a margin
+        for the parent's side of it."""
+        return self.config.persist_timeout_s + 10.0
+
+    def _wait_persist(self) -> bool:
+        """Wait for the persist in flight, at most :meth:`_persist_wait_s`; False (and that save
+        declared failed) if it did not end by then."""
         self.wait_staged()
         res = self._persisting
-        if res is not None:
-            res.done.wait()
+        if res is None or res.done.wait(self._persist_wait_s()):
+            return True
+        if not res.timed_out:
+            res.timed_out = True
+            res.error = res.error or f"persist did not finish within {self._persist_wait_s():g} s"
+            self._save_failed(res.step, "timeout", res.error)
+        return False
+
+    def _save_failed(self, step: int, reason: str, error: str | None) -> None:
+        """A save that ends without a commit for ``reason`` (a deadline): event and counter."""
+        self.num_failures += 1
+        logger.warning("rank %s: checkpoint save of step %s failed: %s", self.rank, step, error)
+        self._emit("checkpoint_save_failed", step=step, rank=self.rank, reason=reason, error=error)
+        self._metric(step=step, checkpoint_failures=self.num_failures)
+
+    def _failed_save(self, step: int, reason: str) -> SaveResult:
+        """The outcome of a persisting save refused at once (training goes on)."""
+        result = SaveResult(step, True)
+        result.error = reason
+        result._staged.set()
+        result.done.set()
+        self.last_result = result
+        self._save_failed(step, "busy", reason)
+        return result
 
     # -- persist (persist thread) ----------------------------------------------------------------
     def _persist_safe(
@@ -522,7 +557,9 @@ class CheckpointManager:
                 result.error = result.error or f"{type(e).__name__}: {e}"
         finally:
             slot.persisting = False
-            if not result.committed:
+            if result.timed_out and self._proc is not None:  # the persister did not answer
+                self._save_failed(result.step, "timeout", result.error)
+            elif not result.committed and not result.timed_out:
                 self.num_failures += 1
                 self._emit(
                     "checkpoint_failed", step=result.step, error=result.error, rank=self.rank
@@ -552,6 +589,7 @@ class CheckpointManager:
                     "skeleton": jsoncodec.dumps(skeleton),
                 }
             )
+            result.timed_out = proc.timed_out
             if not committed and proc.broken is not None:
                 # died after the manifest was renamed in (or a peer did): it did commit
                 step_dir = self._writer.step_path(result.step)
@@ -606,7 +644,7 @@ class CheckpointManager:
             # the persister removes the private staging directory if its worker dies
             "cleanup_dir": str(self._private_dir) if self._private_dir else None,
         }
-        self._proc = PersisterProcess(init)
+        self._proc = PersisterProcess(init, timeout_s=self.config.persist_timeout_s)
         self._emit_rank0("checkpoint_persister_started", pid=self._proc.pid, gen=self._proc_gen)
 
     def _check_persister(self) -> None:
@@ -623,7 +661,7 @@ class CheckpointManager:
         reason = proc.broken
         proc.kill()
         if self._persisting is not None:
-            self._persisting.done.wait()
+            self._persisting.done.wait(self._persist_wait_s())
         if self._ctl_pg is not None:  # no rank's old persister is still writing
             dist.barrier(group=self._ctl_pg)
         self._remove_uncommitted()
@@ -679,7 +717,7 @@ class CheckpointManager:
         if self.rank == 0:
             self._emit("checkpoint_preempted", step=step, signal=self.preemption.name)
         result = self.save(step, state, persist=True)
-        ok = result.wait()
+        ok = result.wait(self._persist_wait_s())
         self.preemption.committed = ok
         if self.rank == 0:
             self._emit("checkpoint_preempt_saved", step=step, committed=ok, error=result.error)

@@ -21,6 +21,7 @@ import json
 import logging
 import mmap
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -103,10 +104,19 @@ def _alive(pid: int) -> bool:
 logger = logging.getLogger(__name__)
 
 
+START_S = 300.0
+"""Longest wait for a new persister to be ready (it imports torch and joins its group)."""
+
+
 class PersisterProcess:
     """Parent-side handle of one rank's persister process."""
 
-    def __init__(self, init: dict[str, Any]) -> None:
+    def __init__(self, init: dict[str, Any], *, timeout_s: float | None = None) -> None:
+        self.timeout_s = timeout_s
+        """Longest wait for one reply (the start, one persist); then the child is killed and
+        the handle broken (``timed_out``)."""
+        self.timed_out = False
+        self._buf = b""
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainguard.checkpoint.persist_proc"],
@@ -141,12 +151,27 @@ class PersisterProcess:
         self.proc.stdin.write(json.dumps(msg) + "\n")
         self.proc.stdin.flush()
 
-    def _recv(self) -> dict[str, Any]:
+    def _recv(self, timeout_s: float | None) -> dict[str, Any]:
+        """The child's next reply line, waiting at most ``timeout_s`` (``TimeoutError``)."""
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # blocks without the GIL
-        if not line:
-            code = self.proc.wait()
-            raise EOFError(f"persister process {self.proc.pid} died (exit code {code})")
+        fd = self.proc.stdout.fileno()  # read raw: select() must see every byte not yet taken
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while b"\n" not in self._buf:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                    raise TimeoutError(
+                        f"persister process {self.proc.pid} did not answer within {timeout_s:g} s"
+                    )
+            chunk = os.read(fd, 65536)  # without the GIL
+            if not chunk:
+                try:
+                    code: int | None = self.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    code = None
+                raise EOFError(f"persister process {self.proc.pid} died (exit code {code})")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
         return json.loads(line)
 
     def persist(self, request: dict[str, Any]) -> tuple[bool, str | None]:
@@ -156,13 +181,19 @@ class PersisterProcess:
                 return False, self.broken
             try:
                 if not self._ready:
-                    reply = self._recv()
+                    start = None if self.timeout_s is None else max(self.timeout_s, START_S)
+                    reply = self._recv(start)
                     if not reply.get("ready"):
                         self.start_failed = True
                         raise EOFError(f"persister failed to start: {reply.get('error')}")
                     self._ready = True
                 self._send(request)
-                reply = self._recv()
+                reply = self._recv(self.timeout_s)
+            except TimeoutError as e:  # stopped or stuck: it will not answer this save
+                self.broken = str(e)
+                self.timed_out = True
+                self.kill()
+                return False, self.broken
             except (OSError, EOFError, ValueError) as e:
                 self.broken = str(e)
                 return False, self.broken
@@ -189,7 +220,7 @@ class PersisterProcess:
                 self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
                 self.proc.stdin.close()
             self.proc.wait(timeout)
-        except (OSError, subprocess.TimeoutExpired):
+        except (OSError, ValueError, subprocess.TimeoutExpired):
             pass
         self.kill()
 

@@ -154,7 +154,7 @@ class Layout:
 def views_of(buf: Any, layout: Layout) -> list[torch.Tensor]:
     views = []
     for dtype, shape, off, n in layout.entries:
-        dt = getattr(torch, dtype)
+        dt = jsoncodec.dtype_of(dtype)
         if n == 0:
             views.append(torch.empty(shape, dtype=dt))
             continue
@@ -195,7 +195,7 @@ class Slot:
         else:
             pin = pin and torch.cuda.is_available()
             self.views = [
-                torch.empty(shape, dtype=getattr(torch, dt), pin_memory=pin)
+                torch.empty(shape, dtype=jsoncodec.dtype_of(dt), pin_memory=pin)
                 for dt, shape, _, _ in layout.entries
             ]
 
@@ -306,7 +306,7 @@ class Snapshot:
         tensors: list[torch.Tensor] = []
         reads: list[tuple[memoryview, int, int]] = []
         for i, (dtype, shape, off, n) in enumerate(layout.entries):
-            dt = getattr(torch, dtype)
+            dt = jsoncodec.dtype_of(dtype)
             t = (into or {}).get(paths.get(i, ()))
             if not (
                 t is not None

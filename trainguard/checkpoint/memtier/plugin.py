@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -51,19 +52,38 @@ class MemoryTierPlugin(AgentPlugin):
         self.peers: Peers = {}
         self._server: TierServer | None = None
         self._replicator: Replicator | None = None
+        self.secret: bytes | None = None
         if cfg.peer_replication:
-            self._server = TierServer(("0.0.0.0", 0), self.store)
+            host = cfg.peer_host or route_ip(ctx.rdzv_endpoint)
+            self._server = TierServer(
+                (host, cfg.peer_port),
+                self.store,
+                max_header=cfg.peer_max_header_bytes,
+                max_bytes=cfg.peer_max_snapshot_bytes or 1 << 62,
+            )
             self._server.start()
-            self._replicator = Replicator(self.store, node=self.node)
+            ctx.events.emit(
+                "checkpoint_memory_tier_serving", host=self._server.host, port=self._server.port
+            )
+            self._replicator = Replicator(
+                self.store,
+                node=self.node,
+                backoff_s=cfg.peer_backoff_s,
+                backoff_max_s=cfg.peer_backoff_max_s,
+                emit=ctx.events.emit,
+            )
             self._replicator.start()
 
     # -- hooks -----------------------------------------------------------------------------------
     def after_rendezvous(self, ctx: AgentContext, group: WorkerGroup) -> None:
         self.group_rank = group.group_rank
         world = group.group_world_size
+        if self._server is not None and world > 1:
+            self.secret = _job_secret(group.store)
+            self._server.set_secret(self.secret)
         self.peers = self._exchange_addresses(ctx, group, world)
         if self._replicator is not None:
-            self._replicator.set_peers(self.group_rank, self.peers)
+            self._replicator.set_peers(self.group_rank, self.peers, self.secret)
         ranks = [w.global_rank for w in group.workers]
         world_size = group.workers[0].world_size if group.workers else 0
         self._fill(ranks, world_size)
@@ -73,7 +93,9 @@ class MemoryTierPlugin(AgentPlugin):
         most :data:`PEER_WAIT_S` for them)."""
         if self._server is None or world <= 1:
             return {}
-        host = self.cfg.peer_host or _host_ip()
+        host = self._server.host
+        if host in ("0.0.0.0", "::", ""):  # bound to every interface on purpose (peer_host)
+            host = route_ip(ctx.rdzv_endpoint)
         me = {"host": host, "port": self._server.port, "node": self.node}
         prefix = f"trainguard/ckpt_memtier/{ctx.attempt}/"
         group.store.set(f"{prefix}{self.group_rank}", json.dumps(me))
@@ -87,14 +109,37 @@ class MemoryTierPlugin(AgentPlugin):
 
     def _fill(self, ranks: list[int], world_size: int) -> None:
         """Give every local rank without a snapshot the newest ones this node holds as
-        replicas, or else the other agents hold."""
+        replicas, or else the other agents hold; all of it within ``peer_fetch_timeout_s``
+        (a peer that fails or does not answer in time is skipped: event)."""
+        deadline = time.monotonic() + self.cfg.peer_fetch_timeout_s
+        skipped: dict[int, str] = {}
         for r in ranks:
             if self.store.has_local(r, world_size):
                 continue
+            if time.monotonic() >= deadline:
+                self.events.emit(
+                    "checkpoint_memory_fill_timeout",
+                    rank=r,
+                    timeout_s=self.cfg.peer_fetch_timeout_s,
+                )
+                continue
             t0 = time.monotonic()
-            got = collect(self.store, self.peers, r, world_size)
-            for _, meta, data in reversed(got):
-                self.store.store_local(meta, data)
+            got = collect(
+                self.store,
+                self.peers,
+                r,
+                world_size,
+                secret=self.secret,
+                deadline=deadline,
+                max_bytes=self.cfg.peer_max_snapshot_bytes or 1 << 62,
+                skipped=skipped,
+            )
+            nbytes = sum(int(m["nbytes"]) for _, m, _ in got)
+            for _, meta, tmp in reversed(got):
+                try:
+                    self.store.place("local", meta, tmp)
+                finally:
+                    tmp.unlink(missing_ok=True)
             if got:
                 self.events.emit(
                     "checkpoint_memory_filled",
@@ -103,9 +148,16 @@ class MemoryTierPlugin(AgentPlugin):
                     step=got[0][1]["step"],
                     source=got[0][0],
                     snapshot_source=got[0][1].get("source"),
-                    bytes=sum(len(d) for _, _, d in got),
+                    bytes=nbytes,
                     duration_s=round(time.monotonic() - t0, 4),
                 )
+        if skipped:
+            self.events.emit(
+                "checkpoint_peer_skipped",
+                group_ranks=sorted(skipped),
+                reasons={str(k): v for k, v in skipped.items()},
+                during="fill",
+            )
 
     def find(self, rank: int, world_size: int, *, below: int | None = None) -> Any:
         return self.store.find(rank, world_size, below=below)
@@ -120,8 +172,32 @@ class MemoryTierPlugin(AgentPlugin):
             del os.environ[MEMORY_DIR_ENV]
 
 
-def _host_ip() -> str:
+SECRET_KEY = "trainguard/ckpt_memtier/secret"
+"""Rendezvous-store key of the job's memory-tier secret (first writer wins)."""
+
+
+def _job_secret(store: Any) -> bytes:
+    """The job's memory-tier secret: the first agent to ask sets it in the rendezvous store
+    (``compare_set``, atomic), every other one reads that value. It is never logged."""
+    mine = secrets.token_hex(32)
+    got = store.compare_set(SECRET_KEY, "", mine)
+    return bytes.fromhex(got.decode() if isinstance(got, bytes) else str(got))
+
+
+def route_ip(endpoint: str) -> str:
+    """This host's address on the route to the rendezvous ``endpoint`` (``host:port``);
+    127.0.0.1 for a loopback or missing endpoint. A name that resolves to loopback only here
+    (a node's own hostname mapped to 127.0.1.1 in /etc/hosts) gets the default route's address,
+    which is what the other nodes reach this host at."""
+    host = endpoint.rsplit(":", 1)[0].strip("[]") if endpoint else ""
+    if host in ("", "localhost", "::1") or host.startswith("127."):
+        return "127.0.0.1"
     try:
-        return socket.gethostbyname(socket.gethostname())
+        target = socket.getaddrinfo(host, 29400, socket.AF_INET, socket.SOCK_DGRAM)[0][4]
+        if target[0].startswith("127."):
+            target = ("192.0.2.1", 9)  # TEST-NET: the interface of the default route
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(target)  # no packet is sent: only picks the outgoing interface
+            return str(s.getsockname()[0])
     except OSError:
         return "127.0.0.1"

@@ -1,60 +1,161 @@
 """The memory tier's TCP server: answers the other agents' ``put`` and ``get`` requests
-(:mod:`.wire`) from a :class:`~.store.TierStore`."""
+(:mod:`.wire`) from a :class:`~.store.TierStore`, to clients that know the job's secret."""
 
 from __future__ import annotations
 
 import logging
 import socketserver
 import threading
+import time
+from collections import Counter
 
 from trainguard.checkpoint.memtier.store import TierStore
-from trainguard.checkpoint.memtier.wire import recv_message, send_message
+from trainguard.checkpoint.memtier.wire import (
+    MAX_HEADER,
+    TIMEOUT_S,
+    AuthError,
+    Channel,
+    ProtocolError,
+    validate_meta,
+)
 
 __all__ = ["TierServer"]
 
 logger = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 16
+"""Connections served at once; more are closed at once (each holds a thread)."""
 
 
 class _Handler(socketserver.BaseRequestHandler):
     server: TierServer
 
     def handle(self) -> None:
-        store = self.server.store
+        srv = self.server
+        secret = srv.secret
+        if secret is None or not srv._slots.acquire(blocking=False):
+            srv.count("refused_busy" if secret is not None else "refused_no_secret")
+            return  # no job secret yet (before the first rendezvous), or too many connections
+        ch: Channel | None = None
         try:
-            header, payload = recv_message(self.request)
-            if header["op"] == "put":
-                meta = dict(header["meta"])
-                meta["source"] = f"peer:{header.get('node', '?')}"
-                store.store_replica(meta, payload)
-                send_message(self.request, {"ok": True})
-            elif header["op"] == "get":
-                found = store.find(
-                    int(header["rank"]), int(header["world_size"]), below=header.get("below")
-                )
-                if found is None:
-                    send_message(self.request, {"found": False})
-                else:
-                    snap, data = found
-                    send_message(
-                        self.request, {"found": True, "meta": snap.meta, "nbytes": len(data)}, data
-                    )
+            self.request.settimeout(TIMEOUT_S)
+            deadline = time.monotonic() + srv.request_timeout_s
+            ch = Channel(
+                self.request, secret, server=True, max_header=srv.max_header, deadline=deadline
+            )
+            header = ch.recv()
+            op = header.get("op")
+            if op == "put":
+                self._put(ch, header)
+            elif op == "get":
+                self._get(ch, header)
+            else:
+                raise ProtocolError(f"unknown op {op!r}")
+        except AuthError as e:
+            srv.count("refused_auth")
+            logger.warning("memory tier: refused %s: %s", self.client_address[0], e)
+        except ProtocolError as e:
+            srv.count("refused_invalid")
+            logger.warning("memory tier: refused %s: %s", self.client_address[0], e)
+            self._try_send(ch, {"ok": False, "error": str(e)})
         except (OSError, ValueError, KeyError) as e:
-            logger.warning("memory tier request from %s failed: %s", self.client_address, e)
+            srv.count("failed")
+            logger.warning("memory tier request from %s failed: %s", self.client_address[0], e)
+        finally:
+            srv._slots.release()
+
+    @staticmethod
+    def _try_send(ch: Channel | None, msg: dict) -> None:
+        if ch is None:
+            return
+        try:
+            ch.send(msg)
+        except OSError:
+            pass
+
+    def _put(self, ch: Channel, header: dict) -> None:
+        srv = self.server
+        meta = validate_meta(header.get("meta"), max_bytes=srv.max_bytes)
+        node = header.get("node")
+        if not isinstance(node, str) or len(node) > 256:
+            raise ProtocolError("node: expected a short string")
+        nbytes = meta["nbytes"]
+        free = srv.store.free_bytes()
+        if nbytes > free:
+            srv.count("refused_space")
+            ch.send({"ok": False, "error": f"no space: {nbytes} bytes, {free} free"})
+            return
+        meta = dict(meta)
+        meta["source"] = f"peer:{node}"
+        ch.send({"ok": True})
+        tmp = srv.store.incoming()
+        if not ch.recv_file(tmp, nbytes):
+            ch.send({"ok": False, "error": "snapshot changed while sent"})
+            return
+        try:
+            srv.store.place("replica", meta, tmp)
+        finally:
+            tmp.unlink(missing_ok=True)
+        srv.count("put")
+        ch.send({"ok": True})
+
+    def _get(self, ch: Channel, header: dict) -> None:
+        rank, ws, below = header.get("rank"), header.get("world_size"), header.get("below")
+        for v in (rank, ws) + ((below,) if below is not None else ()):
+            if type(v) is not int or v < 0:
+                raise ProtocolError(f"get: {header!r}: rank, world_size, below must be ints >= 0")
+        snap = self.server.store.find_snapshot(rank, ws, below=below)
+        if snap is None:
+            ch.send({"found": False})
+            return
+        nbytes = int(snap.meta["nbytes"])
+        ch.send({"found": True, "meta": snap.meta, "nbytes": nbytes})
+        ch.send_file(snap.bin_path, nbytes, snap.still_valid)
+        self.server.count("get")
 
 
 class TierServer(socketserver.ThreadingTCPServer):
-    """Serves ``store`` on ``addr`` from a daemon thread once :meth:`start` is called."""
+    """Serves ``store`` on ``addr`` from a daemon thread once :meth:`start` is called; refuses
+    every connection until :meth:`set_secret`. ``counts`` tells what it did (``put``, ``get``,
+    ``refused_auth``, ``refused_invalid``, ``refused_space`` ...)."""
 
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, addr: tuple[str, int], store: TierStore) -> None:
+    def __init__(
+        self,
+        addr: tuple[str, int],
+        store: TierStore,
+        *,
+        secret: bytes | None = None,
+        max_header: int = MAX_HEADER,
+        max_bytes: int = 1 << 62,
+        request_timeout_s: float = 600.0,
+    ) -> None:
         self.store = store
+        self.secret = secret
+        self.max_header = max_header
+        self.max_bytes = max_bytes
+        self.request_timeout_s = request_timeout_s
+        self.counts: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         super().__init__(addr, _Handler)
+
+    @property
+    def host(self) -> str:
+        return str(self.server_address[0])
 
     @property
     def port(self) -> int:
         return int(self.server_address[1])
+
+    def set_secret(self, secret: bytes) -> None:
+        self.secret = secret
+
+    def count(self, what: str) -> None:
+        with self._counts_lock:
+            self.counts[what] += 1
 
     def start(self) -> None:
         threading.Thread(target=self.serve_forever, name="tg-memtier-server", daemon=True).start()

@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint.staging import Snapshot, list_snapshots, rank_dir
 
-__all__ = ["KEEP", "TierStore", "dir_stamp", "read_snapshot", "write_snapshot"]
+__all__ = [
+    "KEEP",
+    "TierStore",
+    "dir_stamp",
+    "place_snapshot",
+    "read_snapshot",
+    "write_snapshot",
+]
 
 KEEP = 3
 """Snapshots per rank kept when storing replicas or fetched copies (replication may lag)."""
@@ -26,24 +35,32 @@ def read_snapshot(snap: Snapshot) -> bytes | None:
     return data if snap.still_valid() else None
 
 
-def write_snapshot(directory: Path, meta: dict[str, Any], data: bytes | bytearray) -> Path:
-    """Store a snapshot under ``directory`` in its oldest of ``KEEP`` slots, bytes first, meta
-    last (a crash in between leaves no meta, so no snapshot)."""
+def place_snapshot(directory: Path, meta: dict[str, Any], bin_file: Path) -> Path | None:
+    """Make the complete file ``bin_file`` (same file system) the snapshot ``meta`` in the
+    oldest of ``KEEP`` slots of ``directory``: bytes first, meta last (a crash in between leaves
+    no meta, so no snapshot). None (and ``bin_file`` removed) if that step is already there."""
     directory.mkdir(parents=True, exist_ok=True)
     steps = {s.meta_path.stem: s.step for s in list_snapshots(directory)}
     if any(v == meta["step"] for v in steps.values()):
-        return directory  # already there
+        bin_file.unlink(missing_ok=True)
+        return None
     names = [f"slot{i}" for i in range(KEEP)]
     name = next((n for n in names if n not in steps), None) or min(names, key=lambda n: steps[n])
     meta_path = directory / f"{name}.json"
     meta_path.unlink(missing_ok=True)
-    tmp = directory / f".{name}.bin.tmp"
-    tmp.write_bytes(data)
-    os.replace(tmp, directory / f"{name}.bin")
+    os.replace(bin_file, directory / f"{name}.bin")
     tmp_meta = directory / f".{name}.json.tmp"
     tmp_meta.write_text(json.dumps(meta))
     os.replace(tmp_meta, meta_path)
     return meta_path
+
+
+def write_snapshot(directory: Path, meta: dict[str, Any], data: bytes | bytearray) -> Path | None:
+    """:func:`place_snapshot` for bytes held in memory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".incoming-{uuid.uuid4().hex}.bin"
+    tmp.write_bytes(data)
+    return place_snapshot(directory, meta, tmp)
 
 
 def dir_stamp(d: Path) -> tuple[tuple[str, int], ...] | None:
@@ -69,8 +86,24 @@ class TierStore:
         self.replica.mkdir(exist_ok=True)
         self._lock = threading.Lock()
 
+    def incoming(self) -> Path:
+        """A new temporary file name in the tier (same file system as the slots) for a
+        snapshot being received; invisible to :func:`list_snapshots` until placed."""
+        return self.root / f".incoming-{uuid.uuid4().hex}.bin"
+
+    def free_bytes(self) -> int:
+        """Free space of the tier's file system."""
+        return shutil.disk_usage(self.root).free
+
+    def place(self, kind: str, meta: dict[str, Any], bin_file: Path) -> Path | None:
+        """Move the received ``bin_file`` into a slot of ``kind`` (``"replica"``: another
+        agent pushed it; ``"local"``: a fill for a local rank)."""
+        base = self.replica if kind == "replica" else self.local
+        with self._lock:
+            return place_snapshot(rank_dir(base, int(meta["rank"])), meta, bin_file)
+
     def store_replica(self, meta: dict[str, Any], data: bytes | bytearray) -> None:
-        """Keep a snapshot another agent pushed (the server's ``put``)."""
+        """Keep a snapshot given as bytes as a replica."""
         with self._lock:
             write_snapshot(rank_dir(self.replica, int(meta["rank"])), meta, data)
 
@@ -80,6 +113,24 @@ class TierStore:
 
     def has_local(self, rank: int, world_size: int) -> bool:
         return any(s.world_size == world_size for s in list_snapshots(rank_dir(self.local, rank)))
+
+    def find_snapshot(
+        self, rank: int, world_size: int, *, below: int | None = None, replica_only: bool = False
+    ) -> Snapshot | None:
+        """This node's newest complete snapshot of ``rank`` (own or replica) older than
+        ``below``, without reading its bytes (a reader checks ``still_valid()`` after)."""
+        snaps = list_snapshots(rank_dir(self.replica, rank))
+        if not replica_only:
+            snaps += list_snapshots(rank_dir(self.local, rank))
+        for snap in sorted(snaps, key=lambda s: -s.step):
+            if snap.world_size != world_size or (below is not None and snap.step >= below):
+                continue
+            try:
+                if snap.bin_path.stat().st_size >= int(snap.meta["nbytes"]):
+                    return snap
+            except (OSError, ValueError, KeyError):
+                continue
+        return None
 
     def find(
         self, rank: int, world_size: int, *, below: int | None = None

@@ -1,40 +1,86 @@
-"""The memory tier's wire protocol between agents.
+"""The memory tier's wire protocol between agents: authenticated, bounded, streamed.
 
-A message is a 4-byte big-endian header length, a JSON header, then ``nbytes`` raw bytes.
-Requests: ``{"op": "put", "node", "meta", "nbytes"}`` + the snapshot's bytes, answered
-``{"ok": true}``; ``{"op": "get", "rank", "world_size", "below"}``, answered
-``{"found": false}`` or ``{"found": true, "meta", "nbytes"}`` + the bytes.
+Every connection starts with the server's challenge, ``MAGIC`` + a random 32-byte nonce. Every
+message after it (both ways) is a *frame*: a 4-byte big-endian length (at most the receiver's
+``max_header``), a JSON header, and ``HMAC-SHA256(secret, direction || nonce || header)``
+(``direction`` is ``b"req"`` or ``b"resp"``). The secret is the job's, shared through the
+rendezvous store (see :mod:`.plugin`); a frame whose MAC does not verify ends the connection
+before anything is read from or written to the tier.
+
+Requests:
+
+- ``{"op": "put", "node", "meta", "nbytes"}``: the server validates ``meta`` (:func:`validate_meta`)
+  and checks the space, answers ``{"ok": true}`` (go) or ``{"ok": false, "error"}``; after a go
+  the client streams the snapshot's ``nbytes`` bytes (``socket.sendfile``) and one trailer byte
+  (``1``: the file did not change while sent), and the server answers ``{"ok": true}`` once the
+  replica is in place.
+- ``{"op": "get", "rank", "world_size", "below"}``: answered ``{"found": false}`` or
+  ``{"found": true, "meta", "nbytes"}`` + the bytes + the trailer byte.
+
+A receiver writes the bytes into a temporary file of the tier in bounded chunks and renames it
+into a snapshot slot only when it is complete and the trailer says it is intact, so a refused or
+broken transfer leaves nothing behind. Payloads are not encrypted: the tier's network must be
+the job's own (as for NCCL and the rendezvous store).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import math
+import os
+import secrets
 import socket
 import struct
+import time
+from pathlib import Path
 from typing import Any
 
+from trainguard.checkpoint.jsoncodec import DTYPE_SIZES
 from trainguard.checkpoint.staging import Snapshot
 
-__all__ = ["TIMEOUT_S", "fetch_snapshot", "push_snapshot", "recv_message", "send_message"]
+__all__ = [
+    "MAX_HEADER",
+    "TIMEOUT_S",
+    "AuthError",
+    "Channel",
+    "ProtocolError",
+    "fetch_snapshot",
+    "push_snapshot",
+    "validate_meta",
+]
 
 TIMEOUT_S = 30.0
-"""Connect and socket timeout of the client side."""
+"""Connect and socket timeout of the client side (and of each server-side read)."""
+MAX_HEADER = 4 << 20
+"""Largest header (JSON: the snapshot's metadata, its skeleton included) a side accepts."""
+MAGIC = b"TGM1"
+NONCE_LEN = 32
+MAC_LEN = 32
+CHUNK = 1 << 20
+"""Receive buffer: a transfer never holds more than this of a snapshot in memory."""
+MAX_DIMS = 64
 
 
-def send_message(
-    sock: socket.socket, header: dict[str, Any], payload: bytes | memoryview = b""
-) -> None:
-    h = json.dumps(header).encode()
-    sock.sendall(struct.pack(">I", len(h)) + h)
-    if payload:
-        sock.sendall(payload)
+class ProtocolError(ValueError):
+    """The peer sent something this side does not accept (size, field, dtype)."""
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+class AuthError(ProtocolError):
+    """The peer does not know the job's secret."""
+
+
+def _mac(secret: bytes, direction: bytes, nonce: bytes, header: bytes) -> bytes:
+    return hmac.new(secret, direction + nonce + header, hashlib.sha256).digest()
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        _apply_deadline(sock, deadline)
         k = sock.recv_into(view[got:], n - got)
         if not k:
             raise ConnectionError("peer closed the connection")
@@ -42,29 +88,194 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def recv_message(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
-    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
-    header = json.loads(_recv_exact(sock, n))
-    payload = _recv_exact(sock, int(header.get("nbytes", 0)))
-    return header, payload
+def _apply_deadline(sock: socket.socket, deadline: float | None) -> None:
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("memory tier transfer ran past its deadline")
+    sock.settimeout(min(left, TIMEOUT_S))
 
 
-def push_snapshot(addr: tuple[str, int], snap: Snapshot, data: bytes, *, node: str) -> None:
-    """Store ``snap`` (its bytes ``data``) as a replica on the agent at ``addr``."""
-    with socket.create_connection(addr, timeout=TIMEOUT_S) as s:
-        send_message(s, {"op": "put", "node": node, "meta": snap.meta, "nbytes": len(data)}, data)
-        header, _ = recv_message(s)
-        if not header.get("ok"):
-            raise ConnectionError(f"peer refused snapshot: {header}")
+class Channel:
+    """One authenticated connection: ``server=True`` sends the challenge, else reads it."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        secret: bytes,
+        *,
+        server: bool,
+        max_header: int = MAX_HEADER,
+        deadline: float | None = None,
+    ) -> None:
+        self.sock = sock
+        self.secret = secret
+        self.max_header = max_header
+        self.deadline = deadline
+        self._tx, self._rx = (b"resp", b"req") if server else (b"req", b"resp")
+        if server:
+            self.nonce = secrets.token_bytes(NONCE_LEN)
+            sock.sendall(MAGIC + self.nonce)
+        else:
+            hello = recv_exact(sock, len(MAGIC) + NONCE_LEN, deadline)
+            if bytes(hello[: len(MAGIC)]) != MAGIC:
+                raise ProtocolError("not a trainguard memory tier server")
+            self.nonce = bytes(hello[len(MAGIC) :])
+
+    def send(self, header: dict[str, Any]) -> None:
+        h = json.dumps(header).encode()
+        self.sock.sendall(
+            struct.pack(">I", len(h)) + h + _mac(self.secret, self._tx, self.nonce, h)
+        )
+
+    def recv(self) -> dict[str, Any]:
+        (n,) = struct.unpack(">I", recv_exact(self.sock, 4, self.deadline))
+        if n > self.max_header:
+            raise ProtocolError(f"header of {n} bytes (limit {self.max_header})")
+        h = bytes(recv_exact(self.sock, n, self.deadline))
+        mac = bytes(recv_exact(self.sock, MAC_LEN, self.deadline))
+        if not hmac.compare_digest(mac, _mac(self.secret, self._rx, self.nonce, h)):
+            raise AuthError("peer failed authentication (no or wrong job secret)")
+        try:
+            header = json.loads(h)
+        except ValueError as e:
+            raise ProtocolError(f"header is not JSON: {e}") from None
+        if not isinstance(header, dict):
+            raise ProtocolError("header is not a JSON object")
+        return header
+
+    def send_file(self, path: Path, nbytes: int, still_valid: Any) -> None:
+        """Stream ``nbytes`` of ``path`` (kernel ``sendfile``), then the trailer byte."""
+        with open(path, "rb") as f:
+            sent = self.sock.sendfile(f, 0, nbytes) if nbytes else 0
+        if sent != nbytes:
+            raise ConnectionError(f"{path}: sent {sent} of {nbytes} bytes")
+        self.sock.sendall(b"\x01" if still_valid() else b"\x00")
+
+    def recv_file(self, dest: Path, nbytes: int) -> bool:
+        """Write ``nbytes`` from the peer into a new file ``dest`` in bounded chunks; True if
+        the trailer says the sender's file was intact. ``dest`` is removed on any failure."""
+        buf = bytearray(min(CHUNK, max(nbytes, 1)))
+        view = memoryview(buf)
+        ok = False
+        try:
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb", buffering=0) as f:
+                left = nbytes
+                while left:
+                    _apply_deadline(self.sock, self.deadline)
+                    k = self.sock.recv_into(view[: min(left, len(buf))])
+                    if not k:
+                        raise ConnectionError("peer closed the connection mid-transfer")
+                    f.write(view[:k])
+                    left -= k
+            ok = recv_exact(self.sock, 1, self.deadline) == b"\x01"
+            return ok
+        finally:
+            if not ok:
+                dest.unlink(missing_ok=True)
+
+
+def _int(v: Any, name: str, lo: int = 0, hi: int | None = None) -> int:
+    if type(v) is not int or v < lo or (hi is not None and v > hi):
+        raise ProtocolError(f"{name}={v!r}: expected an integer in [{lo}, {hi}]")
+    return v
+
+
+def validate_meta(meta: Any, *, max_bytes: int) -> dict[str, Any]:
+    """``meta`` if it is a well-formed snapshot metadata of at most ``max_bytes`` bytes whose
+    tensors all have allowed dtypes and lie inside the snapshot; else :class:`ProtocolError`."""
+    if not isinstance(meta, dict):
+        raise ProtocolError("meta is not an object")
+    _int(meta.get("step"), "step")
+    ws = _int(meta.get("world_size"), "world_size", 1, 1 << 24)
+    _int(meta.get("rank"), "rank", 0, ws - 1)
+    nbytes = _int(meta.get("nbytes"), "nbytes", 0, max_bytes)
+    gen = meta.get("gen")
+    if not isinstance(gen, str) or not (0 < len(gen) <= 64) or not gen.isalnum():
+        raise ProtocolError(f"gen={gen!r}: expected a short alphanumeric string")
+    if not isinstance(meta.get("time"), int | float) or not math.isfinite(meta["time"]):
+        raise ProtocolError("time: expected a number")
+    for k in ("skeleton", "source"):
+        if k in meta and not isinstance(meta[k], str):
+            raise ProtocolError(f"{k}: expected a string")
+    entries = meta.get("entries")
+    if not isinstance(entries, list):
+        raise ProtocolError("entries: expected a list")
+    for e in entries:
+        if not (isinstance(e, list) and len(e) == 4):
+            raise ProtocolError(f"entry {e!r}: expected [dtype, shape, offset, nbytes]")
+        dtype, shape, off, n = e
+        if dtype not in DTYPE_SIZES:
+            raise ProtocolError(f"dtype {dtype!r} is not allowed")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+            raise ProtocolError(f"shape {shape!r}: expected a list of sizes")
+        numel = math.prod(_int(d, "shape", 0, nbytes) for d in shape)
+        _int(off, "offset", 0, nbytes)
+        _int(n, "entry nbytes", 0, nbytes - off)
+        if n != numel * DTYPE_SIZES[dtype]:
+            raise ProtocolError(f"entry {e!r}: {n} bytes do not match its shape and dtype")
+    return meta
+
+
+def _connect(addr: tuple[str, int], secret: bytes, deadline: float | None) -> Channel:
+    timeout = (
+        TIMEOUT_S if deadline is None else max(0.001, min(TIMEOUT_S, deadline - time.monotonic()))
+    )
+    sock = socket.create_connection(addr, timeout=timeout)
+    try:
+        return Channel(sock, secret, server=False, deadline=deadline)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def push_snapshot(
+    addr: tuple[str, int],
+    snap: Snapshot,
+    *,
+    secret: bytes,
+    node: str,
+    deadline: float | None = None,
+) -> None:
+    """Store ``snap`` as a replica on the agent at ``addr``; raises ``OSError`` or
+    :class:`ProtocolError` (refused: its ``error``)."""
+    nbytes = int(snap.meta["nbytes"])
+    ch = _connect(addr, secret, deadline)
+    with ch.sock:
+        ch.send({"op": "put", "node": node, "meta": snap.meta, "nbytes": nbytes})
+        go = ch.recv()
+        if not go.get("ok"):
+            raise ProtocolError(f"peer refused the snapshot: {go.get('error')}")
+        ch.send_file(snap.bin_path, nbytes, snap.still_valid)
+        done = ch.recv()
+        if not done.get("ok"):
+            raise ProtocolError(f"peer did not keep the snapshot: {done.get('error')}")
 
 
 def fetch_snapshot(
-    addr: tuple[str, int], *, rank: int, world_size: int, below: int | None = None
-) -> tuple[dict[str, Any], bytearray] | None:
-    """The peer's newest snapshot of ``rank`` (older than step ``below`` if given)."""
-    with socket.create_connection(addr, timeout=TIMEOUT_S) as s:
-        send_message(s, {"op": "get", "rank": rank, "world_size": world_size, "below": below})
-        header, payload = recv_message(s)
-    if not header.get("found"):
-        return None
-    return header["meta"], payload
+    addr: tuple[str, int],
+    *,
+    secret: bytes,
+    rank: int,
+    world_size: int,
+    dest: Path,
+    below: int | None = None,
+    max_bytes: int,
+    deadline: float | None = None,
+) -> dict[str, Any] | None:
+    """The peer's newest snapshot of ``rank`` (older than step ``below`` if given): its
+    metadata, its bytes written to the new file ``dest``; None if it has none."""
+    ch = _connect(addr, secret, deadline)
+    with ch.sock:
+        ch.send({"op": "get", "rank": rank, "world_size": world_size, "below": below})
+        header = ch.recv()
+        if not header.get("found"):
+            return None
+        meta = validate_meta(header.get("meta"), max_bytes=max_bytes)
+        if meta["rank"] != rank or meta["world_size"] != world_size:
+            raise ProtocolError(f"asked for rank {rank}, got rank {meta['rank']}")
+        if not ch.recv_file(dest, meta["nbytes"]):
+            raise ProtocolError("the snapshot changed on the peer while it was sent")
+    return meta

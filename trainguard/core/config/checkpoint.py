@@ -62,7 +62,23 @@ class CheckpointConfig:
     peer_replication: bool = True
     """Replicate each node's memory tier to the next node's agent."""
     peer_host: str | None = None
-    """Address other agents reach this agent's replication server at; default: this host's IP."""
+    """Address the memory tier's replication server binds to and other agents reach it at;
+    default: this host's address on the route to the rendezvous endpoint (127.0.0.1 for a
+    local one). Never every interface unless set to ``0.0.0.0`` here."""
+    peer_port: int = 0
+    """TCP port of the replication server (0: any free port, published in the rendezvous store)."""
+    peer_max_header_bytes: int = 4 << 20
+    """Largest request/answer header (the snapshot's JSON metadata) accepted from a peer."""
+    peer_max_snapshot_bytes: int | None = None
+    """Largest snapshot accepted from a peer; None: only the free space of the tier's file
+    system bounds it (always checked)."""
+    peer_backoff_s: float = 0.5
+    """First wait after a failed push to the peer; doubles per consecutive failure."""
+    peer_backoff_max_s: float = 60.0
+    """Longest wait between pushes to a peer that keeps failing."""
+    peer_fetch_timeout_s: float = 30.0
+    """Deadline of the fill from peers after a rendezvous (all ranks of the node together);
+    a peer that does not answer in time is skipped."""
     verify_checksums: bool = True
     """Verify file checksums against the manifest before loading from disk."""
     sync_files: bool = True
@@ -71,6 +87,10 @@ class CheckpointConfig:
     """Where persisting runs: a background thread of the worker, or a persister process per
     rank that maps the staged buffers (shared memory, zero copy) and writes them, so that
     serialisation never contends with training for the GIL."""
+    persist_timeout_s: float = 1800.0
+    """Longest a save may take to persist (the persister's answer, the wait for the save in
+    flight): after it the save fails (``checkpoint_save_failed``, counted), a persister process
+    that did not answer is killed and replaced, and training goes on."""
     io_threads: int | None = None
     """Writer threads per rank (DCP FileSystemWriter ``thread_count``; also the checksum
     verification threads of a restore). None: one per 8 cores, 1 to 4. More threads commit
@@ -110,6 +130,20 @@ class CheckpointConfig:
             raise ValueError("persist_mode must be 'thread' or 'process'")
         if self.io_threads is not None and self.io_threads < 1:
             raise ValueError("io_threads must be >= 1")
+        if not 0 <= self.peer_port <= 65535:
+            raise ValueError("peer_port must be in [0, 65535]")
+        if self.peer_max_header_bytes < 1024:
+            raise ValueError("peer_max_header_bytes must be >= 1024")
+        if self.peer_max_snapshot_bytes is not None and self.peer_max_snapshot_bytes < 0:
+            raise ValueError("peer_max_snapshot_bytes must be >= 0")
+        for name in (
+            "persist_timeout_s",
+            "peer_backoff_s",
+            "peer_backoff_max_s",
+            "peer_fetch_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
         if self.collective_timeout_s <= 0:
             raise ValueError("collective_timeout_s must be > 0")
         import signal
