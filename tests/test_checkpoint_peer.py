@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from tests.launch_utils import REPO, base_env, free_port, steps_done, wait_listening
+from tests.procs import descendants
 
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 STEPS = "120"
@@ -41,24 +42,6 @@ def _agent(tmp: Path, name: str, port: int, run_dir: Path, out: Path) -> subproc
     return subprocess.Popen(
         args, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
-
-
-def _descendants(pid: int) -> list[int]:
-    """Child processes (recursively): torchelastic starts workers in their own sessions."""
-    parents: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parents.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -106,7 +89,7 @@ def test_replacement_node_restores_from_peer_memory(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, (tmp_path / "b.log").read_text()[-3000:]
             assert a.poll() is None and b.poll() is None, (tmp_path / "a.log").read_text()[-3000:]
             time.sleep(0.2)
-        for pid in [b.pid, *_descendants(b.pid)]:  # node b is gone: agent and worker
+        for pid in [b.pid, *descendants(b.pid)]:  # node b is gone: agent and worker
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

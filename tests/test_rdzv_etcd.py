@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
 from tests.launch_utils import REPO, base_env, steps_done
+from tests.procs import descendants
 from tests.services.etcd_service import Etcd, make_certs
 from trainguard.runtime import etcd_v3
 
@@ -212,26 +213,8 @@ def _agent(
     )  # fmt: skip
 
 
-def _descendants(pid: int) -> list[int]:
-    """Child processes (recursively): torchelastic starts workers in their own sessions."""
-    parents: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parents.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
-
-
 def _kill_tree(p: subprocess.Popen[bytes]) -> None:
-    for pid in [p.pid, *_descendants(p.pid)]:
+    for pid in [p.pid, *descendants(p.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
