@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from trainguard.core.config.ft import FTConfig, load_worker_ft_config
+from trainguard.core.config import load_worker_section
+from trainguard.core.config.ft import FTConfig
 
 __all__ = ["FTRun", "guarded_comm_hook", "wrap"]
 
@@ -115,7 +116,7 @@ class FTRun:
         from torchft.optim import OptimizerWrapper
 
         run_dir = Path(tg.run_dir) if tg is not None else None
-        cfg = config or load_worker_ft_config(run_dir)
+        cfg = config or load_worker_section(run_dir, "ft")
         self.tg = tg
         self.replica_group = cfg.replica_group if cfg.replica_group >= 0 else _replica_group()
         self.module = model

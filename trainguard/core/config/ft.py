@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,10 +28,3 @@ class FTConfig:
     """torchft Manager timeout for collectives, commits and healing."""
     quorum_timeout_s: float = 60.0
     """torchft Manager timeout waiting for a quorum."""
-
-
-def load_worker_ft_config(run_dir: Path | None) -> FTConfig:
-    """The ``[ft]`` section the launcher resolved (``<run_dir>/config.json``), else env."""
-    from trainguard.core.config import load_worker_section
-
-    return load_worker_section(run_dir, "ft")
