@@ -62,9 +62,7 @@ class MemoryTierPlugin(AgentPlugin):
                 max_bytes=cfg.peer_max_snapshot_bytes or 1 << 62,
             )
             self._server.start()
-            ctx.events.emit(
-                "checkpoint_memory_tier_serving", host=self._server.host, port=self._server.port
-            )
+            self._announced = False  # the event follows the agent's `launch` (first hook)
             self._replicator = Replicator(
                 self.store,
                 node=self.node,
@@ -75,6 +73,13 @@ class MemoryTierPlugin(AgentPlugin):
             self._replicator.start()
 
     # -- hooks -----------------------------------------------------------------------------------
+    def before_rendezvous(self, ctx: AgentContext) -> None:
+        if self._server is not None and not self._announced:
+            self._announced = True
+            ctx.events.emit(
+                "checkpoint_memory_tier_serving", host=self._server.host, port=self._server.port
+            )
+
     def after_rendezvous(self, ctx: AgentContext, group: WorkerGroup) -> None:
         self.group_rank = group.group_rank
         world = group.group_world_size
