@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -216,11 +217,13 @@ if mode == "save":
             opt.zero_grad(); loss.backward(); opt.step()
     res = tg.checkpoint.save(tg.step_num, state)  # every rank: the collective setup runs here
     assert res.wait(timeout=60) and res.committed and res.staged
-    print("SAVED", tg.rank, tg.step_num, flush=True)
+    sys.stdout.write(f"SAVED {tg.rank} {tg.step_num}\\n")  # one write: ranks share stdout
+    sys.stdout.flush()
 else:
     start = tg.checkpoint.restore_or_init(state)
     assert start == tg.step_num == 3, (start, tg.step_num)
-    print("RESTORED", tg.rank, tg.step_num, flush=True)
+    sys.stdout.write(f"RESTORED {tg.rank} {tg.step_num}\\n")
+    sys.stdout.flush()
 tg.checkpoint.close()
 dist.barrier()
 dist.destroy_process_group()
@@ -256,10 +259,8 @@ def test_checkpoint_touched_on_one_rank_then_saved_on_every_rank(tmp_path: Path)
                 pass
         assert p.returncode == 0, err[-3000:]
         word = "SAVED" if mode == "save" else "RESTORED"
-        assert sorted(line for line in out.splitlines() if line.startswith(word)) == [
-            f"{word} 0 3",
-            f"{word} 1 3",
-        ], out
+        found = sorted(re.findall(rf"{word} \d+ \d+", out))
+        assert found == [f"{word} 0 3", f"{word} 1 3"], out
 
 
 def test_event_bus_delivers_in_process(tmp_path: Path) -> None:
