@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from tests.launch_utils import REPO, base_env, free_port, steps_done, wait_listening
+from tests.procs import descendants
 from tests.services.telemetry_services import apt_ensure
-from tests.test_checkpoint_peer import _descendants
 from trainguard.checkpoint.memtier.wire import MAGIC, NONCE_LEN
 
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
@@ -97,7 +97,7 @@ def test_tier_listens_on_the_route_and_refuses_strangers(tmp_path: Path) -> None
             assert a.poll() is None and b.poll() is None
     finally:
         for p in procs:
-            for pid in [*_descendants(p.pid), p.pid]:  # workers run in their own sessions
+            for pid in [*descendants(p.pid), p.pid]:  # workers run in their own sessions
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
