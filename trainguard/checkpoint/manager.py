@@ -261,6 +261,11 @@ class CheckpointManager:
             (preempt,) = self._agree(self.preemption.signum is not None)
             if preempt:  # a preemption notice came in: this save is the preemption save
                 self._preempt_exit(step, state)
+        return self._save_agreed(step, state, persist=persist)
+
+    def _save_agreed(self, step: int, state: Mapping[str, Any], *, persist: bool) -> SaveResult:
+        """``save`` once the ranks agreed there is no preemption to act on (``maybe_save``
+        agrees on it together with its other flags: one all-reduce per step, not two)."""
         if persist and self._persisting is not None:
             # a dead peer persister fails it fast (gloo sees the close); a stuck one at the deadline
             if not self._wait_persist():
@@ -297,7 +302,7 @@ class CheckpointManager:
         )
         if not (due or mem):
             return None
-        return self.save(step, state, persist=due)
+        return self._save_agreed(step, state, persist=due)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for staging and the persist in flight; True if the last persist committed."""
