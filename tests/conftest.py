@@ -3,7 +3,8 @@
 Every test ends what it started, by PID (tests/procs.py helps). As a net under that, pytest
 adopts orphans (a worker whose launcher a test killed) as a child subreaper; a process that a
 test's body started and that still lives after the test's teardown is listed in the summary,
-and every process still alive at the end of the session is SIGKILLed by PID.
+and every process still alive at the end of the session is SIGKILLed by PID. Under
+pytest-xdist each worker is its own subreaper and cleans up its own descendants.
 """
 
 from __future__ import annotations
@@ -31,15 +32,29 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    yield
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    # The teardown report carries the leftovers, so that under pytest-xdist (``-n``) they reach
+    # the controller's summary too (user_properties travel with the report).
+    outcome = yield
+    if call.when != "teardown":
+        return
     reap()
     before = _BEFORE_CALL.pop(item.nodeid, None)
     if before is None:
         return
-    for pid in descendants(os.getpid()):
-        if pid not in before:
-            _LEFT.append(f"{item.nodeid}: PID {pid} still running: {_cmdline(pid)}")
+    left = [
+        f"PID {pid} still running: {_cmdline(pid)}"
+        for pid in descendants(os.getpid())
+        if pid not in before
+    ]
+    if left:
+        outcome.get_result().user_properties.append(("tg_left_processes", left))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for key, value in report.user_properties:
+        if key == "tg_left_processes":
+            _LEFT.extend(f"{report.nodeid}: {line}" for line in value)
 
 
 def _cmdline(pid: int) -> str:
