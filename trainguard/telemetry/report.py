@@ -36,6 +36,7 @@ GOODPUT_COLORS = {
     "recomputed_steps": "#ff9896",
     "hang": "#9467bd",
     "restart": "#d62728",
+    "rollback": "#e377c2",
     "other": "#dbdb8d",
 }
 HEALTH_WORDS = ("health", "hang", "unhealthy", "straggler", "xid", "node_", "drain", "evict")
