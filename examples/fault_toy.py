@@ -150,6 +150,7 @@ def main() -> None:
         fault = ctl.poll(n, args.fault_rank) if ctl else None
         mine = tg.rank == args.fault_rank
         if mine and n == args.kill_at and once(state_dir, f"kill_{n}"):
+            Path(state_dir, f"killed_at_{n}").write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         hang = fault == "hang" or (mine and n == args.hang_at and once(state_dir, f"hang_{n}"))
         x, y = make_batch(n, tg.rank, args.batch, args.dim)

@@ -266,7 +266,8 @@ def _worker_spec(
 class Outcome:
     """How one node's agent ended.
 
-    ``state``: succeeded | failed | requeue | excluded | the name of the signal that stopped it
+    ``state``: succeeded | failed | requeue | do_not_requeue | excluded | the name of the signal
+    that stopped it
     (the ``job_finished`` event and the plugins' ``on_finish`` get it).
     """
 
