@@ -240,7 +240,7 @@ def test_goodput_matches_an_independent_measurement(faulty: dict) -> None:
     for gg in (g.to_dict(), agent):  # the report's and the agent's (Prometheus) numbers
         assert gg["productive_s"] == pytest.approx(indep_productive, rel=0.02, abs=0.05)
         wall = faulty["t"][1] - faulty["t"][0]
-        assert wall - 15 < gg["total_s"] <= wall  # launcher start-up before the launch event
+        assert wall - 5 < gg["total_s"] <= wall  # from the launcher's process start
         assert gg["ettr"] == pytest.approx(gg["productive_s"] / gg["total_s"])
         lost = gg["lost_s"]
         # the rollback: the discarded NaN step plus the restore

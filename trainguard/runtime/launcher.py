@@ -38,6 +38,7 @@ from trainguard.core.config import ConfigError, TrainGuardConfig, load_config, w
 from trainguard.core.events import EventLog
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.plugin import AgentContext, AgentPlugin, NodeUnhealthyError
+from trainguard.core.proctime import process_start_time
 from trainguard.runtime import etcd_v3
 from trainguard.runtime.agent import TrainGuardAgent
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
@@ -414,6 +415,7 @@ def launch(
         rdzv_backend=config.rdzv_backend,
         max_restarts=config.max_restarts,
         pid=os.getpid(),
+        process_start=process_start_time(),
     )
     outcome = Outcome("failed")
     try:

@@ -5,7 +5,8 @@ wall clock of the job (``launch`` → ``job_finished`` or the last record) is sp
 
 - ``productive``: step time of steps done for the first time (on the lowest rank present);
 - ``recomputed_steps``: step time of steps that had already been done before a restart;
-- ``startup``: launch → first step of the first attempt, less its rendezvous;
+- ``startup``: launcher process start (the ``launch`` event's ``process_start``, else the
+  event) → first step of the first attempt, less its rendezvous;
 - ``rendezvous``: time agents spent in rendezvous rounds;
 - ``checkpoint_stall``: time training was blocked by checkpoint saves;
 - ``hang``: last step end → detection, for failures caused by a hang;
@@ -120,7 +121,12 @@ class GoodputTracker:
         g = Goodput()
         if self.first_step_start is None and not evs:
             return g
-        launches = [float(e["time"]) for e in evs if e.get("kind") == "launch"]
+        # the launcher's own start-up (interpreter, imports) is wall time of the job too
+        launches = [
+            min(float(e["time"]), float(e.get("process_start") or e["time"]))
+            for e in evs
+            if e.get("kind") == "launch"
+        ]
         if launches:
             t0 = min(launches)
         elif self.first_step_start is not None:
