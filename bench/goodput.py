@@ -17,8 +17,8 @@ How each launcher meets the faults:
 - torchrun (``--max-restarts 100``) restarts both workers on a kill; they resume from the last
   disk checkpoint. trainguard's rollback is switched off (``TRAINGUARD_ROLLBACK_ENABLED=false``)
   and so are its preemption handlers (a plain script dies on torchrun's teardown SIGTERM): a
-  NaN just stays, so from the first NaN on nothing is productive under torchrun (its ETTR is
-  the productive time before it). torchrun has no hang detection of its own; the script's
+  NaN just stays, so from the first NaN on nothing is productive under torchrun (it is
+  credited with what it had made when its model went NaN for good). torchrun has no hang detection of its own; the script's
   gloo collective timeout (``--pg-timeout``, set to trainguard's hang timeout below) ends the
   survivor's wait, torchrun sees it fail and restarts the group.
 - trainguard run (same flags) restores from the node's memory tier, detects the hang after
@@ -183,13 +183,16 @@ def main() -> None:
     ap.add_argument("--hang-timeout", type=float, default=3.0)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--launchers", default="torchrun,trainguard")
+    ap.add_argument("--keep", default=None, help="keep the run directories under this path")
     args = ap.parse_args()
     launchers = args.launchers.split(",")
     results: dict[str, list[dict]] = {w: [] for w in launchers}
     with tempfile.TemporaryDirectory(prefix="tg-goodput-") as tmp:
+        root = Path(args.keep or tmp)
+        root.mkdir(parents=True, exist_ok=True)
         for _ in range(args.runs):
             for which in launchers:
-                r = once(which, Path(tmp), args)
+                r = once(which, root, args)
                 results[which].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "dir"}), file=sys.stderr)
     print(

@@ -57,7 +57,21 @@ def chain(execs: list[dict[str, Any]], *, until: float | None = None) -> list[di
     return out[::-1]
 
 
+def _finite(e: dict[str, Any]) -> bool:
+    return math.isfinite(float(e["loss"]))
+
+
 def productive_s(execs: list[dict[str, Any]], *, until: float | None = None) -> float:
-    return sum(
-        e["t1"] - e["t0"] for e in chain(execs, until=until) if math.isfinite(float(e["loss"]))
-    )
+    """Durations of the chain's finite-loss executions. A run whose model ends broken (the
+    newest execution's loss is NaN/Inf, and every one since some point) is credited with what
+    it had made when it broke for good: the chain as of the start of that all-bad stretch."""
+    if until is not None:
+        execs = [e for e in execs if e["t1"] <= until]
+    if execs and not _finite(execs[-1]):
+        i = len(execs)
+        while i > 0 and not _finite(execs[i - 1]):
+            i -= 1
+        if i == 0:
+            return 0.0
+        return productive_s(execs[:i], until=execs[i]["t0"])
+    return sum(e["t1"] - e["t0"] for e in chain(execs) if _finite(e))

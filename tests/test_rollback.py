@@ -121,7 +121,9 @@ def test_lineage_drops_redone_and_discarded_executions() -> None:
     ]
     assert [x["after"] for x in chain(e)] == ["B", "D", "E"]
     assert productive_s(e) == pytest.approx(3.5)
-    assert productive_s(e, until=2.0) == 1.0  # at 2 s: A -> B, then the NaN step (not counted)
+    assert productive_s(e, until=2.0) == 1.0  # broken at 2 s: credited with A -> B
+    dead = [*e[:2], {"before": "X", "after": "Y", "t0": 2.5, "t1": 3.0, "loss": "nan"}]
+    assert productive_s(dead) == 1.0  # NaN from step 2 on for good (even if hashes differ)
 
 
 # -- real jobs --------------------------------------------------------------------------------
