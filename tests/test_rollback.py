@@ -242,7 +242,7 @@ def test_goodput_matches_an_independent_measurement(faulty: dict) -> None:
     for gg in (g.to_dict(), agent):  # the report's and the agent's (Prometheus) numbers
         assert gg["productive_s"] == pytest.approx(indep_productive, rel=0.02, abs=0.05)
         wall = faulty["t"][1] - faulty["t"][0]
-        assert wall - 5 < gg["total_s"] <= wall  # from the launcher's process start
+        assert wall - 15 < gg["total_s"] <= wall  # launcher process start → job_finished
         assert gg["ettr"] == pytest.approx(gg["productive_s"] / gg["total_s"])
         lost = gg["lost_s"]
         # the rollback: the discarded NaN step plus the restore
@@ -254,11 +254,12 @@ def test_goodput_matches_an_independent_measurement(faulty: dict) -> None:
         # kill and hang: from the last step done before each fault to the first step of the
         # attempt after it, as the script saw it
         outage = 0.0
-        for fault_step in (KILL, HANG):
-            before = max(e["t1"] for e in execs if e["step"] == fault_step - 1)
-            after = min(e["t0"] for e in execs if e["step"] == fault_step)
-            outage += after - before
+        t_kill = float((run_dir / f"killed_at_{KILL}").read_text())
         t_hang = float((run_dir / f"hang_started_{HANG}").read_text())
+        for t_fault in (t_kill, t_hang):
+            before = max(e["t1"] for e in execs if e["t1"] <= t_fault)
+            after = min(e["t0"] for e in execs if e["t0"] >= t_fault)
+            outage += after - before
         [hang] = _events(run_dir, "hang_detected")
         fault_lost = lost["restart"] + lost["hang"] + lost["rendezvous"] - _first_rdzv(data)
         assert fault_lost == pytest.approx(outage, abs=1.0), (lost, outage)
