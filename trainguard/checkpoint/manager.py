@@ -161,6 +161,10 @@ class CheckpointManager:
         self._ctl_pg: Any = None  # the control group of the collective decisions (setup)
         self._is_setup = False
         self._restore_listeners: list[Callable[[int], None]] = []
+        self.rollback_hook: Any = None
+        """Set by the worker handle (trainguard.worker.rollback.LossGuard): ``pending()`` is
+        this rank's anomalous step or None; ``apply(bad_step, step, state)`` rolls back. The
+        ranks agree on it in ``maybe_save``'s all-reduce."""
         CheckpointManager._instances += 1
         self._instance = CheckpointManager._instances
         self._init_staging(memory_dir)
@@ -283,9 +287,14 @@ class CheckpointManager:
         due = self.interval.due(step)
         busy = self._persisting is not None and not self._persisting.done.is_set()
         broken = self._proc is not None and self._proc.check() is not None
-        preempt, due, busy, broken = self._agree(
-            self.preemption.signum is not None, due, busy, broken
+        hook = self.rollback_hook
+        (preempt, due, busy, broken), bad = self._agree_with_step(
+            [self.preemption.signum is not None, due, busy, broken],
+            hook.pending() if hook is not None else None,
         )
+        if bad is not None and hook is not None:  # a loss anomaly on some rank: roll back
+            hook.apply(bad, step, state)
+            return None
         if broken:  # before the skip decision: a save stuck behind a dead persister never ends
             self._check_persister()
             busy = False
@@ -324,11 +333,18 @@ class CheckpointManager:
             self._staging_result.stall_s += time.perf_counter() - t0
             self._record_stall(self._staging_result)
 
-    def restore(self, state: MutableMapping[str, Any], *, use_memory: bool = True) -> int | None:
+    def restore(
+        self,
+        state: MutableMapping[str, Any],
+        *,
+        use_memory: bool = True,
+        max_step: int | None = None,
+    ) -> int | None:
         """Load the newest good checkpoint into ``state`` (memory tier first when it has the
         newest step on every rank, else disk with checksums verified, falling back to older
-        ones). Returns the saved step (the number of steps done), or None if there is none.
-        Collective (it runs :meth:`setup` first)."""
+        ones), at or before ``max_step`` when given (a rollback). Returns the saved step (the
+        number of steps done), or None if there is none. Collective (it runs :meth:`setup`
+        first)."""
         from trainguard.checkpoint.restore import Restorer
 
         self.setup()
@@ -344,6 +360,7 @@ class CheckpointManager:
             gather=self._writer.gather,
             emit=self._emit,
             metric=self._metric,
+            max_step=max_step,
         ).run(state, use_memory=use_memory)
         if step is not None:
             for fn in self._restore_listeners:
@@ -364,6 +381,14 @@ class CheckpointManager:
             for fn in self._restore_listeners:
                 fn(step)
         return step
+
+    def discard_snapshots_after(self, step: int) -> None:
+        """Drop this rank's memory-tier snapshots of steps after ``step`` (after a rollback
+        they belong to the abandoned timeline; a restore must never pick them)."""
+        self.wait_staged()
+        for slot in self._pool.slots:
+            if slot.step is not None and slot.step > step and not slot.persisting:
+                slot.invalidate()
 
     def interval_s(self) -> float | None:
         """The automatic interval in seconds (the planner's), or None when not in auto mode."""
@@ -706,6 +731,19 @@ class CheckpointManager:
         t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctl_pg)
         return [bool(x) for x in t.tolist()]
+
+    def _agree_with_step(
+        self, flags: list[bool], step: int | None
+    ) -> tuple[list[bool], int | None]:
+        """:meth:`_agree` and, in the same all-reduce, the smallest ``step`` any rank
+        reports (None: no rank reports one)."""
+        if self._ctl_pg is None:
+            return list(flags), step
+        none = 1 << 62
+        t = torch.tensor([int(f) for f in flags] + [-(none if step is None else step)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctl_pg)
+        vals = [int(x) for x in t.tolist()]
+        return [bool(x) for x in vals[:-1]], (None if vals[-1] == -none else -vals[-1])
 
     def _interval_changed(self, tau: float, stall: float, mtbf: float) -> None:
         self._metric(checkpoint_interval_s=tau)

@@ -47,6 +47,8 @@ class Restorer:
     gather: Callable[[Any], list[Any]]
     emit: Callable[..., Any]
     metric: Callable[..., Any]
+    max_step: int | None = None
+    """Only steps at or before it (a rollback); None: any."""
 
     # -- collectives ---------------------------------------------------------------------------
     def _all_ok(self, ok: bool) -> bool:
@@ -82,6 +84,8 @@ class Restorer:
             else None
         )
         for step in sorted(common | set(disk), reverse=True):
+            if self.max_step is not None and step > self.max_step:
+                continue
             if step in common:
                 loaded, source, err = None, "memory", None
                 try:

@@ -347,6 +347,14 @@ METRICS: tuple[MetricSpec, ...] = (
         attributes=("node", "cause"),
     ),
     MetricSpec(
+        name="trainguard.job.rollbacks",
+        unit="{rollback}",
+        kind="counter",
+        description="Loss rollbacks (NaN/Inf or spike in the logged loss → every rank restored "
+        "the last good checkpoint and skipped the offending data window), by reason.",
+        attributes=("node", "reason"),
+    ),
+    MetricSpec(
         name="trainguard.job.hung",
         unit="{state}",
         kind="gauge",
@@ -381,7 +389,7 @@ METRICS: tuple[MetricSpec, ...] = (
         unit="s",
         kind="gauge",
         description="Wall time lost, by cause: startup, rendezvous, checkpoint_stall, "
-        "recomputed_steps, hang, restart, other.",
+        "recomputed_steps, hang, restart, rollback, other.",
         attributes=("node", "cause"),
     ),
     MetricSpec(
@@ -420,6 +428,7 @@ LOSS_CAUSES = (
     "recomputed_steps",
     "hang",
     "restart",
+    "rollback",
     "other",
 )
 """Values of the ``cause`` attribute of ``trainguard.goodput.lost_time``."""
@@ -445,7 +454,11 @@ RESTART_CAUSES = (
 """Common values of the ``cause`` attribute of ``trainguard.job.restarts`` (exported from 0;
 failure causes of the worker classification appear as they happen)."""
 
-__all__ += ["INCIDENT_KINDS", "LOSS_CAUSES", "RESTART_CAUSES"]
+ROLLBACK_REASONS = ("nan", "inf", "spike", "other")
+"""Values of the ``reason`` attribute of ``trainguard.job.rollbacks`` (exported from 0;
+``other``: the rank that saw the anomaly is not the one that counts it)."""
+
+__all__ += ["INCIDENT_KINDS", "LOSS_CAUSES", "RESTART_CAUSES", "ROLLBACK_REASONS"]
 
 
 def by_name(name: str) -> MetricSpec:

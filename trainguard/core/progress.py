@@ -8,7 +8,9 @@ current step began, 0 when between steps), ``last_step_s`` float64, ``heartbeat`
 The training thread writes ``step``/``step_start``/``step_end`` at step boundaries; a daemon
 thread refreshes ``heartbeat``. The agent reads both: a fresh heartbeat with no step progress
 means the rank is alive but waiting (e.g. in a collective); a stale heartbeat means the process
-itself is frozen (SIGSTOP, a hung C call holding the GIL, a dead node).
+itself is frozen (SIGSTOP, a hung C call holding the GIL, a dead node). ``close()`` sets the
+heartbeat to +inf: a worker that closed its handle is finishing (interpreter shutdown can take
+seconds on a busy host), not frozen; it is judged with the idle timeout.
 """
 
 from __future__ import annotations
@@ -101,6 +103,12 @@ class ProgressWriter:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self._interval)
+        with self._lock:  # closed: the process is finishing, not frozen (an endless heartbeat;
+            self._state[3] = float("inf")  # hang detection gives it the idle timeout)
+            try:
+                self._flush()
+            except ValueError:  # already unmapped
+                pass
         try:
             self._mm.close()
         except (BufferError, ValueError):

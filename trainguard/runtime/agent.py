@@ -18,6 +18,7 @@ from trainguard.core import envvars
 from trainguard.core.config import TrainGuardConfig
 from trainguard.core.events import EventLog
 from trainguard.core.failures import (
+    DO_NOT_REQUEUE_EXIT_CODE,
     REQUEUE_EXIT_CODE,
     FailureKind,
     WorkerFailure,
@@ -57,6 +58,9 @@ class TrainGuardAgent(LocalElasticAgent):
         self.requeue = False
         """Every failed worker exited with the requeue code after a preemption save: the agent
         does not restart them and ``trainguard run`` exits with that code."""
+        self.do_not_requeue = False
+        """A worker exited with the "do not requeue" code (e.g. loss rollbacks exhausted):
+        no restart, and ``trainguard run`` exits with that code."""
         self._failed_reported = False
 
     # -- requeue (the one place that decides it) ------------------------------------------------
@@ -255,6 +259,11 @@ class TrainGuardAgent(LocalElasticAgent):
         if not failures:
             self.events.emit("worker_group_unhealthy", state=result.state.name)
         kinds = {f.kind for f in failures}
+        stop = sorted(f.rank for f in failures if f.exitcode == DO_NOT_REQUEUE_EXIT_CODE)
+        if stop and not self.do_not_requeue:  # running it again cannot help: no restart
+            self._remaining_restarts = 0
+            self.do_not_requeue = True
+            self.events.emit("do_not_requeue", exitcode=DO_NOT_REQUEUE_EXIT_CODE, ranks=stop)
         if FailureKind.PREEMPTED in kinds and kinds <= {
             FailureKind.PREEMPTED,
             FailureKind.TERMINATED,  # torch's teardown SIGTERMs the ranks still exiting

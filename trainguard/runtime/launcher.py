@@ -36,8 +36,9 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from trainguard.core.config import ConfigError, TrainGuardConfig, load_config, write_effective
 from trainguard.core.events import EventLog
-from trainguard.core.failures import REQUEUE_EXIT_CODE
+from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.plugin import AgentContext, AgentPlugin, NodeUnhealthyError
+from trainguard.core.proctime import process_start_time
 from trainguard.runtime import etcd_v3
 from trainguard.runtime.agent import TrainGuardAgent
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
@@ -266,7 +267,8 @@ def _worker_spec(
 class Outcome:
     """How one node's agent ended.
 
-    ``state``: succeeded | failed | requeue | excluded | the name of the signal that stopped it
+    ``state``: succeeded | failed | requeue | do_not_requeue | excluded | the name of the signal
+    that stopped it
     (the ``job_finished`` event and the plugins' ``on_finish`` get it).
     """
 
@@ -317,6 +319,8 @@ def _run_agent(agent: TrainGuardAgent, config: LaunchConfig, name: str) -> Outco
     torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
     if result.is_failed() and agent.requeue:
         return Outcome("requeue")
+    if result.is_failed() and agent.do_not_requeue:
+        return Outcome("do_not_requeue")
     if result.is_failed():
         return Outcome("failed", error=ChildFailedError(name=name, failures=result.failures))
     if result.state == WorkerState.UNHEALTHY:
@@ -341,6 +345,15 @@ def _conclude(outcome: Outcome, name: str) -> dict[int, Any]:
             flush=True,
         )
         raise SystemExit(REQUEUE_EXIT_CODE) from None
+    if outcome.state == "do_not_requeue":
+        print(
+            f"trainguard run: a worker of {name} exited with {DO_NOT_REQUEUE_EXIT_CODE} (do not "
+            f"requeue; its own message says why); not restarted, exiting with "
+            f"{DO_NOT_REQUEUE_EXIT_CODE}",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(DO_NOT_REQUEUE_EXIT_CODE) from None
     if outcome.error is not None:
         raise outcome.error
     return outcome.return_values
@@ -402,6 +415,7 @@ def launch(
         rdzv_backend=config.rdzv_backend,
         max_restarts=config.max_restarts,
         pid=os.getpid(),
+        process_start=process_start_time(),
     )
     outcome = Outcome("failed")
     try:

@@ -5,12 +5,15 @@ wall clock of the job (``launch`` → ``job_finished`` or the last record) is sp
 
 - ``productive``: step time of steps done for the first time (on the lowest rank present);
 - ``recomputed_steps``: step time of steps that had already been done before a restart;
-- ``startup``: launch → first step of the first attempt, less its rendezvous;
+- ``startup``: launcher process start (the ``launch`` event's ``process_start``, else the
+  event) → first step of the first attempt, less its rendezvous;
 - ``rendezvous``: time agents spent in rendezvous rounds;
 - ``checkpoint_stall``: time training was blocked by checkpoint saves;
 - ``hang``: last step end → detection, for failures caused by a hang;
 - ``restart``: last step end → failure detection (other causes), plus failure → first step of
   the next attempt, less that attempt's rendezvous;
+- ``rollback``: a loss rollback's restore, plus the step time of the steps it discarded (done
+  at or after the restored step; the ones redone then count as productive again);
 - ``other``: the rest (data loading, logging, evaluation between steps...).
 
 ETTR (effective training time ratio) = productive / wall time.
@@ -66,6 +69,11 @@ class GoodputTracker:
         self.first_step_start: float | None = None
         self.last_time: float | None = None
         self.logged_stall: float | None = None
+        self.rollback_s = 0.0
+        self._productive: dict[int, float] = {}  # step -> time, the newest steps (rollbacks)
+
+    _KEEP = 100_000
+    """Productive steps remembered for a rollback to take back (older ones stay productive)."""
 
     def add(self, r: Mapping[str, Any]) -> None:
         kind = r.get("kind")
@@ -73,6 +81,8 @@ class GoodputTracker:
             v = r.get("checkpoint_stall_s")
             if isinstance(v, int | float) and not isinstance(v, bool):
                 self.logged_stall = (self.logged_stall or 0.0) + float(v)
+            if "rollback_to" in r:
+                self._rolled_back(int(r["rollback_to"]), float(r.get("rollback_s") or 0.0))
             return
         if kind != "step" or "step_time_s" not in r or r.get("failed"):
             return
@@ -86,6 +96,9 @@ class GoodputTracker:
         else:
             self.productive_s += dt
             self.max_done = n
+            self._productive[n] = dt
+            if len(self._productive) > self._KEEP:
+                del self._productive[next(iter(self._productive))]
         a = int(r.get("attempt", 0))
         self.first_start.setdefault(a, start)
         self.last_end[a] = max(self.last_end.get(a, end), end)
@@ -93,12 +106,27 @@ class GoodputTracker:
             self.first_step_start = start
         self.last_time = end if self.last_time is None else max(self.last_time, end)
 
+    def _rolled_back(self, restored: int, restore_s: float) -> None:
+        """Steps at or after ``restored`` were discarded: their time is the rollback's."""
+        lost = [n for n in self._productive if n >= restored]
+        for n in lost:
+            dt = self._productive.pop(n)
+            self.productive_s -= dt
+            self.rollback_s += dt
+        self.rollback_s += restore_s
+        self.max_done = min(self.max_done, restored - 1)
+
     def result(self, events: Iterable[Mapping[str, Any]], *, now: float | None = None) -> Goodput:
         evs = sorted(events, key=lambda e: float(e.get("time", 0.0)))
         g = Goodput()
         if self.first_step_start is None and not evs:
             return g
-        launches = [float(e["time"]) for e in evs if e.get("kind") == "launch"]
+        # the launcher's own start-up (interpreter, imports) is wall time of the job too
+        launches = [
+            min(float(e["time"]), float(e.get("process_start") or e["time"]))
+            for e in evs
+            if e.get("kind") == "launch"
+        ]
         if launches:
             t0 = min(launches)
         elif self.first_step_start is not None:
@@ -111,6 +139,7 @@ class GoodputTracker:
         g.total_s = max(0.0, t_end - t0)
         g.productive_s = self.productive_s
         g.lost_s["recomputed_steps"] = self.recomputed_s
+        g.lost_s["rollback"] = self.rollback_s
         g.num_recomputed_steps = self.num_recomputed
 
         rdzv: dict[int, float] = {}

@@ -17,6 +17,7 @@ from trainguard.core.contract import (
     LOSS_CAUSES,
     METRICS,
     RESTART_CAUSES,
+    ROLLBACK_REASONS,
     MetricSpec,
 )
 from trainguard.core.failures import FailureKind
@@ -99,6 +100,8 @@ class MetricsRecorder:
             self._inst["trainguard.job.restarts"].add(0, {**node, "cause": cause})
         for kind in FailureKind:
             self._inst["trainguard.job.failures"].add(0, {**node, "cause": kind.value})
+        for reason in ROLLBACK_REASONS:
+            self._inst["trainguard.job.rollbacks"].add(0, {**node, "reason": reason})
         self._set("trainguard.job.hung", 0, node)
 
     @staticmethod
@@ -212,6 +215,9 @@ class MetricsRecorder:
                 self._inst["trainguard.job.failures"].add(1, {**node, "cause": cause})
                 if self._pending_cause is None and cause != "terminated":
                     self._pending_cause = cause
+            elif kind == "loss_rollback":
+                reason = str(ev.get("reason") or "other")
+                self._inst["trainguard.job.rollbacks"].add(1, {**node, "reason": reason})
             elif kind == "hang_detected":
                 self._pending_cause = "hang"
                 self._hung_since = _num(ev.get("time")) or 0.0

@@ -65,11 +65,32 @@ def recovery_summary(run_dir: str | Path) -> list[str]:
             line += f"; resumed from {resumed.get('source')} at step {resumed['step']}"
             line += f" ({redone} step{'s' if redone != 1 else ''} redone)"
         lines.append(line)
+    n_failures = len(lines)
+    for e in data.events:
+        if e.get("kind") == "loss_rollback":
+            a, b = (e.get("skip") or [None, None])[:2]
+            lines.append(
+                f"  loss {e.get('reason') or 'anomaly'} at step {e.get('bad_step')}: rolled back to step "
+                f"{e.get('restored_step')} in {float(e.get('duration_s') or 0):.2f} s, "
+                f"skipped steps {a}-{b}"
+            )
+        elif e.get("kind") == "rollback_exhausted":
+            lines.append(
+                f"  loss anomaly at step {e.get('bad_step')} after {e.get('rollbacks_here')} "
+                f"rollbacks there: job stopped (exit {e.get('exitcode')}, do not requeue)"
+            )
     records = [r for recs in data.records.values() for r in recs]
     g = compute_goodput(data.events, records)
-    head = f"trainguard run: {len(lines)} failure{'s' if len(lines) != 1 else ''} recovered"
-    if not lines:
+    stopped = any(
+        e.get("kind") == "job_finished" and e.get("state") == "do_not_requeue" for e in data.events
+    )
+    s = "s" if n_failures != 1 else ""
+    head = f"trainguard run: {n_failures} failure{s} " + ("seen" if stopped else "recovered")
+    if not n_failures:
         head = "trainguard run: no failures"
+    n_rb = sum(1 for e in data.events if e.get("kind") == "loss_rollback")
+    if n_rb:
+        head += f", {n_rb} loss rollback{'s' if n_rb != 1 else ''}"
     if g.ettr is not None:
         lost = ", ".join(f"{k} {v:.1f} s" for k, v in g.lost_s.items() if v > 0.05)
         head += f"; goodput {100 * g.ettr:.1f} % of {g.total_s:.1f} s"

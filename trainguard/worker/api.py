@@ -113,6 +113,8 @@ class TrainGuard:
         )
         self._flops_per_step: float | None = None
         self._device: str | None = None
+        self._current_step: int | None = None  # the step the next tg.log values belong to
+        self._rollback = self._make_rollback()
         self._progress: ProgressWriter | None = None
         if self.under_agent:
             interval = float(env.get(envvars.HEARTBEAT_INTERVAL_S, "1.0"))
@@ -123,6 +125,33 @@ class TrainGuard:
             from trainguard.health.stacks import register_stack_dump
 
             self._stack_file = register_stack_dump(self.run_dir, self.rank, self.attempt)
+
+    def _make_rollback(self) -> Any:
+        cfg = load_worker_section(self.run_dir, "rollback")
+        if not cfg.enabled:
+            return None
+        from trainguard.worker.rollback import LossGuard
+
+        guard = LossGuard(self, cfg)
+        self.step_num = guard.ledger.next_step(self.step_num)
+        return guard
+
+    @property
+    def skip_ranges(self) -> list[tuple[int, int]]:
+        """Step windows (first, last; inclusive) skipped after loss rollbacks. ``tg.step_num``
+        already jumps over them (``step()`` and a restore move it past a window); a loop with
+        its own step counter asks :meth:`should_skip`."""
+        return list(self._rollback.ledger.windows) if self._rollback is not None else []
+
+    def should_skip(self, step: int | None = None) -> bool:
+        """True if the data of ``step`` (default ``tg.step_num``) is in a skipped window."""
+        if self._rollback is None:
+            return False
+        return self._rollback.ledger.should_skip(self.step_num if step is None else step)
+
+    def _after_restore(self, step: int) -> None:
+        if self._rollback is not None:
+            self.step_num = self._rollback.ledger.next_step(step)
 
     def _install_excepthook(self) -> None:
         """A survivor's collective that failed because a peer rank died is a consequence, not
@@ -171,6 +200,8 @@ class TrainGuard:
             from trainguard.checkpoint.manager import for_worker
 
             self._checkpoint = for_worker(self)
+            self._checkpoint.on_restore(self._after_restore)
+            self._checkpoint.rollback_hook = self._rollback
         return self._checkpoint
 
     def ft_wrap(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:
@@ -279,6 +310,8 @@ class TrainGuard:
         }
         for k, v in metrics.items():
             record[k] = v.item() if hasattr(v, "item") else v
+        if self._rollback is not None and self._current_step is not None:
+            self._rollback.observe(self._current_step, record)
         self._write_record(record)
 
     @contextmanager
@@ -297,6 +330,7 @@ class TrainGuard:
         FLOPs with ``torch.utils.flop_counter`` and reuses the count for later steps.
         """
         num = self.step_num if step is None else step
+        self._current_step = num
         if self._progress is not None:
             self._progress.step_begin(num)
         span_id, span_start = self._spans.begin_step(num)
@@ -324,6 +358,8 @@ class TrainGuard:
             if self._progress is not None:
                 self._progress.step_end(num, dt)
             self.step_num = num + 1
+            if self._rollback is not None:  # the next data position: past a skipped window
+                self.step_num = self._rollback.ledger.next_step(num + 1)
             record: dict[str, Any] = {
                 "time": time.time(),
                 "kind": "step",

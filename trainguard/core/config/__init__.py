@@ -33,6 +33,7 @@ from trainguard.core.config.ft import FTConfig
 from trainguard.core.config.health import HealthConfig
 from trainguard.core.config.recovery import RecoveryConfig
 from trainguard.core.config.rendezvous import RendezvousConfig
+from trainguard.core.config.rollback import RollbackConfig
 from trainguard.core.config.runtime import RuntimeConfig
 from trainguard.core.config.slurm import SlurmConfig
 from trainguard.core.config.telemetry import TelemetryConfig
@@ -68,6 +69,7 @@ class TrainGuardConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     ft: FTConfig = field(default_factory=FTConfig)
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
