@@ -208,3 +208,73 @@ def test_decision_taken_over_when_the_deciding_agent_is_gone(stores: tuple) -> N
     p = RecoveryPolicy(cfg(decision_timeout_s=0.3), JobLedger(stores[1], "gone"), node="b")
     d = p.decide(0, [crash(1, 1, PEER)])
     assert d.action is Action.RESTART and d.decided_by == "b" and d.job_restarts == 1
+
+
+def test_a_hang_or_a_single_node_job_never_evicts() -> None:
+    c = cfg(node_failure_limit=1)
+    p = RecoveryPolicy(c, JobLedger(FakeStore(), "h"), node="a")
+    assert p.decide(0, [crash(0)], hang=True).action is Action.RESTART
+    assert p.decide(1, [crash(0)], evictable=False).action is Action.RESTART
+    assert p.decide(2, [crash(0)]).action is Action.EVICT
+
+
+# -- the agent plugin, on a fake store ------------------------------------------------------------
+
+
+def plugin_ctx(tmp_path, store: FakeStore, *, node: str = "n1", **recovery: object):
+    from trainguard.core.config import TrainGuardConfig
+    from trainguard.core.events import EventLog
+    from trainguard.core.plugin import AgentContext
+
+    config = TrainGuardConfig(recovery=RecoveryConfig(**recovery))  # type: ignore[arg-type]
+    events = EventLog(tmp_path, node=node)
+    return AgentContext(config=config, run_dir=tmp_path, events=events, job_store=store)
+
+
+def test_plugin_evicts_on_health_then_refuses_then_readmits(tmp_path) -> None:
+    from trainguard.core.events import read_events
+    from trainguard.core.plugin import NodeEvictedError, NodeUnhealthyError
+    from trainguard.recovery.plugin import RecoveryPlugin
+
+    store, clock = FakeStore(), [1000.0]
+    ctx = plugin_ctx(tmp_path, store, eviction_cooldown_s=60.0)
+    plugin = RecoveryPlugin(ctx, clock=lambda: clock[0])
+    # excluded before it ever joined (preflight): not an eviction
+    assert plugin.on_exit(ctx, "excluded", NodeUnhealthyError("preflight")) is None
+    ctx.attempt = 3
+    err = plugin.on_exit(ctx, "excluded", NodeUnhealthyError("node n1 must be drained: XID 79"))
+    assert isinstance(err, NodeEvictedError) and err.exit_code == 94 and err.state == "evicted"
+    assert "node n1 evicted from job" in str(err) and "XID 79" in str(err)
+    entry = JobLedger(store, ctx.run_id).blocked("n1")
+    assert entry is not None and entry.until == 1060.0
+    # the node's agent started again within the cooldown: refused before any rendezvous
+    ctx2 = plugin_ctx(tmp_path, store)
+    clock[0] = 1059.0
+    with pytest.raises(NodeEvictedError, match="blocklisted in job .* until .*not joining"):
+        RecoveryPlugin(ctx2, clock=lambda: clock[0]).before_rendezvous(ctx2)
+    clock[0] = 1060.0
+    RecoveryPlugin(ctx2, clock=lambda: clock[0]).before_rendezvous(ctx2)  # admitted
+    kinds = [e["kind"] for e in read_events(tmp_path)]
+    assert kinds == ["recovery_decision", "node_evicted", "node_refused", "node_readmitted"]
+    assert JobLedger(store, ctx.run_id).blocked("n1") is None
+
+
+def test_plugin_learns_a_stop_and_publishes_checkpoints(tmp_path) -> None:
+    from trainguard.core.events import EventLog
+    from trainguard.core.plugin import JobStopError
+    from trainguard.recovery.plugin import RecoveryPlugin
+
+    store = FakeStore()
+    ctx = plugin_ctx(tmp_path, store)
+    plugin = RecoveryPlugin(ctx)
+    EventLog(tmp_path, node="n0").emit("checkpoint_committed", step=40)
+    assert plugin.on_monitor(ctx, None, None) is None  # type: ignore[arg-type]
+    ledger = JobLedger(store, ctx.run_id)
+    assert ledger.checkpoint_step() == 40
+    ledger.stop("job restart budget spent: 2 of 2", by="n0")
+    # the rendezvous was closed by the stopping agent: this one ends with the stop too
+    err = plugin.on_exit(ctx, "failed", RuntimeError("rendezvous closed"))
+    assert isinstance(err, JobStopError) and err.exit_code == 93
+    assert "budget spent" in str(err) and "do not requeue" in str(err)
+    with pytest.raises(JobStopError):
+        plugin.before_rendezvous(ctx)

@@ -106,7 +106,13 @@ class RecoveryPlugin(AgentPlugin):
         self._backoff_s = 0.0
         self._last_poll = 0.0
         self._published_step = -1
+        self._store_down = False
         self.stop: dict[str, Any] | None = None
+        self._hang_attempt: int | None = None
+        ctx.events.subscribe(self._on_hang, ["hang_killed"])
+
+    def _on_hang(self, event: dict[str, Any]) -> None:
+        self._hang_attempt = event.get("attempt")
 
     # -- plumbing ------------------------------------------------------------------------------
     def ledger(self, ctx: AgentContext) -> JobLedger | None:
@@ -225,8 +231,15 @@ class RecoveryPlugin(AgentPlugin):
         ledger = self.ledger(ctx)
         if ledger is None:
             return None
-        self._publish_checkpoints(ledger)
-        stop = self._learned_stop(ctx, ledger)
+        try:
+            self._publish_checkpoints(ledger)
+            stop = self._learned_stop(ctx, ledger)
+        except Exception as e:  # the store's host is gone: the agent learns it its own way
+            if not self._store_down:
+                logger.warning("recovery: the rendezvous store cannot be read: %s", e)
+            self._store_down = True
+            return None
+        self._store_down = False
         if stop is not None:
             raise stop
         return None
@@ -237,10 +250,12 @@ class RecoveryPlugin(AgentPlugin):
             return
         self._publish_checkpoints(ledger)
         max_nodes = getattr(ctx.launch_config, "max_nodes", 1) or 1
+        hang = self._hang_attempt is not None and self._hang_attempt == max(ctx.attempt, 0)
         d = self._policy.decide(
-            ctx.attempt, failures, now=self.clock(), evictable=int(max_nodes) > 1
+            ctx.attempt, failures, now=self.clock(), evictable=int(max_nodes) > 1, hang=hang
         )
-        self._emit_decision(ctx, d, agent_restarts=ctx.agent_restarts)
+        cause = "hang" if hang else "failure"
+        self._emit_decision(ctx, d, agent_restarts=ctx.agent_restarts, cause=cause)
         if d.action is Action.RESTART:
             self._backoff_s = d.backoff_s
         elif d.action is Action.STOP:

@@ -129,9 +129,12 @@ class RecoveryPolicy:
         *,
         now: float | None = None,
         evictable: bool = True,
+        hang: bool = False,
     ) -> Decision:
         """The action for this node after its workers failed in ``attempt``. ``evictable``:
-        the job could go on without this node (False for a single-node job)."""
+        the job could go on without this node (False for a single-node job); ``hang``: the
+        agent killed its hung workers (every node's detector may do that for one hang: it is
+        not counted against the node)."""
         now = time.time() if now is None else now
         if _requeue(failures):
             return Decision(
@@ -150,7 +153,7 @@ class RecoveryPolicy:
             return Decision(
                 Action.STOP, stop["reason"], attempt, self.ledger.restarts(), decided_by=stop["by"]
             )
-        own = own_failure(failures)
+        own = own_failure(failures) and not hang
         job = self._job_decision(attempt, failures)
         if job.action is Action.RESTART and own and self._count_own(now) and evictable:
             n, window = self.cfg.node_failure_limit, self.cfg.node_failure_window_s
