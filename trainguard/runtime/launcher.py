@@ -405,6 +405,7 @@ def launch(
         direct_signals=tg_config.runtime.preemption_signals_direct,
         rdzv_defaults=tg_config.rendezvous.rdzv_conf(),
     )
+    ctx.job_store = getattr(spec.rdzv_handler, "job_store", None)
     plugins = plugin_factory(ctx) if plugin_factory else []
     agent = TrainGuardAgent(
         spec=spec,
@@ -428,7 +429,6 @@ def launch(
         max_restarts=config.max_restarts,
         pid=os.getpid(),
     )
-    ctx.job_store = getattr(spec.rdzv_handler, "job_store", None)
     outcome = Outcome("failed")
     try:
         outcome = _exit_hooks(plugins, ctx, _run_agent(agent, config, name))
