@@ -240,8 +240,12 @@ def test_plugin_evicts_on_health_then_refuses_then_readmits(tmp_path) -> None:
     ctx = plugin_ctx(tmp_path, store, eviction_cooldown_s=60.0)
     plugin = RecoveryPlugin(ctx, clock=lambda: clock[0])
     # excluded before it ever joined (preflight): not an eviction
+    ctx.events.emit("node_excluded", reason="health", action="drain", reasons=["XID 79"])
     assert plugin.on_exit(ctx, "excluded", NodeUnhealthyError("preflight")) is None
     ctx.attempt = 3
+    ctx.events.emit("node_excluded", reason="straggler", reasons=["slow"])  # stays exclusion
+    assert plugin.on_exit(ctx, "excluded", NodeUnhealthyError("straggler")) is None
+    ctx.events.emit("node_excluded", reason="health", action="drain", reasons=["XID 79"])
     err = plugin.on_exit(ctx, "excluded", NodeUnhealthyError("node n1 must be drained: XID 79"))
     assert isinstance(err, NodeEvictedError) and err.exit_code == 94 and err.state == "evicted"
     assert "node n1 evicted from job" in str(err) and "XID 79" in str(err)
@@ -255,7 +259,7 @@ def test_plugin_evicts_on_health_then_refuses_then_readmits(tmp_path) -> None:
     clock[0] = 1060.0
     RecoveryPlugin(ctx2, clock=lambda: clock[0]).before_rendezvous(ctx2)  # admitted
     kinds = [e["kind"] for e in read_events(tmp_path)]
-    assert kinds == ["recovery_decision", "node_evicted", "node_refused", "node_readmitted"]
+    assert kinds[-4:] == ["recovery_decision", "node_evicted", "node_refused", "node_readmitted"]
     assert JobLedger(store, ctx.run_id).blocked("n1") is None
 
 

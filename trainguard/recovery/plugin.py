@@ -7,8 +7,9 @@
 - every monitor tick (about once a second): a job-wide stop published by another agent stops
   this one; newly committed checkpoints (``checkpoint_committed`` events in the run directory)
   raise the job's checkpoint step in the store;
-- when the agent ends: an in-job health exclusion becomes an eviction (the node is recorded on
-  the blocklist and fenced); a rendezvous closed by a job-wide stop becomes that stop.
+- when the agent ends: an in-job health ``drain`` verdict (``node_excluded`` with action drain)
+  becomes an eviction (the node is recorded on the blocklist and fenced); a rendezvous closed by
+  a job-wide stop becomes that stop. Other exclusions (a straggler) stay exclusions (exit 1).
 
 Events: ``recovery_decision`` (action, reason, job_restarts, budget, backoff_s, decided_by),
 ``node_evicted`` (reason, until, fenced, detail), ``node_refused`` (blocklisted, until),
@@ -109,10 +110,16 @@ class RecoveryPlugin(AgentPlugin):
         self._store_down = False
         self.stop: dict[str, Any] | None = None
         self._hang_attempt: int | None = None
+        self._drain = False
         ctx.events.subscribe(self._on_hang, ["hang_killed"])
+        ctx.events.subscribe(self._on_excluded, ["node_excluded"])
 
     def _on_hang(self, event: dict[str, Any]) -> None:
         self._hang_attempt = event.get("attempt")
+
+    def _on_excluded(self, event: dict[str, Any]) -> None:
+        # health's verdict for this node is drain (= status fail), not e.g. a straggler
+        self._drain = event.get("action") == "drain"
 
     # -- plumbing ------------------------------------------------------------------------------
     def ledger(self, ctx: AgentContext) -> JobLedger | None:
@@ -271,8 +278,10 @@ class RecoveryPlugin(AgentPlugin):
         if isinstance(error, (NodeEvictedError, JobStopError)):
             return None
         if isinstance(error, NodeUnhealthyError):
-            if ctx.attempt < 0 or not self.cfg.evict_on_health:
-                return None  # kept out before it ever joined: nothing to evict
+            if ctx.attempt < 0 or not self.cfg.evict_on_health or not self._drain:
+                # kept out before it ever joined, or excluded for another reason (a
+                # straggler): it leaves (exit 1) but is not evicted
+                return None
             reason = f"health: {error}"
             d = Decision(Action.EVICT, reason, ctx.attempt, -1, decided_by=ctx.node)
             self._emit_decision(ctx, d)
