@@ -13,6 +13,7 @@ from torch.distributed import TCPStore
 from tests.health_fixtures.dcgm_text import ExporterServer, h100_node
 from tests.health_fixtures.jobs import events, job_cmd, job_env, run_job, wait_for_event
 from tests.procs import kill_tree
+from trainguard.core.failures import EVICTED_EXIT_CODE
 from trainguard.health.compute import gemm_probe, peak_bf16_flops
 from trainguard.health.monitor import compare_nodes, exchange_node_values
 
@@ -77,8 +78,8 @@ def test_in_job_probe_finding_restarts_the_group(tmp_path: Path) -> None:
 
 
 def test_in_job_drain_takes_the_node_out_even_with_restarts_left(tmp_path: Path) -> None:
-    """A drain verdict never restarts the job on the same node: the node leaves the job (one
-    line, exit 1), with restarts to spare."""
+    """A drain verdict never restarts the job on the same node: the node is evicted (one
+    line, exit 94, recovery's policy), with restarts to spare."""
     run_dir = tmp_path / "run"
     with ExporterServer(h100_node()) as srv:
         env = job_env(dcgm_url=srv.url, probe_interval_s=0.3, **HOST_OK)
@@ -92,13 +93,13 @@ def test_in_job_drain_takes_the_node_out_even_with_restarts_left(tmp_path: Path)
             _, err = proc.communicate(timeout=120)
         finally:
             kill_tree(proc)
-    assert proc.returncode == 1, err[-3000:]
+    assert proc.returncode == EVICTED_EXIT_CODE, err[-3000:]
     [bad] = events(run_dir, "health_unhealthy")
     assert bad["action"] == "drain" and "XID 79" in bad["reasons"][0]
     [excl] = events(run_dir, "node_excluded")
     assert excl["reason"] == "health" and excl["action"] == "drain"
     assert not events(run_dir, "restart")  # not restarted on the node to drain
-    assert events(run_dir, "job_finished")[-1]["state"] == "excluded"
+    assert events(run_dir, "job_finished")[-1]["state"] == "evicted"
     assert "must be drained" in err.strip().splitlines()[-1] and "Traceback" not in err
     assert not (run_dir / "done").exists()
 

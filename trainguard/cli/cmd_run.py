@@ -8,8 +8,8 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainguard.core.config import ConfigError
+from trainguard.core.plugin import AgentExit
 from trainguard.runtime import launcher
-from trainguard.runtime.agent import NodeUnhealthyError
 
 __all__ = ["main", "tgrun_main"]
 
@@ -28,9 +28,9 @@ def main(argv: list[str] | None = None, *, prog: str = "trainguard run") -> None
     except (launcher.UsageError, ConfigError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except NodeUnhealthyError as e:  # the node left the job (health policy): no traceback
+    except AgentExit as e:  # the node left, or the job stopped (policy): one line, its code
         print(f"{prog}: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(e.exit_code)
 
 
 def tgrun_main() -> None:

@@ -9,11 +9,13 @@ from typing import Any
 
 __all__ = [
     "DO_NOT_REQUEUE_EXIT_CODE",
+    "EVICTED_EXIT_CODE",
     "FailureKind",
     "REQUEUE_EXIT_CODE",
     "WorkerFailure",
     "classify_exit",
     "peer_failure",
+    "peer_failure_text",
 ]
 
 REQUEUE_EXIT_CODE = 75
@@ -24,6 +26,12 @@ DO_NOT_REQUEUE_EXIT_CODE = 93
 deterministic failure, a crash loop): a Slurm batch script from ``trainguard sbatch`` then ends
 the job instead of requeueing or resubmitting it (the same value as NVIDIA's resiliency
 extension uses)."""
+
+EVICTED_EXIT_CODE = 94
+"""``trainguard run`` exits with this code on a node the recovery policy evicted from the job
+(a health ``drain``/``fail`` verdict, or the node failing too often), and on a node whose agent
+was started again while the node is still on the job's blocklist. The job goes on without the
+node: a scheduler must not retry the *node* (the job itself is not over)."""
 
 
 class FailureKind(str, Enum):
@@ -126,7 +134,12 @@ _PEER_LOSS = (
 def peer_failure(exc: BaseException) -> str | None:
     """A short reason when ``exc`` is a collective that failed because a peer rank died (the
     survivor's view of a failure elsewhere); None for any other error."""
-    text = str(exc).lower()
+    return peer_failure_text(str(exc))
+
+
+def peer_failure_text(text: str) -> str | None:
+    """:func:`peer_failure` on an error message (e.g. a worker's error file)."""
+    text = text.lower()
     for needle, reason in _PEER_LOSS:
         if needle in text:
             return reason

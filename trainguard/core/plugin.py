@@ -9,7 +9,8 @@ event bus (``ctx.events.publish`` / ``ctx.events.subscribe``).
 
 Hooks run in the agent process, on the monitor thread; they must be quick (start threads for
 slow work) and must not raise: the agent logs and counts a raising hook and carries on. The
-one exception is :class:`NodeUnhealthyError`, which takes this node out of the job.
+one exception is :class:`AgentExit` (:class:`NodeUnhealthyError`, :class:`NodeEvictedError`,
+:class:`JobStopError`), which ends this node's agent with its exit code and one line.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
+from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, EVICTED_EXIT_CODE
+
 if TYPE_CHECKING:
     from torch.distributed import Store
 
@@ -29,11 +32,49 @@ if TYPE_CHECKING:
     from trainguard.core.failures import WorkerFailure
     from trainguard.core.progress import ProgressSnapshot
 
-__all__ = ["AgentContext", "AgentPlugin", "NodeUnhealthyError"]
+__all__ = [
+    "AgentContext",
+    "AgentExit",
+    "AgentPlugin",
+    "JobStopError",
+    "NodeEvictedError",
+    "NodeUnhealthyError",
+]
 
 
-class NodeUnhealthyError(RuntimeError):
+class AgentExit(RuntimeError):
+    """Raised by a plugin hook to end this node's agent: ``trainguard run`` prints the message
+    as one line (no traceback) and exits with ``exit_code``; ``state`` is the ``job_finished``
+    state. The agent stops its workers first."""
+
+    exit_code: int = 1
+    state: str = "failed"
+    close_rendezvous: bool = False
+    """True when the whole job ends (waiting spares are released); False when only this node
+    leaves and the others go on."""
+
+
+class NodeUnhealthyError(AgentExit):
     """Raised by a plugin (preflight, straggler exclusion) to take this node out of the job."""
+
+    state = "excluded"
+
+
+class NodeEvictedError(NodeUnhealthyError):
+    """The recovery policy evicted this node (exit code 94, ``EVICTED_EXIT_CODE``): it leaves,
+    is blocklisted for the cooldown, and the job goes on without it."""
+
+    exit_code = EVICTED_EXIT_CODE
+    state = "evicted"
+
+
+class JobStopError(AgentExit):
+    """The recovery policy stopped the whole job (restart budget spent, crash loop, a
+    configuration error): every agent exits with 93 (``DO_NOT_REQUEUE_EXIT_CODE``)."""
+
+    exit_code = DO_NOT_REQUEUE_EXIT_CODE
+    state = "do_not_requeue"
+    close_rendezvous = True
 
 
 def _no_progress() -> dict[int, ProgressSnapshot]:
@@ -59,6 +100,10 @@ class AgentContext:
     """This agent's restarts so far (torch's per-agent ``TORCHELASTIC_RESTART_COUNT``)."""
     store: Store | None = None
     """The rendezvous store of the current round (shared by every node's agent)."""
+    job_store: Store | None = None
+    """The rendezvous backend's store, which outlives the rounds (c10d: the TCPStore at the
+    rendezvous endpoint; etcd-v3: the etcd key space of the run); available before the first
+    round. None for the static backend. Keys here are job-wide: prefix them with the run id."""
     group_rank: int = 0
     group_world_size: int = 1
     members: list[dict[str, Any]] = field(default_factory=list)
@@ -117,6 +162,15 @@ class AgentPlugin:
 
     def on_failure(self, ctx: AgentContext, failures: list[WorkerFailure]) -> None:
         """The group failed; ``failures`` are classified per rank."""
+
+    def on_exit(
+        self, ctx: AgentContext, state: str, error: BaseException | None
+    ) -> BaseException | None:
+        """The agent stopped with ``state`` (``error``: what ``trainguard run`` would raise).
+        Return an :class:`AgentExit` to end with instead (recovery turns a health exclusion
+        into an eviction, a rendezvous closed by a job-wide stop into that stop), or None.
+        Called before ``on_finish``; the first plugin that returns one wins."""
+        return None
 
     def on_finish(self, ctx: AgentContext, state: str) -> None:
         """The agent is done (``state`` is succeeded, failed or a signal name)."""

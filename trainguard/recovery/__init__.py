@@ -1,1 +1,7 @@
-"""trainguard.recovery."""
+"""trainguard.recovery: the failure → action policy, the job-wide restart budget and eviction
+with a blocklist (see the README's "What happens when something fails")."""
+
+from trainguard.recovery.ledger import BlockEntry, JobLedger
+from trainguard.recovery.policy import Action, Decision, RecoveryPolicy, backoff_s
+
+__all__ = ["Action", "BlockEntry", "Decision", "JobLedger", "RecoveryPolicy", "backoff_s"]

@@ -24,7 +24,7 @@ from trainguard.core.failures import (
     WorkerFailure,
     classify_exit,
 )
-from trainguard.core.plugin import AgentContext, AgentPlugin, NodeUnhealthyError
+from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin, NodeUnhealthyError
 from trainguard.core.progress import ProgressReader, ProgressSnapshot
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
@@ -149,15 +149,23 @@ class TrainGuardAgent(LocalElasticAgent):
         return {r: s.pid for r, s in self.worker_progress().items() if s.pid}
 
     def _call(self, hook: str, *args: Any) -> list[Any]:
+        """Every plugin's ``hook``; the first :class:`AgentExit` one raises is raised after the
+        others ran (each plugin still sees a failure that ends the agent), except before a
+        rendezvous: a node kept out does no more preflight work."""
         results = []
+        leave: AgentExit | None = None
         for p in self.plugins:
             try:
                 results.append(getattr(p, hook)(self.ctx, *args))
-            except NodeUnhealthyError:
-                raise
+            except AgentExit as e:
+                if hook == "before_rendezvous":
+                    raise
+                leave = leave or e
             except Exception:
                 self.num_plugin_errors += 1
                 logger.exception("plugin %s failed in %s", p.name, hook)
+        if leave is not None:
+            raise leave
         return results
 
     # -- lifecycle overrides -------------------------------------------------------------------

@@ -37,7 +37,7 @@ from torch.distributed.launcher.api import LaunchConfig
 from trainguard.core.config import ConfigError, TrainGuardConfig, load_config, write_effective
 from trainguard.core.events import EventLog
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
-from trainguard.core.plugin import AgentContext, AgentPlugin, NodeUnhealthyError
+from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin
 from trainguard.core.proctime import process_start_time
 from trainguard.runtime import etcd_v3
 from trainguard.runtime.agent import TrainGuardAgent
@@ -83,6 +83,16 @@ def build_parser(prog: str = "trainguard run") -> argparse.ArgumentParser:
         default=None,
         help="torchft mode: run as one torchft replica group (id: REPLICA_GROUP_ID or [ft] "
         "replica_group); starts a lighthouse on 127.0.0.1 unless [ft] lighthouse is set.",
+    )
+    group.add_argument(
+        "--tg-restart-budget",
+        dest="tg_restart_budget",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Job-wide restart budget ([recovery] job_restart_budget): restarts of the job as "
+        "a whole, all nodes together; when spent every agent exits 93 (do not requeue). "
+        "--max-restarts keeps torchrun's per-agent meaning.",
     )
     return parser
 
@@ -267,8 +277,8 @@ def _worker_spec(
 class Outcome:
     """How one node's agent ended.
 
-    ``state``: succeeded | failed | requeue | do_not_requeue | excluded | the name of the signal
-    that stopped it
+    ``state``: succeeded | failed | requeue | excluded | evicted | do_not_requeue | the name of
+    the signal that stopped it
     (the ``job_finished`` event and the plugins' ``on_finish`` get it).
     """
 
@@ -292,10 +302,11 @@ def _run_agent(agent: TrainGuardAgent, config: LaunchConfig, name: str) -> Outco
         # requeued, that is what happened, not torch's signal error.
         state = "requeue" if agent.requeue_after_signal(e.sigval.name) else e.sigval.name
         return Outcome(state, error=e, shutdown_rdzv=False)
-    except NodeUnhealthyError as e:
-        # This node leaves (health policy); the rendezvous stays open for the others.
+    except AgentExit as e:
+        # A plugin ended this agent: the node leaves (health, eviction; the rendezvous stays
+        # open for the others), or the whole job stops (recovery policy; it is closed).
         torch_events.record(agent.get_event_failed(), config.event_log_handler)
-        return Outcome("excluded", error=e, shutdown_rdzv=False)
+        return Outcome(e.state, error=e, shutdown_rdzv=e.close_rendezvous)
     except RendezvousConnectionError as e:
         torch_events.record(agent.get_event_failed(), config.event_log_handler)
         if agent.attempt >= 0:
@@ -334,8 +345,8 @@ def _run_agent(agent: TrainGuardAgent, config: LaunchConfig, name: str) -> Outco
 def _conclude(outcome: Outcome, name: str) -> dict[int, Any]:
     """The one place an outcome becomes launch's result: return values, or the exception that
     ``trainguard run`` turns into its exit code (requeue: ``REQUEUE_EXIT_CODE``; a failure:
-    torch's ChildFailedError report, exit 1; a signal: torch's SignalException; exclusion:
-    NodeUnhealthyError, one line, exit 1)."""
+    torch's ChildFailedError report, exit 1; a signal: torch's SignalException; a plugin's
+    AgentExit: one line and its exit code (exclusion 1, eviction 94, job stop 93))."""
     if outcome.state == "requeue":
         print(
             f"trainguard run: the workers of {name} saved a preemption checkpoint and exited "
@@ -357,6 +368,19 @@ def _conclude(outcome: Outcome, name: str) -> dict[int, Any]:
     if outcome.error is not None:
         raise outcome.error
     return outcome.return_values
+
+
+def _exit_hooks(plugins: list[AgentPlugin], ctx: AgentContext, outcome: Outcome) -> Outcome:
+    """Let the plugins replace how the agent ends (``AgentPlugin.on_exit``)."""
+    for p in plugins:
+        try:
+            error = p.on_exit(ctx, outcome.state, outcome.error)
+        except Exception:
+            logger.exception("plugin %s failed in on_exit", p.name)
+            continue
+        if isinstance(error, AgentExit):
+            return Outcome(error.state, error=error, shutdown_rdzv=error.close_rendezvous)
+    return outcome
 
 
 def _finish_plugins(plugins: list[AgentPlugin], ctx: AgentContext, state: str) -> None:
@@ -393,6 +417,7 @@ def launch(
         direct_signals=tg_config.runtime.preemption_signals_direct,
         rdzv_defaults=tg_config.rendezvous.rdzv_conf(),
     )
+    ctx.job_store = getattr(spec.rdzv_handler, "job_store", None)
     plugins = plugin_factory(ctx) if plugin_factory else []
     agent = TrainGuardAgent(
         spec=spec,
@@ -419,7 +444,9 @@ def launch(
     )
     outcome = Outcome("failed")
     try:
-        outcome = _run_agent(agent, config, name)
+        outcome = _exit_hooks(plugins, ctx, _run_agent(agent, config, name))
+        if outcome.state == "evicted" and agent.attempt >= 0:
+            spec.rdzv_handler.leave()  # the others go on at once, without this node
     finally:
         events.emit("job_finished", state=outcome.state)
         _finish_plugins(plugins, ctx, outcome.state)
@@ -449,7 +476,11 @@ def prepare(
     _validate(args)
     tg_config = load_config(
         args.tg_config,
-        overrides={"runtime.run_dir": args.tg_run_dir, "ft.enabled": getattr(args, "tg_ft", None)},
+        overrides={
+            "runtime.run_dir": args.tg_run_dir,
+            "ft.enabled": getattr(args, "tg_ft", None),
+            "recovery.job_restart_budget": getattr(args, "tg_restart_budget", None),
+        },
     )
     _apply_torchrun_defaults(args)
     try:

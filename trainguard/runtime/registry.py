@@ -35,7 +35,10 @@ def node_fencer(cfg: TrainGuardConfig) -> NodeFencer:
 def default_plugins(ctx: AgentContext) -> list[AgentPlugin]:
     """Plugins enabled by ``ctx.config``. Components register theirs here as they land."""
     cfg = ctx.config
-    plugins: list[AgentPlugin] = []
+    from trainguard.recovery.plugin import RecoveryPlugin
+
+    # first: a blocklisted node refuses to join before any preflight work
+    plugins: list[AgentPlugin] = [RecoveryPlugin(ctx, fencer=node_fencer(cfg))]
     if cfg.telemetry.enabled:
         from trainguard.telemetry.plugin import create_telemetry_plugin
 

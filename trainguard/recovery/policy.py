@@ -1,0 +1,239 @@
+"""Failure → action: what a node's agent does when its worker group failed.
+
+==========================================  ======================  ===========================
+failure                                     action                  exit code
+==========================================  ======================  ===========================
+workers saved after a preemption signal     requeue                 75
+a worker's configuration error              stop the job            93 (every agent)
+job-wide restart budget spent               stop the job            93 (every agent)
+``crash_loop_restarts`` restarts in a row   stop the job            93 (every agent)
+without checkpoint progress
+this node's own workers failed              evict this node         94 (this node; the
+``node_failure_limit`` times in the window                          others restart without it)
+anything else (crash, kill, hang, a peer)   restart the group       (after the backoff)
+==========================================  ======================  ===========================
+
+The job-wide part (budget, crash loop, backoff) is decided once per failed round: the first
+agent to claim the attempt in the :class:`~trainguard.recovery.ledger.JobLedger` decides and
+publishes; every other agent whose workers failed in that round reads the same decision.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any
+
+from trainguard.core.config.recovery import RecoveryConfig
+from trainguard.core.failures import (
+    DO_NOT_REQUEUE_EXIT_CODE,
+    FailureKind,
+    WorkerFailure,
+    peer_failure_text,
+)
+from trainguard.recovery.ledger import JobLedger
+
+__all__ = ["Action", "Decision", "RecoveryPolicy", "backoff_s", "config_error", "own_failure"]
+
+
+class Action(str, Enum):
+    RESTART = "restart"
+    """Restart every node's worker group in place (torch's restart), after ``backoff_s``."""
+    EVICT = "evict"
+    """This node leaves the job and is blocklisted; the others restart without it."""
+    STOP = "stop"
+    """The whole job stops with the "do not requeue" exit code (93)."""
+    REQUEUE = "requeue"
+    """The workers saved a preemption checkpoint: exit 75 so the scheduler requeues."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    reason: str
+    attempt: int
+    job_restarts: int
+    """Job-wide restarts made, this one included when the action is a restart."""
+    backoff_s: float = 0.0
+    decided_by: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "action": self.action.value}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Decision:
+        return cls(**{**d, "action": Action(d["action"])})
+
+
+def backoff_s(restart: int, *, base_s: float, cap_s: float) -> float:
+    """Wait before the job's ``restart``-th restart (1-based): none before the first, then
+    ``base_s``, doubling, at most ``cap_s``."""
+    if restart <= 1 or base_s <= 0:
+        return 0.0
+    return float(min(cap_s, base_s * 2 ** (restart - 2)))
+
+
+def own_failure(failures: list[WorkerFailure]) -> bool:
+    """Whether a failure is this node's own: a worker died of a signal other than a teardown
+    SIGTERM, or raised an exception that is not a survivor's view of a peer's loss. An exit 1
+    without an error file is ambiguous (a survivor's collective error looks the same) and does
+    not count."""
+    for f in failures:
+        if f.kind in (FailureKind.KILLED, FailureKind.CRASHED):
+            return True
+        if f.kind is FailureKind.EXCEPTION and peer_failure_text(f.message or "") is None:
+            return True
+    return False
+
+
+def config_error(failures: list[WorkerFailure], cfg: RecoveryConfig) -> str | None:
+    """A reason when a failure is a configuration error that no restart can fix."""
+    for f in failures:
+        if f.exitcode == DO_NOT_REQUEUE_EXIT_CODE and f.signal is None:
+            # the worker itself said no restart can help (e.g. repeated loss rollbacks at the
+            # same place): stop the whole job, not only this node
+            return f"rank {f.rank} exited with {DO_NOT_REQUEUE_EXIT_CODE} (do not requeue)"
+        if f.exitcode in cfg.stop_on_exit_codes and f.signal is None:
+            return f"configuration error: rank {f.rank} exited with {f.exitcode}"
+        if f.message:
+            head = f.message.split(":", 1)[0].strip().rsplit(".", 1)[-1]
+            if head in cfg.stop_on_errors:
+                first = f.message.strip().splitlines()[0][:300]
+                return f"configuration error on rank {f.rank}: {first}"
+    return None
+
+
+def _requeue(failures: list[WorkerFailure]) -> bool:
+    kinds = {f.kind for f in failures}
+    return FailureKind.PREEMPTED in kinds and kinds <= {
+        FailureKind.PREEMPTED,
+        FailureKind.TERMINATED,
+    }
+
+
+def _describe(failures: list[WorkerFailure]) -> str:
+    parts = []
+    for f in failures[:4]:
+        how = f.signal or f"exit {f.exitcode}"
+        parts.append(f"rank {f.rank} {f.kind.value} ({how})")
+    more = f" and {len(failures) - 4} more" if len(failures) > 4 else ""
+    return "; ".join(parts) + more if parts else "the worker group was declared unhealthy"
+
+
+class RecoveryPolicy:
+    """Decides for one node (``node``); the job-wide part goes through ``ledger``."""
+
+    def __init__(self, cfg: RecoveryConfig, ledger: JobLedger, *, node: str) -> None:
+        self.cfg = cfg
+        self.ledger = ledger
+        self.node = node
+        self._own_failures: deque[float] = deque()
+
+    def decide(
+        self,
+        attempt: int,
+        failures: list[WorkerFailure],
+        *,
+        now: float | None = None,
+        evictable: bool = True,
+        hang: bool = False,
+    ) -> Decision:
+        """The action for this node after its workers failed in ``attempt``. ``evictable``:
+        the job could go on without this node (False for a single-node job); ``hang``: the
+        agent killed its hung workers (every node's detector may do that for one hang: it is
+        not counted against the node)."""
+        now = time.time() if now is None else now
+        if _requeue(failures):
+            return Decision(
+                Action.REQUEUE,
+                "the workers saved a preemption checkpoint and asked to be requeued",
+                attempt,
+                self.ledger.restarts(),
+                decided_by=self.node,
+            )
+        stop = self.ledger.stopped()
+        if stop is None:
+            reason = config_error(failures, self.cfg)
+            if reason is not None:
+                stop = self.ledger.stop(reason, by=self.node, now=now)
+        if stop is not None:
+            return Decision(
+                Action.STOP, stop["reason"], attempt, self.ledger.restarts(), decided_by=stop["by"]
+            )
+        own = own_failure(failures) and not hang
+        job = self._job_decision(attempt, failures)
+        if job.action is Action.RESTART and own and self._count_own(now) and evictable:
+            n, window = self.cfg.node_failure_limit, self.cfg.node_failure_window_s
+            return Decision(
+                Action.EVICT,
+                f"node {self.node} failed {n} times within {window:g} s "
+                f"(this time: {_describe(failures)})",
+                attempt,
+                job.job_restarts,
+                decided_by=self.node,
+            )
+        return job
+
+    def _count_own(self, now: float) -> bool:
+        """Record one own failure; True when the node reached the eviction limit."""
+        limit = self.cfg.node_failure_limit
+        self._own_failures.append(now)
+        while self._own_failures and self._own_failures[0] < now - self.cfg.node_failure_window_s:
+            self._own_failures.popleft()
+        return limit > 0 and len(self._own_failures) >= limit
+
+    def _job_decision(self, attempt: int, failures: list[WorkerFailure]) -> Decision:
+        """The job-wide decision for the failed ``attempt``: taken here or read."""
+        if self.ledger.claim(attempt):
+            return self._publish(attempt, self._decide_job(attempt, failures))
+        got = self.ledger.decision(attempt, timeout_s=self.cfg.decision_timeout_s)
+        if got is not None:
+            return Decision.from_dict(got)
+        # The deciding agent is gone (its node died): decide here, without counting again.
+        return self._publish(attempt, self._decide_job(attempt, failures, count=False))
+
+    def _publish(self, attempt: int, decision: Decision) -> Decision:
+        final = Decision.from_dict(self.ledger.publish_decision(attempt, decision.to_dict()))
+        if final.action is Action.STOP:
+            self.ledger.stop(final.reason, by=final.decided_by)
+        return final
+
+    def _decide_job(
+        self, attempt: int, failures: list[WorkerFailure], *, count: bool = True
+    ) -> Decision:
+        cfg, ledger = self.cfg, self.ledger
+        made = ledger.restarts()
+        what = _describe(failures)
+
+        def stop(reason: str) -> Decision:
+            return Decision(Action.STOP, reason, attempt, made, decided_by=self.node)
+
+        budget = cfg.job_restart_budget
+        if budget is not None and made >= budget:
+            return stop(
+                f"job restart budget spent: {made} of {budget} job-wide restarts made (now: {what})"
+            )
+        step = ledger.checkpoint_step()
+        mark_step, mark_restarts = ledger.progress_mark()
+        if step > mark_step:
+            ledger.set_progress_mark(step, made)
+            mark_restarts = made
+        idle = made - mark_restarts
+        if cfg.crash_loop_restarts and step >= 0 and idle >= cfg.crash_loop_restarts:
+            return stop(
+                f"crash loop: {idle} restarts without checkpoint progress (newest committed "
+                f"step {step}; now: {what})"
+            )
+        n = ledger.count_restart() if count else made + 1
+        wait = backoff_s(n, base_s=cfg.backoff_base_s, cap_s=cfg.backoff_cap_s)
+        limit = f" of {budget}" if budget is not None else ""
+        return Decision(
+            Action.RESTART,
+            f"job-wide restart {n}{limit} after: {what}",
+            attempt,
+            n,
+            backoff_s=wait,
+            decided_by=self.node,
+        )
