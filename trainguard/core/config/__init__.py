@@ -31,6 +31,7 @@ from trainguard.core.config.alerts import AlertsConfig
 from trainguard.core.config.checkpoint import CheckpointConfig
 from trainguard.core.config.ft import FTConfig
 from trainguard.core.config.health import HealthConfig
+from trainguard.core.config.inprocess import InProcessConfig
 from trainguard.core.config.recovery import RecoveryConfig
 from trainguard.core.config.rendezvous import RendezvousConfig
 from trainguard.core.config.runtime import RuntimeConfig
@@ -68,6 +69,7 @@ class TrainGuardConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     ft: FTConfig = field(default_factory=FTConfig)
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    inprocess: InProcessConfig = field(default_factory=InProcessConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
