@@ -95,6 +95,8 @@ class TrainGuard:
         self.events = EventLog(self.run_dir, node=self.node, context=self._event_context)
         self.generation = 0
         """In-process generation (``trainguard.run``): 0, +1 per in-process restart."""
+        self.in_process = False
+        """The training runs in ``trainguard.run`` with in-process restarts."""
         self._step_guard: Callable[[], None] | None = None  # trainguard.run's restart check
         self.step_num = 0
         """The number of the next step ``step()`` will run = the steps done so far. ``step()``

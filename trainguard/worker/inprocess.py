@@ -146,6 +146,7 @@ class _Controller:
     # -- the loop --------------------------------------------------------------------------------
     def loop(self, fn: Callable[..., T], args: Any, kwargs: Any) -> T:
         tg = self.tg
+        tg.in_process = True
         self.store.set(ready_key(tg.rank), str(os.getpid()))
         try:
             return self._loop(fn, args, kwargs)
