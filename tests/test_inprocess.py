@@ -51,7 +51,9 @@ def _launch(d: Path) -> subprocess.Popen[str]:
             str(d / "params.pt"),
         ],
         cwd=d,
-        env=base_env(),
+        # every step, whatever the load: a loaded box measures stalls that would stretch the
+        # memory tier's interval (tests/test_inprocess_units.py covers that policy)
+        env=base_env(TRAINGUARD_CHECKPOINT_MEMORY_MAX_STALL_FRACTION="0"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

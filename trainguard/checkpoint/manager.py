@@ -729,7 +729,7 @@ class CheckpointManager:
             every,
             stall,
             step,
-            self.config.memory_max_stall_fraction,
+            self.memory_cadence.max_fraction,
         )
         if self.rank == 0:
             self._emit(
@@ -737,7 +737,7 @@ class CheckpointManager:
                 every_steps=every,
                 stall_s=round(stall, 6),
                 step_s=round(step, 6),
-                max_stall_fraction=self.config.memory_max_stall_fraction,
+                max_stall_fraction=self.memory_cadence.max_fraction,
             )
 
     def set_mtbf(self, mtbf_s: float) -> None:

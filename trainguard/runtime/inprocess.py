@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 
 _NOT_RESTARTABLE = {0, REQUEUE_EXIT_CODE, DO_NOT_REQUEUE_EXIT_CODE, FALLBACK_EXIT_CODE}
 
+GROUP_KILL_EVENTS = frozenset({"hang_killed", "health_unhealthy"})
+"""Events of plugins that SIGKILL the whole local group on purpose (a hang, an unhealthy
+node): the deaths that follow are a group restart, never an in-process one."""
+
 
 class _AppendingHandler(SubprocessHandler):
     """torch's handler, but a redirected log file is appended to, not truncated (the dead
@@ -98,6 +102,11 @@ class InProcessRestarter:
         """The newest in-process generation this agent started (0: none yet)."""
         self._store: TCPStore | None = None
         self._store_addr: tuple[str, int] | None = None
+        self._group_killed: str | None = None
+        agent.events.subscribe(self._on_group_kill, kinds=GROUP_KILL_EVENTS)
+
+    def _on_group_kill(self, event: dict[str, Any]) -> None:
+        self._group_killed = str(event.get("kind"))
 
     # -- the worker store ------------------------------------------------------------------------
     def _worker_store(self, group: WorkerGroup) -> TCPStore | None:
@@ -122,6 +131,7 @@ class InProcessRestarter:
         self.generation = 0
         self._store = None
         self._store_addr = None
+        self._group_killed = None
 
     # -- the decision ----------------------------------------------------------------------------
     def check(self, group: WorkerGroup) -> bool:
@@ -159,6 +169,8 @@ class InProcessRestarter:
     def _not_applicable(
         self, group: WorkerGroup, codes: dict[int, int | None], dead: dict[int, int]
     ) -> str | None:
+        if self._group_killed is not None:
+            return f"the group is being ended ({self._group_killed})"
         if (group.group_world_size or 1) != 1:
             return "more than one node (the group restarts)"
         if len(dead) == len(codes):
