@@ -59,7 +59,9 @@ node): the deaths that follow are a group restart, never an in-process one."""
 
 class _AppendingHandler(SubprocessHandler):
     """torch's handler, but a redirected log file is appended to, not truncated (the dead
-    worker's output stays, and torch's tail threads keep reading the same file)."""
+    worker's output stays, and torch's tail threads keep reading the same file), and the
+    process comes from the agent's warm pool when it has one (``pool.spawn(argv, env, stdout=,
+    stderr=, key=local_rank)`` returning an object with ``proc`` and ``warm``)."""
 
     def __init__(
         self,
@@ -69,19 +71,40 @@ class _AppendingHandler(SubprocessHandler):
         stdout: str | None,
         stderr: str | None,
         local_rank_id: int,
+        pool: Any = None,
+        numa_options: Any = None,
     ) -> None:
         self._stdout = open(stdout, "a") if stdout else None  # noqa: SIM115
         self._stderr = open(stderr, "a") if stderr else None  # noqa: SIM115
         env_vars = os.environ.copy()
         env_vars.update(env)
         self.local_rank_id = local_rank_id
-        self.proc = self._popen((entrypoint, *[str(a) for a in args]), env_vars)
+        argv = (entrypoint, *[str(a) for a in args])
+        self.warm = False
+        if numa_options is not None:  # torch's --numa-binding: bound, so never from the pool
+            from torch.numa.binding import _maybe_wrap_command_args_with_numa_binding
+
+            argv = _maybe_wrap_command_args_with_numa_binding(
+                argv, gpu_index=local_rank_id, numa_options=numa_options
+            )
+            pool = None
+        if pool is not None:
+            started = pool.spawn(
+                argv, env_vars, stdout=self._stdout, stderr=self._stderr, key=local_rank_id
+            )
+            self.proc = started.proc
+            self.warm = bool(started.warm)
+        else:
+            self.proc = self._popen(argv, env_vars)
 
 
-def spawn_replacement(pcontext: Any, local_rank: int, extra_env: dict[str, str]) -> Any:
+def spawn_replacement(
+    pcontext: Any, local_rank: int, extra_env: dict[str, str], *, pool: Any = None
+) -> Any:
     """Start a new worker process for ``local_rank`` of torch's ``pcontext`` with the
     environment, arguments and log files torch gave the first one (plus ``extra_env``);
-    returns its handler. A cold start (a new interpreter); a warm pool can replace this."""
+    returns its handler (``.warm``: it came pre-started from ``pool``, the agent's warm pool,
+    else it is a cold start)."""
     env = {**pcontext.envs[local_rank], **extra_env}
     return _AppendingHandler(
         pcontext.entrypoint,
@@ -90,6 +113,8 @@ def spawn_replacement(pcontext: Any, local_rank: int, extra_env: dict[str, str])
         pcontext.stdouts.get(local_rank) or None,
         pcontext.stderrs.get(local_rank) or None,
         local_rank,
+        pool=pool,
+        numa_options=getattr(pcontext, "_numa_options", None),
     )
 
 
@@ -216,7 +241,9 @@ class InProcessRestarter:
                 err = pc.error_files[lr]
                 if err and os.path.isfile(err):  # read into the failure above; the new one writes
                     os.remove(err)
-                new = spawn_replacement(pc, lr, {GENERATION_ENV: str(gen)})
+                new = spawn_replacement(
+                    pc, lr, {GENERATION_ENV: str(gen)}, pool=getattr(agent, "warm_pool", None)
+                )
             except Exception as e:  # torch's poll finds the dead worker: the group restarts
                 logger.warning("in-process restart: cannot start local rank %s: %s", lr, e)
                 return False
@@ -232,6 +259,7 @@ class InProcessRestarter:
                     "old_pid": old.proc.pid,
                     "pid": new.proc.pid,
                     "exitcode": dead[lr],
+                    "warm": new.warm,
                 }
             )
         agent.events.emit(
