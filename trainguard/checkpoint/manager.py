@@ -71,7 +71,7 @@ logger = logging.getLogger(__name__)
 MEMORY_DIR_ENV = envvars.CHECKPOINT_MEMORY_DIR
 """Set by the agent's memory-tier plugin: this node's shared-memory directory."""
 
-INPROCESS_MAX_STALL_FRACTION = 0.05
+INPROCESS_MAX_STALL_FRACTION = 0.1
 """``memory_max_stall_fraction`` when unset and the training runs in ``trainguard.run``."""
 
 EventFn = Callable[..., Any]

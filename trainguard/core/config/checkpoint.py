@@ -47,8 +47,8 @@ class CheckpointConfig:
     memory_max_stall_fraction: float | None = None
     """Stretch the memory tier's interval beyond ``memory_every_steps`` while its measured stall
     (median of recent snapshots) exceeds this fraction of the measured step time (0: never).
-    None: 0.05 for training in ``trainguard.run`` (in-process restarts: every step, so at most
-    one step is redone, whenever that costs <= 5 %), 0 otherwise."""
+    None: 0.1 for training in ``trainguard.run`` (in-process restarts: every step, so at most
+    one step is redone, whenever that costs <= 10 %), 0 otherwise."""
 
     # -- how -------------------------------------------------------------------------------------
     overlap_staging: bool = True
