@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard.core.version import __version__
 
-__all__ = ["TrainGuard", "__version__", "init"]
+__all__ = ["RestartRequested", "TrainGuard", "__version__", "init", "restartable", "run"]
 
 if TYPE_CHECKING:
     from trainguard.worker.api import TrainGuard, init
+    from trainguard.worker.inprocess import RestartRequested, restartable, run
 
 
 def __getattr__(name: str) -> Any:
@@ -26,4 +27,8 @@ def __getattr__(name: str) -> Any:
         from trainguard.worker import api as worker
 
         return getattr(worker, name)
+    if name in ("run", "restartable", "RestartRequested"):
+        from trainguard.worker import inprocess
+
+        return getattr(inprocess, name)
     raise AttributeError(f"module 'trainguard' has no attribute {name!r}")

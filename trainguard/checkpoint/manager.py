@@ -44,6 +44,7 @@ from trainguard.checkpoint.interval import (
     observed_memory_fraction,
     observed_mtbf_s,
 )
+from trainguard.checkpoint.memory_cadence import MemoryCadence
 from trainguard.checkpoint.persist import Writer
 from trainguard.checkpoint.preemption import Preemption
 from trainguard.checkpoint.staging import (
@@ -69,6 +70,9 @@ logger = logging.getLogger(__name__)
 
 MEMORY_DIR_ENV = envvars.CHECKPOINT_MEMORY_DIR
 """Set by the agent's memory-tier plugin: this node's shared-memory directory."""
+
+INPROCESS_MAX_STALL_FRACTION = 0.1
+"""``memory_max_stall_fraction`` when unset and the training runs in ``trainguard.run``."""
 
 EventFn = Callable[..., Any]
 MetricFn = Callable[..., Any]
@@ -179,6 +183,11 @@ class CheckpointManager:
         )
         self._init_pipeline()
         self.interval = IntervalPolicy(self.config, on_change=self._interval_changed)
+        self.memory_cadence = MemoryCadence(
+            self.config.memory_every_steps,
+            self.config.memory_max_stall_fraction or 0.0,
+            on_change=self._memory_cadence_changed,
+        )
         self.preemption = Preemption(self.config.preemption_signals)
         self._preempting = False
         self._remove_uncommitted()  # local (rank 0); setup's barrier orders it before any save
@@ -288,8 +297,9 @@ class CheckpointManager:
         busy = self._persisting is not None and not self._persisting.done.is_set()
         broken = self._proc is not None and self._proc.check() is not None
         hook = self.rollback_hook
-        (preempt, due, busy, broken), bad = self._agree_with_step(
-            [self.preemption.signum is not None, due, busy, broken],
+        mem = self.has_memory_tier and self.memory_cadence.due(step)
+        (preempt, due, busy, broken, mem), bad = self._agree_with_step(
+            [self.preemption.signum is not None, due, busy, broken, mem],
             hook.pending() if hook is not None else None,
         )
         if bad is not None and hook is not None:  # a loss anomaly on some rank: roll back
@@ -304,13 +314,11 @@ class CheckpointManager:
             if self.rank == 0:
                 self._emit("checkpoint_skipped", step=step, reason="persist in flight")
             due = False
-        mem = (
-            self.has_memory_tier
-            and self.config.memory_every_steps > 0
-            and step % self.config.memory_every_steps == 0
-        )
+        mem = mem and self.has_memory_tier  # any rank due: every rank snapshots
         if not (due or mem):
             return None
+        if mem:
+            self.memory_cadence.snapshotted(step)
         return self._save_agreed(step, state, persist=due)
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -530,6 +538,8 @@ class CheckpointManager:
         self._staging_result = None
         self._metric(step=result.step, checkpoint_stall_s=result.stall_s)
         self.interval.record_stall(result.stall_s)
+        if not result.persist:
+            self.memory_cadence.record_stall(result.stall_s)
 
     def _persist_wait_s(self) -> float:
         """The longest wait for a persist in flight: the persister's own deadline, and a margin
@@ -751,6 +761,23 @@ class CheckpointManager:
             self._emit("checkpoint_interval", interval_s=round(tau, 3), stall_s=stall, mtbf_s=mtbf)
         logger.info("checkpoint interval %.1f s (stall %.3f s, MTBF %.0f s)", tau, stall, mtbf)
 
+    def _memory_cadence_changed(self, every: int, stall: float, step: float) -> None:
+        logger.info(
+            "memory tier every %d steps (stall %.4f s, step %.4f s, at most %g of training)",
+            every,
+            stall,
+            step,
+            self.memory_cadence.max_fraction,
+        )
+        if self.rank == 0:
+            self._emit(
+                "checkpoint_memory_cadence",
+                every_steps=every,
+                stall_s=round(stall, 6),
+                step_s=round(step, 6),
+                max_stall_fraction=self.memory_cadence.max_fraction,
+            )
+
     def set_mtbf(self, mtbf_s: float) -> None:
         """Observed mean time between failures (the runtime feeds it; auto interval uses it)."""
         self.interval.set_mtbf(mtbf_s)
@@ -790,5 +817,7 @@ def for_worker(tg: Any) -> CheckpointManager:
         if observed is not None:
             mgr.set_mtbf(min(observed, mgr.config.mtbf_s))
         mgr.interval.set_memory_fraction(observed_memory_fraction(Path(tg.run_dir)))
+    if mgr.config.memory_max_stall_fraction is None and getattr(tg, "in_process", False):
+        mgr.memory_cadence.max_fraction = INPROCESS_MAX_STALL_FRACTION
     mgr.on_restore(lambda step: setattr(tg, "step_num", step))
     return mgr

@@ -26,6 +26,7 @@ from trainguard.core.failures import (
 )
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin, NodeUnhealthyError
 from trainguard.core.progress import ProgressReader, ProgressSnapshot
+from trainguard.runtime.inprocess import InProcessRestarter
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
 __all__ = ["NodeUnhealthyError", "TrainGuardAgent"]
@@ -62,6 +63,8 @@ class TrainGuardAgent(LocalElasticAgent):
         """A worker exited with the "do not requeue" code (e.g. loss rollbacks exhausted):
         no restart, and ``trainguard run`` exits with that code."""
         self._failed_reported = False
+        self.inprocess = InProcessRestarter(self)
+        """Replaces a dead worker in place when the workers run in ``trainguard.run``."""
 
     # -- requeue (the one place that decides it) ------------------------------------------------
     def _mark_requeue(self, **fields: Any) -> None:
@@ -121,7 +124,10 @@ class TrainGuardAgent(LocalElasticAgent):
         return self._worker_group.spec.max_restarts - self._remaining_restarts
 
     def event_context(self) -> dict[str, Any]:
-        return {"attempt": max(self.attempt, 0), "agent_restarts": self.agent_restarts}
+        ctx = {"attempt": max(self.attempt, 0), "agent_restarts": self.agent_restarts}
+        if self.inprocess.generation:
+            ctx["generation"] = self.inprocess.generation
+        return ctx
 
     def worker_progress(self) -> dict[int, ProgressSnapshot]:
         """Latest progress of every local worker, by global rank."""
@@ -171,6 +177,7 @@ class TrainGuardAgent(LocalElasticAgent):
     # -- lifecycle overrides -------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         self._call("before_rendezvous")
+        self.inprocess.reset()
         t0 = time.monotonic()
         super()._rendezvous(worker_group)
         rnd = self.rdzv.last_round if self.rdzv else None
@@ -222,6 +229,7 @@ class TrainGuardAgent(LocalElasticAgent):
         return pids
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self.inprocess.check(worker_group)  # before torch's poll, which stops every worker
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.HEALTHY:
             for override in self._call("on_monitor", worker_group, result):

@@ -15,7 +15,12 @@ __all__ = ["recovery_summary"]
 
 def _steps(data: RunData) -> list[dict[str, Any]]:
     return sorted(
-        (r for recs in data.records.values() for r in recs if r.get("kind") == "step"),
+        (
+            r
+            for recs in data.records.values()
+            for r in recs
+            if r.get("kind") == "step" and not r.get("failed")  # a failed step is not done
+        ),
         key=lambda r: float(r.get("time", 0.0)),
     )
 
@@ -43,9 +48,10 @@ def recovery_summary(run_dir: str | Path) -> list[str]:
     )
     seen_attempts: set[Any] = set()
     for t, f in incidents:
-        if f.get("attempt") in seen_attempts and f.get("kind") == "worker_failed":
+        key = (f.get("attempt"), f.get("generation"))  # generation: in-process restarts
+        if key in seen_attempts and f.get("kind") == "worker_failed":
             continue  # one line per failed attempt: its first root cause
-        seen_attempts.add(f.get("attempt"))
+        seen_attempts.add(key)
         # the ranks step in lockstep; the failed rank's own last records may never have been
         # flushed, so the job's last completed step says where it failed
         before = [s for s in steps if float(s["time"]) <= t]

@@ -93,6 +93,11 @@ class TrainGuard:
         if self.world_size > 1:
             self._install_excepthook()
         self.events = EventLog(self.run_dir, node=self.node, context=self._event_context)
+        self.generation = 0
+        """In-process generation (``trainguard.run``): 0, +1 per in-process restart."""
+        self.in_process = False
+        """The training runs in ``trainguard.run`` with in-process restarts."""
+        self._step_guard: Callable[[], None] | None = None  # trainguard.run's restart check
         self.step_num = 0
         """The number of the next step ``step()`` will run = the steps done so far. ``step()``
         advances it; a checkpoint restore (``tg.checkpoint.restore_or_init``) sets it."""
@@ -329,6 +334,8 @@ class TrainGuard:
         in this step; they feed throughput and MFU. ``flops="auto"`` counts the first step's
         FLOPs with ``torch.utils.flop_counter`` and reuses the count for later steps.
         """
+        if self._step_guard is not None:
+            self._step_guard()
         num = self.step_num if step is None else step
         self._current_step = num
         if self._progress is not None:

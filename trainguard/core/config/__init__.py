@@ -31,6 +31,7 @@ from trainguard.core.config.alerts import AlertsConfig
 from trainguard.core.config.checkpoint import CheckpointConfig
 from trainguard.core.config.ft import FTConfig
 from trainguard.core.config.health import HealthConfig
+from trainguard.core.config.inprocess import InProcessConfig
 from trainguard.core.config.recovery import RecoveryConfig
 from trainguard.core.config.rendezvous import RendezvousConfig
 from trainguard.core.config.rollback import RollbackConfig
@@ -70,6 +71,7 @@ class TrainGuardConfig:
     ft: FTConfig = field(default_factory=FTConfig)
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    inprocess: InProcessConfig = field(default_factory=InProcessConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

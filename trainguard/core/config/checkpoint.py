@@ -44,6 +44,11 @@ class CheckpointConfig:
     """Upper bound of the automatic interval."""
     memory_every_steps: int = 1
     """``maybe_save`` stages into the node's memory tier every N steps when it is present (0: off)."""
+    memory_max_stall_fraction: float | None = None
+    """Stretch the memory tier's interval beyond ``memory_every_steps`` while its measured stall
+    (median of recent snapshots) exceeds this fraction of the measured step time (0: never).
+    None: 0.1 for training in ``trainguard.run`` (in-process restarts: every step, so at most
+    one step is redone, whenever that costs <= 10 %), 0 otherwise."""
 
     # -- how -------------------------------------------------------------------------------------
     overlap_staging: bool = True
@@ -112,10 +117,17 @@ class CheckpointConfig:
     """Signals that make the worker save at the next step boundary and exit with the requeue code."""
 
     def __post_init__(self) -> None:
+        if self.memory_max_stall_fraction is not None and self.memory_max_stall_fraction < 0:
+            raise ValueError("memory_max_stall_fraction must be >= 0")
         for name in ("every_steps", "memory_every_steps", "keep_last", "keep_every_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        for name in ("every_s", "mtbf_s", "auto_min_interval_s", "auto_max_interval_s"):
+        for name in (
+            "every_s",
+            "mtbf_s",
+            "auto_min_interval_s",
+            "auto_max_interval_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.auto_min_interval_s > self.auto_max_interval_s:

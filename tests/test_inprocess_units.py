@@ -1,0 +1,91 @@
+"""Pure logic of in-process restarts and of the memory tier's cadence (no processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import trainguard
+from trainguard.checkpoint.memory_cadence import MemoryCadence
+from trainguard.core.config import ConfigError, load_config
+from trainguard.core.inprocess import announce_key, pg_prefix, ready_key
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _drive(c: MemoryCadence, clock: Clock, steps: int, step_s: float, stall_s: float) -> list[int]:
+    saved = []
+    for s in range(steps):
+        if c.due(s):
+            c.snapshotted(s)
+            saved.append(s)
+            c.record_stall(stall_s)
+            clock.t += stall_s
+        clock.t += step_s
+    return saved
+
+
+def test_memory_cadence_every_step_while_the_stall_is_small() -> None:
+    clock, changes = Clock(), []
+    c = MemoryCadence(1, 0.05, clock=clock, on_change=lambda *a: changes.append(a))
+    assert _drive(c, clock, 50, step_s=0.05, stall_s=0.002) == list(range(50))
+    assert c.every == 1 and changes == []
+
+
+def test_memory_cadence_stretches_to_keep_the_stall_under_the_fraction() -> None:
+    clock, changes = Clock(), []
+    c = MemoryCadence(1, 0.05, clock=clock, on_change=lambda *a: changes.append(a))
+    saved = _drive(c, clock, 200, step_s=0.05, stall_s=0.01)  # 20 % of a step
+    assert c.every == 4 and changes[0][0] == 4  # 0.01 / (4 * 0.05) = 5 %
+    late = [s for s in saved if s > 100]
+    assert all(b - a == 4 for a, b in zip(late, late[1:], strict=False)), late
+    # the stall shrinks again: back to every step
+    _drive(c, clock, 100, step_s=0.05, stall_s=0.001)
+    assert c.every == 1
+
+
+def test_memory_cadence_configured_interval_and_off() -> None:
+    clock = Clock()
+    c = MemoryCadence(5, 0.05, clock=clock)
+    assert _drive(c, clock, 20, step_s=0.05, stall_s=0.0) == [0, 5, 10, 15]
+    c = MemoryCadence(0, 0.05, clock=clock)
+    assert _drive(c, clock, 20, step_s=0.05, stall_s=0.0) == []
+    c = MemoryCadence(1, 0.0, clock=clock)  # fraction 0: never stretched
+    assert len(_drive(c, clock, 40, step_s=0.01, stall_s=0.01)) == 40
+
+
+def test_protocol_keys_are_distinct_per_generation_and_rank() -> None:
+    assert len({pg_prefix(0), pg_prefix(1), announce_key(1), ready_key(0), ready_key(1)}) == 5
+    assert pg_prefix(1).endswith("/")
+
+
+def test_inprocess_config_section(tmp_path: Path) -> None:
+    cfg = load_config(env={"TRAINGUARD_INPROCESS_ENABLED": "0"})
+    assert cfg.inprocess.enabled is False and cfg.inprocess.join_timeout_s > 0
+    with pytest.raises((ConfigError, ValueError)):
+        load_config(env={"TRAINGUARD_INPROCESS_JOIN_TIMEOUT_S": "0"})
+
+
+def test_run_outside_the_agent_calls_the_function_once(tmp_path: Path, monkeypatch) -> None:
+    for k in ("RANK", "WORLD_SIZE", "TRAINGUARD_AGENT_PROGRESS_DIR"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TRAINGUARD_AGENT_RUN_DIR", str(tmp_path))
+    calls = []
+
+    @trainguard.restartable
+    def train(tg, x, *, y):
+        calls.append((tg.rank, x, y))
+        return x + y
+
+    try:
+        assert train(1, y=2) == 3 and calls == [(0, 1, 2)]
+        assert trainguard.run(lambda tg: tg.generation) == 0
+    finally:
+        trainguard.init().close()
