@@ -97,11 +97,14 @@ def child(
         t.start()
     print("ready", flush=True)
     sys.stdin.readline()
+    t_go = os.times()
     go.set()
     for t in threads:
         t.join()
     out = {"ok": len(ends), "errors": errors[:3], "n_errors": len(errors)}
     out["t_end"] = max(ends) if ends else None
+    t = os.times()
+    out["cpu_s"] = t.user + t.system - t_go.user - t_go.system  # the round's CPU only
     out["ranks"] = sorted(ranks)
     out["writes"] = sum(getattr(b, "writes", 0) for b in backends)
     out["wins"] = sum(getattr(b, "wins", 0) for b in backends)
@@ -111,6 +114,15 @@ def child(
 
 
 # -- parent --------------------------------------------------------------------------------------
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _show_progress(endpoint: str, run_id: str, t0: float, stop: threading.Event) -> None:
     import pickle
 
@@ -192,9 +204,11 @@ def one_round(
         writes = sum(r["writes"] for r in results)
         wins = sum(r["wins"] for r in results)
         batched = sum(r.get("batched", 0) for r in results)
-        stats = f"ok ({wins} of {writes} state writes won" if writes else "ok"
+        cpu = sum(r.get("cpu_s", 0.0) for r in results)
+        stats = f"ok ({wins} of {writes} state writes won" if writes else "ok ("
         if writes:
-            stats += f", {batched} agents admitted by another's write)"
+            stats += f", {batched} agents admitted by another's write, "
+        stats += f"agents' CPU {cpu:.1f} s)"
         return max(r["t_end"] for r in results) - t_go, stats
     finally:
         if progress:
@@ -254,11 +268,14 @@ def main() -> None:
                             endpoint = f"127.0.0.1:{store.port}"
                         else:
                             endpoint = etcd.endpoint
+                        etcd_cpu0 = _cpu_s(etcd.proc.pid) if etcd.proc else 0.0
                         dt, why = one_round(
                             "c10d" if b == "c10d" else "etcd-v3", endpoint, n, args.procs,
                             args.timeout, args.progress,
                         )  # fmt: skip
                         del store
+                        if b == "etcd" and etcd.proc:
+                            why += f" etcd CPU {_cpu_s(etcd.proc.pid) - etcd_cpu0:.1f} s"
                         times.setdefault((b, n), []).append(dt)
                         shown = f"{dt:7.2f} s" if dt is not None else "   null"
                         print(f"N={n:<5} run {r + 1} {b:<5} {shown}  {why}", flush=True)
