@@ -124,16 +124,15 @@ def _cpu_s(pid: int) -> float:
 
 
 def _show_progress(endpoint: str, run_id: str, t0: float, stop: threading.Event) -> None:
-    import pickle
-
     from trainguard.runtime.etcd_v3 import EtcdV3Client, _unpack, parse_endpoints
+    from trainguard.runtime.etcd_v3.codec import decode_state
 
     c = EtcdV3Client(parse_endpoints(endpoint))
     while not stop.wait(2.0):
         found = c.get(f"/trainguard/rdzv/{run_id}/state")
         if found is None:
             continue
-        st = pickle.loads(_unpack(found[0]))  # torch's own state format
+        st = decode_state(_unpack(found[0]))
         print(
             f"  t={time.time() - t0:5.1f}s rev={found[1]} round={st.round} "
             f"participants={len(st.participants)} complete={st.complete} "
@@ -222,6 +221,17 @@ def one_round(
             c.wait()
 
 
+class _External:
+    """An etcd this benchmark did not start (``--etcd-endpoint``): never stopped by it."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.proc = None
+
+    def kill(self) -> None:
+        pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sizes", default="100,300,1000")
@@ -233,6 +243,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--only", choices=["etcd", "c10d"], default=None)
     ap.add_argument("--progress", action="store_true", help="print the etcd round's progress")
+    ap.add_argument(
+        "--etcd-endpoint", default=None, help="use this running etcd instead of starting one"
+    )
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     # a SIGTERM still runs the finally blocks that stop etcd and the agent processes
@@ -246,7 +259,7 @@ def main() -> None:
     backends = [args.only] if args.only else ["etcd", "c10d"]
     times: dict[tuple[str, int], list[float | None]] = {}
     with tempfile.TemporaryDirectory(prefix="rdzv-scale-") as d:
-        etcd = Etcd(
+        etcd = _External(args.etcd_endpoint) if args.etcd_endpoint else Etcd(
             Path(d) / "etcd",
             extra_args=[
                 "--auto-compaction-mode", "revision", "--auto-compaction-retention", "1000",

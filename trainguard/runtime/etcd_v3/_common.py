@@ -16,7 +16,7 @@ DEFAULT_REQUEST_TIMEOUT = 10.0
 DEFAULT_RETRY_TIMEOUT = 60.0
 DEFAULT_CAS_BACKOFF = 0.02
 DEFAULT_CAS_BACKOFF_MAX = 2.0
-JOIN_BATCH = 256
+JOIN_BATCH = 1024
 """Join requests one state write admits at most (each load reads this many)."""
 OPTIONS = (
     "protocol",

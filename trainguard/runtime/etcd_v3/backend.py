@@ -148,53 +148,136 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def _join_prefix(self) -> str:
         return self._key.rsplit("/", 1)[0] + "/join/"
 
-    def load(
-        self, since: int = 0
-    ) -> tuple[bytes, int, dict[str, float], list[tuple[int, dict[str, Any]]], int] | None:
-        """In one read: the state, its revision, the heartbeat keys written after revision
-        ``since`` (all when 0), the oldest ``JOIN_BATCH`` join requests, and the store's
-        revision."""
-        hb, jp = self._hb_prefix, self._join_prefix
-        beats: dict[str, Any] = {"key": _b64(hb), "range_end": _b64(_range_end(hb.encode()))}
-        if since > 0:
-            beats["min_mod_revision"] = str(since + 1)
-        out = self._client.txn(
-            [],
-            [
-                {"request_range": {"key": _b64(self._key)}},
-                {"request_range": beats},
-                {
-                    "request_range": {
-                        "key": _b64(jp),
-                        "range_end": _b64(_range_end(jp.encode())),
-                        "sort_order": "ASCEND",
-                        "sort_target": "CREATE",
-                        "limit": str(JOIN_BATCH),
-                    }
-                },
-            ],
-            [],
-        )
-        responses = out.get("responses") or [{}, {}, {}]
+    def load(self) -> tuple[bytes, int, bytes | None, int] | None:
+        """In one read: the state and its revision, the summary key, and the store's revision
+        (from which a watch sees every later change). It also reads the run's lease key, so
+        that a new agent joins the run's lease without a round trip of its own."""
+        c = self._client
+        ops = [
+            {"request_range": {"key": _b64(self._key)}},
+            {"request_range": {"key": _b64(self._meta_key)}},
+        ]
+        if c.lease_key and c.lease_known() is None:
+            ops.append({"request_range": {"key": _b64(c.lease_key)}})
+        out = c.txn([], ops, [])
+        responses = (out.get("responses") or []) + [{}, {}, {}]
+        if len(ops) == 3:
+            lkvs = (responses[2].get("response_range") or {}).get("kvs") or []
+            if lkvs:
+                c.adopt_lease(int(_unb64(lkvs[0].get("value"))))
         kvs = (responses[0].get("response_range") or {}).get("kvs") or []
         if not kvs:
             return None
+        mkvs = (responses[1].get("response_range") or {}).get("kvs") or []
+        meta = _unb64(mkvs[0].get("value")) if mkvs else None
+        state = _unpack(_unb64(kvs[0].get("value")))
+        revision = int(out.get("header", {}).get("revision", 0))
+        return state, int(kvs[0].get("mod_revision", 0)), meta, revision
+
+    def join_requests(self) -> list[tuple[int, dict[str, Any]]]:
+        """The oldest ``JOIN_BATCH`` join requests as ``(round, request)`` (only a node about
+        to write the state reads them)."""
+        jp = self._join_prefix
+        out = self._client.call(
+            "kv/range",
+            {
+                "key": _b64(jp),
+                "range_end": _b64(_range_end(jp.encode())),
+                "sort_order": "ASCEND",
+                "sort_target": "CREATE",
+                "limit": str(JOIN_BATCH),
+            },
+        )
+        found: list[tuple[int, dict[str, Any]]] = []
+        for kv in out.get("kvs") or []:
+            try:
+                rnd = int(_unb64(kv["key"]).decode()[len(jp) :].split("/", 1)[0])
+                found.append((rnd, json.loads(_unb64(kv.get("value")))))
+            except (KeyError, ValueError):
+                continue
+        return found
+
+    @property
+    def _lock_key(self) -> str:
+        return self._key.rsplit("/", 1)[0] + "/admit"
+
+    def try_lock_admission(self, owner: str, ttl: float) -> int | None:
+        """Become the one node that admits the pending join requests for ``ttl`` seconds
+        (or until :meth:`unlock_admission`); returns the lock's revision, or None when another
+        node holds it. An expired lock (its holder died) is taken over."""
+        c = self._client
+        key = _b64(self._lock_key)
+        value = json.dumps({"owner": owner, "until": time.time() + ttl})
+        out = c.txn(
+            [{"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}],
+            [c.put_request(self._lock_key, value)],
+            [{"request_range": {"key": key}}],
+        )
+        if out.get("succeeded"):
+            return int(out["header"]["revision"])
+        for r in out.get("responses") or []:
+            for kv in (r.get("response_range") or {}).get("kvs") or []:
+                try:
+                    until = float(json.loads(_unb64(kv.get("value")))["until"])
+                except (KeyError, TypeError, ValueError):
+                    until = 0.0
+                if until >= time.time():
+                    return None
+                took = c.txn(
+                    [
+                        {
+                            "key": key,
+                            "result": "EQUAL",
+                            "target": "MOD",
+                            "mod_revision": str(kv.get("mod_revision", 0)),
+                        }
+                    ],
+                    [c.put_request(self._lock_key, value)],
+                    [],
+                )
+                if took.get("succeeded"):
+                    return int(took["header"]["revision"])
+        return None
+
+    def unlock_admission(self, revision: int) -> None:
+        key = _b64(self._lock_key)
+        self._client.txn(
+            [{"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": str(revision)}],
+            [{"request_delete_range": {"key": key}}],
+            [],
+        )
+
+    def heartbeats(self, since: int = 0) -> tuple[dict[str, float], int]:
+        """The heartbeat keys written after revision ``since`` (all when 0), and the store's
+        revision to pass as ``since`` next time."""
+        hb = self._hb_prefix
+        req: dict[str, Any] = {"key": _b64(hb), "range_end": _b64(_range_end(hb.encode()))}
+        if since > 0:
+            req["min_mod_revision"] = str(since + 1)
+        out = self._client.call("kv/range", req)
         times: dict[str, float] = {}
-        for kv in (responses[1].get("response_range") or {}).get("kvs") or []:
+        for kv in out.get("kvs") or []:
             try:
                 times[_unb64(kv["key"]).decode()[len(hb) :]] = float(_unb64(kv.get("value")))
             except (KeyError, ValueError):
                 continue
-        joins: list[tuple[int, dict[str, Any]]] = []
-        for kv in (responses[2].get("response_range") or {}).get("kvs") or []:
-            try:
-                rnd = int(_unb64(kv["key"]).decode()[len(jp) :].split("/", 1)[0])
-                joins.append((rnd, json.loads(_unb64(kv.get("value")))))
-            except (KeyError, ValueError):
-                continue
-        state = _unpack(_unb64(kvs[0].get("value")))
-        revision = int(out.get("header", {}).get("revision", 0))
-        return state, int(kvs[0].get("mod_revision", 0)), times, joins, revision
+        return times, int(out.get("header", {}).get("revision", 0))
+
+    def wait_meta_change(self, seen: bytes | None, after: int, timeout: float) -> bool:
+        """Block until the summary key changes, after revision ``after`` (that of the read
+        that saw ``seen``), to another value (True), or ``timeout`` passes (False). One
+        streaming watch, no polling."""
+
+        def differs(ev: dict[str, Any]) -> bool:
+            return _unb64((ev.get("kv") or {}).get("value")) != seen
+
+        return self._client.watch(
+            self._meta_key, start_revision=after + 1, timeout=timeout, wanted=differs
+        )
+
+    def wait_state_change(self, after: int, timeout: float) -> bool:
+        """Block until the state is written after revision ``after`` (True), or ``timeout``."""
+        return self._client.watch(self._key, start_revision=after + 1, timeout=timeout)
 
     def meta(self) -> bytes | None:
         found = self._client.get(self._meta_key)
@@ -203,10 +286,20 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def put_heartbeat(self, node: str, when: float) -> None:
         self._client.put(self._hb_prefix + node, repr(when))
 
-    def put_join(self, round_: int, node: _NodeDesc, when: float) -> None:
-        """This node asks to join ``round_`` as a participant (any writer may add it)."""
+    def put_join(self, round_: int, node: _NodeDesc, when: float) -> int:
+        """This node asks to join ``round_`` as a participant (any writer may add it), and
+        refreshes its heartbeat key, in one transaction."""
         value = {"addr": node.addr, "pid": node.pid, "local_id": node.local_id, "t": when}
-        self._client.put(f"{self._join_prefix}{round_}/{node!r}", json.dumps(value))
+        c = self._client
+        out = c.txn(
+            [],
+            [
+                c.put_request(f"{self._join_prefix}{round_}/{node!r}", json.dumps(value)),
+                c.put_request(self._hb_prefix + repr(node), repr(when)),
+            ],
+            [],
+        )
+        return int(out.get("header", {}).get("revision", 0))
 
     def forget_joins(self, round_: int) -> None:
         self._client.delete(f"{self._join_prefix}{round_}/", prefix=True)

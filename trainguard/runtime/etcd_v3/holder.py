@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import pickle
 import random
 import time
 from datetime import datetime, timezone
 from typing import Any
 
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousSettings,
     _BackendRendezvousStateHolder,
@@ -17,8 +16,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
+from trainguard.runtime.etcd_v3.codec import decode_state, encode_state, remember
 
-__all__ = ["ScalableStateHolder"]
+__all__ = ["ADMISSION_LOCK_TTL", "ScalableStateHolder"]
+
+ADMISSION_LOCK_TTL = 10.0
+"""Seconds the node that admits pending join requests holds the admission lock at most."""
 
 
 def _meta(state: _RendezvousState) -> bytes:
@@ -64,8 +67,12 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
         self._node_key = repr(node)
         self._last_full = -float("inf")
         self._meta_seen: bytes | None = None
-        self._poll = 1.0
-        self._next_poll = 0.0
+        self._seen_rev = 0
+        """etcd's revision when this node last read or wrote the state: a watch from the next
+        revision misses nothing."""
+        self._join_rev = 0
+        self._lock_rev = 0
+        self._next_sweep = 0.0
         self._snapshot: tuple[Any, ...] | None = None
         self._joins: dict[_NodeDesc, float] = {}
         self._join_round: int | None = None
@@ -140,35 +147,81 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
                     st.participants[member] = rank
         return added
 
-    def _load_full(self) -> None:
-        loaded = self._etcd.load(self._beats_rev)
+    # -- reads -------------------------------------------------------------------------------
+    def _load_full(self, overlay: float | None = 1.0) -> None:
+        """Read the state; overlay the nodes' own keep-alive keys when some node's time in it
+        is older than ``overlay`` x the dead-node threshold (None: never; a node waiting to be
+        admitted does not write without the admission lock, and reads again under it)."""
+        loaded = self._etcd.load()
         if loaded is None:
             self._state, self._token = _RendezvousState(), None
+            self._seen_rev = 0
         else:
-            bits, self._token, beats, joins, self._beats_rev = loaded
-            self._beats.update(beats)
-            try:
-                self._state = pickle.loads(bits)  # torch's own state format
-            except pickle.PickleError as exc:
-                raise RendezvousStateError(
-                    "The rendezvous state is corrupt. See inner exception for details."
-                ) from exc
-            self._joins = {}
-            for rnd, j in joins:
-                if rnd == self._state.round:
-                    try:
-                        node = _NodeDesc(str(j["addr"]), int(j["pid"]), int(j["local_id"]))
-                        self._joins[node] = float(j["t"])
-                    except (KeyError, TypeError, ValueError):
-                        continue
-            hb = self._state.last_heartbeats
-            for node, when in hb.items():
-                t = self._beats.get(repr(node))
-                if t is not None and t > when.timestamp():
-                    hb[node] = datetime.fromtimestamp(t, timezone.utc)
+            bits, token, _meta_value, self._seen_rev = loaded
+            self._state = decode_state(bits, key=self._etcd.key, revision=token)
+            self._token = token
+            if overlay is not None and self._stale(overlay):
+                self._overlay_heartbeats()
         self._meta_seen = _meta(self._state)
         self._last_full = time.monotonic()
         self._done()
+
+    def _stale(self, fraction: float) -> bool:
+        """Some node's keep-alive time in the state is older than ``fraction`` of torch's
+        dead-node threshold (keep_alive_interval x keep_alive_max_attempt)."""
+        s = self._settings
+        limit = (s.keep_alive_interval * s.keep_alive_max_attempt).total_seconds() * fraction
+        oldest = time.time() - limit
+        return any(t.timestamp() < oldest for t in self._state.last_heartbeats.values())
+
+    def _overlay_heartbeats(self) -> None:
+        """Newer keep-alive times from the nodes' own keys (one read of every heartbeat key).
+
+        A reader needs them only when some node would otherwise be declared dead (past torch's
+        threshold). Before that, at half the threshold, one node (the admission-lock holder)
+        writes fresh times into the state for everyone (:meth:`_sweep`), so that hundreds of
+        readers do not each read every node's key."""
+        beats, self._beats_rev = self._etcd.heartbeats(self._beats_rev)
+        self._beats.update(beats)
+        hb = self._state.last_heartbeats
+        for node, when in hb.items():
+            t = self._beats.get(repr(node))
+            if t is not None and t > when.timestamp():
+                hb[node] = datetime.fromtimestamp(t, timezone.utc)
+
+    def _sweep(self) -> None:
+        """Refresh the keep-alive times in the shared state (under the admission lock), when
+        some are older than half the dead-node threshold."""
+        if self._token is None or not self._stale(0.5) or time.monotonic() < self._next_sweep:
+            return
+        # one try per keep-alive interval per node: the nodes that lose wait for the winner's
+        self._next_sweep = time.monotonic() + self._settings.keep_alive_interval.total_seconds()
+        lock = self._etcd.try_lock_admission(self._node_key, ADMISSION_LOCK_TTL)
+        if lock is None:
+            return
+        try:
+            self._load_full(overlay=0.5)
+            meta = _meta(self._state)
+            out = self._etcd.set_state(
+                encode_state(self._state), self._token, meta=meta, fetch=False
+            )
+            if out is not None and out[2]:
+                self._token = out[1]
+                self._meta_seen, self._seen_rev = meta, int(out[1])
+                remember(self._state, key=self._etcd.key, revision=int(out[1]))
+                self._done()
+        finally:
+            self._etcd.unlock_admission(lock)
+
+    def _read_joins(self) -> None:
+        self._joins = {}
+        for rnd, j in self._etcd.join_requests():
+            if rnd == self._state.round:
+                try:
+                    node = _NodeDesc(str(j["addr"]), int(j["pid"]), int(j["local_id"]))
+                    self._joins[node] = float(j["t"])
+                except (KeyError, TypeError, ValueError):
+                    continue
 
     def _done(self) -> None:
         self._dirty = False
@@ -176,22 +229,41 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
         self._sanitize()
         self._snapshot = self._take_snapshot()
 
-    def _may_skip_full_read(self, now: float) -> bool:
+    def _full_every(self) -> float:
+        """Seconds between full reads of a node that otherwise waits on the summary key (to
+        see dead nodes): twice the keep-alive interval, longer for large rounds."""
+        n = len(self._state.last_heartbeats)
+        return max(2 * self._settings.keep_alive_interval.total_seconds(), n / 50.0)
+
+    def _wait_budget(self) -> float:
+        """How long a waiting participant may block on a watch: until its own keep-alive or
+        the round's last-call deadline is due, at most 3 s."""
         st = self._state
-        if self._token is None or st.complete or self._node not in st.participants:
+        s = self._settings
+        budget = 3.0
+        mine = st.last_heartbeats.get(self._node)
+        if mine is not None:
+            due = mine.timestamp() + s.keep_alive_interval.total_seconds() - time.time()
+            budget = min(budget, due)
+        if st.deadline is not None:
+            budget = min(budget, (st.deadline - datetime.now(timezone.utc)).total_seconds())
+        return max(budget, 0.05)
+
+    def _may_skip_full_read(self, now: float) -> bool:
+        """A participant reads the whole state only when the summary changed (or for the
+        periodic liveness check): while the round fills it blocks on a watch of the summary
+        key; once the round is complete it reads the summary (a few bytes) instead."""
+        st = self._state
+        if self._token is None or self._node not in st.participants or st.closed:
             return False
-        full_every = max(
-            self._settings.keep_alive_interval.total_seconds(), len(st.last_heartbeats) / 100.0
-        )
-        if now - self._last_full >= full_every:
+        if now - self._last_full >= self._full_every():
             return False
-        if now < self._next_poll:
-            return True
-        if self._etcd.meta() != self._meta_seen:
-            return False
-        self._poll = min(self._poll * 1.5, 2.0)
-        self._next_poll = now + self._poll * random.uniform(0.5, 1.0)
-        return True
+        if st.complete:
+            return self._etcd.meta() == self._meta_seen
+        if self._stale(0.5) and now >= self._next_sweep:
+            return False  # read, then refresh everyone's keep-alive times (_sweep)
+        changed = self._etcd.wait_meta_change(self._meta_seen, self._seen_rev, self._wait_budget())
+        return not changed
 
     def _refresh_pending_join(self) -> None:
         """A node that asked to join keeps its heartbeat key fresh until it sees itself in the
@@ -205,6 +277,40 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
             self._etcd.put_heartbeat(self._node_key, now)
             self._join_beat = now
 
+    # -- writes ------------------------------------------------------------------------------
+    def _ask_to_join(self) -> bool:
+        """Put this node's join request, then either become the one node that admits the
+        pending requests (an admission lock in etcd; False: write now) or wait for the node that
+        holds it to write (a watch on the state; True: reloaded, torch decides again).
+
+        One writer at a time admits every node that asked so far in one write, instead of
+        hundreds of nodes racing for the same key with the whole state each."""
+        st = self._state
+        if (
+            self._join_round != st.round
+            or time.time() - self._join_beat >= self._settings.keep_alive_interval.total_seconds()
+        ):
+            self._join_beat = time.time()
+            self._join_rev = self._etcd.put_join(st.round, self._node, self._join_beat)
+            self._join_round = st.round
+        lock = self._etcd.try_lock_admission(self._node_key, ADMISSION_LOCK_TTL)
+        if lock is not None:
+            self._lock_rev = lock
+            # the newest state under the lock, with fresh keep-alive times for everyone
+            self._load_full(overlay=0.5)
+            return False
+        self._etcd.wait_state_change(self._seen_rev, 2.0 * random.uniform(0.5, 1.0))
+        self._load_full(overlay=None)
+        return True
+
+    def _unlock(self) -> None:
+        if self._lock_rev:
+            rev, self._lock_rev = self._lock_rev, 0
+            try:
+                self._etcd.unlock_admission(rev)
+            except RendezvousConnectionError:
+                pass  # it expires
+
     def sync(self) -> bool | None:
         self._refresh_pending_join()
         now = time.monotonic()
@@ -215,26 +321,23 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
                 self._done()
                 return True
             was_complete = self._snapshot is not None and self._snapshot[1]
+            added = 0
             if self._joining():
-                st = self._state
-                if (
-                    self._join_round != st.round
-                    or time.time() - self._join_beat
-                    >= self._settings.keep_alive_interval.total_seconds()
-                ):
-                    self._join_beat = time.time()
-                    self._etcd.put_heartbeat(self._node_key, self._join_beat)
-                    self._etcd.put_join(st.round, self._node, self._join_beat)
-                    self._join_round = st.round
-                added = self._add_requested_joins(st)
-            else:
-                added = 0
-            bits = pickle.dumps(self._state)
+                if self._ask_to_join():
+                    return False
+                self._read_joins()
+                added = self._add_requested_joins(self._state)
+            bits = encode_state(self._state)
             meta = _meta(self._state)
-            out = self._etcd.set_state(bits, self._token, meta=meta, fetch=False)
+            try:
+                out = self._etcd.set_state(bits, self._token, meta=meta, fetch=False)
+            finally:
+                self._unlock()
             if out is not None and out[2]:
                 self._token = out[1]
                 self._meta_seen = meta
+                self._seen_rev = int(out[1])
+                remember(self._state, key=self._etcd.key, revision=int(out[1]))
                 self.batched += added
                 try:
                     if self._state.complete and not was_complete:
@@ -246,13 +349,12 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
                 self._done()
                 return True
             self._load_full()
-            self._poll, self._next_poll = 1.0, 0.0
             return False
         if self._cache_duration > 0 and self._last_sync_time >= max(now - self._cache_duration, 0):
             return None
         if self._may_skip_full_read(now):
-            self._last_sync_time = now
+            self._last_sync_time = time.monotonic()
             return None
         self._load_full()
-        self._poll, self._next_poll = 1.0, 0.0
+        self._sweep()
         return None

@@ -45,6 +45,9 @@ class EtcdV3Store(dist.Store):
         self._client.put(self._k(key), self._v(value))
 
     def get(self, key: str) -> bytes:
+        found = self._client.get(self._k(key))  # usually there: one read
+        if found is not None:
+            return found[0]
         self.wait([key])
         found = self._client.get(self._k(key))
         if found is None:  # deleted between wait and get
@@ -104,24 +107,31 @@ class EtcdV3Store(dist.Store):
                 return _unb64(kvs[0].get("value"))
         return expected
 
-    def _missing(self, keys: Sequence[str]) -> list[str]:
-        if not keys:
-            return []
-        ops = [{"request_range": {"key": _b64(self._k(k)), "keys_only": True}} for k in keys]
-        out = self._client.txn([], ops, [])
-        missing = []
-        for k, r in zip(keys, out.get("responses") or [], strict=False):
-            if not (r.get("response_range") or {}).get("kvs"):
-                missing.append(k)
-        return missing
+    def _missing(self, keys: Sequence[str]) -> tuple[list[str], int]:
+        """The keys that do not exist, and the revision they were checked at (transactions of
+        at most 100 reads: etcd refuses more than 128 operations in one)."""
+        missing: list[str] = []
+        revision = 0
+        keys = list(keys)
+        for i in range(0, len(keys), 100):
+            chunk = keys[i : i + 100]
+            ops = [{"request_range": {"key": _b64(self._k(k)), "keys_only": True}} for k in chunk]
+            out = self._client.txn([], ops, [])
+            if not revision:
+                revision = int(out.get("header", {}).get("revision", 0))
+            for k, r in zip(chunk, out.get("responses") or [], strict=False):
+                if not (r.get("response_range") or {}).get("kvs"):
+                    missing.append(k)
+        return missing, revision
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
+        """Block until every key exists: one check, then a watch on the store's keys from
+        that revision (woken by the first write of a missing key), no polling."""
         limit = (timeout if timeout is not None else self.timeout).total_seconds()
         deadline = time.monotonic() + limit
-        delay = 0.01
         pending = list(keys)
         while True:
-            pending = self._missing(pending)
+            pending, revision = self._missing(pending)
             if not pending:
                 return
             now = time.monotonic()
@@ -130,11 +140,17 @@ class EtcdV3Store(dist.Store):
                     f"timed out after {limit:.1f} s waiting for keys {pending} in etcd "
                     f"({self._prefix})"
                 )
-            time.sleep(min(delay, deadline - now))
-            delay = min(delay * 1.5, 0.25)
+            wanted = {_b64(self._k(k)) for k in pending}
+            self._client.watch(
+                self._prefix,
+                prefix=True,
+                start_revision=revision + 1,
+                timeout=min(deadline - now, 5.0),
+                wanted=lambda ev, w=wanted: (ev.get("kv") or {}).get("key") in w,  # type: ignore[misc]
+            )
 
     def check(self, keys: Sequence[str]) -> bool:
-        return not self._missing(list(keys))
+        return not self._missing(list(keys))[0]
 
     def delete_key(self, key: str) -> bool:
         return self._client.delete(self._k(key)) > 0
@@ -146,14 +162,16 @@ class EtcdV3Store(dist.Store):
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         keys = list(keys)
         self.wait(keys)
-        ops = [{"request_range": {"key": _b64(self._k(k))}} for k in keys]
-        out = self._client.txn([], ops, [])
         values = []
-        for k, r in zip(keys, out.get("responses") or [], strict=True):
-            kvs = (r.get("response_range") or {}).get("kvs") or []
-            if not kvs:
-                raise dist.DistStoreError(f"key {k!r} was deleted while being read")
-            values.append(_unb64(kvs[0].get("value")))
+        for i in range(0, len(keys), 100):  # etcd allows 128 operations per transaction
+            chunk = keys[i : i + 100]
+            ops = [{"request_range": {"key": _b64(self._k(k))}} for k in chunk]
+            out = self._client.txn([], ops, [])
+            for k, r in zip(chunk, out.get("responses") or [], strict=True):
+                kvs = (r.get("response_range") or {}).get("kvs") or []
+                if not kvs:
+                    raise dist.DistStoreError(f"key {k!r} was deleted while being read")
+                values.append(_unb64(kvs[0].get("value")))
         return values
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
@@ -161,5 +179,5 @@ class EtcdV3Store(dist.Store):
             self._client.put_request(self._k(k), self._v(v))
             for k, v in zip(keys, values, strict=True)
         ]
-        if ops:
-            self._client.txn([], ops, [])
+        for i in range(0, len(ops), 100):  # etcd allows 128 operations per transaction
+            self._client.txn([], ops[i : i + 100], [])
