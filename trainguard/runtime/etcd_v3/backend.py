@@ -286,20 +286,45 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def put_heartbeat(self, node: str, when: float) -> None:
         self._client.put(self._hb_prefix + node, repr(when))
 
-    def put_join(self, round_: int, node: _NodeDesc, when: float) -> int:
-        """This node asks to join ``round_`` as a participant (any writer may add it), and
-        refreshes its heartbeat key, in one transaction."""
+    def put_join(
+        self,
+        round_: int,
+        node: _NodeDesc,
+        when: float,
+        *,
+        lock_owner: str | None = None,
+        lock_ttl: float = 10.0,
+    ) -> tuple[int, bool]:
+        """This node asks to join ``round_`` as a participant (any writer may add it) and
+        refreshes its heartbeat key; with ``lock_owner``, it also takes the admission lock if
+        nobody holds it. One transaction; returns its revision and whether the lock is ours."""
         value = {"addr": node.addr, "pid": node.pid, "local_id": node.local_id, "t": when}
         c = self._client
-        out = c.txn(
-            [],
-            [
-                c.put_request(f"{self._join_prefix}{round_}/{node!r}", json.dumps(value)),
-                c.put_request(self._hb_prefix + repr(node), repr(when)),
-            ],
-            [],
+        puts = [
+            c.put_request(f"{self._join_prefix}{round_}/{node!r}", json.dumps(value)),
+            c.put_request(self._hb_prefix + repr(node), repr(when)),
+        ]
+        compare: list[dict[str, Any]] = []
+        success = puts
+        if lock_owner is not None:
+            lock = json.dumps({"owner": lock_owner, "until": time.time() + lock_ttl})
+            key = _b64(self._lock_key)
+            compare = [{"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}]
+            success = [*puts, c.put_request(self._lock_key, lock)]
+        out = c.txn(compare, success, puts if compare else [])
+        locked = bool(compare) and bool(out.get("succeeded"))
+        return int(out.get("header", {}).get("revision", 0)), locked
+
+    def wait_join_admitted(self, round_: int, node: _NodeDesc, after: int, timeout: float) -> bool:
+        """Block until this node's join request is deleted after revision ``after`` (the
+        writer admitted it, or the round completed), or ``timeout`` passes."""
+        key = f"{self._join_prefix}{round_}/{node!r}"
+        return self._client.watch(
+            key,
+            start_revision=after + 1,
+            timeout=timeout,
+            wanted=lambda ev: ev.get("type") == "DELETE",
         )
-        return int(out.get("header", {}).get("revision", 0))
 
     def forget_joins(self, round_: int) -> None:
         self._client.delete(f"{self._join_prefix}{round_}/", prefix=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -72,6 +71,7 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
         revision misses nothing."""
         self._join_rev = 0
         self._lock_rev = 0
+        self._join_waits = 0
         self._next_sweep = 0.0
         self._snapshot: tuple[Any, ...] | None = None
         self._joins: dict[_NodeDesc, float] = {}
@@ -279,27 +279,39 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
 
     # -- writes ------------------------------------------------------------------------------
     def _ask_to_join(self) -> bool:
-        """Put this node's join request, then either become the one node that admits the
-        pending requests (an admission lock in etcd; False: write now) or wait for the node that
-        holds it to write (a watch on the state; True: reloaded, torch decides again).
+        """Put this node's join request; in the same transaction, become the admission
+        writer if nobody is (False: write now, holding the lock). Otherwise wait until the
+        writer admits this node, which deletes its request (a watch on that one key: each
+        waiting node is woken once), then read the state (True: torch decides again).
 
-        One writer at a time admits every node that asked so far in one write, instead of
-        hundreds of nodes racing for the same key with the whole state each."""
+        One writer at a time admits every node that asked so far, in one write per batch,
+        instead of hundreds of nodes racing for the same key with the whole state each."""
         st = self._state
+        s = self._settings
         if (
             self._join_round != st.round
-            or time.time() - self._join_beat >= self._settings.keep_alive_interval.total_seconds()
+            or time.time() - self._join_beat >= s.keep_alive_interval.total_seconds()
         ):
             self._join_beat = time.time()
-            self._join_rev = self._etcd.put_join(st.round, self._node, self._join_beat)
-            self._join_round = st.round
-        lock = self._etcd.try_lock_admission(self._node_key, ADMISSION_LOCK_TTL)
-        if lock is not None:
-            self._lock_rev = lock
+            rev, locked = self._etcd.put_join(
+                st.round, self._node, self._join_beat, lock_owner=self._node_key,
+                lock_ttl=ADMISSION_LOCK_TTL,
+            )  # fmt: skip
+            self._join_rev, self._join_round, self._join_waits = rev, st.round, 0
+            if locked:
+                self._lock_rev = rev
+        elif self._join_waits > 0:
+            # waited once already without being admitted: the writer may be gone
+            lock = self._etcd.try_lock_admission(self._node_key, ADMISSION_LOCK_TTL)
+            if lock is not None:
+                self._lock_rev = lock
+        if self._lock_rev:
             # the newest state under the lock, with fresh keep-alive times for everyone
             self._load_full(overlay=0.5)
             return False
-        self._etcd.wait_state_change(self._seen_rev, 2.0 * random.uniform(0.5, 1.0))
+        self._join_waits += 1
+        wait = min(s.keep_alive_interval.total_seconds(), 5.0)
+        self._etcd.wait_join_admitted(st.round, self._node, self._join_rev, wait)
         self._load_full(overlay=None)
         return True
 
@@ -311,6 +323,53 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
             except RendezvousConnectionError:
                 pass  # it expires
 
+    def _write_state(self) -> bool:
+        """Compare-and-swap this node's state, with every pending join request it may admit
+        (when it holds the admission lock); True when it won."""
+        was_complete = self._snapshot is not None and self._snapshot[1]
+        added = 0
+        if self._lock_rev:
+            self._read_joins()
+            added = self._add_requested_joins(self._state)
+        meta = _meta(self._state)
+        out = self._etcd.set_state(encode_state(self._state), self._token, meta=meta, fetch=False)
+        if out is None or not out[2]:
+            return False
+        self._token = out[1]
+        self._meta_seen = meta
+        self._seen_rev = int(out[1])
+        remember(self._state, key=self._etcd.key, revision=int(out[1]))
+        self.batched += added
+        try:
+            if self._state.complete and not was_complete:
+                self._etcd.forget_joins(self._state.round)  # wakes every admitted node
+            elif added:
+                self._etcd.forget_join_requests(self._state.round, self._admitted)
+        except RendezvousConnectionError:
+            pass  # they expire with the run's lease
+        self._done()
+        return True
+
+    def _admit_batches(self) -> None:
+        """Holding the admission lock: keep admitting the join requests that come in, one
+        write per batch, until none came for a second (or the round is complete), so that
+        the waiting nodes never need to contend for the lock themselves."""
+        start = last = time.monotonic()
+        while not self._state.complete and not self._state.closed:
+            now = time.monotonic()
+            if now - last > 1.0 or now - start > ADMISSION_LOCK_TTL - 2.0:
+                return
+            time.sleep(0.2)
+            self._read_joins()
+            if not any(
+                n not in self._state.participants and n not in self._state.redundancy_list
+                for n in self._joins
+            ):
+                continue
+            last = time.monotonic()
+            if not self._write_state():
+                self._load_full(overlay=0.5)  # another writer (a sweep): again on the new state
+
     def sync(self) -> bool | None:
         self._refresh_pending_join()
         now = time.monotonic()
@@ -320,33 +379,15 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
                 self._etcd.put_heartbeat(self._node_key, when)
                 self._done()
                 return True
-            was_complete = self._snapshot is not None and self._snapshot[1]
-            added = 0
-            if self._joining():
-                if self._ask_to_join():
-                    return False
-                self._read_joins()
-                added = self._add_requested_joins(self._state)
-            bits = encode_state(self._state)
-            meta = _meta(self._state)
             try:
-                out = self._etcd.set_state(bits, self._token, meta=meta, fetch=False)
+                if self._joining() and self._ask_to_join():
+                    return False
+                ok = self._write_state()
+                if ok and self._lock_rev:
+                    self._admit_batches()  # the admission writer admits who comes next too
             finally:
                 self._unlock()
-            if out is not None and out[2]:
-                self._token = out[1]
-                self._meta_seen = meta
-                self._seen_rev = int(out[1])
-                remember(self._state, key=self._etcd.key, revision=int(out[1]))
-                self.batched += added
-                try:
-                    if self._state.complete and not was_complete:
-                        self._etcd.forget_joins(self._state.round)
-                    elif added:
-                        self._etcd.forget_join_requests(self._state.round, self._admitted)
-                except RendezvousConnectionError:
-                    pass  # they expire with the run's lease
-                self._done()
+            if ok:
                 return True
             self._load_full()
             return False
