@@ -97,11 +97,14 @@ def child(
         t.start()
     print("ready", flush=True)
     sys.stdin.readline()
+    t_go = os.times()
     go.set()
     for t in threads:
         t.join()
     out = {"ok": len(ends), "errors": errors[:3], "n_errors": len(errors)}
     out["t_end"] = max(ends) if ends else None
+    t = os.times()
+    out["cpu_s"] = t.user + t.system - t_go.user - t_go.system  # the round's CPU only
     out["ranks"] = sorted(ranks)
     out["writes"] = sum(getattr(b, "writes", 0) for b in backends)
     out["wins"] = sum(getattr(b, "wins", 0) for b in backends)
@@ -111,17 +114,25 @@ def child(
 
 
 # -- parent --------------------------------------------------------------------------------------
-def _show_progress(endpoint: str, run_id: str, t0: float, stop: threading.Event) -> None:
-    import pickle
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+
+def _show_progress(endpoint: str, run_id: str, t0: float, stop: threading.Event) -> None:
     from trainguard.runtime.etcd_v3 import EtcdV3Client, _unpack, parse_endpoints
+    from trainguard.runtime.etcd_v3.codec import decode_state
 
     c = EtcdV3Client(parse_endpoints(endpoint))
     while not stop.wait(2.0):
         found = c.get(f"/trainguard/rdzv/{run_id}/state")
         if found is None:
             continue
-        st = pickle.loads(_unpack(found[0]))  # torch's own state format
+        st = decode_state(_unpack(found[0]))
         print(
             f"  t={time.time() - t0:5.1f}s rev={found[1]} round={st.round} "
             f"participants={len(st.participants)} complete={st.complete} "
@@ -192,9 +203,11 @@ def one_round(
         writes = sum(r["writes"] for r in results)
         wins = sum(r["wins"] for r in results)
         batched = sum(r.get("batched", 0) for r in results)
-        stats = f"ok ({wins} of {writes} state writes won" if writes else "ok"
+        cpu = sum(r.get("cpu_s", 0.0) for r in results)
+        stats = f"ok ({wins} of {writes} state writes won" if writes else "ok ("
         if writes:
-            stats += f", {batched} agents admitted by another's write)"
+            stats += f", {batched} agents admitted by another's write, "
+        stats += f"agents' CPU {cpu:.1f} s)"
         return max(r["t_end"] for r in results) - t_go, stats
     finally:
         if progress:
@@ -208,6 +221,17 @@ def one_round(
             c.wait()
 
 
+class _External:
+    """An etcd this benchmark did not start (``--etcd-endpoint``): never stopped by it."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.proc = None
+
+    def kill(self) -> None:
+        pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sizes", default="100,300,1000")
@@ -219,6 +243,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--only", choices=["etcd", "c10d"], default=None)
     ap.add_argument("--progress", action="store_true", help="print the etcd round's progress")
+    ap.add_argument(
+        "--etcd-endpoint", default=None, help="use this running etcd instead of starting one"
+    )
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     # a SIGTERM still runs the finally blocks that stop etcd and the agent processes
@@ -232,7 +259,7 @@ def main() -> None:
     backends = [args.only] if args.only else ["etcd", "c10d"]
     times: dict[tuple[str, int], list[float | None]] = {}
     with tempfile.TemporaryDirectory(prefix="rdzv-scale-") as d:
-        etcd = Etcd(
+        etcd = _External(args.etcd_endpoint) if args.etcd_endpoint else Etcd(
             Path(d) / "etcd",
             extra_args=[
                 "--auto-compaction-mode", "revision", "--auto-compaction-retention", "1000",
@@ -254,11 +281,14 @@ def main() -> None:
                             endpoint = f"127.0.0.1:{store.port}"
                         else:
                             endpoint = etcd.endpoint
+                        etcd_cpu0 = _cpu_s(etcd.proc.pid) if etcd.proc else 0.0
                         dt, why = one_round(
                             "c10d" if b == "c10d" else "etcd-v3", endpoint, n, args.procs,
                             args.timeout, args.progress,
                         )  # fmt: skip
                         del store
+                        if b == "etcd" and etcd.proc:
+                            why += f" etcd CPU {_cpu_s(etcd.proc.pid) - etcd_cpu0:.1f} s"
                         times.setdefault((b, n), []).append(dt)
                         shown = f"{dt:7.2f} s" if dt is not None else "   null"
                         print(f"N={n:<5} run {r + 1} {b:<5} {shown}  {why}", flush=True)

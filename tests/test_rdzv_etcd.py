@@ -295,7 +295,13 @@ def test_kill9_of_the_rank0_agent_the_other_finishes(tmp_path: Path, etcd: Etcd)
         victim = next(p for p in procs if p.pid == rank0_pid)
         survivor = next(p for p in procs if p is not victim)
         assert victim is procs[0], "the agent started first is expected to be rank 0"
-        _kill_tree(victim)  # the node is gone: agent and its workers
+        # the node is gone: agent and its workers, kill -9 (found from the run dir's events)
+        r = subprocess.run(
+            [sys.executable, "-m", "trainguard", "chaos", "kill-agent", str(run_dir),
+             "--group-rank", "0"],
+            env=base_env(), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert r.returncode == 0 and f"killed agent {rank0_pid}" in r.stdout, r.stderr
         victim.wait(timeout=30)
         assert survivor.wait(timeout=240) == 0, _log(tmp_path, "b")
     finally:

@@ -7,6 +7,7 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from trainguard.core.chaos import check_env as check_chaos_env
 from trainguard.core.config import ConfigError
 from trainguard.core.plugin import AgentExit
 from trainguard.runtime import launcher
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None, *, prog: str = "trainguard run") -> None
     parser = launcher.build_parser(prog)
     args = parser.parse_args(argv)
     try:
+        check_chaos_env()  # a bad TRAINGUARD_CHAOS stops the launch, not every worker
         _run(args)
     except (launcher.UsageError, ConfigError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

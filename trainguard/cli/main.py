@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "sbatch": ("trainguard.cli.cmd_sbatch", "write and submit a Slurm job with hot spares"),
     "slurm": ("trainguard.cli.cmd_slurm", "Slurm jobs: status (and the batch script's steps)"),
+    "chaos": ("trainguard.cli.cmd_chaos", "inject faults: kill/hang ranks, agents, etcd, XIDs"),
 }
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainguard.core import envvars
+from trainguard.core.chaos import WorkerChaos
 from trainguard.core.config import ConfigError, load_worker_section
 from trainguard.core.events import EventLog
 from trainguard.core.failures import peer_failure
@@ -98,6 +99,8 @@ class TrainGuard:
         self.in_process = False
         """The training runs in ``trainguard.run`` with in-process restarts."""
         self._step_guard: Callable[[], None] | None = None  # trainguard.run's restart check
+        self._chaos = WorkerChaos.from_env(rank=self.rank, attempt=self.attempt, node=self.node)
+        """Injected faults (``TRAINGUARD_CHAOS``, trainguard.core.chaos); None when unset."""
         self.step_num = 0
         """The number of the next step ``step()`` will run = the steps done so far. ``step()``
         advances it; a checkpoint restore (``tg.checkpoint.restore_or_init``) sets it."""
@@ -306,6 +309,8 @@ class TrainGuard:
                 f"({', '.join(sorted(RESERVED_LOG_KEYS))}, and step=, the step number); "
                 f"rename the metric, e.g. {sorted(reserved)[0]}_value="
             )
+        if self._chaos is not None:
+            self._chaos.step_begin(self.step_num if step is None else step)
         record: dict[str, Any] = {
             "time": time.time(),
             "kind": "log",
@@ -340,6 +345,8 @@ class TrainGuard:
         self._current_step = num
         if self._progress is not None:
             self._progress.step_begin(num)
+        if self._chaos is not None:
+            self._chaos.step_begin(num)
         span_id, span_start = self._spans.begin_step(num)
         counter = None
         if flops == "auto" and self._flops_per_step is None:
@@ -351,6 +358,8 @@ class TrainGuard:
         failed = False
         try:
             yield num
+            if self._chaos is not None:
+                self._chaos.step_body_done(num, time.perf_counter() - t0)
         except BaseException:
             failed = True  # recorded as a failed step (not progress), then re-raised
             raise

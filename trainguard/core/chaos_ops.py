@@ -1,0 +1,342 @@
+"""Faults injected from outside a job (``trainguard chaos ...``): find and kill processes, pause a
+service, serve a failing dcgm-exporter endpoint, corrupt a checkpoint. Standard library only.
+
+Every function takes explicit targets (pids, ports, directories) and never acts on anything it
+was not pointed at; the CLI (``trainguard.cli.cmd_chaos``) resolves a run directory's ranks,
+agents and checkpoints to those targets.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import random
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ChaosTargetError",
+    "DcgmExporter",
+    "agent_pid",
+    "corrupt_checkpoint",
+    "dcgm_text",
+    "descendants",
+    "kill_tree",
+    "listening_pids",
+    "pause",
+    "worker_pid",
+]
+
+
+class ChaosTargetError(LookupError):
+    """The target of a fault does not exist (no such rank, agent, port or checkpoint)."""
+
+
+# -- processes --------------------------------------------------------------------------------
+def _ppids() -> dict[int, int]:
+    out: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces and parentheses
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 1:
+            out[int(d)] = int(fields[1])
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children first)."""
+    children: dict[int, list[int]] = {}
+    for p, pp in _ppids().items():
+        children.setdefault(pp, []).append(p)
+    out: list[int] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> list[int]:
+    """Send ``sig`` to ``pid`` and all its descendants (found first, so none is missed once
+    the parent dies); returns the pids signalled."""
+    tree = [pid, *descendants(pid)]
+    done = []
+    for p in tree:
+        try:
+            os.kill(p, sig)
+            done.append(p)
+        except ProcessLookupError:
+            pass
+    return done
+
+
+def listening_pids(port: int) -> list[int]:
+    """Pids of the processes with a TCP socket listening on ``port`` (IPv4 or IPv6)."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(cols[9])
+    if not inodes:
+        return []
+    wanted = {f"socket:[{i}]" for i in inodes}
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{d}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{d}/fd/{fd}") in wanted:
+                    pids.append(int(d))
+                    break
+            except OSError:
+                continue
+    return sorted(pids)
+
+
+def pause(
+    pids: Iterable[int], seconds: float, *, on_stopped: Callable[[], None] | None = None
+) -> None:
+    """SIGSTOP ``pids`` for ``seconds``, then SIGCONT them (also when interrupted)."""
+    pids = list(pids)
+    stopped = []
+    try:
+        for p in pids:
+            os.kill(p, signal.SIGSTOP)
+            stopped.append(p)
+        if on_stopped is not None:
+            on_stopped()
+        time.sleep(seconds)
+    finally:
+        for p in stopped:
+            try:
+                os.kill(p, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
+# -- a run directory's processes --------------------------------------------------------------
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "events.jsonl"
+    if not path.is_file():
+        raise ChaosTargetError(f"no events.jsonl in {run_dir}: pass the job's --tg-run-dir")
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
+
+
+def worker_pid(run_dir: Path, rank: int) -> int:
+    """The live worker of global ``rank`` (from the newest ``workers_started`` events)."""
+    for ev in reversed(_events(run_dir)):
+        if ev.get("kind") != "workers_started":
+            continue
+        for w in ev.get("workers") or []:
+            if w.get("rank") == rank and w.get("pid") and _alive(int(w["pid"])):
+                return int(w["pid"])
+    raise ChaosTargetError(f"no live worker of rank {rank} in {run_dir}/events.jsonl")
+
+
+def agent_pid(run_dir: Path, *, group_rank: int | None = None, node: str | None = None) -> int:
+    """The live agent of ``group_rank`` (newest ``rendezvous`` event's members) or of ``node``
+    (its ``launch`` events); one of the two."""
+    events = _events(run_dir)
+    if group_rank is not None:
+        for ev in reversed(events):
+            members = ev.get("members") if ev.get("kind") == "rendezvous" else None
+            if members and group_rank < len(members):
+                pid = members[group_rank].get("pid")
+                if pid and _alive(int(pid)):
+                    return int(pid)
+        raise ChaosTargetError(f"no live agent of group rank {group_rank} in {run_dir}")
+    for ev in reversed(events):
+        if ev.get("kind") == "launch" and ev.get("node") == node and ev.get("pid"):
+            if _alive(int(ev["pid"])):
+                return int(ev["pid"])
+    raise ChaosTargetError(f"no live agent on node {node!r} in {run_dir}")
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+
+def corrupt_checkpoint(
+    root: Path, *, step: int | None = None, num_bytes: int = 64, seed: int = 0
+) -> dict[str, Any]:
+    """Flip ``num_bytes`` bytes in the middle of one DCP shard (``*.distcp``) of the newest
+    committed checkpoint under ``root`` (or of ``step``). The manifest stays, so a reader that
+    trusts it without checking sees a committed checkpoint whose data is wrong."""
+    root = Path(root)
+    committed = sorted(
+        int(m.group(1))
+        for d in (root.iterdir() if root.is_dir() else [])
+        if (m := _STEP_RE.match(d.name)) and (d / "manifest.json").is_file()
+    )
+    if not committed:
+        raise ChaosTargetError(f"no committed checkpoint (step_*/manifest.json) under {root}")
+    if step is None:
+        step = committed[-1]
+    elif step not in committed:
+        raise ChaosTargetError(f"no committed checkpoint of step {step} under {root}: {committed}")
+    d = root / f"step_{step:08d}"
+    shards = sorted(p for p in d.glob("*.distcp") if p.stat().st_size > 0)
+    if not shards:
+        raise ChaosTargetError(f"no non-empty .distcp shard in {d}")
+    target = max(shards, key=lambda p: p.stat().st_size)
+    size = target.stat().st_size
+    n = max(1, min(num_bytes, size))
+    start = (size - n) // 2
+    rng = random.Random(seed)
+    with open(target, "r+b") as f:
+        f.seek(start)
+        data = bytearray(f.read(n))
+        for i in range(len(data)):
+            data[i] ^= rng.randrange(1, 256)  # never 0: every byte changes
+        f.seek(start)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"step": step, "file": str(target), "offset": start, "bytes": n}
+
+
+# -- a dcgm-exporter endpoint -----------------------------------------------------------------
+_GPU_FIELDS: list[tuple[str, str, float]] = [
+    ("DCGM_FI_DEV_GPU_TEMP", "gauge", 41),
+    ("DCGM_FI_DEV_POWER_USAGE", "gauge", 312.5),
+    ("DCGM_FI_DEV_GPU_UTIL", "gauge", 97),
+    ("DCGM_FI_DEV_SM_CLOCK", "gauge", 1980),
+    ("DCGM_FI_DEV_FB_USED", "gauge", 79000),
+    ("DCGM_FI_DEV_FB_FREE", "gauge", 2100),
+    ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "counter", 0),
+    ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", 0),
+    ("DCGM_FI_DEV_XID_ERRORS", "gauge", 0),
+]
+
+
+def dcgm_text(
+    *, num_gpus: int = 8, hostname: str = "node", xid: dict[int, int] | None = None
+) -> str:
+    """dcgm-exporter exposition text of a healthy node; ``xid`` maps a GPU index to the last
+    XID it reported (``DCGM_FI_DEV_XID_ERRORS``, with ``err_code`` as dcgm-exporter 3.3+)."""
+    xid = xid or {}
+    lines: list[str] = []
+    for name, typ, healthy in _GPU_FIELDS:
+        lines.append(f"# HELP {name} {name}.")
+        lines.append(f"# TYPE {name} {typ}")
+        for gpu in range(num_gpus):
+            value = xid.get(gpu, 0) if name == "DCGM_FI_DEV_XID_ERRORS" else healthy
+            labels = (
+                f'gpu="{gpu}",UUID="GPU-00000000-0000-4000-8000-{gpu:012d}",'
+                f'pci_bus_id="00000000:{gpu + 1:02X}:00.0",device="nvidia{gpu}",'
+                f'modelName="NVIDIA H100 80GB HBM3",Hostname="{hostname}",'
+                'DCGM_FI_DRIVER_VERSION="570.86.15"'
+            )
+            if name == "DCGM_FI_DEV_XID_ERRORS":
+                labels += f',err_code="{int(value)}",err_msg=""'
+            lines.append(f"{name}{{{labels}}} {value:g}")
+    return "\n".join(lines) + "\n"
+
+
+class DcgmExporter:
+    """A dcgm-exporter-compatible ``/metrics`` endpoint on ``host:port`` (0: a free port) that
+    turns faulty (GPU ``gpu`` reports ``xid``) ``after_s`` seconds after it starts, or once
+    ``trigger_file`` exists, whichever comes first (neither: faulty from the start)."""
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        xid: int = 79,
+        gpu: int = 0,
+        num_gpus: int = 8,
+        hostname: str = "node",
+        after_s: float | None = None,
+        trigger_file: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.xid, self.gpu, self.num_gpus, self.hostname = xid, gpu, num_gpus, hostname
+        self.after_s = after_s
+        self.trigger_file = Path(trigger_file) if trigger_file else None
+        self.t0 = time.monotonic()
+        self.scrapes = 0
+        me = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path.split("?")[0] not in ("/metrics", "/"):
+                    self.send_error(404)
+                    return
+                me.scrapes += 1
+                body = me.text().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.port = int(self.server.server_address[1])
+        self.url = f"http://{host}:{self.port}/metrics"
+        self._thread: threading.Thread | None = None
+
+    def faulty(self) -> bool:
+        if self.after_s is None and self.trigger_file is None:
+            return True
+        if self.after_s is not None and time.monotonic() - self.t0 >= self.after_s:
+            return True
+        return self.trigger_file is not None and self.trigger_file.exists()
+
+    def text(self) -> str:
+        xid = {self.gpu: self.xid} if self.faulty() else {}
+        return dcgm_text(num_gpus=self.num_gpus, hostname=self.hostname, xid=xid)
+
+    def start(self) -> DcgmExporter:
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.server.serve_forever()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

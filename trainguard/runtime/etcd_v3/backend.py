@@ -1,0 +1,338 @@
+"""The rendezvous backend: torch's state on one etcd key, compare-and-swap on its revision."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import zlib
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousStateError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousBackend,
+    Token,
+    _NodeDesc,
+)
+
+from trainguard.runtime.etcd_v3._common import (
+    BACKEND_NAME,
+    DEFAULT_CAS_BACKOFF,
+    DEFAULT_CAS_BACKOFF_MAX,
+    DEFAULT_KEY_PREFIX,
+    JOIN_BATCH,
+    _b64,
+    _range_end,
+    _unb64,
+)
+from trainguard.runtime.etcd_v3.client import EtcdV3Client
+
+__all__ = ["EtcdV3RendezvousBackend"]
+
+
+_PACKED = b"TGZ1"
+
+
+def _pack(state: bytes) -> bytes:
+    """torch's pickled state compressed (it is mostly repeated node descriptors: a 1000-node
+    state shrinks ~8x), so every write and read of it moves less through JSON, base64 and raft."""
+    return _PACKED + zlib.compress(state, 1)
+
+
+def _unpack(value: bytes) -> bytes:
+    if not value.startswith(_PACKED):
+        return value
+    try:
+        return zlib.decompress(value[len(_PACKED) :])
+    except zlib.error as e:
+        raise RendezvousStateError(f"the rendezvous state in etcd is corrupt: {e}") from None
+
+
+class EtcdV3RendezvousBackend(RendezvousBackend):
+    """torch's ``RendezvousBackend`` on etcd v3: one key, compare-and-swap on its revision.
+
+    A write is one transaction: ``mod_revision(key) == token`` (or ``create_revision == 0`` for
+    the first write) → put. When it loses the race, the backend waits a random backoff that
+    grows with this node's consecutive losses, then reads the newest state for the handler to
+    decide again; a won race resets the backoff.
+    """
+
+    def __init__(
+        self,
+        client: EtcdV3Client,
+        run_id: str,
+        *,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        backoff_base: float = DEFAULT_CAS_BACKOFF,
+        backoff_cap: float = DEFAULT_CAS_BACKOFF_MAX,
+    ) -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        self._client = client
+        self._key = f"{key_prefix.rstrip('/')}/{run_id}/state"
+        self._losses = 0
+        self._backoff_base = backoff_base
+        self._backoff_cap = backoff_cap
+        self.writes = 0
+        """Compare-and-swap attempts of this backend (won or lost)."""
+        self.wins = 0
+        """Compare-and-swap attempts that won."""
+
+    @property
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        found = self._client.get(self._key)
+        if found is None:
+            return None
+        return _unpack(found[0]), found[1]
+
+    def set_state(
+        self,
+        state: bytes,
+        token: Token | None = None,
+        *,
+        meta: bytes | None = None,
+        fetch: bool = True,
+    ) -> tuple[bytes, Token, bool] | None:
+        """See base class. ``meta`` is written with the state; ``fetch=False``: a lost race
+        returns ``(b"", None, False)`` instead of reading the newest state."""
+        key = _b64(self._key)
+        if token is None:
+            compare = {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
+        else:
+            try:
+                revision = int(token)
+            except (TypeError, ValueError):
+                raise RendezvousStateError(f"bad rendezvous token {token!r}") from None
+            compare = {
+                "key": key,
+                "result": "EQUAL",
+                "target": "MOD",
+                "mod_revision": str(revision),
+            }
+        puts = [self._client.put_request(self._key, _pack(state))]
+        if meta is not None:
+            puts.append(self._client.put_request(self._meta_key, meta))
+        out = self._client.txn([compare], puts, [])
+        self.writes += 1
+        if out.get("succeeded"):
+            self.wins += 1
+            self._losses = 0
+            return state, int(out["header"]["revision"]), True
+        self._losses += 1
+        ceiling = min(self._backoff_cap, self._backoff_base * (2 ** min(self._losses, 16)))
+        time.sleep(random.uniform(0, ceiling))
+        if not fetch:
+            return b"", None, False
+        found = self.get_state()
+        if found is None:
+            return None
+        return found[0], found[1], False
+
+    # -- what the scalable state holder adds -------------------------------------------------
+    @property
+    def _meta_key(self) -> str:
+        return self._key + ".meta"
+
+    @property
+    def _hb_prefix(self) -> str:
+        return self._key.rsplit("/", 1)[0] + "/heartbeat/"
+
+    @property
+    def _join_prefix(self) -> str:
+        return self._key.rsplit("/", 1)[0] + "/join/"
+
+    def load(self) -> tuple[bytes, int, bytes | None, int] | None:
+        """In one read: the state and its revision, the summary key, and the store's revision
+        (from which a watch sees every later change). It also reads the run's lease key, so
+        that a new agent joins the run's lease without a round trip of its own."""
+        c = self._client
+        ops = [
+            {"request_range": {"key": _b64(self._key)}},
+            {"request_range": {"key": _b64(self._meta_key)}},
+        ]
+        if c.lease_key and c.lease_known() is None:
+            ops.append({"request_range": {"key": _b64(c.lease_key)}})
+        out = c.txn([], ops, [])
+        responses = (out.get("responses") or []) + [{}, {}, {}]
+        if len(ops) == 3:
+            lkvs = (responses[2].get("response_range") or {}).get("kvs") or []
+            if lkvs:
+                c.adopt_lease(int(_unb64(lkvs[0].get("value"))))
+        kvs = (responses[0].get("response_range") or {}).get("kvs") or []
+        if not kvs:
+            return None
+        mkvs = (responses[1].get("response_range") or {}).get("kvs") or []
+        meta = _unb64(mkvs[0].get("value")) if mkvs else None
+        state = _unpack(_unb64(kvs[0].get("value")))
+        revision = int(out.get("header", {}).get("revision", 0))
+        return state, int(kvs[0].get("mod_revision", 0)), meta, revision
+
+    def join_requests(self) -> list[tuple[int, dict[str, Any]]]:
+        """The oldest ``JOIN_BATCH`` join requests as ``(round, request)`` (only a node about
+        to write the state reads them)."""
+        jp = self._join_prefix
+        out = self._client.call(
+            "kv/range",
+            {
+                "key": _b64(jp),
+                "range_end": _b64(_range_end(jp.encode())),
+                "sort_order": "ASCEND",
+                "sort_target": "CREATE",
+                "limit": str(JOIN_BATCH),
+            },
+        )
+        found: list[tuple[int, dict[str, Any]]] = []
+        for kv in out.get("kvs") or []:
+            try:
+                rnd = int(_unb64(kv["key"]).decode()[len(jp) :].split("/", 1)[0])
+                found.append((rnd, json.loads(_unb64(kv.get("value")))))
+            except (KeyError, ValueError):
+                continue
+        return found
+
+    @property
+    def _lock_key(self) -> str:
+        return self._key.rsplit("/", 1)[0] + "/admit"
+
+    def try_lock_admission(self, owner: str, ttl: float) -> int | None:
+        """Become the one node that admits the pending join requests for ``ttl`` seconds
+        (or until :meth:`unlock_admission`); returns the lock's revision, or None when another
+        node holds it. An expired lock (its holder died) is taken over."""
+        c = self._client
+        key = _b64(self._lock_key)
+        value = json.dumps({"owner": owner, "until": time.time() + ttl})
+        out = c.txn(
+            [{"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}],
+            [c.put_request(self._lock_key, value)],
+            [{"request_range": {"key": key}}],
+        )
+        if out.get("succeeded"):
+            return int(out["header"]["revision"])
+        for r in out.get("responses") or []:
+            for kv in (r.get("response_range") or {}).get("kvs") or []:
+                try:
+                    until = float(json.loads(_unb64(kv.get("value")))["until"])
+                except (KeyError, TypeError, ValueError):
+                    until = 0.0
+                if until >= time.time():
+                    return None
+                took = c.txn(
+                    [
+                        {
+                            "key": key,
+                            "result": "EQUAL",
+                            "target": "MOD",
+                            "mod_revision": str(kv.get("mod_revision", 0)),
+                        }
+                    ],
+                    [c.put_request(self._lock_key, value)],
+                    [],
+                )
+                if took.get("succeeded"):
+                    return int(took["header"]["revision"])
+        return None
+
+    def unlock_admission(self, revision: int) -> None:
+        key = _b64(self._lock_key)
+        self._client.txn(
+            [{"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": str(revision)}],
+            [{"request_delete_range": {"key": key}}],
+            [],
+        )
+
+    def heartbeats(self, since: int = 0) -> tuple[dict[str, float], int]:
+        """The heartbeat keys written after revision ``since`` (all when 0), and the store's
+        revision to pass as ``since`` next time."""
+        hb = self._hb_prefix
+        req: dict[str, Any] = {"key": _b64(hb), "range_end": _b64(_range_end(hb.encode()))}
+        if since > 0:
+            req["min_mod_revision"] = str(since + 1)
+        out = self._client.call("kv/range", req)
+        times: dict[str, float] = {}
+        for kv in out.get("kvs") or []:
+            try:
+                times[_unb64(kv["key"]).decode()[len(hb) :]] = float(_unb64(kv.get("value")))
+            except (KeyError, ValueError):
+                continue
+        return times, int(out.get("header", {}).get("revision", 0))
+
+    def wait_meta_change(self, seen: bytes | None, after: int, timeout: float) -> bool:
+        """Block until the summary key changes, after revision ``after`` (that of the read
+        that saw ``seen``), to another value (True), or ``timeout`` passes (False). One
+        streaming watch, no polling."""
+
+        def differs(ev: dict[str, Any]) -> bool:
+            return _unb64((ev.get("kv") or {}).get("value")) != seen
+
+        return self._client.watch(
+            self._meta_key, start_revision=after + 1, timeout=timeout, wanted=differs
+        )
+
+    def wait_state_change(self, after: int, timeout: float) -> bool:
+        """Block until the state is written after revision ``after`` (True), or ``timeout``."""
+        return self._client.watch(self._key, start_revision=after + 1, timeout=timeout)
+
+    def meta(self) -> bytes | None:
+        found = self._client.get(self._meta_key)
+        return None if found is None else found[0]
+
+    def put_heartbeat(self, node: str, when: float) -> None:
+        self._client.put(self._hb_prefix + node, repr(when))
+
+    def put_join(
+        self,
+        round_: int,
+        node: _NodeDesc,
+        when: float,
+        *,
+        lock_owner: str | None = None,
+        lock_ttl: float = 10.0,
+    ) -> tuple[int, bool]:
+        """This node asks to join ``round_`` as a participant (any writer may add it) and
+        refreshes its heartbeat key; with ``lock_owner``, it also takes the admission lock if
+        nobody holds it. One transaction; returns its revision and whether the lock is ours."""
+        value = {"addr": node.addr, "pid": node.pid, "local_id": node.local_id, "t": when}
+        c = self._client
+        puts = [
+            c.put_request(f"{self._join_prefix}{round_}/{node!r}", json.dumps(value)),
+            c.put_request(self._hb_prefix + repr(node), repr(when)),
+        ]
+        compare: list[dict[str, Any]] = []
+        success = puts
+        if lock_owner is not None:
+            lock = json.dumps({"owner": lock_owner, "until": time.time() + lock_ttl})
+            key = _b64(self._lock_key)
+            compare = [{"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}]
+            success = [*puts, c.put_request(self._lock_key, lock)]
+        out = c.txn(compare, success, puts if compare else [])
+        locked = bool(compare) and bool(out.get("succeeded"))
+        return int(out.get("header", {}).get("revision", 0)), locked
+
+    def wait_join_admitted(self, round_: int, node: _NodeDesc, after: int, timeout: float) -> bool:
+        """Block until this node's join request is deleted after revision ``after`` (the
+        writer admitted it, or the round completed), or ``timeout`` passes."""
+        key = f"{self._join_prefix}{round_}/{node!r}"
+        return self._client.watch(
+            key,
+            start_revision=after + 1,
+            timeout=timeout,
+            wanted=lambda ev: ev.get("type") == "DELETE",
+        )
+
+    def forget_joins(self, round_: int) -> None:
+        self._client.delete(f"{self._join_prefix}{round_}/", prefix=True)
+
+    def forget_join_requests(self, round_: int, nodes: list[_NodeDesc]) -> None:
+        """Drop the join requests of admitted nodes (in transactions of at most 100 deletes,
+        below etcd's default limit of 128 operations)."""
+        keys = [f"{self._join_prefix}{round_}/{n!r}" for n in nodes]
+        for i in range(0, len(keys), 100):
+            ops = [{"request_delete_range": {"key": _b64(k)}} for k in keys[i : i + 100]]
+            self._client.txn([], ops, [])

@@ -1,0 +1,401 @@
+"""The state holder: heartbeats out of the shared state, cheap polls while a round fills."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousSettings,
+    _BackendRendezvousStateHolder,
+    _NodeDesc,
+    _RendezvousState,
+)
+
+from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
+from trainguard.runtime.etcd_v3.codec import decode_state, encode_state, remember
+
+__all__ = ["ADMISSION_LOCK_TTL", "ScalableStateHolder"]
+
+ADMISSION_LOCK_TTL = 10.0
+"""Seconds the node that admits pending join requests holds the admission lock at most."""
+
+
+def _meta(state: _RendezvousState) -> bytes:
+    """What a node waiting for a round to fill must not miss: round, completion, closing, the
+    last-call deadline, and whether nodes wait for the next round."""
+    deadline = state.deadline.isoformat() if state.deadline else ""
+    return (
+        f"{state.round}|{int(state.complete)}|{int(state.closed)}|{deadline}|{len(state.wait_list)}"
+    ).encode()
+
+
+class ScalableStateHolder(_BackendRendezvousStateHolder):
+    """torch's state holder, made to scale on :class:`EtcdV3RendezvousBackend`.
+
+    torch keeps every node's keep-alive time inside the one shared state, so each keep-alive is
+    a compare-and-swap of the whole state that races every join: with a few hundred nodes the
+    keep-alives alone outrun what one key can take, nodes that cannot land theirs are declared
+    dead and removed, rejoin, and the round never completes. Here:
+
+    - a write that changes nothing but this node's keep-alive time goes to the node's own key
+      (``heartbeat/<node>``, no race); every full read overlays those times on the state before
+      torch's dead-node check, so liveness means exactly what it means in torch;
+    - a node waiting for an incomplete round to fill reads only a small summary key (round,
+      complete, closed, deadline, wait-list size, written with every state write) and reads
+      the full state only when it changes, or every ``max(keep_alive_interval, nodes/100 s)``
+      to check liveness, instead of decoding the whole state every second;
+    - a won write keeps the state it wrote instead of decoding it again.
+
+    Every decision is still torch's (the same operations and the same compare-and-swap); a
+    decision taken on a state that turns out stale simply loses its race and is retried.
+    """
+
+    def __init__(
+        self,
+        backend: EtcdV3RendezvousBackend,
+        settings: RendezvousSettings,
+        node: _NodeDesc,
+        cache_duration: int = 1,
+    ) -> None:
+        super().__init__(backend, settings, cache_duration)
+        self._etcd = backend
+        self._node = node
+        self._node_key = repr(node)
+        self._last_full = -float("inf")
+        self._meta_seen: bytes | None = None
+        self._seen_rev = 0
+        """etcd's revision when this node last read or wrote the state: a watch from the next
+        revision misses nothing."""
+        self._join_rev = 0
+        self._lock_rev = 0
+        self._join_waits = 0
+        self._next_sweep = 0.0
+        self._snapshot: tuple[Any, ...] | None = None
+        self._joins: dict[_NodeDesc, float] = {}
+        self._join_round: int | None = None
+        self._join_beat = 0.0
+        self._beats: dict[str, float] = {}
+        self._beats_rev = 0
+        self._admitted: list[_NodeDesc] = []
+        self.batched = 0
+        """Other nodes this node added to a round on their request (statistics)."""
+
+    def _take_snapshot(self) -> tuple[Any, ...]:
+        st = self._state
+        return (
+            st.round,
+            st.complete,
+            st.closed,
+            st.deadline,
+            dict(st.participants),
+            set(st.wait_list),
+            set(st.redundancy_list),
+            set(st.last_heartbeats),
+        )
+
+    def _heartbeat_only(self) -> bool:
+        return (
+            self._token is not None
+            and self._snapshot is not None
+            and self._node in self._state.last_heartbeats
+            and self._take_snapshot() == self._snapshot
+        )
+
+    def _joining(self) -> bool:
+        """This write adds this node to the participants of an open round."""
+        snap = self._snapshot
+        st = self._state
+        return (
+            snap is not None
+            and self._node not in snap[4]
+            and self._node in st.participants
+            and not st.closed
+        )
+
+    def _add_requested_joins(self, st: _RendezvousState) -> int:
+        """Add the nodes that asked to join this round, as each would add itself (torch's
+        ``_add_to_participants``: last-call deadline at ``min_nodes``, ranks at ``max_nodes``),
+        so one write admits many nodes instead of each racing for its own."""
+        settings = self._settings
+        fresh = (
+            time.time()
+            - (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
+        )
+        added = 0
+        self._admitted = []
+        for node, t in sorted(self._joins.items(), key=lambda kv: kv[1]):
+            if st.complete or len(st.participants) >= settings.max_nodes:
+                break
+            if node in st.participants or node in st.redundancy_list or t < fresh:
+                continue
+            st.wait_list.discard(node)
+            st.participants[node] = 0
+            self._admitted.append(node)
+            # as of now: the node learns of its admission at its next read and keeps its
+            # heartbeat key fresh meanwhile
+            st.last_heartbeats[node] = datetime.now(timezone.utc)
+            added += 1
+            if len(st.participants) == settings.min_nodes:
+                st.deadline = datetime.now(timezone.utc) + settings.timeout.last_call
+            if len(st.participants) == settings.max_nodes:
+                st.complete = True
+                st.deadline = None
+                for rank, member in enumerate(sorted(st.participants)):
+                    st.participants[member] = rank
+        return added
+
+    # -- reads -------------------------------------------------------------------------------
+    def _load_full(self, overlay: float | None = 1.0) -> None:
+        """Read the state; overlay the nodes' own keep-alive keys when some node's time in it
+        is older than ``overlay`` x the dead-node threshold (None: never; a node waiting to be
+        admitted does not write without the admission lock, and reads again under it)."""
+        loaded = self._etcd.load()
+        if loaded is None:
+            self._state, self._token = _RendezvousState(), None
+            self._seen_rev = 0
+        else:
+            bits, token, _meta_value, self._seen_rev = loaded
+            self._state = decode_state(bits, key=self._etcd.key, revision=token)
+            self._token = token
+            if overlay is not None and self._stale(overlay):
+                self._overlay_heartbeats()
+        self._meta_seen = _meta(self._state)
+        self._last_full = time.monotonic()
+        self._done()
+
+    def _stale(self, fraction: float) -> bool:
+        """Some node's keep-alive time in the state is older than ``fraction`` of torch's
+        dead-node threshold (keep_alive_interval x keep_alive_max_attempt)."""
+        s = self._settings
+        limit = (s.keep_alive_interval * s.keep_alive_max_attempt).total_seconds() * fraction
+        oldest = time.time() - limit
+        return any(t.timestamp() < oldest for t in self._state.last_heartbeats.values())
+
+    def _overlay_heartbeats(self) -> None:
+        """Newer keep-alive times from the nodes' own keys (one read of every heartbeat key).
+
+        A reader needs them only when some node would otherwise be declared dead (past torch's
+        threshold). Before that, at half the threshold, one node (the admission-lock holder)
+        writes fresh times into the state for everyone (:meth:`_sweep`), so that hundreds of
+        readers do not each read every node's key."""
+        beats, self._beats_rev = self._etcd.heartbeats(self._beats_rev)
+        self._beats.update(beats)
+        hb = self._state.last_heartbeats
+        for node, when in hb.items():
+            t = self._beats.get(repr(node))
+            if t is not None and t > when.timestamp():
+                hb[node] = datetime.fromtimestamp(t, timezone.utc)
+
+    def _sweep(self) -> None:
+        """Refresh the keep-alive times in the shared state (under the admission lock), when
+        some are older than half the dead-node threshold."""
+        if self._token is None or not self._stale(0.5) or time.monotonic() < self._next_sweep:
+            return
+        # one try per keep-alive interval per node: the nodes that lose wait for the winner's
+        self._next_sweep = time.monotonic() + self._settings.keep_alive_interval.total_seconds()
+        lock = self._etcd.try_lock_admission(self._node_key, ADMISSION_LOCK_TTL)
+        if lock is None:
+            return
+        try:
+            self._load_full(overlay=0.5)
+            meta = _meta(self._state)
+            out = self._etcd.set_state(
+                encode_state(self._state), self._token, meta=meta, fetch=False
+            )
+            if out is not None and out[2]:
+                self._token = out[1]
+                self._meta_seen, self._seen_rev = meta, int(out[1])
+                remember(self._state, key=self._etcd.key, revision=int(out[1]))
+                self._done()
+        finally:
+            self._etcd.unlock_admission(lock)
+
+    def _read_joins(self) -> None:
+        self._joins = {}
+        for rnd, j in self._etcd.join_requests():
+            if rnd == self._state.round:
+                try:
+                    node = _NodeDesc(str(j["addr"]), int(j["pid"]), int(j["local_id"]))
+                    self._joins[node] = float(j["t"])
+                except (KeyError, TypeError, ValueError):
+                    continue
+
+    def _done(self) -> None:
+        self._dirty = False
+        self._last_sync_time = time.monotonic()
+        self._sanitize()
+        self._snapshot = self._take_snapshot()
+
+    def _full_every(self) -> float:
+        """Seconds between full reads of a node that otherwise waits on the summary key (to
+        see dead nodes): twice the keep-alive interval, longer for large rounds."""
+        n = len(self._state.last_heartbeats)
+        return max(2 * self._settings.keep_alive_interval.total_seconds(), n / 50.0)
+
+    def _wait_budget(self) -> float:
+        """How long a waiting participant may block on a watch: until its own keep-alive or
+        the round's last-call deadline is due, at most 3 s."""
+        st = self._state
+        s = self._settings
+        budget = 3.0
+        mine = st.last_heartbeats.get(self._node)
+        if mine is not None:
+            due = mine.timestamp() + s.keep_alive_interval.total_seconds() - time.time()
+            budget = min(budget, due)
+        if st.deadline is not None:
+            budget = min(budget, (st.deadline - datetime.now(timezone.utc)).total_seconds())
+        return max(budget, 0.05)
+
+    def _may_skip_full_read(self, now: float) -> bool:
+        """A participant reads the whole state only when the summary changed (or for the
+        periodic liveness check): while the round fills it blocks on a watch of the summary
+        key; once the round is complete it reads the summary (a few bytes) instead."""
+        st = self._state
+        if self._token is None or self._node not in st.participants or st.closed:
+            return False
+        if now - self._last_full >= self._full_every():
+            return False
+        if st.complete:
+            return self._etcd.meta() == self._meta_seen
+        if self._stale(0.5) and now >= self._next_sweep:
+            return False  # read, then refresh everyone's keep-alive times (_sweep)
+        changed = self._etcd.wait_meta_change(self._meta_seen, self._seen_rev, self._wait_budget())
+        return not changed
+
+    def _refresh_pending_join(self) -> None:
+        """A node that asked to join keeps its heartbeat key fresh until it sees itself in the
+        state (another node may have admitted it already)."""
+        if self._join_round is None or self._join_round != self._state.round:
+            return
+        if self._node in self._state.last_heartbeats:
+            return
+        now = time.time()
+        if now - self._join_beat >= self._settings.keep_alive_interval.total_seconds():
+            self._etcd.put_heartbeat(self._node_key, now)
+            self._join_beat = now
+
+    # -- writes ------------------------------------------------------------------------------
+    def _ask_to_join(self) -> bool:
+        """Put this node's join request; in the same transaction, become the admission
+        writer if nobody is (False: write now, holding the lock). Otherwise wait until the
+        writer admits this node, which deletes its request (a watch on that one key: each
+        waiting node is woken once), then read the state (True: torch decides again).
+
+        One writer at a time admits every node that asked so far, in one write per batch,
+        instead of hundreds of nodes racing for the same key with the whole state each."""
+        st = self._state
+        s = self._settings
+        if (
+            self._join_round != st.round
+            or time.time() - self._join_beat >= s.keep_alive_interval.total_seconds()
+        ):
+            self._join_beat = time.time()
+            rev, locked = self._etcd.put_join(
+                st.round, self._node, self._join_beat, lock_owner=self._node_key,
+                lock_ttl=ADMISSION_LOCK_TTL,
+            )  # fmt: skip
+            self._join_rev, self._join_round, self._join_waits = rev, st.round, 0
+            if locked:
+                self._lock_rev = rev
+        elif self._join_waits > 0:
+            # waited once already without being admitted: the writer may be gone
+            lock = self._etcd.try_lock_admission(self._node_key, ADMISSION_LOCK_TTL)
+            if lock is not None:
+                self._lock_rev = lock
+        if self._lock_rev:
+            # the newest state under the lock, with fresh keep-alive times for everyone
+            self._load_full(overlay=0.5)
+            return False
+        self._join_waits += 1
+        wait = min(s.keep_alive_interval.total_seconds(), 5.0)
+        self._etcd.wait_join_admitted(st.round, self._node, self._join_rev, wait)
+        self._load_full(overlay=None)
+        return True
+
+    def _unlock(self) -> None:
+        if self._lock_rev:
+            rev, self._lock_rev = self._lock_rev, 0
+            try:
+                self._etcd.unlock_admission(rev)
+            except RendezvousConnectionError:
+                pass  # it expires
+
+    def _write_state(self) -> bool:
+        """Compare-and-swap this node's state, with every pending join request it may admit
+        (when it holds the admission lock); True when it won."""
+        was_complete = self._snapshot is not None and self._snapshot[1]
+        added = 0
+        if self._lock_rev:
+            self._read_joins()
+            added = self._add_requested_joins(self._state)
+        meta = _meta(self._state)
+        out = self._etcd.set_state(encode_state(self._state), self._token, meta=meta, fetch=False)
+        if out is None or not out[2]:
+            return False
+        self._token = out[1]
+        self._meta_seen = meta
+        self._seen_rev = int(out[1])
+        remember(self._state, key=self._etcd.key, revision=int(out[1]))
+        self.batched += added
+        try:
+            if self._state.complete and not was_complete:
+                self._etcd.forget_joins(self._state.round)  # wakes every admitted node
+            elif added:
+                self._etcd.forget_join_requests(self._state.round, self._admitted)
+        except RendezvousConnectionError:
+            pass  # they expire with the run's lease
+        self._done()
+        return True
+
+    def _admit_batches(self) -> None:
+        """Holding the admission lock: keep admitting the join requests that come in, one
+        write per batch, until none came for a second (or the round is complete), so that
+        the waiting nodes never need to contend for the lock themselves."""
+        start = last = time.monotonic()
+        while not self._state.complete and not self._state.closed:
+            now = time.monotonic()
+            if now - last > 1.0 or now - start > ADMISSION_LOCK_TTL - 2.0:
+                return
+            time.sleep(0.2)
+            self._read_joins()
+            if not any(
+                n not in self._state.participants and n not in self._state.redundancy_list
+                for n in self._joins
+            ):
+                continue
+            last = time.monotonic()
+            if not self._write_state():
+                self._load_full(overlay=0.5)  # another writer (a sweep): again on the new state
+
+    def sync(self) -> bool | None:
+        self._refresh_pending_join()
+        now = time.monotonic()
+        if self._dirty:
+            if self._heartbeat_only():
+                when = self._state.last_heartbeats[self._node].timestamp()
+                self._etcd.put_heartbeat(self._node_key, when)
+                self._done()
+                return True
+            try:
+                if self._joining() and self._ask_to_join():
+                    return False
+                ok = self._write_state()
+                if ok and self._lock_rev:
+                    self._admit_batches()  # the admission writer admits who comes next too
+            finally:
+                self._unlock()
+            if ok:
+                return True
+            self._load_full()
+            return False
+        if self._cache_duration > 0 and self._last_sync_time >= max(now - self._cache_duration, 0):
+            return None
+        if self._may_skip_full_read(now):
+            self._last_sync_time = time.monotonic()
+            return None
+        self._load_full()
+        self._sweep()
+        return None
