@@ -161,6 +161,12 @@ class TrainGuard:
         if self._rollback is not None:
             self.step_num = self._rollback.ledger.next_step(step)
 
+    def _chaos_armed(self) -> bool:
+        # Injected faults fire in the first in-process generation only: a replacement process
+        # (same environment, same attempt) or a survivor re-entering trainguard.run would
+        # otherwise meet the same "kill at step s" again.
+        return self._chaos is not None and self.generation == 0
+
     def _install_excepthook(self) -> None:
         """A survivor's collective that failed because a peer rank died is a consequence, not
         a failure: one line instead of a traceback (other errors keep theirs)."""
@@ -309,7 +315,7 @@ class TrainGuard:
                 f"({', '.join(sorted(RESERVED_LOG_KEYS))}, and step=, the step number); "
                 f"rename the metric, e.g. {sorted(reserved)[0]}_value="
             )
-        if self._chaos is not None:
+        if self._chaos_armed():
             self._chaos.step_begin(self.step_num if step is None else step)
         record: dict[str, Any] = {
             "time": time.time(),
@@ -345,7 +351,7 @@ class TrainGuard:
         self._current_step = num
         if self._progress is not None:
             self._progress.step_begin(num)
-        if self._chaos is not None:
+        if self._chaos_armed():
             self._chaos.step_begin(num)
         span_id, span_start = self._spans.begin_step(num)
         counter = None
@@ -358,7 +364,7 @@ class TrainGuard:
         failed = False
         try:
             yield num
-            if self._chaos is not None:
+            if self._chaos_armed():
                 self._chaos.step_body_done(num, time.perf_counter() - t0)
         except BaseException:
             failed = True  # recorded as a failed step (not progress), then re-raised
