@@ -25,6 +25,7 @@ from trainguard.core.failures import (
 )
 from trainguard.core.plugin import AgentContext, AgentPlugin, NodeUnhealthyError
 from trainguard.core.progress import ProgressReader, ProgressSnapshot
+from trainguard.runtime import warm
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
 __all__ = ["NodeUnhealthyError", "TrainGuardAgent"]
@@ -58,6 +59,13 @@ class TrainGuardAgent(LocalElasticAgent):
         """Every failed worker exited with the requeue code after a preemption save: the agent
         does not restart them and ``trainguard run`` exits with that code."""
         self._failed_reported = False
+        rt = self.tg_config.runtime
+        self.warm_pool: warm.WarmPool | None = (
+            warm.WarmPool(preload=rt.warm_preload, prestart_delay_s=rt.warm_prestart_delay_s)
+            if rt.warm_restarts
+            else None
+        )
+        """Pre-started workers for restarts (runtime/warm.py); None when warm_restarts is off."""
 
     # -- requeue (the one place that decides it) ------------------------------------------------
     def _mark_requeue(self, **fields: Any) -> None:
@@ -195,13 +203,19 @@ class TrainGuardAgent(LocalElasticAgent):
         os.environ[envvars.HEARTBEAT_INTERVAL_S] = str(self.tg_config.runtime.heartbeat_interval_s)
         self._teardown_file = progress_dir / "teardown"
         os.environ[envvars.TEARDOWN_FILE] = str(self._teardown_file)
-        pids = super()._start_workers(worker_group)
+        with warm.serving_torch_workers(self.warm_pool) as started_warm:
+            pids = super()._start_workers(worker_group)
         self._mark_teardowns(self._pcontext)
         self._failed_reported = False
         self.events.emit(
             "workers_started",
             workers=[
-                {"rank": w.global_rank, "local_rank": w.local_rank, "pid": pids.get(w.local_rank)}
+                {
+                    "rank": w.global_rank,
+                    "local_rank": w.local_rank,
+                    "pid": pids.get(w.local_rank),
+                    "warm": started_warm.get(w.local_rank, False),
+                }
                 for w in worker_group.workers
             ],
             world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
@@ -211,6 +225,9 @@ class TrainGuardAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        if self.warm_pool is not None:
+            for local_rank in self.warm_pool.tick():
+                self.events.emit("warm_ready", local_rank=local_rank)
         if result.state == WorkerState.HEALTHY:
             for override in self._call("on_monitor", worker_group, result):
                 if override is not None:
@@ -291,6 +308,13 @@ class TrainGuardAgent(LocalElasticAgent):
             path.touch()
         except OSError as e:
             logger.warning("cannot mark the teardown of attempt %s: %s", self.attempt, e)
+
+    def run(self, *args: Any, **kwargs: Any) -> RunResult:
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            if self.warm_pool is not None:
+                self.warm_pool.close()  # by PID; the workers are torch's to stop
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.events.emit(

@@ -83,6 +83,14 @@ def build_parser(prog: str = "trainguard run") -> argparse.ArgumentParser:
         help="torchft mode: run as one torchft replica group (id: REPLICA_GROUP_ID or [ft] "
         "replica_group); starts a lighthouse on 127.0.0.1 unless [ft] lighthouse is set.",
     )
+    group.add_argument(
+        "--tg-warm",
+        dest="tg_warm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Restart workers from pre-started processes with torch imported ([runtime] "
+        "warm_restarts, on by default); --no-tg-warm starts every worker cold, as torchrun.",
+    )
     return parser
 
 
@@ -435,7 +443,11 @@ def prepare(
     _validate(args)
     tg_config = load_config(
         args.tg_config,
-        overrides={"runtime.run_dir": args.tg_run_dir, "ft.enabled": getattr(args, "tg_ft", None)},
+        overrides={
+            "runtime.run_dir": args.tg_run_dir,
+            "ft.enabled": getattr(args, "tg_ft", None),
+            "runtime.warm_restarts": getattr(args, "tg_warm", None),
+        },
     )
     _apply_torchrun_defaults(args)
     try:
