@@ -227,7 +227,8 @@ class TrainGuardAgent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if self.warm_pool is not None:
             for local_rank in self.warm_pool.tick():
-                self.events.emit("warm_ready", local_rank=local_rank)
+                pid = self.warm_pool.ready().get(local_rank)
+                self.events.emit("warm_ready", local_rank=local_rank, pid=pid)
         if result.state == WorkerState.HEALTHY:
             for override in self._call("on_monitor", worker_group, result):
                 if override is not None:

@@ -137,6 +137,10 @@ class WarmProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
     def poll(self) -> int | None:
         return self.proc.poll()
 
@@ -217,7 +221,7 @@ class WarmPool:
         blockers = env_compatible(z.env, env) if z.argv == argv else ["<command line>"]
         if blockers or z.proc.poll() is not None:
             logger.warning(
-                "local rank %s starts cold: its warm process cannot run it (differs in %s)",
+                "worker %s starts cold: its warm process cannot run it (differs in %s)",
                 key,
                 ", ".join(blockers),
             )
@@ -228,7 +232,7 @@ class WarmPool:
             socket.send_fds(z.sock, [struct.pack("!I", len(job))], [_fd(stdout, 1), _fd(stderr, 2)])
             z.sock.sendall(job)
         except OSError as e:
-            logger.warning("local rank %s starts cold: hand-off failed (%s)", key, e)
+            logger.warning("worker %s starts cold: hand-off failed (%s)", key, e)
             self._discard(z)
             return None
         z.sock.close()

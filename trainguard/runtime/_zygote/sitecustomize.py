@@ -64,7 +64,10 @@ def _wait_for_job(fd: int) -> None:
         except Exception:  # the worker imports it itself (and reports the error)
             pass
     sock = socket.socket(fileno=fd)
-    sock.sendall(b"R")
+    try:
+        sock.sendall(b"R")
+    except OSError:
+        pass  # the agent handed us a job (and closed its end) before we were ready
     fds: list[int] = []
     (size,) = struct.unpack("!I", _recv_exact(sock, 4, fds))
     job = json.loads(_recv_exact(sock, size, fds))
