@@ -111,9 +111,10 @@ def test_warm_restart_matches_torchrun(tmp_path: Path) -> None:
         }, key
         assert set(ea) == set(eb)
         for e in (ea, eb):  # the per-run values have torch's shape
-            assert re.fullmatch(rf".*/logs/[^/]+/attempt_{key[0]}/{key[1]}/error\.json", e[
-                "TORCHELASTIC_ERROR_FILE"
-            ]), e["TORCHELASTIC_ERROR_FILE"]
+            assert re.fullmatch(
+                rf".*/logs/[^/]+/attempt_{key[0]}/{key[1]}/error\.json",
+                e["TORCHELASTIC_ERROR_FILE"],
+            ), e["TORCHELASTIC_ERROR_FILE"]
         a.pop("pid"), b.pop("pid")
         assert a == b, key  # argv, orig_argv, cwd, __name__, sys.path[0], stdio buffering
         assert a["argv"] == [PLAN_WORKER, "--opt", "a b"] and a["name"] == "__main__"

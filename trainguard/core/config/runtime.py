@@ -23,10 +23,18 @@ class RuntimeConfig:
     rank, started ``warm_prestart_delay_s`` after each start): a restart skips interpreter and
     ``import torch`` start-up. The first start is always cold. ``--no-tg-warm`` turns it off."""
     warm_preload: list[str] = field(
-        default_factory=lambda: ["torch", "torch.distributed", "torch.nn.parallel", "trainguard"]
+        default_factory=lambda: [
+            "torch",
+            "torch.distributed",
+            "torch.nn.parallel",
+            "torch._dynamo",
+            "torch.distributed.checkpoint",
+            "trainguard.worker.api",
+        ]
     )
     """Modules a warm process imports before it waits (import errors are ignored there: the
-    worker meets them itself)."""
+    worker meets them itself). ``torch._dynamo`` is as slow to import as torch (~1.2 s CPU)
+    and the ``DistributedDataParallel`` constructor imports it."""
     warm_prestart_delay_s: float = 5.0
     """Seconds after a start before the warm processes for the next restart are started (they
     would otherwise compete for CPU with the starting workers)."""

@@ -73,7 +73,7 @@ def _wait_for_job(fd: int) -> None:
     job = json.loads(_recv_exact(sock, size, fds))
     if len(fds) != 2:
         os._exit(_ABORT)
-    for target, got in zip((1, 2), fds):
+    for target, got in zip((1, 2), fds, strict=True):
         os.dup2(got, target)
         os.close(got)
     os.chdir(job["cwd"])
