@@ -9,6 +9,7 @@ exercised by tests/test_run_warm.py through the agent.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -76,6 +77,13 @@ def test_warm_worker_is_indistinguishable_from_cold(
 ) -> None:
     pool = WarmPool(preload=(), prestart_delay_s=0)
     env = base_env(PLAN_RANK="0", RANK="0", TORCH="0")
+    # the user's own sitecustomize still runs, after the hand-off (it sees the worker's env)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\nos.environ['USER_SITE_SAW'] = os.environ['TORCHELASTIC_RESTART_COUNT']\n"
+    )
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
     (tmp_path / "cold").mkdir()
     (tmp_path / "warm").mkdir()
     monkeypatch.chdir(tmp_path / "cold")
@@ -114,6 +122,8 @@ def test_warm_worker_is_indistinguishable_from_cold(
         b = json.loads((d / "env_1_0.json").read_text())
         a["env"].pop("TORCHELASTIC_RESTART_COUNT")
         b["env"].pop("TORCHELASTIC_RESTART_COUNT")
+        assert (a["env"].pop("USER_SITE_SAW"), b["env"].pop("USER_SITE_SAW")) == ("0", "1")
+        assert b.pop("pid") == warm[(form, action)].pid != a.pop("pid")
         dirs = (str(tmp_path / "cold"), str(tmp_path / "warm"))
         assert (a.pop("cwd"), b.pop("cwd")) == dirs
         if form == "module":  # python -m puts the working directory first on sys.path
