@@ -12,10 +12,11 @@ Paths, side by side in one run:
 - ``torchrun``
 - ``trainguard``: ``trainguard run --no-tg-warm`` (cold restarts, the path before warm restarts)
 - ``trainguard_warm``: ``trainguard run`` (warm restarts, the default)
-- ``trainguard_inprocess``: only with ``--inprocess-example SCRIPT`` (an in-process-restart
-  example that takes ``--out DIR`` and writes the same step lines as the worker, generation =
-  its own restart counter); otherwise null. HOOK: point it at the in-process example once
-  ``tg.run``/``@trainguard.restartable`` lands.
+- ``trainguard_inprocess``: only with ``--inprocess-example SCRIPT``, otherwise null. HOOK: point
+  it at the in-process example once ``tg.run``/``@trainguard.restartable`` lands (e.g.
+  examples/train_inprocess.py): run as ``SCRIPT --steps N --step-sleep 0.05``, it prints
+  ``TG_STEP {"step": <0-based step done>, "rank", "pid", "gen", "time"}`` lines to stdout
+  (a new ``gen`` after each in-process restart).
 - torchft mode: the survivor's pause under torchft and ``trainguard run --ft`` (tests/ft_harness,
   as bench/ft.py; ``--ft-kills 0`` skips it).
 
@@ -49,6 +50,8 @@ WORKER = REPO / "bench" / "fast_restart_worker.py"
 CKPT_EVERY = 20
 OFFSETS = [7, 13, 3, 17, 10, 5, 15, 1, 12, 8]
 """Kill points (step mod CKPT_EVERY), the same for every path."""
+WARM_PATHS = ("trainguard_warm", "trainguard_inprocess")
+"""Killed only once their warm processes are ready (their steady state)."""
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TRAINGUARD = [sys.executable, "-m", "trainguard", "run"]
 
@@ -92,6 +95,30 @@ class StepLog:
         return self.lines[-1] if self.lines else None
 
 
+class TGStepLog(StepLog):
+    """The in-process example's ``TG_STEP {json}`` lines for one rank, from the launcher log."""
+
+    def __init__(self, path: Path, rank: int) -> None:
+        super().__init__(path)
+        self.rank = rank
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._pos)
+                chunk = f.read()
+        except OSError:
+            return
+        end = chunk.rfind(b"\n") + 1
+        self._pos += end
+        for line in chunk[:end].decode(errors="replace").splitlines():
+            if not line.startswith("TG_STEP "):
+                continue
+            rec = json.loads(line[len("TG_STEP ") :])
+            if rec["rank"] == self.rank:
+                self.lines.append((rec["step"] + 1, rec["time"], rec["pid"], str(rec["gen"])))
+
+
 def _events(run_dir: Path) -> list[dict]:
     try:
         return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
@@ -128,11 +155,15 @@ def run_path(
     if cmd[-1] == "run":  # trainguard
         args += ["--tg-run-dir", str(run_dir)]
     log = open(d / "launcher.log", "wb")  # noqa: SIM115
+    if name == "trainguard_inprocess":
+        script = [str(INPROCESS_EXAMPLE), "--steps", "10000000", "--step-sleep", "0.05"]
+        r0, r1 = TGStepLog(d / "launcher.log", 0), TGStepLog(d / "launcher.log", 1)
+    else:
+        script = [str(WORKER), "--out", str(out)]
+        r0, r1 = StepLog(out / "steps_0.log"), StepLog(out / "steps_1.log")
     p = subprocess.Popen(
-        [*cmd, *args, *_script(name), "--out", str(out)],
-        cwd=d, env=env, stdout=log, stderr=log, start_new_session=True,
-    )  # fmt: skip
-    r0, r1 = StepLog(out / "steps_0.log"), StepLog(out / "steps_1.log")
+        [*cmd, *args, *script], cwd=d, env=env, stdout=log, stderr=log, start_new_session=True
+    )
     try:
         for i in range(kills):
             gen_before = _wait_kill_point(
@@ -166,10 +197,6 @@ def run_path(
     return res
 
 
-def _script(name: str) -> list[str]:
-    return [str(INPROCESS_EXAMPLE if name == "trainguard_inprocess" else WORKER)]
-
-
 INPROCESS_EXAMPLE: Path | None = None
 
 
@@ -188,7 +215,7 @@ def _wait_kill_point(
             if (
                 last[0] % CKPT_EVERY == offset
                 and sum(1 for line in r0.lines if line[3] == last[3]) >= settle
-                and (name != "trainguard_warm" or _warm_ready(run_dir))
+                and (name not in WARM_PATHS or _warm_ready(run_dir))
             ):
                 return last[3]
         time.sleep(0.005)
