@@ -172,8 +172,8 @@ class WarmPool:
     preload: Sequence[str] = ("torch",)
     prestart_delay_s: float = 5.0
     clock: Callable[[], float] = time.monotonic
-    _slots: dict[Hashable, _Slot] = field(default_factory=dict)
-    _closed: bool = False
+    _slots: dict[Hashable, _Slot] = field(default_factory=dict, init=False, repr=False)
+    _closed: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         atexit.register(self.close)
@@ -218,10 +218,15 @@ class WarmPool:
         if z is None or slot is None:
             return None
         slot.zygote = None
-        blockers = env_compatible(z.env, env) if z.argv == argv else ["<command line>"]
-        if blockers or z.proc.poll() is not None:
+        diff = env_compatible(z.env, env)
+        blockers = [f"the environment differs in {', '.join(diff)}"] if diff else []
+        if z.argv != argv:
+            blockers = ["the command line differs"]
+        if z.proc.poll() is not None:
+            blockers = [f"exited with {z.proc.returncode}"]
+        if blockers:
             logger.warning(
-                "worker %s starts cold: its warm process cannot run it (differs in %s)",
+                "worker %s starts cold: its warm process cannot run it (%s)",
                 key,
                 ", ".join(blockers),
             )
