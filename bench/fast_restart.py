@@ -145,8 +145,19 @@ def _started_warm(run_dir: Path) -> bool:
 def run_path(
     name: str, cmd: list[str], root: Path, *, kills: int, settle: int, timeout: float
 ) -> PathResult:
+    """``kills`` samples; a job whose restart hangs (torchrun's shared store) is counted in
+    ``hung``, ended, and a fresh job takes over (at most ``kills`` hangs)."""
     res = PathResult(name)
-    d = root / name
+    job = 0
+    while len(res.mttr_s) < kills and res.hung < kills:
+        _one_job(res, name, cmd, root / f"{name}-{job}", kills, settle, timeout)
+        job += 1
+    return res
+
+
+def _one_job(
+    res: PathResult, name: str, cmd: list[str], d: Path, kills: int, settle: int, timeout: float
+) -> None:
     out, run_dir = d / "out", d / "run"
     d.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
@@ -165,14 +176,17 @@ def run_path(
         [*cmd, *args, *script], cwd=d, env=env, stdout=log, stderr=log, start_new_session=True
     )
     try:
-        for i in range(kills):
+        while len(res.mttr_s) < kills:
+            i = len(res.mttr_s)
             gen_before = _wait_kill_point(
-                p, r0, r1, run_dir, name, settle, OFFSETS[i % 10], timeout
+                p, r0, r1, run_dir, name, settle, OFFSETS[i % len(OFFSETS)], timeout
             )
             if gen_before is None:
                 res.hung += 1
-                res.note = f"no kill point within {timeout:.0f} s (kill {i})"
-                break
+                res.note = (
+                    f"{res.hung} job(s) without a kill point or a step within {timeout:.0f} s"
+                )
+                return
             last_before = r0.last
             victim = r1.last[2] if r1.last else None
             t_kill = time.time()
@@ -180,8 +194,8 @@ def run_path(
             first_after = _wait_next_generation(p, r0, gen_before, timeout)
             if first_after is None:
                 res.hung += 1
-                res.note = f"no step after kill {i} within {timeout:.0f} s"
-                break
+                res.note = f"{res.hung} restart(s) without a step within {timeout:.0f} s"
+                return
             done_before = max(s for s, t, _, g in r0.lines if t <= t_kill and g == gen_before)
             res.mttr_s.append(first_after[1] - t_kill)
             res.redone.append(done_before - (first_after[0] - 1))
@@ -194,7 +208,6 @@ def run_path(
     finally:
         kill_tree(p)
         log.close()
-    return res
 
 
 INPROCESS_EXAMPLE: Path | None = None
