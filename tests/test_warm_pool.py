@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import pytest
 
 from tests.launch_utils import REPO, WORKERS, base_env
 from tests.procs import alive
+from trainguard.core.config.runtime import RuntimeConfig
 from trainguard.runtime.warm import WarmPool, env_compatible, warm_argv_ok
 
 PLAN_WORKER = str(WORKERS / "restart_plan.py")
@@ -195,3 +197,32 @@ def test_env_compatible_allows_only_values_read_after_startup() -> None:
     assert env_compatible(base, dict(base, TRAINGUARD_ZYGOTE_PRELOAD="x")) == [
         "TRAINGUARD_ZYGOTE_PRELOAD"
     ]
+
+
+_SPY = """
+import os, sys
+reads = set()
+get, getitem = os._Environ.get, os._Environ.__getitem__
+os._Environ.get = lambda self, k, d=None: (reads.add(k), get(self, k, d))[1]
+os._Environ.__getitem__ = lambda self, k: (reads.add(k), getitem(self, k))[1]
+for name in sys.argv[1:]:
+    __import__(name)
+print(" ".join(sorted(reads)))
+"""
+
+
+def test_preload_reads_no_variable_a_zygote_may_differ_in() -> None:
+    """The allowed differences hold for the default preload: importing it reads none of them
+    from os.environ (C-level getenv at library load is not seen here)."""
+    preload = RuntimeConfig().warm_preload
+    r = subprocess.run(
+        [sys.executable, "-c", _SPY, *preload],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    reads = set(r.stdout.split())
+    assert "TORCH_LOGS" in reads  # the spy sees torch's import-time reads
+    assert not {k for k in reads if not env_compatible({}, {k: "x"})}
