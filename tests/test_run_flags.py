@@ -1,4 +1,4 @@
-"""Guard: `trainguard run` accepts exactly torchrun's flags (plus its own four), same meaning."""
+"""Guard: `trainguard run` accepts exactly torchrun's flags (plus its own), same meaning."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch.distributed import run as torchrun
 
 from trainguard.runtime.launcher import build_parser
 
-OWN = {"--config", "--tg-run-dir", "--ft", "--tg-restart-budget"}
+OWN = {"--config", "--tg-run-dir", "--ft", "--tg-restart-budget", "--tg-warm", "--no-tg-warm"}
 
 
 def _actions(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:

@@ -26,6 +26,7 @@ from trainguard.core.failures import (
 )
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin, NodeUnhealthyError
 from trainguard.core.progress import ProgressReader, ProgressSnapshot
+from trainguard.runtime import warm
 from trainguard.runtime.inprocess import InProcessRestarter
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
@@ -65,6 +66,13 @@ class TrainGuardAgent(LocalElasticAgent):
         self._failed_reported = False
         self.inprocess = InProcessRestarter(self)
         """Replaces a dead worker in place when the workers run in ``trainguard.run``."""
+        rt = self.tg_config.runtime
+        self.warm_pool: warm.WarmPool | None = (
+            warm.WarmPool(preload=rt.warm_preload, prestart_delay_s=rt.warm_prestart_delay_s)
+            if rt.warm_restarts
+            else None
+        )
+        """Pre-started workers for restarts (runtime/warm.py); None when warm_restarts is off."""
 
     # -- requeue (the one place that decides it) ------------------------------------------------
     def _mark_requeue(self, **fields: Any) -> None:
@@ -214,13 +222,19 @@ class TrainGuardAgent(LocalElasticAgent):
         os.environ[envvars.HEARTBEAT_INTERVAL_S] = str(self.tg_config.runtime.heartbeat_interval_s)
         self._teardown_file = progress_dir / "teardown"
         os.environ[envvars.TEARDOWN_FILE] = str(self._teardown_file)
-        pids = super()._start_workers(worker_group)
+        with warm.serving_torch_workers(self.warm_pool) as started_warm:
+            pids = super()._start_workers(worker_group)
         self._mark_teardowns(self._pcontext)
         self._failed_reported = False
         self.events.emit(
             "workers_started",
             workers=[
-                {"rank": w.global_rank, "local_rank": w.local_rank, "pid": pids.get(w.local_rank)}
+                {
+                    "rank": w.global_rank,
+                    "local_rank": w.local_rank,
+                    "pid": pids.get(w.local_rank),
+                    "warm": started_warm.get(w.local_rank, False),
+                }
                 for w in worker_group.workers
             ],
             world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
@@ -231,6 +245,10 @@ class TrainGuardAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self.inprocess.check(worker_group)  # before torch's poll, which stops every worker
         result = super()._monitor_workers(worker_group)
+        if self.warm_pool is not None:
+            for local_rank in self.warm_pool.tick():
+                pid = self.warm_pool.ready().get(local_rank)
+                self.events.emit("warm_ready", local_rank=local_rank, pid=pid)
         if result.state == WorkerState.HEALTHY:
             for override in self._call("on_monitor", worker_group, result):
                 if override is not None:
@@ -316,6 +334,13 @@ class TrainGuardAgent(LocalElasticAgent):
             path.touch()
         except OSError as e:
             logger.warning("cannot mark the teardown of attempt %s: %s", self.attempt, e)
+
+    def run(self, *args: Any, **kwargs: Any) -> RunResult:
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            if self.warm_pool is not None:
+                self.warm_pool.close()  # by PID; the workers are torch's to stop
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.events.emit(

@@ -94,6 +94,14 @@ def build_parser(prog: str = "trainguard run") -> argparse.ArgumentParser:
         "a whole, all nodes together; when spent every agent exits 93 (do not requeue). "
         "--max-restarts keeps torchrun's per-agent meaning.",
     )
+    group.add_argument(
+        "--tg-warm",
+        dest="tg_warm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Restart workers from pre-started processes with torch imported ([runtime] "
+        "warm_restarts, on by default); --no-tg-warm starts every worker cold, as torchrun.",
+    )
     return parser
 
 
@@ -480,6 +488,7 @@ def prepare(
             "runtime.run_dir": args.tg_run_dir,
             "ft.enabled": getattr(args, "tg_ft", None),
             "recovery.job_restart_budget": getattr(args, "tg_restart_budget", None),
+            "runtime.warm_restarts": getattr(args, "tg_warm", None),
         },
     )
     _apply_torchrun_defaults(args)
