@@ -364,7 +364,8 @@ def _conclude(outcome: Outcome, name: str) -> dict[int, Any]:
             flush=True,
         )
         raise SystemExit(REQUEUE_EXIT_CODE) from None
-    if outcome.state == "do_not_requeue":
+    if outcome.state == "do_not_requeue" and outcome.error is None:
+        # a worker's own exit 93 (an AgentExit with this state carries its own line)
         print(
             f"trainguard run: a worker of {name} exited with {DO_NOT_REQUEUE_EXIT_CODE} (do not "
             f"requeue; its own message says why); not restarted, exiting with "
