@@ -38,7 +38,7 @@ from trainguard.core.config import ConfigError, TrainGuardConfig, load_config, w
 from trainguard.core.events import EventLog
 from trainguard.core.failures import REQUEUE_EXIT_CODE
 from trainguard.core.plugin import AgentContext, AgentPlugin, NodeUnhealthyError
-from trainguard.runtime import etcd_v3
+from trainguard.runtime import etcd_v3, spares
 from trainguard.runtime.agent import TrainGuardAgent
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
@@ -297,6 +297,8 @@ def _run_agent(agent: TrainGuardAgent, config: LaunchConfig, name: str) -> Outco
     except RendezvousConnectionError as e:
         torch_events.record(agent.get_event_failed(), config.event_log_handler)
         if agent.attempt >= 0:
+            if config.rdzv_backend == "c10d":
+                print(spares.C10D_STORE_LOST.format(endpoint=config.rdzv_endpoint), file=sys.stderr)
             return Outcome("failed", error=e)
         # A spare that never joined a round: its rendezvous store went away, which is how a
         # job that ended without it (or lost its store host) looks from the waiting list.
@@ -380,6 +382,7 @@ def launch(
         direct_signals=tg_config.runtime.preemption_signals_direct,
         rdzv_defaults=tg_config.rendezvous.rdzv_conf(),
     )
+    spare_ctl = spares.attach(spec.rdzv_handler, tg_config.spares, events.emit)
     plugins = plugin_factory(ctx) if plugin_factory else []
     agent = TrainGuardAgent(
         spec=spec,
@@ -409,6 +412,8 @@ def launch(
     finally:
         events.emit("job_finished", state=outcome.state)
         _finish_plugins(plugins, ctx, outcome.state)
+        if spare_ctl is not None:
+            spare_ctl.close()  # a tombstone: the others remove this node at once
         if outcome.shutdown_rdzv:
             spec.rdzv_handler.shutdown()
     if agent.attempt >= 0:

@@ -35,6 +35,7 @@ from trainguard.core.config.recovery import RecoveryConfig
 from trainguard.core.config.rendezvous import RendezvousConfig
 from trainguard.core.config.runtime import RuntimeConfig
 from trainguard.core.config.slurm import SlurmConfig
+from trainguard.core.config.spares import SparesConfig
 from trainguard.core.config.telemetry import TelemetryConfig
 
 __all__ = [
@@ -68,6 +69,7 @@ class TrainGuardConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     ft: FTConfig = field(default_factory=FTConfig)
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    spares: SparesConfig = field(default_factory=SparesConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,0 +1,36 @@
+"""Configuration of hot spares and fast dead-node detection (section [spares], env
+TRAINGUARD_SPARES_*).
+
+Example::
+
+    [spares]
+    dead_after_s = 2.5      # a node whose liveness beacon stood still this long is dead
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True, slots=True)
+class SparesConfig:
+    enabled: bool = True
+    """Liveness beacons, dead-node removal from the rendezvous and spare bookkeeping (dynamic
+    rendezvous backends: c10d, etcd-v3). Off: torch's keep-alive expiry alone finds dead nodes
+    (~15 s with its defaults) and a spare surplus can keep a wait list (restart loop)."""
+    beacon_interval_s: float = 0.5
+    """How often each agent advances its liveness counter in the rendezvous store."""
+    dead_after_s: float = 2.5
+    """A node whose counter has not advanced for this long is removed from the rendezvous
+    (torch's keep-alive expiry stays as the fallback for nodes without a beacon)."""
+    poll_s: float = 0.25
+    """How often an agent that waits in a rendezvous reads the state and the beacons."""
+
+    def __post_init__(self) -> None:
+        if self.beacon_interval_s <= 0 or self.poll_s <= 0:
+            raise ValueError("beacon_interval_s and poll_s must be > 0")
+        if self.dead_after_s < 3 * self.beacon_interval_s:
+            raise ValueError(
+                f"dead_after_s ({self.dead_after_s}) must be at least 3 x beacon_interval_s "
+                f"({self.beacon_interval_s}): a live node would be declared dead"
+            )
