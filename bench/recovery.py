@@ -25,7 +25,8 @@ Prints a table and ends with one JSON line: torchrun_node_loss_resume_s,
 trainguard_node_loss_resume_s, trainguard_store_host_loss_resume_s,
 torchrun_store_host_loss_resume_s, trainguard_eviction_resume_s, trainguard_world_size_after
 (medians; null when the job died or never resumed in most runs), plus
-torchrun_node_loss_elastic_resume_s and torchrun_elastic_world_size_after.
+torchrun_node_loss_elastic_resume_s, torchrun_elastic_world_size_after and the same trainguard
+figures with ``[spares] warm_workers = true`` (``tg-warm`` rows, ``trainguard_warm_*`` keys).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ EXAMPLE = REPO / "examples" / "train_mlp.py"
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
     "trainguard": [sys.executable, "-m", "trainguard", "run"],
+    "tg-warm": [sys.executable, "-m", "trainguard", "run"],  # [spares] warm_workers = true
 }
 
 
@@ -144,7 +146,8 @@ def once(
 ) -> tuple[float | None, int | None, str]:
     d = Path(tempfile.mkdtemp(prefix=f"{which}-{fault}-", dir=root))
     run_dir = d / "run"
-    backend = "etcd-v3" if fault == "store_host_loss" and which == "trainguard" else "c10d"
+    tg = which != "torchrun"
+    backend = "etcd-v3" if fault == "store_host_loss" and tg else "c10d"
     if backend == "c10d":
         endpoint = f"127.0.0.1:{free_port()}"
     else:
@@ -167,6 +170,8 @@ def once(
             env["PYTHONPATH"] = str(REPO)
             env["TRAINGUARD_RUNTIME_RUN_DIR"] = str(run_dir)
             env["TRAINGUARD_TELEMETRY_ENABLED"] = "false"
+            if which == "tg-warm":
+                env["TRAINGUARD_SPARES_WARM_WORKERS"] = "true"
             if fault == "eviction":
                 exporters[name] = ExporterServer(h100_node(hostname=f"node-{name}")).__enter__()
                 env.update(
@@ -257,6 +262,9 @@ CASES = [
     ("torchrun", "store_host_loss"),
     ("trainguard", "store_host_loss"),
     ("trainguard", "eviction"),
+    ("tg-warm", "node_loss"),
+    ("tg-warm", "store_host_loss"),
+    ("tg-warm", "eviction"),
 ]
 
 
@@ -281,19 +289,19 @@ def main() -> None:
     etcd = None
     results: dict[tuple[str, str], list[tuple[float | None, int | None, str]]] = {}
     try:
-        if any(c == ("trainguard", "store_host_loss") for c in cases):
+        if any(c[0] != "torchrun" and c[1] == "store_host_loss" for c in cases):
             etcd = Etcd(root / "etcd", no_fsync=True)
         for r in range(args.runs):
             for which, fault in cases:  # interleaved: both launchers see the same load
                 got = once(which, fault, root, timeout=args.timeout, etcd=etcd)
                 results.setdefault((which, fault), []).append(got)
-                print(f"run {r + 1} {which:10s} {fault:16s} {got}", file=sys.stderr, flush=True)
+                print(f"run {r + 1} {which:10s} {fault:17s} {got}", file=sys.stderr, flush=True)
     finally:
         if etcd is not None:
             etcd.kill()
     load = os.getloadavg()[0]
     print(f"\nrecovery after a fault, medians of {args.runs} (load average {load:.1f}):")
-    print(f"{'launcher':10s}  {'fault':16s}  {'resume s':>9s}  {'world after':>11s}  runs")
+    print(f"{'launcher':10s}  {'fault':17s}  {'resume s':>9s}  {'world after':>11s}  runs")
     summary: dict[tuple[str, str], tuple[float | None, int | None]] = {}
     for (which, fault), runs in results.items():
         resume = _median([x[0] for x in runs])
@@ -304,7 +312,7 @@ def main() -> None:
             f"{x[0]:.1f}s/{x[1]}" if x[0] is not None else (x[2] or "none") for x in runs
         )
         shown = f"{resume:.2f}" if resume is not None else "null"
-        print(f"{which:10s}  {fault:16s}  {shown:>9s}  {world!s:>11s}  {detail}")
+        print(f"{which:10s}  {fault:17s}  {shown:>9s}  {world!s:>11s}  {detail}")
     print(
         "\nnode_loss: kill -9 of a node that does not host the c10d store (agent + worker); "
         "store_host_loss: kill -9 of the agent that started first (torchrun: c10d, "
@@ -327,6 +335,10 @@ def main() -> None:
                 "trainguard_world_size_after": get("trainguard", "node_loss", 1),
                 "torchrun_node_loss_elastic_resume_s": get("torchrun", "node_loss_elastic"),
                 "torchrun_elastic_world_size_after": get("torchrun", "node_loss_elastic", 1),
+                "trainguard_warm_node_loss_resume_s": get("tg-warm", "node_loss"),
+                "trainguard_warm_store_host_loss_resume_s": get("tg-warm", "store_host_loss"),
+                "trainguard_warm_eviction_resume_s": get("tg-warm", "eviction"),
+                "trainguard_warm_world_size_after": get("tg-warm", "node_loss", 1),
             }
         )
     )

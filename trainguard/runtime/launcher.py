@@ -38,7 +38,7 @@ from trainguard.core.config import ConfigError, TrainGuardConfig, load_config, w
 from trainguard.core.events import EventLog
 from trainguard.core.failures import REQUEUE_EXIT_CODE
 from trainguard.core.plugin import AgentContext, AgentPlugin, NodeUnhealthyError
-from trainguard.runtime import etcd_v3, spares
+from trainguard.runtime import etcd_v3, spares, warm
 from trainguard.runtime.agent import TrainGuardAgent
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
@@ -383,6 +383,7 @@ def launch(
         rdzv_defaults=tg_config.rendezvous.rdzv_conf(),
     )
     spare_ctl = spares.attach(spec.rdzv_handler, tg_config.spares, events.emit)
+    warm_stop = warm.start(tg_config.spares, config.nproc_per_node, entrypoint, ctx)
     plugins = plugin_factory(ctx) if plugin_factory else []
     agent = TrainGuardAgent(
         spec=spec,
@@ -412,6 +413,8 @@ def launch(
     finally:
         events.emit("job_finished", state=outcome.state)
         _finish_plugins(plugins, ctx, outcome.state)
+        if warm_stop is not None:
+            warm_stop()
         if spare_ctl is not None:
             spare_ctl.close()  # a tombstone: the others remove this node at once
         if outcome.shutdown_rdzv:

@@ -9,7 +9,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(kw_only=True, slots=True)
@@ -25,6 +25,21 @@ class SparesConfig:
     (torch's keep-alive expiry stays as the fallback for nodes without a beacon)."""
     poll_s: float = 0.25
     """How often an agent that waits in a rendezvous reads the state and the beacons."""
+    warm_workers: bool = False
+    """Keep ``nproc_per_node`` worker processes per agent started ahead, with ``warm_preload``
+    imported, and start the next attempt's workers (a spare's first ones included) from them:
+    a restart then skips each worker's interpreter start and torch import."""
+    warm_preload: list[str] = field(
+        default_factory=lambda: [
+            "torch",
+            "torch.distributed",
+            "torch.nn.parallel",
+            "torch.distributed.checkpoint",
+            "trainguard.worker.api",
+            "trainguard.checkpoint.manager",
+        ]
+    )
+    """Modules a warm worker imports before it is needed."""
 
     def __post_init__(self) -> None:
         if self.beacon_interval_s <= 0 or self.poll_s <= 0:

@@ -1,0 +1,185 @@
+"""Warm workers: the next attempt's worker processes, started before they are needed.
+
+A replacement node (a spare that takes a dead node's slot) and the survivors of a failure
+restart their workers, and on a busy host most of that restart is each new worker importing
+torch. With ``[spares] warm_workers = true`` every agent keeps ``nproc_per_node`` processes
+that have already imported ``[spares] warm_preload`` (:mod:`trainguard.runtime.warm_worker`) and
+hands each the worker torch's agent would have started (same command line, environment, log
+files, process session): a spare's pool fills while it waits, an active node's pool refills
+once its workers have made their first step. A warm process that died, a command line that is
+not ``python -u [-m] SCRIPT ...``, or NUMA binding: torch's own ``Popen``, as always.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import api as mp_api
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+__all__ = ["WarmPool", "install", "start"]
+
+logger = logging.getLogger(__name__)
+
+
+class WarmPool:
+    """Up to ``size`` warm processes of this agent (started in their own sessions, as torch
+    starts workers; killed by PID when the pool closes or the agent dies)."""
+
+    def __init__(self, size: int, preload: list[str]) -> None:
+        self.size = size
+        self.preload = ",".join(preload)
+        self._idle: list[subprocess.Popen[bytes]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.handed_out = 0
+
+    def fill(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._idle = [p for p in self._idle if p.poll() is None]
+            while len(self._idle) < self.size:
+                self._idle.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-u",
+                            "-m",
+                            "trainguard.runtime.warm_worker",
+                            self.preload,
+                        ],
+                        stdin=subprocess.PIPE,
+                        start_new_session=True,
+                    )
+                )
+
+    def take(self) -> subprocess.Popen[bytes] | None:
+        with self._lock:
+            while self._idle:
+                p = self._idle.pop(0)
+                if p.poll() is None:
+                    self.handed_out += 1
+                    return p
+            return None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for p in idle:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+class _WarmHandler(SubprocessHandler):
+    """torch's handler, with the process taken from the pool when it can be."""
+
+    pool: WarmPool | None = None
+
+    def _popen(self, args: tuple, env: dict[str, str]) -> subprocess.Popen:
+        pool = _WarmHandler.pool
+        argv = list(args[1:])
+        ok_cmd = args[0] == sys.executable and argv[:1] == ["-u"] and len(argv) > 1
+        proc = pool.take() if pool is not None and ok_cmd else None
+        if proc is None or proc.stdin is None:
+            return super()._popen(args, env)
+        spec = {
+            "argv": argv[1:],
+            "env": env,
+            "stdout": getattr(self._stdout, "name", None),
+            "stderr": getattr(self._stderr, "name", None),
+        }
+        try:
+            proc.stdin.write((json.dumps(spec) + "\n").encode())
+            proc.stdin.close()
+        except OSError as e:  # died between take() and now
+            logger.debug("warm worker %s unusable: %s", proc.pid, e)
+            return super()._popen(args, env)
+        return proc
+
+
+def _get_subprocess_handler(
+    entrypoint: str,
+    args: tuple,
+    env: dict[str, str],
+    stdout: str,
+    stderr: str,
+    local_rank_id: int,
+    numa_options: Any = None,
+) -> SubprocessHandler:
+    cls = SubprocessHandler if numa_options is not None else _WarmHandler
+    return cls(
+        entrypoint=entrypoint,
+        args=args,
+        env=env,
+        stdout=stdout,
+        stderr=stderr,
+        local_rank_id=local_rank_id,
+        numa_options=numa_options,
+    )
+
+
+def install(pool: WarmPool) -> Callable[[], None]:
+    """Start this agent's workers from ``pool``; returns the function that undoes it."""
+    original = mp_api.get_subprocess_handler
+    _WarmHandler.pool = pool
+    mp_api.get_subprocess_handler = _get_subprocess_handler  # type: ignore[assignment]
+
+    def uninstall() -> None:
+        mp_api.get_subprocess_handler = original
+        _WarmHandler.pool = None
+        pool.close()
+
+    return uninstall
+
+
+def start(cfg: Any, nproc: int, entrypoint: Any, ctx: Any) -> Callable[[], None] | None:
+    """The agent's warm pool per ``cfg`` (``[spares]``): filled now (the first attempt and a
+    spare's first workers start warm) and again once each attempt's workers made a step.
+    Returns the function that removes it (kills the idle processes); None when off."""
+    if not cfg.warm_workers or not isinstance(entrypoint, str) or nproc < 1:
+        return None
+    pool = WarmPool(nproc, list(cfg.warm_preload))
+    uninstall = install(pool)
+    pool.fill()
+
+    used = [0]
+
+    def refill_after_first_step(_event: dict[str, Any]) -> None:
+        ctx.events.emit("warm_workers", used=pool.handed_out - used[0], pool_size=pool.size)
+        used[0] = pool.handed_out
+
+        def wait_then_fill() -> None:
+            import time
+
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not pool._closed:
+                if any(s.num_steps > 0 for s in ctx.worker_progress().values()):
+                    break
+                time.sleep(0.5)
+            pool.fill()
+
+        threading.Thread(target=wait_then_fill, name="tg-warm-refill", daemon=True).start()
+
+    unsubscribe = ctx.events.subscribe(refill_after_first_step, ["workers_started"])
+
+    def stop() -> None:
+        unsubscribe()
+        uninstall()
+
+    return stop
