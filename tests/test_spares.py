@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 import threading
@@ -28,6 +29,7 @@ import pytest
 import torch
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from tests.launch_utils import REPO, base_env, free_port
 from tests.procs import kill_tree
@@ -42,6 +44,72 @@ KILL_AT = 10
 
 
 # -- the rendezvous alone ---------------------------------------------------------------------
+def test_reaper_judges_silence_on_its_own_clock() -> None:
+    """A node whose beacon stands still for dead_after_s is removed from the round (real c10d
+    store and state, a fake clock); a gap in our own reading restarts the window; a tombstone
+    removes at once; a node without a beacon (a plain torchrun agent) is never judged."""
+    params = RendezvousParameters(
+        backend="c10d", endpoint=f"127.0.0.1:{free_port()}", run_id="reap", min_nodes=2,
+        max_nodes=3,
+    )  # fmt: skip
+    handler = rdzv_registry.get_rendezvous_handler(params)
+    backend = handler._state_holder._backend  # type: ignore[attr-defined]
+    me = handler._this_node  # type: ignore[attr-defined]
+    quiet, foreign, leaving = (
+        _NodeDesc("quiet", 1, 0),
+        _NodeDesc("torchrun", 2, 0),
+        _NodeDesc("leaving", 3, 0),
+    )
+    state = _RendezvousState()
+    state.complete = True
+    state.participants = {me: 0, quiet: 1, foreign: 2}
+    state.wait_list = {leaving}
+    backend.set_state(pickle.dumps(state))
+    now = [100.0]
+    events: list[tuple[str, dict[str, Any]]] = []
+    prefix = "trainguard/liveness/reap/"
+    reaper = spares.Reaper(
+        handler, SparesConfig(), lambda kind, **f: events.append((kind, f)),
+        beacon_prefix=prefix, clock=lambda: now[0],
+    )  # fmt: skip
+    store = handler._store  # type: ignore[attr-defined]
+    store.set(prefix + repr(quiet), "7")
+    store.set(prefix + repr(leaving), "3")
+
+    def at(t: float) -> dict[str, Any]:
+        now[0] = t
+        reaper.tick()
+        return pickle.loads(backend.get_state()[0]).__dict__
+
+    at(100.0)
+    at(101.0)
+    store.set(prefix + repr(leaving), spares.LEFT)  # the agent exited: its tombstone
+    st = at(102.0)
+    assert leaving not in st["wait_list"] and quiet in st["participants"]
+    assert [f["reason"] for k, f in events if k == "node_dead"] == ["left"]
+    st = at(103.0)  # 3 s silent, but this observer saw it only since 100 ... and 103 - 100 > 2.5
+    assert quiet not in st["participants"] and foreign in st["participants"]
+    dead = [f for k, f in events if k == "node_dead"]
+    assert dead[-1]["dead_node"] == repr(quiet) and dead[-1]["reason"] == "liveness_silent"
+    assert dead[-1]["silent_s"] == 3.0
+    # a gap in our own reading (store unreachable, agent starved) proves nothing
+    store.set(prefix + repr(quiet), "8")
+    st_before = len(events)
+    state = pickle.loads(backend.get_state()[0])
+    state.participants[quiet] = 1
+    got = backend.get_state()
+    backend.set_state(pickle.dumps(state), got[1])
+    at(110.0)
+    st = at(120.0)  # 10 s between our reads: the window starts again here
+    assert quiet in st["participants"] and len(events) == st_before
+    at(121.0)
+    st = at(122.0)
+    assert quiet in st["participants"]  # 2 s
+    st = at(123.0)
+    assert quiet not in st["participants"]  # silent 2.5 s+ in a window without a gap
+    assert foreign in st["participants"]  # never judged: it has no beacon
+
+
 def test_two_spares_one_dead_node_one_takes_the_slot_no_wait_list() -> None:
     port = free_port()
     events: list[tuple[int, str, dict[str, Any]]] = []
@@ -174,7 +242,10 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 class Job:
     """Three agents of one job (``--nnodes 2``): a and b train, c waits as a spare."""
 
-    def __init__(self, tmp: Path, backend: str, endpoint: str, run_id: str) -> None:
+    def __init__(
+        self, tmp: Path, backend: str, endpoint: str, run_id: str, *, warm: bool = False
+    ) -> None:
+        self.warm = warm
         self.tmp = tmp
         self.run_dir = tmp / "run"
         self.out = tmp / "final.pt"
@@ -193,8 +264,12 @@ class Job:
             "--out", str(self.out),
         ]  # fmt: skip
         log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        env = base_env(
+            TRAINGUARD_TELEMETRY_ENABLED="false",
+            TRAINGUARD_SPARES_WARM_WORKERS=str(self.warm).lower(),
+        )
         p = subprocess.Popen(
-            args, cwd=self.tmp, env=base_env(TRAINGUARD_TELEMETRY_ENABLED="false"), stdout=log,
+            args, cwd=self.tmp, env=env, stdout=log,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         self.procs.append(p)
@@ -308,7 +383,9 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
 def test_etcd_v3_the_agent_that_started_first_dies_the_spare_takes_over_bitwise(
     tmp_path: Path, straight: Path, etcd: Etcd
 ) -> None:
-    job = Job(tmp_path, "etcd-v3", etcd.endpoint, "spare-etcd")
+    """With warm workers on ([spares] warm_workers): the spare and the survivor start their new
+    workers from processes that imported torch ahead."""
+    job = Job(tmp_path, "etcd-v3", etcd.endpoint, "spare-etcd", warm=True)
     try:
         a, b, c = job.start_three()
         kill_tree(a)  # the node is gone, agent and worker (kill -9); on c10d this ends the job
@@ -321,6 +398,10 @@ def test_etcd_v3_the_agent_that_started_first_dies_the_spare_takes_over_bitwise(
     assert max(s["step"] for s in job.steps()) == STEPS - 1
     assert set(_steps_at(job, attempt)) == {0, 1}
     _same_weights(straight, job.out)
+    # both nodes of the last attempt started their worker from a warm process (torch imported
+    # ahead: the spare's while it waited, the survivor's after its first attempt's first step)
+    warm = [e for e in job.events("warm_workers") if e["attempt"] == attempt]
+    assert [e["used"] for e in warm] == [1, 1]
 
 
 def test_c10d_spare_replaces_a_node_then_the_store_hosts_loss_ends_the_job(

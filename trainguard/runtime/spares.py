@@ -143,6 +143,7 @@ class Reaper:
         self._clock = clock
         self._seen: dict[str, tuple[str, float]] = {}
         """node key -> (last beacon value, when it last changed on our clock)"""
+        self._last_read: float | None = None
         self.spare_since: float | None = None
         """Monotonic time this node entered the redundancy list (None: not a spare now)."""
         self.removed: list[str] = []
@@ -167,28 +168,39 @@ class Reaper:
                 out[n] = _text(self._store.get(k))
         return out
 
-    def dead_nodes(self, state: _RendezvousState) -> dict[_NodeDesc, float]:
+    def dead_nodes(self, state: _RendezvousState) -> dict[_NodeDesc, tuple[float, str]]:
         """The nodes of ``state`` (but this one) whose beacon stood still for ``dead_after_s``
-        or says they left, with how long they have been silent as seen from here."""
+        (``liveness_silent``) or says they exited (``left``), with how long they have been
+        silent as seen from here."""
         nodes = {n for n in (*state.participants, *state.wait_list, *state.redundancy_list)}
         nodes.discard(self._me)
         by_key = {repr(n): n for n in nodes}
         values = self._beacons(sorted(by_key))
         now = self._clock()
-        dead: dict[_NodeDesc, float] = {}
+        if self._last_read is None or now - self._last_read > self._cfg.dead_after_s / 2:
+            # we could not look for a while (store unreachable, this agent starved): silence
+            # seen across that gap proves nothing, so every node starts a fresh window
+            self._seen.clear()
+        self._last_read = now
+        dead: dict[_NodeDesc, tuple[float, str]] = {}
         for key, value in values.items():
             last = self._seen.get(key)
             if value == LEFT:
-                dead[by_key[key]] = 0.0 if last is None else now - last[1]
+                dead[by_key[key]] = (0.0 if last is None else now - last[1], "left")
                 continue
             if last is None or last[0] != value:
                 self._seen[key] = (value, now)
             elif now - last[1] >= self._cfg.dead_after_s:
-                dead[by_key[key]] = now - last[1]
+                dead[by_key[key]] = (now - last[1], "liveness_silent")
         for key in list(self._seen):
             if key not in by_key:
                 del self._seen[key]
         return dead
+
+    def forget(self) -> None:
+        """Start every node's silence window afresh (after a pass that could not read)."""
+        self._seen.clear()
+        self._last_read = None
 
     # -- writing -------------------------------------------------------------------------------
     def _write(self, mutate: Callable[[_RendezvousState], bool]) -> bool:
@@ -211,7 +223,7 @@ class Reaper:
                 return True
         return False
 
-    def _remove(self, dead: dict[_NodeDesc, float], round_: int) -> None:
+    def _remove(self, dead: dict[_NodeDesc, tuple[float, str]], round_: int) -> None:
         def mutate(state: _RendezvousState) -> bool:
             changed = participant = False
             for node in dead:
@@ -227,13 +239,14 @@ class Reaper:
             return changed
 
         if self._write(mutate):
-            for node, silent in dead.items():
+            for node, (silent, reason) in dead.items():
                 key = repr(node)
                 self.removed.append(key)
                 self._seen.pop(key, None)
                 logger.warning(
-                    "node %s is dead (liveness silent %.1f s): removed from the rendezvous",
+                    "node %s is dead (%s, silent %.1f s): removed from the rendezvous",
                     key,
+                    reason,
                     silent,
                 )
                 self._emit(
@@ -241,7 +254,7 @@ class Reaper:
                     dead_node=key,
                     silent_s=round(silent, 2),
                     round=round_,
-                    reason="left" if silent == 0.0 else "liveness_silent",
+                    reason=reason,
                     removed_by=repr(self._me),
                 )
 
@@ -321,6 +334,7 @@ class SpareController:
                     self.reaper.tick()
                 except Exception as e:  # the store may be briefly unreachable (etcd restart)
                     logger.debug("spares: reaper pass failed: %s", e)
+                    self.reaper.forget()
                 stop.wait(self.cfg.poll_s)
 
         thread = threading.Thread(target=loop, name="tg-reaper", daemon=True)
