@@ -212,6 +212,11 @@ def once(
         )
         if not ready:
             return None, None, f"no spare in the redundancy list: {rdzv.roles()}"
+        trained = _wait(
+            lambda: len({s["rank"] for s in _steps(run_dir)}) == 2, 180, list(procs.values())
+        )
+        if not trained:
+            return None, None, "the first round never trained"
         time.sleep(1.0)  # a few steps with the spare waiting
         if fault == "eviction":
             t0 = time.time()
