@@ -26,7 +26,8 @@ trainguard_node_loss_resume_s, trainguard_store_host_loss_resume_s,
 torchrun_store_host_loss_resume_s, trainguard_eviction_resume_s, trainguard_world_size_after
 (medians; null when the job died or never resumed in most runs), plus
 torchrun_node_loss_elastic_resume_s, torchrun_elastic_world_size_after and the same trainguard
-figures with ``[spares] warm_workers = true`` (``tg-warm`` rows, ``trainguard_warm_*`` keys).
+figures with ``[spares] warm_workers = true`` (``tg-warm`` rows, ``trainguard_warm_*`` keys;
+the fault comes once every warm pool is ready, as it would for a spare that waited a while).
 """
 
 from __future__ import annotations
@@ -217,6 +218,20 @@ def once(
         )
         if not trained:
             return None, None, "the first round never trained"
+        if which == "tg-warm":  # a spare waits warm: the fault comes once every pool is ready
+            fills = 2 * len(procs) - 1  # a and b: first fill + refill; c: first fill
+            _wait(
+                lambda: (
+                    sum(
+                        1
+                        for e in _records(run_dir, "events")
+                        if e.get("kind") == "warm_workers_ready"
+                    )
+                    >= fills
+                ),
+                180,
+                list(procs.values()),
+            )
         time.sleep(1.0)  # a few steps with the spare waiting
         if fault == "eviction":
             t0 = time.time()

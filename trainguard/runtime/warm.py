@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,25 +43,48 @@ class WarmPool:
         self._closed = False
         self.handed_out = 0
 
-    def fill(self) -> None:
+    def fill(self, on_ready: Callable[[int, float], None] | None = None) -> None:
+        """Start processes up to ``size``; ``on_ready(n, seconds)`` once the ``n`` new ones have
+        all imported ``preload`` (from a thread)."""
+        started: list[int] = []
+        t0 = time.monotonic()
         with self._lock:
             if self._closed:
                 return
             self._idle = [p for p in self._idle if p.poll() is None]
             while len(self._idle) < self.size:
-                self._idle.append(
-                    subprocess.Popen(
+                r, w = os.pipe()
+                try:
+                    proc = subprocess.Popen(
                         [
                             sys.executable,
                             "-u",
                             "-m",
                             "trainguard.runtime.warm_worker",
                             self.preload,
-                        ],
+                            str(w),
+                        ],  # fmt: skip
                         stdin=subprocess.PIPE,
                         start_new_session=True,
+                        pass_fds=(w,),
                     )
-                )
+                finally:
+                    os.close(w)
+                self._idle.append(proc)
+                started.append(r)
+
+        def wait_ready() -> None:
+            n = 0
+            for r in started:
+                try:
+                    n += len(os.read(r, 1))  # b"" when the process died first
+                finally:
+                    os.close(r)
+            if on_ready is not None and n:
+                on_ready(n, time.monotonic() - t0)
+
+        if started:
+            threading.Thread(target=wait_ready, name="tg-warm-ready", daemon=True).start()
 
     def take(self) -> subprocess.Popen[bytes] | None:
         with self._lock:
@@ -156,7 +180,11 @@ def start(cfg: Any, nproc: int, entrypoint: Any, ctx: Any) -> Callable[[], None]
         return None
     pool = WarmPool(nproc, list(cfg.warm_preload))
     uninstall = install(pool)
-    pool.fill()
+
+    def ready(n: int, seconds: float) -> None:
+        ctx.events.emit("warm_workers_ready", count=n, duration_s=round(seconds, 2))
+
+    pool.fill(ready)
 
     used = [0]
 
@@ -165,14 +193,12 @@ def start(cfg: Any, nproc: int, entrypoint: Any, ctx: Any) -> Callable[[], None]
         used[0] = pool.handed_out
 
         def wait_then_fill() -> None:
-            import time
-
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and not pool._closed:
                 if any(s.num_steps > 0 for s in ctx.worker_progress().values()):
                     break
                 time.sleep(0.5)
-            pool.fill()
+            pool.fill(ready)
 
         threading.Thread(target=wait_then_fill, name="tg-warm-refill", daemon=True).start()
 

@@ -1,7 +1,8 @@
 """A pre-started worker process: imports the heavy modules, then waits to become a worker.
 
 Started by the agent's :class:`trainguard.runtime.warm.WarmPool` as
-``python -u -m trainguard.runtime.warm_worker MOD[,MOD...]``. It imports the listed modules
+``python -u -m trainguard.runtime.warm_worker MOD[,MOD...] READY_FD``. It imports the listed
+modules, writes one byte to ``READY_FD``
 (torch, torch.distributed, ...) while nothing waits for it, then reads one JSON line from stdin:
 ``{"argv": [...], "env": {...}, "stdout": path|null, "stderr": path|null}`` (what torch's
 ``SubprocessHandler`` would have started: ``python -u [-m] SCRIPT ARGS`` with that environment
@@ -39,6 +40,13 @@ def main() -> None:
                 importlib.import_module(name)
             except Exception:  # the script imports it again and reports the error itself
                 pass
+    if len(sys.argv) > 2:  # tell the pool we are warm (one byte on the pipe it gave us)
+        ready = int(sys.argv[2])
+        try:
+            os.write(ready, b"1")
+            os.close(ready)
+        except OSError:
+            pass
     line = sys.stdin.readline()
     if not line.strip():
         return

@@ -35,6 +35,11 @@ class SparesConfig:
             "torch.distributed",
             "torch.nn.parallel",
             "torch.distributed.checkpoint",
+            # DistributedDataParallel's constructor imports these (~800 modules, seconds)
+            "torch._dynamo",
+            "torch._inductor",
+            "torch._numpy",
+            "torch.onnx",
             "trainguard.worker.api",
             "trainguard.checkpoint.manager",
         ]
