@@ -243,7 +243,7 @@ class Job:
     """Three agents of one job (``--nnodes 2``): a and b train, c waits as a spare."""
 
     def __init__(
-        self, tmp: Path, backend: str, endpoint: str, run_id: str, *, warm: bool = False
+        self, tmp: Path, backend: str, endpoint: str, run_id: str, *, warm: str = "off"
     ) -> None:
         self.warm = warm
         self.tmp = tmp
@@ -266,7 +266,7 @@ class Job:
         log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
         env = base_env(
             TRAINGUARD_TELEMETRY_ENABLED="false",
-            TRAINGUARD_SPARES_WARM_WORKERS=str(self.warm).lower(),
+            TRAINGUARD_SPARES_WARM_WORKERS=self.warm,
         )
         p = subprocess.Popen(
             args, cwd=self.tmp, env=env, stdout=log,
@@ -383,9 +383,9 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
 def test_etcd_v3_the_agent_that_started_first_dies_the_spare_takes_over_bitwise(
     tmp_path: Path, straight: Path, etcd: Etcd
 ) -> None:
-    """With warm workers on ([spares] warm_workers): the spare and the survivor start their new
-    workers from processes that imported torch ahead."""
-    job = Job(tmp_path, "etcd-v3", etcd.endpoint, "spare-etcd", warm=True)
+    """With ``[spares] warm_workers = "auto"``: the spare warms a pool while it waits, the
+    survivor once the spare has shown up, and both start their new workers from it."""
+    job = Job(tmp_path, "etcd-v3", etcd.endpoint, "spare-etcd", warm="auto")
     try:
         a, b, c = job.start_three()
         kill_tree(a)  # the node is gone, agent and worker (kill -9); on c10d this ends the job
@@ -398,10 +398,13 @@ def test_etcd_v3_the_agent_that_started_first_dies_the_spare_takes_over_bitwise(
     assert max(s["step"] for s in job.steps()) == STEPS - 1
     assert set(_steps_at(job, attempt)) == {0, 1}
     _same_weights(straight, job.out)
-    # the last attempt's workers started from warm processes (torch imported ahead: the
-    # spare's while it waited, the survivor's after its first attempt's first step)
-    warm = [e for e in job.events("warm_workers") if e["attempt"] == attempt]
-    assert len(warm) == 2 and sum(e["used"] for e in warm) >= 1, warm
+    # the first attempt started cold (no spare yet); the last attempt's workers started from
+    # warm processes (torch imported ahead: the spare's while it waited, the survivor's once
+    # the spare had shown up)
+    warm = job.events("warm_workers")
+    assert [e["used"] for e in warm if e["attempt"] == 0] == [0, 0], warm
+    last = [e["used"] for e in warm if e["attempt"] == attempt]
+    assert len(last) == 2 and sum(last) >= 1, warm
 
 
 def test_c10d_spare_replaces_a_node_then_the_store_hosts_loss_ends_the_job(

@@ -383,7 +383,13 @@ def launch(
         rdzv_defaults=tg_config.rendezvous.rdzv_conf(),
     )
     spare_ctl = spares.attach(spec.rdzv_handler, tg_config.spares, events.emit)
-    warm_stop = warm.start(tg_config.spares, config.nproc_per_node, entrypoint, ctx)
+    warm_stop = warm.start(
+        tg_config.spares,
+        config.nproc_per_node,
+        entrypoint,
+        ctx,
+        has_spares=spare_ctl.has_spares if spare_ctl is not None else None,
+    )
     plugins = plugin_factory(ctx) if plugin_factory else []
     agent = TrainGuardAgent(
         spec=spec,

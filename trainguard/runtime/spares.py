@@ -65,6 +65,9 @@ LEFT = "left"
 
 Emit = Callable[..., Any]
 
+SPARES_KEY = "has_spares"
+"""Set (under the run's beacon prefix) once any agent of the job waited as a spare."""
+
 C10D_STORE_LOST = (
     "trainguard run: the rendezvous store is gone: with --rdzv-backend c10d it is a TCPStore "
     "server inside the agent that started first ({endpoint}), and that node was lost with the "
@@ -274,6 +277,13 @@ class Reaper:
 
         return self._write(mutate)
 
+    def _announce(self) -> None:
+        """Tell the job it has a spare (what ``warm_workers = "auto"`` waits for)."""
+        try:
+            self._store.set(self._prefix + SPARES_KEY, "1")
+        except Exception as e:
+            logger.debug("spares: not announced: %s", e)
+
     # -- one pass ------------------------------------------------------------------------------
     def tick(self) -> None:
         got = self._state()
@@ -291,11 +301,13 @@ class Reaper:
             and len(state.participants) >= self._settings.max_nodes
             and self._demote()
         ):
+            self._announce()
             self._emit("spare_waiting", round=state.round, reason="round_full")
             self.spare_since = self.spare_since or self._clock()
             return
         if self._me in state.redundancy_list and self.spare_since is None:
             self.spare_since = self._clock()
+            self._announce()
             self._emit("spare_waiting", round=state.round, reason="redundancy_list")
 
 
@@ -307,11 +319,16 @@ class SpareController:
         self._emit = emit
         self._handler = handler
         prefix = f"{BEACON_PREFIX}{handler._settings.run_id}/"
+        self._prefix = prefix
         self.beacon = LivenessBeacon(
             handler._store, prefix + repr(handler._this_node), cfg.beacon_interval_s
         )
         self.reaper = Reaper(handler, cfg, emit, beacon_prefix=prefix)
         self.beacon.start()
+
+    def has_spares(self) -> bool:
+        """Whether any agent of this job has waited as a spare (one small store read)."""
+        return bool(self._handler._store.check([self._prefix + SPARES_KEY]))
 
     def num_nodes_waiting(self, waiting: int) -> int:
         """torch's count, less the nodes no slot is free for: a complete round at

@@ -172,25 +172,55 @@ def install(pool: WarmPool) -> Callable[[], None]:
     return uninstall
 
 
-def start(cfg: Any, nproc: int, entrypoint: Any, ctx: Any) -> Callable[[], None] | None:
-    """The agent's warm pool per ``cfg`` (``[spares]``): filled now (the first attempt and a
-    spare's first workers start warm) and again once each attempt's workers made a step.
-    Returns the function that removes it (kills the idle processes); None when off."""
-    if not cfg.warm_workers or not isinstance(entrypoint, str) or nproc < 1:
+def start(
+    cfg: Any,
+    nproc: int,
+    entrypoint: Any,
+    ctx: Any,
+    has_spares: Callable[[], bool] | None = None,
+) -> Callable[[], None] | None:
+    """The agent's warm pool per ``cfg`` (``[spares] warm_workers``). ``on``: filled now (the
+    first attempt's workers start from it) and again once each attempt's workers made a step.
+    ``auto``: filled when this node waits as a spare, or once a step is made and
+    ``has_spares()`` says the job has spares. Returns the function that removes it (kills the
+    idle processes); None when off."""
+    mode = cfg.warm_workers
+    if mode == "off" or not isinstance(entrypoint, str) or nproc < 1:
+        return None
+    if mode == "auto" and has_spares is None:
         return None
     pool = WarmPool(nproc, list(cfg.warm_preload))
     uninstall = install(pool)
 
     def ready(n: int, seconds: float) -> None:
-        ctx.events.emit("warm_workers_ready", count=n, duration_s=round(seconds, 2))
+        ctx.events.emit(
+            "warm_workers_ready", count=n, duration_s=round(seconds, 2), agent_pid=os.getpid()
+        )
 
-    pool.fill(ready)
+    unsubscribes = []
+    if mode == "on":
+        pool.fill(ready)
+    else:  # a spare warms up while it waits
+
+        def spare_fill(_event: dict[str, Any]) -> None:
+            logger.info("warm workers: this node waits as a spare, filling its pool")
+            pool.fill(ready)
+
+        unsubscribes.append(ctx.events.subscribe(spare_fill, ["spare_waiting"]))
 
     used = [0]
+    generation = [0]
 
     def refill_after_first_step(_event: dict[str, Any]) -> None:
-        ctx.events.emit("warm_workers", used=pool.handed_out - used[0], pool_size=pool.size)
+        ctx.events.emit(
+            "warm_workers",
+            used=pool.handed_out - used[0],
+            pool_size=pool.size,
+            agent_pid=os.getpid(),
+        )
         used[0] = pool.handed_out
+        generation[0] += 1
+        mine = generation[0]
 
         def wait_then_fill() -> None:
             deadline = time.monotonic() + 120
@@ -198,14 +228,23 @@ def start(cfg: Any, nproc: int, entrypoint: Any, ctx: Any) -> Callable[[], None]
                 if any(s.num_steps > 0 for s in ctx.worker_progress().values()):
                     break
                 time.sleep(0.5)
-            pool.fill(ready)
+            while mode == "auto" and not pool._closed and generation[0] == mine:
+                try:
+                    if has_spares is not None and has_spares():
+                        break
+                except Exception as e:  # the store may be briefly unreachable
+                    logger.debug("warm workers: cannot tell whether the job has spares: %s", e)
+                time.sleep(2.0)
+            if generation[0] == mine:
+                pool.fill(ready)
 
         threading.Thread(target=wait_then_fill, name="tg-warm-refill", daemon=True).start()
 
-    unsubscribe = ctx.events.subscribe(refill_after_first_step, ["workers_started"])
+    unsubscribes.append(ctx.events.subscribe(refill_after_first_step, ["workers_started"]))
 
     def stop() -> None:
-        unsubscribe()
+        for unsubscribe in unsubscribes:
+            unsubscribe()
         uninstall()
 
     return stop

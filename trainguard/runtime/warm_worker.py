@@ -2,38 +2,26 @@
 
 Started by the agent's :class:`trainguard.runtime.warm.WarmPool` as
 ``python -u -m trainguard.runtime.warm_worker MOD[,MOD...] READY_FD``. It imports the listed
-modules, writes one byte to ``READY_FD``
-(torch, torch.distributed, ...) while nothing waits for it, then reads one JSON line from stdin:
+modules (torch, torch.distributed, ...) while nothing waits for it, writes one byte to
+``READY_FD``, then reads one JSON line from stdin:
 ``{"argv": [...], "env": {...}, "stdout": path|null, "stderr": path|null}`` (what torch's
 ``SubprocessHandler`` would have started: ``python -u [-m] SCRIPT ARGS`` with that environment
-and those log files), and runs the script as ``__main__`` in this process. Until then it dies
-with its agent (``PR_SET_PDEATHSIG``); afterwards it is a worker like any other. End of input
-without a spec (the agent closed the pool): exit 0.
+and those log files), and runs the script as ``__main__`` in this process. Only its agent holds
+the other end of its stdin: end of input without a spec (the pool closed, or the agent died,
+kill -9 included) is exit 0. Not ``PR_SET_PDEATHSIG``: it fires when the *thread* that started
+the process ends, and pools are filled from short-lived threads.
 """
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import json
 import os
 import runpy
-import signal
 import sys
 
 
-def _pdeathsig(sig: int) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def main() -> None:
-    parent = os.getppid()
-    _pdeathsig(signal.SIGKILL)
-    if os.getppid() != parent:  # the agent died before the line above
-        os._exit(1)
     for name in (sys.argv[1] if len(sys.argv) > 1 else "").split(","):
         if name:
             try:
@@ -51,7 +39,6 @@ def main() -> None:
     if not line.strip():
         return
     spec = json.loads(line)
-    _pdeathsig(0)  # a worker outlives its agent, as a freshly spawned one does
     os.environ.clear()
     os.environ.update(spec["env"])
     for fd, path in ((1, spec.get("stdout")), (2, spec.get("stderr"))):

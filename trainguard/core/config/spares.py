@@ -25,10 +25,12 @@ class SparesConfig:
     (torch's keep-alive expiry stays as the fallback for nodes without a beacon)."""
     poll_s: float = 0.25
     """How often an agent that waits in a rendezvous reads the state and the beacons."""
-    warm_workers: bool = False
-    """Keep ``nproc_per_node`` worker processes per agent started ahead, with ``warm_preload``
-    imported, and start the next attempt's workers (a spare's first ones included) from them:
-    a restart then skips each worker's interpreter start and torch import."""
+    warm_workers: str = "off"
+    """``on``: keep ``nproc_per_node`` worker processes per agent started ahead, with
+    ``warm_preload`` imported, and start the next attempt's workers from them (a restart then
+    skips each worker's interpreter start and torch import). ``auto``: the same, but only in a
+    job that has spares (a spare fills its pool while it waits; an active agent once a spare
+    has shown up). ``off``: torch's own start. ``true``/``false`` mean ``on``/``off``."""
     warm_preload: list[str] = field(
         default_factory=lambda: [
             "torch",
@@ -47,6 +49,12 @@ class SparesConfig:
     """Modules a warm worker imports before it is needed."""
 
     def __post_init__(self) -> None:
+        mode = {"true": "on", "false": "off", "1": "on", "0": "off"}.get(
+            str(self.warm_workers).lower(), str(self.warm_workers).lower()
+        )
+        if mode not in ("off", "on", "auto"):
+            raise ValueError(f"warm_workers {self.warm_workers!r}: use off, on or auto")
+        self.warm_workers = mode
         if self.beacon_interval_s <= 0 or self.poll_s <= 0:
             raise ValueError("beacon_interval_s and poll_s must be > 0")
         if self.dead_after_s < 3 * self.beacon_interval_s:
