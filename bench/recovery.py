@@ -26,8 +26,10 @@ trainguard_node_loss_resume_s, trainguard_store_host_loss_resume_s,
 torchrun_store_host_loss_resume_s, trainguard_eviction_resume_s, trainguard_world_size_after
 (medians; null when the job died or never resumed in most runs), plus
 torchrun_node_loss_elastic_resume_s, torchrun_elastic_world_size_after and the same trainguard
-figures with ``[spares] warm_workers = true`` (``tg-warm`` rows, ``trainguard_warm_*`` keys;
-the fault comes once every warm pool is ready, as it would for a spare that waited a while).
+figures with ``[spares] warm_workers = off`` (``tg-cold`` rows, ``trainguard_cold_*`` keys).
+trainguard's default (``warm_workers = auto``) starts the new workers from processes that
+imported torch ahead; the fault comes once every warm pool is ready, as it would for a spare
+that waited a while.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ EXAMPLE = REPO / "examples" / "train_mlp.py"
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
     "trainguard": [sys.executable, "-m", "trainguard", "run"],
-    "tg-warm": [sys.executable, "-m", "trainguard", "run"],  # [spares] warm_workers = true
+    "tg-cold": [sys.executable, "-m", "trainguard", "run"],  # [spares] warm_workers = off
 }
 
 
@@ -171,8 +173,8 @@ def once(
             env["PYTHONPATH"] = str(REPO)
             env["TRAINGUARD_RUNTIME_RUN_DIR"] = str(run_dir)
             env["TRAINGUARD_TELEMETRY_ENABLED"] = "false"
-            if which == "tg-warm":
-                env["TRAINGUARD_SPARES_WARM_WORKERS"] = "true"
+            if which == "tg-cold":
+                env["TRAINGUARD_SPARES_WARM_WORKERS"] = "off"
             if fault == "eviction":
                 exporters[name] = ExporterServer(h100_node(hostname=f"node-{name}")).__enter__()
                 env.update(
@@ -218,8 +220,8 @@ def once(
         )
         if not trained:
             return None, None, "the first round never trained"
-        if which == "tg-warm":  # a spare waits warm: the fault comes once every pool is ready
-            fills = 2 * len(procs) - 1  # a and b: first fill + refill; c: first fill
+        if which == "trainguard":  # a spare waits warm: the fault comes once every pool is ready
+            fills = len(procs)  # warm_workers = auto: c while it waits, a and b once c showed up
             _wait(
                 lambda: (
                     sum(
@@ -282,9 +284,9 @@ CASES = [
     ("torchrun", "store_host_loss"),
     ("trainguard", "store_host_loss"),
     ("trainguard", "eviction"),
-    ("tg-warm", "node_loss"),
-    ("tg-warm", "store_host_loss"),
-    ("tg-warm", "eviction"),
+    ("tg-cold", "node_loss"),
+    ("tg-cold", "store_host_loss"),
+    ("tg-cold", "eviction"),
 ]
 
 
@@ -355,10 +357,10 @@ def main() -> None:
                 "trainguard_world_size_after": get("trainguard", "node_loss", 1),
                 "torchrun_node_loss_elastic_resume_s": get("torchrun", "node_loss_elastic"),
                 "torchrun_elastic_world_size_after": get("torchrun", "node_loss_elastic", 1),
-                "trainguard_warm_node_loss_resume_s": get("tg-warm", "node_loss"),
-                "trainguard_warm_store_host_loss_resume_s": get("tg-warm", "store_host_loss"),
-                "trainguard_warm_eviction_resume_s": get("tg-warm", "eviction"),
-                "trainguard_warm_world_size_after": get("tg-warm", "node_loss", 1),
+                "trainguard_cold_node_loss_resume_s": get("tg-cold", "node_loss"),
+                "trainguard_cold_store_host_loss_resume_s": get("tg-cold", "store_host_loss"),
+                "trainguard_cold_eviction_resume_s": get("tg-cold", "eviction"),
+                "trainguard_cold_world_size_after": get("tg-cold", "node_loss", 1),
             }
         )
     )

@@ -25,7 +25,7 @@ class SparesConfig:
     (torch's keep-alive expiry stays as the fallback for nodes without a beacon)."""
     poll_s: float = 0.25
     """How often an agent that waits in a rendezvous reads the state and the beacons."""
-    warm_workers: str = "off"
+    warm_workers: str = "auto"
     """``on``: keep ``nproc_per_node`` worker processes per agent started ahead, with
     ``warm_preload`` imported, and start the next attempt's workers from them (a restart then
     skips each worker's interpreter start and torch import). ``auto``: the same, but only in a
