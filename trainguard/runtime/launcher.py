@@ -39,7 +39,7 @@ from trainguard.core.events import EventLog
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin
 from trainguard.core.proctime import process_start_time
-from trainguard.runtime import etcd_v3
+from trainguard.runtime import etcd_v3, spare_pool, spares
 from trainguard.runtime.agent import TrainGuardAgent
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
@@ -318,6 +318,8 @@ def _run_agent(agent: TrainGuardAgent, config: LaunchConfig, name: str) -> Outco
     except RendezvousConnectionError as e:
         torch_events.record(agent.get_event_failed(), config.event_log_handler)
         if agent.attempt >= 0:
+            if config.rdzv_backend == "c10d":
+                print(spares.C10D_STORE_LOST.format(endpoint=config.rdzv_endpoint), file=sys.stderr)
             return Outcome("failed", error=e)
         # A spare that never joined a round: its rendezvous store went away, which is how a
         # job that ended without it (or lost its store host) looks from the waiting list.
@@ -427,6 +429,14 @@ def launch(
         rdzv_defaults=tg_config.rendezvous.rdzv_conf(),
     )
     ctx.job_store = getattr(spec.rdzv_handler, "job_store", None)
+    spare_ctl = spares.attach(spec.rdzv_handler, tg_config.spares, events.emit)
+    warm_stop = spare_pool.start(
+        tg_config.spares,
+        config.nproc_per_node,
+        entrypoint,
+        ctx,
+        has_spares=spare_ctl.has_spares if spare_ctl is not None else None,
+    )
     plugins = plugin_factory(ctx) if plugin_factory else []
     agent = TrainGuardAgent(
         spec=spec,
@@ -459,6 +469,10 @@ def launch(
     finally:
         events.emit("job_finished", state=outcome.state)
         _finish_plugins(plugins, ctx, outcome.state)
+        if warm_stop is not None:
+            warm_stop()
+        if spare_ctl is not None:
+            spare_ctl.close()  # a tombstone: the others remove this node at once
         if outcome.shutdown_rdzv:
             spec.rdzv_handler.shutdown()
     if agent.attempt >= 0:

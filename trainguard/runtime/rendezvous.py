@@ -20,6 +20,7 @@ trainguard agents announce themselves in the round's store; a member that does n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -77,6 +78,8 @@ class AttemptRendezvousHandler(RendezvousHandler):
         self._last_attempt = -1
         self._worker_store: TCPStore | None = None
         self.last_round: RoundInfo | None = None
+        self.spares: Any = None
+        """The node's :class:`trainguard.runtime.spares.SpareController` once attached."""
 
     # -- delegation ----------------------------------------------------------------------------
     def get_backend(self) -> str:
@@ -97,7 +100,8 @@ class AttemptRendezvousHandler(RendezvousHandler):
         # The agent asks this every monitor tick while its workers run; a rendezvous backend
         # that cannot be reached right now (an etcd restart) must not kill a healthy job.
         try:
-            return self._inner.num_nodes_waiting()
+            waiting = self._inner.num_nodes_waiting()
+            return self.spares.num_nodes_waiting(waiting) if self.spares else waiting
         except RendezvousConnectionError as e:
             logger.warning("rendezvous backend unreachable, assuming no node waits: %s", e)
             return 0
@@ -107,6 +111,8 @@ class AttemptRendezvousHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         self._worker_store = None
+        if self.spares is not None:
+            self.spares.close()
         try:
             return self._inner.shutdown()
         except RendezvousConnectionError as e:
@@ -141,8 +147,12 @@ class AttemptRendezvousHandler(RendezvousHandler):
         # again. We host our own store every round anyway: ask torch for its uncached path.
         previous = os.environ.get(_NO_SHARED_STORE)
         os.environ[_NO_SHARED_STORE] = "1"
+        watching = self.spares.watching() if self.spares else contextlib.nullcontext()
         try:
-            info = self._inner.next_rendezvous()
+            with watching:
+                info = self._inner.next_rendezvous()
+            if self.spares:
+                self.spares.joined()
         finally:
             if previous is None:
                 del os.environ[_NO_SHARED_STORE]

@@ -200,10 +200,22 @@ class WarmPool:
             proc = subprocess.Popen(
                 argv, env=env, stdout=stdout, stderr=stderr, start_new_session=True
             )
+        self.remember(argv, env, key=key)
+        return WarmProcess(proc=proc, warm=warm)
+
+    def has_zygote(self, key: Hashable = 0) -> bool:
+        """``key`` has a pre-started process (ready or still importing)."""
+        slot = self._slots.get(key)
+        return slot is not None and slot.zygote is not None
+
+    def remember(self, argv: Sequence[str], env: Mapping[str, str], *, key: Hashable = 0) -> None:
+        """Make ``argv``/``env`` ``key``'s template for its next zygote, for a start that did
+        not go through :meth:`spawn` (another pool served it). Only for a key without a
+        zygote (:meth:`has_zygote`), whose process would otherwise be lost track of."""
+        argv = tuple(str(a) for a in argv)
         slot = self._slots.get(key)
         deaths = slot.deaths if slot is not None and slot.argv == argv else 0
-        self._slots[key] = _Slot(argv=argv, env=env, since=self.clock(), deaths=deaths)
-        return WarmProcess(proc=proc, warm=warm)
+        self._slots[key] = _Slot(argv=argv, env=dict(env), since=self.clock(), deaths=deaths)
 
     def _hand_off(
         self,
@@ -339,6 +351,12 @@ def _readable(sock: socket.socket) -> bool:
     return bool(r)
 
 
+def _torch_get_subprocess_handler() -> Any:
+    from torch.distributed.elastic.multiprocessing import subprocess_handler
+
+    return subprocess_handler.get_subprocess_handler
+
+
 @contextmanager
 def serving_torch_workers(pool: WarmPool | None) -> Iterator[dict[int, bool]]:
     """While active, torch's ``SubprocessContext`` starts its workers through ``pool`` (keyed by
@@ -354,6 +372,8 @@ def serving_torch_workers(pool: WarmPool | None) -> Iterator[dict[int, bool]]:
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
     original = mp_api.get_subprocess_handler
+    # torch's own, or another pool's (runtime/spare_pool.py installs one for jobs with spares)
+    fallback = None if original is _torch_get_subprocess_handler() else original
 
     class WarmSubprocessHandler(SubprocessHandler):
         """torch's ``SubprocessHandler`` whose process comes from the warm pool."""
@@ -396,6 +416,14 @@ def serving_torch_workers(pool: WarmPool | None) -> Iterator[dict[int, bool]]:
             return original(
                 entrypoint, args, env, stdout, stderr, local_rank_id, numa_options=numa_options
             )
+        if fallback is not None and not pool.has_zygote(local_rank_id):
+            # nothing pre-started here (a first start): another installed pool (a spare's,
+            # runtime/spare_pool.py) may have one; this pool still learns the command
+            pool.remember(
+                (entrypoint, *[str(a) for a in args]), {**os.environ, **env}, key=local_rank_id
+            )
+            started[local_rank_id] = False
+            return fallback(entrypoint, args, env, stdout, stderr, local_rank_id)
         h = WarmSubprocessHandler(entrypoint, args, env, stdout, stderr, local_rank_id)
         started[local_rank_id] = h.warm_process.warm
         return h

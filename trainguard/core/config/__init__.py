@@ -37,6 +37,7 @@ from trainguard.core.config.rendezvous import RendezvousConfig
 from trainguard.core.config.rollback import RollbackConfig
 from trainguard.core.config.runtime import RuntimeConfig
 from trainguard.core.config.slurm import SlurmConfig
+from trainguard.core.config.spares import SparesConfig
 from trainguard.core.config.telemetry import TelemetryConfig
 
 __all__ = [
@@ -72,6 +73,7 @@ class TrainGuardConfig:
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
     inprocess: InProcessConfig = field(default_factory=InProcessConfig)
+    spares: SparesConfig = field(default_factory=SparesConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

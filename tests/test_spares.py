@@ -1,0 +1,433 @@
+"""Hot spares: agents beyond ``--nnodes`` wait warm and take a dead node's place.
+
+- The rendezvous alone (real c10d store, real torch handlers in threads, no workers): 2 active +
+  2 spares, an active node dies without a word; its liveness beacon stops, a waiting node
+  removes it from the round, exactly one spare takes the slot, the other goes back to the
+  redundancy list (not the wait list, which would restart the job in a loop).
+- Real jobs (agents and gloo workers as processes, kill -9 of an agent with its workers), 2
+  active + 1 spare. etcd-v3: the agent that started first dies → the spare joins with no manual
+  step, restores the lost shard from a survivor's memory copy, and the job finishes at full
+  world size with the weights of a fault-free run, bitwise. c10d: a node that does not host the
+  store dies → the spare takes its place and training goes on at full size; then the agent that
+  started first dies → the job dies with it (the rendezvous TCPStore is a server inside that
+  agent process: state, keep-alives and the spare list are gone), and says so in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from tests.launch_utils import REPO, base_env, free_port
+from tests.procs import kill_tree
+from tests.services.etcd_service import Etcd
+from trainguard.core.config.spares import SparesConfig
+from trainguard.runtime import spares
+from trainguard.runtime.rendezvous import AttemptRendezvousHandler
+
+EXAMPLE = str(REPO / "examples" / "train_mlp.py")
+STEPS = 40
+KILL_AT = 10
+
+
+# -- the rendezvous alone ---------------------------------------------------------------------
+def test_reaper_judges_silence_on_its_own_clock() -> None:
+    """A node whose beacon stands still for dead_after_s is removed from the round (real c10d
+    store and state, a fake clock); a gap in our own reading restarts the window; a tombstone
+    removes at once; a node without a beacon (a plain torchrun agent) is never judged."""
+    params = RendezvousParameters(
+        backend="c10d", endpoint=f"127.0.0.1:{free_port()}", run_id="reap", min_nodes=2,
+        max_nodes=3,
+    )  # fmt: skip
+    handler = rdzv_registry.get_rendezvous_handler(params)
+    backend = handler._state_holder._backend  # type: ignore[attr-defined]
+    me = handler._this_node  # type: ignore[attr-defined]
+    quiet, foreign, leaving = (
+        _NodeDesc("quiet", 1, 0),
+        _NodeDesc("torchrun", 2, 0),
+        _NodeDesc("leaving", 3, 0),
+    )
+    state = _RendezvousState()
+    state.complete = True
+    state.participants = {me: 0, quiet: 1, foreign: 2}
+    state.wait_list = {leaving}
+    backend.set_state(pickle.dumps(state))
+    now = [100.0]
+    events: list[tuple[str, dict[str, Any]]] = []
+    prefix = "trainguard/liveness/reap/"
+    reaper = spares.Reaper(
+        handler, SparesConfig(), lambda kind, **f: events.append((kind, f)),
+        beacon_prefix=prefix, clock=lambda: now[0],
+    )  # fmt: skip
+    store = handler._store  # type: ignore[attr-defined]
+    store.set(prefix + repr(quiet), "7")
+    store.set(prefix + repr(leaving), "3")
+
+    def at(t: float) -> dict[str, Any]:
+        now[0] = t
+        reaper.tick()
+        return pickle.loads(backend.get_state()[0]).__dict__
+
+    at(100.0)
+    at(101.0)
+    store.set(prefix + repr(leaving), spares.LEFT)  # the agent exited: its tombstone
+    st = at(102.0)
+    assert leaving not in st["wait_list"] and quiet in st["participants"]
+    assert [f["reason"] for k, f in events if k == "node_dead"] == ["left"]
+    st = at(103.0)  # 3 s silent, but this observer saw it only since 100 ... and 103 - 100 > 2.5
+    assert quiet not in st["participants"] and foreign in st["participants"]
+    dead = [f for k, f in events if k == "node_dead"]
+    assert dead[-1]["dead_node"] == repr(quiet) and dead[-1]["reason"] == "liveness_silent"
+    assert dead[-1]["silent_s"] == 3.0
+    # a gap in our own reading (store unreachable, agent starved) proves nothing
+    store.set(prefix + repr(quiet), "8")
+    st_before = len(events)
+    state = pickle.loads(backend.get_state()[0])
+    state.participants[quiet] = 1
+    got = backend.get_state()
+    backend.set_state(pickle.dumps(state), got[1])
+    at(110.0)
+    st = at(120.0)  # 10 s between our reads: the window starts again here
+    assert quiet in st["participants"] and len(events) == st_before
+    at(121.0)
+    st = at(122.0)
+    assert quiet in st["participants"]  # 2 s
+    st = at(123.0)
+    assert quiet not in st["participants"]  # silent 2.5 s+ in a window without a gap
+    assert foreign in st["participants"]  # never judged: it has no beacon
+
+
+def test_two_spares_one_dead_node_one_takes_the_slot_no_wait_list() -> None:
+    port = free_port()
+    events: list[tuple[int, str, dict[str, Any]]] = []
+    handlers: list[AttemptRendezvousHandler] = []
+    for i in range(4):
+        params = RendezvousParameters(
+            backend="c10d",
+            endpoint=f"127.0.0.1:{port}",
+            run_id="race",
+            min_nodes=2,
+            max_nodes=2,
+            join_timeout="120",
+        )
+        h = AttemptRendezvousHandler(
+            rdzv_registry.get_rendezvous_handler(params), node=f"n{i}", member_timeout_s=5
+        )
+        ctl = spares.attach(h, SparesConfig(), lambda kind, i=i, **f: events.append((i, kind, f)))
+        assert ctl is not None
+        handlers.append(h)
+    joined: dict[int, list[int]] = {i: [] for i in range(4)}
+    errors: list[BaseException] = []
+
+    def join(i: int) -> None:
+        try:
+            joined[i].append(handlers[i].next_rendezvous().world_size)
+        except BaseException as e:  # the spares left blocked end with the closed rendezvous
+            errors.append(e)
+
+    def start(i: int) -> threading.Thread:
+        t = threading.Thread(target=join, args=(i,), daemon=True)
+        t.start()
+        return t
+
+    def wait_for(cond: Any, what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out: {what}; events {events}"
+            time.sleep(0.05)
+
+    threads = [start(i) for i in range(4)]
+    try:
+        wait_for(lambda: sum(len(v) for v in joined.values()) == 2, "first round")
+        active = [i for i in range(4) if joined[i]]
+        spare_ids = [i for i in range(4) if not joined[i]]
+        wait_for(
+            lambda: {i for i, k, _ in events if k == "spare_waiting"} == set(spare_ids),
+            "both spares wait in the redundancy list",
+        )
+        dead, survivor = active
+        dead_key = repr(handlers[dead]._inner._this_node)  # type: ignore[attr-defined]
+        # the node dies without a word: no keep-alive, no beacon, no tombstone
+        handlers[dead]._inner._stop_heartbeats()  # type: ignore[attr-defined]
+        handlers[dead].spares.close(left=False)
+        threads.append(start(survivor))  # its workers failed: its agent joins the next round
+        live = [survivor, *spare_ids]
+
+        def second_round() -> list[int]:
+            return [i for i in live if len(joined[i]) == (2 if i == survivor else 1)]
+
+        wait_for(lambda: len(second_round()) == 2, "two live nodes in the next round")
+        winners = second_round()
+        (loser,) = [i for i in live if i not in winners]
+        assert all(joined[i][-1] == 2 for i in winners)
+        removed = [f for _, k, f in events if k == "node_dead"]
+        assert removed and {f["dead_node"] for f in removed} == {dead_key}
+        assert removed[0]["reason"] == "liveness_silent"
+        assert {i for i, k, _ in events if k == "spare_joined"} == set(winners) & set(spare_ids)
+        # the node that lost the race (a spare, or the survivor itself) waits in the redundancy
+        # list, not the wait list: the active agents see nobody waiting and keep training
+        # (torch alone leaves it in the wait list and every active agent restarts, in a loop)
+        inner = handlers[winners[0]]._inner  # type: ignore[attr-defined]
+        loser_node = handlers[loser]._inner._this_node  # type: ignore[attr-defined]
+
+        def settled() -> bool:
+            inner._state_holder.sync()
+            st = inner._state_holder.state
+            return st.complete and not st.wait_list and loser_node in st.redundancy_list
+
+        wait_for(settled, "the surplus node back in the redundancy list")
+        assert handlers[winners[0]].num_nodes_waiting() == 0
+        assert not errors, errors
+    finally:
+        handlers[survivor].set_closed()
+        for t in threads:
+            t.join(30)
+        for h in handlers:
+            h._inner._stop_heartbeats()  # type: ignore[attr-defined]
+            if h.spares is not None:
+                h.spares.close()
+
+
+# -- real jobs --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The fault-free run's final weights (2 processes, no checkpoints)."""
+    tmp = tmp_path_factory.mktemp("straight")
+    out = tmp / "straight.pt"
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trainguard",
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--tg-run-dir",
+            str(tmp / "run"),
+            EXAMPLE,
+            "--steps",
+            str(STEPS),
+            "--ckpt-every",
+            "0",
+            "--out",
+            str(out),
+        ],  # fmt: skip
+        cwd=tmp,
+        env=base_env(TRAINGUARD_TELEMETRY_ENABLED="false"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        yield out
+        assert p.wait(timeout=240) == 0
+    finally:
+        kill_tree(p)
+
+
+class Job:
+    """Three agents of one job (``--nnodes 2``): a and b train, c waits as a spare."""
+
+    def __init__(
+        self, tmp: Path, backend: str, endpoint: str, run_id: str, *, warm: str = "off"
+    ) -> None:
+        self.warm = warm
+        self.tmp = tmp
+        self.run_dir = tmp / "run"
+        self.out = tmp / "final.pt"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.backend, self.endpoint, self.run_id = backend, endpoint, run_id
+
+    def start(self, name: str, *extra: str) -> subprocess.Popen[bytes]:
+        args = [
+            sys.executable, "-m", "trainguard", "run",
+            "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-backend", self.backend, "--rdzv-endpoint", self.endpoint,
+            "--rdzv-id", self.run_id, "--max-restarts", "3", "--monitor-interval", "0.1",
+            "--tg-run-dir", str(self.run_dir), *extra,
+            EXAMPLE, "--steps", str(STEPS), "--step-sleep", "0.05",
+            "--ckpt-every", "100000",  # memory tier only: the spare's shard comes from a peer
+            "--out", str(self.out),
+        ]  # fmt: skip
+        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        env = base_env(
+            TRAINGUARD_TELEMETRY_ENABLED="false",
+            TRAINGUARD_SPARES_WARM_WORKERS=self.warm,
+        )
+        p = subprocess.Popen(
+            args, cwd=self.tmp, env=env, stdout=log,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        self.procs.append(p)
+        return p
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {f.name}\n" + f.read_text(errors="replace")[-3000:]
+            for f in sorted(self.tmp.glob("*.log"))
+        )
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        f = self.run_dir / "events.jsonl"
+        if not f.exists():
+            return []
+        evs = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+        return [e for e in evs if kind is None or e["kind"] == kind]
+
+    def steps(self) -> list[dict[str, Any]]:
+        out = []
+        for f in (self.run_dir / "metrics").glob("rank_*.jsonl"):
+            for line in f.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if rec.get("kind") == "step":
+                    out.append(rec)
+        return out
+
+    def wait(self, cond: Any, what: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out: {what}\n{self.logs()}"
+            for p in self.procs:
+                if p.returncode is None and p.poll() is not None and p.returncode != 0:
+                    raise AssertionError(f"an agent exited with {p.returncode}\n{self.logs()}")
+            time.sleep(0.1)
+
+    def start_three(self) -> list[subprocess.Popen[bytes]]:
+        """a (started first; under c10d it hosts the rendezvous store) and b train, c is the
+        spare (started once a and b completed their round)."""
+        c10d = self.backend == "c10d"
+        a = self.start("a", *(["--rdzv-conf", "is_host=true"] if c10d else []))
+        time.sleep(0.5)  # a starts first
+        b = self.start("b", *(["--rdzv-conf", "is_host=false"] if c10d else []))
+        self.wait(lambda: len(self.events("rendezvous")) >= 2, "the first round")
+        assert self.members() == {a.pid, b.pid}
+        c = self.start("c", *(["--rdzv-conf", "is_host=false"] if c10d else []))
+        self.wait(lambda: self.events("spare_waiting"), "the spare waits")
+        self.wait(lambda: any(s["step"] >= KILL_AT for s in self.steps()), "training")
+        return [a, b, c]
+
+    def members(self) -> set[int]:
+        rdzv = self.events("rendezvous")
+        return {m["pid"] for m in rdzv[-1]["members"]}
+
+    def close(self) -> None:
+        for p in self.procs:
+            kill_tree(p)
+
+
+def _same_weights(want: Path, got: Path) -> None:
+    a, b = torch.load(want), torch.load(got)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _assert_spare_took_over(job: Job, victim: int, spare: int) -> int:
+    """The spare replaced ``victim`` at full world size and restored the lost shard from a
+    survivor's memory copy; returns the attempt it joined."""
+    last = job.events("rendezvous")[-1]
+    assert last["group_world_size"] == 2
+    assert {m["pid"] for m in last["members"]} >= {spare} and victim not in job.members()
+    dead = job.events("node_dead")
+    assert dead, "the dead node was never removed from the rendezvous"
+    assert {e["reason"] for e in dead} == {"liveness_silent"}
+    joined = job.events("spare_joined")
+    assert len(joined) == 1 and joined[0]["waited_s"] > 0
+    attempt = last["attempt"]
+    started = [e for e in job.events("workers_started") if e["attempt"] == attempt]
+    assert len(started) == 2 and {e["world_size"] for e in started} == {2}
+    restored = [
+        e for e in job.events("checkpoint_restored") if e.get("step") and e["attempt"] == attempt
+    ]
+    assert {e["rank"] for e in restored} == {0, 1}
+    assert "peer_memory" in {e["source"] for e in restored}
+    assert len({e["step"] for e in restored}) == 1 and restored[0]["step"] >= KILL_AT
+    return attempt
+
+
+def _steps_at(job: Job, attempt: int) -> dict[int, int]:
+    """Rank -> steps done in ``attempt``."""
+    out: dict[int, int] = {}
+    for s in job.steps():
+        if s["attempt"] == attempt:
+            out[s["rank"]] = out.get(s["rank"], 0) + 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    e = Etcd(tmp_path_factory.mktemp("etcd"), no_fsync=True)
+    try:
+        yield e
+    finally:
+        e.kill()
+
+
+def test_etcd_v3_the_agent_that_started_first_dies_the_spare_takes_over_bitwise(
+    tmp_path: Path, straight: Path, etcd: Etcd
+) -> None:
+    """With ``[spares] warm_workers = "auto"``: the spare warms a pool while it waits, the
+    survivor once the spare has shown up, and both start their new workers from it."""
+    job = Job(tmp_path, "etcd-v3", etcd.endpoint, "spare-etcd", warm="auto")
+    try:
+        a, b, c = job.start_three()
+        kill_tree(a)  # the node is gone, agent and worker (kill -9); on c10d this ends the job
+        for p in (b, c):
+            assert p.wait(timeout=240) == 0, job.logs()
+    finally:
+        job.close()
+    attempt = _assert_spare_took_over(job, a.pid, c.pid)
+    # the job ran to its end at full world size
+    assert max(s["step"] for s in job.steps()) == STEPS - 1
+    assert set(_steps_at(job, attempt)) == {0, 1}
+    _same_weights(straight, job.out)
+    # the first attempt started cold (no spare yet); the last attempt's workers started from
+    # warm processes (torch imported ahead: the spare's while it waited, the survivor's once
+    # the spare had shown up)
+    warm = job.events("warm_workers")
+    assert [e["used"] for e in warm if e["attempt"] == 0] == [0, 0], warm
+    last = [e["used"] for e in warm if e["attempt"] == attempt]
+    assert len(last) == 2 and sum(last) >= 1, warm
+
+
+def test_c10d_spare_replaces_a_node_then_the_store_hosts_loss_ends_the_job(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    job = Job(tmp_path, "c10d", f"127.0.0.1:{port}", "spare-c10d")
+    try:
+        a, b, c = job.start_three()
+        kill_tree(b)  # a node that does not host the store: agent and worker, kill -9
+        job.wait(lambda: job.events("spare_joined"), "the spare joins")
+        attempt = job.events("spare_joined")[0]["attempt"] + 1
+        # training goes on at full size: both ranks of the new attempt complete steps
+        job.wait(lambda: min(_steps_at(job, attempt).values() or [0]) >= 2, "steps after")
+        assert set(_steps_at(job, attempt)) == {0, 1}
+        assert _assert_spare_took_over(job, b.pid, c.pid) == attempt
+        # now the agent that started first: under c10d it hosts the rendezvous store (a TCPStore
+        # server thread inside that agent process), and with it go the rendezvous state, the
+        # keep-alives and the spare list; nobody can take over, the job ends
+        kill_tree(a)
+        code = c.wait(timeout=240)
+    finally:
+        job.close()
+    assert code != 0, job.logs()
+    assert "the rendezvous store is gone" in (tmp_path / "c.log").read_text(), job.logs()
+    assert max(s["step"] for s in job.steps()) < STEPS - 1

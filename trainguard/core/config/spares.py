@@ -1,0 +1,64 @@
+"""Configuration of hot spares and fast dead-node detection (section [spares], env
+TRAINGUARD_SPARES_*).
+
+Example::
+
+    [spares]
+    dead_after_s = 2.5      # a node whose liveness beacon stood still this long is dead
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True, slots=True)
+class SparesConfig:
+    enabled: bool = True
+    """Liveness beacons, dead-node removal from the rendezvous and spare bookkeeping (dynamic
+    rendezvous backends: c10d, etcd-v3). Off: torch's keep-alive expiry alone finds dead nodes
+    (~15 s with its defaults) and a spare surplus can keep a wait list (restart loop)."""
+    beacon_interval_s: float = 0.5
+    """How often each agent advances its liveness counter in the rendezvous store."""
+    dead_after_s: float = 2.5
+    """A node whose counter has not advanced for this long is removed from the rendezvous
+    (torch's keep-alive expiry stays as the fallback for nodes without a beacon)."""
+    poll_s: float = 0.25
+    """How often an agent that waits in a rendezvous reads the state and the beacons."""
+    warm_workers: str = "auto"
+    """``on``: keep ``nproc_per_node`` worker processes per agent started ahead, with
+    ``warm_preload`` imported, and start the next attempt's workers from them (a restart then
+    skips each worker's interpreter start and torch import). ``auto``: the same, but only in a
+    job that has spares (a spare fills its pool while it waits; an active agent once a spare
+    has shown up). ``off``: torch's own start. ``true``/``false`` mean ``on``/``off``."""
+    warm_preload: list[str] = field(
+        default_factory=lambda: [
+            "torch",
+            "torch.distributed",
+            "torch.nn.parallel",
+            "torch.distributed.checkpoint",
+            # DistributedDataParallel's constructor imports these (~800 modules, seconds)
+            "torch._dynamo",
+            "torch._inductor",
+            "torch._numpy",
+            "torch.onnx",
+            "trainguard.worker.api",
+            "trainguard.checkpoint.manager",
+        ]
+    )
+    """Modules a warm worker imports before it is needed."""
+
+    def __post_init__(self) -> None:
+        mode = {"true": "on", "false": "off", "1": "on", "0": "off"}.get(
+            str(self.warm_workers).lower(), str(self.warm_workers).lower()
+        )
+        if mode not in ("off", "on", "auto"):
+            raise ValueError(f"warm_workers {self.warm_workers!r}: use off, on or auto")
+        self.warm_workers = mode
+        if self.beacon_interval_s <= 0 or self.poll_s <= 0:
+            raise ValueError("beacon_interval_s and poll_s must be > 0")
+        if self.dead_after_s < 3 * self.beacon_interval_s:
+            raise ValueError(
+                f"dead_after_s ({self.dead_after_s}) must be at least 3 x beacon_interval_s "
+                f"({self.beacon_interval_s}): a live node would be declared dead"
+            )

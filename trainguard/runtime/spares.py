@@ -1,0 +1,394 @@
+"""Hot spares on torch's dynamic rendezvous: liveness beacons, dead-node removal, no spare races.
+
+``--nnodes N`` (or ``MIN:N``) with more than N agents: torch's dynamic rendezvous (c10d,
+etcd-v3) puts the agents beyond N into the round's *redundancy list*, where they wait warm (the
+interpreter and torch loaded, the preflight passed) without disturbing the running round. When
+an active node dies, the survivors' workers fail with a peer-connection error, their agents
+leave the round and wait for the next one; as soon as the dead node is out of the round's
+participants, a spare moves from the redundancy list into the next round and the job goes on at
+full world size. What torch lacks, and this module adds:
+
+- **Dead nodes leave in seconds, not after the keep-alive expiry.** torch removes a node only
+  when its keep-alive is ``keep_alive_interval x keep_alive_max_attempt`` old (15 s with its
+  defaults), and its keep-alive runs on wall-clock times written into the shared state. Here
+  every agent advances a counter in the rendezvous store every ``beacon_interval_s``
+  (:class:`LivenessBeacon`); an agent waiting in a rendezvous reads the counters of the
+  round's nodes and removes a node whose counter stood still for ``dead_after_s`` from the
+  shared state (:class:`Reaper`), through the backend's compare-and-swap, exactly as torch's
+  own dead-node check would. The observer judges on its own clock (no clock skew), and an agent
+  that exits writes a tombstone, so a node that leaves (evicted, drained, stopped) is removed at
+  once. A node without a beacon (a plain torchrun agent) is left to torch's keep-alive.
+- **No race between spares.** With k > 1 spares and one dead node, the survivors and every
+  spare move to the wait list and race for the free slots; torch completes the round at N and
+  the losers stay in the *wait list*, so every active agent sees ``num_nodes_waiting() > 0`` and
+  restarts the whole group, again and again (a restart loop; cf. NVIDIA resiliency-ext #348,
+  pytorch #114097). Here a node in the wait list of a complete, full round moves itself back to
+  the redundancy list, and ``num_nodes_waiting`` counts no node that no slot is free for.
+
+Every decision is an event: ``node_dead`` (which node, how long silent, who removed it),
+``spare_waiting`` (this node waits as a spare), ``spare_joined`` (a spare got a slot).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    _NodeDesc,
+    _remove_participant_epilogue,
+    _RendezvousState,
+)
+
+from trainguard.core.config.spares import SparesConfig
+
+__all__ = [
+    "BEACON_PREFIX",
+    "C10D_STORE_LOST",
+    "LivenessBeacon",
+    "Reaper",
+    "SpareController",
+    "attach",
+]
+
+logger = logging.getLogger(__name__)
+
+BEACON_PREFIX = "trainguard/liveness/"
+LEFT = "left"
+"""A beacon's value once its agent has exited (removed at once, no silence to wait for)."""
+
+Emit = Callable[..., Any]
+
+SPARES_KEY = "has_spares"
+"""Set (under the run's beacon prefix) once any agent of the job waited as a spare."""
+
+C10D_STORE_LOST = (
+    "trainguard run: the rendezvous store is gone: with --rdzv-backend c10d it is a TCPStore "
+    "server inside the agent that started first ({endpoint}), and that node was lost with the "
+    "job's rendezvous state, keep-alives and spare list; no node can take its place. Use "
+    "--rdzv-backend etcd-v3 to survive the loss of any node"
+)
+"""What a c10d agent says when the store's host died (the job cannot go on)."""
+
+
+def _text(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes | bytearray) else str(v)
+
+
+class LivenessBeacon:
+    """Advances ``key`` in ``store`` every ``interval_s`` from a daemon thread."""
+
+    def __init__(self, store: Any, key: str, interval_s: float) -> None:
+        self._store = store
+        self.key = key
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.beats = 0
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._beat()
+            self._thread = threading.Thread(target=self._run, name="tg-liveness", daemon=True)
+            self._thread.start()
+
+    def _beat(self) -> None:
+        self.beats += 1
+        try:
+            self._store.set(self.key, str(self.beats))
+        except Exception as e:  # the store host may be gone; the rendezvous says so itself
+            logger.debug("liveness beacon not written: %s", e)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._beat()
+
+    def close(self, *, left: bool = True) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if left:
+            try:
+                self._store.set(self.key, LEFT)
+            except Exception as e:
+                logger.debug("liveness tombstone not written: %s", e)
+
+
+class Reaper:
+    """Reads the rendezvous state and the round's beacons; removes dead nodes and keeps a
+    surplus node out of the wait list. ``tick()`` is one pass (what the watcher thread runs
+    every ``poll_s`` while this agent waits in a rendezvous)."""
+
+    def __init__(
+        self,
+        handler: DynamicRendezvousHandler,
+        cfg: SparesConfig,
+        emit: Emit,
+        *,
+        beacon_prefix: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._me: _NodeDesc = handler._this_node
+        self._settings = handler._settings
+        self._backend = handler._state_holder._backend  # type: ignore[attr-defined]
+        self._store = handler._store
+        self._cfg = cfg
+        self._emit = emit
+        self._prefix = beacon_prefix
+        self._clock = clock
+        self._seen: dict[str, tuple[str, float]] = {}
+        """node key -> (last beacon value, when it last changed on our clock)"""
+        self._last_read: float | None = None
+        self.spare_since: float | None = None
+        """Monotonic time this node entered the redundancy list (None: not a spare now)."""
+        self.removed: list[str] = []
+
+    # -- reading -------------------------------------------------------------------------------
+    def _state(self) -> tuple[_RendezvousState, Any] | None:
+        got = self._backend.get_state()
+        if got is None:
+            return None
+        bits, token = got
+        return pickle.loads(bits), token  # torch's own state format, from the job's store
+
+    def _beacons(self, nodes: list[str]) -> dict[str, str]:
+        keys = [self._prefix + n for n in nodes]
+        if not keys:
+            return {}
+        if self._store.check(keys):
+            return {n: _text(v) for n, v in zip(nodes, self._store.multi_get(keys), strict=True)}
+        out = {}
+        for n, k in zip(nodes, keys, strict=True):
+            if self._store.check([k]):
+                out[n] = _text(self._store.get(k))
+        return out
+
+    def dead_nodes(self, state: _RendezvousState) -> dict[_NodeDesc, tuple[float, str]]:
+        """The nodes of ``state`` (but this one) whose beacon stood still for ``dead_after_s``
+        (``liveness_silent``) or says they exited (``left``), with how long they have been
+        silent as seen from here."""
+        nodes = {n for n in (*state.participants, *state.wait_list, *state.redundancy_list)}
+        nodes.discard(self._me)
+        by_key = {repr(n): n for n in nodes}
+        values = self._beacons(sorted(by_key))
+        now = self._clock()
+        if self._last_read is None or now - self._last_read > self._cfg.dead_after_s / 2:
+            # we could not look for a while (store unreachable, this agent starved): silence
+            # seen across that gap proves nothing, so every node starts a fresh window
+            self._seen.clear()
+        self._last_read = now
+        dead: dict[_NodeDesc, tuple[float, str]] = {}
+        for key, value in values.items():
+            last = self._seen.get(key)
+            if value == LEFT:
+                dead[by_key[key]] = (0.0 if last is None else now - last[1], "left")
+                continue
+            if last is None or last[0] != value:
+                self._seen[key] = (value, now)
+            elif now - last[1] >= self._cfg.dead_after_s:
+                dead[by_key[key]] = (now - last[1], "liveness_silent")
+        for key in list(self._seen):
+            if key not in by_key:
+                del self._seen[key]
+        return dead
+
+    def forget(self) -> None:
+        """Start every node's silence window afresh (after a pass that could not read)."""
+        self._seen.clear()
+        self._last_read = None
+
+    # -- writing -------------------------------------------------------------------------------
+    def _write(self, mutate: Callable[[_RendezvousState], bool]) -> bool:
+        """Apply ``mutate`` to the newest state and write it back with the backend's
+        compare-and-swap, retrying on a lost race; False when there was nothing to change."""
+        for _ in range(10):
+            got = self._state()
+            if got is None or not mutate(got[0]):
+                return False
+            state, token = got
+            bits = pickle.dumps(state)
+            meta = getattr(self._backend, "_meta_key", None)
+            if meta is not None:  # etcd-v3 keeps a summary of the state for cheap polls
+                from trainguard.runtime.etcd_v3 import _meta
+
+                out = self._backend.set_state(bits, token, meta=_meta(state))
+            else:
+                out = self._backend.set_state(bits, token)
+            if out is not None and out[2]:
+                return True
+        return False
+
+    def _remove(self, dead: dict[_NodeDesc, tuple[float, str]], round_: int) -> None:
+        def mutate(state: _RendezvousState) -> bool:
+            changed = participant = False
+            for node in dead:
+                changed |= state.last_heartbeats.pop(node, None) is not None
+                if state.participants.pop(node, None) is not None:
+                    changed = participant = True
+                for lst in (state.wait_list, state.redundancy_list):
+                    if node in lst:
+                        lst.discard(node)
+                        changed = True
+            if participant:
+                _remove_participant_epilogue(state, self._settings)
+            return changed
+
+        if self._write(mutate):
+            for node, (silent, reason) in dead.items():
+                key = repr(node)
+                self.removed.append(key)
+                self._seen.pop(key, None)
+                logger.warning(
+                    "node %s is dead (%s, silent %.1f s): removed from the rendezvous",
+                    key,
+                    reason,
+                    silent,
+                )
+                self._emit(
+                    "node_dead",
+                    dead_node=key,
+                    silent_s=round(silent, 2),
+                    round=round_,
+                    reason=reason,
+                    removed_by=repr(self._me),
+                )
+
+    def _demote(self) -> bool:
+        """This node waits for a round that is complete and full: back to the redundancy list
+        (out of the wait list, which makes every active agent restart)."""
+        me, max_nodes = self._me, self._settings.max_nodes
+
+        def mutate(state: _RendezvousState) -> bool:
+            if not (state.complete and me in state.wait_list):
+                return False
+            if len(state.participants) < max_nodes:
+                return False
+            state.wait_list.discard(me)
+            state.redundancy_list.add(me)
+            return True
+
+        return self._write(mutate)
+
+    def _announce(self) -> None:
+        """Tell the job it has a spare (what ``warm_workers = "auto"`` waits for)."""
+        try:
+            self._store.set(self._prefix + SPARES_KEY, "1")
+        except Exception as e:
+            logger.debug("spares: not announced: %s", e)
+
+    # -- one pass ------------------------------------------------------------------------------
+    def tick(self) -> None:
+        got = self._state()
+        if got is None:
+            return
+        state = got[0]
+        if state.closed:
+            return
+        dead = self.dead_nodes(state)
+        if dead:
+            self._remove(dead, state.round)
+        if (
+            state.complete
+            and self._me in state.wait_list
+            and len(state.participants) >= self._settings.max_nodes
+            and self._demote()
+        ):
+            self._announce()
+            self._emit("spare_waiting", round=state.round, reason="round_full")
+            self.spare_since = self.spare_since or self._clock()
+            return
+        if self._me in state.redundancy_list and self.spare_since is None:
+            self.spare_since = self._clock()
+            self._announce()
+            self._emit("spare_waiting", round=state.round, reason="redundancy_list")
+
+
+class SpareController:
+    """One agent's beacon and, while it waits in a rendezvous, its reaper thread."""
+
+    def __init__(self, handler: DynamicRendezvousHandler, cfg: SparesConfig, emit: Emit) -> None:
+        self.cfg = cfg
+        self._emit = emit
+        self._handler = handler
+        prefix = f"{BEACON_PREFIX}{handler._settings.run_id}/"
+        self._prefix = prefix
+        self.beacon = LivenessBeacon(
+            handler._store, prefix + repr(handler._this_node), cfg.beacon_interval_s
+        )
+        self.reaper = Reaper(handler, cfg, emit, beacon_prefix=prefix)
+        self.beacon.start()
+
+    def has_spares(self) -> bool:
+        """Whether any agent of this job has waited as a spare (one small store read)."""
+        return bool(self._handler._store.check([self._prefix + SPARES_KEY]))
+
+    def num_nodes_waiting(self, waiting: int) -> int:
+        """torch's count, less the nodes no slot is free for: a complete round at
+        ``max_nodes`` admits no one, so restarting the group for them would only loop."""
+        if waiting <= 0:
+            return waiting
+        state = self._handler._state_holder.state
+        if state.complete and len(state.participants) >= self._handler._settings.max_nodes:
+            return 0
+        return waiting
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Run the reaper every ``poll_s`` while the body (torch's ``next_rendezvous``) runs."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.is_set():
+                try:
+                    self.reaper.tick()
+                except Exception as e:  # the store may be briefly unreachable (etcd restart)
+                    logger.debug("spares: reaper pass failed: %s", e)
+                    self.reaper.forget()
+                stop.wait(self.cfg.poll_s)
+
+        thread = threading.Thread(target=loop, name="tg-reaper", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(timeout=10)
+
+    def joined(self) -> None:
+        """This node got a slot in a round: an event if it waited as a spare."""
+        since = self.reaper.spare_since
+        if since is not None:
+            self.reaper.spare_since = None
+            self._emit(
+                "spare_joined",
+                round=self._handler._state_holder.state.round,
+                waited_s=round(time.monotonic() - since, 3),
+            )
+
+    def close(self, *, left: bool = True) -> None:
+        self.beacon.close(left=left)
+
+
+def attach(handler: Any, cfg: SparesConfig, emit: Emit) -> SpareController | None:
+    """Give ``handler`` (trainguard's rendezvous wrapper around torch's dynamic handler) a
+    :class:`SpareController`; None for backends without torch's dynamic rendezvous (static)."""
+    if not cfg.enabled:
+        return None
+    inner = getattr(handler, "_inner", handler)
+    if not isinstance(inner, DynamicRendezvousHandler):
+        return None
+    try:
+        controller = SpareController(inner, cfg, emit)
+    except Exception as e:
+        logger.warning("spares: no liveness beacon (%s); torch's keep-alive finds dead nodes", e)
+        return None
+    handler.spares = controller
+    return controller
