@@ -146,10 +146,10 @@ def run_path(
     name: str, cmd: list[str], root: Path, *, kills: int, settle: int, timeout: float
 ) -> PathResult:
     """``kills`` samples; a job whose restart hangs (torchrun's shared store) is counted in
-    ``hung``, ended, and a fresh job takes over (at most ``kills`` hangs)."""
+    ``hung``, ended, and a fresh job takes over (at most 3 × ``kills`` hangs)."""
     res = PathResult(name)
     job = 0
-    while len(res.mttr_s) < kills and res.hung < kills:
+    while len(res.mttr_s) < kills and res.hung < 3 * kills:
         _one_job(res, name, cmd, root / f"{name}-{job}", kills, settle, timeout)
         job += 1
     return res
@@ -259,7 +259,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--settle-steps", type=int, default=40)
-    ap.add_argument("--timeout", type=float, default=120.0, help="per wait (s)")
+    ap.add_argument("--timeout", type=float, default=60.0, help="per wait (s)")
     ap.add_argument("--paths", default="torchrun,trainguard,trainguard_warm,trainguard_inprocess")
     ap.add_argument("--inprocess-example", default=None, help="in-process restart example")
     ap.add_argument("--ft-kills", type=int, default=5)
