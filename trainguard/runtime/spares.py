@@ -157,7 +157,14 @@ class Reaper:
         if got is None:
             return None
         bits, token = got
+        if self._etcd_v3():  # compact JSON there (trainguard.runtime.etcd_v3.codec)
+            from trainguard.runtime.etcd_v3.codec import decode_state
+
+            return decode_state(bits), token
         return pickle.loads(bits), token  # torch's own state format, from the job's store
+
+    def _etcd_v3(self) -> bool:
+        return getattr(self._backend, "_meta_key", None) is not None
 
     def _beacons(self, nodes: list[str]) -> dict[str, str]:
         keys = [self._prefix + n for n in nodes]
@@ -214,14 +221,13 @@ class Reaper:
             if got is None or not mutate(got[0]):
                 return False
             state, token = got
-            bits = pickle.dumps(state)
-            meta = getattr(self._backend, "_meta_key", None)
-            if meta is not None:  # etcd-v3 keeps a summary of the state for cheap polls
-                from trainguard.runtime.etcd_v3 import _meta
+            if self._etcd_v3():  # JSON state and a summary of it for cheap watches
+                from trainguard.runtime.etcd_v3.codec import encode_state
+                from trainguard.runtime.etcd_v3.holder import _meta
 
-                out = self._backend.set_state(bits, token, meta=_meta(state))
+                out = self._backend.set_state(encode_state(state), token, meta=_meta(state))
             else:
-                out = self._backend.set_state(bits, token)
+                out = self._backend.set_state(pickle.dumps(state), token)
             if out is not None and out[2]:
                 return True
         return False
