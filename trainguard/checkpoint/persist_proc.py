@@ -118,6 +118,7 @@ class PersisterProcess:
         self.timed_out = False
         self._buf = b""
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        env[_PARENT_ENV] = str(os.getpid())  # the child watches this PID, not its getppid()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainguard.checkpoint.persist_proc"],
             stdin=subprocess.PIPE,
@@ -313,6 +314,7 @@ def _serve(rx: IO[str], tx: IO[str]) -> bool:
 
 
 _cleanup_dir: str | None = None
+_PARENT_ENV = "TRAINGUARD_PERSIST_PARENT_PID"
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -330,7 +332,11 @@ def _exit_with_parent(parent: int) -> None:
 
 def main() -> None:
     """Entry point of ``python -m trainguard.checkpoint.persist_proc``."""
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    # The parent's PID as the parent gave it: a worker killed while this child still imported
+    # torch has already been replaced by the subreaper in getppid(), and watching that would
+    # keep this orphan (and the worker's stdout/stderr it holds) alive for good.
+    parent = int(os.environ.get(_PARENT_ENV) or os.getppid())
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     logging.basicConfig(level=logging.WARNING, format="[tg-persist %(process)d] %(message)s")
     proto_out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything printed by libraries goes to stderr, not into the protocol
