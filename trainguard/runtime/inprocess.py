@@ -35,7 +35,6 @@ from typing import Any
 from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.inprocess import (
@@ -45,6 +44,7 @@ from trainguard.core.inprocess import (
     announce_key,
     ready_key,
 )
+from trainguard.runtime.warm import PooledSubprocessHandler
 
 __all__ = ["InProcessRestarter", "spawn_replacement"]
 
@@ -57,47 +57,6 @@ GROUP_KILL_EVENTS = frozenset({"hang_killed", "health_unhealthy"})
 node): the deaths that follow are a group restart, never an in-process one."""
 
 
-class _AppendingHandler(SubprocessHandler):
-    """torch's handler, but a redirected log file is appended to, not truncated (the dead
-    worker's output stays, and torch's tail threads keep reading the same file), and the
-    process comes from the agent's warm pool when it has one (``pool.spawn(argv, env, stdout=,
-    stderr=, key=local_rank)`` returning an object with ``proc`` and ``warm``)."""
-
-    def __init__(
-        self,
-        entrypoint: str,
-        args: tuple[Any, ...],
-        env: dict[str, str],
-        stdout: str | None,
-        stderr: str | None,
-        local_rank_id: int,
-        pool: Any = None,
-        numa_options: Any = None,
-    ) -> None:
-        self._stdout = open(stdout, "a") if stdout else None  # noqa: SIM115
-        self._stderr = open(stderr, "a") if stderr else None  # noqa: SIM115
-        env_vars = os.environ.copy()
-        env_vars.update(env)
-        self.local_rank_id = local_rank_id
-        argv = (entrypoint, *[str(a) for a in args])
-        self.warm = False
-        if numa_options is not None:  # torch's --numa-binding: bound, so never from the pool
-            from torch.numa.binding import _maybe_wrap_command_args_with_numa_binding
-
-            argv = _maybe_wrap_command_args_with_numa_binding(
-                argv, gpu_index=local_rank_id, numa_options=numa_options
-            )
-            pool = None
-        if pool is not None:
-            started = pool.spawn(
-                argv, env_vars, stdout=self._stdout, stderr=self._stderr, key=local_rank_id
-            )
-            self.proc = started.proc
-            self.warm = bool(started.warm)
-        else:
-            self.proc = self._popen(argv, env_vars)
-
-
 def spawn_replacement(
     pcontext: Any, local_rank: int, extra_env: dict[str, str], *, pool: Any = None
 ) -> Any:
@@ -106,7 +65,8 @@ def spawn_replacement(
     returns its handler (``.warm``: it came pre-started from ``pool``, the agent's warm pool,
     else it is a cold start)."""
     env = {**pcontext.envs[local_rank], **extra_env}
-    return _AppendingHandler(
+    # appended to: the dead worker's output stays, and torch's tail threads keep reading it
+    return PooledSubprocessHandler(
         pcontext.entrypoint,
         pcontext.args[local_rank],
         env,
@@ -114,6 +74,7 @@ def spawn_replacement(
         pcontext.stderrs.get(local_rank) or None,
         local_rank,
         pool=pool,
+        mode="a",
         numa_options=getattr(pcontext, "_numa_options", None),
     )
 

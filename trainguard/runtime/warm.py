@@ -44,8 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
 __all__ = [
     "DYNAMIC_ENV",
+    "PooledSubprocessHandler",
     "WarmPool",
     "WarmProcess",
     "env_compatible",
@@ -351,6 +354,51 @@ def _readable(sock: socket.socket) -> bool:
     return bool(r)
 
 
+class PooledSubprocessHandler(SubprocessHandler):
+    """torch's ``SubprocessHandler`` (torch keeps its ``poll``/``killpg``/reporting) whose
+    process comes from ``pool`` (keyed by local rank) when given, else torch's own ``Popen``.
+    ``mode="a"`` appends to the redirected log files instead of truncating them (an in-process
+    replacement keeps the dead worker's output). NUMA-bound workers never come from the pool.
+    ``warm``: the process came pre-started."""
+
+    def __init__(
+        self,
+        entrypoint: str,
+        args: tuple[Any, ...],
+        env: dict[str, str],
+        stdout: str | None,
+        stderr: str | None,
+        local_rank_id: int,
+        *,
+        pool: WarmPool | None = None,
+        mode: str = "w",
+        numa_options: Any = None,
+    ) -> None:
+        # what SubprocessHandler.__init__ does, with the pool's process
+        self._stdout = open(stdout, mode) if stdout else None  # noqa: SIM115
+        self._stderr = open(stderr, mode) if stderr else None  # noqa: SIM115
+        env_vars = os.environ.copy()
+        env_vars.update(env)
+        self.local_rank_id = local_rank_id
+        argv: tuple[str, ...] = (entrypoint, *[str(a) for a in args])
+        self.warm = False
+        if numa_options is not None:
+            from torch.numa.binding import _maybe_wrap_command_args_with_numa_binding
+
+            argv = _maybe_wrap_command_args_with_numa_binding(
+                argv, gpu_index=local_rank_id, numa_options=numa_options
+            )
+            pool = None
+        if pool is None:
+            self.proc = self._popen(argv, env_vars)
+            return
+        started = pool.spawn(
+            argv, env_vars, stdout=self._stdout, stderr=self._stderr, key=local_rank_id
+        )
+        self.proc = started.proc
+        self.warm = started.warm
+
+
 def _torch_get_subprocess_handler() -> Any:
     from torch.distributed.elastic.multiprocessing import subprocess_handler
 
@@ -369,38 +417,10 @@ def serving_torch_workers(pool: WarmPool | None) -> Iterator[dict[int, bool]]:
         yield started
         return
     from torch.distributed.elastic.multiprocessing import api as mp_api
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
     original = mp_api.get_subprocess_handler
     # torch's own, or another pool's (runtime/spare_pool.py installs one for jobs with spares)
     fallback = None if original is _torch_get_subprocess_handler() else original
-
-    class WarmSubprocessHandler(SubprocessHandler):
-        """torch's ``SubprocessHandler`` whose process comes from the warm pool."""
-
-        def __init__(
-            self,
-            entrypoint: str,
-            args: tuple[Any, ...],
-            env: dict[str, str],
-            stdout: str | None,
-            stderr: str | None,
-            local_rank_id: int,
-        ) -> None:
-            # what SubprocessHandler.__init__ does, with the pool's Popen
-            self._stdout = open(stdout, "w") if stdout else None  # noqa: SIM115
-            self._stderr = open(stderr, "w") if stderr else None  # noqa: SIM115
-            env_vars = os.environ.copy()
-            env_vars.update(env)
-            self.local_rank_id = local_rank_id
-            self.warm_process = pool.spawn(
-                (entrypoint, *[str(a) for a in args]),
-                env_vars,
-                stdout=self._stdout,
-                stderr=self._stderr,
-                key=local_rank_id,
-            )
-            self.proc = self.warm_process.proc
 
     def get_subprocess_handler(
         entrypoint: str,
@@ -424,8 +444,8 @@ def serving_torch_workers(pool: WarmPool | None) -> Iterator[dict[int, bool]]:
             )
             started[local_rank_id] = False
             return fallback(entrypoint, args, env, stdout, stderr, local_rank_id)
-        h = WarmSubprocessHandler(entrypoint, args, env, stdout, stderr, local_rank_id)
-        started[local_rank_id] = h.warm_process.warm
+        h = PooledSubprocessHandler(entrypoint, args, env, stdout, stderr, local_rank_id, pool=pool)
+        started[local_rank_id] = h.warm
         return h
 
     mp_api.get_subprocess_handler = get_subprocess_handler
