@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import become_subreaper, descendants, kill_tree, reap
+from tests.procs import FIXTURE_PIDS, become_subreaper, descendants, kill_tree, reap
 
 _LEFT: list[str] = []
 _BEFORE_CALL: dict[str, set[int]] = {}
@@ -45,7 +45,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     left = [
         f"PID {pid} still running: {_cmdline(pid)}"
         for pid in descendants(os.getpid())
-        if pid not in before
+        if pid not in before and pid not in FIXTURE_PIDS
     ]
     if left:
         outcome.get_result().user_properties.append(("tg_left_processes", left))

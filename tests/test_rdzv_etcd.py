@@ -34,6 +34,7 @@ EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
     e = Etcd(tmp_path_factory.mktemp("etcd"))
+    e.fixture_owned = True
     try:
         yield e
     finally:

@@ -282,3 +282,19 @@ def test_plugin_learns_a_stop_and_publishes_checkpoints(tmp_path) -> None:
     assert "budget spent" in str(err) and "do not requeue" in str(err)
     with pytest.raises(JobStopError):
         plugin.before_rendezvous(ctx)
+
+
+def test_committed_steps_counts_checkpoints_and_ft_heals(tmp_path) -> None:
+    from trainguard.recovery.plugin import CommittedSteps
+
+    events = tmp_path / "events.jsonl"
+    seen = CommittedSteps(tmp_path)
+    assert seen.poll() == -1  # no file yet
+    events.write_text('{"kind": "checkpoint_committed", "step": 20}\n{"kind": "step", "step": 90}\n')
+    assert seen.poll() == 20  # a plain step is no progress
+    with events.open("a") as f:
+        f.write('{"kind": "ft_healed", "replica_group": 1, "step": 57}\n{"kind": "ft_he')
+    assert seen.poll() == 57  # a replica group healed from its peers: progress
+    with events.open("a") as f:
+        f.write('aled", "step": 61}\n')
+    assert seen.poll() == 61  # the half-written line was read once it was whole

@@ -374,6 +374,7 @@ def _steps_at(job: Job, attempt: int) -> dict[int, int]:
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
     e = Etcd(tmp_path_factory.mktemp("etcd"), no_fsync=True)
+    e.fixture_owned = True
     try:
         yield e
     finally:

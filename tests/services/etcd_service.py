@@ -42,6 +42,7 @@ class Etcd:
         self.no_fsync = no_fsync
         self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen[bytes] | None = None
+        self.fixture_owned = False  # a module fixture stops it: restarts are not test leftovers
         self._started = False
         self.start()
 
@@ -72,6 +73,10 @@ class Etcd:
             start_new_session=True,
         )  # fmt: skip
         log.close()
+        if self.fixture_owned:
+            from tests.procs import FIXTURE_PIDS
+
+            FIXTURE_PIDS.add(self.proc.pid)
         self._started = True
         wait_until(self._healthy, 60, f"etcd healthy on {self.endpoint}", interval=0.1)
 

@@ -60,7 +60,11 @@ def _when(t: float) -> str:
 
 class CommittedSteps:
     """Tails ``<run_dir>/events.jsonl`` for ``checkpoint_committed`` events (rank 0's worker
-    writes them): the newest committed step."""
+    writes them): the newest committed step. In torchft mode a restarted replica group restores
+    from its peers, not from a checkpoint, so ``ft_healed`` (the step it healed to) counts as
+    progress too: a group that keeps healing and training is not a crash loop."""
+
+    _PROGRESS = (b'"checkpoint_committed"', b'"ft_healed"')
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / EVENTS_FILE
@@ -77,7 +81,7 @@ class CommittedSteps:
         end = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
         self._offset += end
         for line in data[:end].splitlines():
-            if b'"checkpoint_committed"' not in line:
+            if not any(kind in line for kind in self._PROGRESS):
                 continue
             try:
                 ev = json.loads(line)
