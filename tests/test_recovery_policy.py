@@ -290,7 +290,9 @@ def test_committed_steps_counts_checkpoints_and_ft_heals(tmp_path) -> None:
     events = tmp_path / "events.jsonl"
     seen = CommittedSteps(tmp_path)
     assert seen.poll() == -1  # no file yet
-    events.write_text('{"kind": "checkpoint_committed", "step": 20}\n{"kind": "step", "step": 90}\n')
+    events.write_text(
+        '{"kind": "checkpoint_committed", "step": 20}\n{"kind": "step", "step": 90}\n'
+    )
     assert seen.poll() == 20  # a plain step is no progress
     with events.open("a") as f:
         f.write('{"kind": "ft_healed", "replica_group": 1, "step": 57}\n{"kind": "ft_he')
