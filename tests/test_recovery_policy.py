@@ -300,3 +300,14 @@ def test_committed_steps_counts_checkpoints_and_ft_heals(tmp_path) -> None:
     with events.open("a") as f:
         f.write('aled", "step": 61}\n')
     assert seen.poll() == 61  # the half-written line was read once it was whole
+
+
+def test_backoff_resets_when_the_job_made_checkpoint_progress(stores: tuple) -> None:
+    led = JobLedger(stores[0], "reset")
+    p = RecoveryPolicy(cfg(crash_loop_restarts=0), led, node="a")
+    waits = []
+    for attempt, ckpt in enumerate([10, 10, 10, 30, 50, 50]):
+        led.record_checkpoint(ckpt)
+        waits.append(p.decide(attempt, [crash(0, 1)], now=100.0 + attempt).backoff_s)
+    # progress before restarts 1, 4 and 5: immediate; without: 1 s, then 2 s (base 1, cap 5)
+    assert waits == [0.0, 1.0, 2.0, 0.0, 0.0, 1.0]

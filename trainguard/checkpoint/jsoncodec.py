@@ -69,10 +69,12 @@ def _enc(o: Any, path: str) -> Any:
         return o if math.isfinite(o) else {"$float": repr(o)}
     if isinstance(o, bytes | bytearray):
         return {"$bytes": _b64(bytes(o))}
-    if isinstance(o, list):
-        return [_enc(v, f"{path}[{i}]") for i, v in enumerate(o)]
-    if isinstance(o, tuple):
-        return {"$tuple": [_enc(v, f"{path}[{i}]") for i, v in enumerate(o)]}
+    if isinstance(o, list | tuple):
+        if all(type(v) is int for v in o):  # e.g. Python's RNG state: 625 ints, every snapshot
+            items = list(o)
+        else:
+            items = [_enc(v, f"{path}[{i}]") for i, v in enumerate(o)]
+        return items if isinstance(o, list) else {"$tuple": items}
     if isinstance(o, dict):
         if all(isinstance(k, str) and not k.startswith("$") for k in o):
             return {k: _enc(v, f"{path}.{k}") for k, v in o.items()}

@@ -227,7 +227,10 @@ class RecoveryPolicy:
                 f"step {step}; now: {what})"
             )
         n = ledger.count_restart() if count else made + 1
-        wait = backoff_s(n, base_s=cfg.backoff_base_s, cap_s=cfg.backoff_cap_s)
+        # The backoff grows with the restarts made since the job last made checkpoint progress
+        # (not with every restart of the job's life): a job that trains between failures
+        # restarts at once every time; one that keeps failing waits 1 s, 2 s, 4 s ...
+        wait = backoff_s(idle + 1, base_s=cfg.backoff_base_s, cap_s=cfg.backoff_cap_s)
         limit = f" of {budget}" if budget is not None else ""
         return Decision(
             Action.RESTART,
