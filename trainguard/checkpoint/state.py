@@ -138,17 +138,44 @@ def rng_key(rank: int) -> str:
     return f"_trainguard_rng_rank{rank}"
 
 
+class _RngCache:
+    """The JSON of the Python and NumPy generator states last encoded: most training loops do
+    not draw from them between snapshots, and the memory tier snapshots every step."""
+
+    python: tuple[Any, str] | None = None
+    numpy: tuple[Any, str] | None = None
+
+
+def _encoded(kind: str, state: Any, same: Any) -> str:
+    hit = getattr(_RngCache, kind)
+    if hit is not None and same(hit[0], state):
+        return hit[1]
+    text = jsoncodec.dumps(state)
+    setattr(_RngCache, kind, (state, text))
+    return text
+
+
+def _same_numpy(a: Any, b: Any) -> bool:
+    import numpy as np
+
+    return a[0] == b[0] and a[2:] == b[2:] and np.array_equal(a[1], b[1])
+
+
 def rng_state() -> bytes:
-    st: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """Every generator's state as JSON bytes (what :func:`set_rng_state` restores)."""
+    parts = [
+        ("python", _encoded("python", random.getstate(), lambda a, b: a == b)),
+        ("torch", jsoncodec.dumps(torch.get_rng_state())),
+    ]
     try:
         import numpy as np
 
-        st["numpy"] = np.random.get_state()
+        parts.append(("numpy", _encoded("numpy", np.random.get_state(), _same_numpy)))
     except ImportError:
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return jsoncodec.dumps(st).encode()
+        parts.append(("cuda", jsoncodec.dumps(torch.cuda.get_rng_state_all())))
+    return ("{" + ",".join(f'"{k}":{v}' for k, v in parts) + "}").encode()
 
 
 def set_rng_state(blob: Any) -> None:
