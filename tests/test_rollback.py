@@ -112,6 +112,22 @@ def test_rollback_counter_starts_at_zero_and_counts_by_reason() -> None:
     assert points == {"nan": 1, "inf": 0, "spike": 0, "other": 0}
 
 
+def test_a_nan_loss_is_not_set_on_the_loss_gauge() -> None:
+    reader = InMemoryMetricReader()
+    rec = MetricsRecorder(MeterProvider(metric_readers=[reader]), node="n0")
+    rec.record({"kind": "log", "rank": 0, "step": 1, "loss": 0.5})
+    rec.record({"kind": "log", "rank": 0, "step": 2, "loss": float("nan")})
+    values = [
+        p.value
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "trainguard.train.loss"
+        for p in m.data.data_points
+    ]
+    assert values == [0.5] and rec.num_nonfinite == 1 and rec.num_bad_records == 0
+
+
 def test_lineage_drops_redone_and_discarded_executions() -> None:
     e = [  # A -> B, B -> C (discarded by a rollback to B), B -> D (the survivor), D -> E
         {"before": "A", "after": "B", "t0": 0.0, "t1": 1.0, "loss": "1.0"},

@@ -7,6 +7,7 @@ it never raises into its caller: a bad record is logged and skipped.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -92,6 +93,7 @@ class MetricsRecorder:
         self._pending_cause: str | None = None
         self._hung_since: float | None = None
         self.num_bad_records = 0
+        self.num_nonfinite = 0
         node = {"node": node}
         # counters start at 0 so that the first increment shows in rate()/increase()
         for kind in INCIDENT_KINDS:
@@ -118,6 +120,9 @@ class MetricsRecorder:
         return meter.create_gauge(spec.name, unit=spec.unit, description=spec.description)
 
     def _set(self, name: str, value: float, attrs: Mapping[str, Any]) -> None:
+        if not math.isfinite(value):  # a NaN loss is an event (loss_anomaly), not a gauge value
+            self.num_nonfinite += 1
+            return
         self._inst[name].set(value, attrs)
 
     # -- worker records ---------------------------------------------------------------------
