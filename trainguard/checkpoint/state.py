@@ -30,12 +30,62 @@ def _model_of(state: Mapping[str, Any]) -> nn.Module | None:
     return models[0] if models else None
 
 
-def build_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+class _Infos:
+    """torch's per-call option checks for ``get_model_state_dict`` and
+    ``get_optimizer_state_dict`` (``_verify_options``: a walk over every parameter building
+    name maps, most of a small model's snapshot time), kept while the model's and optimizers'
+    parameters are the same objects. The memory tier snapshots every step; torch's public
+    functions do exactly this check and call, so where its private helpers are not there
+    (another torch), the public ones are used."""
 
+    def __init__(self) -> None:
+        self._cache: dict[tuple[Any, ...], tuple[tuple[int, ...], Any]] = {}
+        try:
+            from torch.distributed.checkpoint import state_dict as dsd
+
+            self._dsd: Any = dsd
+            for name in ("_verify_options", "_get_model_state_dict", "_get_optim_state_dict"):
+                getattr(dsd, name)
+        except (ImportError, AttributeError):
+            self._dsd = None
+
+    def _info(self, model: nn.Module, optims: tuple[Any, ...]) -> Any:
+        key = (id(model), *map(id, optims))
+        sig = tuple(id(p) for p in model.parameters()) + tuple(
+            id(p) for o in optims for g in o.param_groups for p in g["params"]
+        )
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == sig:
+            return hit[1]
+        info = self._dsd._verify_options(
+            model, optims, optim_only=bool(optims), submodules=None, options=None
+        )
+        if len(self._cache) > 8:
+            self._cache.clear()
+        self._cache[key] = (sig, info)
+        return info
+
+    def model(self, model: nn.Module) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        if self._dsd is None:
+            return get_model_state_dict(model)
+        with self._dsd._gc_context():
+            return self._dsd._get_model_state_dict(model, self._info(model, ()))
+
+    def optimizer(self, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if self._dsd is None:
+            return get_optimizer_state_dict(model, opt)  # type: ignore[return-value]
+        with self._dsd._gc_context():
+            return self._dsd._get_optim_state_dict(model, (opt,), self._info(model, (opt,)))
+
+
+_INFOS = _Infos()
+
+
+def build_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
     model = (
         _model_of(state)
         if any(isinstance(v, torch.optim.Optimizer) for v in state.values())
@@ -44,11 +94,11 @@ def build_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, v in state.items():
         if isinstance(v, nn.Module):
-            out[key] = get_model_state_dict(v)
+            out[key] = _INFOS.model(v)
         elif isinstance(v, torch.optim.Optimizer):
             if model is None:
                 raise ValueError(f"state[{key!r}] is an optimizer but state holds no nn.Module")
-            out[key] = get_optimizer_state_dict(model, v)
+            out[key] = _INFOS.optimizer(model, v)
         elif hasattr(v, "state_dict") and hasattr(v, "load_state_dict"):
             out[key] = v.state_dict()
         else:
