@@ -1,5 +1,9 @@
 """Worker for bench/fast_restart.py: a plain 2-process gloo DDP toy (no trainguard import).
 
+With ``--tg-checkpoint`` the same toy checkpoints through trainguard instead of ``torch.save``
+(``tg.checkpoint``: the node's memory tier every step, disk every ``--ckpt-every`` steps) and
+resumes from the newest state any tier holds: the path that bounds the steps redone.
+
 ~50 ms steps (compute, then sleep to the step time), rank 0 checkpoints with ``torch.save``
 every ``--ckpt-every`` steps, every rank resumes from the newest checkpoint. Each completed
 step appends ``<steps done> <unix time> <pid> <generation>`` to ``OUT/steps_<rank>.log``
@@ -26,10 +30,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1_000_000)
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--ckpt-every", type=int, default=20)
+    p.add_argument("--tg-checkpoint", action="store_true", help="checkpoint through trainguard")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    tg = None
+    if args.tg_checkpoint:
+        import trainguard
+
+        tg = trainguard.init()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -37,7 +47,12 @@ def main() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ckpt = out / "ckpt.pt"
     step = 0
-    if ckpt.exists():
+    if tg is not None:
+        state = {"model": model, "optim": opt}
+        tg.checkpoint.config.every_steps = args.ckpt_every
+        tg.checkpoint.restore_or_init(state)
+        step = tg.step_num
+    elif ckpt.exists():
         state = torch.load(ckpt)
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
@@ -53,17 +68,22 @@ def main() -> None:
         loss.backward()
         opt.step()
         step += 1
+        if tg is not None:
+            tg.step_num = step
+            tg.checkpoint.maybe_save(step, state)
         rest = args.step_time - (time.monotonic() - t0)
         if rest > 0:
             time.sleep(rest)
         log.write(f"{step} {time.time():.6f} {os.getpid()} {generation}\n")
-        if rank == 0 and step % args.ckpt_every == 0:
+        if tg is None and rank == 0 and step % args.ckpt_every == 0:
             tmp = out / "ckpt.pt.tmp"
             torch.save(
                 {"model": model.module.state_dict(), "optim": opt.state_dict(), "step": step}, tmp
             )
             os.replace(tmp, ckpt)
     dist.barrier()
+    if tg is not None:
+        tg.close()
     dist.destroy_process_group()
 
 
