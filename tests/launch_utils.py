@@ -58,6 +58,11 @@ def base_env(**extra: str) -> dict[str, str]:
         if not k.startswith(("PET_", "TORCHELASTIC_", "TRAINGUARD_"))
     }
     env.pop("OMP_NUM_THREADS", None)
+    # The memory tier snapshots every step in tests, whatever it stalls: its adaptive cadence
+    # (trainguard's default stretches it beyond 1 % of a step) follows wall-clock measurements,
+    # and the tests assert which step a restart or rollback resumes from. The cadence itself
+    # is tested in test_inprocess_units (MemoryCadence and its defaults).
+    env["TRAINGUARD_CHECKPOINT_MEMORY_MAX_STALL_FRACTION"] = "0"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(extra)
     return env

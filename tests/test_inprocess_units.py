@@ -89,3 +89,29 @@ def test_run_outside_the_agent_calls_the_function_once(tmp_path: Path, monkeypat
         assert trainguard.run(lambda tg: tg.generation) == 0
     finally:
         trainguard.init().close()
+
+
+@pytest.mark.parametrize(("in_process", "fraction"), [(False, 0.01), (True, 0.1)])
+def test_memory_cadence_default_fraction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_process: bool, fraction: float
+) -> None:
+    from types import SimpleNamespace
+
+    from trainguard.checkpoint.manager import for_worker
+
+    monkeypatch.delenv("TRAINGUARD_CHECKPOINT_MEMORY_MAX_STALL_FRACTION", raising=False)
+    tg = SimpleNamespace(
+        run_dir=str(tmp_path), rank=0, world_size=1, in_process=in_process,
+        events=SimpleNamespace(emit=lambda *a, **k: None), log=lambda **k: None, step_num=0,
+    )  # fmt: skip
+    mgr = for_worker(tg)
+    try:
+        assert mgr.memory_cadence.max_fraction == fraction
+    finally:
+        mgr.close()
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_MEMORY_MAX_STALL_FRACTION", "0")
+    mgr = for_worker(tg)
+    try:
+        assert mgr.memory_cadence.max_fraction == 0  # configured: every step, whatever it costs
+    finally:
+        mgr.close()

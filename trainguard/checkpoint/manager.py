@@ -73,6 +73,10 @@ MEMORY_DIR_ENV = envvars.CHECKPOINT_MEMORY_DIR
 
 INPROCESS_MAX_STALL_FRACTION = 0.1
 """``memory_max_stall_fraction`` when unset and the training runs in ``trainguard.run``."""
+DEFAULT_MAX_STALL_FRACTION = 0.01
+"""``memory_max_stall_fraction`` when unset otherwise: a process restart costs far more than
+a step anyway, so the memory tier snapshots every step only while that stalls training by at
+most 1 %, and every few steps where it would cost more (tiny steps, a huge state)."""
 
 EventFn = Callable[..., Any]
 MetricFn = Callable[..., Any]
@@ -817,7 +821,11 @@ def for_worker(tg: Any) -> CheckpointManager:
         if observed is not None:
             mgr.set_mtbf(min(observed, mgr.config.mtbf_s))
         mgr.interval.set_memory_fraction(observed_memory_fraction(Path(tg.run_dir)))
-    if mgr.config.memory_max_stall_fraction is None and getattr(tg, "in_process", False):
-        mgr.memory_cadence.max_fraction = INPROCESS_MAX_STALL_FRACTION
+    if mgr.config.memory_max_stall_fraction is None:
+        mgr.memory_cadence.max_fraction = (
+            INPROCESS_MAX_STALL_FRACTION
+            if getattr(tg, "in_process", False)
+            else DEFAULT_MAX_STALL_FRACTION
+        )
     mgr.on_restore(lambda step: setattr(tg, "step_num", step))
     return mgr

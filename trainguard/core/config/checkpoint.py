@@ -48,7 +48,8 @@ class CheckpointConfig:
     """Stretch the memory tier's interval beyond ``memory_every_steps`` while its measured stall
     (median of recent snapshots) exceeds this fraction of the measured step time (0: never).
     None: 0.1 for training in ``trainguard.run`` (in-process restarts: every step, so at most
-    one step is redone, whenever that costs <= 10 %), 0 otherwise."""
+    one step is redone, whenever that costs <= 10 %), 0.01 otherwise (a process restart costs
+    far more than a step: every step while that stalls training by <= 1 %)."""
 
     # -- how -------------------------------------------------------------------------------------
     overlap_staging: bool = True
