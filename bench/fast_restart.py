@@ -171,6 +171,10 @@ def _one_job(
     args = ["--standalone", "--nproc-per-node", "2", "--max-restarts", str(kills + 1)]
     if cmd[-1] == "run":  # trainguard
         args += ["--tg-run-dir", str(run_dir)]
+        # Its job-wide backoff off: the bench kills every few seconds, which trainguard's
+        # policy reads as a job failing without progress (a plain script commits no
+        # checkpoint it could see) and answers with 1, 2, 4 s waits; torchrun has none.
+        env["TRAINGUARD_RECOVERY_BACKOFF_BASE_S"] = "0"
     log = open(d / "launcher.log", "wb")  # noqa: SIM115
     if name == "trainguard_inprocess":
         script = [str(INPROCESS_EXAMPLE), "--steps", "10000000", "--step-sleep", "0.05"]

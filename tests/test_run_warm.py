@@ -59,7 +59,13 @@ def _job(which: str, tmp_path: Path) -> dict:
         args += ["--tg-run-dir", str(run_dir)]
     p = popen(which, [*args, PLAN_WORKER, "--opt", "a b"], cwd=job, env=env)
     try:
-        _wait_for("attempt 0", lambda: (dump / "env_0_1.json").exists(), p)
+        # both ranks wrote attempt 0's dump before the kill (a slow rank 0 killed in the group
+        # teardown first would leave none)
+        _wait_for(
+            "attempt 0",
+            lambda: all((dump / f"env_0_{r}.json").exists() for r in (0, 1)),
+            p,
+        )
         if which == "trainguard":
             _wait_for("warm processes", lambda: len(_events(run_dir, "warm_ready")) >= 2, p)
         victim = json.loads((dump / "env_0_1.json").read_text())["pid"]

@@ -43,8 +43,10 @@ def main() -> None:
         "stdout_line_buffering": sys.stdout.line_buffering,
         "pid": os.getpid(),
     }
-    with open(os.path.join(out, f"env_{restart}_{rank}.json"), "w") as f:
+    path = os.path.join(out, f"env_{restart}_{rank}.json")
+    with open(path + ".tmp", "w") as f:  # renamed in whole: the test reads it once it exists
         json.dump(dump, f)
+    os.replace(path + ".tmp", path)
     print(f"out rank {rank} restart {restart}")
     print(f"err rank {rank} restart {restart}", file=sys.stderr)
     plan = dict(p.split(":") for p in os.environ.get("PLAN", "").split(",") if p)
