@@ -311,3 +311,14 @@ def test_backoff_resets_when_the_job_made_checkpoint_progress(stores: tuple) -> 
         waits.append(p.decide(attempt, [crash(0, 1)], now=100.0 + attempt).backoff_s)
     # progress before restarts 1, 4 and 5: immediate; without: 1 s, then 2 s (base 1, cap 5)
     assert waits == [0.0, 1.0, 2.0, 0.0, 0.0, 1.0]
+
+
+def test_an_attempt_that_ran_long_restarts_at_once(stores: tuple) -> None:
+    led = JobLedger(stores[0], "ranlong")
+    p = RecoveryPolicy(cfg(crash_loop_restarts=0, backoff_reset_s=60.0), led, node="a")
+    waits = [
+        p.decide(attempt, [crash(0, 1)], now=100.0 + attempt, ran_s=ran).backoff_s
+        for attempt, ran in enumerate([5.0, 5.0, 600.0, 5.0, None])
+    ]
+    # no checkpoint ever: short attempts escalate; one that ran 10 min restarts at once
+    assert waits == [0.0, 1.0, 0.0, 4.0, 5.0]

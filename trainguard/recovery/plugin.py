@@ -115,6 +115,7 @@ class RecoveryPlugin(AgentPlugin):
         self.stop: dict[str, Any] | None = None
         self._hang_attempt: int | None = None
         self._drain = False
+        self._started_at: float | None = None
         ctx.events.subscribe(self._on_hang, ["hang_killed"])
         ctx.events.subscribe(self._on_excluded, ["node_excluded"])
 
@@ -234,6 +235,9 @@ class RecoveryPlugin(AgentPlugin):
             logger.warning("restart backoff: waiting %.1f s before the next rendezvous", wait)
             time.sleep(wait)
 
+    def on_workers_started(self, ctx: AgentContext, group: WorkerGroup) -> None:
+        self._started_at = time.monotonic()
+
     def on_monitor(self, ctx: AgentContext, group: WorkerGroup, result: RunResult) -> None:
         now = time.monotonic()
         if now - self._last_poll < POLL_S:
@@ -262,8 +266,14 @@ class RecoveryPlugin(AgentPlugin):
         self._publish_checkpoints(ledger)
         max_nodes = getattr(ctx.launch_config, "max_nodes", 1) or 1
         hang = self._hang_attempt is not None and self._hang_attempt == max(ctx.attempt, 0)
+        ran = None if self._started_at is None else time.monotonic() - self._started_at
         d = self._policy.decide(
-            ctx.attempt, failures, now=self.clock(), evictable=int(max_nodes) > 1, hang=hang
+            ctx.attempt,
+            failures,
+            now=self.clock(),
+            evictable=int(max_nodes) > 1,
+            hang=hang,
+            ran_s=ran,
         )
         cause = "hang" if hang else "failure"
         self._emit_decision(ctx, d, agent_restarts=ctx.agent_restarts, cause=cause)

@@ -139,11 +139,13 @@ class RecoveryPolicy:
         now: float | None = None,
         evictable: bool = True,
         hang: bool = False,
+        ran_s: float | None = None,
     ) -> Decision:
         """The action for this node after its workers failed in ``attempt``. ``evictable``:
         the job could go on without this node (False for a single-node job); ``hang``: the
         agent killed its hung workers (every node's detector may do that for one hang: it is
-        not counted against the node)."""
+        not counted against the node); ``ran_s``: how long the failed attempt's workers ran
+        (``backoff_reset_s``)."""
         now = time.time() if now is None else now
         if _requeue(failures):
             return Decision(
@@ -163,7 +165,7 @@ class RecoveryPolicy:
                 Action.STOP, stop["reason"], attempt, self.ledger.restarts(), decided_by=stop["by"]
             )
         own = own_failure(failures) and not hang
-        job = self._job_decision(attempt, failures)
+        job = self._job_decision(attempt, failures, ran_s)
         if job.action is Action.RESTART and own and self._count_own(now) and evictable:
             n, window = self.cfg.node_failure_limit, self.cfg.node_failure_window_s
             return Decision(
@@ -184,15 +186,17 @@ class RecoveryPolicy:
             self._own_failures.popleft()
         return limit > 0 and len(self._own_failures) >= limit
 
-    def _job_decision(self, attempt: int, failures: list[WorkerFailure]) -> Decision:
+    def _job_decision(
+        self, attempt: int, failures: list[WorkerFailure], ran_s: float | None = None
+    ) -> Decision:
         """The job-wide decision for the failed ``attempt``: taken here or read."""
         if self.ledger.claim(attempt):
-            return self._publish(attempt, self._decide_job(attempt, failures))
+            return self._publish(attempt, self._decide_job(attempt, failures, ran_s=ran_s))
         got = self.ledger.decision(attempt, timeout_s=self.cfg.decision_timeout_s)
         if got is not None:
             return Decision.from_dict(got)
         # The deciding agent is gone (its node died): decide here, without counting again.
-        return self._publish(attempt, self._decide_job(attempt, failures, count=False))
+        return self._publish(attempt, self._decide_job(attempt, failures, count=False, ran_s=ran_s))
 
     def _publish(self, attempt: int, decision: Decision) -> Decision:
         final = Decision.from_dict(self.ledger.publish_decision(attempt, decision.to_dict()))
@@ -201,7 +205,12 @@ class RecoveryPolicy:
         return final
 
     def _decide_job(
-        self, attempt: int, failures: list[WorkerFailure], *, count: bool = True
+        self,
+        attempt: int,
+        failures: list[WorkerFailure],
+        *,
+        count: bool = True,
+        ran_s: float | None = None,
     ) -> Decision:
         cfg, ledger = self.cfg, self.ledger
         made = ledger.restarts()
@@ -230,7 +239,11 @@ class RecoveryPolicy:
         # The backoff grows with the restarts made since the job last made checkpoint progress
         # (not with every restart of the job's life): a job that trains between failures
         # restarts at once every time; one that keeps failing waits 1 s, 2 s, 4 s ...
-        wait = backoff_s(idle + 1, base_s=cfg.backoff_base_s, cap_s=cfg.backoff_cap_s)
+        # ... and so does an attempt that ran backoff_reset_s before it failed.
+        ran_long = cfg.backoff_reset_s > 0 and (ran_s or 0.0) >= cfg.backoff_reset_s
+        wait = backoff_s(
+            1 if ran_long else idle + 1, base_s=cfg.backoff_base_s, cap_s=cfg.backoff_cap_s
+        )
         limit = f" of {budget}" if budget is not None else ""
         return Decision(
             Action.RESTART,

@@ -6,6 +6,7 @@ Example::
     job_restart_budget = 10      # job-wide restarts (all nodes together); unset: no limit
     backoff_base_s = 1.0         # 2nd restart waits 1 s, 3rd 2 s, 4th 4 s ... (1st: none)
     backoff_cap_s = 60.0
+    backoff_reset_s = 300.0      # a failed attempt that ran 5 min restarts at once
     crash_loop_restarts = 3      # stop after 3 restarts without checkpoint progress
     node_failure_limit = 3       # evict a node that failed 3 times ...
     node_failure_window_s = 3600 # ... within an hour
@@ -41,6 +42,11 @@ class RecoveryConfig:
     immediate)."""
     backoff_cap_s: float = 60.0
     """Upper bound of the wait between restarts."""
+    backoff_reset_s: float = 300.0
+    """The backoff grows with the restarts made since the job's last checkpoint progress; a
+    failed attempt whose workers ran at least this long restarts at once too (a job whose
+    checkpoints trainguard does not see, e.g. a plain script, is not a crash loop when it
+    fails every few hours). 0: only checkpoint progress resets it."""
     crash_loop_restarts: int = 3
     """Stop (exit 93) after this many job-wide restarts in a row that brought no checkpoint
     progress (the newest committed checkpoint step did not advance). Armed once the job has
@@ -67,8 +73,8 @@ class RecoveryConfig:
     def __post_init__(self) -> None:
         if self.job_restart_budget is not None and self.job_restart_budget < 0:
             raise ValueError("job_restart_budget must be >= 0 (or unset for no limit)")
-        if self.backoff_base_s < 0 or self.backoff_cap_s < 0:
-            raise ValueError("backoff_base_s and backoff_cap_s must be >= 0")
+        if self.backoff_base_s < 0 or self.backoff_cap_s < 0 or self.backoff_reset_s < 0:
+            raise ValueError("backoff_base_s, backoff_cap_s and backoff_reset_s must be >= 0")
         if self.crash_loop_restarts < 0 or self.node_failure_limit < 0:
             raise ValueError("crash_loop_restarts and node_failure_limit must be >= 0")
         if self.node_failure_window_s <= 0 or self.decision_timeout_s <= 0:
