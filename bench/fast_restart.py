@@ -169,7 +169,7 @@ def _one_job(
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
     env["PYTHONPATH"] = str(REPO)
     args = ["--standalone", "--nproc-per-node", "2", "--max-restarts", str(kills + 1)]
-    if cmd[-1] == "run":  # trainguard
+    if cmd[: len(TRAINGUARD)] == TRAINGUARD:  # trainguard (--no-tg-warm included)
         args += ["--tg-run-dir", str(run_dir)]
         # Its job-wide backoff off: the bench kills every few seconds, which trainguard's
         # policy reads as a job failing without progress (a plain script commits no
