@@ -23,6 +23,7 @@ and etcd's, and the etcd requests per agent by kind (``RDZV_SCALE_DETAIL=1``: al
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -120,21 +121,32 @@ def child(
         backends.append(be)
         handlers.append(h)
 
+    spare_ctls: list[object | None] = [None] * len(handlers)
+    if os.environ.get("RDZV_SCALE_SPARES"):  # what `trainguard run` adds: beacon + reaper
+        from trainguard.core.config.spares import SparesConfig
+        from trainguard.runtime import spares
+
+        spare_ctls = [spares.attach(h, SparesConfig(), lambda *a, **k: None) for h in handlers]
+
     go = threading.Event()
     ends: list[float] = []
     errors: list[str] = []
     ranks: list[int] = []
 
-    def agent(h: object) -> None:
+    def agent(h: object, ctl: object | None) -> None:
         go.wait()
         try:
-            info = h.next_rendezvous()  # type: ignore[attr-defined]
+            with ctl.watching() if ctl is not None else contextlib.nullcontext():  # type: ignore[attr-defined]
+                info = h.next_rendezvous()  # type: ignore[attr-defined]
             ranks.append(info.rank)
             ends.append(time.time())
         except Exception as e:  # reported to the parent
             errors.append(f"{type(e).__name__}: {e}"[:300])
 
-    threads = [threading.Thread(target=agent, args=(h,), daemon=True) for h in handlers]
+    threads = [
+        threading.Thread(target=agent, args=(h, c), daemon=True)
+        for h, c in zip(handlers, spare_ctls, strict=True)
+    ]
     for t in threads:
         t.start()
     print("ready", flush=True)

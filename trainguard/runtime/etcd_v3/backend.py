@@ -94,6 +94,25 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             return None
         return _unpack(found[0]), found[1]
 
+    def get_state_since(self, token: Token | None) -> tuple[bytes, Token] | None:
+        """As :meth:`get_state`, but a state still at revision ``token`` is not sent again:
+        ``(b"", token)`` then (a compare and a read in one transaction). For a reader that
+        polls the state (the hot-spares reaper), so that an unchanged state costs a few bytes."""
+        if not token:
+            return self.get_state()
+        key = _b64(self._key)
+        out = self._client.txn(
+            [{"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": str(int(token))}],
+            [],
+            [{"request_range": {"key": key}}],
+        )
+        if out.get("succeeded"):
+            return b"", token
+        for r in out.get("responses") or []:
+            for kv in (r.get("response_range") or {}).get("kvs") or []:
+                return _unpack(_unb64(kv.get("value"))), int(kv.get("mod_revision", 0))
+        return None
+
     def set_state(
         self,
         state: bytes,
