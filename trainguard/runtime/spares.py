@@ -140,6 +140,8 @@ class LivenessBeacon:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.beats = 0
+        self.last_ok: float | None = None
+        """Monotonic time this node's last beat landed in the store."""
 
     def start(self) -> None:
         if self._thread is None:
@@ -151,6 +153,7 @@ class LivenessBeacon:
         self.beats += 1
         try:
             self._store.set(self.key, str(self.beats))
+            self.last_ok = time.monotonic()
         except Exception as e:  # the store host may be gone; the rendezvous says so itself
             logger.debug("liveness beacon not written: %s", e)
 
@@ -199,6 +202,8 @@ class Reaper:
         self._etcd_bits = b""
         self._etcd_token: Any = None
         self._watch_cache: tuple[Any, dict[str, _NodeDesc]] | None = None
+        self.beacon: LivenessBeacon | None = None
+        """This node's own beacon (when set): while its beats do not land, no node is judged."""
         self.spare_since: float | None = None
         """Monotonic time this node entered the redundancy list (None: not a spare now)."""
         self.removed: list[str] = []
@@ -245,8 +250,13 @@ class Reaper:
         by_key = self._watched(state)
         values = self._beacons(sorted(by_key))
         now = self._clock()
-        if self._last_read is None or now - self._last_read > self._cfg.dead_after_s / 2:
-            # we could not look for a while (store unreachable, this agent starved): silence
+        if (
+            self._last_read is None
+            or now - self._last_read > self._cfg.dead_after_s / 2
+            or self._own_beats_lag()
+        ):
+            # we could not look for a while (store unreachable, this agent starved), or our
+            # own beats do not land (the store is overloaded: theirs are late too): silence
             # seen across that gap proves nothing, so every node starts a fresh window
             self._seen.clear()
         self._last_read = now
@@ -274,6 +284,12 @@ class Reaper:
                 return watched
             self._watch_cache = (token, watched)
         return self._watch_cache[1]
+
+    def _own_beats_lag(self) -> bool:
+        b = self.beacon
+        if b is None or b.last_ok is None:
+            return False
+        return time.monotonic() - b.last_ok > self._cfg.dead_after_s / 2
 
     def forget(self) -> None:
         """Start every node's silence window afresh (after a pass that could not read)."""
@@ -398,6 +414,7 @@ class SpareController:
             handler._store, prefix + repr(handler._this_node), cfg.beacon_interval_s
         )
         self.reaper = Reaper(handler, cfg, emit, beacon_prefix=prefix)
+        self.reaper.beacon = self.beacon
         self.beacon.start()
 
     def has_spares(self) -> bool:
