@@ -14,7 +14,8 @@ in one run, on the same machine:
 The time of a round is from "go" (every agent built and waiting) to the last agent's return.
 A round that does not finish in ``--timeout`` (300 s) counts as null. Medians of ``--runs``.
 Ends with one JSON line: ``trainguard_etcd_rdzv_s_<N>`` and ``torch_c10d_rdzv_s_<N>`` for
-N in 100, 300, 1000.
+N in 100, 300, 1000. Each etcd round also says when its agents were done (p50, p90), their CPU
+and etcd's, and the etcd requests per agent by kind (``RDZV_SCALE_DETAIL=1``: also by key).
 
     python bench/rendezvous_scale.py [--sizes 100,300,1000] [--runs 3] [--runs-large 1] [--procs 4]
 """
@@ -22,6 +23,7 @@ N in 100, 300, 1000.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -40,6 +42,45 @@ sys.path.insert(0, str(REPO))
 
 
 # -- child: a process with many simulated agents ------------------------------------------------
+_REQUESTS: dict[str, int] = {}
+
+
+def _key_kind(payload: dict) -> str:
+    """What an etcd request is about: the part of its (first) key after the run id."""
+    import base64
+
+    ops = payload.get("success") or [payload]
+    op = ops[0] if ops else {}
+    if "key" not in op:
+        op = next(iter(op.values()), {}) if op else {}
+    key = base64.b64decode(op.get("key", "") if isinstance(op, dict) else "").decode("latin-1")
+    parts = key.split("/")  # /trainguard/rdzv/<run id>/<kind>[/...]
+    return (parts[4] if len(parts) > 4 else "") + ("+" if len(ops) > 1 else "")
+
+
+def _count_requests(client_cls: type) -> None:
+    """Count the etcd requests of this process's agents by kind (``kv/txn``, ``watch``...)."""
+    lock = threading.Lock()
+    call, watch = client_cls.call, client_cls.watch
+
+    def bump(kind: str) -> None:
+        with lock:
+            _REQUESTS[kind] = _REQUESTS.get(kind, 0) + 1
+
+    def counted_call(self, path, payload, **kw):  # type: ignore[no-untyped-def]
+        if os.environ.get("RDZV_SCALE_DETAIL"):  # by key too: kv/txn[state], kv/range[store]...
+            bump(f"{path}[{_key_kind(payload)}]")
+        else:
+            bump(path)
+        return call(self, path, payload, **kw)
+
+    def counted_watch(self, key, **kw):  # type: ignore[no-untyped-def]
+        bump("watch")
+        return watch(self, key, **kw)
+
+    client_cls.call, client_cls.watch = counted_call, counted_watch
+
+
 def child(
     backend: str, endpoint: str, run_id: str, n_total: int, n_here: int, timeout: int
 ) -> None:
@@ -56,7 +97,9 @@ def child(
 
         conf["is_host"] = False
     else:
-        from trainguard.runtime.etcd_v3 import create_rdzv_handler
+        from trainguard.runtime.etcd_v3 import EtcdV3Client, create_rdzv_handler
+
+        _count_requests(EtcdV3Client)
 
     handlers = []
     backends = []
@@ -78,21 +121,32 @@ def child(
         backends.append(be)
         handlers.append(h)
 
+    spare_ctls: list[object | None] = [None] * len(handlers)
+    if os.environ.get("RDZV_SCALE_SPARES"):  # what `trainguard run` adds: beacon + reaper
+        from trainguard.core.config.spares import SparesConfig
+        from trainguard.runtime import spares
+
+        spare_ctls = [spares.attach(h, SparesConfig(), lambda *a, **k: None) for h in handlers]
+
     go = threading.Event()
     ends: list[float] = []
     errors: list[str] = []
     ranks: list[int] = []
 
-    def agent(h: object) -> None:
+    def agent(h: object, ctl: object | None) -> None:
         go.wait()
         try:
-            info = h.next_rendezvous()  # type: ignore[attr-defined]
+            with ctl.watching() if ctl is not None else contextlib.nullcontext():  # type: ignore[attr-defined]
+                info = h.next_rendezvous()  # type: ignore[attr-defined]
             ranks.append(info.rank)
             ends.append(time.time())
         except Exception as e:  # reported to the parent
             errors.append(f"{type(e).__name__}: {e}"[:300])
 
-    threads = [threading.Thread(target=agent, args=(h,), daemon=True) for h in handlers]
+    threads = [
+        threading.Thread(target=agent, args=(h, c), daemon=True)
+        for h, c in zip(handlers, spare_ctls, strict=True)
+    ]
     for t in threads:
         t.start()
     print("ready", flush=True)
@@ -109,6 +163,8 @@ def child(
     out["writes"] = sum(getattr(b, "writes", 0) for b in backends)
     out["wins"] = sum(getattr(b, "wins", 0) for b in backends)
     out["batched"] = sum(getattr(getattr(h, "_state_holder", None), "batched", 0) for h in handlers)
+    out["requests"] = dict(_REQUESTS)
+    out["ends"] = ends
     print(json.dumps(out), flush=True)
     os._exit(0)  # skip torch's interpreter teardown of a thousand handlers
 
@@ -204,10 +260,21 @@ def one_round(
         wins = sum(r["wins"] for r in results)
         batched = sum(r.get("batched", 0) for r in results)
         cpu = sum(r.get("cpu_s", 0.0) for r in results)
+        requests: dict[str, int] = {}
+        for r in results:
+            for k, v in r.get("requests", {}).items():
+                requests[k] = requests.get(k, 0) + v
         stats = f"ok ({wins} of {writes} state writes won" if writes else "ok ("
         if writes:
             stats += f", {batched} agents admitted by another's write, "
-        stats += f"agents' CPU {cpu:.1f} s)"
+        ends = sorted(e - t_go for r in results for e in r.get("ends", []))
+        p50, p90 = ends[len(ends) // 2], ends[len(ends) * 9 // 10]
+        stats += f"agents done at p50 {p50:.1f} s, p90 {p90:.1f} s, "
+        stats += f"agents' CPU {cpu:.1f} s"
+        if requests:
+            per = ", ".join(f"{k} {v / n:.1f}" for k, v in sorted(requests.items()))
+            stats += f"; etcd requests per agent: {sum(requests.values()) / n:.1f} ({per})"
+        stats += ")"
         return max(r["t_end"] for r in results) - t_go, stats
     finally:
         if progress:

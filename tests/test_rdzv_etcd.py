@@ -459,6 +459,44 @@ def test_forty_agents_one_round_admitted_in_batches(etcd: Etcd) -> None:
             h._stop_heartbeats()  # type: ignore[attr-defined]
 
 
+def test_agents_starting_together_share_one_lease_and_no_join_request_is_stranded(
+    etcd: Etcd,
+) -> None:
+    """16 agents of one run starting at once share one lease and leave no other behind; the
+    admission lock is not given up while a join request that came after its holder's last read
+    is pending (that node would wait for its watch to time out), and is once none is."""
+    before = len(etcd_v3.create_backend(_params(etcd, "probe"))[0]._client.call(
+        "lease/leases", {}).get("leases") or [])  # fmt: skip
+    backends = [etcd_v3.create_backend(_params(etcd, "one-lease"))[0] for _ in range(16)]
+    leases: list[int | None] = []
+    threads = [
+        threading.Thread(target=lambda b=b: leases.append(b._client.lease_id())) for b in backends
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(leases) == 16 and len(set(leases)) == 1
+    after = backends[0]._client.call("lease/leases", {}).get("leases") or []
+    assert len(after) - before <= 1  # the run's lease only
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+
+    writer, late = backends[0], backends[1]
+    lock, locked = writer.put_join(0, _NodeDesc("a", 1, 0), time.time(), lock_owner="a")
+    assert locked
+    writer.join_requests()
+    seen = writer.joins_read_rev
+    _, late_locked = late.put_join(0, _NodeDesc("b", 2, 0), time.time(), lock_owner="b")
+    assert not late_locked  # the lock is held: "b" waits for the writer to admit it
+    assert writer.unlock_admission_if_idle(lock, 0, seen) is False  # kept: "b" is pending
+    late.put_join(1, _NodeDesc("c", 3, 0), time.time())  # another round's request: no matter
+    assert {j["addr"] for _, j in writer.join_requests()} == {"a", "b", "c"}
+    assert writer.unlock_admission_if_idle(lock + 1000, 0, writer.joins_read_rev) is None
+    assert writer.unlock_admission_if_idle(lock, 0, writer.joins_read_rev) is True
+    assert late.try_lock_admission("b", 10) is not None  # released
+
+
 def test_cli_bad_etcd_options_one_line(tmp_path: Path) -> None:
     from tests.launch_utils import launch
 

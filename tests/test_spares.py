@@ -110,6 +110,31 @@ def test_reaper_judges_silence_on_its_own_clock() -> None:
     assert foreign in st["participants"]  # never judged: it has no beacon
 
 
+def test_each_node_is_watched_by_a_few_waiting_agents_not_by_all() -> None:
+    """The reapers share the beacons: while a round of 60 fills, every node is watched by
+    exactly REAP_NEIGHBOURS others (each agent reads a few beacons, not 59); once it is complete,
+    by the spares only (2 spares: both watch every participant and each other)."""
+    k = spares.REAP_NEIGHBOURS
+    nodes = [_NodeDesc(f"host{i // 8}", 100 + i, 0) for i in range(60)]
+    state = _RendezvousState()
+    state.participants = {n: 0 for n in nodes[:58]}
+    state.redundancy_list = set(nodes[58:])
+
+    def watchers(observers: list[_NodeDesc]) -> dict[str, int]:
+        count: dict[str, int] = {}
+        for o in observers:
+            mine = spares._watched_by(repr(o), state)
+            assert repr(o) not in mine and (state.complete or len(mine) <= 2 * k)
+            for key in mine:
+                count[key] = count.get(key, 0) + 1
+        return count
+
+    assert watchers(nodes) == {repr(n): k for n in nodes}
+    state.complete = True
+    seen = watchers(nodes[58:])
+    assert seen == {repr(n): 2 for n in nodes[:58]} | {repr(n): 1 for n in nodes[58:]}
+
+
 def test_two_spares_one_dead_node_one_takes_the_slot_no_wait_list() -> None:
     port = free_port()
     events: list[tuple[int, str, dict[str, Any]]] = []

@@ -12,11 +12,11 @@ full world size. What torch lacks, and this module adds:
   when its keep-alive is ``keep_alive_interval x keep_alive_max_attempt`` old (15 s with its
   defaults), and its keep-alive runs on wall-clock times written into the shared state. Here
   every agent advances a counter in the rendezvous store every ``beacon_interval_s``
-  (:class:`LivenessBeacon`); an agent waiting in a rendezvous reads the counters of the
-  round's nodes and removes a node whose counter stood still for ``dead_after_s`` from the
-  shared state (:class:`Reaper`), through the backend's compare-and-swap, exactly as torch's
-  own dead-node check would. The observer judges on its own clock (no clock skew), and an agent
-  that exits writes a tombstone, so a node that leaves (evicted, drained, stopped) is removed at
+  (:class:`LivenessBeacon`); the agents waiting in a rendezvous read the counters of the
+  round's nodes (each node by ``REAP_NEIGHBOURS`` of them) and remove a node whose counter
+  stood still for ``dead_after_s`` from the shared state (:class:`Reaper`), through the
+  backend's compare-and-swap, exactly as torch's own dead-node check would. The observer
+  judges on its own clock (no clock skew), and an agent that exits writes a tombstone, so a node that leaves (evicted, drained, stopped) is removed at
   once. A node without a beacon (a plain torchrun agent) is left to torch's keep-alive.
 - **No race between spares.** With k > 1 spares and one dead node, the survivors and every
   spare move to the wait list and race for the free slots; torch completes the round at N and
@@ -32,6 +32,8 @@ Every decision is an event: ``node_dead`` (which node, how long silent, who remo
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import logging
 import pickle
 import threading
@@ -81,6 +83,53 @@ def _text(v: Any) -> str:
     return v.decode(errors="replace") if isinstance(v, bytes | bytearray) else str(v)
 
 
+REAP_NEIGHBOURS = 3
+"""How many of the agents waiting in a rendezvous watch each node's beacon: the ones after
+that node on a ring of the waiting agents ordered by a hash of each (nodes that fail together,
+one host's or one rack's, rarely watch each other). The waiting agents are every node of the
+round while it fills, and the spares (wait and redundancy lists) once it is complete and its
+participants train; with up to ``REAP_NEIGHBOURS + 1`` of them, each watches every node (as
+a participant still in the rendezvous of a complete round watches its share of all nodes). A pass
+then costs a few reads, not one per node of the round (every agent reading every beacon four
+times a second is N x N reads: 4 million a second for 1000 nodes)."""
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _ring(key: str) -> tuple[bytes, str]:
+    return hashlib.blake2b(key.encode(), digest_size=8).digest(), key
+
+
+def _watched_by(me: str, state: _RendezvousState) -> dict[str, _NodeDesc]:
+    """The nodes of ``state`` whose beacons the agent ``me`` (waiting in the rendezvous)
+    watches: see ``REAP_NEIGHBOURS``."""
+    listed = {repr(n): n for n in (*state.participants, *state.wait_list, *state.redundancy_list)}
+    targets = {k: n for k, n in listed.items() if k != me}
+    if state.complete and me not in {repr(n) for n in state.participants}:
+        observers = {repr(n) for n in (*state.wait_list, *state.redundancy_list)}
+    else:  # a participant still here (leaving the rendezvous) shares with every node
+        observers = set(listed)
+    observers.add(me)  # this agent waits in the rendezvous, listed yet or not
+    if len(observers) <= REAP_NEIGHBOURS + 1:
+        return targets
+    # a node's watchers are the REAP_NEIGHBOURS observers after it on the ring (itself
+    # skipped): this agent's share is the observers just before it, and the other nodes
+    # between the REAP_NEIGHBOURS-th observer before it and itself
+    ring = sorted(_ring(o) for o in observers)
+    m = ring.index(_ring(me))
+    before = {ring[(m - j) % len(ring)][1] for j in range(1, REAP_NEIGHBOURS + 1)}
+    lo, hi = ring[(m - REAP_NEIGHBOURS) % len(ring)], ring[m]
+    mine: dict[str, _NodeDesc] = {}
+    for key, node in targets.items():
+        if key in observers:
+            if key in before:
+                mine[key] = node
+            continue
+        at = _ring(key)
+        if (lo < at < hi) if lo < hi else (at > lo or at < hi):
+            mine[key] = node
+    return mine
+
+
 class LivenessBeacon:
     """Advances ``key`` in ``store`` every ``interval_s`` from a daemon thread."""
 
@@ -91,6 +140,8 @@ class LivenessBeacon:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.beats = 0
+        self.last_ok: float | None = None
+        """Monotonic time this node's last beat landed in the store."""
 
     def start(self) -> None:
         if self._thread is None:
@@ -102,6 +153,7 @@ class LivenessBeacon:
         self.beats += 1
         try:
             self._store.set(self.key, str(self.beats))
+            self.last_ok = time.monotonic()
         except Exception as e:  # the store host may be gone; the rendezvous says so itself
             logger.debug("liveness beacon not written: %s", e)
 
@@ -147,20 +199,33 @@ class Reaper:
         self._seen: dict[str, tuple[str, float]] = {}
         """node key -> (last beacon value, when it last changed on our clock)"""
         self._last_read: float | None = None
+        self._etcd_bits = b""
+        self._etcd_token: Any = None
+        self._watch_cache: tuple[Any, dict[str, _NodeDesc]] | None = None
+        self.beacon: LivenessBeacon | None = None
+        """This node's own beacon (when set): while its beats do not land, no node is judged."""
         self.spare_since: float | None = None
         """Monotonic time this node entered the redundancy list (None: not a spare now)."""
         self.removed: list[str] = []
 
     # -- reading -------------------------------------------------------------------------------
     def _state(self) -> tuple[_RendezvousState, Any] | None:
+        if self._etcd_v3():  # compact JSON there (trainguard.runtime.etcd_v3.codec)
+            from trainguard.runtime.etcd_v3.codec import decode_state
+
+            # an unchanged state is neither sent again nor decoded again
+            got = self._backend.get_state_since(self._etcd_token)
+            if got is None:
+                return None
+            if got[0]:
+                self._etcd_bits, self._etcd_token = got
+            return decode_state(
+                self._etcd_bits, key=self._backend.key, revision=int(self._etcd_token)
+            ), self._etcd_token
         got = self._backend.get_state()
         if got is None:
             return None
         bits, token = got
-        if self._etcd_v3():  # compact JSON there (trainguard.runtime.etcd_v3.codec)
-            from trainguard.runtime.etcd_v3.codec import decode_state
-
-            return decode_state(bits), token
         return pickle.loads(bits), token  # torch's own state format, from the job's store
 
     def _etcd_v3(self) -> bool:
@@ -182,13 +247,16 @@ class Reaper:
         """The nodes of ``state`` (but this one) whose beacon stood still for ``dead_after_s``
         (``liveness_silent``) or says they exited (``left``), with how long they have been
         silent as seen from here."""
-        nodes = {n for n in (*state.participants, *state.wait_list, *state.redundancy_list)}
-        nodes.discard(self._me)
-        by_key = {repr(n): n for n in nodes}
+        by_key = self._watched(state)
         values = self._beacons(sorted(by_key))
         now = self._clock()
-        if self._last_read is None or now - self._last_read > self._cfg.dead_after_s / 2:
-            # we could not look for a while (store unreachable, this agent starved): silence
+        if (
+            self._last_read is None
+            or now - self._last_read > self._cfg.dead_after_s / 2
+            or self._own_beats_lag()
+        ):
+            # we could not look for a while (store unreachable, this agent starved), or our
+            # own beats do not land (the store is overloaded: theirs are late too): silence
             # seen across that gap proves nothing, so every node starts a fresh window
             self._seen.clear()
         self._last_read = now
@@ -206,6 +274,22 @@ class Reaper:
             if key not in by_key:
                 del self._seen[key]
         return dead
+
+    def _watched(self, state: _RendezvousState) -> dict[str, _NodeDesc]:
+        """:func:`_watched_by` this node, computed once per state read from etcd."""
+        token = self._etcd_token if self._etcd_v3() else None
+        if token is None or self._watch_cache is None or self._watch_cache[0] != token:
+            watched = _watched_by(repr(self._me), state)
+            if token is None:
+                return watched
+            self._watch_cache = (token, watched)
+        return self._watch_cache[1]
+
+    def _own_beats_lag(self) -> bool:
+        b = self.beacon
+        if b is None or b.last_ok is None:
+            return False
+        return time.monotonic() - b.last_ok > self._cfg.dead_after_s / 2
 
     def forget(self) -> None:
         """Start every node's silence window afresh (after a pass that could not read)."""
@@ -330,6 +414,7 @@ class SpareController:
             handler._store, prefix + repr(handler._this_node), cfg.beacon_interval_s
         )
         self.reaper = Reaper(handler, cfg, emit, beacon_prefix=prefix)
+        self.reaper.beacon = self.beacon
         self.beacon.start()
 
     def has_spares(self) -> bool:

@@ -71,6 +71,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._client = client
         self._key = f"{key_prefix.rstrip('/')}/{run_id}/state"
         self._losses = 0
+        self.joins_read_rev = 0
+        """etcd's revision at the last :meth:`join_requests`."""
         self._backoff_base = backoff_base
         self._backoff_cap = backoff_cap
         self.writes = 0
@@ -91,6 +93,25 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         if found is None:
             return None
         return _unpack(found[0]), found[1]
+
+    def get_state_since(self, token: Token | None) -> tuple[bytes, Token] | None:
+        """As :meth:`get_state`, but a state still at revision ``token`` is not sent again:
+        ``(b"", token)`` then (a compare and a read in one transaction). For a reader that
+        polls the state (the hot-spares reaper), so that an unchanged state costs a few bytes."""
+        if not token:
+            return self.get_state()
+        key = _b64(self._key)
+        out = self._client.txn(
+            [{"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": str(int(token))}],
+            [],
+            [{"request_range": {"key": key}}],
+        )
+        if out.get("succeeded"):
+            return b"", token
+        for r in out.get("responses") or []:
+            for kv in (r.get("response_range") or {}).get("kvs") or []:
+                return _unpack(_unb64(kv.get("value"))), int(kv.get("mod_revision", 0))
+        return None
 
     def set_state(
         self,
@@ -188,6 +209,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                 "limit": str(JOIN_BATCH),
             },
         )
+        self.joins_read_rev = int(out.get("header", {}).get("revision", 0))
         found: list[tuple[int, dict[str, Any]]] = []
         for kv in out.get("kvs") or []:
             try:
@@ -246,6 +268,48 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             [{"request_delete_range": {"key": key}}],
             [],
         )
+
+    def unlock_admission_if_idle(self, revision: int, round_: int, seen: int) -> bool | None:
+        """Give up the admission lock (taken at ``revision``) unless a join request for
+        ``round_`` came (or was renewed) after revision ``seen``, the one its holder last read
+        them at: True when released, False when such a request is pending (the holder admits
+        it: a node whose request came while the lock was held waits for the holder and would
+        otherwise wait until its watch times out), None when the lock is no longer ours."""
+        key = _b64(self._lock_key)
+        jp = f"{self._join_prefix}{round_}/"
+        out = self._client.txn(
+            [
+                {"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": str(revision)},
+                {
+                    "key": _b64(jp),
+                    "range_end": _b64(_range_end(jp.encode())),
+                    "result": "LESS",
+                    "target": "MOD",
+                    "mod_revision": str(seen + 1),
+                },
+            ],
+            [{"request_delete_range": {"key": key}}],
+            [{"request_range": {"key": key}}],
+        )
+        if out.get("succeeded"):
+            return True
+        for r in out.get("responses") or []:
+            for kv in (r.get("response_range") or {}).get("kvs") or []:
+                if int(kv.get("mod_revision", 0)) == revision:
+                    return False
+        return None
+
+    def extend_admission(self, revision: int, owner: str, ttl: float) -> int | None:
+        """Hold the admission lock (taken at ``revision``) for ``ttl`` more seconds; its new
+        revision, or None when it is no longer ours."""
+        key = _b64(self._lock_key)
+        value = json.dumps({"owner": owner, "until": time.time() + ttl})
+        out = self._client.txn(
+            [{"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": str(revision)}],
+            [self._client.put_request(self._lock_key, value)],
+            [],
+        )
+        return int(out["header"]["revision"]) if out.get("succeeded") else None
 
     def heartbeats(self, since: int = 0) -> tuple[dict[str, float], int]:
         """The heartbeat keys written after revision ``since`` (all when 0), and the store's

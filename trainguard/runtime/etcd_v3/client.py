@@ -3,6 +3,7 @@ and the run's lease."""
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import logging
@@ -403,37 +404,41 @@ class EtcdV3Client:
             )
             self._keeper.start()
 
+    def _run_lease_id(self) -> int:
+        """The lease id this run grants: derived from the run's lease key, so that agents that
+        start together all grant the same lease (etcd answers "already exists" to all but one)
+        instead of one lease each, of which all but one are revoked again."""
+        assert self._lease_key is not None
+        digest = hashlib.sha256(self._lease_key.encode()).digest()
+        return (int.from_bytes(digest[:8], "big") & (2**62 - 1)) | 1
+
     def _acquire_lease(self) -> int:
+        """The lease the run's lease key names; when there is none yet, the run's own lease,
+        granted and named there (an older agent's lease, when one named its lease first).
+        The key lives exactly as long as its lease: a key found names a live lease (a write
+        on one that expired meanwhile fails and comes here again)."""
         assert self._lease_key is not None
         key = _b64(self._lease_key)
+        mine = self._run_lease_id()
         while True:
             found = self.get(self._lease_key)
             if found is not None:
-                lease = int(found[0])
-                ttl = self.call("kv/lease/timetolive", {"ID": str(lease)})
-                if int(ttl.get("TTL", -1)) > 0:
-                    return lease
-                # The lease is gone but its key is not yet: expired this instant; retry.
-                time.sleep(0.1)
-                continue
-            grant = self.call("lease/grant", {"TTL": str(self._lease_ttl), "ID": "0"})
-            mine = int(grant["ID"])
+                return int(found[0])
+            try:
+                self.call("lease/grant", {"TTL": str(self._lease_ttl), "ID": str(mine)})
+            except RendezvousConnectionError as e:
+                if "already exists" not in str(e):
+                    raise
             out = self.txn(
                 [{"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}],
-                [
-                    {
-                        "request_put": {
-                            "key": key,
-                            "value": _b64(str(mine)),
-                            "lease": str(mine),
-                        }
-                    }
-                ],
-                [],
+                [{"request_put": {"key": key, "value": _b64(str(mine)), "lease": str(mine)}}],
+                [{"request_range": {"key": key}}],
             )
             if out.get("succeeded"):
                 return mine
-            self.call("kv/lease/revoke", {"ID": str(mine)})
+            for r in out.get("responses") or []:
+                for kv in (r.get("response_range") or {}).get("kvs") or []:
+                    return int(_unb64(kv.get("value")))
 
     def _keep_lease(self) -> None:
         interval = max(self._lease_ttl / 3.0, 0.5)

@@ -353,12 +353,29 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
     def _admit_batches(self) -> None:
         """Holding the admission lock: keep admitting the join requests that come in, one
         write per batch, until none came for a second (or the round is complete), so that
-        the waiting nodes never need to contend for the lock themselves."""
+        the waiting nodes never need to contend for the lock themselves. The lock is given
+        up only when no request came after the last read of them (in the same transaction):
+        a node whose request met the lock held is admitted by its holder, never left waiting
+        for its watch to time out."""
         start = last = time.monotonic()
         while not self._state.complete and not self._state.closed:
             now = time.monotonic()
             if now - last > 1.0 or now - start > ADMISSION_LOCK_TTL - 2.0:
-                return
+                released = self._etcd.unlock_admission_if_idle(
+                    self._lock_rev, self._state.round, self._etcd.joins_read_rev
+                )
+                if released is not False:
+                    self._lock_rev = 0
+                    return
+                if now - start > ADMISSION_LOCK_TTL - 2.0:
+                    rev = self._etcd.extend_admission(
+                        self._lock_rev, self._node_key, ADMISSION_LOCK_TTL
+                    )
+                    if rev is None:
+                        self._lock_rev = 0
+                        return
+                    self._lock_rev, start = rev, now
+                last = now
             time.sleep(0.2)
             self._read_joins()
             if not any(
@@ -383,6 +400,8 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
                 if self._joining() and self._ask_to_join():
                     return False
                 ok = self._write_state()
+                if not ok and self._lock_rev:
+                    self._join_waits = 1  # lost a race holding the lock: take it again at once
                 if ok and self._lock_rev:
                     self._admit_batches()  # the admission writer admits who comes next too
             finally:

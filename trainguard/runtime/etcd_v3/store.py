@@ -45,14 +45,36 @@ class EtcdV3Store(dist.Store):
         self._client.put(self._k(key), self._v(value))
 
     def get(self, key: str) -> bytes:
-        found = self._client.get(self._k(key))  # usually there: one read
-        if found is not None:
-            return found[0]
-        self.wait([key])
-        found = self._client.get(self._k(key))
-        if found is None:  # deleted between wait and get
-            raise dist.DistStoreError(f"key {key!r} was deleted while being read")
-        return found[0]
+        """The key's value; a missing key is waited for with a watch on it from the read's
+        revision, whose event carries the value (no second read)."""
+        k = self._k(key)
+        limit = self.timeout.total_seconds()
+        deadline = time.monotonic() + limit
+        while True:
+            out = self._client.range(k)  # usually there: one read
+            kvs = out.get("kvs") or []
+            if kvs:
+                return _unb64(kvs[0].get("value"))
+            now = time.monotonic()
+            if now >= deadline:
+                raise dist.DistStoreError(
+                    f"timed out after {limit:.1f} s waiting for keys {[key]} in etcd "
+                    f"({self._prefix})"
+                )
+            put: list[bytes] = []
+
+            def written(ev: dict[str, Any], put: list[bytes] = put) -> bool:
+                if ev.get("type", "PUT") != "PUT":
+                    return False
+                put.append(_unb64((ev.get("kv") or {}).get("value")))
+                return True
+
+            revision = int(out.get("header", {}).get("revision", 0))
+            self._client.watch(
+                k, start_revision=revision + 1, timeout=min(deadline - now, 5.0), wanted=written
+            )
+            if put:
+                return put[0]
 
     def _cas_loop(self, key: str, update: Callable[[bytes | None], bytes]) -> bytes:
         k = self._k(key)
