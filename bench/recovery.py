@@ -97,6 +97,7 @@ class Rdzv:
     def __init__(self, backend: str, endpoint: str, run_id: str) -> None:
         from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+        self._etcd = backend != "c10d"
         if backend == "c10d":
             from torch.distributed import TCPStore
             from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
@@ -118,7 +119,12 @@ class Rdzv:
         got = self._backend.get_state()
         if got is None:
             return {"participants": set(), "spares": set(), "waiting": set()}
-        state = pickle.loads(got[0])
+        if self._etcd:  # trainguard's JSON state (etcd_v3.codec)
+            from trainguard.runtime.etcd_v3.codec import decode_state
+
+            state = decode_state(got[0])
+        else:  # torch's own (pickled) state in its c10d store
+            state = pickle.loads(got[0])
         return {
             "participants": {n.pid for n in state.participants} if state.complete else set(),
             "spares": {n.pid for n in state.redundancy_list},
