@@ -304,3 +304,27 @@ def test_worker_under_agent_with_an_unreadable_config_fails_in_one_line(tmp_path
     from trainguard.core.config import load_config
 
     load_config(env={"TRAINGUARD_AGENT_MEMORY_DIR": "/dev/shm/x", **env})
+
+
+def test_a_zeroed_progress_record_is_no_record_and_a_new_writer_never_zeroes(
+    tmp_path: Path,
+) -> None:
+    path = progress_path(tmp_path, 1)
+    path.write_bytes(b"\0" * 64)  # created, not written yet (e.g. read between two syscalls)
+    r = ProgressReader(tmp_path)
+    assert r.read(1) is None and r.read_all() == {}  # not "frozen since 1970"
+    w = ProgressWriter(path, heartbeat_interval_s=60)
+    w.step_end(41, 0.1)
+    w.close()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        before = os.read(fd, 64)
+        w2 = ProgressWriter(path, heartbeat_interval_s=60)  # a restarted worker, same rank
+        try:
+            # the file was never truncated: its size and the old record stayed until replaced
+            assert path.stat().st_size == 64 and before[:8] != b"\0" * 8
+            assert r.read(1) is not None and r.read(1).pid == os.getpid()
+        finally:
+            w2.close()
+    finally:
+        os.close(fd)

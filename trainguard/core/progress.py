@@ -56,7 +56,9 @@ class ProgressWriter:
     def __init__(self, path: str | os.PathLike[str], *, heartbeat_interval_s: float = 1.0) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        # no O_TRUNC: an agent reading the file meanwhile sees the old record or the new one,
+        # never a zeroed one (pid 0, heartbeat 0: "frozen since 1970")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             os.ftruncate(fd, _SIZE)
             self._mm = mmap.mmap(fd, _SIZE)
@@ -123,14 +125,23 @@ class ProgressReader:
 
     def read(self, rank: int) -> ProgressSnapshot | None:
         path = progress_path(self.dir, rank)
+        data = b""
         try:
             with path.open("rb") as f:
-                data = f.read(_SIZE)
+                for _ in range(3):  # a record read while the worker wrote it: read it again
+                    f.seek(0)
+                    first = f.read(_SIZE)
+                    f.seek(0)
+                    data = f.read(_SIZE)
+                    if data == first:
+                        break
         except OSError:
             return None
         if len(data) < struct.calcsize(_FMT):
             return None
         step, start, last, beat, pid, num, end, _seq = struct.unpack_from(_FMT, data)
+        if pid == 0:  # created, not written yet: no record (not a frozen rank)
+            return None
         return ProgressSnapshot(rank, step, start, last, beat, pid, num, end)
 
     def read_all(self) -> dict[int, ProgressSnapshot]:
