@@ -18,7 +18,7 @@ from trainguard.core.contract import (
 )
 from trainguard.telemetry.goodput import compute_goodput
 from trainguard.telemetry.mfu import PeakResolver, peak_flops, transformer_flops_per_token
-from trainguard.telemetry.recorder import MetricsRecorder
+from trainguard.telemetry.recorder import HUNG_MIN_HOLD_S, MetricsRecorder
 
 T0 = 1_700_000_000.0
 PEAK = 1e12
@@ -192,6 +192,8 @@ def test_job_hung_gauge_holds_from_the_verdict_to_the_next_completed_step() -> N
     rec.event({"time": T0 + 11, "kind": "workers_started", "attempt": 1})
     assert hung() == 1
     rec.record({"time": T0 + 14, "kind": "step", "rank": 0, "step": 3, "step_time_s": 0.1})
+    assert hung() == 1  # recovered, but held HUNG_MIN_HOLD_S for scrapers to see it
+    rec.record({"time": T0 + 10 + HUNG_MIN_HOLD_S + 1, "kind": "step", "rank": 0, "step": 4})
     assert hung() == 0
     restarts = {
         p.attributes["cause"]: p.value for p in collect(reader)["trainguard.job.restarts"][1]

@@ -66,6 +66,12 @@ def _incident_kind(ev: Mapping[str, Any]) -> str | None:
     return None
 
 
+HUNG_MIN_HOLD_S = 30.0
+"""``trainguard.job.hung`` stays 1 at least this long after a hang verdict, even when a step
+completes sooner: a warm restart can recover in under a second, between two scrapes, and a
+Prometheus scraping every 15 s must still see the hang (the alert then resolves)."""
+
+
 class MetricsRecorder:
     """One per process that serves metrics (the node agent, or a test)."""
 
@@ -148,7 +154,11 @@ class MetricsRecorder:
         if step is not None:
             self._set("trainguard.train.step", step, attrs)
         t = _num(rec.get("time"))
-        if self._hung_since is not None and t is not None and t > self._hung_since:
+        if (
+            self._hung_since is not None
+            and t is not None
+            and t > self._hung_since + HUNG_MIN_HOLD_S
+        ):
             self._hung_since = None  # a step completed after the hang: the job recovered
             self._set("trainguard.job.hung", 0, {"node": self.node})
         if dt is None or dt <= 0:
