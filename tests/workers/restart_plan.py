@@ -55,6 +55,14 @@ def main() -> None:
         time.sleep(600)
     if rank != int(os.environ.get("PLAN_RANK", "1")):
         return
+    # every rank of this restart has written its dump before the planned failure tears the
+    # group down (a slow rank killed in the teardown would leave none)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(
+        os.path.exists(os.path.join(out, f"env_{restart}_{r}.json")) for r in range(world)
+    ):
+        time.sleep(0.02)
     if action == "raise":
         raise RuntimeError(f"planned failure at restart {restart}")
     if action.startswith("exit") and action[4:].isdigit():

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MSG_STRAGGLER_SCORES", "EventLog", "Listener", "read_events"]
+__all__ = ["MSG_STRAGGLER_SCORES", "EventLog", "Listener", "launch_time", "read_events"]
 
 logger = logging.getLogger(__name__)
 EVENTS_FILE = "events.jsonl"
@@ -123,3 +123,15 @@ def read_events(run_dir: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
             except json.JSONDecodeError:
                 logger.warning("skipping a malformed line in %s", path)
+
+
+def launch_time(events: Iterable[dict[str, Any]]) -> float | None:
+    """When the job started: the earliest ``launch`` event, or its launcher process's start
+    (``process_start``: the interpreter and imports are wall time of the job too); None
+    without a launch event."""
+    starts = [
+        min(float(e["time"]), float(e.get("process_start") or e["time"]))
+        for e in events
+        if e.get("kind") == "launch"
+    ]
+    return min(starts, default=None)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard.core.events import EVENTS_FILE, read_events
+from trainguard.core.events import EVENTS_FILE, launch_time, read_events
 from trainguard.plan.model import JobSpec, Tier, fit_rate
 
 __all__ = ["RunCosts", "read_run", "run_spec"]
@@ -83,7 +83,7 @@ def read_run(run_dir: str | Path) -> RunCosts:
         raise ValueError(f"{run_dir / 'metrics'}: no step records: the run never trained a step")
     ref = min(int(r.get("rank", 0)) for r in steps_all)
     mine = sorted((r for r in recs if int(r.get("rank", 0)) == ref), key=lambda r: float(r["time"]))
-    t0 = min((float(e["time"]) for e in events if e.get("kind") == "launch"), default=None)
+    t0 = launch_time(events)  # the same start as trainguard's goodput (launcher start-up in)
     finished = [float(e["time"]) for e in events if e.get("kind") == "job_finished"]
     first_start: dict[int, float] = {}
     last_end: dict[int, float] = {}

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.core.contract import LOSS_CAUSES
+from trainguard.core.events import launch_time
 
 __all__ = ["Goodput", "GoodputTracker", "compute_goodput"]
 
@@ -122,13 +123,9 @@ class GoodputTracker:
         if self.first_step_start is None and not evs:
             return g
         # the launcher's own start-up (interpreter, imports) is wall time of the job too
-        launches = [
-            min(float(e["time"]), float(e.get("process_start") or e["time"]))
-            for e in evs
-            if e.get("kind") == "launch"
-        ]
-        if launches:
-            t0 = min(launches)
+        launched = launch_time(evs)
+        if launched is not None:
+            t0 = launched
         elif self.first_step_start is not None:
             t0 = self.first_step_start
         else:
