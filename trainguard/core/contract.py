@@ -359,7 +359,8 @@ METRICS: tuple[MetricSpec, ...] = (
         unit="{state}",
         kind="gauge",
         description="1 from the agent's hang verdict on this node until the workers complete a "
-        "step again (or the job ends), else 0: the alert rules' 'job hung' signal.",
+        "step again (or the job ends), and for at least 30 s, else 0: the alert rules' 'job "
+        "hung' signal.",
         attributes=("node",),
     ),
     MetricSpec(

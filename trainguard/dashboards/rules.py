@@ -162,7 +162,8 @@ def _job_rules(p: RuleParams) -> list[AlertRule]:
             component="job",
             summary=f"Training {where} is hung",
             description="The node agent found a rank that stopped making progress (frozen or "
-            "stuck in a collective) and is recovering; it resolves when a step completes again.",
+            "stuck in a collective) and is recovering; it resolves when a step completes again, at "
+            "least 30 s after the verdict (held through two 15 s scrapes).",
             runbook="Open the hang_detected and hang_stacks events (trainguard events RUN_DIR): "
             "they name the rank and hold its stack. If it does not resolve within a few "
             "minutes, the restart failed: check the node and restart the job.",
