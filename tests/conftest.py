@@ -10,6 +10,7 @@ pytest-xdist each worker is its own subreaper and cleans up its own descendants.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,30 @@ _BEFORE_CALL: dict[str, set[int]] = {}
 
 def pytest_configure(config: pytest.Config) -> None:
     become_subreaper()
+
+
+@pytest.fixture(autouse=True)
+def _close_etcd_clients(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """etcd v3 clients a test made in this process are closed after it: their lease keep-alive
+    threads would otherwise outlive the test (and its etcd), retrying for the rest of the run."""
+    mod = sys.modules.get("trainguard.runtime.etcd_v3.client")
+    if mod is None:
+        yield
+        return
+    made = []
+    init = mod.EtcdV3Client.__init__
+
+    def tracked(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(mod.EtcdV3Client, "__init__", tracked)
+    yield
+    for client in made:
+        try:
+            client.close()
+        except Exception:  # a half-built client has nothing to close
+            pass
 
 
 @pytest.hookimpl(hookwrapper=True)
