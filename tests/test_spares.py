@@ -135,6 +135,28 @@ def test_each_node_is_watched_by_a_few_waiting_agents_not_by_all() -> None:
     assert seen == {repr(n): 2 for n in nodes[:58]} | {repr(n): 1 for n in nodes[58:]}
 
 
+def test_beacons_of_a_large_job_beat_slower_all_timings_by_one_factor() -> None:
+    cfg = SparesConfig()
+    assert cfg.for_nodes(2) is cfg and cfg.for_nodes(500) is cfg  # 500 x 2 beats/s = the cap
+    big = cfg.for_nodes(2000)  # 4 x as many: every timing 4 x longer, 1000 writes/s in all
+    assert (big.beacon_interval_s, big.dead_after_s, big.poll_s) == (2.0, 10.0, 1.0)
+    assert 2000 / big.beacon_interval_s == cfg.beacon_writes_per_s
+    with pytest.raises(ValueError, match="beacon_writes_per_s"):
+        SparesConfig(beacon_writes_per_s=0)
+    # what a real agent's controller uses: its rendezvous's --nnodes maximum decides
+    params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{free_port()}",
+                                  run_id="big", min_nodes=1, max_nodes=1500)  # fmt: skip
+    h = AttemptRendezvousHandler(rdzv_registry.get_rendezvous_handler(params), node="n0")
+    ctl = spares.attach(h, SparesConfig(), lambda *a, **k: None)
+    assert ctl is not None
+    try:
+        assert ctl.cfg.beacon_interval_s == 1.5 and ctl.reaper._cfg.dead_after_s == 7.5
+        assert ctl.beacon._interval == 1.5
+    finally:
+        ctl.close()
+        h.shutdown()
+
+
 def test_two_spares_one_dead_node_one_takes_the_slot_no_wait_list() -> None:
     port = free_port()
     events: list[tuple[int, str, dict[str, Any]]] = []

@@ -405,6 +405,7 @@ class SpareController:
     """One agent's beacon and, while it waits in a rendezvous, its reaper thread."""
 
     def __init__(self, handler: DynamicRendezvousHandler, cfg: SparesConfig, emit: Emit) -> None:
+        cfg = cfg.for_nodes(handler._settings.max_nodes)  # beacons of a large job beat slower
         self.cfg = cfg
         self._emit = emit
         self._handler = handler

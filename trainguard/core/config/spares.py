@@ -9,7 +9,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(kw_only=True, slots=True)
@@ -25,6 +25,11 @@ class SparesConfig:
     (torch's keep-alive expiry stays as the fallback for nodes without a beacon)."""
     poll_s: float = 0.25
     """How often an agent that waits in a rendezvous reads the state and the beacons."""
+    beacon_writes_per_s: float = 1000.0
+    """The most beacon writes a second all the job's agents make together. A job of more than
+    ``beacon_writes_per_s x beacon_interval_s`` nodes (500 at the defaults) beats less often,
+    and ``dead_after_s`` and ``poll_s`` stretch by the same factor (see :meth:`for_nodes`):
+    1000 agents beating every 0.5 s saturated a 2-core etcd and the rendezvous round with it."""
     warm_workers: str = "auto"
     """``on``: keep ``nproc_per_node`` worker processes per agent started ahead, with
     ``warm_preload`` imported, and start the next attempt's workers from them (a restart then
@@ -55,10 +60,26 @@ class SparesConfig:
         if mode not in ("off", "on", "auto"):
             raise ValueError(f"warm_workers {self.warm_workers!r}: use off, on or auto")
         self.warm_workers = mode
-        if self.beacon_interval_s <= 0 or self.poll_s <= 0:
-            raise ValueError("beacon_interval_s and poll_s must be > 0")
+        if self.beacon_interval_s <= 0 or self.poll_s <= 0 or self.beacon_writes_per_s <= 0:
+            raise ValueError("beacon_interval_s, poll_s and beacon_writes_per_s must be > 0")
         if self.dead_after_s < 3 * self.beacon_interval_s:
             raise ValueError(
                 f"dead_after_s ({self.dead_after_s}) must be at least 3 x beacon_interval_s "
                 f"({self.beacon_interval_s}): a live node would be declared dead"
             )
+
+    def for_nodes(self, nodes: int) -> SparesConfig:
+        """These settings for a job of ``nodes`` agents: beacon interval, dead-node time and
+        reaper poll stretched by one factor so that the agents together write at most
+        ``beacon_writes_per_s`` beacons a second (unchanged for a smaller job). Every agent
+        derives the same values from the job's ``--nnodes`` maximum."""
+        interval = max(self.beacon_interval_s, nodes / self.beacon_writes_per_s)
+        if interval <= self.beacon_interval_s:
+            return self
+        f = interval / self.beacon_interval_s
+        return replace(
+            self,
+            beacon_interval_s=interval,
+            dead_after_s=self.dead_after_s * f,
+            poll_s=self.poll_s * f,
+        )
