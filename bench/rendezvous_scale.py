@@ -126,7 +126,11 @@ def child(
         from trainguard.core.config.spares import SparesConfig
         from trainguard.runtime import spares
 
-        spare_ctls = [spares.attach(h, SparesConfig(), lambda *a, **k: None) for h in handlers]
+        def emit(kind: str, **fields: object) -> None:  # removals are what to look at
+            if kind == "node_dead":
+                print(f"  node_dead {fields}"[:300], file=sys.stderr, flush=True)
+
+        spare_ctls = [spares.attach(h, SparesConfig(), emit) for h in handlers]
 
     go = threading.Event()
     ends: list[float] = []
@@ -219,7 +223,7 @@ def one_round(
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=None if progress else subprocess.DEVNULL,  # node_dead lines with --progress
             env=env,
             text=True,
             start_new_session=True,
