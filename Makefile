@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	rm -rf $(DEMO)
 	$(VENV)/bin/trainguard run --standalone --nproc-per-node 2 --max-restarts 3 --tg-run-dir $(DEMO) \
-	    examples/train_mlp.py --steps 100 --fail-at-step 40 --fail-rank 1
+	    examples/train_mlp.py --steps 200 --step-sleep 0.05 --fail-at-step 120 --fail-rank 1
 	@$(VENV)/bin/trainguard report -q $(DEMO) >/dev/null
 	@echo
 	@echo "Run directory: $(DEMO)  (events.jsonl, metrics/, checkpoints/, config.json)"
