@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +125,7 @@ def read_events(run_dir: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
                 logger.warning("skipping a malformed line in %s", path)
 
 
-def launch_time(events: Iterable[dict[str, Any]]) -> float | None:
+def launch_time(events: Iterable[Mapping[str, Any]]) -> float | None:
     """When the job started: the earliest ``launch`` event, or its launcher process's start
     (``process_start``: the interpreter and imports are wall time of the job too); None
     without a launch event."""
