@@ -1,7 +1,9 @@
 """In-process restart (``trainguard.run(fn)``), for real: a 2-rank gloo job under ``trainguard
 run`` whose rank 1 is kill -9'd by PID at step 40. Rank 0 must keep its process, only rank 1 is
 replaced, the job finishes, the final weights equal a fault-free run's bit for bit, and at
-most one step is redone (the memory tier snapshots every step)."""
+most one step is redone (the memory tier snapshots every step), or two where the kill landed
+while the newest snapshot was still being published (the optimizer state's copy overlaps the
+next step's forward and backward; seen under CI load)."""
 
 from __future__ import annotations
 
@@ -131,13 +133,15 @@ def test_kill_9_restarts_in_process_bitwise_identical(tmp_path: Path) -> None:
     (rejoin,) = [e for e in ev if e["kind"] == "inprocess_rejoin"]
     assert rejoin["rank"] == 0 and rejoin["generation"] == 1
 
-    # both ranks resumed from the memory tier, at most one step behind the job
+    # both ranks resumed from the memory tier, at most one step behind the job, or two when the
+    # victim died before its overlapped snapshot of the step it was in had been published
     done = 1 + max(x["step"] for x in lines if x["gen"] == 0)  # steps completed before
     restored = [e for e in ev if e["kind"] == "checkpoint_restored" and e.get("step")]
     assert sorted(e["rank"] for e in restored) == [0, 1], restored
     assert {e["source"] for e in restored} == {"memory"}, restored
     (resumed,) = {e["step"] for e in restored}
-    assert 0 <= done - resumed <= 1, (done, resumed)
+    assert 0 <= done - resumed <= 2, (done, resumed)
+    assert resumed >= KILL_AT - 1, resumed  # the victim's snapshot of step KILL_AT - 1 at least
     assert all(x["step"] < STEPS for x in lines) and max(x["step"] for x in lines) == STEPS - 1
     # the recovery summary agrees
     summary = re.findall(r"resumed from memory at step (\d+) \((\d+) steps? redone\)", out + err)
