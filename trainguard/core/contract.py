@@ -82,6 +82,11 @@ def prometheus_name(spec: MetricSpec) -> str:
     return base
 
 
+HUNG_MIN_HOLD_S = 30.0
+"""``trainguard.job.hung`` stays 1 at least this long after a hang verdict, even when a step
+completes sooner: a warm restart can recover in under a second, between two scrapes, and a
+Prometheus scraping every 15 s must still see the hang (the alert then resolves)."""
+
 _R = ("rank", "node")
 _RL = "reinforcement learning: "
 
@@ -359,8 +364,8 @@ METRICS: tuple[MetricSpec, ...] = (
         unit="{state}",
         kind="gauge",
         description="1 from the agent's hang verdict on this node until the workers complete a "
-        "step again (or the job ends), and for at least 30 s, else 0: the alert rules' 'job "
-        "hung' signal.",
+        f"step again (or the job ends), and for at least {HUNG_MIN_HOLD_S:.0f} s, else 0: the "
+        "alert rules' 'job hung' signal.",
         attributes=("node",),
     ),
     MetricSpec(
@@ -459,7 +464,13 @@ ROLLBACK_REASONS = ("nan", "inf", "spike", "other")
 """Values of the ``reason`` attribute of ``trainguard.job.rollbacks`` (exported from 0;
 ``other``: the rank that saw the anomaly is not the one that counts it)."""
 
-__all__ += ["INCIDENT_KINDS", "LOSS_CAUSES", "RESTART_CAUSES", "ROLLBACK_REASONS"]
+__all__ += [
+    "HUNG_MIN_HOLD_S",
+    "INCIDENT_KINDS",
+    "LOSS_CAUSES",
+    "RESTART_CAUSES",
+    "ROLLBACK_REASONS",
+]
 
 
 def by_name(name: str) -> MetricSpec:

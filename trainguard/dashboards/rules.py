@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trainguard.core.contract import HUNG_MIN_HOLD_S
 from trainguard.dashboards.promql import dcgm, tg
 
 __all__ = ["AlertRule", "RuleParams", "alert_rules", "render_annotation", "rules_document"]
@@ -163,7 +164,7 @@ def _job_rules(p: RuleParams) -> list[AlertRule]:
             summary=f"Training {where} is hung",
             description="The node agent found a rank that stopped making progress (frozen or "
             "stuck in a collective) and is recovering; it resolves when a step completes again, at "
-            "least 30 s after the verdict (held through two 15 s scrapes).",
+            f"least {HUNG_MIN_HOLD_S:.0f} s after the verdict (held through two 15 s scrapes).",
             runbook="Open the hang_detected and hang_stacks events (trainguard events RUN_DIR): "
             "they name the rank and hold its stack. If it does not resolve within a few "
             "minutes, the restart failed: check the node and restart the job.",

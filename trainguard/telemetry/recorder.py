@@ -14,6 +14,7 @@ from typing import Any
 from opentelemetry.metrics import MeterProvider
 
 from trainguard.core.contract import (
+    HUNG_MIN_HOLD_S,
     INCIDENT_KINDS,
     LOSS_CAUSES,
     METRICS,
@@ -64,12 +65,6 @@ def _incident_kind(ev: Mapping[str, Any]) -> str | None:
     if kind == "preflight" and ev.get("status") not in (None, "ok"):
         return "preflight_failed"
     return None
-
-
-HUNG_MIN_HOLD_S = 30.0
-"""``trainguard.job.hung`` stays 1 at least this long after a hang verdict, even when a step
-completes sooner: a warm restart can recover in under a second, between two scrapes, and a
-Prometheus scraping every 15 s must still see the hang (the alert then resolves)."""
 
 
 class MetricsRecorder:
