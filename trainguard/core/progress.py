@@ -125,7 +125,6 @@ class ProgressReader:
 
     def read(self, rank: int) -> ProgressSnapshot | None:
         path = progress_path(self.dir, rank)
-        data = b""
         try:
             with path.open("rb") as f:
                 for _ in range(3):  # a record read while the worker wrote it: read it again
