@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 DEMO   := trainguard-runs/demo
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-soak lint bench clean
 
 # The venv sees system site-packages so a torch the user already has is kept; where no torch
 # is importable, the CPU build torch==2.13.0 is installed (a bare `torch` pulls CUDA, GBs).
@@ -26,13 +26,24 @@ demo: $(VENV)/.installed
 	@echo "               Prometheus endpoint is in $(DEMO)/prometheus_<node>.json"
 	@echo "Events:        $(VENV)/bin/trainguard events $(DEMO)"
 
-# The Debian packages and the OTLP receiver the tests run for real are installed up front (the
-# fixtures would install them too, but inside a test's time limit). The layering contracts
-# (pyproject.toml [tool.importlinter], README "Layout") are checked before the tests.
+# Everything the tests run outside Python: these Debian packages and the rotel OTLP receiver,
+# installed up front (tests/services/preflight.py names any that is missing, in one line, before
+# the first test). Then lint, format and type checks, then the suite in parallel: one pytest-xdist
+# worker per group of tests that share a service (pytest.mark.xdist_group), the rest spread over
+# TEST_WORKERS. `make test TESTS=tests/test_spares.py` runs one file; `make test-soak` the soak tests.
+TEST_DEBS    := prometheus prometheus-alertmanager chromium slurm-wlm munge iproute2 etcd-server etcd-client
+TEST_WORKERS ?= 4
+TESTS        ?=
+
 test: $(VENV)/.installed
-	$(PY) -c "from tests.services.telemetry_services import apt_ensure, rotel_binary; apt_ensure('prometheus', 'prometheus-alertmanager', 'chromium', 'slurm-wlm', 'munge', 'iproute2', 'etcd-server'); rotel_binary()"
-	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q
+	$(PY) -c "from tests.services.telemetry_services import apt_ensure, rotel_binary; apt_ensure(*'$(TEST_DEBS)'.split()); rotel_binary()"
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(TESTS)
+
+test-soak: $(VENV)/.installed
+	$(PY) -m pytest -q -m soak $(TESTS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

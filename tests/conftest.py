@@ -22,8 +22,42 @@ _LEFT: list[str] = []
 _BEFORE_CALL: dict[str, set[int]] = {}
 
 
+# Tests that start (or share) one kind of service carry its marker; each marker is also an
+# xdist group, so under `pytest -n N --dist loadgroup` a group runs in one worker (its
+# module-scoped services start once) while the rest spread over the others. `pytest -m slurm`
+# runs one group.
+SERVICE_GROUPS = {
+    "etcd": "real etcd",
+    "slurm": "a real Slurm cluster (munged, slurmctld, slurmd per node)",
+    "prometheus": "real Prometheus, Alertmanager or the rotel OTLP receiver",
+    "ft": "torchft's lighthouse",
+    "chromium": "headless Chromium",
+}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     become_subreaper()
+    for name, what in SERVICE_GROUPS.items():
+        config.addinivalue_line("markers", f"{name}: tests that start {what} (one xdist group)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        groups = [m.name for m in item.iter_markers() if m.name in SERVICE_GROUPS]
+        if groups and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(groups[0]))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Checked once, by the controller (an xdist worker has ``workerinput``), before any test.
+    if hasattr(session.config, "workerinput") or os.environ.get("TG_SKIP_PREFLIGHT"):
+        return
+    from tests.services import preflight
+
+    absent = preflight.missing()
+    if absent:
+        pytest.exit(preflight.message(absent), returncode=4)
 
 
 @pytest.fixture(autouse=True)

@@ -21,6 +21,8 @@ from trainguard.dashboards import export
 from trainguard.dashboards.alertmanager import AlertmanagerParams, alertmanager_document
 from trainguard.dashboards.yamlgen import dump
 
+pytestmark = pytest.mark.prometheus
+
 HANG_TIMEOUT_S = 5
 logger = logging.getLogger(__name__)
 

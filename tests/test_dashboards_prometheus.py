@@ -24,6 +24,8 @@ from trainguard.dashboards import export, rule_tests
 from trainguard.dashboards.alertmanager import AlertmanagerParams, alertmanager_document
 from trainguard.dashboards.yamlgen import dump
 
+pytestmark = pytest.mark.prometheus
+
 DASH = REPO / "dashboards"
 RULES = DASH / export.RULES_FILE
 

@@ -46,7 +46,20 @@ def board(name: str) -> dict[str, Any]:
 
 
 def test_committed_dashboards_dir_equals_fresh_generation() -> None:
-    assert export.render() == export.render()  # deterministic
+    # Deterministic across processes: another interpreter with other hash seeds (set and dict
+    # order of str keys) renders byte for byte what this one does.
+    here = export.render()
+    code = (
+        "import json; from trainguard.dashboards import export; print(json.dumps(export.render()))"
+    )
+    for seed in ("1", "2"):
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**base_env(), "PYTHONHASHSEED": seed},
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert json.loads(r.stdout) == here, f"render() differs under PYTHONHASHSEED={seed}"
     stale = export.diff(REPO / "dashboards")
     assert stale == [], f"run: trainguard dashboards export dashboards ({stale})"
 

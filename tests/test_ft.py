@@ -20,6 +20,8 @@ from tests.launch_utils import LAUNCHERS, REPO, base_env, free_port
 from trainguard.core.config.ft import FTConfig
 from trainguard.ft.lighthouse import FTUnavailable, ensure_lighthouse, reachable
 
+pytestmark = pytest.mark.ft
+
 
 def _events(run_dir: Path, kind: str) -> list[dict]:
     path = run_dir / "events.jsonl"

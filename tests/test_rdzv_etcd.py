@@ -28,6 +28,8 @@ from tests.procs import descendants
 from tests.services.etcd_service import Etcd, make_certs
 from trainguard.runtime import etcd_v3
 
+pytestmark = pytest.mark.etcd
+
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 
 
@@ -152,9 +154,15 @@ def test_run_keys_expire_with_the_last_agent(etcd: Etcd) -> None:
 
 def test_lease_is_kept_alive_while_an_agent_lives(etcd: Etcd) -> None:
     backend, _ = etcd_v3.create_backend(_params(etcd, "alive", lease_ttl="2"))
-    backend.set_state(b"x")
+    written = backend.set_state(b"x")
+    assert written is not None and written[2], written
     time.sleep(5)  # well past the TTL: the keep-alive thread refreshed it
-    assert backend.get_state() is not None
+    probe = etcd_v3.create_backend(_params(etcd, "alive"))[0]  # another agent of the run
+    assert probe.key == backend.key
+    seen = probe.get_state()
+    assert seen is not None, "the state expired although its agent lives"
+    # the value written, at the revision written: kept by the lease, never rewritten
+    assert seen == (b"x", written[1])
 
 
 def test_bad_options_are_one_line_errors(etcd: Etcd, monkeypatch: pytest.MonkeyPatch) -> None:

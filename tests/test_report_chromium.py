@@ -16,6 +16,8 @@ import pytest
 from tests.launch_utils import REPO, base_env, popen
 from tests.services.telemetry_services import chromium_dump_dom, wait_until
 
+pytestmark = pytest.mark.chromium
+
 GRPO = str(REPO / "examples" / "grpo_toy.py")
 
 

@@ -251,10 +251,18 @@ def test_max_restarts_counts(tmp_path: Path) -> None:
 
 
 def test_unknown_flag_is_argparse_error(tmp_path: Path) -> None:
+    # The same argparse error as torchrun's: exit 2, usage, then one error line naming the
+    # flag; only the program name differs.
+    last = {}
     for which in BOTH:
         r = launch(which, ["--no-such-flag", "--standalone", DUMP], cwd=tmp_path)
         assert r.returncode == 2, which
-        assert "unrecognized arguments" in r.stderr or "error:" in r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert lines[0].startswith("usage: "), (which, r.stderr)
+        last[which] = lines[-1].split(": error: ", 1)
+        assert len(last[which]) == 2, (which, lines[-1])
+    assert last["torchrun"][1] == last["trainguard"][1] == "unrecognized arguments: --no-such-flag"
+    assert last["trainguard"][0] == "trainguard run"
 
 
 def test_script_args_that_look_like_flags_pass_through(tmp_path: Path) -> None:

@@ -16,13 +16,23 @@ import torch
 from tests.launch_utils import REPO, base_env, launch
 
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
-NUM_RUNS = int(os.environ.get("TRAINGUARD_TEST_RESTART_RUNS", "20"))
+SOAK_RUNS = int(os.environ.get("TRAINGUARD_TEST_RESTART_RUNS", "20"))
 
 
+def test_kill9_restart_three_times(tmp_path: Path) -> None:
+    """Both ranks killed, at three different steps."""
+    _kill9_restarts(tmp_path, 3)
+
+
+@pytest.mark.soak
 @pytest.mark.timeout(1200)
 def test_kill9_restart_twenty_times(tmp_path: Path) -> None:
+    _kill9_restarts(tmp_path, SOAK_RUNS)
+
+
+def _kill9_restarts(tmp_path: Path, runs: int) -> None:
     finals = []
-    for i in range(NUM_RUNS):
+    for i in range(runs):
         d = tmp_path / f"run{i}"
         d.mkdir()
         args = [

@@ -5,7 +5,7 @@ fake SlurmCli (every fake here has a real-cluster counterpart in test_slurm_clus
 from __future__ import annotations
 
 import json
-import os
+import re
 import stat
 import subprocess
 from collections.abc import Sequence
@@ -451,11 +451,23 @@ def test_cli_bad_input_one_line(
     assert out == ""
 
 
-def test_repo_layout() -> None:
-    # the fixture's scripts travel with the project
-    for f in ("slurm-up.sh", "slurm-down.sh", "slurm-node.sh", "lib.sh"):
-        assert (REPO / "tests" / "services" / "slurm" / f).is_file()
-    assert os.access(REPO / "tests" / "services" / "slurm" / "slurm-up.sh", os.R_OK)
+def test_slurm_fixture_scripts_travel_with_the_project_and_parse() -> None:
+    # Every script the Slurm fixture runs, and every file those scripts source, is in the
+    # project (not in a directory beside it) and is valid bash.
+    from tests.services import slurm_cluster
+
+    src = Path(slurm_cluster.__file__).read_text()
+    run = set(re.findall(r'SCRIPTS / "([\w.-]+\.sh)"', src))
+    assert {"slurm-up.sh", "slurm-down.sh", "slurm-node.sh"} <= run, run
+    scripts = {slurm_cluster.SCRIPTS / name for name in run}
+    for script in list(scripts):
+        for sourced in re.findall(r'\. "\$HERE/([\w.-]+)"', script.read_text()):
+            scripts.add(slurm_cluster.SCRIPTS / sourced)
+    assert slurm_cluster.SCRIPTS / "lib.sh" in scripts
+    for script in sorted(scripts):
+        assert script.is_relative_to(REPO / "tests"), script
+        r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{script.name}: {r.stderr}"
 
 
 class _Store:

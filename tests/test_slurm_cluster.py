@@ -19,7 +19,7 @@ import torch
 from tests.launch_utils import REPO, free_port
 from tests.services.slurm_cluster import SlurmCluster, start_cluster
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
 TRAIN = str(REPO / "examples" / "train_mlp.py")
 STEPS = 60

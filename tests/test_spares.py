@@ -428,6 +428,7 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
         e.kill()
 
 
+@pytest.mark.etcd
 def test_etcd_v3_the_agent_that_started_first_dies_the_spare_takes_over_bitwise(
     tmp_path: Path, straight: Path, etcd: Etcd
 ) -> None:

@@ -12,6 +12,8 @@ import pytest
 from tests.launch_utils import REPO, base_env, launch, popen
 from tests.services.telemetry_services import Rotel, wait_until
 
+pytestmark = pytest.mark.prometheus
+
 GRPO = str(REPO / "examples" / "grpo_toy.py")
 SPAN_RE = re.compile(
     r"Span #\d+\n\s+Trace ID\s+: (\w+)\n\s+Parent ID\s+: (\w*)\n\s+ID\s+: (\w+)\n\s+Name\s+: (\S+)"

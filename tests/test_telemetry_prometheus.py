@@ -13,6 +13,8 @@ import pytest
 from tests.launch_utils import REPO, base_env, popen
 from tests.services.telemetry_services import Prometheus, free_port, wait_until
 
+pytestmark = pytest.mark.prometheus
+
 GRPO = str(REPO / "examples" / "grpo_toy.py")
 
 

@@ -129,13 +129,26 @@ class Prometheus:
         self.log.close()
 
 
+_ROTEL_PROBE = (
+    "import os, rotel; print(os.path.join(os.path.dirname(rotel.__file__), 'rotel-agent'))"
+)
+
+
+def rotel_installed() -> bool:
+    py = CACHE / "venv-rotel" / "bin" / "python"
+    if not py.exists():
+        return False
+    r = subprocess.run([str(py), "-c", _ROTEL_PROBE], capture_output=True, text=True, check=False)
+    return r.returncode == 0 and Path(r.stdout.strip()).exists()
+
+
 def rotel_binary() -> Path:
     venv = CACHE / "venv-rotel"
     py = venv / "bin" / "python"
     if not py.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    probe = "import os, rotel; print(os.path.join(os.path.dirname(rotel.__file__), 'rotel-agent'))"
+    probe = _ROTEL_PROBE
     r = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, check=False)
     if r.returncode != 0:
         subprocess.run(

@@ -52,7 +52,7 @@ def sweep_private_dirs(root: str) -> list[str]:
     persister together); returns what was removed."""
     import shutil
 
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(root)
     except OSError:
@@ -249,7 +249,7 @@ def _init_group(init: dict[str, Any]) -> Any:
     import torch.distributed as dist
 
     timeout = timedelta(seconds=init["timeout_s"])
-    store = dist.TCPStore(
+    store: dist.Store = dist.TCPStore(
         init["master_addr"], int(init["master_port"]), is_master=False, timeout=timeout
     )
     store = dist.PrefixStore(init["prefix"], store)

@@ -71,7 +71,7 @@ class Preemption:
     def teardown() -> bool:
         """The agent is stopping this worker group (restart or failed job), not preempting."""
         path = os.environ.get(envvars.TEARDOWN_FILE)
-        return bool(path) and os.path.exists(path)
+        return path is not None and bool(path) and os.path.exists(path)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.teardown():

@@ -21,7 +21,14 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainguard.checkpoint import manifest as mf
-from trainguard.checkpoint.staging import flatten, list_snapshots, rank_dir, ref_paths, unflatten
+from trainguard.checkpoint.staging import (
+    Snapshot,
+    flatten,
+    list_snapshots,
+    rank_dir,
+    ref_paths,
+    unflatten,
+)
 from trainguard.checkpoint.state import apply_state, build_state_dict, rng_key, set_rng_state
 from trainguard.checkpoint.storage import Storage
 from trainguard.core.config.checkpoint import CheckpointConfig, writer_threads
@@ -69,7 +76,7 @@ class Restorer:
     def run(self, state: MutableMapping[str, Any], *, use_memory: bool = True) -> int | None:
         """Load the newest step every rank can load into ``state``; its number, or None."""
         t0 = time.perf_counter()
-        mem = {}
+        mem: dict[int, Snapshot] = {}
         if use_memory and self.memory_dir is not None:
             for snap in list_snapshots(rank_dir(self.memory_dir, self.rank)):
                 if snap.world_size == self.world_size and snap.rank == self.rank:

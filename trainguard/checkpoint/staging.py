@@ -123,7 +123,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def _dtensor_info(t: torch.Tensor) -> _DTensorInfo | None:
     if not hasattr(t, "device_mesh"):
         return None
-    return _DTensorInfo(t.device_mesh, t.placements, tuple(t.shape), tuple(t.stride()))
+    return _DTensorInfo(t.device_mesh, t.placements, tuple(t.shape), tuple(t.stride()))  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,7 +319,7 @@ class Snapshot:
                 t = torch.empty(shape, dtype=dt)
             tensors.append(t)
             if n:
-                reads.append((memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B"), off, n))
+                reads.append((t.view(-1).view(torch.uint8).numpy().data.cast("B"), off, n))
         with open(self.bin_path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < self.meta["nbytes"]:

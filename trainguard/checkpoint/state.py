@@ -77,7 +77,7 @@ class _Infos:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         if self._dsd is None:
-            return get_optimizer_state_dict(model, opt)  # type: ignore[return-value]
+            return get_optimizer_state_dict(model, opt)
         with self._dsd._gc_context():
             return self._dsd._get_optim_state_dict(model, (opt,), self._info(model, (opt,)))
 

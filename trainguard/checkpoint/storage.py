@@ -176,7 +176,7 @@ class _CrcStream(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, b: Any) -> int:  # type: ignore[override]
+    def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
         self._fs._charge(len(mv))
         n = self._raw.write(mv)
@@ -231,7 +231,7 @@ class ChecksummingFileSystem(FileSystem):
             return
         with open(path, mode) as raw:
             stream = _CrcStream(raw, self, str(path))
-            yield stream  # type: ignore[misc]
+            yield stream
             raw.flush()
         with self._lock:
             self.records[str(path)] = (stream.size, stream.crc)

@@ -56,6 +56,7 @@ class SpanRecorder:
     ) -> None:
         self._write = write
         parent = parse_traceparent(traceparent)
+        self.root_span_id: str | None
         self.trace_id, self.root_span_id = parent if parent else (os.urandom(16).hex(), None)
         self.every_n_steps = every_n_steps
         self._base = base or {}

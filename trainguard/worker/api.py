@@ -161,11 +161,11 @@ class TrainGuard:
         if self._rollback is not None:
             self.step_num = self._rollback.ledger.next_step(step)
 
-    def _chaos_armed(self) -> bool:
+    def _armed_chaos(self) -> WorkerChaos | None:
         # Injected faults fire in the first in-process generation only: a replacement process
         # (same environment, same attempt) or a survivor re-entering trainguard.run would
         # otherwise meet the same "kill at step s" again.
-        return self._chaos is not None and self.generation == 0
+        return self._chaos if self.generation == 0 else None
 
     def _install_excepthook(self) -> None:
         """A survivor's collective that failed because a peer rank died is a consequence, not
@@ -271,8 +271,17 @@ class TrainGuard:
         self._flusher.start()
         if not self._flush_hooks:
             self._flush_hooks = True
-            atexit.register(lambda: (me := ref()) is not None and me._flush_metrics())
-            os.register_at_fork(after_in_child=lambda: (me := ref()) is not None and me._forked())
+
+            def flush_at_exit() -> None:
+                if (me := ref()) is not None:
+                    me._flush_metrics()
+
+            def forked() -> None:
+                if (me := ref()) is not None:
+                    me._forked()
+
+            atexit.register(flush_at_exit)
+            os.register_at_fork(after_in_child=forked)
 
     def _forked(self) -> None:
         # the parent flushes its own records; a forked child (e.g. a DataLoader worker)
@@ -315,8 +324,8 @@ class TrainGuard:
                 f"({', '.join(sorted(RESERVED_LOG_KEYS))}, and step=, the step number); "
                 f"rename the metric, e.g. {sorted(reserved)[0]}_value="
             )
-        if self._chaos_armed():
-            self._chaos.step_begin(self.step_num if step is None else step)
+        if (chaos := self._armed_chaos()) is not None:
+            chaos.step_begin(self.step_num if step is None else step)
         record: dict[str, Any] = {
             "time": time.time(),
             "kind": "log",
@@ -351,8 +360,8 @@ class TrainGuard:
         self._current_step = num
         if self._progress is not None:
             self._progress.step_begin(num)
-        if self._chaos_armed():
-            self._chaos.step_begin(num)
+        if (chaos := self._armed_chaos()) is not None:
+            chaos.step_begin(num)
         span_id, span_start = self._spans.begin_step(num)
         counter = None
         if flops == "auto" and self._flops_per_step is None:
@@ -364,8 +373,8 @@ class TrainGuard:
         failed = False
         try:
             yield num
-            if self._chaos_armed():
-                self._chaos.step_body_done(num, time.perf_counter() - t0)
+            if (chaos := self._armed_chaos()) is not None:
+                chaos.step_body_done(num, time.perf_counter() - t0)
         except BaseException:
             failed = True  # recorded as a failed step (not progress), then re-raised
             raise
@@ -414,9 +423,9 @@ class TrainGuard:
         torch = sys.modules.get("torch")
         cuda = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
         if self._device is None:
-            self._device = torch.cuda.get_device_name() if cuda else "cpu"
+            self._device = torch.cuda.get_device_name() if torch is not None and cuda else "cpu"
             record["device"] = self._device
-        if cuda:
+        if torch is not None and cuda:
             record["gpu_memory_bytes"] = torch.cuda.memory_allocated()
             record["gpu_memory_peak_bytes"] = torch.cuda.max_memory_allocated()
 

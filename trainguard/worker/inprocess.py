@@ -109,6 +109,8 @@ def _run_once(tg: Any, fn: Callable[..., T], backend: str | None, args: Any, kwa
 
 
 class _Controller:
+    _result: Any  # the script's return value, once it returned
+    _exc: BaseException | None  # this rank's own error of the last generation
     """The generation loop of one worker."""
 
     def __init__(self, tg: Any, backend: str | None, cfg: Any) -> None:
@@ -160,7 +162,7 @@ class _Controller:
             gen = self._join(gen)
             error = self._call(fn, args, kwargs)
             if error is None:
-                return self._result  # type: ignore[no-any-return]
+                return self._result
             reason, wait_s = error
             t_fail = time.time()
             if reason is None:  # this rank's own error, unless a restart is announced soon
@@ -201,7 +203,7 @@ class _Controller:
         kept in ``self._exc`` (its traceback dropped after the teardown decision)."""
         import torch.distributed as dist
 
-        self._exc: BaseException | None = None
+        self._exc = None
         try:
             self._result = fn(self.tg, *args, **kwargs)
             if dist.is_initialized():
@@ -338,7 +340,7 @@ def _abort_device_communicators() -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            backend = dist.group.WORLD._get_backend(torch.device("cuda"))
+            backend = dist.group.WORLD._get_backend(torch.device("cuda"))  # type: ignore[union-attr]
             backend.abort()
     except Exception as e:  # best effort: the collective's own error follows
         logger.debug("aborting the NCCL communicators failed: %s", e)

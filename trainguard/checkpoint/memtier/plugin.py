@@ -81,6 +81,8 @@ class MemoryTierPlugin(AgentPlugin):
             )
 
     def after_rendezvous(self, ctx: AgentContext, group: WorkerGroup) -> None:
+        # torch fills both (and the store) in every rendezvous round
+        assert group.group_rank is not None and group.group_world_size is not None
         self.group_rank = group.group_rank
         world = group.group_world_size
         if self._server is not None and world > 1:
@@ -103,6 +105,7 @@ class MemoryTierPlugin(AgentPlugin):
             host = route_ip(ctx.rdzv_endpoint)
         me = {"host": host, "port": self._server.port, "node": self.node}
         prefix = f"trainguard/ckpt_memtier/{ctx.attempt}/"
+        assert group.store is not None
         group.store.set(f"{prefix}{self.group_rank}", json.dumps(me))
         others = [r for r in range(world) if r != self.group_rank and r not in ctx.foreign_ranks]
         got = gather(group.store, [f"{prefix}{r}" for r in others], timeout_s=PEER_WAIT_S)
@@ -199,7 +202,7 @@ def route_ip(endpoint: str) -> str:
         return "127.0.0.1"
     try:
         target = socket.getaddrinfo(host, 29400, socket.AF_INET, socket.SOCK_DGRAM)[0][4]
-        if target[0].startswith("127."):
+        if str(target[0]).startswith("127."):
             target = ("192.0.2.1", 9)  # TEST-NET: the interface of the default route
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect(target)  # no packet is sent: only picks the outgoing interface

@@ -8,6 +8,7 @@ import socketserver
 import threading
 import time
 from collections import Counter
+from typing import TypeGuard
 
 from trainguard.checkpoint.memtier.store import TierStore
 from trainguard.checkpoint.memtier.wire import (
@@ -101,9 +102,8 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def _get(self, ch: Channel, header: dict) -> None:
         rank, ws, below = header.get("rank"), header.get("world_size"), header.get("below")
-        for v in (rank, ws) + ((below,) if below is not None else ()):
-            if type(v) is not int or v < 0:
-                raise ProtocolError(f"get: {header!r}: rank, world_size, below must be ints >= 0")
+        if not (_count(rank) and _count(ws) and (below is None or _count(below))):
+            raise ProtocolError(f"get: {header!r}: rank, world_size, below must be ints >= 0")
         snap = self.server.store.find_snapshot(rank, ws, below=below)
         if snap is None:
             ch.send({"found": False})
@@ -163,3 +163,8 @@ class TierServer(socketserver.ThreadingTCPServer):
     def stop(self) -> None:
         self.shutdown()
         self.server_close()
+
+
+def _count(v: object) -> TypeGuard[int]:
+    """An int >= 0 (not a bool)."""
+    return type(v) is int and v >= 0
