@@ -1,14 +1,45 @@
-"""Bad input to `trainguard run`: one line naming the problem and the fix, exit 2, no traceback."""
+"""Bad input to `trainguard run`: one line naming the problem and the fix, exit 2, no traceback.
+
+The installed `trainguard` command is run for one case (the whole path from the console
+script); the others call the same entry point in this process, with this test's directory and
+environment, which is what the command runs and costs no interpreter start each."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import WORKERS, base_env, launch
+from tests.launch_utils import WORKERS, Result, launch
+from trainguard.cli.main import main
 
 DUMP = str(WORKERS / "dump_env.py")
+# torch's error handler enables faulthandler on stderr, which pytest's capture has no fd for
+pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+
+
+@pytest.fixture
+def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):  # type: ignore[no-untyped-def]
+    """``run(args, **env)``: `trainguard run ARGS` in-process, in ``tmp_path``."""
+    monkeypatch.chdir(tmp_path)
+    for k in list(os.environ):
+        if k.startswith(("PET_", "TORCHELASTIC_", "TRAINGUARD_")):
+            monkeypatch.delenv(k)
+
+    def call(args: list[str], **env: str) -> Result:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        capsys.readouterr()
+        try:
+            main(["run", *args])
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        out = capsys.readouterr()
+        return Result(code, out.out, out.err)
+
+    return call
 
 
 def _check(r, *needles: str) -> None:
@@ -26,38 +57,38 @@ def test_missing_script(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("nnodes", ["abc", "2:1", "1:2:3", "0"])
-def test_bad_nnodes(tmp_path: Path, nnodes: str) -> None:
-    r = launch("trainguard", ["--nnodes", nnodes, DUMP], cwd=tmp_path)
+def test_bad_nnodes(run, nnodes: str) -> None:
+    r = run(["--nnodes", nnodes, DUMP])
     _check(r, "--nnodes", "MIN:MAX")
 
 
-def test_missing_config(tmp_path: Path) -> None:
-    r = launch("trainguard", ["--config", "nope.toml", "--standalone", DUMP], cwd=tmp_path)
+def test_missing_config(run) -> None:
+    r = run(["--config", "nope.toml", "--standalone", DUMP])
     _check(r, "nope.toml", "does not exist")
 
 
-def test_invalid_toml(tmp_path: Path) -> None:
+def test_invalid_toml(tmp_path: Path, run) -> None:
     (tmp_path / "tg.toml").write_text("[runtime\nrun_dir = 3\n")
-    r = launch("trainguard", ["--config", "tg.toml", "--standalone", DUMP], cwd=tmp_path)
+    r = run(["--config", "tg.toml", "--standalone", DUMP])
     _check(r, "tg.toml", "not valid TOML")
 
 
-def test_unknown_key_and_bad_type(tmp_path: Path) -> None:
+def test_unknown_key_and_bad_type(tmp_path: Path, run) -> None:
     (tmp_path / "a.toml").write_text("[runtime]\nrun_dri = 'x'\n")
     _check(
-        launch("trainguard", ["--config", "a.toml", "--standalone", DUMP], cwd=tmp_path),
+        run(["--config", "a.toml", "--standalone", DUMP]),
         "run_dri",
         "known keys",
     )
     (tmp_path / "b.toml").write_text("[runtime]\nheartbeat_interval_s = 'fast'\n")
     _check(
-        launch("trainguard", ["--config", "b.toml", "--standalone", DUMP], cwd=tmp_path),
+        run(["--config", "b.toml", "--standalone", DUMP]),
         "heartbeat_interval_s",
         "expected float",
     )
     (tmp_path / "c.toml").write_text("[nosuch]\nx = 1\n")
     _check(
-        launch("trainguard", ["--config", "c.toml", "--standalone", DUMP], cwd=tmp_path),
+        run(["--config", "c.toml", "--standalone", DUMP]),
         "[nosuch]",
         "known sections",
     )
@@ -78,15 +109,10 @@ def test_unreadable_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         load_config(str(cfg), env={})
 
 
-def test_config_is_directory(tmp_path: Path) -> None:
-    _check(
-        launch("trainguard", ["--config", str(tmp_path), "--standalone", DUMP], cwd=tmp_path),
-        "is a directory",
-    )
+def test_config_is_directory(tmp_path: Path, run) -> None:
+    _check(run(["--config", str(tmp_path), "--standalone", DUMP]), "is a directory")
 
 
-def test_bad_env_value(tmp_path: Path) -> None:
-    env = base_env(TRAINGUARD_RUNTIME_HEARTBEAT_INTERVAL_S="-1")
-    _check(
-        launch("trainguard", ["--standalone", DUMP], cwd=tmp_path, env=env), "heartbeat_interval_s"
-    )
+def test_bad_env_value(run) -> None:
+    r = run(["--standalone", DUMP], TRAINGUARD_RUNTIME_HEARTBEAT_INTERVAL_S="-1")
+    _check(r, "heartbeat_interval_s")
