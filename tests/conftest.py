@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,6 +59,21 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     absent = preflight.missing()
     if absent:
         pytest.exit(preflight.message(absent), returncode=4)
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One etcd for every test of the ``etcd`` group that does not restart it (each uses its own
+    run id, so its own keys); the group runs in one xdist worker, so it starts once a run. A
+    test that stops, restarts or kills etcd starts its own."""
+    from tests.services.etcd_service import Etcd
+
+    e = Etcd(tmp_path_factory.mktemp("etcd"), no_fsync=True)
+    e.fixture_owned = True
+    try:
+        yield e
+    finally:
+        e.kill()
 
 
 @pytest.fixture(autouse=True)

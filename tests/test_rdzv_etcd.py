@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,16 +30,6 @@ from trainguard.runtime import etcd_v3
 pytestmark = pytest.mark.etcd
 
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
-    e = Etcd(tmp_path_factory.mktemp("etcd"))
-    e.fixture_owned = True
-    try:
-        yield e
-    finally:
-        e.kill()
 
 
 def _params(etcd: Etcd, run_id: str, **conf: str) -> RendezvousParameters:

@@ -418,16 +418,6 @@ def _steps_at(job: Job, attempt: int) -> dict[int, int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
-    e = Etcd(tmp_path_factory.mktemp("etcd"), no_fsync=True)
-    e.fixture_owned = True
-    try:
-        yield e
-    finally:
-        e.kill()
-
-
 @pytest.mark.etcd
 def test_etcd_v3_the_agent_that_started_first_dies_the_spare_takes_over_bitwise(
     tmp_path: Path, straight: Path, etcd: Etcd

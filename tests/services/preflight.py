@@ -8,8 +8,8 @@ so that a package dropped from the install list is caught here.
 
 from __future__ import annotations
 
+import os
 import shutil
-from pathlib import Path
 
 # binary -> the Debian package that ships it
 BINARIES: dict[str, str] = {
@@ -27,11 +27,12 @@ BINARIES: dict[str, str] = {
     "munged": "munge",
     "ip": "iproute2",
 }
-_SBIN = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
+_SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")  # daemons, not always on a user's PATH
 
 
 def _found(binary: str) -> bool:
-    return shutil.which(binary) is not None or any(Path(d, binary).exists() for d in _SBIN)
+    path = os.pathsep.join([os.environ.get("PATH", os.defpath), *_SBIN])
+    return shutil.which(binary, path=path) is not None
 
 
 def missing() -> list[str]:
