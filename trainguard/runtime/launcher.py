@@ -429,6 +429,7 @@ def launch(
         rdzv_defaults=tg_config.rendezvous.rdzv_conf(),
     )
     ctx.job_store = getattr(spec.rdzv_handler, "job_store", None)
+    etcd_v3.report_refused_states(getattr(spec.rdzv_handler, "_inner", None), events.emit)
     spare_ctl = spares.attach(spec.rdzv_handler, tg_config.spares, events.emit)
     warm_stop = spare_pool.start(
         tg_config.spares,

@@ -15,7 +15,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
-from trainguard.runtime.etcd_v3.codec import decode_state, encode_state, remember
+from trainguard.runtime.etcd_v3.codec import encode_state, remember
 
 __all__ = ["ADMISSION_LOCK_TTL", "ScalableStateHolder"]
 
@@ -158,9 +158,12 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
             self._seen_rev = 0
         else:
             bits, token, _meta_value, self._seen_rev = loaded
-            self._state = decode_state(bits, key=self._etcd.key, revision=token)
+            state = self._etcd.decode(bits, token)
+            # a refused state (logged and reported once) counts as an empty one at its
+            # revision: this node's next write replaces it and the rendezvous goes on
+            self._state = state if state is not None else _RendezvousState()
             self._token = token
-            if overlay is not None and self._stale(overlay):
+            if state is not None and overlay is not None and self._stale(overlay):
                 self._overlay_heartbeats()
         self._meta_seen = _meta(self._state)
         self._last_full = time.monotonic()
