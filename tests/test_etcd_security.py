@@ -37,6 +37,8 @@ from tests.launch_utils import REPO, base_env, steps_done
 from tests.services.etcd_service import Etcd
 from trainguard.runtime import etcd_v3
 
+pytestmark = pytest.mark.xdist_group("etcd")
+
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 
 
