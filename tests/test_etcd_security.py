@@ -100,7 +100,7 @@ def test_a_pickled_state_never_runs_and_the_rendezvous_writes_over_it(
 ) -> None:
     marker = tmp_path / "code-ran"
     backend, _ = etcd_v3.create_backend(_params(etcd, "evil"))
-    backend._client.put(backend.key, etcd_v3._pack(pickle.dumps(_Evil(marker))))
+    hostile = backend._client.put(backend.key, etcd_v3._pack(pickle.dumps(_Evil(marker))))
     handler = etcd_v3.create_rdzv_handler(_params(etcd, "evil"))
     events: list[tuple[str, dict[str, Any]]] = []
     etcd_v3.report_refused_states(handler, lambda kind, **f: events.append((kind, f)))
@@ -120,6 +120,7 @@ def test_a_pickled_state_never_runs_and_the_rendezvous_writes_over_it(
     value, revision = backend._client.get(backend.key)  # type: ignore[misc]
     state = backend.decode(value, revision)
     assert state is not None and len(state.participants) == 1
+    assert state.round == hostile  # a round number no earlier round of the run had
 
 
 def test_pickle_only_with_the_explicit_opt_in(

@@ -159,11 +159,17 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
         else:
             bits, token, _meta_value, self._seen_rev = loaded
             state = self._etcd.decode(bits, token)
-            # a refused state (logged and reported once) counts as an empty one at its
-            # revision: this node's next write replaces it and the rendezvous goes on
-            self._state = state if state is not None else _RendezvousState()
+            if state is None:
+                # a refused state (logged and reported once) counts as an empty one at its
+                # revision: this node's next write replaces it and the rendezvous goes on, in
+                # a round numbered by that revision (above any round before it, whose store
+                # keys must not be met again; the same on every node that refused it)
+                state = _RendezvousState()
+                state.round = int(token)
+                overlay = None
+            self._state = state
             self._token = token
-            if state is not None and overlay is not None and self._stale(overlay):
+            if overlay is not None and self._stale(overlay):
                 self._overlay_heartbeats()
         self._meta_seen = _meta(self._state)
         self._last_full = time.monotonic()
