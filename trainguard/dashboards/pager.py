@@ -207,9 +207,8 @@ class Pager:
         self._closing.set()
         self._queue.put(None)
         self._thread.join(timeout=timeout_s)
-        left = self._queue.qsize() + (1 if self._thread.is_alive() else 0)
         if self._thread.is_alive():
-            logger.error("pager closed with %d page(s) unsent to %s", left, self.shown_url)
+            logger.error("pager closed before every page was sent to %s", self.shown_url)
 
     # -- sending -------------------------------------------------------------------------------
     def _body(self, page: Page) -> tuple[bytes, dict[str, str]]:
