@@ -90,18 +90,29 @@ def _checkpoint_root(path: Path) -> Path:
 def _pause_targets(args: argparse.Namespace) -> list[int]:
     if args.pid:
         return list(args.pid)
-    port = args.port
+    port, addresses = args.port, None
     if port is None:
         raw = args.endpoint.split("://")[-1].rstrip("/")
+        host, _, port_text = raw.rpartition(":")
+        host = host.strip("[]")
         try:
-            port = int(raw.rsplit(":", 1)[1])
-        except (IndexError, ValueError):
+            port = int(port_text)
+        except ValueError:
+            port = 0
+        if not host or not 0 < port < 65536:
             raise chaos_ops.ChaosTargetError(
                 f"--endpoint {args.endpoint!r} is not host:port, e.g. 127.0.0.1:2379"
-            ) from None
-    pids = chaos_ops.listening_pids(port)
+            )
+        addresses = chaos_ops.local_addresses(host)
+        if not addresses:
+            raise chaos_ops.ChaosTargetError(
+                f"--endpoint {args.endpoint!r}: {host} is not an address of this machine; run "
+                "pause on the service's host (it signals local processes only)"
+            )
+    pids = chaos_ops.listening_pids(port, addresses)
     if not pids:
-        raise chaos_ops.ChaosTargetError(f"no process of this machine listens on port {port}")
+        where = f"{args.endpoint}" if addresses is not None else f"port {port}"
+        raise chaos_ops.ChaosTargetError(f"no process of this machine listens on {where}")
     return pids
 
 

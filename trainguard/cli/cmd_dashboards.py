@@ -27,6 +27,11 @@ def main(argv: list[str], *, prog: str = "trainguard dashboards") -> int:
         help="file holding the API token (default: $TRAINGUARD_GRAFANA_TOKEN)",
     )
     pu.add_argument("--folder", default="trainguard", help="folder uid and title (trainguard)")
+    pu.add_argument(
+        "--insecure",
+        action="store_true",
+        help="do not verify Grafana's TLS certificate (anyone on the path can read the token)",
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -54,15 +59,18 @@ def main(argv: list[str], *, prog: str = "trainguard dashboards") -> int:
     from trainguard.dashboards.push import PushError, push_dashboards, read_token
 
     if not args.url.startswith(("http://", "https://")):
-        print(f"{prog}: error: --url {args.url!r} must start with http:// or https://",
-              file=sys.stderr)  # fmt: skip
+        print(f"{prog}: error: --url must start with http:// or https://", file=sys.stderr)
         return 2
+    if args.insecure:
+        print(f"{prog}: warning: --insecure: Grafana's TLS certificate is not verified; anyone "
+              "on the path can read the token", file=sys.stderr)  # fmt: skip
     try:
         token = read_token(args.token_file)
         files = {k: v for k, v in render().items() if k.startswith("grafana/")}
         res = push_dashboards(
-            args.url, token, files, folder_uid=args.folder, folder_title=args.folder
-        )
+            args.url, token, files, folder_uid=args.folder, folder_title=args.folder,
+            verify_tls=not args.insecure,
+        )  # fmt: skip
     except PushError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1

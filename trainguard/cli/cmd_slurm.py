@@ -17,6 +17,7 @@ import json
 import os
 import sys
 
+from trainguard.core.chaos import CHAOS_ENV
 from trainguard.core.config import ConfigError, load_config
 
 __all__ = ["main"]
@@ -47,6 +48,17 @@ def _agent(argv: list[str], prog: str) -> int:
             file=sys.stderr,
         )
         return 2
+    rerun = env.get("SLURM_RESTART_COUNT", "0") not in ("", "0")
+    if rerun and env.get(CHAOS_ENV):
+        # a requeued job keeps its environment and starts from attempt 0 again: the faults
+        # would fire once more in every requeue
+        del os.environ[CHAOS_ENV]
+        print(
+            f"{prog}: {CHAOS_ENV} ignored: job {job} is a requeue (restart "
+            f"{env['SLURM_RESTART_COUNT']}); faults are injected in a job's first run only",
+            file=sys.stderr,
+            flush=True,
+        )
     rdzv_node = env.get("TRAINGUARD_SBATCH_RDZV_NODE")
     if rdzv_node:
         # All nodes of a test cluster may share one address: say which one hosts the store.

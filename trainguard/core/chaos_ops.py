@@ -9,16 +9,21 @@ agents and checkpoints to those targets.
 from __future__ import annotations
 
 import http.server
+import ipaddress
 import json
 import os
 import random
 import re
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+from trainguard.core.events import node_name
+from trainguard.core.proctime import process_start_time
 
 __all__ = [
     "ChaosTargetError",
@@ -29,6 +34,7 @@ __all__ = [
     "descendants",
     "kill_tree",
     "listening_pids",
+    "local_addresses",
     "pause",
     "worker_pid",
 ]
@@ -84,8 +90,34 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> list[int]:
     return done
 
 
-def listening_pids(port: int) -> list[int]:
-    """Pids of the processes with a TCP socket listening on ``port`` (IPv4 or IPv6)."""
+def _proc_addr(hexaddr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address of /proc/net/tcp{,6}: 32-bit words in host (little-endian) order."""
+    raw = bytes.fromhex(hexaddr)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(words)
+
+
+def local_addresses(host: str) -> set[str]:
+    """The addresses ``host`` resolves to that belong to this machine (one can bind them);
+    empty when it names another machine."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror:
+        return set()
+    local = set()
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((sockaddr[0], 0))
+        except OSError:
+            continue
+        local.add(str(ipaddress.ip_address(sockaddr[0])))
+    return local
+
+
+def listening_pids(port: int, addresses: set[str] | None = None) -> list[int]:
+    """Pids of the processes with a TCP socket listening on ``port`` (IPv4 or IPv6); with
+    ``addresses``, only sockets bound to one of them or to every address (0.0.0.0, ::)."""
     inodes: set[str] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -94,8 +126,17 @@ def listening_pids(port: int) -> list[int]:
             continue
         for line in lines:
             cols = line.split()
-            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(cols[9])
+            if len(cols) <= 9 or cols[3] != "0A":
+                continue
+            hexaddr, _, hexport = cols[1].rpartition(":")
+            if int(hexport, 16) != port:
+                continue
+            if addresses is not None:
+                addr = _proc_addr(hexaddr)
+                mapped = getattr(addr, "ipv4_mapped", None)
+                if not (addr.is_unspecified or str(mapped or addr) in addresses):
+                    continue
+            inodes.add(cols[9])
     if not inodes:
         return []
     wanted = {f"socket:[{i}]" for i in inodes}
@@ -161,34 +202,93 @@ def _alive(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
+# A pid read from events.jsonl is only a claim: anyone who can write the run directory can
+# write any pid there, and the pid of a process that ended is soon another process's. A target
+# is signalled only when it is verifiably this job's and on this machine: an agent is a live
+# process whose start time is the one its ``launch`` event recorded (a pid reused since, or
+# one written in by hand, has another); a worker is a live descendant of such an agent.
+_START_SLACK_S = 1.0
+
+
+def _pid(value: Any) -> int | None:
+    try:
+        pid = int(value)
+    except (TypeError, ValueError):
+        return None
+    return pid if pid > 0 else None
+
+
+def _agents(events: list[dict[str, Any]], node: str | None = None) -> list[int]:
+    """The live agents (of ``node``, or any) whose start time is the one their ``launch``
+    event recorded, newest first."""
+    out: list[int] = []
+    for ev in reversed(events):
+        pid = _pid(ev.get("pid"))
+        if ev.get("kind") != "launch" or pid is None or pid in out:
+            continue
+        if node is not None and ev.get("node") != node:
+            continue
+        started = process_start_time(pid) if _alive(pid) else None
+        try:
+            if started is not None and abs(float(ev["process_start"]) - started) <= _START_SLACK_S:
+                out.append(pid)
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+def _not_ours(pid: int | None, what: str, node: Any) -> ChaosTargetError:
+    here = node_name()
+    where = (
+        "" if node in (None, here) else f" (its node is {node!r}, this is {here!r}: run this there)"
+    )
+    return ChaosTargetError(
+        f"pid {pid}, recorded for {what}, is not a live process of a trainguard agent of this "
+        f"job on this machine: not signalled{where}"
+    )
+
+
 def worker_pid(run_dir: Path, rank: int) -> int:
-    """The live worker of global ``rank`` (from the newest ``workers_started`` events)."""
-    for ev in reversed(_events(run_dir)):
+    """The live worker of global ``rank`` (from the newest ``workers_started`` event that
+    names it), if it is a descendant of a verified agent of this job on this machine."""
+    events = _events(run_dir)
+    for ev in reversed(events):
         if ev.get("kind") != "workers_started":
             continue
         for w in ev.get("workers") or []:
-            if w.get("rank") == rank and w.get("pid") and _alive(int(w["pid"])):
-                return int(w["pid"])
-    raise ChaosTargetError(f"no live worker of rank {rank} in {run_dir}/events.jsonl")
+            if w.get("rank") != rank:
+                continue
+            pid = _pid(w.get("pid"))
+            if pid is not None and _alive(pid):
+                if any(pid in descendants(agent) for agent in _agents(events)):
+                    return pid
+            raise _not_ours(pid, f"rank {rank}", ev.get("node"))
+    raise ChaosTargetError(f"no worker of rank {rank} in {run_dir}/events.jsonl")
 
 
 def agent_pid(run_dir: Path, *, group_rank: int | None = None, node: str | None = None) -> int:
     """The live agent of ``group_rank`` (newest ``rendezvous`` event's members) or of ``node``
-    (its ``launch`` events); one of the two."""
+    (its ``launch`` events); one of the two. Only a verified agent of this job on this
+    machine (its start time is the one its ``launch`` event recorded)."""
     events = _events(run_dir)
     if group_rank is not None:
         for ev in reversed(events):
             members = ev.get("members") if ev.get("kind") == "rendezvous" else None
-            if members and group_rank < len(members):
-                pid = members[group_rank].get("pid")
-                if pid and _alive(int(pid)):
-                    return int(pid)
-        raise ChaosTargetError(f"no live agent of group rank {group_rank} in {run_dir}")
-    for ev in reversed(events):
-        if ev.get("kind") == "launch" and ev.get("node") == node and ev.get("pid"):
-            if _alive(int(ev["pid"])):
-                return int(ev["pid"])
-    raise ChaosTargetError(f"no live agent on node {node!r} in {run_dir}")
+            if not members or group_rank >= len(members):
+                continue
+            member = members[group_rank] or {}
+            pid = _pid(member.get("pid"))
+            if pid is not None and pid in _agents(events):
+                return pid
+            raise _not_ours(pid, f"group rank {group_rank}", member.get("node"))
+        raise ChaosTargetError(f"no agent of group rank {group_rank} in {run_dir}")
+    agents = _agents(events, node)
+    if agents:
+        return agents[0]
+    raise ChaosTargetError(
+        f"no live agent of node {node!r} on this machine in {run_dir} (an agent is signalled "
+        "only where it runs)"
+    )
 
 
 # -- checkpoints ------------------------------------------------------------------------------

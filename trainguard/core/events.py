@@ -23,7 +23,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MSG_STRAGGLER_SCORES", "EventLog", "Listener", "launch_time", "read_events"]
+__all__ = [
+    "MSG_STRAGGLER_SCORES",
+    "EventLog",
+    "Listener",
+    "launch_time",
+    "node_name",
+    "read_events",
+]
 
 logger = logging.getLogger(__name__)
 EVENTS_FILE = "events.jsonl"
@@ -34,6 +41,11 @@ Listener = Callable[[dict[str, Any]], None]
 # here so that the plugin that publishes and the one that listens need not know each other.
 MSG_STRAGGLER_SCORES = "straggler_scores"
 """health → telemetry: ``scores`` (global rank as str → score), ``stragglers`` (ranks)."""
+
+
+def node_name() -> str:
+    """This node's name in the event log: Slurm's node name, else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 class EventLog:
@@ -47,7 +59,7 @@ class EventLog:
         context: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.path = Path(run_dir) / EVENTS_FILE
-        self.node = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        self.node = node or node_name()
         self._context = context or (lambda: {})
         self.num_write_failures = 0
         self._listeners: list[tuple[frozenset[str] | None, Listener]] = []

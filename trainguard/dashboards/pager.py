@@ -29,6 +29,7 @@ from typing import Any
 from trainguard.core.config.alerts import AlertsConfig
 from trainguard.core.events import EventLog
 from trainguard.core.plugin import AgentPlugin
+from trainguard.core.urls import redact_url
 
 __all__ = ["Page", "Pager", "PagerPlugin", "http_post"]
 
@@ -38,12 +39,28 @@ Sender = Callable[[str, bytes, dict[str, str], float], int]
 """``send(url, body, headers, timeout_s) -> HTTP status``; raises OSError when unreachable."""
 
 
+MAX_BACKOFF_S = 30.0
+"""The longest wait between two tries of one page."""
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is answered as it came (a 3xx status), never followed: urllib would carry
+    the ``Authorization`` header (the bearer token) to wherever ``Location`` points."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 def http_post(url: str, body: bytes, headers: dict[str, str], timeout_s: float) -> int:
     req = urllib.request.Request(url, data=body, headers=headers, method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:  # noqa: S310 (configured URL)
+        with _OPENER.open(req, timeout=timeout_s) as r:
             return int(r.status)
     except urllib.error.HTTPError as e:
+        e.close()
         return int(e.code)
 
 
@@ -125,15 +142,19 @@ class Pager:
         secret: str | None = None,
         send: Sender = http_post,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], Any] | None = None,
     ) -> None:
         assert cfg.webhook_url, "a Pager needs alerts.webhook_url"
         self.cfg = cfg
         self.url = cfg.webhook_url
+        self.shown_url = redact_url(cfg.webhook_url)
+        """The URL as logs show it (its path and query may hold the token)."""
         self.secret = secret
         self._send = send
         self._clock = clock
-        self._sleep = sleep
+        self._closing = threading.Event()
+        self._close_by = float("inf")
+        self._sleep = sleep if sleep is not None else self._closing.wait
         self._firing: dict[str, float] = {}  # key → when its trigger was sent
         self._sent_times: deque[float] = deque()
         self._queue: queue.Queue[Page | None] = queue.Queue()
@@ -177,12 +198,17 @@ class Pager:
             return key in self._firing
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Send what is queued (within ``timeout_s``, default one full retry cycle), then stop."""
+        """Send what is queued within ``timeout_s`` (default: two requests' timeouts), then
+        stop: a page in a retry's backoff is tried again at once, and no retry starts that
+        the deadline would not leave time for; what is left is logged, not waited for."""
         if timeout_s is None:
-            backoff = sum(self.cfg.retry_backoff_s * 2**i for i in range(self.cfg.max_retries))
-            timeout_s = (self.cfg.max_retries + 1) * self.cfg.timeout_s + backoff
+            timeout_s = 2 * self.cfg.timeout_s
+        self._close_by = time.monotonic() + timeout_s
+        self._closing.set()
         self._queue.put(None)
         self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            logger.error("pager closed before every page was sent to %s", self.shown_url)
 
     # -- sending -------------------------------------------------------------------------------
     def _body(self, page: Page) -> tuple[bytes, dict[str, str]]:
@@ -200,6 +226,10 @@ class Pager:
             page = self._queue.get()
             if page is None:
                 return
+            if time.monotonic() >= self._close_by:
+                self.num_failed += 1
+                logger.error("page %s (%s) not sent: the pager closed", page.key, page.status)
+                continue
             self._deliver(page)
 
     def _deliver(self, page: Page) -> None:
@@ -214,17 +244,24 @@ class Pager:
                 err = f"HTTP {status}"
             if 200 <= status < 300:
                 self.num_sent += 1
-                logger.info("paged %s (%s) to %s", page.key, page.status, self.url)
+                logger.info("paged %s (%s) to %s", page.key, page.status, self.shown_url)
                 return
+            if 300 <= status < 400:
+                err += " (a redirect, not followed: the token would go with it; set webhook_url to the final URL)"
+                break
             if 400 <= status < 500 and status != 429:
                 break  # the receiver rejects this payload: retrying will not help
-            if attempt < self.cfg.max_retries:
-                logger.warning("page %s failed (%s); retrying in %.1f s", page.key, err, delay)
-                self._sleep(delay)
-                delay *= 2
+            if attempt >= self.cfg.max_retries:
+                break
+            if self._closing.is_set() and time.monotonic() + delay >= self._close_by:
+                err += " (the pager is closing)"
+                break
+            logger.warning("page %s failed (%s); retrying in %.1f s", page.key, err, delay)
+            self._sleep(delay)
+            delay = min(delay * 2, MAX_BACKOFF_S)
         self.num_failed += 1
         logger.error("page %s (%s) could not be sent to %s: %s", page.key, page.status,
-                     self.url, err)  # fmt: skip
+                     self.shown_url, err)  # fmt: skip
 
 
 def read_secret(cfg: AlertsConfig, env: dict[str, str] | None = None) -> str | None:

@@ -12,6 +12,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+from trainguard.core.urls import redact_url
 
 __all__ = ["TOKEN_ENV", "PushError", "PushResult", "push_dashboards", "read_token"]
 
@@ -61,6 +64,42 @@ def _ensure_folder(api: Any, uid: str, title: str) -> bool:
     return True
 
 
+def _api(url: str, token: str | None, timeout_s: float, verify_tls: bool) -> Any:
+    """grafana-client's API for ``url``, built from its parts: ``GrafanaApi.from_url`` would
+    take ``user:password@`` as credentials and ``?verify=false`` as an order to skip TLS
+    verification, silently. Both are refused here (a password on the command line shows in
+    ``ps`` and the shell's history; skipping verification is ``--insecure``, said out loud)."""
+    from grafana_client import GrafanaApi
+
+    shown = redact_url(url)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise PushError(f"--url {shown}: not a URL (e.g. https://grafana:3000)") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise PushError(f"--url {shown}: use http(s)://HOST[:PORT][/PATH]")
+    if parts.username or parts.password:
+        raise PushError(
+            f"--url {shown}: credentials in the URL are refused (they show in ps and the "
+            f"shell's history): put the API token in ${TOKEN_ENV} or --token-file"
+        )
+    if parts.query or parts.fragment:
+        raise PushError(
+            f"--url {shown}: no query string (to skip TLS verification, which ?verify=false "
+            "asked for, pass --insecure)"
+        )
+    return GrafanaApi(
+        token,
+        protocol=parts.scheme,
+        host=parts.hostname,
+        port=port,
+        url_path_prefix=parts.path.strip("/"),
+        verify=verify_tls,
+        timeout=timeout_s,
+    )
+
+
 def push_dashboards(
     url: str,
     token: str | None,
@@ -69,13 +108,15 @@ def push_dashboards(
     folder_uid: str = FOLDER_UID,
     folder_title: str = FOLDER_TITLE,
     timeout_s: float = 30.0,
+    verify_tls: bool = True,
 ) -> PushResult:
-    """Post each dashboard JSON text of ``dashboards`` (name → text) into the folder."""
-    from grafana_client import GrafanaApi
+    """Post each dashboard JSON text of ``dashboards`` (name → text) into the folder.
+    Errors never show more of ``url`` than its scheme, host and port."""
     from grafana_client.client import GrafanaException
     from requests.exceptions import RequestException
 
-    api = GrafanaApi.from_url(url, credential=token, timeout=timeout_s)
+    shown = redact_url(url)
+    api = _api(url, token, timeout_s, verify_tls)
     try:
         created = _ensure_folder(api, folder_uid, folder_title)
         out: dict[str, str] = {}
@@ -93,7 +134,8 @@ def push_dashboards(
             out[model["uid"]] = str((r or {}).get("url", ""))
     except GrafanaException as e:
         hint = " (check the token)" if e.status_code in (401, 403) else ""
-        raise PushError(f"Grafana at {url} refused the push: {e.message}{hint}") from None
+        raise PushError(f"Grafana at {shown} refused the push: {e.message}{hint}") from None
     except RequestException as e:
-        raise PushError(f"cannot reach Grafana at {url}: {e}") from None
+        # requests' own text names the host and path only (no credentials reach it)
+        raise PushError(f"cannot reach Grafana at {shown}: {type(e).__name__}: {e}") from None
     return PushResult(folder_uid, created, out)

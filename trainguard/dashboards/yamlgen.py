@@ -15,7 +15,7 @@ from typing import Any
 
 __all__ = ["dump"]
 
-_PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]*$")
+_PLAIN = re.compile(r"\A[A-Za-z_][A-Za-z0-9_./-]*\Z")
 _RESERVED = {"true", "false", "yes", "no", "on", "off", "null", "y", "n"}
 
 

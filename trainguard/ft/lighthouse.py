@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import logging
 import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -18,6 +23,8 @@ from urllib.parse import urlsplit
 from trainguard.core.config.ft import FTConfig
 
 __all__ = ["FTUnavailable", "Lighthouse", "ensure_lighthouse", "reachable", "torchft_error"]
+
+logger = logging.getLogger(__name__)
 
 LIGHTHOUSE_BINARY = "torchft_lighthouse"
 
@@ -33,6 +40,100 @@ def torchft_error() -> str | None:
     except Exception as e:  # ImportError, or a broken build (e.g. an ABI mismatch with torch)
         return f"{type(e).__name__}: {e}".splitlines()[0]
     return None
+
+
+def _listener_uid(host: str, port: int) -> int | None:
+    """The uid owning the TCP socket listening on ``host:port`` (IPv4), from /proc/net/tcp;
+    None where that cannot be told (no /proc, no such listener)."""
+    want = f"{socket.inet_aton(host)[::-1].hex().upper()}:{port:04X}"
+    anywhere = f"00000000:{port:04X}"
+    try:
+        lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return None
+    for line in lines:
+        cols = line.split()
+        if len(cols) > 7 and cols[3] == "0A" and cols[1] in (want, anywhere):
+            return int(cols[7])
+    return None
+
+
+def is_lighthouse(host: str, port: int, timeout_s: float = 2.0) -> bool:
+    """Whether a torchft lighthouse answers at ``host:port``: its HTTP status page (served on
+    the same port as its gRPC API) names it."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy
+    try:
+        with direct.open(f"http://{host}:{port}/", timeout=timeout_s) as r:
+            return r.status == 200 and b"Lighthouse" in r.read(4096)
+    except (OSError, ValueError):
+        return False
+
+
+def _trusted(host: str, port: int) -> None:
+    """Refuse a listener on the lighthouse port that is not this user's torchft lighthouse."""
+    uid = _listener_uid(host, port)
+    if uid is not None and uid != os.geteuid():
+        raise FTUnavailable(
+            f"torchft mode: {host}:{port} is held by another user's process (uid {uid}), not a "
+            "lighthouse this job can trust: set [ft] lighthouse_port to a free port, or [ft] "
+            "lighthouse to the URL of a lighthouse you run"
+        )
+    if not is_lighthouse(host, port):
+        raise FTUnavailable(
+            f"torchft mode: something that is not a torchft lighthouse listens on {host}:{port}: "
+            "set [ft] lighthouse_port to a free port, or [ft] lighthouse to a lighthouse's URL"
+        )
+
+
+def _lock_dir() -> Path | None:
+    """A directory only this user can write (``$XDG_RUNTIME_DIR``, else
+    ``<tmp>/trainguard-<uid>``, made 0700): another user can neither create nor hold the
+    lock there. None when no such directory can be had."""
+    uid = os.geteuid()
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    for d in ([Path(runtime)] if runtime else []) + [
+        Path(tempfile.gettempdir()) / f"trainguard-{uid}"
+    ]:
+        try:
+            d.mkdir(mode=0o700, exist_ok=True)
+            st = os.lstat(d)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o022:
+            return d
+    return None
+
+
+@contextlib.contextmanager
+def _host_lock(port: int, timeout_s: float) -> Iterator[None]:
+    """Launchers of this user on this host check-and-start the lighthouse of ``port`` one at a
+    time; after ``timeout_s`` (a stuck launcher holds it) they go on without the lock, which
+    only costs a lost race (a second lighthouse that cannot bind, and exits)."""
+    d = _lock_dir()
+    if d is None:
+        logger.warning("no private directory for the lighthouse lock: starting without it")
+        yield
+        return
+    with open(d / f"ft-lighthouse-{port}.lock", "a") as lock:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    logger.warning(
+                        "the lighthouse lock %s is held for over %.0f s: going on without it",
+                        lock.name,
+                        timeout_s,
+                    )
+                    yield
+                    return
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def reachable(host: str, port: int, timeout_s: float = 0.2) -> bool:
@@ -85,9 +186,12 @@ def _binary() -> str:
     )
 
 
-def ensure_lighthouse(cfg: FTConfig, log_dir: Path, *, start_timeout_s: float = 60.0) -> Lighthouse:
-    """The lighthouse this job uses: ``cfg.lighthouse`` if set; else one already listening on
-    127.0.0.1:``cfg.lighthouse_port``; else a new one started there (this process stops it)."""
+def ensure_lighthouse(
+    cfg: FTConfig, log_dir: Path, *, start_timeout_s: float = 60.0, lock_timeout_s: float = 30.0
+) -> Lighthouse:
+    """The lighthouse this job uses: ``cfg.lighthouse`` if set; else this user's lighthouse
+    already listening on 127.0.0.1:``cfg.lighthouse_port`` (checked: its status page, the
+    socket's owner); else a new one started there (this process stops it)."""
     error = torchft_error()
     if error is not None:
         raise FTUnavailable(
@@ -104,13 +208,8 @@ def ensure_lighthouse(cfg: FTConfig, log_dir: Path, *, start_timeout_s: float = 
     host, port = "127.0.0.1", cfg.lighthouse_port
     # Launchers of the replica groups on this host check-and-start under one lock: the second
     # finds the first one's lighthouse instead of racing it for the port.
-    lock_path = Path(tempfile.gettempdir()) / f"trainguard-ft-lighthouse-{port}.lock"
-    with open(lock_path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            return _find_or_start(cfg, host, port, log_dir, start_timeout_s)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with _host_lock(port, lock_timeout_s):
+        return _find_or_start(cfg, host, port, log_dir, start_timeout_s)
 
 
 def _find_or_start(
@@ -118,6 +217,7 @@ def _find_or_start(
 ) -> Lighthouse:
     url = f"http://{host}:{port}"
     if reachable(host, port):
+        _trusted(host, port)
         return Lighthouse(url=url)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"ft_lighthouse_{port}.log"
@@ -142,6 +242,7 @@ def _find_or_start(
     while time.monotonic() < deadline:
         if reachable(host, port):
             if proc.poll() is not None:  # lost a race: another launcher's lighthouse is up
+                _trusted(host, port)
                 return Lighthouse(url=url)
             return Lighthouse(url=url, pid=proc.pid, log=log, _proc=proc)
         if proc.poll() is not None and not reachable(host, port):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import time
 from collections import deque
@@ -22,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config.rollback import RollbackConfig
 
 __all__ = [
@@ -174,10 +174,7 @@ class RollbackLedger:
 
     def save(self, run_dir: Path) -> None:
         """Atomic write of ``<run_dir>/rollback.json`` (every rank writes the same content)."""
-        path = Path(run_dir) / LEDGER_FILE
-        tmp = path.with_name(f".{LEDGER_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_json()) + "\n")
-        os.replace(tmp, path)
+        write_atomic(Path(run_dir) / LEDGER_FILE, json.dumps(self.to_json()) + "\n")
 
     @classmethod
     def load(cls, run_dir: Path, config: RollbackConfig) -> RollbackLedger:

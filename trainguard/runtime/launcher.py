@@ -34,6 +34,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 
+from trainguard.core import chaos
 from trainguard.core.config import ConfigError, TrainGuardConfig, load_config, write_effective
 from trainguard.core.events import EventLog
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
@@ -406,6 +407,16 @@ def _finish_plugins(plugins: list[AgentPlugin], ctx: AgentContext, state: str) -
             logger.exception("plugin %s failed in close", p.name)
 
 
+def _announce_chaos(events: EventLog) -> None:
+    """Injected faults never arm silently: one warning line and a ``chaos_armed`` event."""
+    faults = chaos.check_env()
+    if not faults:
+        return
+    described = [f.describe() for f in faults]
+    logger.warning("%s is set: faults will be injected: %s", chaos.CHAOS_ENV, "; ".join(described))
+    events.emit("chaos_armed", spec=os.environ.get(chaos.CHAOS_ENV, ""), faults=described)
+
+
 def launch(
     config: LaunchConfig,
     entrypoint: Callable[..., Any] | str,
@@ -429,6 +440,7 @@ def launch(
         rdzv_defaults=tg_config.rendezvous.rdzv_conf(),
     )
     ctx.job_store = getattr(spec.rdzv_handler, "job_store", None)
+    etcd_v3.report_refused_states(getattr(spec.rdzv_handler, "_inner", None), events.emit)
     spare_ctl = spares.attach(spec.rdzv_handler, tg_config.spares, events.emit)
     warm_stop = spare_pool.start(
         tg_config.spares,
@@ -461,6 +473,7 @@ def launch(
         pid=os.getpid(),
         process_start=process_start_time(),
     )
+    _announce_chaos(events)
     outcome = Outcome("failed")
     try:
         outcome = _exit_hooks(plugins, ctx, _run_agent(agent, config, name))

@@ -211,17 +211,15 @@ class Reaper:
     # -- reading -------------------------------------------------------------------------------
     def _state(self) -> tuple[_RendezvousState, Any] | None:
         if self._etcd_v3():  # compact JSON there (trainguard.runtime.etcd_v3.codec)
-            from trainguard.runtime.etcd_v3.codec import decode_state
-
             # an unchanged state is neither sent again nor decoded again
             got = self._backend.get_state_since(self._etcd_token)
             if got is None:
                 return None
             if got[0]:
                 self._etcd_bits, self._etcd_token = got
-            return decode_state(
-                self._etcd_bits, key=self._backend.key, revision=int(self._etcd_token)
-            ), self._etcd_token
+            # a refused state (logged and reported once) is nothing to reap from
+            state = self._backend.decode(self._etcd_bits, int(self._etcd_token))
+            return None if state is None else (state, self._etcd_token)
         got = self._backend.get_state()
         if got is None:
             return None

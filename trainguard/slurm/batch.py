@@ -36,7 +36,7 @@ TIME_FORMAT_HELP = (
     "use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (e.g. --time 2:00:00), or UNLIMITED"
 )
 _TIME = re.compile(
-    r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$"
+    r"\A(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})\Z"
 )
 _SAFE_SBATCH = re.compile(r"\A--?[A-Za-z][A-Za-z0-9-]*(=[^\n\r]*)?\Z")
 CHAIN_ENV = "TRAINGUARD_SBATCH_CHAIN_ID"
@@ -106,7 +106,7 @@ class BatchRequest:
                     f"--sbatch-arg {a!r}: give one sbatch option as --name=value (no newlines)"
                 )
         for name, v in (("--partition", self.partition), ("--account", self.account)):
-            if v is not None and not re.match(r"^[A-Za-z0-9._\-,]+$", v):
+            if v is not None and not re.match(r"\A[A-Za-z0-9._\-,]+\Z", v):
                 raise ValueError(f"{name} {v!r} is not a Slurm name")
         self._directives()  # the #SBATCH values that cannot be quoted raise here
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from trainguard.core.chaos import CHAOS_ENV
 from trainguard.core.config.slurm import SlurmConfig
 from trainguard.core.events import EventLog, read_events
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
@@ -176,8 +177,11 @@ def finish(
         try:
             with open(script, encoding="utf-8") as f:
                 text = f.read()
+            # the new job starts from attempt 0 again: injected faults would fire once more
             clean = {
-                k: v for k, v in env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"
+                k: v
+                for k, v in env.items()
+                if (not k.startswith("SLURM_") or k == "SLURM_CONF") and k != CHAOS_ENV
             }
             new_id = slurm.submit(text, extra, env=clean)
         except (OSError, SlurmError) as e:

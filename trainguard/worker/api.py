@@ -101,6 +101,10 @@ class TrainGuard:
         self._step_guard: Callable[[], None] | None = None  # trainguard.run's restart check
         self._chaos = WorkerChaos.from_env(rank=self.rank, attempt=self.attempt, node=self.node)
         """Injected faults (``TRAINGUARD_CHAOS``, trainguard.core.chaos); None when unset."""
+        if self._chaos is not None:
+            armed = [f.describe() for f in self._chaos.faults]
+            logger.warning("rank %d: injected faults armed: %s", self.rank, "; ".join(armed))
+            self.events.emit("chaos_armed", faults=armed)
         self.step_num = 0
         """The number of the next step ``step()`` will run = the steps done so far. ``step()``
         advances it; a checkpoint restore (``tg.checkpoint.restore_or_init``) sets it."""

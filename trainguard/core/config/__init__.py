@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core import envvars
+from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config.alerts import AlertsConfig
 from trainguard.core.config.checkpoint import CheckpointConfig
 from trainguard.core.config.ft import FTConfig
@@ -39,6 +40,7 @@ from trainguard.core.config.runtime import RuntimeConfig
 from trainguard.core.config.slurm import SlurmConfig
 from trainguard.core.config.spares import SparesConfig
 from trainguard.core.config.telemetry import TelemetryConfig
+from trainguard.core.urls import redact_url
 
 __all__ = [
     "CONFIG_JSON",
@@ -266,8 +268,17 @@ def load_worker_section(run_dir: Path | None, name: str) -> Any:
 def write_effective(run_dir: Path, effective: dict[str, Any]) -> Path:
     """Write ``<run_dir>/config.json`` atomically (every node's agent writes it; a worker never
     reads a half-written file)."""
-    path = Path(run_dir) / CONFIG_JSON
-    tmp = path.with_name(f".{CONFIG_JSON}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(effective, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_atomic(
+        Path(run_dir) / CONFIG_JSON, json.dumps(_redacted(effective), indent=2, default=str) + "\n"
+    )
+
+
+def _redacted(effective: dict[str, Any]) -> dict[str, Any]:
+    """``effective`` with the secret parts of URLs taken out: the pager's webhook URL often
+    carries its token (in the path or the query), and config.json is readable by whoever may
+    read the run directory."""
+    out = json.loads(json.dumps(effective, default=str))
+    alerts = (out.get("trainguard") or {}).get("alerts") or {}
+    if alerts.get("webhook_url"):
+        alerts["webhook_url"] = redact_url(alerts["webhook_url"])
+    return out

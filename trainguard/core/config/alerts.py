@@ -28,7 +28,8 @@ class AlertsConfig:
     timeout_s: float = 5.0
     """Timeout of one HTTP request."""
     max_retries: int = 4
-    """Retries of a failed send (with exponential backoff from ``retry_backoff_s``)."""
+    """Retries of a failed send (with exponential backoff from ``retry_backoff_s``, at most
+    30 s apart). A redirect is never followed (the token would go with it): it fails the page."""
     retry_backoff_s: float = 0.5
     rate_limit_per_min: int = 10
     """At most this many pages a minute from one agent; the rest are dropped (logged, counted)."""

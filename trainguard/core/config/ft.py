@@ -28,3 +28,21 @@ class FTConfig:
     """torchft Manager timeout for collectives, commits and healing."""
     quorum_timeout_s: float = 60.0
     """torchft Manager timeout waiting for a quorum."""
+
+    def __post_init__(self) -> None:
+        # lighthouse (a URL) is checked where it is used, before anything starts
+        # (trainguard.ft.lighthouse: one line naming [ft] lighthouse)
+        if not 0 < self.lighthouse_port < 65536:
+            raise ValueError(f"lighthouse_port = {self.lighthouse_port}: a TCP port (1..65535)")
+        if self.replica_group < -1:
+            raise ValueError(f"replica_group = {self.replica_group}: >= 0, or -1 (from the env)")
+        if self.min_replicas < 1:
+            raise ValueError(f"min_replicas = {self.min_replicas}: at least 1")
+        for name in ("heartbeat_timeout_ms", "quorum_tick_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} = {getattr(self, name)}: must be > 0")
+        if self.join_timeout_ms < 0:
+            raise ValueError(f"join_timeout_ms = {self.join_timeout_ms}: must be >= 0")
+        for name in ("timeout_s", "quorum_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} = {getattr(self, name)}: must be > 0 seconds")

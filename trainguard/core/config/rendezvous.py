@@ -29,6 +29,11 @@ class RendezvousConfig:
     """Seconds a run's keys outlive its last agent (default 3600)."""
     etcd_retry_timeout_s: float | None = None
     """Seconds an etcd call keeps retrying (etcd restart, leader change) before failing (60)."""
+    etcd_accept_pickle_state: bool = False
+    """Read a rendezvous state in torch's pickle format (``--rdzv-conf accept_pickle_state=1``,
+    as torch's stock state holder writes it). Off: unpickling runs whatever code the writer of
+    the key put in it, and anyone who may write the key prefix in etcd can write it; such a
+    state is refused (one log line, event ``rdzv_state_refused``) and written over."""
 
     def rdzv_conf(self) -> dict[str, str]:
         """The set fields as etcd-v3 ``--rdzv-conf`` keys."""
@@ -41,5 +46,6 @@ class RendezvousConfig:
             "etcd_key_prefix": "key_prefix",
             "etcd_lease_ttl_s": "lease_ttl",
             "etcd_retry_timeout_s": "retry_timeout",
+            "etcd_accept_pickle_state": "accept_pickle_state",
         }
         return {conf: str(getattr(self, f)) for f, conf in names.items() if getattr(self, f)}

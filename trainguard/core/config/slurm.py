@@ -15,8 +15,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-_NODE = re.compile(r"^[A-Za-z0-9._\-\[\],]+$")
-_SIGNAL = re.compile(r"^(SIG)?[A-Z0-9]+$")
+# \A...\Z, not ^...$: "$" also matches before a trailing newline, which would end the batch
+# script's #SBATCH header early
+_NODE = re.compile(r"\A[A-Za-z0-9._\-\[\],]+\Z")
+_SIGNAL = re.compile(r"\A(SIG)?[A-Z0-9]+\Z")
 
 
 @dataclass(kw_only=True, slots=True)

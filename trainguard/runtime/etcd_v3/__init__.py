@@ -29,19 +29,25 @@ retries, which keeps hundreds of agents joining at once from starving each other
 
 Options (``--rdzv-conf key=value,...``, or the ``[rendezvous]`` config section):
 
-=====================  ==========================================================================
-``protocol``           ``http`` (default) or ``https`` (default when a certificate is given)
-``ca_cert``            CA bundle to verify etcd's server certificate
-``ssl_cert``           client certificate (mutual TLS), with ``ssl_cert_key``
-``ssl_cert_key``       the client certificate's private key
-``user``               etcd user (auth enabled); the password comes from ``TRAINGUARD_ETCD_PASSWORD``
-                       or the file named by ``password_file`` / ``TRAINGUARD_ETCD_PASSWORD_FILE``,
-                       never from the command line
-``key_prefix``         root of the run's keys (default ``/trainguard/rdzv``)
-``lease_ttl``          seconds the run's keys outlive its last agent (default 3600)
-``request_timeout``    seconds per HTTP request (default 10)
-``retry_timeout``      seconds an etcd call keeps retrying before it fails (default 60)
-=====================  ==========================================================================
+=======================  ========================================================================
+``protocol``             ``http`` (default) or ``https`` (default when a certificate is given)
+``ca_cert``              CA bundle to verify etcd's server certificate
+``ssl_cert``             client certificate (mutual TLS), with ``ssl_cert_key``
+``ssl_cert_key``         the client certificate's private key
+``user``                 etcd user (auth enabled); the password comes from
+                         ``TRAINGUARD_ETCD_PASSWORD`` or the file named by ``password_file`` /
+                         ``TRAINGUARD_ETCD_PASSWORD_FILE``, never from the command line; over
+                         plain ``http`` (no TLS) a warning says that both cross the network
+                         unencrypted
+``key_prefix``           root of the run's keys (default ``/trainguard/rdzv``)
+``lease_ttl``            seconds the run's keys outlive its last agent (default 3600)
+``request_timeout``      seconds per HTTP request (default 10)
+``retry_timeout``        seconds an etcd call keeps retrying before it fails (default 60)
+``accept_pickle_state``  ``1``: read a state in torch's pickle format (torch's stock state holder
+                         writes it); off by default, since unpickling runs whatever code the
+                         writer of the key put in it. A refused state is logged once, reported
+                         as the event ``rdzv_state_refused``, and written over
+=======================  ========================================================================
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ from trainguard.runtime.etcd_v3.handler import (
     create_rdzv_handler,
     parse_endpoints,
     register,
+    report_refused_states,
 )
 from trainguard.runtime.etcd_v3.holder import ScalableStateHolder
 from trainguard.runtime.etcd_v3.store import EtcdV3Store
@@ -90,4 +97,5 @@ __all__ = [
     "create_rdzv_handler",
     "parse_endpoints",
     "register",
+    "report_refused_states",
 ]

@@ -31,6 +31,7 @@ OPTIONS = (
     "retry_timeout",
     "cas_backoff",
     "cas_backoff_max",
+    "accept_pickle_state",
 )
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
-import zlib
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousStateError
@@ -13,6 +14,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
     Token,
     _NodeDesc,
+    _RendezvousState,
 )
 
 from trainguard.runtime.etcd_v3._common import (
@@ -26,26 +28,24 @@ from trainguard.runtime.etcd_v3._common import (
     _unb64,
 )
 from trainguard.runtime.etcd_v3.client import EtcdV3Client
+from trainguard.runtime.etcd_v3.codec import decode_state
+from trainguard.runtime.etcd_v3.codec import pack as _pack
+from trainguard.runtime.etcd_v3.codec import unpack as _codec_unpack
 
-__all__ = ["EtcdV3RendezvousBackend"]
+__all__ = ["STATE_REFUSED_EVENT", "EtcdV3RendezvousBackend"]
 
+logger = logging.getLogger(__name__)
 
-_PACKED = b"TGZ1"
-
-
-def _pack(state: bytes) -> bytes:
-    """torch's pickled state compressed (it is mostly repeated node descriptors: a 1000-node
-    state shrinks ~8x), so every write and read of it moves less through JSON, base64 and raft."""
-    return _PACKED + zlib.compress(state, 1)
+STATE_REFUSED_EVENT = "rdzv_state_refused"
+"""The event an agent emits when it refuses the rendezvous state in etcd (key, revision,
+reason); it then writes a fresh state over it."""
 
 
 def _unpack(value: bytes) -> bytes:
-    if not value.startswith(_PACKED):
-        return value
     try:
-        return zlib.decompress(value[len(_PACKED) :])
-    except zlib.error as e:
-        raise RendezvousStateError(f"the rendezvous state in etcd is corrupt: {e}") from None
+        return _codec_unpack(value)
+    except RendezvousStateError as e:
+        raise RendezvousStateError(f"the rendezvous state in etcd is refused: {e}") from None
 
 
 class EtcdV3RendezvousBackend(RendezvousBackend):
@@ -65,9 +65,16 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         key_prefix: str = DEFAULT_KEY_PREFIX,
         backoff_base: float = DEFAULT_CAS_BACKOFF,
         backoff_cap: float = DEFAULT_CAS_BACKOFF_MAX,
+        accept_pickle: bool = False,
     ) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
+        self.accept_pickle = accept_pickle
+        """Unpickle a state in torch's own format (an explicit opt-in: see the codec)."""
+        self.on_refused: Callable[..., Any] | None = None
+        """Called as ``on_refused(key=, revision=, reason=)`` once per refused revision (the
+        agent emits :data:`STATE_REFUSED_EVENT`); must not raise."""
+        self._refused_rev = -1
         self._client = client
         self._key = f"{key_prefix.rstrip('/')}/{run_id}/state"
         self._losses = 0
@@ -88,6 +95,36 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def key(self) -> str:
         return self._key
 
+    def decode(self, value: bytes, revision: int) -> _RendezvousState | None:
+        """The state stored at ``revision`` (``value`` as read, packed or not), or None when it
+        is refused: not trainguard's JSON (a pickle without :attr:`accept_pickle`, garbage),
+        corrupt, or too large. A refusal is logged in one line and reported to
+        :attr:`on_refused` once per revision; the caller treats the key as holding an empty
+        state at that revision, so its next write replaces it (a compare-and-swap on that
+        revision) and the rendezvous goes on."""
+        if revision and revision == self._refused_rev:
+            return None
+        try:
+            return decode_state(
+                value, key=self._key, revision=revision, accept_pickle=self.accept_pickle
+            )
+        except RendezvousStateError as e:
+            self._refused_rev = revision
+            reason = str(e)
+        logger.warning(
+            "etcd-v3: refused the rendezvous state at %s (revision %s): %s; this agent writes a "
+            "fresh state over it",
+            self._key,
+            revision,
+            reason,
+        )
+        if self.on_refused is not None:
+            try:
+                self.on_refused(key=self._key, revision=revision, reason=reason)
+            except Exception:  # reporting must never break the rendezvous
+                logger.debug("on_refused failed", exc_info=True)
+        return None
+
     def get_state(self) -> tuple[bytes, Token] | None:
         found = self._client.get(self._key)
         if found is None:
@@ -95,11 +132,12 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return _unpack(found[0]), found[1]
 
     def get_state_since(self, token: Token | None) -> tuple[bytes, Token] | None:
-        """As :meth:`get_state`, but a state still at revision ``token`` is not sent again:
-        ``(b"", token)`` then (a compare and a read in one transaction). For a reader that
-        polls the state (the hot-spares reaper), so that an unchanged state costs a few bytes."""
+        """The state as stored (for :meth:`decode`) and its revision, but a state still at
+        revision ``token`` is not sent again: ``(b"", token)`` then (a compare and a read in one
+        transaction). For a reader that polls the state (the hot-spares reaper), so that an
+        unchanged state costs a few bytes."""
         if not token:
-            return self.get_state()
+            return self._client.get(self._key)
         key = _b64(self._key)
         out = self._client.txn(
             [{"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": str(int(token))}],
@@ -110,7 +148,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             return b"", token
         for r in out.get("responses") or []:
             for kv in (r.get("response_range") or {}).get("kvs") or []:
-                return _unpack(_unb64(kv.get("value"))), int(kv.get("mod_revision", 0))
+                return _unb64(kv.get("value")), int(kv.get("mod_revision", 0))
         return None
 
     def set_state(
@@ -170,7 +208,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return self._key.rsplit("/", 1)[0] + "/join/"
 
     def load(self) -> tuple[bytes, int, bytes | None, int] | None:
-        """In one read: the state and its revision, the summary key, and the store's revision
+        """In one read: the state as stored (for :meth:`decode`) and its revision, the summary
+        key, and the store's revision
         (from which a watch sees every later change). It also reads the run's lease key, so
         that a new agent joins the run's lease without a round trip of its own."""
         c = self._client
@@ -191,7 +230,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             return None
         mkvs = (responses[1].get("response_range") or {}).get("kvs") or []
         meta = _unb64(mkvs[0].get("value")) if mkvs else None
-        state = _unpack(_unb64(kvs[0].get("value")))
+        state = _unb64(kvs[0].get("value"))
         revision = int(out.get("header", {}).get("revision", 0))
         return state, int(kvs[0].get("mod_revision", 0)), meta, revision
 

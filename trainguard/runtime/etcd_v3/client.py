@@ -30,9 +30,28 @@ from trainguard.runtime.etcd_v3._common import (
     _unb64,
 )
 
-__all__ = ["EtcdV3Client"]
+__all__ = ["MAX_RESPONSE_BYTES", "EtcdV3Client"]
 
 logger = logging.getLogger(__name__)
+
+MAX_RESPONSE_BYTES = 64 << 20
+"""The largest answer (or watch event line) the client reads from etcd; a longer one is refused
+(a member, or whatever answers in its place over plain http, cannot make an agent read
+without end)."""
+
+
+class _TooLarge(RendezvousConnectionError):
+    """etcd's answer is over the client's size limit."""
+
+
+def _read_body(resp: http.client.HTTPResponse, limit: int, what: str) -> bytes:
+    declared = resp.getheader("Content-Length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _TooLarge(f"etcd's answer to {what} is {declared} bytes, over the {limit}-byte limit")
+    data = resp.read(limit + 1)
+    if len(data) > limit:
+        raise _TooLarge(f"etcd's answer to {what} is over the {limit}-byte limit")
+    return data
 
 
 class _LeaseGone(Exception):
@@ -66,9 +85,15 @@ class _Member:
     hundreds of agents share a few cores (the rendezvous benchmark)."""
 
     def __init__(
-        self, host: str, port: int, context: ssl.SSLContext | None, timeout: float
+        self,
+        host: str,
+        port: int,
+        context: ssl.SSLContext | None,
+        timeout: float,
+        max_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         self.host, self.port, self.context, self.timeout = host, port, context, timeout
+        self.max_bytes = max_bytes
         self._pool: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
 
@@ -97,7 +122,7 @@ class _Member:
                 conn = self._connect(self.timeout)
                 conn.request("POST", "/v3/" + path, body, headers)
                 resp = conn.getresponse()
-            data = resp.read().decode("utf-8", errors="replace")
+            data = _read_body(resp, self.max_bytes, path).decode("utf-8", errors="replace")
         except BaseException:
             conn.close()
             raise
@@ -132,11 +157,13 @@ class _Member:
                 if conn.sock is not None:
                     conn.sock.settimeout(left)
                 try:
-                    line = resp.readline()
+                    line = resp.readline(self.max_bytes + 1)
                 except TimeoutError:
                     return False
                 if not line:
                     raise http.client.HTTPException("watch stream ended")
+                if len(line) > self.max_bytes:
+                    raise http.client.HTTPException(f"a watch event is over {self.max_bytes} bytes")
                 if not line.strip():
                     continue
                 result = json.loads(line).get("result") or {}
@@ -174,6 +201,7 @@ class EtcdV3Client:
         retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
         lease_key: str | None = None,
         lease_ttl: int = DEFAULT_LEASE_TTL,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         if not endpoints:
             raise EtcdV3ConfigError("etcd-v3 needs at least one endpoint in --rdzv-endpoint")
@@ -182,7 +210,17 @@ class EtcdV3Client:
             context = ssl.create_default_context(cafile=ca_cert)
             if ssl_cert:
                 context.load_cert_chain(ssl_cert, ssl_cert_key)
-        self._members = [_Member(h, p, context, request_timeout) for h, p in endpoints]
+        elif user:
+            logger.warning(
+                "etcd user %r over plain http to %s: the password and the auth token cross the "
+                "network unencrypted; use TLS (--rdzv-conf ca_cert=..., [rendezvous] "
+                "etcd_ca_cert) for etcd with authentication",
+                user,
+                ",".join(f"{h}:{p}" for h, p in endpoints),
+            )
+        self._members = [
+            _Member(h, p, context, request_timeout, max_response_bytes) for h, p in endpoints
+        ]
         self._current = 0
         self._user = user
         self._password = password

@@ -3,7 +3,13 @@
 torch's own backends store the state pickled. Unpickling a 1000-node state (a ``_NodeDesc``
 dataclass and a ``datetime`` per node and heartbeat) costs ~12 ms of CPU and every agent
 reads the state several times per round; this JSON form (a node table plus indices) decodes
-in a fraction of that. A state written by torch's stock holder (pickled) is still read.
+in a fraction of that.
+
+A state in torch's pickle format (written by torch's stock state holder) is refused unless
+the reader opted in (``accept_pickle``, ``--rdzv-conf accept_pickle_state=1``): unpickling runs
+whatever code its writer put in it, and anyone who can write the run's key in etcd can write
+it. The stored value is zlib-packed (``TGZ1``); it is inflated to at most
+:data:`MAX_STATE_BYTES`.
 
 A state at a given etcd revision never changes, so the decoded form is kept per
 ``(key, revision)`` for the process (a few entries): agents that read the same revision (a
@@ -16,6 +22,7 @@ from __future__ import annotations
 import json
 import pickle
 import threading
+import zlib
 from collections import OrderedDict
 from datetime import datetime, timezone
 from typing import Any
@@ -23,9 +30,14 @@ from typing import Any
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-__all__ = ["copy_state", "decode_state", "encode_state"]
+__all__ = ["MAX_STATE_BYTES", "PICKLE_OPTION", "copy_state", "decode_state", "encode_state"]
 
 _MAGIC = b"TGJ1"
+_PACKED = b"TGZ1"
+MAX_STATE_BYTES = 64 << 20
+"""The largest state (inflated) a reader accepts: a 10,000-node pickled state is ~10 MiB."""
+PICKLE_OPTION = "accept_pickle_state"
+"""The ``--rdzv-conf`` key that lets a reader unpickle a state in torch's own format."""
 _CACHE_SIZE = 4
 _cache: OrderedDict[tuple[str, int], _RendezvousState] = OrderedDict()
 _cache_lock = threading.Lock()
@@ -56,14 +68,50 @@ def encode_state(st: _RendezvousState) -> bytes:
     return _MAGIC + json.dumps(doc, separators=(",", ":")).encode()
 
 
-def _decode(bits: bytes) -> _RendezvousState:
+def pack(state: bytes) -> bytes:
+    """A state as stored: compressed (it is mostly repeated node descriptors: a 1000-node state
+    shrinks ~8x), so every write and read of it moves less through JSON, base64 and raft."""
+    return _PACKED + zlib.compress(state, 1)
+
+
+def unpack(value: bytes) -> bytes:
+    """The state in a stored value (packed or not), inflated to at most MAX_STATE_BYTES;
+    raises RendezvousStateError."""
+    if not value.startswith(_PACKED):
+        if len(value) > MAX_STATE_BYTES:
+            raise RendezvousStateError(f"it is over {MAX_STATE_BYTES} bytes")
+        return value
+    inflate = zlib.decompressobj()
+    try:
+        out = inflate.decompress(value[len(_PACKED) :], MAX_STATE_BYTES + 1)
+    except zlib.error as e:
+        raise RendezvousStateError(f"it does not inflate ({e})") from None
+    if len(out) > MAX_STATE_BYTES:
+        raise RendezvousStateError(f"it inflates to over {MAX_STATE_BYTES} bytes")
+    if not inflate.eof:
+        raise RendezvousStateError("its compressed stream is truncated")
+    return out
+
+
+def _decode(value: bytes, accept_pickle: bool) -> tuple[_RendezvousState, bool]:
+    """The state and whether it was in the JSON form (only those are cached: an opted-in
+    pickle must never reach another reader in this process that did not opt in)."""
+    bits = unpack(value)
     if not bits.startswith(_MAGIC):
-        try:
-            return pickle.loads(bits)  # torch's own format (the stock state holder)
-        except (pickle.PickleError, EOFError, AttributeError, ValueError) as exc:
+        if not accept_pickle:
             raise RendezvousStateError(
-                "The rendezvous state is corrupt. See inner exception for details."
-            ) from exc
+                "it is not trainguard's JSON form (a pickle, as torch's stock state holder "
+                "writes, or garbage) and unpickling it would run whatever code its writer put "
+                f"in it; where every writer of the key prefix is trusted, --rdzv-conf "
+                f"{PICKLE_OPTION}=1 ([rendezvous] etcd_accept_pickle_state = true) reads it"
+            )
+        try:
+            st = pickle.loads(bits)  # torch's own format (the stock state holder), opted in
+        except Exception as exc:  # a corrupt pickle raises nearly anything
+            raise RendezvousStateError(f"it does not unpickle ({exc!r})") from None
+        if not isinstance(st, _RendezvousState):
+            raise RendezvousStateError(f"it unpickles to a {type(st).__name__}")
+        return st, False
     try:
         doc = json.loads(bits[len(_MAGIC) :])
         nodes = [_NodeDesc(str(a), int(p), int(i)) for a, p, i in doc["nodes"]]
@@ -79,9 +127,18 @@ def _decode(bits: bytes) -> _RendezvousState:
         fromts = datetime.fromtimestamp
         utc = timezone.utc
         st.last_heartbeats = {nodes[i]: fromts(t, utc) for i, t in doc["beats"]}
-    except (ValueError, KeyError, TypeError, IndexError) as exc:
-        raise RendezvousStateError(f"The rendezvous state in etcd is corrupt: {exc}") from None
-    return st
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        IndexError,
+        OverflowError,
+        OSError,
+        RecursionError,
+    ) as e:
+        # OverflowError/OSError: a timestamp out of range; RecursionError: absurd nesting
+        raise RendezvousStateError(f"it is corrupt JSON ({type(e).__name__}: {e})") from None
+    return st, True
 
 
 def copy_state(st: _RendezvousState) -> _RendezvousState:
@@ -100,17 +157,23 @@ def copy_state(st: _RendezvousState) -> _RendezvousState:
     return out
 
 
-def decode_state(bits: bytes, *, key: str = "", revision: int = 0) -> _RendezvousState:
-    """The state in ``bits`` (JSON or torch's pickle); cached per ``(key, revision)``."""
+def decode_state(
+    value: bytes, *, key: str = "", revision: int = 0, accept_pickle: bool = False
+) -> _RendezvousState:
+    """The state in ``value`` (as stored, packed or not): trainguard's JSON, or torch's pickle
+    with ``accept_pickle``; cached per ``(key, revision)``. Raises RendezvousStateError (one
+    line: why it is refused) for anything else."""
     if not revision:
-        return _decode(bits)
+        return _decode(value, accept_pickle)[0]
     ck = (key, revision)
     with _cache_lock:
         st = _cache.get(ck)
         if st is not None:
             _cache.move_to_end(ck)
     if st is None:
-        st = _decode(bits)
+        st, cacheable = _decode(value, accept_pickle)
+        if not cacheable:
+            return st
         with _cache_lock:
             _cache[ck] = st
             while len(_cache) > _CACHE_SIZE:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
@@ -29,8 +32,9 @@ from trainguard.runtime.etcd_v3._common import (
     PASSWORD_FILE_ENV,
     EtcdV3ConfigError,
 )
-from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
+from trainguard.runtime.etcd_v3.backend import STATE_REFUSED_EVENT, EtcdV3RendezvousBackend
 from trainguard.runtime.etcd_v3.client import EtcdV3Client
+from trainguard.runtime.etcd_v3.codec import PICKLE_OPTION
 from trainguard.runtime.etcd_v3.holder import ScalableStateHolder
 from trainguard.runtime.etcd_v3.store import EtcdV3Store
 
@@ -40,7 +44,10 @@ __all__ = [
     "create_rdzv_handler",
     "parse_endpoints",
     "register",
+    "report_refused_states",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
@@ -158,9 +165,27 @@ def create_backend(
         key_prefix=prefix,
         backoff_base=_number(params, "cas_backoff", DEFAULT_CAS_BACKOFF),
         backoff_cap=_number(params, "cas_backoff_max", DEFAULT_CAS_BACKOFF_MAX),
+        accept_pickle=_accept_pickle(params),
     )
     store = EtcdV3Store(client, f"{prefix}/{params.run_id}/store/")
+    if backend.accept_pickle:
+        logger.warning(
+            "etcd-v3: %s is on: a rendezvous state in torch's pickle format is unpickled, so "
+            "whoever can write %s runs code in this agent; keep it off unless every writer of "
+            "the key prefix is trusted",
+            PICKLE_OPTION,
+            backend.key,
+        )
     return backend, store
+
+
+def _accept_pickle(params: RendezvousParameters) -> bool:
+    try:
+        return bool(params.get_as_bool(PICKLE_OPTION, False))
+    except ValueError:
+        raise EtcdV3ConfigError(
+            f"--rdzv-conf {PICKLE_OPTION}={params.get(PICKLE_OPTION)!r}: use 0 or 1"
+        ) from None
 
 
 def _method_name(depth: int = 2) -> str:
@@ -187,9 +212,26 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     node = getattr(stock, "_this_node", None)
     settings = getattr(stock, "_settings", None)
     if node is None or settings is None:  # another torch: its own holder still works
+        if not backend.accept_pickle:
+            raise EtcdV3ConfigError(
+                "etcd-v3: this torch's dynamic rendezvous has no _this_node/_settings, so only "
+                "torch's stock state holder runs here, and it unpickles the state it reads from "
+                f"etcd: --rdzv-conf {PICKLE_OPTION}=1 allows it where every writer of the key "
+                "prefix is trusted (or use a torch >= 2.5)"
+            )
         return stock
     holder = ScalableStateHolder(backend, settings, node)
     return DynamicRendezvousHandler(node, settings, backend.name, store, holder)
+
+
+def report_refused_states(handler: Any, emit: Callable[..., Any]) -> None:
+    """Have the etcd-v3 backend under ``handler`` (torch's dynamic handler) report a refused
+    rendezvous state as ``emit(STATE_REFUSED_EVENT, key=, revision=, reason=)``; a no-op for
+    other backends."""
+    holder = getattr(handler, "_state_holder", None)
+    backend = getattr(holder, "_etcd", None) or getattr(holder, "_backend", None)
+    if isinstance(backend, EtcdV3RendezvousBackend):
+        backend.on_refused = lambda **fields: emit(STATE_REFUSED_EVENT, **fields)
 
 
 def register() -> None:

@@ -15,7 +15,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
-from trainguard.runtime.etcd_v3.codec import decode_state, encode_state, remember
+from trainguard.runtime.etcd_v3.codec import encode_state, remember
 
 __all__ = ["ADMISSION_LOCK_TTL", "ScalableStateHolder"]
 
@@ -158,7 +158,16 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
             self._seen_rev = 0
         else:
             bits, token, _meta_value, self._seen_rev = loaded
-            self._state = decode_state(bits, key=self._etcd.key, revision=token)
+            state = self._etcd.decode(bits, token)
+            if state is None:
+                # a refused state (logged and reported once) counts as an empty one at its
+                # revision: this node's next write replaces it and the rendezvous goes on, in
+                # a round numbered by that revision (above any round before it, whose store
+                # keys must not be met again; the same on every node that refused it)
+                state = _RendezvousState()
+                state.round = int(token)
+                overlay = None
+            self._state = state
             self._token = token
             if overlay is not None and self._stale(overlay):
                 self._overlay_heartbeats()

@@ -77,9 +77,14 @@ class EtcdV3Store(dist.Store):
                 return put[0]
 
     def _cas_loop(self, key: str, update: Callable[[bytes | None], bytes]) -> bytes:
+        """Read, ``update``, compare-and-swap until a write lands or the store's timeout
+        passes (a key rewritten faster than this client can follow, by a flood of writers or
+        a hostile one, raises ``DistStoreError`` instead of spinning forever)."""
         k = self._k(key)
         bk = _b64(k)
         delay = 0.005
+        limit = self.timeout.total_seconds()
+        deadline = time.monotonic() + limit
         while True:
             found = self._client.get(k)
             if found is None:
@@ -96,7 +101,13 @@ class EtcdV3Store(dist.Store):
             out = self._client.txn([compare], [self._client.put_request(k, new)], [])
             if out.get("succeeded"):
                 return new
-            time.sleep(random.uniform(0, delay))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise dist.DistStoreError(
+                    f"timed out after {limit:.1f} s updating key {key!r} in etcd "
+                    f"({self._prefix}): every compare-and-swap lost to another writer"
+                )
+            time.sleep(min(random.uniform(0, delay), left))
             delay = min(delay * 2, 0.5)
 
     def add(self, key: str, value: int) -> int:

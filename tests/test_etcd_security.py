@@ -1,0 +1,323 @@
+"""Hostile or broken etcd answers, against a real etcd 3.4 (Debian etcd-server, on loopback).
+
+- a rendezvous state that is a pickle (what anyone with write access to the key prefix could
+  plant) is never unpickled unless the reader opted in; the agent refuses it with one log line
+  and an event, writes a fresh state over it, and its rendezvous completes; a real
+  ``trainguard run`` job does the same;
+- a corrupt JSON state (a deadline out of range) and a zlib bomb are refused the same way;
+- an etcd user over plain http is warned about in one line (the password and the token cross
+  the network unencrypted);
+- answers and watch lines are read up to a size limit (a real etcd with a small limit, and a
+  hostile "etcd" that streams without end); a compare-and-swap that always loses ends at the
+  store's timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from tests.launch_utils import REPO, base_env, steps_done
+from tests.services.etcd_service import Etcd
+from trainguard.runtime import etcd_v3
+
+pytestmark = pytest.mark.xdist_group("etcd")
+
+EXAMPLE = str(REPO / "examples" / "train_mlp.py")
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    e = Etcd(tmp_path_factory.mktemp("etcd"))
+    e.fixture_owned = True
+    try:
+        yield e
+    finally:
+        e.kill()
+
+
+def _params(etcd: Etcd, run_id: str, **conf: str) -> RendezvousParameters:
+    return RendezvousParameters(
+        backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, min_nodes=1, max_nodes=1, **conf
+    )
+
+
+class _Evil:
+    """Unpickling this creates a directory: proof that code ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (self.marker,))
+
+
+def _within(fn: Callable[[], Any], timeout_s: float) -> Any:
+    """``fn()`` in a daemon thread; fails the test when it has not returned in time."""
+    out: list[Any] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:  # reported below
+            err.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"still running after {timeout_s} s"
+    if err:
+        raise err[0]
+    return out[0]
+
+
+def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if "refused the rendezvous state" in r.getMessage()
+    ]
+
+
+# -- 1: the rendezvous state ----------------------------------------------------------------------
+def test_a_pickled_state_never_runs_and_the_rendezvous_writes_over_it(
+    etcd: Etcd, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    marker = tmp_path / "code-ran"
+    backend, _ = etcd_v3.create_backend(_params(etcd, "evil"))
+    hostile = backend._client.put(backend.key, etcd_v3._pack(pickle.dumps(_Evil(marker))))
+    handler = etcd_v3.create_rdzv_handler(_params(etcd, "evil"))
+    events: list[tuple[str, dict[str, Any]]] = []
+    etcd_v3.report_refused_states(handler, lambda kind, **f: events.append((kind, f)))
+    caplog.set_level(logging.WARNING)
+    try:
+        info = _within(handler.next_rendezvous, 60)
+    finally:
+        handler._stop_heartbeats()  # type: ignore[attr-defined]
+    assert not marker.exists(), "the pickled state was unpickled"
+    assert (info.rank, info.world_size) == (0, 1)
+    lines = _refusals(caplog)
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "accept_pickle_state=1" in lines[0] and backend.key in lines[0]
+    assert [k for k, _ in events] == ["rdzv_state_refused"]
+    assert events[0][1]["key"] == backend.key and "pickle" in events[0][1]["reason"]
+    # the state in etcd is trainguard's JSON now, with this node in it
+    value, revision = backend._client.get(backend.key)  # type: ignore[misc]
+    state = backend.decode(value, revision)
+    assert state is not None and len(state.participants) == 1
+    assert state.round == hostile  # a round number no earlier round of the run had
+
+
+def test_pickle_only_with_the_explicit_opt_in(
+    etcd: Etcd, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    st = _RendezvousState()
+    st.round = 7
+    st.participants = {_NodeDesc("h", 1, 0): 0}
+    caplog.set_level(logging.WARNING)
+    safe, _ = etcd_v3.create_backend(_params(etcd, "stock"))
+    assert not [r for r in caplog.records if "accept_pickle_state" in r.getMessage()]
+    _, token, won = safe.set_state(pickle.dumps(st))  # as torch's stock holder writes it
+    assert won
+    value, revision = safe.get_state_since(None)  # type: ignore[misc]
+    assert safe.decode(value, revision) is None
+    opted, _ = etcd_v3.create_backend(_params(etcd, "stock", accept_pickle_state="1"))
+    warned = [
+        r.getMessage() for r in caplog.records if "accept_pickle_state is on" in r.getMessage()
+    ]
+    assert len(warned) == 1 and opted.key in warned[0]
+    got = opted.decode(value, revision)
+    assert got is not None and got.round == 7
+    # an opted-in pickle is not cached for a reader of the same revision that did not opt in
+    assert safe.decode(value, revision) is None
+    with pytest.raises(etcd_v3.EtcdV3ConfigError, match="accept_pickle_state"):
+        etcd_v3.create_backend(_params(etcd, "stock", accept_pickle_state="maybe"))
+    # the [rendezvous] config section passes it on
+    from trainguard.core.config import load_config
+
+    cfg = load_config(env={"TRAINGUARD_RENDEZVOUS_ETCD_ACCEPT_PICKLE_STATE": "true"})
+    assert cfg.rendezvous.rdzv_conf() == {"accept_pickle_state": "True"}
+    assert load_config(env={}).rendezvous.rdzv_conf() == {}
+
+
+@pytest.mark.parametrize(
+    "what, value, reason",
+    [
+        (
+            "deadline out of range",
+            b'TGJ1{"round":1,"complete":false,"closed":false,"deadline":1e300,"participants":[],'
+            b'"wait":[],"redundancy":[],"beats":[],"nodes":[]}',
+            "corrupt JSON (OverflowError",
+        ),
+        ("absurd nesting", b"TGJ1" + b"[" * 100_000, "corrupt JSON"),
+        ("a zlib bomb", b"\0" * (96 << 20), "inflates to over"),
+        ("a truncated stream", None, "truncated"),
+    ],
+    ids=["deadline", "nesting", "bomb", "truncated"],
+)
+def test_corrupt_states_are_refused_not_raised(
+    etcd: Etcd, what: str, value: bytes | None, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend, _ = etcd_v3.create_backend(_params(etcd, "corrupt"))
+    if value is None:
+        stored = etcd_v3._pack(b"TGJ1" + b"x" * 100_000)[:-20]
+    else:
+        stored = etcd_v3._pack(value)
+    assert len(stored) < 1 << 20  # etcd takes it (its request limit is 1.5 MiB)
+    backend._client.put(backend.key, stored)
+    got = backend.get_state_since(None)
+    assert got is not None
+    caplog.set_level(logging.WARNING)
+    t0 = time.monotonic()
+    assert backend.decode(*got) is None, what
+    assert time.monotonic() - t0 < 5
+    lines = _refusals(caplog)
+    assert len(lines) == 1 and reason in lines[0], lines
+    assert backend.decode(*got) is None and len(_refusals(caplog)) == 1  # once per revision
+
+
+def test_a_job_whose_etcd_state_is_hostile_runs(etcd: Etcd, tmp_path: Path) -> None:
+    """A real ``trainguard run`` over etcd-v3 with a pickle planted as its state: refused in one
+    line and an event, written over, and the job finishes."""
+    marker = tmp_path / "code-ran"
+    backend, _ = etcd_v3.create_backend(_params(etcd, "job-evil"))
+    backend._client.put(backend.key, etcd_v3._pack(pickle.dumps(_Evil(marker))))
+    run_dir = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, "-m", "trainguard", "run", "--nnodes", "1", "--nproc-per-node", "1",
+         "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "job-evil",
+         "--tg-run-dir", str(run_dir), EXAMPLE, "--steps", "5"],
+        cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=240,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert not marker.exists()
+    assert steps_done(run_dir) == 4
+    lines = [x for x in p.stderr.splitlines() if "refused the rendezvous state" in x]
+    assert len(lines) == 1, p.stderr[-4000:]
+    assert "Traceback" not in p.stderr
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    refused = [e for e in events if e["kind"] == "rdzv_state_refused"]
+    assert len(refused) == 1 and refused[0]["key"] == backend.key
+
+
+# -- 5: credentials over plain http ---------------------------------------------------------------
+def _etcdctl(e: Etcd, *args: str) -> None:
+    subprocess.run(
+        ["etcdctl", "--endpoints", e.url, *args],
+        check=True, capture_output=True, timeout=30, env={**os.environ, "ETCDCTL_API": "3"},
+    )  # fmt: skip
+
+
+def test_a_user_over_plain_http_is_warned_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    e = Etcd(tmp_path / "etcd")
+    try:
+        _etcdctl(e, "user", "add", "root:rootpw", "--interactive=false")
+        _etcdctl(e, "user", "add", "tg:s3cret-pw", "--interactive=false")
+        _etcdctl(e, "role", "add", "tgrole")
+        _etcdctl(e, "role", "grant-permission", "tgrole", "--prefix=true", "readwrite", "/tg/")
+        _etcdctl(e, "user", "grant-role", "tg", "tgrole")
+        _etcdctl(e, "auth", "enable")
+        caplog.set_level(logging.WARNING)
+        _, anon = etcd_v3.create_backend(_params(e, "plain", key_prefix="/tg"))
+        assert not [r for r in caplog.records if "unencrypted" in r.getMessage()]
+        monkeypatch.setenv(etcd_v3.PASSWORD_ENV, "s3cret-pw")
+        _, store = etcd_v3.create_backend(_params(e, "plain", user="tg", key_prefix="/tg"))
+        store.set("k", "v")  # it still works: a warning, not a refusal
+        assert store.get("k") == b"v"
+        warned = [r.getMessage() for r in caplog.records if "unencrypted" in r.getMessage()]
+        assert len(warned) == 1 and "\n" not in warned[0], warned
+        assert "'tg'" in warned[0] and e.endpoint in warned[0] and "ca_cert" in warned[0]
+        assert all("s3cret-pw" not in r.getMessage() for r in caplog.records)
+    finally:
+        e.kill()
+
+
+# -- 16: bounded reads, a bounded compare-and-swap ------------------------------------------------
+def test_answers_over_the_size_limit_are_refused(etcd: Etcd) -> None:
+    backend, _ = etcd_v3.create_backend(_params(etcd, "big"))
+    backend._client.put("/trainguard/rdzv/big/blob", b"x" * 300_000)
+    small = etcd_v3.EtcdV3Client(
+        etcd_v3.parse_endpoints(etcd.endpoint), max_response_bytes=100_000, retry_timeout=5
+    )
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match="over the 100000-byte limit"):
+        small.get("/trainguard/rdzv/big/blob")
+    assert time.monotonic() - t0 < 2  # not retried: it would be as large again
+    assert small.get("/trainguard/rdzv/big/missing") is None  # the client still works
+    # a watch event over the limit ends the watch (the caller reads instead)
+    rev = small.put("/trainguard/rdzv/big/w", b"y" * 200_000)
+    assert small.watch("/trainguard/rdzv/big/w", start_revision=rev, timeout=5) is False
+    assert backend._client.watch("/trainguard/rdzv/big/w", start_revision=rev, timeout=5)
+
+
+class _Endless(BaseHTTPRequestHandler):
+    """An "etcd" that answers every request with a body that never ends."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        chunk = b"[" * 65536
+        try:
+            for _ in range(10_000):  # 640 MiB at most, then the test has long failed
+                self.wfile.write(chunk)
+        except OSError:
+            pass  # the client hung up: what it should do
+
+    def log_message(self, *a: object) -> None:
+        pass
+
+
+def test_a_hostile_endpoint_cannot_make_the_client_read_without_end() -> None:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Endless)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        client = etcd_v3.EtcdV3Client(
+            [("127.0.0.1", srv.server_address[1])], max_response_bytes=1 << 20, retry_timeout=5
+        )
+        with pytest.raises(RendezvousConnectionError, match="over the 1048576-byte limit"):
+            _within(lambda: client.get("k"), 30)
+        assert _within(lambda: client.watch("k", start_revision=1, timeout=10), 30) is False
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_compare_and_swap_that_always_loses_ends_at_the_store_timeout(etcd: Etcd) -> None:
+    _, store = etcd_v3.create_backend(_params(etcd, "cas-flood"))
+    rival = etcd_v3.create_backend(_params(etcd, "cas-flood"))[1]
+    store.set_timeout(timedelta(seconds=1.5))
+    n = [0]
+
+    def racing(cur: bytes | None) -> bytes:
+        n[0] += 1
+        rival.set("counter", str(1000 + n[0]))  # another writer lands first, every time
+        return str(int(cur or b"0") + 1).encode()
+
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="every compare-and-swap lost"):
+        _within(lambda: store._cas_loop("counter", racing), 30)
+    assert 1.4 < time.monotonic() - t0 < 10 and n[0] > 1
+    assert store.add("counter2", 5) == 5  # an uncontended one lands at once
