@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -37,19 +37,9 @@ from tests.launch_utils import REPO, base_env, steps_done
 from tests.services.etcd_service import Etcd
 from trainguard.runtime import etcd_v3
 
-pytestmark = pytest.mark.xdist_group("etcd")
+pytestmark = pytest.mark.etcd
 
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
-    e = Etcd(tmp_path_factory.mktemp("etcd"))
-    e.fixture_owned = True
-    try:
-        yield e
-    finally:
-        e.kill()
 
 
 def _params(etcd: Etcd, run_id: str, **conf: str) -> RendezvousParameters:

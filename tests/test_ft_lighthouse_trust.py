@@ -21,7 +21,7 @@ from tests.procs import kill_tree
 from trainguard.core.config.ft import FTConfig
 from trainguard.ft.lighthouse import FTUnavailable, ensure_lighthouse, reachable
 
-pytestmark = pytest.mark.xdist_group("ft")
+pytestmark = pytest.mark.ft
 
 
 def _serve(port: int, *, user: int | None = None) -> subprocess.Popen[bytes]:
