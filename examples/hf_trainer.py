@@ -84,7 +84,7 @@ def main() -> None:
         report_to=[],
         use_cpu=True,
         seed=0,
-        ddp_backend="gloo",
+        ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
         dataloader_num_workers=0,
         disable_tqdm=True,
     )

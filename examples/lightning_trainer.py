@@ -1,7 +1,7 @@
 """A PyTorch Lightning job: a small MLP regression on a fixed random data set, on CPU, with
 ``ModelCheckpoint`` (every ``--save-steps`` steps, ``save_last``) and ``ckpt_path="last"``.
 
-    trainguard run --standalone --nproc-per-node 2 examples/lightning.py --steps 80
+    trainguard run --standalone --nproc-per-node 2 examples/lightning_trainer.py --steps 80
 
 The one trainguard line is ``callbacks=[..., TrainGuardCallback()]`` (``--no-trainguard``
 leaves it out; under ``trainguard run`` it is then attached automatically unless
