@@ -39,7 +39,7 @@ def _announce(framework: str) -> None:
         tg = trainguard.init()
         if tg.rank == 0:
             print(
-                f"trainguard: attached to {framework}'s Trainer (no code change; "
+                f"trainguard: attached to the {framework} Trainer (no code change; "
                 "[integrations] auto = false to switch off)",
                 file=sys.stderr,
                 flush=True,

@@ -111,13 +111,15 @@ class MetricMapper:
         flat: dict[str, Any] = {}
         _flatten("", metrics, flat)
         out: dict[str, Any] = {}
-        for name, raw in flat.items():
+        # names that are the contract's own come first: they keep it, an alias met later
+        # (train_loss next to loss) keeps its own name
+        for name, raw in sorted(flat.items(), key=lambda kv: self.key(kv[0]) != kv[0]):
             value = _scalar(raw)
             if value is None:
                 self.dropped += 1
                 continue
             key = self.key(name)
-            if key in out:  # a contract key met twice (loss and train_loss): keep both
+            if key in out:
                 key = name if name not in _RESERVED else f"{name}_value"
             out[key] = value
         return out
@@ -200,13 +202,12 @@ def _tensor_of(batch: Any, name: str) -> Any:
     return getattr(batch, name, None)
 
 
-def batch_amounts(batches: Any) -> tuple[int | None, int | None, int | None]:
-    """(tokens, samples, sequence length) of one step's batches (a batch or a list of
-    micro-batches) where they can be read: ``input_ids`` (counted through
-    ``attention_mask`` when there is one), else the batch length."""
-    items: list[Any] = list(batches) if isinstance(batches, list) else [batches]
+def batch_amounts(batches: list[Any]) -> tuple[int | None, int | None, int | None]:
+    """(tokens, samples, sequence length) of one step's micro-batches where they can be read:
+    ``input_ids`` (counted through ``attention_mask`` when there is one), else the length of
+    a list of examples or the first dimension of a batch's (first) tensor."""
     tokens = samples = seq = None
-    for b in items:
+    for b in batches:
         ids = _tensor_of(b, "input_ids")
         if ids is not None and hasattr(ids, "shape") and len(ids.shape) >= 1:
             mask = _tensor_of(b, "attention_mask")
@@ -214,10 +215,12 @@ def batch_amounts(batches: Any) -> tuple[int | None, int | None, int | None]:
             tokens = (tokens or 0) + n
             samples = (samples or 0) + int(ids.shape[0])
             seq = int(ids.shape[-1])
+            continue
+        first = b[0] if isinstance(b, (list, tuple)) and b else b
+        if hasattr(first, "shape") and len(first.shape) >= 1:
+            samples = (samples or 0) + int(first.shape[0])
         elif isinstance(b, (list, tuple)):
             samples = (samples or 0) + len(b)
-        elif hasattr(b, "shape") and len(b.shape) >= 1:
-            samples = (samples or 0) + int(b.shape[0])
     return tokens, samples, seq
 
 

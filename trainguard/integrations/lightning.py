@@ -140,7 +140,7 @@ class _Mixin:
         if self._beat is None or self._beat.open:
             return
         try:
-            tokens, samples, seq = batch_amounts(batch)
+            tokens, samples, seq = batch_amounts([batch])
         except Exception:
             tokens = samples = seq = None
         flops = None

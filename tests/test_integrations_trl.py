@@ -1,0 +1,32 @@
+"""TRL's GRPOTrainer under `trainguard run` without a code change (the auto-attached HF
+callback): a kill -9 after the first checkpoint redoes at most one step; reward, KL, clip ratio
+and completion length reach the run directory under the metric contract's names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+
+from tests.integration_jobs import events, logged_keys, records, restored_steps, run_example  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("integrations")
+
+
+def test_grpo_kill_resumes_from_the_snapshot_with_rl_metrics(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    p = run_example(
+        run_dir,
+        "trl_grpo.py",
+        ["--steps", "8", "--save-steps", "3", "--fail-at-step", "5", "--no-trainguard"],
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert events(run_dir, "integration_auto_attached")
+    restored = [s for src, s in restored_steps(run_dir) if s is not None]
+    assert restored and 4 <= restored[-1] <= 5  # the framework's checkpoint had step 3
+    keys = logged_keys(run_dir, 0)
+    assert {"loss", "reward", "reward_std", "kl", "entropy", "clip_ratio"} <= keys
+    assert {"response_length", "response_length_max", "rewards/sevens/mean"} <= keys
+    assert records(run_dir, 1, "step")  # heartbeats on every rank
