@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
@@ -102,11 +103,16 @@ def main() -> None:
         callbacks=callbacks,
     )
     last = get_last_checkpoint(out_dir) if os.path.isdir(out_dir) else None
+    t0 = time.perf_counter()
     trainer.train(resume_from_checkpoint=last)
+    train_s = time.perf_counter() - t0
     if trainer.is_world_process_zero():
         if args.out:
             torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
-        print(f"done: {trainer.state.global_step} steps, output {out_dir}", flush=True)
+        print(
+            f"done: {trainer.state.global_step} steps in {train_s:.2f} s, output {out_dir}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 
 import lightning.pytorch as L
 import torch
@@ -88,9 +89,11 @@ def main() -> None:
         log_every_n_steps=1,
     )
     module = Regressor(args.fail_at_step, args.fail_rank)
+    t0 = time.perf_counter()
     trainer.fit(module, loader, ckpt_path="last")
+    train_s = time.perf_counter() - t0
     if trainer.is_global_zero:
-        print(f"done: {trainer.global_step} steps, output {out_dir}", flush=True)
+        print(f"done: {trainer.global_step} steps in {train_s:.2f} s, output {out_dir}", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import argparse
 import os
 import signal
 import tempfile
+import time
 
 import torch
 from datasets import Dataset
@@ -112,9 +113,14 @@ def main() -> None:
         callbacks=callbacks,
     )
     last = get_last_checkpoint(out_dir) if os.path.isdir(out_dir) else None
+    t0 = time.perf_counter()
     trainer.train(resume_from_checkpoint=last)
+    train_s = time.perf_counter() - t0
     if trainer.is_world_process_zero():
-        print(f"done: {trainer.state.global_step} steps, output {out_dir}", flush=True)
+        print(
+            f"done: {trainer.state.global_step} steps in {train_s:.2f} s, output {out_dir}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
