@@ -53,7 +53,7 @@ def test_no_code_change_attaches_and_a_stopped_rank_is_a_hang(tmp_path: Path) ->
     run_dir = tmp_path / "run"
     env = job_env(
         TRAINGUARD_CHAOS="hang:rank=1,step=6",  # SIGSTOP inside step 6 (after its heartbeat)
-        TRAINGUARD_HEALTH_HANG_TIMEOUT_S="5",
+        TRAINGUARD_HEALTH_HANG_TIMEOUT_S="10",
     )
     p = run_example(run_dir, "hf_trainer.py", ["--steps", "10", "--no-trainguard"], env=env)
     assert p.returncode == 0, p.stderr[-3000:]

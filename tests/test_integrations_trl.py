@@ -4,6 +4,7 @@ and completion length reach the run directory under the metric contract's names.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,15 @@ def test_grpo_kill_resumes_from_the_snapshot_with_rl_metrics(tmp_path: Path) -> 
     assert {"loss", "reward", "reward_std", "kl", "entropy", "clip_ratio"} <= keys
     assert {"response_length", "response_length_max", "rewards/sevens/mean"} <= keys
     assert records(run_dir, 1, "step")  # heartbeats on every rank
+    # the agent's export (what Prometheus and OTLP serve) carries them under the contract
+    exported = set()
+    for path in (run_dir / "telemetry").glob("metrics_*.jsonl"):
+        exported |= {json.loads(line)["name"] for line in path.read_text().splitlines() if line}
+    assert {
+        "trainguard.train.loss",
+        "trainguard.train.throughput",
+        "trainguard.rl.reward.mean",
+        "trainguard.rl.kl",
+        "trainguard.rl.clip_fraction",
+        "trainguard.rl.response_length.mean",
+    } <= exported

@@ -240,6 +240,7 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self._beat is not None:
             self._beat.end()
+            self._tg.training_done()  # a final save or a slow exit is not a hang
         if self._preempted:
             self._exit()
         if self._ckpt is not None:

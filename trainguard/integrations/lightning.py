@@ -212,6 +212,7 @@ class _Mixin:
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._beat is not None:
             self._beat.end()
+            self._tg.training_done()  # a final save or a slow exit is not a hang
         if self._ckpt is not None:
             try:
                 self._ckpt.wait()
