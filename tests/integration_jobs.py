@@ -33,6 +33,7 @@ def run_example(
     max_restarts: int = 2,
     timeout: float = 420,
 ) -> subprocess.CompletedProcess[str]:
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
         "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",

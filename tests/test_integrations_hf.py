@@ -49,6 +49,23 @@ def test_kill_after_first_checkpoint_resumes_from_the_snapshot(tmp_path: Path) -
     assert events(run_dir, "integration_attached")
 
 
+def test_resumed_run_ends_with_the_weights_of_a_straight_run(tmp_path: Path) -> None:
+    # dropout off, seeded sampler: HF training here is deterministic on CPU
+    import torch
+
+    args = ["--steps", "14", "--save-steps", "5"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    p = run_example(straight / "run", "hf_trainer.py", [*args, "--out", str(tmp_path / "a.pt")])
+    assert p.returncode == 0, p.stderr[-3000:]
+    kill = ["--fail-at-step", "8", "--out", str(tmp_path / "b.pt")]
+    p = run_example(resumed / "run", "hf_trainer.py", [*args, *kill])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [s for _, s in restored_steps(resumed / "run") if s is not None][-1] >= 7
+    a = torch.load(tmp_path / "a.pt", weights_only=True)
+    b = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_no_code_change_attaches_and_a_stopped_rank_is_a_hang(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     env = job_env(
