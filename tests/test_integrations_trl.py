@@ -5,6 +5,9 @@ and completion length reach the run directory under the metric contract's names.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,3 +46,14 @@ def test_grpo_kill_resumes_from_the_snapshot_with_rl_metrics(tmp_path: Path) -> 
         "trainguard.rl.clip_fraction",
         "trainguard.rl.response_length.mean",
     } <= exported
+    # the HTML report draws them (MFU stays empty: a CPU's peak FLOP/s is unknown)
+    report = run_dir / "report.html"
+    r = subprocess.run(
+        [sys.executable, "-m", "trainguard", "report", str(run_dir), "-o", str(report), "-q"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    charts = re.findall(r'<svg class="tg-chart".*?</svg>', report.read_text(), re.S)
+    drawn = {re.search(r"<title>([^<]*)</title>", c).group(1): "no data" not in c for c in charts}
+    assert drawn["Loss"] and drawn["Reward"] and drawn["KL to reference"]
+    assert drawn["Throughput (tokens/s per device)"]
