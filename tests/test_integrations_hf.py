@@ -78,6 +78,9 @@ def test_no_code_change_attaches_and_a_stopped_rank_is_a_hang(tmp_path: Path) ->
     assert events(run_dir, "integration_auto_attached")
     [hang, *_] = events(run_dir, "hang_detected")
     assert hang["ranks"] == [1] and hang["hang_kind"] == "frozen"
+    # stopped right at the step's begin: named within the timeout + 2 s of it
+    assert hang["per_rank"]["1"]["no_progress_s"] <= 10 + 2
+    assert len(events(run_dir, "hang_detected")) == 1  # training's end is not a hang
     assert "loss" in logged_keys(run_dir, 0)
     # the restarted job resumed from the snapshot of the hung step, not from scratch
     restored = [s for src, s in restored_steps(run_dir) if s is not None]
