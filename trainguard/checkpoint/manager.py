@@ -351,12 +351,14 @@ class CheckpointManager:
         *,
         use_memory: bool = True,
         max_step: int | None = None,
+        min_step: int | None = None,
     ) -> int | None:
         """Load the newest good checkpoint into ``state`` (memory tier first when it has the
         newest step on every rank, else disk with checksums verified, falling back to older
-        ones), at or before ``max_step`` when given (a rollback). Returns the saved step (the
-        number of steps done), or None if there is none. Collective (it runs :meth:`setup`
-        first)."""
+        ones), at or before ``max_step`` when given (a rollback), at or after ``min_step``
+        when given (``state`` is left as it is when there is none that new). Returns the
+        saved step (the number of steps done), or None if there is none. Collective (it runs
+        :meth:`setup` first)."""
         from trainguard.checkpoint.restore import Restorer
 
         self.setup()
@@ -373,6 +375,7 @@ class CheckpointManager:
             emit=self._emit,
             metric=self._metric,
             max_step=max_step,
+            min_step=min_step,
         ).run(state, use_memory=use_memory)
         if step is not None:
             for fn in self._restore_listeners:

@@ -56,6 +56,9 @@ class Restorer:
     metric: Callable[..., Any]
     max_step: int | None = None
     """Only steps at or before it (a rollback); None: any."""
+    min_step: int | None = None
+    """Only steps at or after it (a framework's own checkpoint already holds older ones);
+    None: any."""
 
     # -- collectives ---------------------------------------------------------------------------
     def _all_ok(self, ok: bool) -> bool:
@@ -93,6 +96,8 @@ class Restorer:
         for step in sorted(common | set(disk), reverse=True):
             if self.max_step is not None and step > self.max_step:
                 continue
+            if self.min_step is not None and step < self.min_step:
+                break
             if step in common:
                 loaded, source, err = None, "memory", None
                 try:

@@ -34,6 +34,9 @@ __all__ = ["NodeUnhealthyError", "TrainGuardAgent"]
 
 logger = logging.getLogger(__name__)
 
+INTEGRATIONS_HOOK_DIR = str(Path(__file__).resolve().parents[1] / "integrations" / "_autohook")
+"""The framework integrations' worker start-up hook (``sitecustomize.py``)."""
+
 
 class TrainGuardAgent(LocalElasticAgent):
     """A ``LocalElasticAgent`` that records lifecycle events, exposes each worker's progress
@@ -210,6 +213,21 @@ class TrainGuardAgent(LocalElasticAgent):
         )
         self._call("after_rendezvous", worker_group)
 
+    def _install_integrations_hook(self) -> None:
+        """``[integrations] auto``: the workers' start-up hook (first on their PYTHONPATH) that
+        attaches trainguard to transformers' / Lightning's Trainer (trainguard.integrations.auto;
+        a path, not an import: the agent never imports the worker side)."""
+        cfg = self.tg_config.integrations
+        os.environ["TRAINGUARD_INTEGRATIONS_RESUME"] = "1" if cfg.resume else "0"
+        parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        parts = [p for p in parts if p != INTEGRATIONS_HOOK_DIR]
+        if cfg.auto:
+            parts.insert(0, INTEGRATIONS_HOOK_DIR)
+        if parts:
+            os.environ["PYTHONPATH"] = os.pathsep.join(parts)
+        else:
+            os.environ.pop("PYTHONPATH", None)
+
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         progress_dir = self.run_dir / "progress" / f"attempt_{self.attempt}"
         progress_dir.mkdir(parents=True, exist_ok=True)
@@ -222,6 +240,7 @@ class TrainGuardAgent(LocalElasticAgent):
         os.environ[envvars.HEARTBEAT_INTERVAL_S] = str(self.tg_config.runtime.heartbeat_interval_s)
         self._teardown_file = progress_dir / "teardown"
         os.environ[envvars.TEARDOWN_FILE] = str(self._teardown_file)
+        self._install_integrations_hook()
         with warm.serving_torch_workers(self.warm_pool) as started_warm:
             pids = super()._start_workers(worker_group)
         self._mark_teardowns(self._pcontext)

@@ -433,6 +433,14 @@ class TrainGuard:
             record["gpu_memory_bytes"] = torch.cuda.memory_allocated()
             record["gpu_memory_peak_bytes"] = torch.cuda.max_memory_allocated()
 
+    def training_done(self) -> None:
+        """The training loop has ended (a framework's train-end hook): no more step
+        heartbeats. What the process does next (a final save, evaluation, exit) gets hang
+        detection's idle timeout, as after ``close()``; metrics and checkpoints still work."""
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+
     def close(self) -> None:
         """Flush and release resources; safe to call twice."""
         if self._closed:

@@ -33,6 +33,7 @@ from trainguard.core.config.checkpoint import CheckpointConfig
 from trainguard.core.config.ft import FTConfig
 from trainguard.core.config.health import HealthConfig
 from trainguard.core.config.inprocess import InProcessConfig
+from trainguard.core.config.integrations import IntegrationsConfig
 from trainguard.core.config.recovery import RecoveryConfig
 from trainguard.core.config.rendezvous import RendezvousConfig
 from trainguard.core.config.rollback import RollbackConfig
@@ -76,6 +77,7 @@ class TrainGuardConfig:
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
     inprocess: InProcessConfig = field(default_factory=InProcessConfig)
     spares: SparesConfig = field(default_factory=SparesConfig)
+    integrations: IntegrationsConfig = field(default_factory=IntegrationsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,0 +1,168 @@
+"""The framework integrations, per framework (HF Trainer, TRL GRPO, Lightning; the examples'
+tiny models, 2 processes, gloo on CPU):
+
+- overhead: ``trainer.train()`` / ``fit()`` wall time per step under ``trainguard run`` with the
+  callback vs the same script without it (``--no-trainguard``, ``[integrations] auto`` off);
+- a kill -9 of rank 1 some steps after the framework's first checkpoint, under ``trainguard run``
+  with the callback and under ``torchrun`` (same script, same callback: its step records give
+  both launchers' step times): steps redone and time from the kill to the next completed step.
+
+    python bench/integrations.py [--frameworks hf,trl,lightning]
+
+Prints a table, then one JSON line: ``<fw>_steps_redone``, ``<fw>_kill_to_next_step_s``,
+``<fw>_torchrun_kill_to_next_step_s`` (null where torchrun's job failed or hung),
+``<fw>_overhead`` (fraction of a step) for ``<fw>`` in hf, trl, lightning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from trainguard.core.events import read_events  # noqa: E402
+
+SCRIPTS = {
+    "hf": ("hf_trainer.py", 40, 10, 15),  # script, steps, save every, kill at
+    "trl": ("trl_grpo.py", 14, 4, 7),
+    "lightning": ("lightning_trainer.py", 60, 20, 30),
+}
+TIMEOUT_S = 420
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S="0",
+        TRAINGUARD_CHECKPOINT_MEMORY_MAX_STALL_FRACTION="0",  # snapshot every step
+    )
+    env.update(extra)
+    return env
+
+
+def _launch(launcher: str, work: Path, script: str, args: list[str], env: dict[str, str]) -> Any:
+    common = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "3"]
+    if launcher == "trainguard":
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainguard",
+            "run",
+            *common,
+            "--tg-run-dir",
+            str(work / "run"),
+        ]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", *common]
+    cmd += [str(REPO / "examples" / script), "--output-dir", str(work / "out"), *args]
+    try:
+        return subprocess.run(
+            cmd, cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _train_s(p: Any) -> float | None:
+    m = (
+        re.search(r"done: \d+ steps in ([\d.]+) s", (p.stdout or "") + (p.stderr or ""))
+        if p
+        else None
+    )
+    return float(m.group(1)) if m else None
+
+
+def _steps(run: Path, rank: int) -> list[dict[str, Any]]:
+    path = run / "metrics" / f"rank_{rank}.jsonl"
+    if not path.exists():
+        return []
+    recs = (json.loads(x) for x in path.read_text().splitlines() if x.strip())
+    return [r for r in recs if r.get("kind") == "step"]
+
+
+def _kill_to_next(run: Path, kill_at: int) -> float | None:
+    """The killed rank's last step record of attempt 0 (its kill comes at the next step's
+    begin) → the first step completed by any rank in a later attempt."""
+    before = [r["time"] for r in _steps(run, 1) if r.get("attempt") == 0]
+    after = [r["time"] for rank in (0, 1) for r in _steps(run, rank) if r.get("attempt", 0) > 0]
+    if not before or not after:
+        return None
+    return round(min(after) - max(before), 2)
+
+
+def _redone(run: Path, kill_at: int) -> int | None:
+    """Steps run again: the kill came at ``kill_at`` steps done; the first step of the restarted
+    attempt is the step it resumed from."""
+    after = [r["step"] for rank in (0, 1) for r in _steps(run, rank) if r.get("attempt", 0) > 0]
+    return kill_at - min(after) if after else None
+
+
+def bench(fw: str, root: Path) -> dict[str, Any]:
+    script, steps, save, kill_at = SCRIPTS[fw]
+    out: dict[str, Any] = {}
+    base = ["--steps", str(steps), "--save-steps", str(steps * 10)]
+    t = {}
+    for name, extra, env in (
+        ("without", ["--no-trainguard"], _env(TRAINGUARD_INTEGRATIONS_AUTO="false")),
+        ("with", [], _env()),
+    ):
+        work = root / f"{fw}-{name}"
+        work.mkdir()
+        p = _launch("trainguard", work, script, base + extra, env)
+        t[name] = _train_s(p)
+    if t["with"] and t["without"]:
+        out["overhead"] = round((t["with"] - t["without"]) / t["without"], 4)
+        out["step_s_without"] = round(t["without"] / steps, 4)
+        out["step_s_with"] = round(t["with"] / steps, 4)
+    else:
+        out["overhead"] = None
+    kill = ["--steps", str(steps), "--save-steps", str(save), "--fail-at-step", str(kill_at)]
+    for launcher in ("trainguard", "torchrun"):
+        work = root / f"{fw}-kill-{launcher}"
+        work.mkdir()
+        env = _env(TRAINGUARD_RUNTIME_RUN_DIR=str(work / "run"))
+        p = _launch(launcher, work, script, kill, env)
+        ok = p is not None and p.returncode == 0
+        run = work / "run"
+        key = "" if launcher == "trainguard" else "torchrun_"
+        out[f"{key}rc"] = "hung" if p is None else p.returncode
+        out[f"{key}kill_to_next_step_s"] = _kill_to_next(run, kill_at) if ok else None
+        out[f"{key}steps_redone"] = _redone(run, kill_at) if ok else None
+        if launcher == "trainguard" and ok:
+            restored = [e for e in read_events(run) if e.get("kind") == "checkpoint_restored"]
+            out["restored"] = [(e.get("source"), e.get("step")) for e in restored]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--frameworks", default="hf,trl,lightning")
+    args = ap.parse_args()
+    summary: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="tg-bench-integrations-") as tmp:
+        for fw in args.frameworks.split(","):
+            r = bench(fw, Path(tmp))
+            print(f"{fw}: {json.dumps(r)}", flush=True)
+            summary[f"{fw}_steps_redone"] = r.get("steps_redone")
+            summary[f"{fw}_kill_to_next_step_s"] = r.get("kill_to_next_step_s")
+            summary[f"{fw}_torchrun_kill_to_next_step_s"] = r.get("torchrun_kill_to_next_step_s")
+            summary[f"{fw}_torchrun_steps_redone"] = r.get("torchrun_steps_redone")
+            summary[f"{fw}_overhead"] = r.get("overhead")
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

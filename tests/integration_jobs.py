@@ -1,0 +1,74 @@
+"""Run the framework examples (examples/hf_trainer.py, trl_grpo.py, lightning_trainer.py)
+under `trainguard run` for the integration tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.launch_utils import base_env
+from trainguard.core.events import read_events
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    env = base_env(**extra)
+    env["TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S"] = "0"
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    return env
+
+
+def run_example(
+    run_dir: Path,
+    script: str,
+    args: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    max_restarts: int = 2,
+    timeout: float = 420,
+) -> subprocess.CompletedProcess[str]:
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
+        "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
+        "--tg-run-dir", str(run_dir), str(EXAMPLES / script), *args,
+    ]  # fmt: skip
+    return subprocess.run(
+        cmd,
+        cwd=run_dir.parent,
+        env=env if env is not None else job_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in read_events(run_dir) if e.get("kind") == kind]
+
+
+def records(run_dir: Path, rank: int, kind: str) -> list[dict[str, Any]]:
+    path = run_dir / "metrics" / f"rank_{rank}.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == kind:
+            out.append(rec)
+    return out
+
+
+def logged_keys(run_dir: Path, rank: int = 0) -> set[str]:
+    return {k for r in records(run_dir, rank, "log") for k in r}
+
+
+def restored_steps(run_dir: Path) -> list[tuple[str, int | None]]:
+    return [(e.get("source"), e.get("step")) for e in events(run_dir, "checkpoint_restored")]

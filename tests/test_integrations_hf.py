@@ -1,0 +1,105 @@
+"""transformers' Trainer under `trainguard run`, real processes (2 ranks, gloo): the callback
+line and the no-code-change mode; a kill -9 redoes at most one step, the metrics reach the run
+directory, a SIGSTOPped rank is named as a hang."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.integration_jobs import (  # noqa: E402
+    events,
+    job_env,
+    logged_keys,
+    records,
+    restored_steps,
+    run_example,
+)
+
+KILL_AT, SAVE, STEPS = 13, 10, 18
+
+
+def test_kill_after_first_checkpoint_resumes_from_the_snapshot(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    p = run_example(
+        run_dir,
+        "hf_trainer.py",
+        ["--steps", str(STEPS), "--save-steps", str(SAVE), "--fail-at-step", str(KILL_AT)],
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "trainguard: resumed at step" in p.stderr
+    restored = [s for src, s in restored_steps(run_dir) if s is not None]
+    assert restored and KILL_AT - 1 <= restored[-1] <= KILL_AT  # <= 1 step redone, not 3
+    assert (run_dir / "hf" / f"checkpoint-{SAVE}").is_dir()  # the framework's own one was older
+    # metrics on the contract: loss, lr, grad norm (rank 0 only: HF reduces them), heartbeats
+    # with tokens and FLOPs on every rank, numbered by the framework's step
+    keys = logged_keys(run_dir, 0)
+    assert {"loss", "grad_norm", "learning_rate"} <= keys
+    assert not records(run_dir, 1, "log") or "loss" not in logged_keys(run_dir, 1)
+    for rank in (0, 1):
+        steps = records(run_dir, rank, "step")
+        assert steps and all(r["tokens"] > 0 and r["flops"] > 0 for r in steps)
+    last = records(run_dir, 0, "step")[-1]
+    assert last["step"] == STEPS - 1 and last["attempt"] == 1
+    assert events(run_dir, "integration_attached")
+
+
+def test_resumed_run_ends_with_the_weights_of_a_straight_run(tmp_path: Path) -> None:
+    # dropout off, seeded sampler: HF training here is deterministic on CPU
+    import torch
+
+    args = ["--steps", "14", "--save-steps", "5"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    p = run_example(straight / "run", "hf_trainer.py", [*args, "--out", str(tmp_path / "a.pt")])
+    assert p.returncode == 0, p.stderr[-3000:]
+    kill = ["--fail-at-step", "8", "--out", str(tmp_path / "b.pt")]
+    p = run_example(resumed / "run", "hf_trainer.py", [*args, *kill])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [s for _, s in restored_steps(resumed / "run") if s is not None][-1] >= 7
+    a = torch.load(tmp_path / "a.pt", weights_only=True)
+    b = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_no_code_change_attaches_and_a_stopped_rank_is_a_hang(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = job_env(
+        TRAINGUARD_CHAOS="hang:rank=1,step=6",  # SIGSTOP inside step 6 (after its heartbeat)
+        TRAINGUARD_HEALTH_HANG_TIMEOUT_S="10",
+    )
+    p = run_example(run_dir, "hf_trainer.py", ["--steps", "10", "--no-trainguard"], env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "trainguard: attached to the transformers Trainer" in p.stderr
+    assert events(run_dir, "integration_auto_attached")
+    [hang, *_] = events(run_dir, "hang_detected")
+    assert hang["ranks"] == [1] and hang["hang_kind"] == "frozen"
+    # stopped right at the step's begin: named within the timeout + 2 s of it
+    assert hang["per_rank"]["1"]["no_progress_s"] <= 10 + 2
+    assert len(events(run_dir, "hang_detected")) == 1  # training's end is not a hang
+    assert "loss" in logged_keys(run_dir, 0)
+    # the restarted job resumed from the snapshot of the hung step, not from scratch
+    restored = [s for src, s in restored_steps(run_dir) if s is not None]
+    assert restored and restored[-1] >= 5
+
+
+def test_auto_off_leaves_the_job_alone(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = job_env(TRAINGUARD_INTEGRATIONS_AUTO="false")
+    p = run_example(run_dir, "hf_trainer.py", ["--steps", "4", "--no-trainguard"], env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "attached to" not in p.stderr
+    assert not events(run_dir, "integration_auto_attached")
+    assert not records(run_dir, 0, "step")
+
+
+def test_preemption_saves_the_framework_checkpoint_and_exits_75(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = job_env(TRAINGUARD_CHAOS="kill:rank=0,step=5,signal=USR1")
+    p = run_example(run_dir, "hf_trainer.py", ["--steps", "30", "--save-steps", "100"], env=env)
+    assert p.returncode == 75, p.stderr[-3000:]
+    [pre] = events(run_dir, "integration_preempted")
+    assert (run_dir / "hf" / f"checkpoint-{pre['step']}").is_dir()  # HF's own, at that step
+    assert "exiting with 75" in p.stderr

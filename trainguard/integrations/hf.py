@@ -1,0 +1,259 @@
+"""trainguard for the Hugging Face ``Trainer`` and what is built on it (TRL's ``SFTTrainer``,
+``GRPOTrainer``, ``DPOTrainer``...). Tested with transformers 5.23 and TRL 1.16.
+
+    from trainguard.integrations.hf import TrainGuardCallback
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[TrainGuardCallback()])
+
+What it does, on every rank:
+
+- a step heartbeat per optimizer step (``tg.step`` around HF's ``on_step_begin`` /
+  ``on_step_end``, numbered by ``state.global_step``): hang and straggler detection, step
+  time, tokens/s and FLOPs (tokens counted from the batches' ``input_ids``, FLOPs from the
+  model's size and config);
+- every value HF logs (``on_log``; rank 0 only, HF gives every rank the same reduced values)
+  through ``tg.log``, with the metric contract's names where one exists;
+- a snapshot of model, optimizer, scheduler, RNG and step into trainguard's checkpoint
+  manager at every step end (the node's memory tier under ``trainguard run``), and at
+  ``on_train_begin`` a restore from it when it holds a newer step than the checkpoint HF
+  resumed from (the data loader is moved on by the steps in between): a restart redoes at
+  most the step in flight;
+- a preemption notice (SIGTERM / SIGUSR1, ``[checkpoint] preemption_signals``): trainguard's
+  preemption save, then HF saves its own checkpoint at that step boundary
+  (``control.should_save``), training stops and the process exits with the requeue code 75.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from typing import Any
+
+from transformers import TrainerCallback
+
+from trainguard.core.failures import REQUEUE_EXIT_CODE
+from trainguard.integrations.common import (
+    MetricMapper,
+    SafeTelemetry,
+    StepBeat,
+    batch_amounts,
+    flops_per_token,
+)
+
+__all__ = ["TrainGuardCallback"]
+
+logger = logging.getLogger(__name__)
+
+
+def _find_trainer() -> Any:
+    """The ``Trainer`` whose loop is calling: HF hands callbacks the model, optimizer and
+    data loader, not the trainer, whose ``get_batch_samples`` the resume and token count need."""
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        me = frame.f_locals.get("self")
+        if isinstance(me, Trainer):
+            return me
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _inner(obj: Any, attr: str) -> Any:
+    """accelerate's ``AcceleratedOptimizer`` / ``AcceleratedScheduler`` → the torch object."""
+    return getattr(obj, attr, obj) if obj is not None else None
+
+
+class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
+    """See the module docstring. ``resume=False``: heartbeats, metrics and preemption only
+    (no per-step snapshots, no restore)."""
+
+    def __init__(self, *, resume: bool = True) -> None:
+        self.resume = resume
+        self._tg: Any = None
+        self._t: SafeTelemetry | None = None
+        self._beat: StepBeat | None = None
+        self._mapper = MetricMapper()
+        self._ckpt: Any = None
+        self._state: dict[str, Any] = {}
+        self._skip = 0
+        self._rng: Any = None
+        self._amounts: tuple[int | None, int | None, int | None] = (None, None, None)
+        self._fpt: float | None = None
+        self._model: Any = None
+        self._tokens_seen: int | None = None
+        self._lag_tokens: int | None = None
+        self._preempted = False
+        self.resumed_step: int | None = None
+        """The step restored from trainguard's snapshot at ``on_train_begin``, or None."""
+
+    # -- start ----------------------------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        import trainguard
+
+        self._tg = tg = trainguard.init()
+        self._t = SafeTelemetry(tg, "hf")
+        self._beat = StepBeat(self._t)
+        self._model = kw.get("model")
+        trainer = _find_trainer()
+        if trainer is not None:
+            self._wrap_batches(trainer)
+        self._ckpt = tg.checkpoint
+        optimizer = kw.get("optimizer")
+        if self.resume and self._model is not None and optimizer is not None:
+            self._state = {"model": self._model, "optim": _inner(optimizer, "optimizer")}
+            sched = _inner(kw.get("lr_scheduler"), "scheduler")
+            if sched is not None and hasattr(sched, "state_dict"):
+                self._state["sched"] = sched
+            self._restore(args, state, kw.get("train_dataloader"), trainer is not None)
+        else:
+            self._ckpt.setup()  # the preemption handlers (collective: every rank is here)
+        if tg.rank == 0:
+            tg.events.emit(
+                "integration_attached",
+                framework="transformers",
+                resume=bool(self._state),
+                resumed_step=self.resumed_step,
+            )
+
+    def _restore(self, args: Any, state: Any, loader: Any, can_skip: bool) -> None:
+        """The newest trainguard snapshot newer than the step HF resumed from, in the same
+        epoch (HF moves its data loader by epochs, trainguard by the steps in between)."""
+        tg, ckpt = self._tg, self._ckpt
+        done = int(state.global_step)
+        ga = max(1, int(args.gradient_accumulation_steps))
+        per_epoch = None
+        try:
+            per_epoch = max(1, math.ceil(len(loader) / ga))
+        except Exception:
+            pass
+        newest = None if per_epoch is None else (done // per_epoch + 1) * per_epoch - 1
+        if state.max_steps and state.max_steps > 0:
+            newest = state.max_steps if newest is None else min(newest, state.max_steps)
+        if not can_skip:  # cannot move the data loader: the framework's own resume only
+            newest = done
+        step = ckpt.restore(self._state, min_step=done + 1, max_step=newest)
+        if step is None or step <= done:
+            return
+        from trainguard.checkpoint.state import rng_state
+
+        self._rng = rng_state()  # HF restores its own RNG state at the first batch: redo ours
+        self._skip = (step - done) * ga
+        state.global_step = step
+        if per_epoch:
+            state.epoch = step / per_epoch
+        self.resumed_step = step
+        if tg.rank == 0:
+            print(
+                f"trainguard: resumed at step {step} from its snapshot "
+                f"(the framework's checkpoint had step {done})",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _wrap_batches(self, trainer: Any) -> None:
+        """Wrap this trainer's ``get_batch_samples`` (one call per optimizer step): skip the
+        batches of restored steps, count each step's tokens."""
+        if getattr(trainer, "_trainguard_batches", None) is self:
+            return
+        original = type(trainer).get_batch_samples
+        me = self
+
+        def get_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+            if me._skip:
+                skip, me._skip = me._skip, 0
+                for _ in range(skip):
+                    if next(epoch_iterator, None) is None:
+                        break
+            batches, n = original(trainer, epoch_iterator, num_batches, device)
+            try:
+                me._amounts = batch_amounts(batches)
+            except Exception:
+                me._amounts = (None, None, None)
+            return batches, n
+
+        trainer.get_batch_samples = get_batch_samples
+        trainer._trainguard_batches = self
+
+    # -- steps ----------------------------------------------------------------------------------
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self._beat is None:
+            return
+        if self._rng is not None:
+            from trainguard.checkpoint.state import set_rng_state
+
+            set_rng_state(self._rng)
+            self._rng = None
+        tokens, samples, seq = self._amounts
+        self._amounts = (None, None, None)
+        if tokens is None:
+            tokens = self._lag_tokens
+        flops = None
+        if tokens:
+            if self._fpt is None and self._model is not None:
+                self._fpt = flops_per_token(self._model, seq)
+            flops = self._fpt * tokens if self._fpt else None
+        self._tokens_seen = getattr(state, "num_input_tokens_seen", None)
+        self._beat.begin(int(state.global_step), tokens=tokens, samples=samples, flops=flops)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+        if self._beat is None:
+            return None
+        seen = getattr(state, "num_input_tokens_seen", None)
+        if seen and self._tokens_seen is not None and seen > self._tokens_seen:
+            self._lag_tokens = int(seen - self._tokens_seen)  # the next step's estimate
+        self._beat.end()
+        if self._ckpt is None or self._preempted:
+            return None
+        try:
+            if self._state:
+                self._ckpt.maybe_save(int(state.global_step), self._state)
+            elif self._ckpt._agree(self._ckpt.preemption.signum is not None)[0]:
+                raise SystemExit(REQUEUE_EXIT_CODE)
+        except SystemExit as e:
+            if e.code != REQUEUE_EXIT_CODE:
+                raise
+            self._preempted = True  # trainguard's state is saved; now the framework's own
+            control.should_save = True
+            control.should_training_stop = True
+            if self._tg.rank == 0:
+                self._tg.events.emit(
+                    "integration_preempted", framework="transformers", step=int(state.global_step)
+                )
+        return control
+
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self._preempted:
+            self._exit()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+        # every rank gets the same (reduced) values: one series, from rank 0
+        if self._t is None or not logs or not state.is_world_process_zero:
+            return
+        try:
+            metrics = self._mapper.map(logs)
+        except Exception:
+            self._t.failed("mapping metrics")
+            return
+        self._t.log(int(state.global_step), metrics)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self._beat is not None:
+            self._beat.end()
+            self._tg.training_done()  # a final save or a slow exit is not a hang
+        if self._preempted:
+            self._exit()
+        if self._ckpt is not None:
+            try:
+                self._ckpt.wait()
+            except Exception:
+                logger.exception("trainguard snapshot in flight failed")
+
+    def _exit(self) -> None:
+        print(
+            "trainguard: preempted; the framework saved its checkpoint, exiting with "
+            f"{REQUEUE_EXIT_CODE} (requeue)",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(REQUEUE_EXIT_CODE)
