@@ -124,7 +124,13 @@ class ProgressReader:
         self.dir = Path(progress_dir)
 
     def read(self, rank: int) -> ProgressSnapshot | None:
-        path = progress_path(self.dir, rank)
+        return self.read_path(progress_path(self.dir, rank), rank)
+
+    def read_path(self, path: Path, rank: int | None = None) -> ProgressSnapshot | None:
+        """The record in ``path`` (any file of this layout; ``rank`` defaults to the one in
+        the ``..._rank_R.bin`` file name)."""
+        if rank is None:
+            rank = int(path.stem.rsplit("_", 1)[1])
         try:
             with path.open("rb") as f:
                 for _ in range(3):  # a record read while the worker wrote it: read it again

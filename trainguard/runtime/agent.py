@@ -14,7 +14,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from trainguard.core import envvars
+from trainguard.core import collectives, envvars
 from trainguard.core.config import TrainGuardConfig
 from trainguard.core.events import EventLog
 from trainguard.core.failures import (
@@ -73,6 +73,8 @@ class TrainGuardAgent(LocalElasticAgent):
             else None
         )
         """Pre-started workers for restarts (runtime/warm.py); None when warm_restarts is off."""
+        self._user_pythonpath = os.environ.get("PYTHONPATH")
+        self._collective_ranks: set[int] = set()
 
     # -- requeue (the one place that decides it) ------------------------------------------------
     def _mark_requeue(self, **fields: Any) -> None:
@@ -138,16 +140,35 @@ class TrainGuardAgent(LocalElasticAgent):
         return ctx
 
     def worker_progress(self) -> dict[int, ProgressSnapshot]:
-        """Latest progress of every local worker, by global rank."""
+        """Latest progress of every local worker, by global rank: its ``tg.step()`` record,
+        else (no record, or no step yet) its collective progress record."""
         if self.progress is None:
             return {}
         ranks = [w.global_rank for w in self._worker_group.workers]
         out = {}
         for r in ranks:
             snap = self.progress.read(r)
+            if snap is None or (snap.num_steps == 0 and not snap.in_step):
+                coll = self.progress.read_path(
+                    collectives.collective_progress_path(self.progress.dir, r)
+                )
+                if coll is not None:
+                    self._announce_collective_progress(r)
+                    snap = coll
             if snap is not None:
                 out[r] = snap
         return out
+
+    def _announce_collective_progress(self, rank: int) -> None:
+        if rank in self._collective_ranks:
+            return
+        if not self._collective_ranks:
+            logger.info(
+                "hang detection: ranks without tg.step() progress are judged by their collectives "
+                "(torch flight recorder, last completed sequence id)"
+            )
+        self._collective_ranks.add(rank)
+        self.events.emit("collective_progress", rank=rank)
 
     def worker_pids(self) -> dict[int, int]:
         """Global rank → pid of this node's workers (torch's process context, else the pids
@@ -222,6 +243,8 @@ class TrainGuardAgent(LocalElasticAgent):
         os.environ[envvars.HEARTBEAT_INTERVAL_S] = str(self.tg_config.runtime.heartbeat_interval_s)
         self._teardown_file = progress_dir / "teardown"
         os.environ[envvars.TEARDOWN_FILE] = str(self._teardown_file)
+        self._collective_ranks.clear()
+        self._watch_collectives()
         with warm.serving_torch_workers(self.warm_pool) as started_warm:
             pids = super()._start_workers(worker_group)
         self._mark_teardowns(self._pcontext)
@@ -241,6 +264,20 @@ class TrainGuardAgent(LocalElasticAgent):
         )
         self._call("on_workers_started", worker_group)
         return pids
+
+    def _watch_collectives(self) -> None:
+        """Workers start trainguard's hook (runtime/_zygote) before the script: it reads their
+        collective progress from torch's flight recorder (switched on here unless the user set
+        its buffer size)."""
+        health = self.tg_config.health
+        if not (health.enabled and health.hang_detection):
+            os.environ.pop(collectives.WATCH_ENV, None)
+            return
+        os.environ.setdefault(collectives.FR_BUFFER_ENV, str(collectives.FR_BUFFER_DEFAULT))
+        os.environ[collectives.WATCH_ENV] = str(health.collective_poll_interval_s)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [warm.HOOK_DIR, *filter(None, [self._user_pythonpath])]
+        )
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self.inprocess.check(worker_group)  # before torch's poll, which stops every worker
