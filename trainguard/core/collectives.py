@@ -20,6 +20,7 @@ never touching the (possibly stuck) collectives.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import logging
@@ -180,11 +181,18 @@ class _Watcher:
             self.writer = ProgressWriter(
                 collective_progress_path(self.progress_dir, self.rank), heartbeat_interval_s=hb
             )
+            # interpreter shutdown stops daemon threads (the heartbeat) while the process may
+            # still take seconds to exit: a closed record reads as "finishing", not "frozen"
+            atexit.register(self.writer.close)
         last_completed, last_change = -1, time.time()
         in_flight_since = 0.0
         while True:
+            ready = self._dist_ready()
+            if not ready and self.writer is not None:  # the script destroyed its group
+                self.writer.close()
+                self.writer = None
             try:
-                status = _default_pg_status() if self._dist_ready() else None
+                status = _default_pg_status() if ready else None
             except Exception as e:  # never into training: stop watching, leave a trace
                 logger.warning("trainguard: collective progress unavailable: %s", e)
                 return

@@ -1,0 +1,192 @@
+"""Hang diagnosis: plain torch.distributed scripts (no trainguard import) under `trainguard run`,
+one rank on another code path or stopped; the verdict names the collective and the ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.health_fixtures.jobs import events, job_env, wait_for_event
+from tests.launch_utils import free_port
+from tests.procs import kill_tree
+from trainguard.core.collectives import CollectiveState, parse_trace
+from trainguard.health.hangdiag import RankDump, aggregate_stacks, analyse, main_frame
+
+pytestmark = pytest.mark.xdist_group("hang")
+
+SCRIPT = Path(__file__).resolve().parent / "workers" / "plain_collectives.py"
+PG = "0:default_pg"
+
+
+def _cmd(run_dir: Path, nproc: int, args: list[str], *, extra: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "trainguard", "run", "--nproc-per-node", str(nproc),
+        "--monitor-interval", "0.1", "--tg-run-dir", str(run_dir), *extra, str(SCRIPT), *args,
+    ]  # fmt: skip
+
+
+def _kill_workers(cwd: Path) -> None:
+    for f in (cwd / "pids").glob("rank_*"):
+        try:
+            os.kill(int(f.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def _dump(rank: int, op: str | None, entered: int, completed: int, host: str = "h") -> RankDump:
+    st = CollectiveState(PG, entered, completed, op, [[16]])
+    return RankDump(rank, host, "flight_recorder", {PG: st.to_json()})
+
+
+# -- logic -------------------------------------------------------------------------------------
+def test_parse_trace_reads_last_entered_and_completed() -> None:
+    entry = {"process_group": ["0", "default_pg"], "is_p2p": False, "input_sizes": [[16]]}
+    trace = {
+        "entries": [
+            {**entry, "collective_seq_id": 61, "profiling_name": "gloo:all_reduce"},
+            {**entry, "collective_seq_id": 62, "profiling_name": "gloo:broadcast"},
+        ],
+        "pg_status": {"0": {"last_enqueued_collective": "62", "last_completed_collective": "61"}},
+    }
+    [(pg, s)] = parse_trace(trace).items()
+    assert pg == PG and (s.op, s.entered, s.completed, s.in_flight) == ("broadcast", 62, 61, True)
+
+
+def test_analyse_classifies_missing_divergent_transport() -> None:
+    missing = {r: _dump(r, "all_reduce", 7, 6, "a" if r < 2 else "b") for r in range(3)}
+    missing[3] = _dump(3, None, 6, 6, "b")
+    d = analyse(missing, 4)
+    assert (d.kind, d.op, d.seq, d.suspect_ranks, d.suspect_hosts) == (
+        "missing", "all_reduce", 7, [3], ["b"]
+    )  # fmt: skip
+    assert "rank 3 on b" in d.message and "never entered" in d.message
+    div = {r: _dump(r, "broadcast", 62, 61) for r in (0, 2, 3)}
+    div[1] = _dump(1, "all_reduce", 62, 61)
+    d = analyse(div, 4)
+    assert d.kind == "divergent" and d.suspect_ranks == [1]
+    assert d.message.startswith("ranks split: {0,2,3} in broadcast #62, {1} in all_reduce #62")
+    d = analyse({r: _dump(r, "all_gather", 3, 2) for r in range(4)}, 4)
+    assert d.kind == "transport" and d.seq == 3
+    d = analyse({0: _dump(0, "all_gather", 3, 2)}, 2)  # rank 1 sent nothing
+    assert d.kind == "missing" and d.suspect_ranks == [1] and d.missing_dumps == [1]
+
+
+def test_identical_stacks_aggregate_and_main_frame_skips_libraries() -> None:
+    def fh(tid: str, line: int) -> str:
+        return (
+            f"Thread 0x{tid} (most recent call first):\n"
+            '  File "/x/torch/distributed/distributed_c10d.py", line 3151 in broadcast\n'
+            f'  File "/job/train.py", line {line} in <module>\n'
+        )
+
+    stacks = {r: fh(f"{r:012x}", 40) for r in range(6)}
+    stacks[4] = fh("0000000000ff", 38)
+    groups = aggregate_stacks(stacks)
+    assert [g["ranks"] for g in groups] == [[0, 1, 2, 3, 5], [4]]
+    assert main_frame(stacks[4]) == "<module> (train.py:38)"
+
+
+# -- real jobs ---------------------------------------------------------------------------------
+def test_plain_script_divergent_path_is_named_and_job_restarts(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = _cmd(run_dir, 4, ["--diverge-rank", "1", "--at-step", "30"],
+               extra=["--standalone", "--max-restarts", "1"])  # fmt: skip
+    try:
+        p = subprocess.run(
+            cmd, cwd=tmp_path, env=job_env(hang_timeout_s=5), capture_output=True, text=True,
+            timeout=150, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    finally:
+        _kill_workers(tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    [diag] = events(run_dir, "hang_diagnosis")
+    assert diag["diagnosis"] == "divergent", diag["message"]
+    assert diag["message"].startswith("ranks split: ")
+    assert " in broadcast #" in diag["message"] and " in all_reduce #" in diag["message"]
+    assert diag["suspect_ranks"] == [1]
+    hang_at = float((tmp_path / "hang_at").read_text())
+    assert diag["time"] - hang_at <= 5 + 5, diag["time"] - hang_at
+    assert events(run_dir, "collective_progress")
+    assert "hang diagnosis (divergent): ranks split:" in p.stderr
+    hang_dir = run_dir / "hangs" / "0"
+    assert {f"fr_rank_{r}.json" for r in range(4)} <= {f.name for f in hang_dir.iterdir()}
+    assert (hang_dir / "diagnosis.json").is_file()
+    assert len(events(run_dir, "restart")) == 1 and (tmp_path / "done").read_text() == "60"
+
+
+def _two_nodes(tmp_path: Path, args: list[str]) -> tuple[list[subprocess.Popen[str]], Path]:
+    run_dir, port = tmp_path / "run", free_port()
+    procs = []
+    for node in ("nodeA", "nodeB"):
+        env = job_env(hang_timeout_s=5)
+        env["SLURMD_NODENAME"] = node
+        extra = ["--nnodes", "2", "--max-restarts", "0", "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hd"]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                _cmd(run_dir, 2, args, extra=extra),
+                cwd=tmp_path,
+                env=env,
+                text=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=open(tmp_path / f"{node}.err", "w"),
+            )  # fmt: skip
+        )
+    return procs, run_dir
+
+
+def test_two_nodes_stopped_rank_named_with_its_host_and_collective(tmp_path: Path) -> None:
+    procs, run_dir = _two_nodes(tmp_path, ["--stop-rank", "3", "--at-step", "20"])
+    try:
+        diags = wait_for_event(run_dir, "hang_diagnosis", timeout=90, count=2)
+        for p in procs:
+            p.wait(timeout=60)
+    finally:
+        _kill_workers(tmp_path)
+        for p in procs:
+            kill_tree(p)
+    hang_at = float((tmp_path / "hang_at").read_text())
+    started = events(run_dir, "workers_started")
+    host3 = next(e["node"] for e in started for w in e["workers"] if w["rank"] == 3)
+    for d in diags:
+        assert d["diagnosis"] == "missing", d["message"]
+        assert d["suspect_ranks"] == [3] and d["suspect_hosts"] == [host3]
+        assert d["op"] in ("all_reduce", "broadcast") and isinstance(d["seq"], int)
+        assert f"{d['op']} #{d['seq']}" in d["message"]
+        assert f"rank 3 on {host3}" in d["message"]
+    first = min(d["time"] for d in diags)
+    assert first - hang_at <= 5 + 3, first - hang_at
+    assert {d["node"] for d in diags} == {"nodeA", "nodeB"}
+
+
+def _stopped_one_of_many(tmp_path: Path, nproc: int, stop: int) -> None:
+    run_dir = tmp_path / "run"
+    cmd = _cmd(run_dir, nproc, ["--stop-rank", str(stop), "--at-step", "5", "--steps", "30"],
+               extra=["--standalone", "--max-restarts", "0"])  # fmt: skip
+    env = job_env(hang_timeout_s=8, hang_diagnosis_timeout_s=20, stack_dump="false")
+    try:
+        subprocess.run(
+            cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    finally:
+        _kill_workers(tmp_path)
+    [diag] = events(run_dir, "hang_diagnosis")
+    assert diag["diagnosis"] == "missing" and diag["suspect_ranks"] == [stop], diag["message"]
+    assert 1 <= len(diag["stack_groups"]) <= 5, [g["ranks"] for g in diag["stack_groups"]]
+    assert sum(len(g["ranks"]) for g in diag["stack_groups"]) == nproc
+
+
+def test_eight_ranks_one_stopped_few_stack_groups(tmp_path: Path) -> None:
+    _stopped_one_of_many(tmp_path, 8, 5)
+
+
+@pytest.mark.soak
+def test_sixty_four_ranks_one_stopped_few_stack_groups(tmp_path: Path) -> None:
+    _stopped_one_of_many(tmp_path, 64, 37)
