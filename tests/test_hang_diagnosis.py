@@ -4,9 +4,11 @@ one rank on another code path or stopped; the verdict names the collective and t
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -190,3 +192,89 @@ def test_eight_ranks_one_stopped_few_stack_groups(tmp_path: Path) -> None:
 @pytest.mark.soak
 def test_sixty_four_ranks_one_stopped_few_stack_groups(tmp_path: Path) -> None:
     _stopped_one_of_many(tmp_path, 64, 37)
+
+
+def _completed_seq(run_dir: Path, rank: int) -> int:
+    from trainguard.core.collectives import collective_progress_path
+    from trainguard.core.progress import ProgressReader
+
+    path = collective_progress_path(run_dir / "progress" / "attempt_0", rank)
+    snap = ProgressReader(path.parent).read_path(path)
+    return snap.step if snap else -1
+
+
+def _rate(run_dir: Path, seconds: float = 2.0) -> float:
+    a, t0 = _completed_seq(run_dir, 0), time.monotonic()
+    time.sleep(seconds)
+    return (_completed_seq(run_dir, 0) - a) / (time.monotonic() - t0)
+
+
+def test_debug_shows_a_running_job_without_slowing_it(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = _cmd(run_dir, 2, ["--steps", "100000", "--step-s", "0.05"],
+               extra=["--standalone", "--max-restarts", "0"])  # fmt: skip
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=job_env(), stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while _completed_seq(run_dir, 0) < 40 or _completed_seq(run_dir, 1) < 40:
+            assert time.monotonic() < deadline and job.poll() is None, "job did not start"
+            time.sleep(0.2)
+        before = _rate(run_dir)
+        outs = {}
+        for view in ("stacks", "collectives"):
+            t0 = time.monotonic()
+            p = subprocess.run(
+                [sys.executable, "-m", "trainguard", "debug", str(run_dir), view],
+                capture_output=True, text=True, timeout=30, env=job_env(),
+            )  # fmt: skip
+            elapsed = time.monotonic() - t0
+            assert p.returncode == 0, p.stderr
+            m = re.search(r"\((\d+) of 2 ranks answered in ([\d.]+)s", p.stdout)
+            assert m and m[1] == "2" and float(m[2]) <= 5.0, p.stdout[-300:]
+            assert elapsed <= 20.0, elapsed  # interpreter start-up on a loaded host included
+            outs[view] = p.stdout
+        after = _rate(run_dir)
+        assert job.poll() is None  # still running
+    finally:
+        kill_tree(job)
+        _kill_workers(tmp_path)
+    assert "plain_collectives.py" in outs["stacks"] and "no answer" not in outs["stacks"]
+    assert "=== ranks {0,1} (2) ===" in outs["stacks"] or outs["stacks"].count("=== ranks") == 2
+    assert "pg 0:default_pg" in outs["collectives"] and "main thread at" in outs["collectives"]
+    assert after >= 0.7 * before, (before, after)
+
+
+# -- the timeout chain -------------------------------------------------------------------------
+def test_timeout_chain_flags_only_user_settings_in_the_wrong_order() -> None:
+    from trainguard.core.config import TrainGuardConfig
+    from trainguard.core.config.health import HealthConfig
+    from trainguard.core.timeouts import contradictions, timeout_chain
+
+    cfg = TrainGuardConfig(health=HealthConfig(hang_timeout_s=300))
+    chain = timeout_chain(cfg)
+    assert [(c.name, c.value_s, c.source) for c in chain] == [
+        ("collective", 1800.0, "default"), ("hang", 300, "set"), ("rendezvous", 600.0, "default")
+    ]  # fmt: skip
+    assert contradictions(chain) == []  # torch's default is not the user's choice
+    cfg = TrainGuardConfig(health=HealthConfig(hang_timeout_s=300, collective_timeout_s=1800))
+    [line] = contradictions(timeout_chain(cfg, rdzv_configs={"join_timeout": 3600}))
+    assert "health.collective_timeout_s = 1800s" in line and "health.hang_timeout_s = 300s" in line
+    ok = TrainGuardConfig(health=HealthConfig(hang_timeout_s=300, collective_timeout_s=120))
+    assert contradictions(timeout_chain(ok, rdzv_configs={"join_timeout": 900})) == []
+
+
+def test_contradictory_timeouts_warn_in_one_line_and_chain_in_config_json(tmp_path: Path) -> None:
+    import json
+
+    run_dir = tmp_path / "run"
+    env = job_env(hang_timeout_s=300, collective_timeout_s=1800)
+    cmd = _cmd(run_dir, 1, ["--steps", "2"], extra=["--standalone", "--max-restarts", "0"])
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+                       stdin=subprocess.DEVNULL)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [ln for ln in p.stderr.splitlines() if "timeouts contradict" in ln]
+    assert len(lines) == 1, lines
+    assert "health.collective_timeout_s" in lines[0] and "health.hang_timeout_s" in lines[0]
+    chain = json.loads((run_dir / "config.json").read_text())["timeouts"]
+    assert [c["name"] for c in chain] == ["collective", "hang", "rendezvous"]

@@ -230,7 +230,12 @@ def dump_rank(directory: Path, rank: int) -> None:
             faulthandler.dump_traceback(f, all_threads=True)
         os.replace(directory / f"stacks_rank_{rank}.txt.tmp", directory / f"stacks_rank_{rank}.txt")
         trace = dump_trace() or {}
-        trace["trainguard"] = {"rank": rank, "pid": os.getpid(), "time": time.time()}
+        trace["trainguard"] = {
+            "rank": rank,
+            "pid": os.getpid(),
+            "time": time.time(),
+            "host": os.environ.get(envvars.NODE, ""),
+        }
         tmp = directory / f"fr_rank_{rank}.json.tmp"
         tmp.write_text(json.dumps(trace), encoding="utf-8")
         os.replace(tmp, directory / f"fr_rank_{rank}.json")
