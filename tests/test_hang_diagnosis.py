@@ -90,6 +90,9 @@ def test_identical_stacks_aggregate_and_main_frame_skips_libraries() -> None:
     stacks[4] = fh("0000000000ff", 38)
     groups = aggregate_stacks(stacks)
     assert [g["ranks"] for g in groups] == [[0, 1, 2, 3, 5], [4]]
+    assert groups[0]["stack"].startswith("Thread 0x? (most recent call first):")
+    pyspy = {r: f'Thread {1000 + r} (idle): "MainThread"\n    wait (x.py:3)\n' for r in (7, 8)}
+    assert [g["ranks"] for g in aggregate_stacks(pyspy)] == [[7, 8]]
     assert main_frame(stacks[4]) == "<module> (train.py:38)"
 
 
@@ -119,6 +122,16 @@ def test_plain_script_divergent_path_is_named_and_job_restarts(tmp_path: Path) -
     assert {f"fr_rank_{r}.json" for r in range(4)} <= {f.name for f in hang_dir.iterdir()}
     assert (hang_dir / "diagnosis.json").is_file()
     assert len(events(run_dir, "restart")) == 1 and (tmp_path / "done").read_text() == "60"
+    # the HTML report has the verdict, the groups and the aggregated stacks
+    out = tmp_path / "report.html"
+    subprocess.run([sys.executable, "-m", "trainguard", "report", str(run_dir), "-o", str(out)],
+                   check=True, capture_output=True, timeout=120)  # fmt: skip
+    html = out.read_text()
+    hangs = html.split('<div id="hangs">')[1].split("</div>")[0]
+    assert (
+        "ranks split: " in hangs and "stack of ranks" in hangs and "plain_collectives.py" in hangs
+    )
+    assert "health.hang_timeout_s" in html.split('<div id="timeouts">')[1]
 
 
 def _two_nodes(tmp_path: Path, args: list[str]) -> tuple[list[subprocess.Popen[str]], Path]:

@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 """torch's switch for its flight recorder (entries kept per process)."""
 FR_BUFFER_DEFAULT = 2000
+FR_BUFFER_AGENT_ENV = envvars.PREFIX + "FR_BUFFER_SIZE"
+"""Set by the agent (unless the user set :data:`FR_BUFFER_ENV`): the hook puts the recorder's
+buffer size into the worker's C environment only (``os.putenv``), where torch reads it, so the
+script's ``os.environ`` stays exactly what torchrun would give it."""
 WATCH_ENV = envvars.PREFIX + "COLLECTIVES"
 """Set by the agent: seconds between collective progress reads (the watcher runs when set)."""
 

@@ -212,7 +212,7 @@ def analyse(dumps: dict[int, RankDump], world_size: int | None = None) -> Diagno
 # -- stacks -----------------------------------------------------------------------------------
 _HEX = re.compile(r"0x[0-9a-fA-F]+")
 _PYSPY_HEADER = re.compile(r"^(Process \d+:|Python v|# rank )")
-_THREAD_ID = re.compile(r"^(Thread) \d+")
+_THREAD_ID = re.compile(r"^(Thread) \d+(?= )")
 
 
 def _normalise(stack: str) -> str:

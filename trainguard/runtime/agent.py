@@ -272,8 +272,10 @@ class TrainGuardAgent(LocalElasticAgent):
         health = self.tg_config.health
         if not (health.enabled and health.hang_detection):
             os.environ.pop(collectives.WATCH_ENV, None)
+            os.environ.pop(collectives.FR_BUFFER_AGENT_ENV, None)
             return
-        os.environ.setdefault(collectives.FR_BUFFER_ENV, str(collectives.FR_BUFFER_DEFAULT))
+        if collectives.FR_BUFFER_ENV not in os.environ:  # the hook sets it in the C environment
+            os.environ[collectives.FR_BUFFER_AGENT_ENV] = str(collectives.FR_BUFFER_DEFAULT)
         os.environ[collectives.WATCH_ENV] = str(health.collective_poll_interval_s)
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [warm.HOOK_DIR, *filter(None, [self._user_pythonpath])]

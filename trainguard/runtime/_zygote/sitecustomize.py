@@ -28,6 +28,8 @@ _FD_ENV = "TRAINGUARD_ZYGOTE_FD"
 _PRELOAD_ENV = "TRAINGUARD_ZYGOTE_PRELOAD"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _WATCH_ENV = "TRAINGUARD_AGENT_COLLECTIVES"  # trainguard.core.collectives.WATCH_ENV
+_FR_AGENT_ENV = "TRAINGUARD_AGENT_FR_BUFFER_SIZE"  # trainguard.core.collectives
+_FR_ENV = "TORCH_FR_BUFFER_SIZE"
 _ABORT = 111  # exit code of a zygote that never got a job (the agent ignores it)
 
 
@@ -93,6 +95,9 @@ def _watch_collectives() -> None:
     worker's own children inherit."""
     if not os.environ.get(_WATCH_ENV):
         return
+    fr_size = os.environ.pop(_FR_AGENT_ENV, None)
+    if fr_size and _FR_ENV not in os.environ:  # torch's getenv sees it, os.environ does not
+        os.putenv(_FR_ENV, fr_size)
     kept = [
         p
         for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
