@@ -2,7 +2,8 @@
 
 ``--diverge-rank R --at-step S``: at step S (first attempt only) rank R calls an extra
 ``all_reduce`` while the others go on to the ``broadcast``. ``--stop-rank R --at-step S``: rank R
-stops itself (SIGSTOP) inside step S, before its collectives. Every rank writes its pid to
+stops itself (SIGSTOP) inside step S, before its collectives; ``--kill-rank R``: it SIGKILLs
+itself there (survivors that leave their collective with an error write ``released_rank_R``). Every rank writes its pid to
 ``pids/rank_R`` and the hang moment to ``hang_at`` in the working directory.
 """
 
@@ -24,6 +25,7 @@ def main() -> None:
     p.add_argument("--step-s", type=float, default=0.02)
     p.add_argument("--diverge-rank", type=int, default=-1)
     p.add_argument("--stop-rank", type=int, default=-1)
+    p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--at-step", type=int, default=30)
     a = p.parse_args()
     dist.init_process_group("gloo")
@@ -37,7 +39,14 @@ def main() -> None:
         if first and step == a.at_step and rank == a.stop_rank:
             Path("hang_at").write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGSTOP)
-        dist.all_reduce(t)
+        if first and step == a.at_step and rank == a.kill_rank:
+            Path("hang_at").write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            dist.all_reduce(t)
+        except Exception:  # a peer died: record when this survivor left the collective
+            Path(f"released_rank_{rank}").write_text(str(time.time()))
+            raise
         if first and step == a.at_step and rank == a.diverge_rank:
             Path("hang_at").write_text(str(time.time()))
             dist.all_reduce(t)  # the extra collective only this rank calls
