@@ -118,6 +118,7 @@ def test_plain_script_divergent_path_is_named_and_job_restarts(tmp_path: Path) -
     assert diag["time"] - hang_at <= 5 + 5, diag["time"] - hang_at
     assert events(run_dir, "collective_progress")
     assert "hang diagnosis (divergent): ranks split:" in p.stderr
+    assert p.stderr.count("judged by their collectives") == 2  # one line per attempt
     hang_dir = run_dir / "hangs" / "0"
     assert {f"fr_rank_{r}.json" for r in range(4)} <= {f.name for f in hang_dir.iterdir()}
     assert (hang_dir / "diagnosis.json").is_file()

@@ -56,6 +56,8 @@ FR_BUFFER_AGENT_ENV = envvars.PREFIX + "FR_BUFFER_SIZE"
 """Set by the agent (unless the user set :data:`FR_BUFFER_ENV`): the hook puts the recorder's
 buffer size into the worker's C environment only (``os.putenv``), where torch reads it, so the
 script's ``os.environ`` stays exactly what torchrun would give it."""
+REQUEST_POLL_S = 0.5
+"""How often a worker looks for a dump request."""
 WATCH_ENV = envvars.PREFIX + "COLLECTIVES"
 """Set by the agent: seconds between collective progress reads (the watcher runs when set)."""
 
@@ -168,6 +170,7 @@ class _Watcher:
         self.attempt = int(os.environ.get(envvars.ATTEMPT, "0") or 0)
         self.writer: ProgressWriter | None = None
         self._answered: set[str] = set()
+        self._next_request_check = 0.0
 
     def _dist_ready(self) -> bool:
         dist = sys.modules.get("torch.distributed")
@@ -213,9 +216,13 @@ class _Watcher:
             time.sleep(self.interval_s)
 
     def _answer_requests(self) -> None:
-        """Dump on request: the flight-recorder trace and every thread's stack, as files."""
-        if not self.run_dir:
+        """Dump on request: the flight-recorder trace and every thread's stack, as files.
+        Looked for at most every :data:`REQUEST_POLL_S` (a directory listing in the run
+        directory, which may be on a shared file system)."""
+        now = time.monotonic()
+        if not self.run_dir or now < self._next_request_check:
             return
+        self._next_request_check = now + REQUEST_POLL_S
         reqs = [*Path(self.run_dir, "hangs").glob("*/request")]
         reqs += Path(self.run_dir, "debug").glob("*/request")
         for req in reqs:

@@ -163,7 +163,7 @@ class TrainGuardAgent(LocalElasticAgent):
         if rank in self._collective_ranks:
             return
         if not self._collective_ranks:
-            logger.info(
+            logger.warning(  # shown by default: the user learns which signal guards the job
                 "hang detection: ranks without tg.step() progress are judged by their collectives "
                 "(torch flight recorder, last completed sequence id)"
             )
