@@ -293,3 +293,40 @@ def test_contradictory_timeouts_warn_in_one_line_and_chain_in_config_json(tmp_pa
     assert "health.collective_timeout_s" in lines[0] and "health.hang_timeout_s" in lines[0]
     chain = json.loads((run_dir / "config.json").read_text())["timeouts"]
     assert [c["name"] for c in chain] == ["collective", "hang", "rendezvous"]
+
+
+def test_watcher_records_collective_progress_and_the_timeout_follows_its_cadence(
+    tmp_path: Path,
+) -> None:
+    from trainguard.core import envvars
+    from trainguard.core.collectives import FR_BUFFER_ENV, WATCH_ENV, collective_progress_path
+    from trainguard.core.config.health import HealthConfig
+    from trainguard.core.progress import ProgressReader
+    from trainguard.health.hang import HangTracker
+
+    code = (
+        "import time, torch, torch.distributed as dist\n"
+        "from trainguard.core.collectives import start_from_env\n"
+        "start_from_env()\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0,"
+        " world_size=1)\n"
+        "t = torch.ones(4)\n"
+        "for _ in range(12):\n"
+        "    dist.all_reduce(t)\n"
+        "    time.sleep(0.4)\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = job_env()
+    env.update({WATCH_ENV: "0.05", FR_BUFFER_ENV: "100", "RANK": "0",
+                envvars.PROGRESS_DIR: str(tmp_path), envvars.RUN_DIR: str(tmp_path)})  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    path = collective_progress_path(tmp_path, 0)
+    snap = ProgressReader(tmp_path).read_path(path)
+    assert snap is not None and snap.step == 12 and snap.num_steps >= 10  # seq ids 1..12
+    assert snap.heartbeat == float("inf")  # closed when the group was destroyed: finishing
+    assert 0.3 <= snap.last_step_s <= 1.0, snap.last_step_s  # the cadence, ~0.4 s
+    tracker = HangTracker(HealthConfig(hang_min_timeout_s=0.1, hang_warmup_steps=0))
+    tracker._learn({0: snap})
+    assert tracker.step_timeout() == pytest.approx(5 * snap.last_step_s)
