@@ -71,9 +71,10 @@ def hang_dir(run_dir: str | os.PathLike[str], attempt: int) -> Path:
     return Path(run_dir) / "hangs" / str(attempt)
 
 
-def request_path(directory: str | os.PathLike[str]) -> Path:
-    """The file the agent creates in a dump directory to ask its workers for a dump."""
-    return Path(directory) / "request"
+def request_path(directory: str | os.PathLike[str], node: str = "") -> Path:
+    """The file an agent (one per node: ``node``) or ``trainguard debug`` creates in a dump
+    directory to ask the workers for a dump; removed once answered."""
+    return Path(directory) / (f"request.{node}" if node else "request")
 
 
 # -- reading torch's flight recorder (the only torch-private access of trainguard's FR use) --
@@ -223,8 +224,10 @@ class _Watcher:
         if not self.run_dir or now < self._next_request_check:
             return
         self._next_request_check = now + REQUEST_POLL_S
-        reqs = [*Path(self.run_dir, "hangs").glob("*/request")]
-        reqs += Path(self.run_dir, "debug").glob("*/request")
+        # a hang of this attempt only: a restarted worker never overwrites an earlier verdict's
+        # evidence
+        reqs = [*hang_dir(self.run_dir, self.attempt).glob("request*")]
+        reqs += Path(self.run_dir, "debug").glob("*/request*")
         for req in reqs:
             key = str(req)
             if key in self._answered:

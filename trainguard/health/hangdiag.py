@@ -349,9 +349,8 @@ def collect_and_analyse(
     node = ctx.events.node
     d = hang_dir(ctx.run_dir, max(ctx.attempt, 0))
     d.mkdir(parents=True, exist_ok=True)
-    req = request_path(d)
-    if not req.exists():
-        req.write_text(json.dumps({"node": node, "time": time.time()}), encoding="utf-8")
+    req = request_path(d, node)
+    req.write_text(json.dumps({"node": node, "time": time.time()}), encoding="utf-8")
     store = ctx.store
     if store is not None:
         try:
@@ -371,6 +370,7 @@ def collect_and_analyse(
                 (d / f"pyspy_rank_{r}.txt").write_text(s["stack"], encoding="utf-8")
     live = {r: d / f"fr_rank_{r}.json" for r in pids if r not in stopped}
     wait_for_files(live, time.monotonic() + max(0.5, (deadline - time.monotonic()) / 2))
+    req.unlink(missing_ok=True)
     progress_dir = os.environ.get(envvars.PROGRESS_DIR)
     local = {r: _local_dump(r, node, d, process_state(pids[r]), progress_dir) for r in pids}
     dumps = dict(local)
