@@ -191,30 +191,44 @@ class _Watcher:
             )
             # interpreter shutdown stops daemon threads (the heartbeat) while the process may
             # still take seconds to exit: a closed record reads as "finishing", not "frozen"
-            atexit.register(self.writer.close)
+            atexit.register(self._finish)
         last_completed, last_change = -1, time.time()
         in_flight_since = 0.0
         while True:
             ready = self._dist_ready()
             if not ready and self.writer is not None:  # the script destroyed its group
-                self.writer.close()
-                self.writer = None
+                self._finish()
             try:
                 status = _default_pg_status() if ready else None
             except Exception as e:  # never into training: stop watching, leave a trace
                 logger.warning("trainguard: collective progress unavailable: %s", e)
                 return
-            if status is not None and self.writer is not None:
+            writer = self.writer
+            if status is not None and writer is not None:
                 entered, completed = status
                 now = time.time()
-                if completed != last_completed:
-                    self.writer.step_end(completed, now - last_change)
-                    last_completed, last_change, in_flight_since = completed, now, 0.0
-                if entered > completed and not in_flight_since:
-                    in_flight_since = now
-                    self.writer.step_begin(completed)
+                try:
+                    if completed != last_completed:
+                        writer.step_end(completed, now - last_change)
+                        last_completed, last_change, in_flight_since = completed, now, 0.0
+                    if entered > completed and not in_flight_since:
+                        in_flight_since = now
+                        writer.step_begin(completed)
+                except ValueError:  # closed at exit meanwhile
+                    return
             self._answer_requests()
             time.sleep(self.interval_s)
+
+    def _finish(self) -> None:
+        """The group is gone or the interpreter exits: the record says "not in a collective"
+        and "finishing" (an endless heartbeat), never "stuck" nor "frozen"."""
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer.idle()
+            except ValueError:  # already unmapped
+                pass
+            writer.close()
 
     def _answer_requests(self) -> None:
         """Dump on request: the flight-recorder trace and every thread's stack, as files.

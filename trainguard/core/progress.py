@@ -101,6 +101,12 @@ class ProgressWriter:
             self._state[6] = now
             self._flush()
 
+    def idle(self) -> None:
+        """Between steps from now on (the step that began is abandoned, not completed)."""
+        with self._lock:
+            self._state[1] = 0.0
+            self._flush()
+
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
