@@ -74,6 +74,12 @@ def test_analyse_classifies_missing_divergent_transport() -> None:
     assert d.message.startswith("ranks split: {0,2,3} in broadcast #62, {1} in all_reduce #62")
     d = analyse({r: _dump(r, "all_gather", 3, 2) for r in range(4)}, 4)
     assert d.kind == "transport" and d.seq == 3
+    stale = {r: _dump(r, "all_reduce", 11, 10) for r in range(3)}
+    stale[3] = RankDump(3, "h", "progress", {PG: CollectiveState(PG, 3, 2).to_json()},
+                        process_state="T")  # stopped; its record is older than its stop # fmt: skip
+    d = analyse(stale, 4)
+    assert d.kind == "missing" and d.suspect_ranks == [3], d.message
+    assert "rank 3 on h (last seen after #2) (process stopped) never entered" in d.message
     d = analyse({0: _dump(0, "all_gather", 3, 2)}, 2)  # rank 1 sent nothing
     assert d.kind == "missing" and d.suspect_ranks == [1] and d.missing_dumps == [1]
 

@@ -105,9 +105,11 @@ def _pick_pg(dumps: dict[int, RankDump]) -> str | None:
     return flying[0]
 
 
-def _label(s: CollectiveState) -> str:
+def _where(s: CollectiveState, source: str) -> str:
+    if source != "flight_recorder":
+        return f"last seen after #{s.completed}"
     if s.in_flight:
-        return f"{s.op or 'collective'} #{s.entered}"
+        return f"in {s.op or 'collective'} #{s.entered}"
     return f"after #{s.completed}"
 
 
@@ -145,7 +147,11 @@ def analyse(dumps: dict[int, RankDump], world_size: int | None = None) -> Diagno
         "stacks": stacks,
         "missing_dumps": missing_dumps,
     }
-    flying = {r: s for r, s in known.items() if s.in_flight}
+    # a rank known only from its progress record (stopped, silent) is at least where the record
+    # says, maybe further: never "in another collective", at most "not with the others"
+    flying = {
+        r: s for r, s in known.items() if s.in_flight and dumps[r].source == "flight_recorder"
+    }
     if not flying:
         msg = "no rank is inside a collective" + (
             f" (no trace from ranks {_fmt_ranks(unknown + missing_dumps)})"
@@ -185,7 +191,7 @@ def analyse(dumps: dict[int, RankDump], world_size: int | None = None) -> Diagno
     if absent:
         where = ", ".join(
             f"rank {r} on {hosts.get(r, '?')}"
-            + (f" (at {_label(known[r])})" if r in known else "")
+            + (f" ({_where(known[r], dumps[r].source)})" if r in known else "")
             + (" (process stopped)" if r in dumps and dumps[r].process_state == "T" else "")
             for r in absent
         )
