@@ -320,9 +320,11 @@ def test_watcher_records_collective_progress_and_the_timeout_follows_its_cadence
         f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0,"
         " world_size=1)\n"
         "t = torch.ones(4)\n"
-        "for _ in range(12):\n"
+        "for i in range(12):\n"
         "    dist.all_reduce(t)\n"
         "    time.sleep(0.4)\n"
+        "    if i == 8:  # the agent's no-py-spy stack dump: a dump, not the end\n"
+        "        import os, signal; os.kill(os.getpid(), signal.SIGUSR2)\n"
         "dist.destroy_process_group()\n"
     )
     env = job_env()
@@ -336,6 +338,8 @@ def test_watcher_records_collective_progress_and_the_timeout_follows_its_cadence
     assert snap is not None and snap.step == 12 and snap.num_steps >= 10  # seq ids 1..12
     assert snap.heartbeat == float("inf")  # closed when the group was destroyed: finishing
     assert 0.3 <= snap.last_step_s <= 1.0, snap.last_step_s  # the cadence, ~0.4 s
+    fh = (tmp_path / "stacks" / "attempt_0" / "rank_0.faulthandler.txt").read_text()
+    assert "<string>" in fh  # the main thread's frames; the process lived on (rc 0)
     tracker = HangTracker(HealthConfig(hang_min_timeout_s=0.1, hang_warmup_steps=0))
     tracker._learn({0: snap})
     assert tracker.step_timeout() == pytest.approx(5 * snap.last_step_s)

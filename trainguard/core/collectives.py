@@ -172,6 +172,7 @@ class _Watcher:
         self.writer: ProgressWriter | None = None
         self._answered: set[str] = set()
         self._next_request_check = 0.0
+        self._fh_file: Any = None
 
     def _dist_ready(self) -> bool:
         dist = sys.modules.get("torch.distributed")
@@ -184,6 +185,7 @@ class _Watcher:
         while not self._dist_ready():
             self._answer_requests()
             time.sleep(self.interval_s)
+        self._register_stack_signal()
         hb = float(os.environ.get(envvars.HEARTBEAT_INTERVAL_S, "1.0") or 1.0)
         if self.progress_dir:
             self.writer = ProgressWriter(
@@ -218,6 +220,23 @@ class _Watcher:
                     return
             self._answer_requests()
             time.sleep(self.interval_s)
+
+    def _register_stack_signal(self) -> None:
+        """The agent's fallback stack dump (no py-spy) signals the worker with SIGUSR2
+        (trainguard.health.stacks); a script that never called ``trainguard.init()`` gets the
+        same faulthandler file here, unless it handles the signal itself."""
+        import signal
+
+        if not self.run_dir or signal.getsignal(signal.SIGUSR2) not in (signal.SIG_DFL, None):
+            return
+        path = Path(self.run_dir, "stacks", f"attempt_{self.attempt}")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            f = open(path / f"rank_{self.rank}.faulthandler.txt", "a", encoding="utf-8")  # noqa: SIM115
+            self._fh_file = f  # kept open: faulthandler writes to its descriptor
+            faulthandler.register(signal.SIGUSR2, file=f, all_threads=True, chain=False)
+        except (OSError, ValueError, RuntimeError) as e:
+            logger.warning("trainguard: no stack dump signal: %s", e)
 
     def _finish(self) -> None:
         """The group is gone or the interpreter exits: the record says "not in a collective"
