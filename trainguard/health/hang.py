@@ -8,6 +8,12 @@ collective for rank r" (fresh heartbeats, r behind), dumps every local rank's Py
 the run directory and the events, and SIGKILLs the worker group (a stopped process ignores
 SIGTERM, torch would wait ``shutdown_timeout`` before escalating): the kills surface as the
 group's FAILED state, so the agent's restart path and failure report take over.
+
+A rank that never calls ``tg.step()`` is judged by its collective progress record (the agent
+hands it over as the rank's progress). Before the kill, the diagnosis
+(:mod:`trainguard.health.hangdiag`) collects every rank's flight-recorder trace and stacks, on
+every node (the first agent to find the hang announces it in the rendezvous store; the others
+join within half a second), and names the collective the job is stuck in.
 """
 
 from __future__ import annotations
