@@ -182,11 +182,17 @@ def test_job_hung_gauge_holds_from_the_verdict_to_the_next_completed_step() -> N
     rec = MetricsRecorder(MeterProvider(metric_readers=[reader]), node="n0")
 
     def hung() -> float:
-        return point(collect(reader)["trainguard.job.hung"][1], node="n0").value
+        points = collect(reader)["trainguard.job.hung"][1]
+        return max(p.value for p in points if p.attributes.get("node") == "n0")
 
     assert hung() == 0
     rec.event({"time": T0 + 10, "kind": "hang_detected", "ranks": [1]})
     assert hung() == 1
+    rec.event({"time": T0 + 10.5, "kind": "hang_diagnosis", "diagnosis": "missing"})
+    by_label = {
+        p.attributes["diagnosis"]: p.value for p in collect(reader)["trainguard.job.hung"][1]
+    }
+    assert by_label == {"none": 0, "pending": 0, "missing": 1}  # the alert's diagnosis label
     # a record written before the verdict (read late) does not clear it
     rec.record({"time": T0 + 9, "kind": "step", "rank": 0, "step": 3, "step_time_s": 0.1})
     rec.event({"time": T0 + 11, "kind": "workers_started", "attempt": 1})

@@ -23,6 +23,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "sbatch": ("trainguard.cli.cmd_sbatch", "write and submit a Slurm job with hot spares"),
     "slurm": ("trainguard.cli.cmd_slurm", "Slurm jobs: status (and the batch script's steps)"),
+    "debug": (
+        "trainguard.cli.cmd_debug",
+        "live view of a running job: every rank's stacks or collectives",
+    ),
     "chaos": ("trainguard.cli.cmd_chaos", "inject faults: kill/hang ranks, agents, etcd, XIDs"),
 }
 

@@ -365,8 +365,11 @@ METRICS: tuple[MetricSpec, ...] = (
         kind="gauge",
         description="1 from the agent's hang verdict on this node until the workers complete a "
         f"step again (or the job ends), and for at least {HUNG_MIN_HOLD_S:.0f} s, else 0: the "
-        "alert rules' 'job hung' signal.",
-        attributes=("node",),
+        "alert rules' 'job hung' signal. ``diagnosis`` is where the hang is: ``pending`` from the "
+        "verdict until every rank's collectives are analysed, then ``missing`` (ranks never "
+        "entered the collective the others wait in), ``divergent`` (ranks in different "
+        "collectives), ``transport`` (all entered, none completed) or ``unknown``.",
+        attributes=("node", "diagnosis"),
     ),
     MetricSpec(
         name="trainguard.checkpoint.last_commit.time",

@@ -101,6 +101,12 @@ class ProgressWriter:
             self._state[6] = now
             self._flush()
 
+    def idle(self) -> None:
+        """Between steps from now on (the step that began is abandoned, not completed)."""
+        with self._lock:
+            self._state[1] = 0.0
+            self._flush()
+
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
@@ -124,7 +130,13 @@ class ProgressReader:
         self.dir = Path(progress_dir)
 
     def read(self, rank: int) -> ProgressSnapshot | None:
-        path = progress_path(self.dir, rank)
+        return self.read_path(progress_path(self.dir, rank), rank)
+
+    def read_path(self, path: Path, rank: int | None = None) -> ProgressSnapshot | None:
+        """The record in ``path`` (any file of this layout; ``rank`` defaults to the one in
+        the ``..._rank_R.bin`` file name)."""
+        if rank is None:
+            rank = int(path.stem.rsplit("_", 1)[1])
         try:
             with path.open("rb") as f:
                 for _ in range(3):  # a record read while the worker wrote it: read it again

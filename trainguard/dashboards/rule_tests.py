@@ -57,9 +57,11 @@ def _job_cases() -> list[Case]:
     m = 60
     return [
         Case("TrainGuardJobHung", True, "3m",
-             [_run_info(m), _tg("trainguard.job.hung", "0 0 1 1")], JOB),
+             [_run_info(m), _tg("trainguard.job.hung", "0 0 1 1", diagnosis="missing")],
+             {**JOB, "diagnosis": "missing"}),
         Case("TrainGuardJobHung", False, "3m",
-             [_run_info(m), _tg("trainguard.job.hung", "0 1 0 0")], note="recovered"),
+             [_run_info(m), _tg("trainguard.job.hung", "0 1 0 0", diagnosis="divergent")],
+             note="recovered"),
         Case("TrainGuardNoStepProgress", True, "45m",
              [_run_info(m), _tg("trainguard.train.step", "1+1x20 21x30", rank="0")], JOB),
         Case("TrainGuardNoStepProgress", False, "45m",

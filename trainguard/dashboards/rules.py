@@ -158,16 +158,23 @@ def _job_rules(p: RuleParams) -> list[AlertRule]:
     return [
         AlertRule(
             name="TrainGuardJobHung",
-            expr=_with_job(_by_agent("max", tg("trainguard.job.hung")) + " > 0"),
+            expr=_with_job(f"max by (instance, node, diagnosis) ({tg('trainguard.job.hung')}) > 0"),
             severity="critical",
             component="job",
-            summary=f"Training {where} is hung",
+            summary=f"Training {where} is hung ({{{{ $labels.diagnosis }}}})",
             description="The node agent found a rank that stopped making progress (frozen or "
             "stuck in a collective) and is recovering; it resolves when a step completes again, at "
             f"least {HUNG_MIN_HOLD_S:.0f} s after the verdict (held through two 15 s scrapes).",
-            runbook="Open the hang_detected and hang_stacks events (trainguard events RUN_DIR): "
-            "they name the rank and hold its stack. If it does not resolve within a few "
-            "minutes, the restart failed: check the node and restart the job.",
+            runbook="The diagnosis label says where: missing (a rank or host never entered the "
+            "collective the others wait in: check that host), divergent (ranks in different "
+            "collectives: a code path only some ranks took, e.g. a data-dependent branch), "
+            "transport (every rank entered, none completed: network / NIC / peer), pending "
+            "(collection still running). The hang_diagnosis and hang_stacks events (trainguard events "
+            "RUN_DIR) "
+            "and RUN_DIR/hangs/<attempt>/diagnosis.json name the collective (op, sequence id), "
+            "the ranks and hosts, and hold every rank's stack grouped; the HTML report shows "
+            "them too. If it does not resolve within a few minutes, the restart failed: check "
+            "the node and restart the job.",
         ),
         AlertRule(
             name="TrainGuardNoStepProgress",

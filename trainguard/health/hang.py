@@ -8,6 +8,12 @@ collective for rank r" (fresh heartbeats, r behind), dumps every local rank's Py
 the run directory and the events, and SIGKILLs the worker group (a stopped process ignores
 SIGTERM, torch would wait ``shutdown_timeout`` before escalating): the kills surface as the
 group's FAILED state, so the agent's restart path and failure report take over.
+
+A rank that never calls ``tg.step()`` is judged by its collective progress record (the agent
+hands it over as the rank's progress). Before the kill, the diagnosis
+(:mod:`trainguard.health.hangdiag`) collects every rank's flight-recorder trace and stacks, on
+every node (the first agent to find the hang announces it in the rendezvous store; the others
+join within half a second), and names the collective the job is stuck in.
 """
 
 from __future__ import annotations
@@ -224,6 +230,8 @@ class HangDetector(AgentPlugin):
         self._clock = clock
         self._fired = False
         self.num_hangs = 0
+        self._next_peer_check = 0.0
+        self.last_diagnosis: Any = None
 
     def on_workers_started(self, ctx: AgentContext, group: WorkerGroup) -> None:
         self.tracker.reset(self._clock())
@@ -233,6 +241,10 @@ class HangDetector(AgentPlugin):
         self, ctx: AgentContext, group: WorkerGroup, result: RunResult
     ) -> RunResult | None:
         if self._fired:
+            return None
+        if self._peer_announced(ctx):
+            self._fired = True
+            self._handle_peer(ctx, group)
             return None
         snaps = ctx.worker_progress()
         if not snaps:
@@ -259,6 +271,8 @@ class HangDetector(AgentPlugin):
             per_rank={str(r): d for r, d in v.per_rank.items()},
         )
         pids = local_worker_pids(ctx, group)
+        if self.cfg.hang_diagnosis:
+            self._diagnose(ctx, group, pids, frozen=set(v.ranks) if v.kind == "frozen" else set())
         if self.cfg.stack_dump and pids:
             from trainguard.health.stacks import dump_stacks
 
@@ -282,3 +296,66 @@ class HangDetector(AgentPlugin):
             )
         killed = kill_workers(pids)
         ctx.events.emit("hang_killed", ranks=killed, pids={str(r): pids[r] for r in killed})
+
+    # -- diagnosis across nodes (trainguard.health.hangdiag) -----------------------------------
+    def _peer_announced(self, ctx: AgentContext) -> bool:
+        """Another node's agent found a hang of this attempt (checked every 0.5 s)."""
+        now = time.monotonic()
+        if ctx.store is None or not self.cfg.hang_diagnosis or now < self._next_peer_check:
+            return False
+        self._next_peer_check = now + 0.5
+        try:
+            return bool(ctx.store.check([hang_store_key(ctx)]))
+        except Exception as e:
+            logger.debug("cannot read the rendezvous store: %s", e)
+            return False
+
+    def _handle_peer(self, ctx: AgentContext, group: WorkerGroup) -> None:
+        logger.error("hang announced by another node: collecting this node's ranks")
+        pids = local_worker_pids(ctx, group)
+        self._diagnose(ctx, group, pids, frozen=set())
+        killed = kill_workers(pids)
+        ctx.events.emit("hang_killed", ranks=killed, pids={str(r): pids[r] for r in killed})
+
+    def _diagnose(
+        self, ctx: AgentContext, group: WorkerGroup, pids: dict[int, int], *, frozen: set[int]
+    ) -> None:
+        from trainguard.health.hangdiag import collect_and_analyse
+
+        try:
+            world = group.workers[0].world_size if group.workers else len(pids)
+            diag = collect_and_analyse(
+                ctx,
+                pids,
+                frozen=frozen,
+                world_size=world,
+                timeout_s=self.cfg.hang_diagnosis_timeout_s,
+                store_key=hang_store_key(ctx),
+                process_state=process_state,
+            )
+        except Exception:
+            logger.exception("hang diagnosis failed")
+            return
+        self.last_diagnosis = diag
+        logger.error("hang diagnosis (%s): %s", diag.kind, diag.message)
+        ctx.events.emit(
+            "hang_diagnosis",
+            diagnosis=diag.kind,
+            message=diag.message,
+            pg=diag.pg,
+            op=diag.op,
+            seq=diag.seq,
+            suspect_ranks=diag.suspect_ranks,
+            suspect_hosts=diag.suspect_hosts,
+            groups=diag.groups,
+            frames=diag.frames,
+            stack_groups=[
+                {"ranks": g["ranks"], "stack": g["stack"][-_MAX_STACK_CHARS:]} for g in diag.stacks
+            ],
+            missing_dumps=diag.missing_dumps,
+        )
+
+
+def hang_store_key(ctx: AgentContext) -> str:
+    """Where the agent that finds a hang announces it to the other nodes' agents."""
+    return f"trainguard/hang/{max(ctx.attempt, 0)}"

@@ -14,7 +14,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from trainguard.core import envvars
+from trainguard.core import collectives, envvars
 from trainguard.core.config import TrainGuardConfig
 from trainguard.core.events import EventLog
 from trainguard.core.failures import (
@@ -76,6 +76,8 @@ class TrainGuardAgent(LocalElasticAgent):
             else None
         )
         """Pre-started workers for restarts (runtime/warm.py); None when warm_restarts is off."""
+        self._user_pythonpath = os.environ.get("PYTHONPATH")
+        self._collective_ranks: set[int] = set()
 
     # -- requeue (the one place that decides it) ------------------------------------------------
     def _mark_requeue(self, **fields: Any) -> None:
@@ -141,16 +143,35 @@ class TrainGuardAgent(LocalElasticAgent):
         return ctx
 
     def worker_progress(self) -> dict[int, ProgressSnapshot]:
-        """Latest progress of every local worker, by global rank."""
+        """Latest progress of every local worker, by global rank: its ``tg.step()`` record,
+        else (no record, or no step yet) its collective progress record."""
         if self.progress is None:
             return {}
         ranks = [w.global_rank for w in self._worker_group.workers]
         out = {}
         for r in ranks:
             snap = self.progress.read(r)
+            if snap is None or (snap.num_steps == 0 and not snap.in_step):
+                coll = self.progress.read_path(
+                    collectives.collective_progress_path(self.progress.dir, r)
+                )
+                if coll is not None:
+                    self._announce_collective_progress(r)
+                    snap = coll
             if snap is not None:
                 out[r] = snap
         return out
+
+    def _announce_collective_progress(self, rank: int) -> None:
+        if rank in self._collective_ranks:
+            return
+        if not self._collective_ranks:
+            logger.warning(  # shown by default: the user learns which signal guards the job
+                "hang detection: ranks without tg.step() progress are judged by their collectives "
+                "(torch flight recorder, last completed sequence id)"
+            )
+        self._collective_ranks.add(rank)
+        self.events.emit("collective_progress", rank=rank)
 
     def worker_pids(self) -> dict[int, int]:
         """Global rank → pid of this node's workers (torch's process context, else the pids
@@ -213,20 +234,26 @@ class TrainGuardAgent(LocalElasticAgent):
         )
         self._call("after_rendezvous", worker_group)
 
-    def _install_integrations_hook(self) -> None:
-        """``[integrations] auto``: the workers' start-up hook (first on their PYTHONPATH) that
-        attaches trainguard to transformers' / Lightning's Trainer (trainguard.integrations.auto;
-        a path, not an import: the agent never imports the worker side)."""
-        cfg = self.tg_config.integrations
-        os.environ["TRAINGUARD_INTEGRATIONS_RESUME"] = "1" if cfg.resume else "0"
-        parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        parts = [p for p in parts if p != INTEGRATIONS_HOOK_DIR]
-        if cfg.auto:
-            parts.insert(0, INTEGRATIONS_HOOK_DIR)
+    def _install_worker_hooks(self) -> None:
+        """The workers' start-up hooks, first on their PYTHONPATH (paths, not imports: the agent
+        never imports the worker side): runtime/_zygote (collective progress) runs first and
+        hands on to integrations/_autohook (framework integrations), which hands on to the
+        user's own ``sitecustomize``."""
+        hooks = [warm.HOOK_DIR] if self._watch_collectives() else []
+        if self._integrations_auto():
+            hooks.append(INTEGRATIONS_HOOK_DIR)
+        parts = [*hooks, *filter(None, (self._user_pythonpath or "").split(os.pathsep))]
         if parts:
             os.environ["PYTHONPATH"] = os.pathsep.join(parts)
         else:
             os.environ.pop("PYTHONPATH", None)
+
+    def _integrations_auto(self) -> bool:
+        """``[integrations] auto``: the hook that attaches trainguard to transformers' /
+        Lightning's Trainer (trainguard.integrations.auto)."""
+        cfg = self.tg_config.integrations
+        os.environ["TRAINGUARD_INTEGRATIONS_RESUME"] = "1" if cfg.resume else "0"
+        return cfg.auto
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         progress_dir = self.run_dir / "progress" / f"attempt_{self.attempt}"
@@ -240,7 +267,8 @@ class TrainGuardAgent(LocalElasticAgent):
         os.environ[envvars.HEARTBEAT_INTERVAL_S] = str(self.tg_config.runtime.heartbeat_interval_s)
         self._teardown_file = progress_dir / "teardown"
         os.environ[envvars.TEARDOWN_FILE] = str(self._teardown_file)
-        self._install_integrations_hook()
+        self._collective_ranks.clear()
+        self._install_worker_hooks()
         with warm.serving_torch_workers(self.warm_pool) as started_warm:
             pids = super()._start_workers(worker_group)
         self._mark_teardowns(self._pcontext)
@@ -260,6 +288,20 @@ class TrainGuardAgent(LocalElasticAgent):
         )
         self._call("on_workers_started", worker_group)
         return pids
+
+    def _watch_collectives(self) -> bool:
+        """Whether workers start trainguard's hook (runtime/_zygote) before the script: it reads
+        their collective progress from torch's flight recorder (switched on here unless the user
+        set its buffer size)."""
+        health = self.tg_config.health
+        if not (health.enabled and health.hang_detection):
+            os.environ.pop(collectives.WATCH_ENV, None)
+            os.environ.pop(collectives.FR_BUFFER_AGENT_ENV, None)
+            return False
+        if collectives.FR_BUFFER_ENV not in os.environ:  # the hook sets it in the C environment
+            os.environ[collectives.FR_BUFFER_AGENT_ENV] = str(collectives.FR_BUFFER_DEFAULT)
+        os.environ[collectives.WATCH_ENV] = str(health.collective_poll_interval_s)
+        return True
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self.inprocess.check(worker_group)  # before torch's poll, which stops every worker

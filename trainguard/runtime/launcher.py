@@ -40,6 +40,7 @@ from trainguard.core.events import EventLog
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin
 from trainguard.core.proctime import process_start_time
+from trainguard.core.timeouts import contradictions, timeout_chain
 from trainguard.runtime import etcd_v3, spare_pool, spares
 from trainguard.runtime.agent import TrainGuardAgent
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
@@ -536,6 +537,12 @@ def prepare(
         "torchrun": {k: v for k, v in vars(args).items() if not k.startswith("tg_")},
         "run_dir": str(run_dir),
     }
+    chain = timeout_chain(
+        tg_config, rdzv_configs=dict(config.rdzv_configs), under_slurm="SLURM_JOB_ID" in os.environ
+    )
+    for line in contradictions(chain):
+        logger.warning("%s", line)
+    effective["timeouts"] = [link.to_json() for link in chain]
     write_effective(run_dir, effective)
     return config, cmd, cmd_args, tg_config, run_dir
 

@@ -105,7 +105,16 @@ class MetricsRecorder:
             self._inst["trainguard.job.failures"].add(0, {**node, "cause": kind.value})
         for reason in ROLLBACK_REASONS:
             self._inst["trainguard.job.rollbacks"].add(0, {**node, "reason": reason})
-        self._set("trainguard.job.hung", 0, node)
+        self._hung_label = "none"
+        self._set("trainguard.job.hung", 0, {**node, "diagnosis": self._hung_label})
+
+    def _set_hung(self, value: float, diagnosis: str | None = None) -> None:
+        """The hung gauge: one series per diagnosis; the previous one goes to 0."""
+        node = {"node": self.node}
+        if diagnosis is not None and diagnosis != self._hung_label:
+            self._set("trainguard.job.hung", 0, {**node, "diagnosis": self._hung_label})
+            self._hung_label = diagnosis
+        self._set("trainguard.job.hung", value, {**node, "diagnosis": self._hung_label})
 
     @staticmethod
     def _create(meter: Any, spec: MetricSpec) -> Any:
@@ -155,7 +164,7 @@ class MetricsRecorder:
             and t > self._hung_since + HUNG_MIN_HOLD_S
         ):
             self._hung_since = None  # a step completed after the hang: the job recovered
-            self._set("trainguard.job.hung", 0, {"node": self.node})
+            self._set_hung(0)
         if dt is None or dt <= 0:
             return
         self._inst["trainguard.train.step.duration"].record(dt, attrs)
@@ -231,10 +240,12 @@ class MetricsRecorder:
             elif kind == "hang_detected":
                 self._pending_cause = "hang"
                 self._hung_since = _num(ev.get("time")) or 0.0
-                self._set("trainguard.job.hung", 1, node)
+                self._set_hung(1, "pending")
+            elif kind == "hang_diagnosis" and self._hung_since is not None:
+                self._set_hung(1, str(ev.get("diagnosis") or "unknown"))
             elif kind == "job_finished":
                 self._hung_since = None
-                self._set("trainguard.job.hung", 0, node)
+                self._set_hung(0)
             elif kind == "checkpoint_committed":
                 t = _num(ev.get("time"))
                 if t is not None:

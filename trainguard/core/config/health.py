@@ -156,6 +156,18 @@ class HealthConfig:
     step: loading, evaluation, checkpointing, teardown."""
     heartbeat_stale_s: float | None = None
     """Heartbeat age that means a frozen process. None: max(3 x heartbeat interval, 2 s)."""
+    collective_timeout_s: float | None = None
+    """The process-group timeout the script passes to ``init_process_group`` (None: torch's
+    default, 30 min), declared so that ``trainguard run`` can check the timeout chain
+    (trainguard.core.timeouts); trainguard does not change the script's groups."""
+    collective_poll_interval_s: float = 0.25
+    """How often a worker's collective watcher reads its flight recorder (progress of ranks
+    that never call ``tg.step()``, and dump requests on a hang)."""
+    hang_diagnosis: bool = True
+    """On a hang, collect every rank's flight-recorder trace and stacks (all nodes) before
+    anything is killed, and name the collective the job is stuck in."""
+    hang_diagnosis_timeout_s: float = 5.0
+    """Time budget of that collection (every node's ranks) before the hung group is killed."""
     stack_dump: bool = True
     """Dump every local rank's Python stack (py-spy, else faulthandler) on a hang."""
     stack_dump_timeout_s: float = 10.0

@@ -10,6 +10,10 @@ directory and stdout/stderr descriptors, puts them in place, loads the user's ow
 ``-m`` module) itself, as it would have in a fresh process. If the agent goes away first
 (the socket closes) or anything fails before the hand-off, the process exits without
 running the script.
+
+The agent also puts this directory on every worker's ``PYTHONPATH`` (cold starts too): in a
+worker, the hook starts trainguard's collective progress watcher before the script runs (hang
+detection for scripts that never call ``tg.step()``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import sys
 _FD_ENV = "TRAINGUARD_ZYGOTE_FD"
 _PRELOAD_ENV = "TRAINGUARD_ZYGOTE_PRELOAD"
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_WATCH_ENV = "TRAINGUARD_AGENT_COLLECTIVES"  # trainguard.core.collectives.WATCH_ENV
+_FR_AGENT_ENV = "TRAINGUARD_AGENT_FR_BUFFER_SIZE"  # trainguard.core.collectives
+_FR_ENV = "TORCH_FR_BUFFER_SIZE"
 _ABORT = 111  # exit code of a zygote that never got a job (the agent ignores it)
 
 
@@ -82,6 +89,32 @@ def _wait_for_job(fd: int) -> None:
     sock.close()
 
 
+def _watch_collectives() -> None:
+    """In a worker of a trainguard agent: start the collective progress watcher (a daemon
+    thread, trainguard.core.collectives) and take this directory off the ``PYTHONPATH`` the
+    worker's own children inherit."""
+    if not os.environ.get(_WATCH_ENV):
+        return
+    fr_size = os.environ.pop(_FR_AGENT_ENV, None)
+    if fr_size and _FR_ENV not in os.environ:  # torch's getenv sees it, os.environ does not
+        os.putenv(_FR_ENV, fr_size)
+    kept = [
+        p
+        for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if p and os.path.abspath(p) != _HERE
+    ]
+    if kept:
+        os.environ["PYTHONPATH"] = os.pathsep.join(kept)
+    else:
+        os.environ.pop("PYTHONPATH", None)
+    try:
+        from trainguard.core.collectives import start_from_env
+
+        start_from_env()
+    except Exception as err:  # never keep the script from running
+        print(f"trainguard: collective progress watcher not started: {err}", file=sys.stderr)
+
+
 def _main() -> None:
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
     fd = os.environ.pop(_FD_ENV, None)
@@ -90,6 +123,7 @@ def _main() -> None:
             _wait_for_job(int(fd))
         except BaseException:
             os._exit(_ABORT)
+    _watch_collectives()
     _chain_user_sitecustomize()
 
 

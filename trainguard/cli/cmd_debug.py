@@ -1,0 +1,134 @@
+"""``trainguard debug RUN_DIR stacks|collectives [--ranks 0,3]``: a live view of a running job.
+
+Every worker of a trainguard job runs a small watcher thread (started before the script) that
+answers dump requests: all threads' Python stacks and its flight-recorder trace, written as
+files into ``RUN_DIR/debug/<id>/``. Nothing stops, nothing is signalled, no collective is
+issued; ranks that do not answer within the timeout (a process that holds the GIL in C code,
+a stopped one) are listed as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from trainguard.core.collectives import request_path
+from trainguard.health.hangdiag import RankDump, aggregate_stacks, analyse, read_json
+
+
+def _current_ranks(run_dir: Path) -> tuple[int, list[int]]:
+    """The newest attempt and the ranks that have a progress record in it."""
+    attempts = []
+    for d in (run_dir / "progress").glob("attempt_*"):
+        try:
+            attempts.append(int(d.name.split("_", 1)[1]))
+        except ValueError:
+            continue
+    if not attempts:
+        return -1, []
+    attempt = max(attempts)
+    ranks = set()
+    for f in (run_dir / "progress" / f"attempt_{attempt}").glob("*rank_*.bin"):
+        m = re.search(r"rank_(\d+)\.bin$", f.name)
+        if m:
+            ranks.add(int(m.group(1)))
+    return attempt, sorted(ranks)
+
+
+def _parse_ranks(text: str | None) -> set[int] | None:
+    if not text:
+        return None
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def collect(run_dir: Path, ranks: list[int], timeout_s: float) -> tuple[Path, dict[int, Path]]:
+    """Ask the job's workers for a dump; return the directory and the ranks that answered."""
+    d = run_dir / "debug" / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    d.mkdir(parents=True, exist_ok=True)
+    req = request_path(d)
+    req.write_text(json.dumps({"time": time.time()}), encoding="utf-8")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            got = {r: d / f"fr_rank_{r}.json" for r in ranks if (d / f"fr_rank_{r}.json").exists()}
+            if len(got) == len(ranks) or time.monotonic() >= deadline:
+                return d, got
+            time.sleep(0.05)
+    finally:
+        req.unlink(missing_ok=True)  # a later worker must not answer a finished request
+
+
+def main(argv: list[str], *, prog: str = "trainguard debug") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
+    parser.add_argument("run_dir", help="the run directory of a running job")
+    parser.add_argument("view", choices=["stacks", "collectives"])
+    parser.add_argument("--ranks", help="ranks to show, e.g. 0,3 or 0-7 (default: all)")
+    parser.add_argument("--timeout", type=float, default=4.0, help="seconds to wait (4)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    try:
+        wanted = _parse_ranks(args.ranks)
+    except ValueError:
+        print(f"{prog}: error: --ranks {args.ranks!r}: use e.g. 0,3 or 0-7", file=sys.stderr)
+        return 2
+    attempt, ranks = _current_ranks(run_dir)
+    if attempt < 0 or not ranks:
+        print(
+            f"{prog}: error: no running workers found in {run_dir} (no progress records): "
+            "pass the run directory of a job started with `trainguard run`",
+            file=sys.stderr,
+        )
+        return 2
+    ranks = [r for r in ranks if wanted is None or r in wanted]
+    t0 = time.monotonic()
+    d, got = collect(run_dir, ranks, args.timeout)
+    took = time.monotonic() - t0
+    dumps: dict[int, RankDump] = {}
+    for r, path in got.items():
+        trace = read_json(path) or {}
+        try:
+            stack = (d / f"stacks_rank_{r}.txt").read_text(encoding="utf-8")
+        except OSError:
+            stack = ""
+        dumps[r] = RankDump.from_trace(r, trace.get("trainguard", {}).get("host", "?"), trace,
+                                       stack=stack)  # fmt: skip
+    silent = sorted(set(ranks) - set(got))
+    if args.view == "stacks":
+        groups = aggregate_stacks({r: x.stack for r, x in dumps.items()})
+        if args.json:
+            print(json.dumps({"attempt": attempt, "stacks": groups, "no_answer": silent,
+                              "collect_s": round(took, 3)}))  # fmt: skip
+            return 0
+        for g in groups:
+            print(f"=== ranks {_fmt(g['ranks'])} ({len(g['ranks'])}) ===\n{g['stack']}\n")
+    else:
+        diag = analyse(dumps)
+        if args.json:
+            print(json.dumps({"attempt": attempt, **diag.to_json(), "no_answer": silent,
+                              "collect_s": round(took, 3)}))  # fmt: skip
+            return 0
+        for g in diag.groups:
+            where = f"in {g['op']} #{g['entered']}" if g["in_flight"] else "between collectives"
+            print(
+                f"ranks {_fmt(g['ranks'])}: pg {g['pg']} {where}, last completed #{g['completed']}"
+            )
+        for f in diag.frames:
+            print(f"ranks {_fmt(f['ranks'])}: main thread at {f['frame']}")
+    if silent:
+        print(f"no answer within {args.timeout:g}s from ranks {_fmt(silent)}")
+    print(f"({len(got)} of {len(ranks)} ranks answered in {took:.2f}s, attempt {attempt})")
+    return 0
+
+
+def _fmt(ranks: list[int]) -> str:
+    return "{" + ",".join(str(r) for r in ranks) + "}"

@@ -1,0 +1,306 @@
+"""Collective progress of a worker, read from torch's flight recorder (the one place trainguard
+reads it; torch is imported lazily, inside the worker).
+
+torch records every collective a process group issues (gloo and NCCL alike) in a ring buffer
+when ``TORCH_FR_BUFFER_SIZE`` is set before the group is created. Per process group the
+recorder keeps the sequence id of the last collective *enqueued* and the last *completed*;
+reading that status costs a few microseconds.
+
+In the worker, :func:`start_from_env` (run by trainguard's start-up hook before the user's
+script, when the agent asks for it through :data:`WATCH_ENV`) starts a daemon thread that waits
+for the default process group, then every ``interval`` writes the newest completed collective
+of the default group into the rank's *collective progress record* (same layout as the
+``tg.step()`` record, :mod:`trainguard.core.progress`): ``step`` = last completed sequence id,
+"in step" = a collective is in flight (enqueued, not completed), ``last_step_s`` = time between
+completions. The agent judges a rank that never calls ``tg.step()`` by this record. The same
+thread answers the agent's dump requests (a file, :func:`request_path`): it writes the full
+flight-recorder trace and all threads' Python stacks of its process into the hang directory,
+never touching the (possibly stuck) collectives.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainguard.core import envvars
+from trainguard.core.progress import ProgressWriter
+
+__all__ = [
+    "FR_BUFFER_ENV",
+    "WATCH_ENV",
+    "CollectiveState",
+    "collective_progress_path",
+    "dump_trace",
+    "hang_dir",
+    "parse_trace",
+    "request_path",
+    "start_from_env",
+]
+
+logger = logging.getLogger(__name__)
+
+FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+"""torch's switch for its flight recorder (entries kept per process)."""
+FR_BUFFER_DEFAULT = 2000
+FR_BUFFER_AGENT_ENV = envvars.PREFIX + "FR_BUFFER_SIZE"
+"""Set by the agent (unless the user set :data:`FR_BUFFER_ENV`): the hook puts the recorder's
+buffer size into the worker's C environment only (``os.putenv``), where torch reads it, so the
+script's ``os.environ`` stays exactly what torchrun would give it."""
+REQUEST_POLL_S = 0.5
+"""How often a worker looks for a dump request."""
+WATCH_ENV = envvars.PREFIX + "COLLECTIVES"
+"""Set by the agent: seconds between collective progress reads (the watcher runs when set)."""
+
+
+def collective_progress_path(progress_dir: str | os.PathLike[str], rank: int) -> Path:
+    return Path(progress_dir) / f"collectives_rank_{rank}.bin"
+
+
+def hang_dir(run_dir: str | os.PathLike[str], attempt: int) -> Path:
+    """Where the diagnosis of a hang of ``attempt`` lives: dumps, stacks, the verdict."""
+    return Path(run_dir) / "hangs" / str(attempt)
+
+
+def request_path(directory: str | os.PathLike[str], node: str = "") -> Path:
+    """The file an agent (one per node: ``node``) or ``trainguard debug`` creates in a dump
+    directory to ask the workers for a dump; removed once answered."""
+    return Path(directory) / (f"request.{node}" if node else "request")
+
+
+# -- reading torch's flight recorder (the only torch-private access of trainguard's FR use) --
+def _dump_json(include_collectives: bool) -> bytes:
+    from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
+
+    return _dump_fr_trace_json(include_collectives, False)
+
+
+def dump_trace() -> dict[str, Any] | None:
+    """This process's full flight-recorder trace (JSON-decoded); None when unavailable."""
+    try:
+        return json.loads(_dump_json(True))
+    except Exception as e:  # no recorder in this build, not initialised...
+        logger.debug("no flight-recorder trace: %s", e)
+        return None
+
+
+def _default_pg_status() -> tuple[int, int] | None:
+    """(last enqueued, last completed) sequence ids of the default process group."""
+    status = json.loads(_dump_json(False)).get("pg_status", {})
+    st = status.get("0")
+    if st is None:
+        return None
+    return int(st["last_enqueued_collective"]), int(st["last_completed_collective"])
+
+
+@dataclass(slots=True)
+class CollectiveState:
+    """One rank's position in one process group, from its trace."""
+
+    pg: str
+    """Process group id (``0`` is the default group) and name, e.g. ``0:default_pg``."""
+    entered: int
+    """Sequence id of the last collective enqueued (-1: none)."""
+    completed: int
+    """Sequence id of the last collective completed (-1: none)."""
+    op: str | None = None
+    """Operation of the last collective entered, e.g. ``all_reduce`` (no backend prefix)."""
+    sizes: list[Any] = field(default_factory=list)
+    """Input sizes of the last collective entered."""
+
+    @property
+    def in_flight(self) -> bool:
+        return self.entered > self.completed
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pg": self.pg,
+            "entered": self.entered,
+            "completed": self.completed,
+            "op": self.op,
+            "sizes": self.sizes,
+        }
+
+
+def _op_name(profiling_name: str) -> str:
+    return profiling_name.split(":", 1)[-1] if profiling_name else "?"
+
+
+def parse_trace(trace: dict[str, Any]) -> dict[str, CollectiveState]:
+    """Per process group (id:name): the last collective entered and completed, with the op and
+    sizes of the last one entered. Only collectives (p2p entries are skipped)."""
+    names: dict[str, str] = {}
+    last_entry: dict[str, dict[str, Any]] = {}
+    for e in trace.get("entries", []):
+        if e.get("is_p2p"):
+            continue
+        pg_id, pg_name = (list(e.get("process_group") or ["?", "?"]) + ["?"])[:2]
+        names[str(pg_id)] = str(pg_name)
+        prev = last_entry.get(str(pg_id))
+        if prev is None or e.get("collective_seq_id", -1) >= prev.get("collective_seq_id", -1):
+            last_entry[str(pg_id)] = e
+    out: dict[str, CollectiveState] = {}
+    for pg_id, st in (trace.get("pg_status") or {}).items():
+        entered = int(st.get("last_enqueued_collective", -1))
+        completed = int(st.get("last_completed_collective", -1))
+        e = last_entry.get(pg_id)
+        op = sizes = None
+        if e is not None and e.get("collective_seq_id") == entered:
+            op, sizes = _op_name(e.get("profiling_name", "")), e.get("input_sizes") or []
+        key = f"{pg_id}:{names.get(pg_id, 'default_pg' if pg_id == '0' else '?')}"
+        out[key] = CollectiveState(key, entered, completed, op, sizes or [])
+    return out
+
+
+# -- the in-worker watcher --------------------------------------------------------------------
+class _Watcher:
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.run_dir = os.environ.get(envvars.RUN_DIR)
+        self.progress_dir = os.environ.get(envvars.PROGRESS_DIR)
+        self.attempt = int(os.environ.get(envvars.ATTEMPT, "0") or 0)
+        self.writer: ProgressWriter | None = None
+        self._answered: set[str] = set()
+        self._next_request_check = 0.0
+        self._fh_file: Any = None
+
+    def _dist_ready(self) -> bool:
+        dist = sys.modules.get("torch.distributed")
+        try:
+            return bool(dist is not None and dist.is_available() and dist.is_initialized())
+        except Exception:
+            return False
+
+    def run(self) -> None:
+        while not self._dist_ready():
+            self._answer_requests()
+            time.sleep(self.interval_s)
+        self._register_stack_signal()
+        hb = float(os.environ.get(envvars.HEARTBEAT_INTERVAL_S, "1.0") or 1.0)
+        if self.progress_dir:
+            self.writer = ProgressWriter(
+                collective_progress_path(self.progress_dir, self.rank), heartbeat_interval_s=hb
+            )
+            # interpreter shutdown stops daemon threads (the heartbeat) while the process may
+            # still take seconds to exit: a closed record reads as "finishing", not "frozen"
+            atexit.register(self._finish)
+        last_completed, last_change = -1, time.time()
+        in_flight_since = 0.0
+        while True:
+            ready = self._dist_ready()
+            if not ready and self.writer is not None:  # the script destroyed its group
+                self._finish()
+            try:
+                status = _default_pg_status() if ready else None
+            except Exception as e:  # never into training: stop watching, leave a trace
+                logger.warning("trainguard: collective progress unavailable: %s", e)
+                return
+            writer = self.writer
+            if status is not None and writer is not None:
+                entered, completed = status
+                now = time.time()
+                try:
+                    if completed != last_completed:
+                        writer.step_end(completed, now - last_change)
+                        last_completed, last_change, in_flight_since = completed, now, 0.0
+                    if entered > completed and not in_flight_since:
+                        in_flight_since = now
+                        writer.step_begin(completed)
+                except ValueError:  # closed at exit meanwhile
+                    return
+            self._answer_requests()
+            time.sleep(self.interval_s)
+
+    def _register_stack_signal(self) -> None:
+        """The agent's fallback stack dump (no py-spy) signals the worker with SIGUSR2
+        (trainguard.health.stacks); a script that never called ``trainguard.init()`` gets the
+        same faulthandler file here, unless it handles the signal itself."""
+        import signal
+
+        if not self.run_dir or signal.getsignal(signal.SIGUSR2) not in (signal.SIG_DFL, None):
+            return
+        path = Path(self.run_dir, "stacks", f"attempt_{self.attempt}")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            f = open(path / f"rank_{self.rank}.faulthandler.txt", "a", encoding="utf-8")  # noqa: SIM115
+            self._fh_file = f  # kept open: faulthandler writes to its descriptor
+            faulthandler.register(signal.SIGUSR2, file=f, all_threads=True, chain=False)
+        except (OSError, ValueError, RuntimeError) as e:
+            logger.warning("trainguard: no stack dump signal: %s", e)
+
+    def _finish(self) -> None:
+        """The group is gone or the interpreter exits: the record says "not in a collective"
+        and "finishing" (an endless heartbeat), never "stuck" nor "frozen"."""
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer.idle()
+            except ValueError:  # already unmapped
+                pass
+            writer.close()
+
+    def _answer_requests(self) -> None:
+        """Dump on request: the flight-recorder trace and every thread's stack, as files.
+        Looked for at most every :data:`REQUEST_POLL_S` (a directory listing in the run
+        directory, which may be on a shared file system)."""
+        now = time.monotonic()
+        if not self.run_dir or now < self._next_request_check:
+            return
+        self._next_request_check = now + REQUEST_POLL_S
+        # a hang of this attempt only: a restarted worker never overwrites an earlier verdict's
+        # evidence
+        reqs = [*hang_dir(self.run_dir, self.attempt).glob("request*")]
+        reqs += Path(self.run_dir, "debug").glob("*/request*")
+        for req in reqs:
+            key = str(req)
+            if key in self._answered:
+                continue
+            self._answered.add(key)
+            dump_rank(req.parent, self.rank)
+
+
+def dump_rank(directory: Path, rank: int) -> None:
+    """Write this process's trace (``fr_rank_R.json``) and stacks (``stacks_rank_R.txt``)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / f"stacks_rank_{rank}.txt.tmp", "w", encoding="utf-8") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+        os.replace(directory / f"stacks_rank_{rank}.txt.tmp", directory / f"stacks_rank_{rank}.txt")
+        trace = dump_trace() or {}
+        trace["trainguard"] = {
+            "rank": rank,
+            "pid": os.getpid(),
+            "time": time.time(),
+            "host": os.environ.get(envvars.NODE, ""),
+        }
+        tmp = directory / f"fr_rank_{rank}.json.tmp"
+        tmp.write_text(json.dumps(trace), encoding="utf-8")
+        os.replace(tmp, directory / f"fr_rank_{rank}.json")
+    except Exception as e:
+        logger.warning("trainguard: cannot write the hang dump of rank %d: %s", rank, e)
+
+
+def start_from_env() -> threading.Thread | None:
+    """Start the watcher when the agent asked for it (:data:`WATCH_ENV`); the variable is
+    removed so that the worker's own child processes do not start one."""
+    value = os.environ.pop(WATCH_ENV, None)
+    if not value:
+        return None
+    try:
+        interval = float(value)
+    except ValueError:
+        return None
+    watcher = _Watcher(interval)
+    t = threading.Thread(target=watcher.run, name="trainguard-collectives", daemon=True)
+    t.start()
+    return t
