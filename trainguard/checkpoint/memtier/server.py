@@ -12,7 +12,6 @@ from collections import Counter
 from trainguard.checkpoint.memtier.store import TierStore
 from trainguard.checkpoint.memtier.wire import (
     MAX_HEADER,
-    TIMEOUT_S,
     AuthError,
     Channel,
     ProtocolError,
@@ -24,7 +23,13 @@ __all__ = ["TierServer"]
 logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 16
-"""Connections served at once; more are closed at once (each holds a thread)."""
+"""Authenticated requests served at once; more are refused (each holds a thread)."""
+MAX_PENDING = 64
+"""Connections not yet authenticated held at once; more are closed at once."""
+AUTH_TIMEOUT_S = 5.0
+"""A new connection must authenticate (its first frame verified) within this many seconds;
+only then may it take one of the :data:`MAX_CONNECTIONS` slots, so slow or idle connections
+without the secret cannot keep the job's own fetches out."""
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -33,17 +38,33 @@ class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         srv = self.server
         secret = srv.secret
-        if secret is None or not srv._slots.acquire(blocking=False):
-            srv.count("refused_busy" if secret is not None else "refused_no_secret")
-            return  # no job secret yet (before the first rendezvous), or too many connections
+        if secret is None:
+            srv.count("refused_no_secret")
+            return  # no job secret yet (before the first rendezvous)
+        if not srv._pending.acquire(blocking=False):
+            srv.count("refused_pending")
+            return
         ch: Channel | None = None
+        slot = False
         try:
-            self.request.settimeout(TIMEOUT_S)
-            deadline = time.monotonic() + srv.request_timeout_s
-            ch = Channel(
-                self.request, secret, server=True, max_header=srv.max_header, deadline=deadline
-            )
-            header = ch.recv()
+            try:
+                self.request.settimeout(srv.auth_timeout_s)
+                ch = Channel(
+                    self.request,
+                    secret,
+                    server=True,
+                    max_header=srv.max_header,
+                    deadline=time.monotonic() + srv.auth_timeout_s,
+                )
+                header = ch.recv()  # verified: the peer knows the secret
+            finally:
+                srv._pending.release()
+            if not srv._slots.acquire(blocking=False):
+                srv.count("refused_busy")
+                self._try_send(ch, {"ok": False, "error": "server busy"})
+                return
+            slot = True
+            ch.deadline = time.monotonic() + srv.request_timeout_s
             op = header.get("op")
             if op == "put":
                 self._put(ch, header)
@@ -59,10 +80,12 @@ class _Handler(socketserver.BaseRequestHandler):
             logger.warning("memory tier: refused %s: %s", self.client_address[0], e)
             self._try_send(ch, {"ok": False, "error": str(e)})
         except (OSError, ValueError, KeyError) as e:
-            srv.count("failed")
-            logger.warning("memory tier request from %s failed: %s", self.client_address[0], e)
+            srv.count("failed" if slot else "refused_unauthenticated")
+            if slot:
+                logger.warning("memory tier request from %s failed: %s", self.client_address[0], e)
         finally:
-            srv._slots.release()
+            if slot:
+                srv._slots.release()
 
     @staticmethod
     def _try_send(ch: Channel | None, msg: dict) -> None:
@@ -131,15 +154,18 @@ class TierServer(socketserver.ThreadingTCPServer):
         max_header: int = MAX_HEADER,
         max_bytes: int = 1 << 62,
         request_timeout_s: float = 600.0,
+        auth_timeout_s: float = AUTH_TIMEOUT_S,
     ) -> None:
         self.store = store
         self.secret = secret
         self.max_header = max_header
         self.max_bytes = max_bytes
         self.request_timeout_s = request_timeout_s
+        self.auth_timeout_s = auth_timeout_s
         self.counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._pending = threading.BoundedSemaphore(MAX_PENDING)
         super().__init__(addr, _Handler)
 
     @property

@@ -2,24 +2,27 @@
 
 Every connection starts with the server's challenge, ``MAGIC`` + a random 32-byte nonce. Every
 message after it (both ways) is a *frame*: a 4-byte big-endian length (at most the receiver's
-``max_header``), a JSON header, and ``HMAC-SHA256(secret, direction || nonce || header)``
-(``direction`` is ``b"req"`` or ``b"resp"``). The secret is the job's, shared through the
-rendezvous store (see :mod:`.plugin`); a frame whose MAC does not verify ends the connection
-before anything is read from or written to the tier.
+``max_header``), a JSON header, and ``HMAC-SHA256(secret, direction || nonce || seq || header)``
+(``direction`` is ``b"req"`` or ``b"resp"``, ``seq`` the frame's 8-byte number in that
+direction, so a frame cannot be replayed or reordered). The secret is the job's (see
+:mod:`.plugin`); a frame whose MAC does not verify ends the connection before anything is read
+from or written to the tier.
 
 Requests:
 
 - ``{"op": "put", "node", "meta", "nbytes"}``: the server validates ``meta`` (:func:`validate_meta`)
   and checks the space, answers ``{"ok": true}`` (go) or ``{"ok": false, "error"}``; after a go
-  the client streams the snapshot's ``nbytes`` bytes (``socket.sendfile``) and one trailer byte
-  (``1``: the file did not change while sent), and the server answers ``{"ok": true}`` once the
-  replica is in place.
+  the client streams the snapshot's ``nbytes`` bytes and a trailer frame ``{"intact", "mac"}``
+  (``intact``: the file did not change while sent; ``mac``: ``HMAC-SHA256(secret, b"data" ||
+  nonce || bytes)``), and the server answers ``{"ok": true}`` once the replica is in place.
 - ``{"op": "get", "rank", "world_size", "below"}``: answered ``{"found": false}`` or
-  ``{"found": true, "meta", "nbytes"}`` + the bytes + the trailer byte.
+  ``{"found": true, "meta", "nbytes"}`` + the bytes + the trailer frame.
 
-A receiver writes the bytes into a temporary file of the tier in bounded chunks and renames it
-into a snapshot slot only when it is complete and the trailer says it is intact, so a refused or
-broken transfer leaves nothing behind. Payloads are not encrypted: the tier's network must be
+The metadata travels in an authenticated frame, the bytes under the trailer's MAC, the trailer
+in an authenticated frame: a bit changed on the way anywhere is refused. A receiver writes the
+bytes into a temporary file of the tier in bounded chunks and renames it into a snapshot slot
+only when it is complete, its MAC verifies and the trailer says it is intact, so a refused,
+altered or broken transfer leaves nothing behind. Payloads are not encrypted: the tier's network must be
 the job's own (as for NCCL and the rendezvous store).
 """
 
@@ -47,6 +50,7 @@ __all__ = [
     "Channel",
     "ProtocolError",
     "fetch_snapshot",
+    "payload_mac",
     "push_snapshot",
     "validate_meta",
 ]
@@ -55,7 +59,7 @@ TIMEOUT_S = 30.0
 """Connect and socket timeout of the client side (and of each server-side read)."""
 MAX_HEADER = 4 << 20
 """Largest header (JSON: the snapshot's metadata, its skeleton included) a side accepts."""
-MAGIC = b"TGM1"
+MAGIC = b"TGM2"
 NONCE_LEN = 32
 MAC_LEN = 32
 CHUNK = 1 << 20
@@ -71,8 +75,16 @@ class AuthError(ProtocolError):
     """The peer does not know the job's secret."""
 
 
-def _mac(secret: bytes, direction: bytes, nonce: bytes, header: bytes) -> bytes:
-    return hmac.new(secret, direction + nonce + header, hashlib.sha256).digest()
+def _mac(secret: bytes, direction: bytes, nonce: bytes, seq: int, header: bytes) -> bytes:
+    return hmac.new(
+        secret, direction + nonce + seq.to_bytes(8, "big") + header, hashlib.sha256
+    ).digest()
+
+
+def payload_mac(secret: bytes, nonce: bytes) -> Any:
+    """A fresh MAC object for a snapshot's bytes on the connection of ``nonce``
+    (HMAC-SHA256: OpenSSL's, with the CPU's SHA instructions where it has them)."""
+    return hmac.new(secret, b"data" + nonce, hashlib.sha256)
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
@@ -114,6 +126,8 @@ class Channel:
         self.max_header = max_header
         self.deadline = deadline
         self._tx, self._rx = (b"resp", b"req") if server else (b"req", b"resp")
+        self._tx_seq = 0
+        self._rx_seq = 0
         if server:
             self.nonce = secrets.token_bytes(NONCE_LEN)
             sock.sendall(MAGIC + self.nonce)
@@ -125,9 +139,9 @@ class Channel:
 
     def send(self, header: dict[str, Any]) -> None:
         h = json.dumps(header).encode()
-        self.sock.sendall(
-            struct.pack(">I", len(h)) + h + _mac(self.secret, self._tx, self.nonce, h)
-        )
+        mac = _mac(self.secret, self._tx, self.nonce, self._tx_seq, h)
+        self._tx_seq += 1
+        self.sock.sendall(struct.pack(">I", len(h)) + h + mac)
 
     def recv(self) -> dict[str, Any]:
         (n,) = struct.unpack(">I", recv_exact(self.sock, 4, self.deadline))
@@ -135,8 +149,9 @@ class Channel:
             raise ProtocolError(f"header of {n} bytes (limit {self.max_header})")
         h = bytes(recv_exact(self.sock, n, self.deadline))
         mac = bytes(recv_exact(self.sock, MAC_LEN, self.deadline))
-        if not hmac.compare_digest(mac, _mac(self.secret, self._rx, self.nonce, h)):
+        if not hmac.compare_digest(mac, _mac(self.secret, self._rx, self.nonce, self._rx_seq, h)):
             raise AuthError("peer failed authentication (no or wrong job secret)")
+        self._rx_seq += 1
         try:
             header = json.loads(h)
         except ValueError as e:
@@ -146,16 +161,27 @@ class Channel:
         return header
 
     def send_file(self, path: Path, nbytes: int, still_valid: Any) -> None:
-        """Stream ``nbytes`` of ``path`` (kernel ``sendfile``), then the trailer byte."""
-        with open(path, "rb") as f:
-            sent = self.sock.sendfile(f, 0, nbytes) if nbytes else 0
-        if sent != nbytes:
-            raise ConnectionError(f"{path}: sent {sent} of {nbytes} bytes")
-        self.sock.sendall(b"\x01" if still_valid() else b"\x00")
+        """Stream ``nbytes`` of ``path`` in bounded chunks under the payload MAC, then the
+        trailer frame (``intact``: ``still_valid()`` after the last byte; the MAC)."""
+        mac = payload_mac(self.secret, self.nonce)
+        buf = bytearray(min(CHUNK, max(nbytes, 1)))
+        view = memoryview(buf)
+        with open(path, "rb", buffering=0) as f:
+            left = nbytes
+            while left:
+                k = f.readinto(view[: min(left, len(buf))])
+                if not k:
+                    raise ConnectionError(f"{path}: ended {left} bytes short of {nbytes}")
+                mac.update(view[:k])
+                self.sock.sendall(view[:k])
+                left -= k
+        self.send({"intact": bool(still_valid()), "mac": mac.hexdigest()})
 
     def recv_file(self, dest: Path, nbytes: int) -> bool:
         """Write ``nbytes`` from the peer into a new file ``dest`` in bounded chunks; True if
-        the trailer says the sender's file was intact. ``dest`` is removed on any failure."""
+        the trailer says the sender's file was intact. Raises :class:`ProtocolError` if the
+        bytes do not match the trailer's MAC. ``dest`` is removed on any failure."""
+        mac = payload_mac(self.secret, self.nonce)
         buf = bytearray(min(CHUNK, max(nbytes, 1)))
         view = memoryview(buf)
         ok = False
@@ -168,9 +194,14 @@ class Channel:
                     k = self.sock.recv_into(view[: min(left, len(buf))])
                     if not k:
                         raise ConnectionError("peer closed the connection mid-transfer")
+                    mac.update(view[:k])
                     f.write(view[:k])
                     left -= k
-            ok = recv_exact(self.sock, 1, self.deadline) == b"\x01"
+            trailer = self.recv()
+            got = trailer.get("mac")
+            if not isinstance(got, str) or not hmac.compare_digest(got, mac.hexdigest()):
+                raise ProtocolError("snapshot bytes do not match their MAC (altered on the way)")
+            ok = trailer.get("intact") is True
             return ok
         finally:
             if not ok:
@@ -271,6 +302,8 @@ def fetch_snapshot(
     with ch.sock:
         ch.send({"op": "get", "rank": rank, "world_size": world_size, "below": below})
         header = ch.recv()
+        if "error" in header:
+            raise ProtocolError(f"peer refused the fetch: {header.get('error')}")
         if not header.get("found"):
             return None
         meta = validate_meta(header.get("meta"), max_bytes=max_bytes)
