@@ -20,6 +20,7 @@ from trainguard.checkpoint.memtier.store import TierStore, write_snapshot
 from trainguard.checkpoint.memtier.wire import (
     MAGIC,
     NONCE_LEN,
+    Channel,
     ProtocolError,
     fetch_snapshot,
     push_snapshot,
@@ -113,6 +114,7 @@ def served(tmp_path: Path):
     (tmp_path / "srv").mkdir()
     store = TierStore(tmp_path / "srv")
     srv = TierServer(("127.0.0.1", 0), store, secret=SECRET, auth_timeout_s=2.0)
+    srv.set_entitled({0, 1}, 2)
     srv.start()
     try:
         yield srv, store
@@ -216,3 +218,77 @@ def test_slow_unauthenticated_connections_do_not_starve_fetches(served, tmp_path
     finally:
         for s in slow:
             s.close()
+
+
+def _push(srv: TierServer, sender: TierStore, *, rank: int, world_size: int = 2, step: int = 1):
+    write_snapshot(
+        rank_dir(sender.local, rank),
+        _meta(step, 4096, rank=rank, world_size=world_size),
+        os.urandom(4096),
+    )
+    snap = [s for s in list_snapshots(rank_dir(sender.local, rank)) if s.step == step][0]
+    push_snapshot(("127.0.0.1", srv.port), snap, secret=SECRET, node="n1")
+
+
+def test_a_peer_may_push_only_the_ranks_it_replicates(served, sender) -> None:
+    srv, store = served
+    srv.set_entitled({2, 3}, 4)  # the previous node runs ranks 2 and 3 of 4
+    _push(srv, sender, rank=2, world_size=4)
+    before = _tree(store.root)
+    for rank, ws in ((0, 4), (1, 4), (2, 8)):
+        with pytest.raises(ProtocolError, match="does not replicate"):
+            _push(srv, sender, rank=rank, world_size=ws, step=2)
+    assert srv.counts["refused_not_entitled"] == 3
+    assert _tree(store.root) == before
+    assert [s.step for s in list_snapshots(rank_dir(store.replica, 2))] == [1]
+
+
+def test_replicas_of_ranks_no_longer_replicated_are_pruned(tmp_path: Path) -> None:
+    store = TierStore(tmp_path)
+    for rank in range(6):
+        for step in (1, 2, 3, 4):  # more steps than slots: the newest KEEP stay
+            write_snapshot(
+                rank_dir(store.replica, rank), _meta(step, 64, rank=rank, world_size=8), b"x" * 64
+            )
+    write_snapshot(rank_dir(store.replica, 1), _meta(9, 64, rank=1, world_size=4), b"y" * 64)
+    assert store.prune_replicas({0, 1}, 8) == [2, 3, 4, 5]
+    assert sorted(p.name for p in store.replica.iterdir()) == ["rank_0", "rank_1"]
+    # rank 1's world-size-4 snapshot took the slot of its step 2, and is gone now
+    for rank, steps in ((0, [4, 3, 2]), (1, [4, 3])):
+        snaps = list_snapshots(rank_dir(store.replica, rank))
+        assert [s.step for s in snaps] == steps and {s.world_size for s in snaps} == {8}
+        assert len(list(rank_dir(store.replica, rank).iterdir())) == 2 * len(steps)
+
+
+def test_free_space_is_booked_per_transfer(served, sender) -> None:
+    """Two pushes that fit one at a time but not together: the second is refused while the
+    first holds its booking, not both accepted to fail on a full tier."""
+    srv, store = served
+    store.free_bytes = lambda: 1 << 20  # type: ignore[method-assign]  # a 1 MiB tier
+    n = 600_000
+    write_snapshot(rank_dir(sender.local, 0), _meta(1, n), os.urandom(n))
+    write_snapshot(rank_dir(sender.local, 1), _meta(1, n, rank=1), os.urandom(n))
+    a = list_snapshots(rank_dir(sender.local, 0))[0]
+    b = list_snapshots(rank_dir(sender.local, 1))[0]
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    try:
+        ch = Channel(sock, SECRET, server=False)
+        ch.send({"op": "put", "node": "n1", "meta": a.meta, "nbytes": n})
+        assert ch.recv() == {"ok": True}  # A has its go and has not sent its bytes yet
+        with pytest.raises(ProtocolError, match="no space"):
+            push_snapshot(("127.0.0.1", srv.port), b, secret=SECRET, node="n1")
+        ch.send_file(a.bin_path, n, a.still_valid)
+        assert ch.recv() == {"ok": True}
+    finally:
+        sock.close()
+    assert [s.step for s in list_snapshots(rank_dir(store.replica, 0))] == [1]
+    assert list_snapshots(rank_dir(store.replica, 1)) == []
+    push_snapshot(("127.0.0.1", srv.port), b, secret=SECRET, node="n1")  # booking released
+
+
+def test_zero_snapshot_bound_is_refused() -> None:
+    from trainguard.core.config.checkpoint import CheckpointConfig
+
+    with pytest.raises(ValueError, match="peer_max_snapshot_bytes must be > 0"):
+        CheckpointConfig(peer_max_snapshot_bytes=0)
+    assert CheckpointConfig(peer_max_snapshot_bytes=None).peer_max_snapshot_bytes is None

@@ -102,23 +102,32 @@ class _Handler(socketserver.BaseRequestHandler):
         node = header.get("node")
         if not isinstance(node, str) or len(node) > 256:
             raise ProtocolError("node: expected a short string")
+        entitled, world_size = srv.entitled
+        if meta["rank"] not in entitled or meta["world_size"] != world_size:
+            srv.count("refused_not_entitled")
+            raise ProtocolError(
+                f"rank {meta['rank']} of world size {meta['world_size']}: this node does not "
+                f"replicate it (ranks {sorted(entitled)[:8]} of world size {world_size})"
+            )
         nbytes = meta["nbytes"]
-        free = srv.store.free_bytes()
-        if nbytes > free:
+        if not srv.reserve(nbytes):
             srv.count("refused_space")
-            ch.send({"ok": False, "error": f"no space: {nbytes} bytes, {free} free"})
-            return
-        meta = dict(meta)
-        meta["source"] = f"peer:{node}"
-        ch.send({"ok": True})
-        tmp = srv.store.incoming()
-        if not ch.recv_file(tmp, nbytes):
-            ch.send({"ok": False, "error": "snapshot changed while sent"})
+            ch.send({"ok": False, "error": f"no space for {nbytes} bytes"})
             return
         try:
-            srv.store.place("replica", meta, tmp)
+            meta = dict(meta)
+            meta["source"] = f"peer:{node}"
+            ch.send({"ok": True})
+            tmp = srv.store.incoming()
+            if not ch.recv_file(tmp, nbytes):
+                ch.send({"ok": False, "error": "snapshot changed while sent"})
+                return
+            try:
+                srv.store.place("replica", meta, tmp)
+            finally:
+                tmp.unlink(missing_ok=True)
         finally:
-            tmp.unlink(missing_ok=True)
+            srv.release(nbytes)
         srv.count("put")
         ch.send({"ok": True})
 
@@ -165,6 +174,9 @@ class TierServer(socketserver.ThreadingTCPServer):
         self.counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._reserved = 0
+        self.entitled: tuple[frozenset[int], int] = (frozenset(), 0)
+        """Ranks and world size a peer may push (:meth:`set_entitled`); none before that."""
         self._pending = threading.BoundedSemaphore(MAX_PENDING)
         super().__init__(addr, _Handler)
 
@@ -178,6 +190,23 @@ class TierServer(socketserver.ThreadingTCPServer):
 
     def set_secret(self, secret: bytes) -> None:
         self.secret = secret
+
+    def set_entitled(self, ranks: set[int], world_size: int) -> None:
+        """Accept pushes of these ``ranks`` of ``world_size`` only (the previous node's)."""
+        self.entitled = (frozenset(ranks), world_size)
+
+    def reserve(self, nbytes: int) -> bool:
+        """Book ``nbytes`` of the tier's free space for a transfer (concurrent transfers never
+        count the same free bytes twice); False if they are not there. :meth:`release` after."""
+        with self._counts_lock:
+            if nbytes > self.store.free_bytes() - self._reserved:
+                return False
+            self._reserved += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._counts_lock:
+            self._reserved -= nbytes
 
     def count(self, what: str) -> None:
         with self._counts_lock:

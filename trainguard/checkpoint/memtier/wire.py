@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint.jsoncodec import DTYPE_SIZES
-from trainguard.checkpoint.staging import Snapshot
+from trainguard.checkpoint.staging import Snapshot, decode_skeleton
 
 __all__ = [
     "MAX_HEADER",
@@ -247,6 +247,11 @@ def validate_meta(meta: Any, *, max_bytes: int) -> dict[str, Any]:
         _int(n, "entry nbytes", 0, nbytes - off)
         if n != numel * DTYPE_SIZES[dtype]:
             raise ProtocolError(f"entry {e!r}: {n} bytes do not match its shape and dtype")
+    if "skeleton" in meta:
+        try:
+            decode_skeleton(meta["skeleton"], len(entries))
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
     return meta
 
 
