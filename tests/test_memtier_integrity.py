@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from trainguard.checkpoint import jsoncodec
+from trainguard.checkpoint.memtier import wire
 from trainguard.checkpoint.memtier.server import MAX_CONNECTIONS, TierServer
 from trainguard.checkpoint.memtier.store import TierStore, write_snapshot
 from trainguard.checkpoint.memtier.wire import (
@@ -128,11 +129,19 @@ def sender(tmp_path: Path) -> TierStore:
     return TierStore(tmp_path / "send")
 
 
-def test_a_bit_flipped_in_a_fetched_snapshot_is_refused(served, tmp_path: Path) -> None:
+@pytest.fixture(params=["one segment", "many segments"])
+def segments(request, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The payload MAC over one segment, or over 4 KiB segments hashed by several threads."""
+    if request.param == "many segments":
+        monkeypatch.setattr(wire, "SEGMENT", 4096)
+    return wire.SEGMENT
+
+
+def test_a_bit_flipped_in_a_fetched_snapshot_is_refused(served, tmp_path: Path, segments) -> None:
     srv, store = served
-    payload = os.urandom(8192)
-    write_snapshot(rank_dir(store.local, 0), _meta(5, 8192), payload)
-    proxy = FlipProxy(("127.0.0.1", srv.port), "down")
+    payload = os.urandom(65536)
+    write_snapshot(rank_dir(store.local, 0), _meta(5, 65536), payload)
+    proxy = FlipProxy(("127.0.0.1", srv.port), "down", at=50_000)
     try:
         dest = tmp_path / "got.bin"
         with pytest.raises(ProtocolError, match="MAC"):
@@ -160,12 +169,12 @@ def test_a_bit_flipped_in_a_fetched_snapshot_is_refused(served, tmp_path: Path) 
         proxy.close()
 
 
-def test_a_bit_flipped_in_a_pushed_snapshot_is_refused(served, sender) -> None:
+def test_a_bit_flipped_in_a_pushed_snapshot_is_refused(served, sender, segments) -> None:
     srv, store = served
-    write_snapshot(rank_dir(sender.local, 0), _meta(6, 8192), os.urandom(8192))
+    write_snapshot(rank_dir(sender.local, 0), _meta(6, 65536), os.urandom(65536))
     snap = list_snapshots(rank_dir(sender.local, 0))[0]
     before = _tree(store.root)
-    proxy = FlipProxy(("127.0.0.1", srv.port), "up")
+    proxy = FlipProxy(("127.0.0.1", srv.port), "up", at=30_000)
     try:
         with pytest.raises((ProtocolError, OSError)):
             push_snapshot(("127.0.0.1", proxy.port), snap, secret=SECRET, node="n1")

@@ -13,8 +13,8 @@ Requests:
 - ``{"op": "put", "node", "meta", "nbytes"}``: the server validates ``meta`` (:func:`validate_meta`)
   and checks the space, answers ``{"ok": true}`` (go) or ``{"ok": false, "error"}``; after a go
   the client streams the snapshot's ``nbytes`` bytes and a trailer frame ``{"intact", "mac"}``
-  (``intact``: the file did not change while sent; ``mac``: ``HMAC-SHA256(secret, b"data" ||
-  nonce || bytes)``), and the server answers ``{"ok": true}`` once the replica is in place.
+  (``intact``: the file did not change while sent; ``mac``: the bytes' MAC, :class:`FileMac`,
+  keyed with the secret and bound to the connection's nonce), and the server answers ``{"ok": true}`` once the replica is in place.
 - ``{"op": "get", "rank", "world_size", "below"}``: answered ``{"found": false}`` or
   ``{"found": true, "meta", "nbytes"}`` + the bytes + the trailer frame.
 
@@ -49,8 +49,8 @@ __all__ = [
     "AuthError",
     "Channel",
     "ProtocolError",
+    "FileMac",
     "fetch_snapshot",
-    "payload_mac",
     "push_snapshot",
     "validate_meta",
 ]
@@ -81,10 +81,65 @@ def _mac(secret: bytes, direction: bytes, nonce: bytes, seq: int, header: bytes)
     ).digest()
 
 
-def payload_mac(secret: bytes, nonce: bytes) -> Any:
-    """A fresh MAC object for a snapshot's bytes on the connection of ``nonce``
-    (HMAC-SHA256: OpenSSL's, with the CPU's SHA instructions where it has them)."""
-    return hmac.new(secret, b"data" + nonce, hashlib.sha256)
+SEGMENT = 32 << 20
+"""The payload MAC is a tree: one HMAC per segment of this size, hashed on several cores while
+the bytes are on the wire, and one HMAC over those."""
+MAC_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+class FileMac:
+    """``HMAC-SHA256(secret, b"data" || nonce || nbytes || leaf_0 || leaf_1 ...)`` with
+    ``leaf_i = HMAC-SHA256(secret, b"seg" || nonce || i || segment i)`` over the first
+    ``nbytes`` of the open file ``fd``; :meth:`ready` hands a segment to the hashing threads
+    once its bytes are in the file. One HMAC-SHA256 pass over the bytes (OpenSSL's, with the
+    CPU's SHA instructions where it has them), spread over up to :data:`MAC_THREADS` cores and
+    overlapped with the transfer."""
+
+    def __init__(self, secret: bytes, nonce: bytes, fd: int, nbytes: int) -> None:
+        self.secret, self.nonce, self.fd, self.nbytes = secret, nonce, fd, nbytes
+        self.segments = max(1, -(-nbytes // SEGMENT))
+        self._pool: Any = None
+        self._leaves: list[Any] = []
+        if self.segments > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(min(MAC_THREADS, self.segments), "tg-memtier-mac")
+
+    def _leaf(self, i: int) -> bytes:
+        h = hmac.new(self.secret, b"seg" + self.nonce + i.to_bytes(8, "big"), hashlib.sha256)
+        off, end = i * SEGMENT, min((i + 1) * SEGMENT, self.nbytes)
+        while off < end:
+            data = os.pread(self.fd, min(CHUNK * 4, end - off), off)
+            if not data:
+                raise ConnectionError(f"file ended at {off} of {self.nbytes} bytes")
+            h.update(data)
+            off += len(data)
+        return h.digest()
+
+    def ready(self, i: int) -> None:
+        """Segment ``i`` is complete in the file (call in order, once each)."""
+        if self._pool is not None:
+            self._leaves.append(self._pool.submit(self._leaf, i))
+
+    def bytes_ready(self, done: int) -> None:
+        """The first ``done`` bytes are in the file: hand over the segments they complete."""
+        while len(self._leaves) < self.segments - 1 and done >= (len(self._leaves) + 1) * SEGMENT:
+            self.ready(len(self._leaves))
+
+    def hexdigest(self) -> str:
+        if self._pool is None:
+            leaves = [self._leaf(0)]
+        else:
+            self.bytes_ready(self.nbytes)
+            if len(self._leaves) < self.segments:
+                self.ready(self.segments - 1)
+            leaves = [f.result() for f in self._leaves]
+        head = b"data" + self.nonce + self.nbytes.to_bytes(8, "big")
+        return hmac.new(self.secret, head + b"".join(leaves), hashlib.sha256).hexdigest()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
@@ -161,45 +216,48 @@ class Channel:
         return header
 
     def send_file(self, path: Path, nbytes: int, still_valid: Any) -> None:
-        """Stream ``nbytes`` of ``path`` in bounded chunks under the payload MAC, then the
-        trailer frame (``intact``: ``still_valid()`` after the last byte; the MAC)."""
-        mac = payload_mac(self.secret, self.nonce)
-        buf = bytearray(min(CHUNK, max(nbytes, 1)))
-        view = memoryview(buf)
-        with open(path, "rb", buffering=0) as f:
-            left = nbytes
-            while left:
-                k = f.readinto(view[: min(left, len(buf))])
-                if not k:
-                    raise ConnectionError(f"{path}: ended {left} bytes short of {nbytes}")
-                mac.update(view[:k])
-                self.sock.sendall(view[:k])
-                left -= k
-        self.send({"intact": bool(still_valid()), "mac": mac.hexdigest()})
+        """Stream ``nbytes`` of ``path`` (kernel ``sendfile``) while its MAC is computed, then
+        the trailer frame (``intact``: ``still_valid()`` after the last byte; the MAC)."""
+        with open(path, "rb") as f:
+            mac = FileMac(self.secret, self.nonce, f.fileno(), nbytes)
+            try:
+                mac.bytes_ready(nbytes)  # the whole file is there: hash while it is sent
+                sent = self.sock.sendfile(f, 0, nbytes) if nbytes else 0
+                if sent != nbytes:
+                    raise ConnectionError(f"{path}: sent {sent} of {nbytes} bytes")
+                digest = mac.hexdigest()
+            finally:
+                mac.close()
+        self.send({"intact": bool(still_valid()), "mac": digest})
 
     def recv_file(self, dest: Path, nbytes: int) -> bool:
-        """Write ``nbytes`` from the peer into a new file ``dest`` in bounded chunks; True if
-        the trailer says the sender's file was intact. Raises :class:`ProtocolError` if the
-        bytes do not match the trailer's MAC. ``dest`` is removed on any failure."""
-        mac = payload_mac(self.secret, self.nonce)
+        """Write ``nbytes`` from the peer into a new file ``dest`` in bounded chunks (hashing
+        each complete segment meanwhile); True if the trailer says the sender's file was
+        intact. Raises :class:`ProtocolError` if the bytes do not match the trailer's MAC.
+        ``dest`` is removed on any failure."""
         buf = bytearray(min(CHUNK, max(nbytes, 1)))
         view = memoryview(buf)
         ok = False
         try:
-            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb", buffering=0) as f:
-                left = nbytes
-                while left:
-                    _apply_deadline(self.sock, self.deadline)
-                    k = self.sock.recv_into(view[: min(left, len(buf))])
-                    if not k:
-                        raise ConnectionError("peer closed the connection mid-transfer")
-                    mac.update(view[:k])
-                    f.write(view[:k])
-                    left -= k
-            trailer = self.recv()
+            fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "r+b", buffering=0) as f:
+                mac = FileMac(self.secret, self.nonce, f.fileno(), nbytes)
+                try:
+                    done = 0
+                    while done < nbytes:
+                        _apply_deadline(self.sock, self.deadline)
+                        k = self.sock.recv_into(view[: min(nbytes - done, len(buf))])
+                        if not k:
+                            raise ConnectionError("peer closed the connection mid-transfer")
+                        f.write(view[:k])
+                        done += k
+                        mac.bytes_ready(done)
+                    trailer = self.recv()
+                    digest = mac.hexdigest()
+                finally:
+                    mac.close()
             got = trailer.get("mac")
-            if not isinstance(got, str) or not hmac.compare_digest(got, mac.hexdigest()):
+            if not isinstance(got, str) or not hmac.compare_digest(got, digest):
                 raise ProtocolError("snapshot bytes do not match their MAC (altered on the way)")
             ok = trailer.get("intact") is True
             return ok
