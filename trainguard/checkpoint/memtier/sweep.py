@@ -16,7 +16,14 @@ import shutil
 import time
 from pathlib import Path
 
-__all__ = ["LEGACY_IDLE_S", "OWNER_LOCK", "TIER_PREFIX", "hold_owner_lock", "remove_orphans"]
+__all__ = [
+    "LEGACY_IDLE_S",
+    "OWNER_LOCK",
+    "TIER_PREFIX",
+    "hold_owner_lock",
+    "orphaned",
+    "remove_orphans",
+]
 
 TIER_PREFIX = "trainguard-ckpt-"
 """A tier directory is ``<memory_root>/trainguard-ckpt-<agent pid>-<random>``."""
@@ -69,7 +76,7 @@ def _idle_since(tier: Path) -> float:
 
 def _legacy_orphan(tier: Path) -> bool:
     try:
-        pid = int(tier.name.split("-")[2])
+        pid = int(tier.name.rsplit("-", 2)[-2])
         os.kill(pid, 0)
     except (ValueError, IndexError, PermissionError):
         return False
@@ -78,12 +85,18 @@ def _legacy_orphan(tier: Path) -> bool:
     return False
 
 
+def orphaned(tier: Path) -> bool:
+    """Whether the directory ``tier`` (named ``<prefix><pid>-...``) lost its owner: its owner
+    lock is free, or it has none, its PID is gone here and it was idle for a long time."""
+    gone = _owner_gone(tier)
+    return bool(gone) or (gone is None and _legacy_orphan(tier))
+
+
 def remove_orphans(root: Path) -> list[str]:
     """Remove the tiers under ``root`` whose agent is gone (see the module doc); their names."""
     removed = []
     for p in root.glob(f"{TIER_PREFIX}*-*"):
-        gone = _owner_gone(p)
-        if gone or (gone is None and _legacy_orphan(p)):
+        if orphaned(p):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p.name)
     return removed
