@@ -55,7 +55,7 @@ def sweep_private_dirs(root: str) -> list[str]:
 
     from trainguard.checkpoint.memtier.sweep import orphaned
 
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(root)
     except OSError:
