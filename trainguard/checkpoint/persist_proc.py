@@ -30,6 +30,8 @@ import warnings
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from trainguard.checkpoint.ownerlock import hold_owner_lock, orphaned
+
 if TYPE_CHECKING:
     from trainguard.core.config.checkpoint import CheckpointConfig
 
@@ -49,18 +51,15 @@ the node has no memory tier."""
 
 def sweep_private_dirs(root: str) -> list[str]:
     """Remove private staging directories whose worker is gone (kill -9 of worker and
-    persister together): their owner lock is free (see :mod:`.memtier.sweep`, which works across
-    PID namespaces); returns what was removed."""
+    persister together); returns what was removed."""
     import shutil
-
-    from trainguard.checkpoint.memtier.sweep import orphaned
 
     removed: list[str] = []
     try:
         names = os.listdir(root)
     except OSError:
         return removed
-    for name in names:
+    for name in names:  # gone: its owner lock is free (works across PID namespaces)
         if name.startswith(PRIVATE_DIR_PREFIX) and orphaned(Path(root) / name):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             removed.append(name)
@@ -85,8 +84,6 @@ def private_staging_dir(root: str) -> tuple[Path, int]:
     """A new private staging directory for this worker under ``root`` (after sweeping those
     of dead workers), and the fd of its owner lock: keep it open while the directory is used."""
     import tempfile
-
-    from trainguard.checkpoint.memtier.sweep import hold_owner_lock
 
     sweep_private_dirs(root)
     d = Path(tempfile.mkdtemp(prefix=f"{PRIVATE_DIR_PREFIX}{os.getpid()}-", dir=root))
