@@ -420,6 +420,7 @@ def test_kill_9_of_a_worker_in_process_mode_frees_its_shared_memory(tmp_path: Pa
     stale = shm / f"trainguard-persist-{dead.pid}-abc"
     live = shm / f"trainguard-persist-{os.getpid()}-abc"
     stale.mkdir()
+    (stale / ".owner.lock").touch()  # its owner lock, which nobody holds any more
     live.mkdir()
     assert sweep_private_dirs(str(shm)) == [stale.name]
     assert not stale.exists() and live.exists()

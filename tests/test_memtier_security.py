@@ -63,6 +63,7 @@ def served(tmp_path: Path):
     (tmp_path / "recv").mkdir()
     store = TierStore(tmp_path / "recv")
     srv = TierServer(("127.0.0.1", 0), store, secret=SECRET, max_header=64 << 10)
+    srv.set_entitled({0, 1}, 2)
     srv.start()
     try:
         yield srv, store
@@ -243,6 +244,7 @@ def full_tier(tmp_path: Path):
 
 def test_push_to_a_full_peer_backs_off(full_tier: TierStore, sender: TierStore) -> None:
     srv = TierServer(("127.0.0.1", 0), full_tier, secret=SECRET)
+    srv.set_entitled({0, 1}, 2)
     srv.start()
     events: list[dict] = []
     rep = Replicator(

@@ -221,12 +221,15 @@ class CheckpointManager:
         self._proc_gen = 0
         self._process_mode = False
         self._private_dir: Path | None = None  # process mode without the memory tier stages here
+        self._private_lock: int | None = None  # its owner lock (see memtier.sweep)
         if self.config.persist_mode == "process":
             from trainguard.checkpoint import persist_proc
 
             self._process_mode = persist_proc.usable(self.config, self.world_size, self._fs_factory)
             if self._process_mode and self.memory_dir is None:
-                self._private_dir = persist_proc.private_staging_dir(self.config.memory_root)
+                self._private_dir, self._private_lock = persist_proc.private_staging_dir(
+                    self.config.memory_root
+                )
         slot_dir = rank_dir(self.memory_dir, self.rank) if self.memory_dir else self._private_dir
         self._pool = SlotPool(
             directory=slot_dir,
@@ -433,6 +436,9 @@ class CheckpointManager:
             import shutil
 
             shutil.rmtree(self._private_dir, ignore_errors=True)
+        if self._private_lock is not None:
+            os.close(self._private_lock)
+            self._private_lock = None
 
     # -- save internals --------------------------------------------------------------------------
     def _save(self, step: int, state: Mapping[str, Any], *, persist: bool) -> SaveResult:

@@ -124,10 +124,20 @@ def committed_steps(storage: Storage, root: str) -> list[int]:
 
 
 def commit(storage: Storage, root: str, manifest: Manifest) -> str:
-    """Make ``manifest.step`` visible: rename the manifest into place, then point ``latest`` at it."""
+    """Make ``manifest.step`` visible: rename the manifest into place (the commit), then point
+    ``latest`` at it. Raises ``OSError`` only if the manifest was not renamed in: once it is,
+    the checkpoint is committed and a failure to write ``latest`` (a convenience) is logged."""
     path = _join(root, step_dir_name(manifest.step))
     storage.write_atomic(_join(path, MANIFEST), manifest.to_json())
-    storage.write_atomic(_join(root, LATEST), step_dir_name(manifest.step).encode())
+    try:
+        storage.write_atomic(_join(root, LATEST), step_dir_name(manifest.step).encode())
+    except OSError as e:
+        logger.warning(
+            "checkpoint step %s is committed, but %s could not point at it: %s",
+            manifest.step,
+            _join(root, LATEST),
+            e,
+        )
     return path
 
 

@@ -138,10 +138,17 @@ class Writer:
         try:
             self.faults.point("before_manifest", step, self.rank)
             mf.commit(self.storage, self.root, manifest)
-            self.faults.point("committed", step, self.rank)
         except OSError as e:
+            # never remove a checkpoint whose manifest made it in (the rename is the commit)
+            if mf.read_manifest(self.storage, path) is not None:
+                logger.warning("checkpoint step %s committed despite: %s", step, e)
+                return True, None
             self.storage.remove(path)
             return False, f"commit: {e}"
+        try:
+            self.faults.point("committed", step, self.rank)
+        except OSError as e:  # after the commit: nothing to undo, ever
+            logger.warning("checkpoint step %s committed; after the commit: %s", step, e)
         return True, None
 
     def retention(self) -> None:

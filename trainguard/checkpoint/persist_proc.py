@@ -30,6 +30,8 @@ import warnings
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from trainguard.checkpoint.ownerlock import hold_owner_lock, orphaned
+
 if TYPE_CHECKING:
     from trainguard.core.config.checkpoint import CheckpointConfig
 
@@ -57,14 +59,10 @@ def sweep_private_dirs(root: str) -> list[str]:
         names = os.listdir(root)
     except OSError:
         return removed
-    for name in names:
-        if not name.startswith(PRIVATE_DIR_PREFIX):
-            continue
-        pid_text = name[len(PRIVATE_DIR_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit() or _alive(int(pid_text)):
-            continue
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        removed.append(name)
+    for name in names:  # gone: its owner lock is free (works across PID namespaces)
+        if name.startswith(PRIVATE_DIR_PREFIX) and orphaned(Path(root) / name):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(name)
     return removed
 
 
@@ -82,23 +80,14 @@ def usable(config: CheckpointConfig, world_size: int, fs_factory: Any) -> bool:
     return why is None
 
 
-def private_staging_dir(root: str) -> Path:
+def private_staging_dir(root: str) -> tuple[Path, int]:
     """A new private staging directory for this worker under ``root`` (after sweeping those
-    of dead workers)."""
+    of dead workers), and the fd of its owner lock: keep it open while the directory is used."""
     import tempfile
 
     sweep_private_dirs(root)
-    return Path(tempfile.mkdtemp(prefix=f"{PRIVATE_DIR_PREFIX}{os.getpid()}-", dir=root))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    d = Path(tempfile.mkdtemp(prefix=f"{PRIVATE_DIR_PREFIX}{os.getpid()}-", dir=root))
+    return d, hold_owner_lock(d)
 
 
 logger = logging.getLogger(__name__)

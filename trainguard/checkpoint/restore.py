@@ -99,21 +99,14 @@ class Restorer:
             if self.min_step is not None and step < self.min_step:
                 break
             if step in common:
-                loaded, source, err = None, "memory", None
-                try:
-                    snap = mem[step]
-                    skeleton, tensors = snap.load(into=_live_tensors(state))
-                    loaded = unflatten(skeleton, tensors)
-                    source = "peer_memory" if snap.source.startswith("peer") else "memory"
-                except (OSError, ValueError, KeyError) as e:
-                    err = f"{type(e).__name__}: {e}"
-                if self._all_ok(loaded is not None):
-                    assert loaded is not None
-                    self._apply(state, loaded)
-                    self._restored(step, source, t0, peer=mem[step].source)
+                snap = mem[step]
+                source = "peer_memory" if snap.source.startswith("peer") else "memory"
+                err = self._load_memory(state, snap)
+                if self._all_ok(err is None):
+                    self._restored(step, source, t0, peer=snap.source)
                     return step
                 if err:
-                    logger.warning("memory snapshot of step %s unusable: %s", step, err)
+                    self._refuse(snap, source, err)
             if step in disk:
                 if self._load_disk(state, step):
                     self._restored(step, "disk", t0)
@@ -128,6 +121,40 @@ class Restorer:
                 disk_steps=disk,
             )
         return None
+
+    def _load_memory(self, state: MutableMapping[str, Any], snap: Any) -> str | None:
+        """Load the memory snapshot ``snap`` into ``state``; None, or why it could not be.
+        Never raises: whatever a snapshot holds (it may come from a peer), every rank must
+        reach the vote that follows, or the others would wait in it."""
+        try:
+            skeleton, tensors = snap.load(into=_live_tensors(state))
+            self._apply(state, unflatten(skeleton, tensors))
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            return f"{type(e).__name__}: {e}"[:500]
+        return None
+
+    def _refuse(self, snap: Any, source: str, err: str) -> None:
+        """One line and a ``checkpoint_corrupt`` event for this rank's unusable snapshot, which
+        is dropped from the tier unless it changed meanwhile (then it is another snapshot)."""
+        dropped = snap.still_valid()
+        if dropped:
+            snap.meta_path.unlink(missing_ok=True)
+        logger.warning(
+            "rank %s: %s snapshot of step %s refused (%s); trying the next source",
+            self.rank,
+            source,
+            snap.step,
+            err,
+        )
+        self.emit(
+            "checkpoint_corrupt",
+            rank=self.rank,
+            step=snap.step,
+            source=source,
+            path=str(snap.meta_path),
+            error=err,
+            dropped=dropped,
+        )
 
     def _apply(self, state: MutableMapping[str, Any], loaded: dict[str, Any]) -> None:
         apply_state(state, loaded)

@@ -35,6 +35,7 @@ __all__ = [
     "Slot",
     "SlotPool",
     "Snapshot",
+    "decode_skeleton",
     "flatten",
     "list_snapshots",
     "unflatten",
@@ -112,6 +113,24 @@ def ref_paths(skeleton: Any) -> dict[int, tuple[Any, ...]]:
 
     walk(skeleton, ())
     return out
+
+
+def decode_skeleton(text: Any, num_tensors: int) -> Any:
+    """The skeleton of a snapshot's metadata, decoded (JSON, never pickle); ``ValueError`` if it
+    is malformed in any way, or refers to a tensor the snapshot does not have."""
+    if not isinstance(text, str):
+        raise ValueError("snapshot skeleton: expected a JSON string")
+    try:
+        skeleton = jsoncodec.loads(text)
+        refs = ref_paths(skeleton)
+    except Exception as e:  # noqa: BLE001 - hostile input: any decode failure is a refusal
+        raise ValueError(f"snapshot skeleton is malformed: {type(e).__name__}: {e}") from None
+    bad = [i for i in refs if not (type(i) is int and 0 <= i < num_tensors)]
+    if bad:
+        raise ValueError(
+            f"snapshot skeleton refers to tensor {bad[0]!r}; the snapshot has {num_tensors}"
+        )
+    return skeleton
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -300,7 +319,7 @@ class Snapshot:
         """(skeleton, tensors) copied out of the snapshot; raises OSError/ValueError if it
         changed while being read. ``into`` maps key paths to CPU tensors to read straight into
         (the live parameters and optimizer state: one copy, no new allocations)."""
-        skeleton = jsoncodec.loads(self.meta["skeleton"])
+        skeleton = decode_skeleton(self.meta.get("skeleton"), len(self.meta["entries"]))
         paths = ref_paths(skeleton) if into else {}
         layout = Layout.from_entries(self.meta["entries"], 0)
         tensors: list[torch.Tensor] = []

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import shutil
 import socket
 import tempfile
@@ -16,9 +15,10 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
 from trainguard.checkpoint.memtier.replication import Peers, Replicator, collect
+from trainguard.checkpoint.memtier.secret import load_secret_file, store_secret
 from trainguard.checkpoint.memtier.server import TierServer
 from trainguard.checkpoint.memtier.store import TierStore
-from trainguard.checkpoint.memtier.sweep import TIER_PREFIX, remove_orphans
+from trainguard.checkpoint.memtier.sweep import TIER_PREFIX, hold_owner_lock, remove_orphans
 from trainguard.core.envvars import CHECKPOINT_MEMORY_DIR as MEMORY_DIR_ENV
 from trainguard.core.plugin import AgentContext, AgentPlugin
 from trainguard.core.storeutil import gather
@@ -44,6 +44,7 @@ class MemoryTierPlugin(AgentPlugin):
         root = cfg.memory_root if os.path.isdir(cfg.memory_root) else None
         remove_orphans(Path(root or tempfile.gettempdir()))
         self.dir = Path(tempfile.mkdtemp(prefix=f"{TIER_PREFIX}{os.getpid()}-", dir=root))
+        self._owner_fd: int | None = hold_owner_lock(self.dir)  # held while this agent lives
         self.store = TierStore(self.dir)
         self.local = self.store.local
         self.replica = self.store.replica
@@ -53,13 +54,19 @@ class MemoryTierPlugin(AgentPlugin):
         self._server: TierServer | None = None
         self._replicator: Replicator | None = None
         self.secret: bytes | None = None
+        self._file_secret: bytes | None = None
+        self._entitled: set[int] = set()
+        max_bytes = cfg.peer_max_snapshot_bytes or 1 << 62  # None: the free space bounds it
+        self._max_bytes = max_bytes
+        if cfg.peer_replication and cfg.memory_secret_file:
+            self._file_secret = load_secret_file(cfg.memory_secret_file, run_id=ctx.run_id)
         if cfg.peer_replication:
             host = cfg.peer_host or route_ip(ctx.rdzv_endpoint)
             self._server = TierServer(
                 (host, cfg.peer_port),
                 self.store,
                 max_header=cfg.peer_max_header_bytes,
-                max_bytes=cfg.peer_max_snapshot_bytes or 1 << 62,
+                max_bytes=max_bytes,
             )
             self._server.start()
             self._announced = False  # the event follows the agent's `launch` (first hook)
@@ -86,16 +93,39 @@ class MemoryTierPlugin(AgentPlugin):
         self.group_rank = group.group_rank
         world = group.group_world_size
         if self._server is not None and world > 1:
-            self.secret = _job_secret(group.store)
+            self.secret = self._file_secret or store_secret(group.store)
             self._server.set_secret(self.secret)
-        self.peers = self._exchange_addresses(ctx, group, world)
-        if self._replicator is not None:
-            self._replicator.set_peers(self.group_rank, self.peers, self.secret)
         ranks = [w.global_rank for w in group.workers]
         world_size = group.workers[0].world_size if group.workers else 0
+        self.peers = self._exchange_addresses(ctx, group, world, ranks)
+        entitled = self._entitle(world_size)
+        if self._replicator is not None:
+            self._replicator.set_peers(self.group_rank, self.peers, self.secret)
         self._fill(ranks, world_size)
+        # replicas this node may still be asked for: the ranks it replicates now and those it
+        # replicated in the round before (a fill of their new node may be under way)
+        keep = entitled | self._entitled
+        self._entitled = entitled
+        if self._server is not None:
+            pruned = self.store.prune_replicas(keep, world_size)
+            if pruned:
+                logger.info("memory tier: pruned replicas of ranks %s", pruned)
 
-    def _exchange_addresses(self, ctx: AgentContext, group: WorkerGroup, world: int) -> Peers:
+    def _entitle(self, world_size: int) -> set[int]:
+        """The ranks the previous node of the ring (the one that pushes here) may push: its
+        own, as it published them. Every other push is refused."""
+        if self._server is None or not self.peers:
+            return set()
+        ring = sorted({*self.peers, self.group_rank})
+        prev = ring[(ring.index(self.group_rank) - 1) % len(ring)]
+        peer = self.peers.get(prev, {})
+        entitled = {int(r) for r in peer.get("ranks", []) if type(r) is int}
+        self._server.set_entitled(entitled, world_size)
+        return entitled
+
+    def _exchange_addresses(
+        self, ctx: AgentContext, group: WorkerGroup, world: int, ranks: list[int]
+    ) -> Peers:
         """Publish this agent's server in the rendezvous store, read the others' (waiting at
         most :data:`PEER_WAIT_S` for them)."""
         if self._server is None or world <= 1:
@@ -103,7 +133,7 @@ class MemoryTierPlugin(AgentPlugin):
         host = self._server.host
         if host in ("0.0.0.0", "::", ""):  # bound to every interface on purpose (peer_host)
             host = route_ip(ctx.rdzv_endpoint)
-        me = {"host": host, "port": self._server.port, "node": self.node}
+        me = {"host": host, "port": self._server.port, "node": self.node, "ranks": ranks}
         prefix = f"trainguard/ckpt_memtier/{ctx.attempt}/"
         assert group.store is not None
         group.store.set(f"{prefix}{self.group_rank}", json.dumps(me))
@@ -139,7 +169,7 @@ class MemoryTierPlugin(AgentPlugin):
                 world_size,
                 secret=self.secret,
                 deadline=deadline,
-                max_bytes=self.cfg.peer_max_snapshot_bytes or 1 << 62,
+                max_bytes=self._max_bytes,
                 skipped=skipped,
             )
             nbytes = sum(int(m["nbytes"]) for _, m, _ in got)
@@ -176,20 +206,11 @@ class MemoryTierPlugin(AgentPlugin):
         if self._server is not None:
             self._server.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self._owner_fd is not None:
+            os.close(self._owner_fd)
+            self._owner_fd = None
         if os.environ.get(MEMORY_DIR_ENV) == str(self.local):
             del os.environ[MEMORY_DIR_ENV]
-
-
-SECRET_KEY = "trainguard/ckpt_memtier/secret"
-"""Rendezvous-store key of the job's memory-tier secret (first writer wins)."""
-
-
-def _job_secret(store: Any) -> bytes:
-    """The job's memory-tier secret: the first agent to ask sets it in the rendezvous store
-    (``compare_set``, atomic), every other one reads that value. It is never logged."""
-    mine = secrets.token_hex(32)
-    got = store.compare_set(SECRET_KEY, "", mine)
-    return bytes.fromhex(got.decode() if isinstance(got, bytes) else str(got))
 
 
 def route_ip(endpoint: str) -> str:

@@ -13,7 +13,6 @@ from typing import TypeGuard
 from trainguard.checkpoint.memtier.store import TierStore
 from trainguard.checkpoint.memtier.wire import (
     MAX_HEADER,
-    TIMEOUT_S,
     AuthError,
     Channel,
     ProtocolError,
@@ -25,7 +24,13 @@ __all__ = ["TierServer"]
 logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 16
-"""Connections served at once; more are closed at once (each holds a thread)."""
+"""Authenticated requests served at once; more are refused (each holds a thread)."""
+MAX_PENDING = 64
+"""Connections not yet authenticated held at once; more are closed at once."""
+AUTH_TIMEOUT_S = 5.0
+"""A new connection must authenticate (its first frame verified) within this many seconds;
+only then may it take one of the :data:`MAX_CONNECTIONS` slots, so slow or idle connections
+without the secret cannot keep the job's own fetches out."""
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -34,17 +39,33 @@ class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         srv = self.server
         secret = srv.secret
-        if secret is None or not srv._slots.acquire(blocking=False):
-            srv.count("refused_busy" if secret is not None else "refused_no_secret")
-            return  # no job secret yet (before the first rendezvous), or too many connections
+        if secret is None:
+            srv.count("refused_no_secret")
+            return  # no job secret yet (before the first rendezvous)
+        if not srv._pending.acquire(blocking=False):
+            srv.count("refused_pending")
+            return
         ch: Channel | None = None
+        slot = False
         try:
-            self.request.settimeout(TIMEOUT_S)
-            deadline = time.monotonic() + srv.request_timeout_s
-            ch = Channel(
-                self.request, secret, server=True, max_header=srv.max_header, deadline=deadline
-            )
-            header = ch.recv()
+            try:
+                self.request.settimeout(srv.auth_timeout_s)
+                ch = Channel(
+                    self.request,
+                    secret,
+                    server=True,
+                    max_header=srv.max_header,
+                    deadline=time.monotonic() + srv.auth_timeout_s,
+                )
+                header = ch.recv()  # verified: the peer knows the secret
+            finally:
+                srv._pending.release()
+            if not srv._slots.acquire(blocking=False):
+                srv.count("refused_busy")
+                self._try_send(ch, {"ok": False, "error": "server busy"})
+                return
+            slot = True
+            ch.deadline = time.monotonic() + srv.request_timeout_s
             op = header.get("op")
             if op == "put":
                 self._put(ch, header)
@@ -60,10 +81,12 @@ class _Handler(socketserver.BaseRequestHandler):
             logger.warning("memory tier: refused %s: %s", self.client_address[0], e)
             self._try_send(ch, {"ok": False, "error": str(e)})
         except (OSError, ValueError, KeyError) as e:
-            srv.count("failed")
-            logger.warning("memory tier request from %s failed: %s", self.client_address[0], e)
+            srv.count("failed" if slot else "refused_unauthenticated")
+            if slot:
+                logger.warning("memory tier request from %s failed: %s", self.client_address[0], e)
         finally:
-            srv._slots.release()
+            if slot:
+                srv._slots.release()
 
     @staticmethod
     def _try_send(ch: Channel | None, msg: dict) -> None:
@@ -80,23 +103,32 @@ class _Handler(socketserver.BaseRequestHandler):
         node = header.get("node")
         if not isinstance(node, str) or len(node) > 256:
             raise ProtocolError("node: expected a short string")
+        entitled, world_size = srv.entitled
+        if meta["rank"] not in entitled or meta["world_size"] != world_size:
+            srv.count("refused_not_entitled")
+            raise ProtocolError(
+                f"rank {meta['rank']} of world size {meta['world_size']}: this node does not "
+                f"replicate it (ranks {sorted(entitled)[:8]} of world size {world_size})"
+            )
         nbytes = meta["nbytes"]
-        free = srv.store.free_bytes()
-        if nbytes > free:
+        if not srv.reserve(nbytes):
             srv.count("refused_space")
-            ch.send({"ok": False, "error": f"no space: {nbytes} bytes, {free} free"})
-            return
-        meta = dict(meta)
-        meta["source"] = f"peer:{node}"
-        ch.send({"ok": True})
-        tmp = srv.store.incoming()
-        if not ch.recv_file(tmp, nbytes):
-            ch.send({"ok": False, "error": "snapshot changed while sent"})
+            ch.send({"ok": False, "error": f"no space for {nbytes} bytes"})
             return
         try:
-            srv.store.place("replica", meta, tmp)
+            meta = dict(meta)
+            meta["source"] = f"peer:{node}"
+            ch.send({"ok": True})
+            tmp = srv.store.incoming()
+            if not ch.recv_file(tmp, nbytes):
+                ch.send({"ok": False, "error": "snapshot changed while sent"})
+                return
+            try:
+                srv.store.place("replica", meta, tmp)
+            finally:
+                tmp.unlink(missing_ok=True)
         finally:
-            tmp.unlink(missing_ok=True)
+            srv.release(nbytes)
         srv.count("put")
         ch.send({"ok": True})
 
@@ -131,15 +163,21 @@ class TierServer(socketserver.ThreadingTCPServer):
         max_header: int = MAX_HEADER,
         max_bytes: int = 1 << 62,
         request_timeout_s: float = 600.0,
+        auth_timeout_s: float = AUTH_TIMEOUT_S,
     ) -> None:
         self.store = store
         self.secret = secret
         self.max_header = max_header
         self.max_bytes = max_bytes
         self.request_timeout_s = request_timeout_s
+        self.auth_timeout_s = auth_timeout_s
         self.counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._reserved = 0
+        self.entitled: tuple[frozenset[int], int] = (frozenset(), 0)
+        """Ranks and world size a peer may push (:meth:`set_entitled`); none before that."""
+        self._pending = threading.BoundedSemaphore(MAX_PENDING)
         super().__init__(addr, _Handler)
 
     @property
@@ -152,6 +190,23 @@ class TierServer(socketserver.ThreadingTCPServer):
 
     def set_secret(self, secret: bytes) -> None:
         self.secret = secret
+
+    def set_entitled(self, ranks: set[int], world_size: int) -> None:
+        """Accept pushes of these ``ranks`` of ``world_size`` only (the previous node's)."""
+        self.entitled = (frozenset(ranks), world_size)
+
+    def reserve(self, nbytes: int) -> bool:
+        """Book ``nbytes`` of the tier's free space for a transfer (concurrent transfers never
+        count the same free bytes twice); False if they are not there. :meth:`release` after."""
+        with self._counts_lock:
+            if nbytes > self.store.free_bytes() - self._reserved:
+                return False
+            self._reserved += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._counts_lock:
+            self._reserved -= nbytes
 
     def count(self, what: str) -> None:
         with self._counts_lock:

@@ -91,6 +91,31 @@ class TierStore:
         snapshot being received; invisible to :func:`list_snapshots` until placed."""
         return self.root / f".incoming-{uuid.uuid4().hex}.bin"
 
+    def prune_replicas(self, keep: set[int], world_size: int) -> list[int]:
+        """Remove the replicas of ranks not in ``keep`` and those of another world size (no
+        restore of this job can use them); the ranks whose replicas went."""
+        gone = []
+        with self._lock:
+            try:
+                names = os.listdir(self.replica)
+            except OSError:
+                return []
+            for name in names:
+                try:
+                    rank = int(name.removeprefix("rank_"))
+                except ValueError:
+                    continue
+                d = self.replica / name
+                if rank not in keep:
+                    shutil.rmtree(d, ignore_errors=True)
+                    gone.append(rank)
+                    continue
+                for snap in list_snapshots(d):
+                    if snap.world_size != world_size:
+                        snap.meta_path.unlink(missing_ok=True)
+                        snap.bin_path.unlink(missing_ok=True)
+        return sorted(gone)
+
     def free_bytes(self) -> int:
         """Free space of the tier's file system."""
         return shutil.disk_usage(self.root).free

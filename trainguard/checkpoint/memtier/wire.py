@@ -2,24 +2,27 @@
 
 Every connection starts with the server's challenge, ``MAGIC`` + a random 32-byte nonce. Every
 message after it (both ways) is a *frame*: a 4-byte big-endian length (at most the receiver's
-``max_header``), a JSON header, and ``HMAC-SHA256(secret, direction || nonce || header)``
-(``direction`` is ``b"req"`` or ``b"resp"``). The secret is the job's, shared through the
-rendezvous store (see :mod:`.plugin`); a frame whose MAC does not verify ends the connection
-before anything is read from or written to the tier.
+``max_header``), a JSON header, and ``HMAC-SHA256(secret, direction || nonce || seq || header)``
+(``direction`` is ``b"req"`` or ``b"resp"``, ``seq`` the frame's 8-byte number in that
+direction, so a frame cannot be replayed or reordered). The secret is the job's (see
+:mod:`.plugin`); a frame whose MAC does not verify ends the connection before anything is read
+from or written to the tier.
 
 Requests:
 
 - ``{"op": "put", "node", "meta", "nbytes"}``: the server validates ``meta`` (:func:`validate_meta`)
   and checks the space, answers ``{"ok": true}`` (go) or ``{"ok": false, "error"}``; after a go
-  the client streams the snapshot's ``nbytes`` bytes (``socket.sendfile``) and one trailer byte
-  (``1``: the file did not change while sent), and the server answers ``{"ok": true}`` once the
-  replica is in place.
+  the client streams the snapshot's ``nbytes`` bytes and a trailer frame ``{"intact", "mac"}``
+  (``intact``: the file did not change while sent; ``mac``: the bytes' MAC, :class:`FileMac`,
+  keyed with the secret and bound to the connection's nonce), and the server answers ``{"ok": true}`` once the replica is in place.
 - ``{"op": "get", "rank", "world_size", "below"}``: answered ``{"found": false}`` or
-  ``{"found": true, "meta", "nbytes"}`` + the bytes + the trailer byte.
+  ``{"found": true, "meta", "nbytes"}`` + the bytes + the trailer frame.
 
-A receiver writes the bytes into a temporary file of the tier in bounded chunks and renames it
-into a snapshot slot only when it is complete and the trailer says it is intact, so a refused or
-broken transfer leaves nothing behind. Payloads are not encrypted: the tier's network must be
+The metadata travels in an authenticated frame, the bytes under the trailer's MAC, the trailer
+in an authenticated frame: a bit changed on the way anywhere is refused. A receiver writes the
+bytes into a temporary file of the tier in bounded chunks and renames it into a snapshot slot
+only when it is complete, its MAC verifies and the trailer says it is intact, so a refused,
+altered or broken transfer leaves nothing behind. Payloads are not encrypted: the tier's network must be
 the job's own (as for NCCL and the rendezvous store).
 """
 
@@ -38,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint.jsoncodec import DTYPE_SIZES
-from trainguard.checkpoint.staging import Snapshot
+from trainguard.checkpoint.staging import Snapshot, decode_skeleton
 
 __all__ = [
     "MAX_HEADER",
@@ -46,6 +49,7 @@ __all__ = [
     "AuthError",
     "Channel",
     "ProtocolError",
+    "FileMac",
     "fetch_snapshot",
     "push_snapshot",
     "validate_meta",
@@ -55,7 +59,7 @@ TIMEOUT_S = 30.0
 """Connect and socket timeout of the client side (and of each server-side read)."""
 MAX_HEADER = 4 << 20
 """Largest header (JSON: the snapshot's metadata, its skeleton included) a side accepts."""
-MAGIC = b"TGM1"
+MAGIC = b"TGM2"
 NONCE_LEN = 32
 MAC_LEN = 32
 CHUNK = 1 << 20
@@ -71,8 +75,71 @@ class AuthError(ProtocolError):
     """The peer does not know the job's secret."""
 
 
-def _mac(secret: bytes, direction: bytes, nonce: bytes, header: bytes) -> bytes:
-    return hmac.new(secret, direction + nonce + header, hashlib.sha256).digest()
+def _mac(secret: bytes, direction: bytes, nonce: bytes, seq: int, header: bytes) -> bytes:
+    return hmac.new(
+        secret, direction + nonce + seq.to_bytes(8, "big") + header, hashlib.sha256
+    ).digest()
+
+
+SEGMENT = 32 << 20
+"""The payload MAC is a tree: one HMAC per segment of this size, hashed on several cores while
+the bytes are on the wire, and one HMAC over those."""
+MAC_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+class FileMac:
+    """``HMAC-SHA256(secret, b"data" || nonce || nbytes || leaf_0 || leaf_1 ...)`` with
+    ``leaf_i = HMAC-SHA256(secret, b"seg" || nonce || i || segment i)`` over the first
+    ``nbytes`` of the open file ``fd``; :meth:`ready` hands a segment to the hashing threads
+    once its bytes are in the file. One HMAC-SHA256 pass over the bytes (OpenSSL's, with the
+    CPU's SHA instructions where it has them), spread over up to :data:`MAC_THREADS` cores and
+    overlapped with the transfer."""
+
+    def __init__(self, secret: bytes, nonce: bytes, fd: int, nbytes: int) -> None:
+        self.secret, self.nonce, self.fd, self.nbytes = secret, nonce, fd, nbytes
+        self.segments = max(1, -(-nbytes // SEGMENT))
+        self._pool: Any = None
+        self._leaves: list[Any] = []
+        if self.segments > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(min(MAC_THREADS, self.segments), "tg-memtier-mac")
+
+    def _leaf(self, i: int) -> bytes:
+        h = hmac.new(self.secret, b"seg" + self.nonce + i.to_bytes(8, "big"), hashlib.sha256)
+        off, end = i * SEGMENT, min((i + 1) * SEGMENT, self.nbytes)
+        while off < end:
+            data = os.pread(self.fd, min(CHUNK * 4, end - off), off)
+            if not data:
+                raise ConnectionError(f"file ended at {off} of {self.nbytes} bytes")
+            h.update(data)
+            off += len(data)
+        return h.digest()
+
+    def ready(self, i: int) -> None:
+        """Segment ``i`` is complete in the file (call in order, once each)."""
+        if self._pool is not None:
+            self._leaves.append(self._pool.submit(self._leaf, i))
+
+    def bytes_ready(self, done: int) -> None:
+        """The first ``done`` bytes are in the file: hand over the segments they complete."""
+        while len(self._leaves) < self.segments - 1 and done >= (len(self._leaves) + 1) * SEGMENT:
+            self.ready(len(self._leaves))
+
+    def hexdigest(self) -> str:
+        if self._pool is None:
+            leaves = [self._leaf(0)]
+        else:
+            self.bytes_ready(self.nbytes)
+            if len(self._leaves) < self.segments:
+                self.ready(self.segments - 1)
+            leaves = [f.result() for f in self._leaves]
+        head = b"data" + self.nonce + self.nbytes.to_bytes(8, "big")
+        return hmac.new(self.secret, head + b"".join(leaves), hashlib.sha256).hexdigest()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
@@ -114,6 +181,8 @@ class Channel:
         self.max_header = max_header
         self.deadline = deadline
         self._tx, self._rx = (b"resp", b"req") if server else (b"req", b"resp")
+        self._tx_seq = 0
+        self._rx_seq = 0
         if server:
             self.nonce = secrets.token_bytes(NONCE_LEN)
             sock.sendall(MAGIC + self.nonce)
@@ -125,9 +194,9 @@ class Channel:
 
     def send(self, header: dict[str, Any]) -> None:
         h = json.dumps(header).encode()
-        self.sock.sendall(
-            struct.pack(">I", len(h)) + h + _mac(self.secret, self._tx, self.nonce, h)
-        )
+        mac = _mac(self.secret, self._tx, self.nonce, self._tx_seq, h)
+        self._tx_seq += 1
+        self.sock.sendall(struct.pack(">I", len(h)) + h + mac)
 
     def recv(self) -> dict[str, Any]:
         (n,) = struct.unpack(">I", recv_exact(self.sock, 4, self.deadline))
@@ -135,8 +204,9 @@ class Channel:
             raise ProtocolError(f"header of {n} bytes (limit {self.max_header})")
         h = bytes(recv_exact(self.sock, n, self.deadline))
         mac = bytes(recv_exact(self.sock, MAC_LEN, self.deadline))
-        if not hmac.compare_digest(mac, _mac(self.secret, self._rx, self.nonce, h)):
+        if not hmac.compare_digest(mac, _mac(self.secret, self._rx, self.nonce, self._rx_seq, h)):
             raise AuthError("peer failed authentication (no or wrong job secret)")
+        self._rx_seq += 1
         try:
             header = json.loads(h)
         except ValueError as e:
@@ -146,31 +216,50 @@ class Channel:
         return header
 
     def send_file(self, path: Path, nbytes: int, still_valid: Any) -> None:
-        """Stream ``nbytes`` of ``path`` (kernel ``sendfile``), then the trailer byte."""
+        """Stream ``nbytes`` of ``path`` (kernel ``sendfile``) while its MAC is computed, then
+        the trailer frame (``intact``: ``still_valid()`` after the last byte; the MAC)."""
         with open(path, "rb") as f:
-            sent = self.sock.sendfile(f, 0, nbytes) if nbytes else 0
-        if sent != nbytes:
-            raise ConnectionError(f"{path}: sent {sent} of {nbytes} bytes")
-        self.sock.sendall(b"\x01" if still_valid() else b"\x00")
+            mac = FileMac(self.secret, self.nonce, f.fileno(), nbytes)
+            try:
+                mac.bytes_ready(nbytes)  # the whole file is there: hash while it is sent
+                sent = self.sock.sendfile(f, 0, nbytes) if nbytes else 0
+                if sent != nbytes:
+                    raise ConnectionError(f"{path}: sent {sent} of {nbytes} bytes")
+                digest = mac.hexdigest()
+            finally:
+                mac.close()
+        self.send({"intact": bool(still_valid()), "mac": digest})
 
     def recv_file(self, dest: Path, nbytes: int) -> bool:
-        """Write ``nbytes`` from the peer into a new file ``dest`` in bounded chunks; True if
-        the trailer says the sender's file was intact. ``dest`` is removed on any failure."""
+        """Write ``nbytes`` from the peer into a new file ``dest`` in bounded chunks (hashing
+        each complete segment meanwhile); True if the trailer says the sender's file was
+        intact. Raises :class:`ProtocolError` if the bytes do not match the trailer's MAC.
+        ``dest`` is removed on any failure."""
         buf = bytearray(min(CHUNK, max(nbytes, 1)))
         view = memoryview(buf)
         ok = False
         try:
-            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb", buffering=0) as f:
-                left = nbytes
-                while left:
-                    _apply_deadline(self.sock, self.deadline)
-                    k = self.sock.recv_into(view[: min(left, len(buf))])
-                    if not k:
-                        raise ConnectionError("peer closed the connection mid-transfer")
-                    f.write(view[:k])
-                    left -= k
-            ok = recv_exact(self.sock, 1, self.deadline) == b"\x01"
+            fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "r+b", buffering=0) as f:
+                mac = FileMac(self.secret, self.nonce, f.fileno(), nbytes)
+                try:
+                    done = 0
+                    while done < nbytes:
+                        _apply_deadline(self.sock, self.deadline)
+                        k = self.sock.recv_into(view[: min(nbytes - done, len(buf))])
+                        if not k:
+                            raise ConnectionError("peer closed the connection mid-transfer")
+                        f.write(view[:k])
+                        done += k
+                        mac.bytes_ready(done)
+                    trailer = self.recv()
+                    digest = mac.hexdigest()
+                finally:
+                    mac.close()
+            got = trailer.get("mac")
+            if not isinstance(got, str) or not hmac.compare_digest(got, digest):
+                raise ProtocolError("snapshot bytes do not match their MAC (altered on the way)")
+            ok = trailer.get("intact") is True
             return ok
         finally:
             if not ok:
@@ -216,6 +305,11 @@ def validate_meta(meta: Any, *, max_bytes: int) -> dict[str, Any]:
         _int(n, "entry nbytes", 0, nbytes - off)
         if n != numel * DTYPE_SIZES[dtype]:
             raise ProtocolError(f"entry {e!r}: {n} bytes do not match its shape and dtype")
+    if "skeleton" in meta:
+        try:
+            decode_skeleton(meta["skeleton"], len(entries))
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
     return meta
 
 
@@ -271,6 +365,8 @@ def fetch_snapshot(
     with ch.sock:
         ch.send({"op": "get", "rank": rank, "world_size": world_size, "below": below})
         header = ch.recv()
+        if "error" in header:
+            raise ProtocolError(f"peer refused the fetch: {header.get('error')}")
         if not header.get("found"):
             return None
         meta = validate_meta(header.get("meta"), max_bytes=max_bytes)

@@ -76,8 +76,13 @@ class CheckpointConfig:
     peer_max_header_bytes: int = 4 << 20
     """Largest request/answer header (the snapshot's JSON metadata) accepted from a peer."""
     peer_max_snapshot_bytes: int | None = None
-    """Largest snapshot accepted from a peer; None: only the free space of the tier's file
-    system bounds it (always checked)."""
+    """Largest snapshot accepted from a peer (> 0); None: only the free space of the tier's
+    file system bounds it (always checked, space booked per transfer)."""
+    memory_secret_file: str | None = None
+    """File holding the memory tier's secret (at least 16 bytes, mode 600; the same file on
+    every node, e.g. a mounted secret or one in the job's private directory). Set: the secret
+    is never published. None: the first agent creates one and shares it through the
+    rendezvous store, where anyone who can read the store can read it."""
     peer_backoff_s: float = 0.5
     """First wait after a failed push to the peer; doubles per consecutive failure."""
     peer_backoff_max_s: float = 60.0
@@ -147,8 +152,11 @@ class CheckpointConfig:
             raise ValueError("peer_port must be in [0, 65535]")
         if self.peer_max_header_bytes < 1024:
             raise ValueError("peer_max_header_bytes must be >= 1024")
-        if self.peer_max_snapshot_bytes is not None and self.peer_max_snapshot_bytes < 0:
-            raise ValueError("peer_max_snapshot_bytes must be >= 0")
+        if self.peer_max_snapshot_bytes is not None and self.peer_max_snapshot_bytes <= 0:
+            raise ValueError(
+                "peer_max_snapshot_bytes must be > 0 (leave it unset to bound snapshots from "
+                "peers by the tier's free space only)"
+            )
         for name in (
             "persist_timeout_s",
             "peer_backoff_s",
