@@ -44,6 +44,7 @@ from trainguard.core.inprocess import (
     announce_key,
     ready_key,
 )
+from trainguard.runtime import _torch
 from trainguard.runtime.warm import PooledSubprocessHandler
 
 __all__ = ["InProcessRestarter", "spawn_replacement"]
@@ -75,7 +76,7 @@ def spawn_replacement(
         local_rank,
         pool=pool,
         mode="a",
-        numa_options=getattr(pcontext, "_numa_options", None),
+        numa_options=_torch.numa_options_of(pcontext),
     )
 
 
@@ -126,7 +127,7 @@ class InProcessRestarter:
         agent = self.agent
         if not agent.tg_config.inprocess.enabled:
             return False
-        pc = getattr(agent, "_pcontext", None)
+        pc = agent.pcontext
         handlers = getattr(pc, "subprocess_handlers", None)
         if not handlers:
             return False
@@ -164,7 +165,7 @@ class InProcessRestarter:
         bad = sorted({c for c in dead.values() if c in _NOT_RESTARTABLE})
         if bad:
             return f"exit code(s) {bad}"
-        if self.agent._remaining_restarts < 1:
+        if self.agent.remaining_restarts < 1:
             return "no restarts left (--max-restarts)"
         return None
 
@@ -181,8 +182,8 @@ class InProcessRestarter:
             )
             for lr, code in dead.items()
         }
-        agent._report_failures(group, RunResult(state=WorkerState.FAILED, failures=failures))
-        agent._remaining_restarts -= 1
+        agent.report_failures(group, RunResult(state=WorkerState.FAILED, failures=failures))
+        agent.remaining_restarts -= 1
         try:
             for lr in dead:  # a replacement that dies before trainguard.run: the group restarts
                 store.delete_key(ready_key(by_local[lr].global_rank))
@@ -208,9 +209,7 @@ class InProcessRestarter:
             except Exception as e:  # torch's poll finds the dead worker: the group restarts
                 logger.warning("in-process restart: cannot start local rank %s: %s", lr, e)
                 return False
-            for f in (getattr(old, "_stdout", None), getattr(old, "_stderr", None)):
-                if f is not None:
-                    f.close()
+            _torch.close_logs(old)
             pc.subprocess_handlers[lr] = new
             by_local[lr].id = new.proc.pid
             replaced.append(
@@ -228,7 +227,7 @@ class InProcessRestarter:
             generation=gen,
             replaced=replaced,
             survivors=sorted(w.global_rank for w in group.workers if w.local_rank not in dead),
-            remaining_restarts=agent._remaining_restarts,
+            remaining_restarts=agent.remaining_restarts,
             duration_s=round(time.monotonic() - t0, 4),
         )
         return True

@@ -188,7 +188,7 @@ def _handle_preemption_signals(configured: str, preemption_signals: list[str]) -
     ``SignalException`` in the agent, which forwards the signal to the workers.
 
     ``TORCHELASTIC_SIGNALS_TO_HANDLE`` keeps torchrun's value: the workers inherit it."""
-    from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+    from trainguard.runtime._torch import terminate_process_handler
 
     names = {n.strip() for n in configured.split(",") if n.strip()}
     added: list[str] = []
@@ -198,7 +198,7 @@ def _handle_preemption_signals(configured: str, preemption_signals: list[str]) -
         sig = getattr(signal, name, None)
         if name in names or not isinstance(sig, signal.Signals):
             continue
-        signal.signal(sig, _terminate_process_handler)
+        signal.signal(sig, terminate_process_handler)
         added.append(name)
     return added
 

@@ -26,6 +26,8 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing import api as mp_api
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
+from trainguard.runtime import _torch
+
 __all__ = ["WarmPool", "install", "start"]
 
 logger = logging.getLogger(__name__)
@@ -110,30 +112,30 @@ class WarmPool:
                 pass
 
 
-class _WarmHandler(SubprocessHandler):
+class _WarmHandler(_torch.SubprocessHandlerBase):
     """torch's handler, with the process taken from the pool when it can be."""
 
     pool: WarmPool | None = None
 
-    def _popen(self, args: tuple, env: dict[str, str]) -> subprocess.Popen:
+    def popen(self, args: tuple, env: dict[str, str]) -> subprocess.Popen:
         pool = _WarmHandler.pool
         argv = list(args[1:])
         ok_cmd = args[0] == sys.executable and argv[:1] == ["-u"] and len(argv) > 1
         proc = pool.take() if pool is not None and ok_cmd else None
         if proc is None or proc.stdin is None:
-            return super()._popen(args, env)
+            return super().popen(args, env)
         spec = {
             "argv": argv[1:],
             "env": env,
-            "stdout": getattr(self._stdout, "name", None),
-            "stderr": getattr(self._stderr, "name", None),
+            "stdout": getattr(self.stdout_file, "name", None),
+            "stderr": getattr(self.stderr_file, "name", None),
         }
         try:
             proc.stdin.write((json.dumps(spec) + "\n").encode())
             proc.stdin.close()
         except OSError as e:  # died between take() and now
             logger.debug("warm worker %s unusable: %s", proc.pid, e)
-            return super()._popen(args, env)
+            return super().popen(args, env)
         return proc
 
 
