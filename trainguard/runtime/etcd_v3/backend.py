@@ -9,12 +9,9 @@ import zlib
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousStateError
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    RendezvousBackend,
-    Token,
-    _NodeDesc,
-)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
+from trainguard.runtime._torch import NodeDesc
 from trainguard.runtime.etcd_v3._common import (
     BACKEND_NAME,
     DEFAULT_CAS_BACKOFF,
@@ -353,7 +350,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def put_join(
         self,
         round_: int,
-        node: _NodeDesc,
+        node: NodeDesc,
         when: float,
         *,
         lock_owner: str | None = None,
@@ -379,7 +376,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         locked = bool(compare) and bool(out.get("succeeded"))
         return int(out.get("header", {}).get("revision", 0)), locked
 
-    def wait_join_admitted(self, round_: int, node: _NodeDesc, after: int, timeout: float) -> bool:
+    def wait_join_admitted(self, round_: int, node: NodeDesc, after: int, timeout: float) -> bool:
         """Block until this node's join request is deleted after revision ``after`` (the
         writer admitted it, or the round completed), or ``timeout`` passes."""
         key = f"{self._join_prefix}{round_}/{node!r}"
@@ -393,7 +390,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def forget_joins(self, round_: int) -> None:
         self._client.delete(f"{self._join_prefix}{round_}/", prefix=True)
 
-    def forget_join_requests(self, round_: int, nodes: list[_NodeDesc]) -> None:
+    def forget_join_requests(self, round_: int, nodes: list[NodeDesc]) -> None:
         """Drop the join requests of admitted nodes (in transactions of at most 100 deletes,
         below etcd's default limit of 128 operations)."""
         keys = [f"{self._join_prefix}{round_}/{n!r}" for n in nodes]

@@ -1,6 +1,6 @@
 """torch's rendezvous state in a compact JSON form, decoded once per revision per process.
 
-torch's own backends store the state pickled. Unpickling a 1000-node state (a ``_NodeDesc``
+torch's own backends store the state pickled. Unpickling a 1000-node state (a ``NodeDesc``
 dataclass and a ``datetime`` per node and heartbeat) costs ~12 ms of CPU and every agent
 reads the state several times per round; this JSON form (a node table plus indices) decodes
 in a fraction of that. A state written by torch's stock holder (pickled) is still read.
@@ -21,21 +21,22 @@ from datetime import datetime, timezone
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousStateError
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from trainguard.runtime._torch import NodeDesc, RendezvousState
 
 __all__ = ["copy_state", "decode_state", "encode_state"]
 
 _MAGIC = b"TGJ1"
 _CACHE_SIZE = 4
-_cache: OrderedDict[tuple[str, int], _RendezvousState] = OrderedDict()
+_cache: OrderedDict[tuple[str, int], RendezvousState] = OrderedDict()
 _cache_lock = threading.Lock()
 
 
-def encode_state(st: _RendezvousState) -> bytes:
-    index: dict[_NodeDesc, int] = {}
+def encode_state(st: RendezvousState) -> bytes:
+    index: dict[NodeDesc, int] = {}
     nodes: list[list[Any]] = []
 
-    def ix(n: _NodeDesc) -> int:
+    def ix(n: NodeDesc) -> int:
         i = index.get(n)
         if i is None:
             i = index[n] = len(nodes)
@@ -56,7 +57,7 @@ def encode_state(st: _RendezvousState) -> bytes:
     return _MAGIC + json.dumps(doc, separators=(",", ":")).encode()
 
 
-def _decode(bits: bytes) -> _RendezvousState:
+def _decode(bits: bytes) -> RendezvousState:
     if not bits.startswith(_MAGIC):
         try:
             return pickle.loads(bits)  # torch's own format (the stock state holder)
@@ -66,8 +67,8 @@ def _decode(bits: bytes) -> _RendezvousState:
             ) from exc
     try:
         doc = json.loads(bits[len(_MAGIC) :])
-        nodes = [_NodeDesc(str(a), int(p), int(i)) for a, p, i in doc["nodes"]]
-        st = _RendezvousState()
+        nodes = [NodeDesc(str(a), int(p), int(i)) for a, p, i in doc["nodes"]]
+        st = RendezvousState()
         st.round = int(doc["round"])
         st.complete = bool(doc["complete"])
         st.closed = bool(doc["closed"])
@@ -84,9 +85,9 @@ def _decode(bits: bytes) -> _RendezvousState:
     return st
 
 
-def copy_state(st: _RendezvousState) -> _RendezvousState:
+def copy_state(st: RendezvousState) -> RendezvousState:
     """A copy whose containers the caller may edit (nodes and datetimes are immutable)."""
-    out = _RendezvousState()
+    out = RendezvousState()
     out.round, out.complete, out.closed, out.deadline = (
         st.round,
         st.complete,
@@ -100,7 +101,7 @@ def copy_state(st: _RendezvousState) -> _RendezvousState:
     return out
 
 
-def decode_state(bits: bytes, *, key: str = "", revision: int = 0) -> _RendezvousState:
+def decode_state(bits: bytes, *, key: str = "", revision: int = 0) -> RendezvousState:
     """The state in ``bits`` (JSON or torch's pickle); cached per ``(key, revision)``."""
     if not revision:
         return _decode(bits)
@@ -118,7 +119,7 @@ def decode_state(bits: bytes, *, key: str = "", revision: int = 0) -> _Rendezvou
     return copy_state(st)
 
 
-def remember(st: _RendezvousState, *, key: str, revision: int) -> None:
+def remember(st: RendezvousState, *, key: str, revision: int) -> None:
     """Cache a state this process wrote at ``revision`` (its readers need not decode it)."""
     with _cache_lock:
         _cache[(key, revision)] = copy_state(st)

@@ -16,6 +16,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
+from trainguard.runtime import _torch
 from trainguard.runtime.etcd_v3._common import (
     BACKEND_NAME,
     DEFAULT_CAS_BACKOFF,
@@ -184,8 +185,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     _cheap_event_names()
     backend, store = create_backend(params)
     stock = create_handler(store, backend, params)  # torch's parsing of the rdzv options
-    node = getattr(stock, "_this_node", None)
-    settings = getattr(stock, "_settings", None)
+    node = _torch.handler_node(stock)
+    settings = _torch.handler_settings(stock)
     if node is None or settings is None:  # another torch: its own holder still works
         return stock
     holder = ScalableStateHolder(backend, settings, node)
