@@ -286,7 +286,7 @@ class CheckpointManager:
         if persist and self._persisting is not None:
             # a dead peer persister fails it fast (gloo sees the close); a stuck one at the deadline
             if not self._wait_persist():
-                return self._failed_save(step, "the previous save is still persisting")
+                return self._refused_save(step, "the previous save is still persisting")
         if persist and self._proc is not None:
             self._check_persister()
         return self._save(step, state, persist=persist)
@@ -567,10 +567,10 @@ class CheckpointManager:
         """A save that ends without a commit for ``reason`` (a deadline): event and counter."""
         self.num_failures += 1
         logger.warning("rank %s: checkpoint save of step %s failed: %s", self.rank, step, error)
-        self._emit("checkpoint_save_failed", step=step, rank=self.rank, reason=reason, error=error)
+        self._emit("checkpoint_failed", step=step, rank=self.rank, reason=reason, error=error)
         self._metric(step=step, checkpoint_failures=self.num_failures)
 
-    def _failed_save(self, step: int, reason: str) -> SaveResult:
+    def _refused_save(self, step: int, reason: str) -> SaveResult:
         """The outcome of a persisting save refused at once (training goes on)."""
         result = SaveResult(step, True)
         result.error = reason
@@ -606,7 +606,11 @@ class CheckpointManager:
             elif not result.committed and not result.timed_out:
                 self.num_failures += 1
                 self._emit(
-                    "checkpoint_failed", step=result.step, error=result.error, rank=self.rank
+                    "checkpoint_failed",
+                    step=result.step,
+                    rank=self.rank,
+                    reason="error",
+                    error=result.error,
                 )
                 self._metric(step=result.step, checkpoint_failures=self.num_failures)
             result.done.set()

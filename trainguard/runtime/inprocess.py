@@ -36,6 +36,7 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from trainguard.core.event_kinds import HANG_KILLED, HEALTH_UNHEALTHY
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.inprocess import (
     FALLBACK_EXIT_CODE,
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 _NOT_RESTARTABLE = {0, REQUEUE_EXIT_CODE, DO_NOT_REQUEUE_EXIT_CODE, FALLBACK_EXIT_CODE}
 
-GROUP_KILL_EVENTS = frozenset({"hang_killed", "health_unhealthy"})
+GROUP_KILL_EVENTS = frozenset({HANG_KILLED, HEALTH_UNHEALTHY})
 """Events of plugins that SIGKILL the whole local group on purpose (a hang, an unhealthy
 node): the deaths that follow are a group restart, never an in-process one."""
 

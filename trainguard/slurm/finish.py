@@ -26,6 +26,7 @@ from enum import Enum
 from typing import Any
 
 from trainguard.core.config.slurm import SlurmConfig
+from trainguard.core.event_kinds import JOB_FINISHED, NODE_DRAINED
 from trainguard.core.events import EventLog, read_events
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.fencing import NodeFencer
@@ -59,7 +60,7 @@ def node_states(events: Iterable[dict[str, Any]], since: float) -> dict[str, str
     """Each node's last ``job_finished`` state at or after ``since`` (unix seconds)."""
     out: dict[str, str] = {}
     for ev in events:
-        if ev.get("kind") == "job_finished" and float(ev.get("time", 0)) >= since:
+        if ev.get("kind") == JOB_FINISHED and float(ev.get("time", 0)) >= since:
             out[str(ev.get("node"))] = str(ev.get("state"))
     return out
 
@@ -67,7 +68,7 @@ def node_states(events: Iterable[dict[str, Any]], since: float) -> dict[str, str
 def drained_by_trainguard(events: Iterable[dict[str, Any]]) -> list[str]:
     """Nodes trainguard drained in this run (``node_drained`` events; ``node`` is the writer)."""
     return sorted(
-        {str(e["node_name"]) for e in events if e.get("kind") == "node_drained" and e.get("fenced")}
+        {str(e["node_name"]) for e in events if e.get("kind") == NODE_DRAINED and e.get("fenced")}
     )
 
 
