@@ -30,6 +30,7 @@ from trainguard.core.event_kinds import JOB_FINISHED, NODE_DRAINED
 from trainguard.core.events import EventLog, read_events
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.fencing import NodeFencer
+from trainguard.core.jobstate import JobState
 from trainguard.slurm.batch import CHAIN_ENV, RESUBMITS_ENV
 from trainguard.slurm.cli import SlurmCli, SlurmError
 
@@ -85,16 +86,16 @@ def decide(
     """The action after the step (see the module doc); ``unusable``: allocated nodes Slurm
     reports down/drained now; ``drained_before``: nodes trainguard drained earlier in the run."""
     lost = sorted({n for n in allocation if n not in states} | set(unusable))
-    if any(s == "succeeded" for s in states.values()):
+    if any(s == JobState.SUCCEEDED for s in states.values()):
         return Decision(Action.DONE, 0, lost, message="training finished")
-    if rc == DO_NOT_REQUEUE_EXIT_CODE or any(s == "do_not_requeue" for s in states.values()):
+    if rc == DO_NOT_REQUEUE_EXIT_CODE or any(s == JobState.DO_NOT_REQUEUE for s in states.values()):
         return Decision(
             Action.STOP,
             DO_NOT_REQUEUE_EXIT_CODE,
             lost,
             message=f"exit code {DO_NOT_REQUEUE_EXIT_CODE}: not requeued",
         )
-    if rc == REQUEUE_EXIT_CODE or any(s == "requeue" for s in states.values()):
+    if rc == REQUEUE_EXIT_CODE or any(s == JobState.REQUEUE for s in states.values()):
         return Decision(
             Action.REQUEUE,
             REQUEUE_EXIT_CODE,
