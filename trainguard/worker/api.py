@@ -14,7 +14,6 @@ import socket
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -111,7 +110,6 @@ class TrainGuard:
         self._flusher: threading.Thread | None = None
         self._flush_stop = threading.Event()
         self._flush_hooks = False
-        self._sinks: list[Callable[[dict[str, Any]], None]] = []
         self._closed = False
         self._spans = SpanRecorder(
             self._write_record,
@@ -190,17 +188,6 @@ class TrainGuard:
         return {"attempt": self.attempt, "rank": self.rank}
 
     @property
-    def restart_count(self) -> int:
-        """Deprecated: ``agent_restarts`` (torch's per-agent count) or ``attempt`` (job-wide)."""
-        warnings.warn(
-            "TrainGuard.restart_count is deprecated: use agent_restarts (torch's per-agent "
-            "TORCHELASTIC_RESTART_COUNT) or attempt (the job-wide attempt)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.agent_restarts
-
-    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
@@ -228,17 +215,8 @@ class TrainGuard:
         self.__dict__["_ft"] = run
         return run
 
-    def add_sink(self, fn: Callable[[dict[str, Any]], None]) -> None:
-        """Receive every metrics record written by ``log``/``step`` (used by telemetry)."""
-        self._sinks.append(fn)
-
     # -- metrics -----------------------------------------------------------------------------
     def _write_record(self, record: dict[str, Any]) -> None:
-        for fn in self._sinks:
-            try:
-                fn(record)
-            except Exception:  # telemetry must never take down training
-                logger.exception("metrics sink failed")
         with self._metrics_lock:
             self._pending.append(record)
             n = len(self._pending)

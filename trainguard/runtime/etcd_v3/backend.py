@@ -336,10 +336,6 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             self._meta_key, start_revision=after + 1, timeout=timeout, wanted=differs
         )
 
-    def wait_state_change(self, after: int, timeout: float) -> bool:
-        """Block until the state is written after revision ``after`` (True), or ``timeout``."""
-        return self._client.watch(self._key, start_revision=after + 1, timeout=timeout)
-
     def meta(self) -> bytes | None:
         found = self._client.get(self._meta_key)
         return None if found is None else found[0]
