@@ -63,6 +63,7 @@ from trainguard.core import envvars
 from trainguard.core.config import load_worker_section
 from trainguard.core.config.checkpoint import CheckpointConfig
 from trainguard.core.failures import REQUEUE_EXIT_CODE, peer_failure
+from trainguard.core.rundir import RunDir
 
 __all__ = ["CheckpointManager", "MEMORY_DIR_ENV", "SaveResult"]
 
@@ -158,7 +159,7 @@ class CheckpointManager:
             dist.get_world_size() if self._distributed else 1
         )  # fmt: skip
         run_dir = Path(run_dir) if run_dir is not None else Path(".")
-        self.root = self.config.dir or str(run_dir / "checkpoints")
+        self.root = self.config.dir or str(RunDir(run_dir).checkpoints)
         self.storage = storage_for(self.root)
         self._emit = events or (lambda kind, **f: None)
         self._metric = metrics or (lambda **m: None)

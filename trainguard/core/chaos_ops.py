@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.rundir import RunDir
+
 __all__ = [
     "ChaosTargetError",
     "DcgmExporter",
@@ -140,7 +142,7 @@ def pause(
 
 # -- a run directory's processes --------------------------------------------------------------
 def _events(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "events.jsonl"
+    path = RunDir(run_dir).events
     if not path.is_file():
         raise ChaosTargetError(f"no events.jsonl in {run_dir}: pass the job's --tg-run-dir")
     out = []

@@ -30,6 +30,7 @@ from trainguard.core.config.alerts import AlertsConfig
 from trainguard.core.event_kinds import HANG_DETECTED, JOB_FINISHED, NODE_EXCLUDED, WORKERS_STARTED
 from trainguard.core.events import EventLog
 from trainguard.core.plugin import AgentPlugin
+from trainguard.core.rundir import RunDir
 
 __all__ = ["Page", "Pager", "PagerPlugin", "http_post"]
 
@@ -260,7 +261,7 @@ class PagerPlugin(AgentPlugin):
     @staticmethod
     def _job_id(run_dir: Path) -> str:
         try:
-            cfg = json.loads((run_dir / "config.json").read_text())
+            cfg = json.loads(RunDir(run_dir).config.read_text())
             return str(cfg.get("torchrun", {}).get("rdzv_id") or run_dir.name)
         except (OSError, ValueError):
             return run_dir.name

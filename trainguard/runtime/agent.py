@@ -25,6 +25,7 @@ from trainguard.core.failures import (
 )
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin, NodeUnhealthyError
 from trainguard.core.progress import ProgressReader, ProgressSnapshot
+from trainguard.core.rundir import RunDir
 from trainguard.runtime import _torch, warm
 from trainguard.runtime.inprocess import InProcessRestarter
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
@@ -203,7 +204,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         self._call("after_rendezvous", worker_group)
 
     def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        progress_dir = self.run_dir / "progress" / f"attempt_{self.attempt}"
+        progress_dir = RunDir(self.run_dir).progress(self.attempt)
         progress_dir.mkdir(parents=True, exist_ok=True)
         self.progress = ProgressReader(progress_dir)
         # The worker env is torch's; ours is added through the inherited environment.

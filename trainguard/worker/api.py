@@ -25,6 +25,7 @@ from trainguard.core.config import ConfigError, load_worker_section
 from trainguard.core.events import EventLog
 from trainguard.core.failures import peer_failure
 from trainguard.core.progress import ProgressWriter, progress_path
+from trainguard.core.rundir import RunDir
 from trainguard.telemetry.spans import TRACEPARENT_ENV, SpanRecorder
 
 __all__ = ["RESERVED_LOG_KEYS", "TrainGuard", "init"]
@@ -271,7 +272,7 @@ class TrainGuard:
             ).encode()
             try:
                 if self._metrics_fd is None:
-                    path = self.run_dir / "metrics" / f"rank_{self.rank}.jsonl"
+                    path = RunDir(self.run_dir).metrics(self.rank)
                     path.parent.mkdir(parents=True, exist_ok=True)
                     self._metrics_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
                 view = memoryview(data)
