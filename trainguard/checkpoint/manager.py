@@ -63,6 +63,7 @@ from trainguard.core import envvars
 from trainguard.core.config import load_worker_section
 from trainguard.core.config.checkpoint import CheckpointConfig
 from trainguard.core.failures import REQUEUE_EXIT_CODE, peer_failure
+from trainguard.core.handles import WorkerHandle
 from trainguard.core.rundir import RunDir
 
 __all__ = ["CheckpointManager", "MEMORY_DIR_ENV", "SaveResult"]
@@ -810,7 +811,7 @@ def _td(seconds: float) -> Any:
     return timedelta(seconds=seconds)
 
 
-def for_worker(tg: Any) -> CheckpointManager:
+def for_worker(tg: WorkerHandle) -> CheckpointManager:
     """The manager behind ``tg.checkpoint``: config, events and metrics from the handle; a
     restore sets the handle's step. Local (see :meth:`CheckpointManager.setup`)."""
     mgr = CheckpointManager(

@@ -30,13 +30,15 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from trainguard.core.config import TrainGuardConfig
 from trainguard.core.event_kinds import HANG_KILLED, HEALTH_UNHEALTHY
+from trainguard.core.events import EventLog
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.inprocess import (
     FALLBACK_EXIT_CODE,
@@ -46,7 +48,7 @@ from trainguard.core.inprocess import (
     ready_key,
 )
 from trainguard.runtime import _torch
-from trainguard.runtime.warm import PooledSubprocessHandler
+from trainguard.runtime.warm import PooledSubprocessHandler, WarmPool
 
 __all__ = ["InProcessRestarter", "spawn_replacement"]
 
@@ -81,10 +83,26 @@ def spawn_replacement(
     )
 
 
+class RestartingAgent(Protocol):
+    """What the in-process restarter needs of its agent (``TrainGuardAgent``)."""
+
+    tg_config: TrainGuardConfig
+    events: EventLog
+    remaining_restarts: int
+
+    @property
+    def pcontext(self) -> Any: ...
+
+    @property
+    def warm_pool(self) -> WarmPool | None: ...
+
+    def report_failures(self, worker_group: WorkerGroup, result: RunResult) -> None: ...
+
+
 class InProcessRestarter:
     """Owned by the agent; :meth:`check` runs at the start of every monitor tick."""
 
-    def __init__(self, agent: Any) -> None:
+    def __init__(self, agent: RestartingAgent) -> None:
         self.agent = agent
         self.generation = 0
         """The newest in-process generation this agent started (0: none yet)."""
@@ -204,9 +222,7 @@ class InProcessRestarter:
                 err = pc.error_files[lr]
                 if err and os.path.isfile(err):  # read into the failure above; the new one writes
                     os.remove(err)
-                new = spawn_replacement(
-                    pc, lr, {GENERATION_ENV: str(gen)}, pool=getattr(agent, "warm_pool", None)
-                )
+                new = spawn_replacement(pc, lr, {GENERATION_ENV: str(gen)}, pool=agent.warm_pool)
             except Exception as e:  # torch's poll finds the dead worker: the group restarts
                 logger.warning("in-process restart: cannot start local rank %s: %s", lr, e)
                 return False

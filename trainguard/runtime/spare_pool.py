@@ -26,6 +26,8 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing import api as mp_api
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
+from trainguard.core.config.spares import SparesConfig
+from trainguard.core.plugin import AgentContext
 from trainguard.runtime import _torch
 
 __all__ = ["WarmPool", "install", "start"]
@@ -175,17 +177,17 @@ def install(pool: WarmPool) -> Callable[[], None]:
 
 
 def start(
-    cfg: Any,
+    cfg: SparesConfig,
     nproc: int,
-    entrypoint: Any,
-    ctx: Any,
+    entrypoint: object,
+    ctx: AgentContext,
     has_spares: Callable[[], bool] | None = None,
 ) -> Callable[[], None] | None:
     """The agent's warm pool per ``cfg`` (``[spares] warm_workers``). ``on``: filled now (the
     first attempt's workers start from it) and again once each attempt's workers made a step.
     ``auto``: filled when this node waits as a spare, or once a step is made and
     ``has_spares()`` says the job has spares. Returns the function that removes it (kills the
-    idle processes); None when off."""
+    idle processes); None when off, or for a function entrypoint (``entrypoint`` not a str)."""
     mode = cfg.warm_workers
     if mode == "off" or not isinstance(entrypoint, str) or nproc < 1:
         return None

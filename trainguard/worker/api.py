@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from trainguard.core import envvars
 from trainguard.core.chaos import WorkerChaos
@@ -27,6 +27,9 @@ from trainguard.core.failures import peer_failure
 from trainguard.core.progress import ProgressWriter, progress_path
 from trainguard.core.rundir import RunDir
 from trainguard.telemetry.spans import TRACEPARENT_ENV, SpanRecorder
+
+if TYPE_CHECKING:
+    from trainguard.checkpoint.manager import CheckpointManager
 
 __all__ = ["RESERVED_LOG_KEYS", "TrainGuard", "init"]
 
@@ -193,7 +196,7 @@ class TrainGuard:
         return self.rank == 0
 
     @property
-    def checkpoint(self) -> Any:
+    def checkpoint(self) -> CheckpointManager:
         """The :class:`trainguard.checkpoint.CheckpointManager` of this worker, created on
         first access. Local: touching it runs no collective and installs nothing, so any
         rank may. The collective step is ``tg.checkpoint.setup()``, which ``restore``,
