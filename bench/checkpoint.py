@@ -359,7 +359,7 @@ def _trainguard(b: Bench, out: dict[str, Any], T: int) -> None:
         )
         out[f"persist_steps_observed_{mode}"] = len(slow)
         mgr.close()
-    # the figures the issue names are those of the default mode
+    # the headline figures are those of the default mode
     default = CheckpointConfig().persist_mode
     out["persist_mode"] = default
     out["trainguard_stall_s"] = out[f"trainguard_{default}_stall_s"]

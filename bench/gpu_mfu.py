@@ -2,7 +2,7 @@
 
     python3 bench/gpu_mfu.py [--layers 8 --d-model 2048 --heads 16 --seq 2048 --batch 8]
 
-1. formula (TorchTitan, REFERENCE.md §5): flops/token = 6·N + 6·layers·heads·head_dim·seq,
+1. formula (TorchTitan): flops/token = 6·N + 6·layers·heads·head_dim·seq,
    N = parameters without the token embedding;
 2. FLOP counter: ``torch.utils.flop_counter.FlopCounterMode`` over one real step, and the same
    count through trainguard's worker path (``tg.step(flops="auto")``).

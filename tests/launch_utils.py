@@ -21,7 +21,7 @@ LAUNCHERS: dict[str, list[str]] = {
     "trainguard": [sys.executable, "-m", "trainguard", "run"],
 }
 
-# The worker env contract of torchrun (REFERENCE.md §1).
+# The worker env contract of torchrun.
 CONTRACT = [
     "RANK",
     "LOCAL_RANK",

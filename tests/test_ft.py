@@ -1,4 +1,4 @@
-"""torchft mode (issue 12, point 4): real replica groups on gloo, real kill -9s.
+"""torchft mode: real replica groups on gloo, real kill -9s.
 
 Two ``trainguard run --ft`` replica groups of examples/ft_ddp.py; group 1's worker is
 SIGKILLed 5 times (bench/ft.py does 30, beside torchft alone). The survivor must keep its PID

@@ -115,7 +115,7 @@ def failed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _measured_ettr(run_dir: Path) -> float:
     """Independently of the planner: trainguard's telemetry goodput of the run's records."""
     from trainguard.core.events import read_events
-    from trainguard.telemetry.goodput import compute_goodput
+    from trainguard.core.goodput import compute_goodput
 
     recs = []
     for f in (run_dir / "metrics").glob("rank_*.jsonl"):

@@ -26,8 +26,8 @@ from tests.procs import kill_tree
 from trainguard.core.config import ConfigError, load_config
 from trainguard.core.config.rollback import RollbackConfig
 from trainguard.core.events import read_events
+from trainguard.core.goodput import GoodputTracker, compute_goodput
 from trainguard.recovery.rollback import LossMonitor, RollbackLedger
-from trainguard.telemetry.goodput import GoodputTracker, compute_goodput
 from trainguard.telemetry.recorder import MetricsRecorder
 
 TOY = REPO / "examples" / "fault_toy.py"

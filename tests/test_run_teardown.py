@@ -1,4 +1,4 @@
-"""A restart never waits for the shutdown timeout (issue 9, point 2).
+"""A restart never waits for the shutdown timeout.
 
 Rank 1 exits 1 while rank 0 is inside a 120 s step of a script that uses trainguard's
 checkpoints (so its preemption handlers are installed). torch's agent tears the group down

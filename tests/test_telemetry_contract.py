@@ -16,7 +16,7 @@ from trainguard.core.contract import (
     by_name,
     prometheus_name,
 )
-from trainguard.telemetry.goodput import compute_goodput
+from trainguard.core.goodput import compute_goodput
 from trainguard.telemetry.mfu import PeakResolver, peak_flops, transformer_flops_per_token
 from trainguard.telemetry.recorder import HUNG_MIN_HOLD_S, MetricsRecorder
 

@@ -305,7 +305,7 @@ def test_a_step_that_raises_is_recorded_as_failed(tmp_path: Path) -> None:
         next(r for r in recs if r["kind"] == "span" and r["attributes"]["step"] == 1)["status"]
         == "error"
     )
-    from trainguard.telemetry.goodput import compute_goodput
+    from trainguard.core.goodput import compute_goodput
 
     g = compute_goodput([], recs)
     assert g.productive_s == pytest.approx(steps[0]["step_time_s"])

@@ -123,7 +123,6 @@ def test_cli_events_command(tmp_path: Path) -> None:
 
 # -- a worker API without traps ----------------------------------------------------------------
 def test_init_is_idempotent_and_log_refuses_reserved_keys(tmp_path: Path) -> None:
-    import warnings
 
     import pytest
 
@@ -141,10 +140,7 @@ def test_init_is_idempotent_and_log_refuses_reserved_keys(tmp_path: Path) -> Non
         tg.log(loss=0.5, time_s=2.0)  # fine: not a record field
         # one meaning per name: torch's per-agent count and the job-wide attempt
         assert tg.agent_restarts == 0 and tg.attempt == 0
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert tg.restart_count == tg.agent_restarts
-        assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+        assert not hasattr(tg, "restart_count")  # the old alias of agent_restarts is gone
     finally:
         tg.close()
     (rec,) = [

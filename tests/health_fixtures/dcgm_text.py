@@ -1,4 +1,4 @@
-"""dcgm-exporter exposition text of an 8-GPU H100 node (REFERENCE.md §4 line shape), with faults.
+"""dcgm-exporter exposition text of an 8-GPU H100 node, with faults.
 
 A fault is injected per GPU: ``h100_node(faults={3: {"DCGM_FI_DEV_XID_ERRORS": 79}})``; a
 ``missing`` set drops GPUs entirely.

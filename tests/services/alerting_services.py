@@ -1,7 +1,7 @@
 """Real Prometheus (with rules and alerting) and Alertmanager on loopback, and a webhook receiver.
 
 Debian's ``prometheus`` and ``prometheus-alertmanager`` are installed when missing. Fast
-settings (REFERENCE.md §6): scrape and evaluation every second, alert resend 1 s, Alertmanager
+settings: scrape and evaluation every second, alert resend 1 s, Alertmanager
 group_wait 0 s / group_interval 1 s, no HA gossip. Every process is started in its own
 session and stopped by its PID.
 """

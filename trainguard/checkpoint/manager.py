@@ -63,6 +63,8 @@ from trainguard.core import envvars
 from trainguard.core.config import load_worker_section
 from trainguard.core.config.checkpoint import CheckpointConfig
 from trainguard.core.failures import REQUEUE_EXIT_CODE, peer_failure
+from trainguard.core.handles import WorkerHandle
+from trainguard.core.rundir import RunDir
 
 __all__ = ["CheckpointManager", "MEMORY_DIR_ENV", "SaveResult"]
 
@@ -158,7 +160,7 @@ class CheckpointManager:
             dist.get_world_size() if self._distributed else 1
         )  # fmt: skip
         run_dir = Path(run_dir) if run_dir is not None else Path(".")
-        self.root = self.config.dir or str(run_dir / "checkpoints")
+        self.root = self.config.dir or str(RunDir(run_dir).checkpoints)
         self.storage = storage_for(self.root)
         self._emit = events or (lambda kind, **f: None)
         self._metric = metrics or (lambda **m: None)
@@ -289,7 +291,7 @@ class CheckpointManager:
         if persist and self._persisting is not None:
             # a dead peer persister fails it fast (gloo sees the close); a stuck one at the deadline
             if not self._wait_persist():
-                return self._failed_save(step, "the previous save is still persisting")
+                return self._refused_save(step, "the previous save is still persisting")
         if persist and self._proc is not None:
             self._check_persister()
         return self._save(step, state, persist=persist)
@@ -576,10 +578,10 @@ class CheckpointManager:
         """A save that ends without a commit for ``reason`` (a deadline): event and counter."""
         self.num_failures += 1
         logger.warning("rank %s: checkpoint save of step %s failed: %s", self.rank, step, error)
-        self._emit("checkpoint_save_failed", step=step, rank=self.rank, reason=reason, error=error)
+        self._emit("checkpoint_failed", step=step, rank=self.rank, reason=reason, error=error)
         self._metric(step=step, checkpoint_failures=self.num_failures)
 
-    def _failed_save(self, step: int, reason: str) -> SaveResult:
+    def _refused_save(self, step: int, reason: str) -> SaveResult:
         """The outcome of a persisting save refused at once (training goes on)."""
         result = SaveResult(step, True)
         result.error = reason
@@ -615,7 +617,11 @@ class CheckpointManager:
             elif not result.committed and not result.timed_out:
                 self.num_failures += 1
                 self._emit(
-                    "checkpoint_failed", step=result.step, error=result.error, rank=self.rank
+                    "checkpoint_failed",
+                    step=result.step,
+                    rank=self.rank,
+                    reason="error",
+                    error=result.error,
                 )
                 self._metric(step=result.step, checkpoint_failures=self.num_failures)
             result.done.set()
@@ -814,7 +820,7 @@ def _td(seconds: float) -> Any:
     return timedelta(seconds=seconds)
 
 
-def for_worker(tg: Any) -> CheckpointManager:
+def for_worker(tg: WorkerHandle) -> CheckpointManager:
     """The manager behind ``tg.checkpoint``: config, events and metrics from the handle; a
     restore sets the handle's step. Local (see :meth:`CheckpointManager.setup`)."""
     mgr = CheckpointManager(

@@ -141,12 +141,6 @@ def commit(storage: Storage, root: str, manifest: Manifest) -> str:
     return path
 
 
-def uncommit(storage: Storage, step_path: str) -> None:
-    """Delete a checkpoint: the manifest first, then the files."""
-    storage.remove(_join(step_path, MANIFEST))
-    storage.remove(step_path)
-
-
 def verify(
     storage: Storage, step_path: str, manifest: Manifest, names: list[str], *, threads: int = 1
 ) -> None:

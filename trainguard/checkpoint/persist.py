@@ -63,9 +63,9 @@ class Writer:
         try:
             self.faults.point("persist_start", step, self.rank)
             if "://" in self.root:
-                from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+                from trainguard.core._torch import fsspec_writer
 
-                writer: Any = FsspecWriter(path, sync_files=self.config.sync_files)
+                writer: Any = fsspec_writer(path, sync_files=self.config.sync_files)
             else:
                 Path(path).mkdir(parents=True, exist_ok=True)
                 writer = ChecksummingWriter(

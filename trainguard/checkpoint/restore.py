@@ -195,9 +195,9 @@ class Restorer:
         target = build_state_dict(state)
         target["_trainguard_step"] = step
         if "://" in self.root:
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+            from trainguard.core._torch import fsspec_reader
 
-            reader: Any = FsspecReader(path)
+            reader: Any = fsspec_reader(path)
         else:
             reader = dcp.FileSystemReader(path)
         keys = set(reader.read_metadata().state_dict_metadata)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from trainguard.core import chaos, chaos_ops
+from trainguard.core.rundir import RunDir
 
 __all__ = ["main"]
 
@@ -82,8 +83,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 
 def _checkpoint_root(path: Path) -> Path:
-    if (path / "checkpoints").is_dir() and not any(path.glob("step_*")):
-        return path / "checkpoints"
+    if RunDir(path).checkpoints.is_dir() and not any(path.glob("step_*")):
+        return RunDir(path).checkpoints
     return path
 
 

@@ -18,22 +18,18 @@ import time
 from pathlib import Path
 
 from trainguard.core.collectives import request_path
+from trainguard.core.rundir import RunDir
 from trainguard.health.hangdiag import RankDump, aggregate_stacks, analyse, read_json
 
 
 def _current_ranks(run_dir: Path) -> tuple[int, list[int]]:
     """The newest attempt and the ranks that have a progress record in it."""
-    attempts = []
-    for d in (run_dir / "progress").glob("attempt_*"):
-        try:
-            attempts.append(int(d.name.split("_", 1)[1]))
-        except ValueError:
-            continue
+    attempts = RunDir(run_dir).attempts()
     if not attempts:
         return -1, []
-    attempt = max(attempts)
+    attempt = attempts[-1]
     ranks = set()
-    for f in (run_dir / "progress" / f"attempt_{attempt}").glob("*rank_*.bin"):
+    for f in RunDir(run_dir).progress(attempt).glob("*rank_*.bin"):
         m = re.search(r"rank_(\d+)\.bin$", f.name)
         if m:
             ranks.add(int(m.group(1)))

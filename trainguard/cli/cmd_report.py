@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from trainguard.core.rundir import RunDir
+
 
 def main(argv: list[str], *, prog: str = "trainguard report") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__)
@@ -23,7 +25,7 @@ def main(argv: list[str], *, prog: str = "trainguard report") -> int:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
-    if not (run_dir / "events.jsonl").is_file() and not (run_dir / "metrics").is_dir():
+    if not RunDir(run_dir).events.is_file() and not RunDir(run_dir).metrics_dir.is_dir():
         print(
             f"{prog}: error: {run_dir} has no events.jsonl or metrics/: pass a run directory",
             file=sys.stderr,

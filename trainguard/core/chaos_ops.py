@@ -24,6 +24,7 @@ from typing import Any
 
 from trainguard.core.events import node_name
 from trainguard.core.proctime import process_start_time
+from trainguard.core.rundir import RunDir
 
 __all__ = [
     "ChaosTargetError",
@@ -181,7 +182,7 @@ def pause(
 
 # -- a run directory's processes --------------------------------------------------------------
 def _events(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "events.jsonl"
+    path = RunDir(run_dir).events
     if not path.is_file():
         raise ChaosTargetError(f"no events.jsonl in {run_dir}: pass the job's --tg-run-dir")
     out = []

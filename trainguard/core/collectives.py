@@ -79,9 +79,9 @@ def request_path(directory: str | os.PathLike[str], node: str = "") -> Path:
 
 # -- reading torch's flight recorder (the only torch-private access of trainguard's FR use) --
 def _dump_json(include_collectives: bool) -> bytes:
-    from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
+    from trainguard.core._torch import dump_fr_trace_json
 
-    return _dump_fr_trace_json(include_collectives, False)
+    return dump_fr_trace_json(include_collectives)
 
 
 def dump_trace() -> dict[str, Any] | None:

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.event_kinds import LAUNCH, STRAGGLER_SCORES
+
 __all__ = [
     "MSG_STRAGGLER_SCORES",
     "EventLog",
@@ -37,9 +39,10 @@ EVENTS_FILE = "events.jsonl"
 
 Listener = Callable[[dict[str, Any]], None]
 
-# In-process bus messages (``EventLog.publish``; never written to the log). Their kinds live
-# here so that the plugin that publishes and the one that listens need not know each other.
-MSG_STRAGGLER_SCORES = "straggler_scores"
+# In-process bus messages (``EventLog.publish``; never written to the log) are registered in
+# trainguard.core.event_kinds with the events, so the plugin that publishes and the one that
+# listens need not know each other.
+MSG_STRAGGLER_SCORES = STRAGGLER_SCORES
 """health → telemetry: ``scores`` (global rank as str → score), ``stragglers`` (ranks)."""
 
 
@@ -144,6 +147,6 @@ def launch_time(events: Iterable[Mapping[str, Any]]) -> float | None:
     starts = [
         min(float(e["time"]), float(e.get("process_start") or e["time"]))
         for e in events
-        if e.get("kind") == "launch"
+        if e.get("kind") == LAUNCH
     ]
     return min(starts, default=None)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, EVICTED_EXIT_CODE
+from trainguard.core.jobstate import JobState
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -45,10 +46,10 @@ __all__ = [
 class AgentExit(RuntimeError):
     """Raised by a plugin hook to end this node's agent: ``trainguard run`` prints the message
     as one line (no traceback) and exits with ``exit_code``; ``state`` is the ``job_finished``
-    state. The agent stops its workers first."""
+    state: ``FAILED`` here, ``EXCLUDED``, ``EVICTED`` or ``DO_NOT_REQUEUE`` in the subclasses. The agent stops its workers first."""
 
     exit_code: int = 1
-    state: str = "failed"
+    state: JobState = JobState.FAILED
     close_rendezvous: bool = False
     """True when the whole job ends (waiting spares are released); False when only this node
     leaves and the others go on."""
@@ -57,7 +58,7 @@ class AgentExit(RuntimeError):
 class NodeUnhealthyError(AgentExit):
     """Raised by a plugin (preflight, straggler exclusion) to take this node out of the job."""
 
-    state = "excluded"
+    state = JobState.EXCLUDED
 
 
 class NodeEvictedError(NodeUnhealthyError):
@@ -65,7 +66,7 @@ class NodeEvictedError(NodeUnhealthyError):
     is blocklisted for the cooldown, and the job goes on without it."""
 
     exit_code = EVICTED_EXIT_CODE
-    state = "evicted"
+    state = JobState.EVICTED
 
 
 class JobStopError(AgentExit):
@@ -73,7 +74,7 @@ class JobStopError(AgentExit):
     configuration error): every agent exits with 93 (``DO_NOT_REQUEUE_EXIT_CODE``)."""
 
     exit_code = DO_NOT_REQUEUE_EXIT_CODE
-    state = "do_not_requeue"
+    state = JobState.DO_NOT_REQUEUE
     close_rendezvous = True
 
 
@@ -164,7 +165,7 @@ class AgentPlugin:
         """The group failed; ``failures`` are classified per rank."""
 
     def on_exit(
-        self, ctx: AgentContext, state: str, error: BaseException | None
+        self, ctx: AgentContext, state: JobState, error: BaseException | None
     ) -> BaseException | None:
         """The agent stopped with ``state`` (``error``: what ``trainguard run`` would raise).
         Return an :class:`AgentExit` to end with instead (recovery turns a health exclusion
@@ -172,8 +173,8 @@ class AgentPlugin:
         Called before ``on_finish``; the first plugin that returns one wins."""
         return None
 
-    def on_finish(self, ctx: AgentContext, state: str) -> None:
-        """The agent is done (``state`` is succeeded, failed or a signal name)."""
+    def on_finish(self, ctx: AgentContext, state: JobState) -> None:
+        """The agent is done (``state``: how it ended, see :class:`JobState`)."""
 
     def close(self) -> None:
         """Release resources; called once at the end, also on errors."""

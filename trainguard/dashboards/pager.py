@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core.config.alerts import AlertsConfig
+from trainguard.core.event_kinds import HANG_DETECTED, JOB_FINISHED, NODE_EXCLUDED, WORKERS_STARTED
 from trainguard.core.events import EventLog
 from trainguard.core.plugin import AgentPlugin
+from trainguard.core.rundir import RunDir
 from trainguard.core.urls import redact_url
 
 __all__ = ["Page", "Pager", "PagerPlugin", "http_post"]
@@ -296,7 +298,7 @@ class PagerPlugin(AgentPlugin):
     @staticmethod
     def _job_id(run_dir: Path) -> str:
         try:
-            cfg = json.loads((run_dir / "config.json").read_text())
+            cfg = json.loads(RunDir(run_dir).config.read_text())
             return str(cfg.get("torchrun", {}).get("rdzv_id") or run_dir.name)
         except (OSError, ValueError):
             return run_dir.name
@@ -313,7 +315,7 @@ class PagerPlugin(AgentPlugin):
         kind = ev.get("kind")
         t = float(ev.get("time") or time.time())
         want = set(self.cfg.events)
-        if kind == "hang_detected" and "hang" in want:
+        if kind == HANG_DETECTED and "hang" in want:
             self.pager.submit(Page(
                 self._key("hang"), "TrainGuardJobHung", "firing",
                 str(ev.get("message") or f"training hung on node {self.node}"),
@@ -322,16 +324,14 @@ class PagerPlugin(AgentPlugin):
                  "attempt": ev.get("attempt")},
                 starts_at=t,
             ))  # fmt: skip
-        elif kind in ("workers_started", "job_finished") and self.pager.is_firing(
-            self._key("hang")
-        ):
+        elif kind in (WORKERS_STARTED, JOB_FINISHED) and self.pager.is_firing(self._key("hang")):
             self.pager.submit(Page(
                 self._key("hang"), "TrainGuardJobHung", "resolved",
                 f"training on node {self.node} recovered from the hang "
-                f"({'workers restarted' if kind == 'workers_started' else 'job ended'})",
+                f"({'workers restarted' if kind == WORKERS_STARTED else 'job ended'})",
                 self._labels("job"), starts_at=t, ends_at=t,
             ))  # fmt: skip
-        if kind == "node_excluded" and "node_evicted" in want:
+        if kind == NODE_EXCLUDED and "node_evicted" in want:
             reasons = ev.get("reasons") or []
             self.pager.submit(Page(
                 self._key("evicted"), "TrainGuardNodeEvicted", "firing",
@@ -339,7 +339,7 @@ class PagerPlugin(AgentPlugin):
                 self._labels("node"), {"reasons": reasons, "action": ev.get("action")},
                 starts_at=t,
             ))  # fmt: skip
-        if kind == "job_finished" and ev.get("state") == "failed" and "job_stopped" in want:
+        if kind == JOB_FINISHED and ev.get("state") == "failed" and "job_stopped" in want:
             self.pager.submit(Page(
                 self._key("stopped"), "TrainGuardJobStopped", "firing",
                 f"training job {self.job_id} stopped on node {self.node}: it failed with no "

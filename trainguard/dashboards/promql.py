@@ -2,7 +2,7 @@
 
 trainguard metrics are looked up in the metric contract (:mod:`trainguard.core.contract`), so a
 renamed or removed metric fails generation instead of producing an empty panel; GPU metrics
-must be in :data:`DCGM_METRICS` (dcgm-exporter's names, REFERENCE.md §4).
+must be in :data:`DCGM_METRICS` (dcgm-exporter's names, its default-counters.csv).
 """
 
 from __future__ import annotations

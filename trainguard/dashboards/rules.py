@@ -52,7 +52,7 @@ class RuleParams:
     stale_fallback_s: int = 7200
     """Checkpoint stale after this long when the job reports no checkpoint interval."""
     critical_xids: tuple[int, ...] = (46, 48, 64, 74, 79, 95, 119, 120)
-    """XIDs that mean drain the node (REFERENCE.md §4)."""
+    """XIDs that mean drain the node (NVIDIA's Xid catalog, docs.nvidia.com/deploy/xid-errors)."""
     warning_xids: tuple[int, ...] = (13, 31, 43, 45, 63, 92, 94)
     """XIDs trainguard's restart usually handles: watch them."""
 

@@ -7,29 +7,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from trainguard.core.devices import peak_bf16_flops
+
 __all__ = ["ComputeResult", "gemm_probe", "peak_bf16_flops"]
 
 logger = logging.getLogger(__name__)
-
-# Dense BF16 peaks (REFERENCE.md §5); matched against the device name, most specific first.
-_PEAKS: list[tuple[tuple[str, ...], float]] = [
-    (("H100", "PCIE"), 756e12),
-    (("H100",), 989e12),
-    (("H200",), 989e12),
-    (("GH200",), 989e12),
-    (("A100",), 312e12),
-    (("B200",), 2.25e15),
-    (("MI300X",), 1.3e15),
-]
-
-
-def peak_bf16_flops(device_name: str) -> float | None:
-    """Dense BF16 peak of a known device, else None (never a made-up number)."""
-    name = device_name.upper()
-    for keys, peak in _PEAKS:
-        if all(k in name for k in keys):
-            return peak
-    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,6 @@ __all__ = ["THERMAL_REASONS", "ThermalTracker", "evaluate_gpus"]
 
 SW_THERMAL = 0x20
 HW_THERMAL = 0x40
-HW_SLOWDOWN = 0x8
 THERMAL_REASONS = SW_THERMAL | HW_THERMAL
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trainguard.core.plugin import AgentContext, AgentPlugin
+from trainguard.core.rundir import RunDir
 
 __all__ = ["health_plugins"]
 
@@ -47,5 +48,5 @@ def _probe_endpoint(endpoint: str) -> str | None:
 def _local_checkpoint_root(ctx: AgentContext) -> str | None:
     """The checkpoint directory the job writes to (``[checkpoint] dir``, default
     ``<run_dir>/checkpoints``) when it is a local path; None for a remote (fsspec) URL."""
-    root = ctx.config.checkpoint.dir or str(ctx.run_dir / "checkpoints")
+    root = ctx.config.checkpoint.dir or str(RunDir(ctx.run_dir).checkpoints)
     return None if "://" in root else root

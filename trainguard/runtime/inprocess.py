@@ -30,12 +30,15 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from trainguard.core.config import TrainGuardConfig
+from trainguard.core.event_kinds import HANG_KILLED, HEALTH_UNHEALTHY
+from trainguard.core.events import EventLog
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.inprocess import (
     FALLBACK_EXIT_CODE,
@@ -44,7 +47,8 @@ from trainguard.core.inprocess import (
     announce_key,
     ready_key,
 )
-from trainguard.runtime.warm import PooledSubprocessHandler
+from trainguard.runtime import _torch
+from trainguard.runtime.warm import PooledSubprocessHandler, WarmPool
 
 __all__ = ["InProcessRestarter", "spawn_replacement"]
 
@@ -52,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 _NOT_RESTARTABLE = {0, REQUEUE_EXIT_CODE, DO_NOT_REQUEUE_EXIT_CODE, FALLBACK_EXIT_CODE}
 
-GROUP_KILL_EVENTS = frozenset({"hang_killed", "health_unhealthy"})
+GROUP_KILL_EVENTS = frozenset({HANG_KILLED, HEALTH_UNHEALTHY})
 """Events of plugins that SIGKILL the whole local group on purpose (a hang, an unhealthy
 node): the deaths that follow are a group restart, never an in-process one."""
 
@@ -75,14 +79,30 @@ def spawn_replacement(
         local_rank,
         pool=pool,
         mode="a",
-        numa_options=getattr(pcontext, "_numa_options", None),
+        numa_options=_torch.numa_options_of(pcontext),
     )
+
+
+class RestartingAgent(Protocol):
+    """What the in-process restarter needs of its agent (``TrainGuardAgent``)."""
+
+    tg_config: TrainGuardConfig
+    events: EventLog
+    remaining_restarts: int
+
+    @property
+    def pcontext(self) -> Any: ...
+
+    @property
+    def warm_pool(self) -> WarmPool | None: ...
+
+    def report_failures(self, worker_group: WorkerGroup, result: RunResult) -> None: ...
 
 
 class InProcessRestarter:
     """Owned by the agent; :meth:`check` runs at the start of every monitor tick."""
 
-    def __init__(self, agent: Any) -> None:
+    def __init__(self, agent: RestartingAgent) -> None:
         self.agent = agent
         self.generation = 0
         """The newest in-process generation this agent started (0: none yet)."""
@@ -126,7 +146,7 @@ class InProcessRestarter:
         agent = self.agent
         if not agent.tg_config.inprocess.enabled:
             return False
-        pc = getattr(agent, "_pcontext", None)
+        pc = agent.pcontext
         handlers = getattr(pc, "subprocess_handlers", None)
         if not handlers:
             return False
@@ -164,7 +184,7 @@ class InProcessRestarter:
         bad = sorted({c for c in dead.values() if c in _NOT_RESTARTABLE})
         if bad:
             return f"exit code(s) {bad}"
-        if self.agent._remaining_restarts < 1:
+        if self.agent.remaining_restarts < 1:
             return "no restarts left (--max-restarts)"
         return None
 
@@ -181,8 +201,8 @@ class InProcessRestarter:
             )
             for lr, code in dead.items()
         }
-        agent._report_failures(group, RunResult(state=WorkerState.FAILED, failures=failures))
-        agent._remaining_restarts -= 1
+        agent.report_failures(group, RunResult(state=WorkerState.FAILED, failures=failures))
+        agent.remaining_restarts -= 1
         try:
             for lr in dead:  # a replacement that dies before trainguard.run: the group restarts
                 store.delete_key(ready_key(by_local[lr].global_rank))
@@ -202,15 +222,11 @@ class InProcessRestarter:
                 err = pc.error_files[lr]
                 if err and os.path.isfile(err):  # read into the failure above; the new one writes
                     os.remove(err)
-                new = spawn_replacement(
-                    pc, lr, {GENERATION_ENV: str(gen)}, pool=getattr(agent, "warm_pool", None)
-                )
+                new = spawn_replacement(pc, lr, {GENERATION_ENV: str(gen)}, pool=agent.warm_pool)
             except Exception as e:  # torch's poll finds the dead worker: the group restarts
                 logger.warning("in-process restart: cannot start local rank %s: %s", lr, e)
                 return False
-            for f in (getattr(old, "_stdout", None), getattr(old, "_stderr", None)):
-                if f is not None:
-                    f.close()
+            _torch.close_logs(old)
             pc.subprocess_handlers[lr] = new
             by_local[lr].id = new.proc.pid
             replaced.append(
@@ -228,7 +244,7 @@ class InProcessRestarter:
             generation=gen,
             replaced=replaced,
             survivors=sorted(w.global_rank for w in group.workers if w.local_rank not in dead),
-            remaining_restarts=agent._remaining_restarts,
+            remaining_restarts=agent.remaining_restarts,
             duration_s=round(time.monotonic() - t0, 4),
         )
         return True

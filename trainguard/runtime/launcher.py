@@ -38,6 +38,7 @@ from trainguard.core import chaos
 from trainguard.core.config import ConfigError, TrainGuardConfig, load_config, write_effective
 from trainguard.core.events import EventLog
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
+from trainguard.core.jobstate import JobState
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin
 from trainguard.core.proctime import process_start_time
 from trainguard.core.timeouts import contradictions, timeout_chain
@@ -190,7 +191,7 @@ def _handle_preemption_signals(configured: str, preemption_signals: list[str]) -
     ``SignalException`` in the agent, which forwards the signal to the workers.
 
     ``TORCHELASTIC_SIGNALS_TO_HANDLE`` keeps torchrun's value: the workers inherit it."""
-    from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+    from trainguard.runtime._torch import terminate_process_handler
 
     names = {n.strip() for n in configured.split(",") if n.strip()}
     added: list[str] = []
@@ -200,7 +201,7 @@ def _handle_preemption_signals(configured: str, preemption_signals: list[str]) -
         sig = getattr(signal, name, None)
         if name in names or not isinstance(sig, signal.Signals):
             continue
-        signal.signal(sig, _terminate_process_handler)
+        signal.signal(sig, terminate_process_handler)
         added.append(name)
     return added
 
@@ -287,17 +288,21 @@ def _worker_spec(
 class Outcome:
     """How one node's agent ended.
 
-    ``state``: succeeded | failed | requeue | excluded | evicted | do_not_requeue | the name of
-    the signal that stopped it
-    (the ``job_finished`` event and the plugins' ``on_finish`` get it).
+    ``state`` (the ``job_finished`` event and the plugins' ``on_finish`` get it): ``SUCCEEDED``,
+    ``FAILED``, ``REQUEUE``, ``DO_NOT_REQUEUE``, ``RENDEZVOUS_LOST``, ``SPARE_RELEASED``, the
+    signal that stopped the agent (``SIGTERM``..., ``SIGNALLED``), or a plugin's
+    ``AgentExit.state`` (``EXCLUDED``, ``EVICTED``, ``DO_NOT_REQUEUE``, ``FAILED``).
     """
 
-    state: str
+    state: JobState
     error: BaseException | None = None
     """What ``launch`` raises (torch's ChildFailedError, SignalException, NodeUnhealthyError...)."""
     return_values: dict[int, Any] = field(default_factory=dict)
     shutdown_rdzv: bool = True
     """False when the others go on without this node (signal, exclusion): the rendezvous stays."""
+
+    def __post_init__(self) -> None:
+        self.state = JobState(self.state)  # a plugin's AgentExit may name it as a string
 
 
 def _run_agent(agent: TrainGuardAgent, config: LaunchConfig, name: str) -> Outcome:
@@ -310,7 +315,11 @@ def _run_agent(agent: TrainGuardAgent, config: LaunchConfig, name: str) -> Outco
         torch_events.record(agent.get_event_failed(), config.event_log_handler)
         # A preemption notice reaches the agent too: if every worker saved and asked to be
         # requeued, that is what happened, not torch's signal error.
-        state = "requeue" if agent.requeue_after_signal(e.sigval.name) else e.sigval.name
+        state = (
+            JobState.REQUEUE
+            if agent.requeue_after_signal(e.sigval.name)
+            else JobState.of_signal(e.sigval.name)
+        )
         return Outcome(state, error=e, shutdown_rdzv=False)
     except AgentExit as e:
         # A plugin ended this agent: the node leaves (health, eviction; the rendezvous stays
@@ -322,7 +331,7 @@ def _run_agent(agent: TrainGuardAgent, config: LaunchConfig, name: str) -> Outco
         if agent.attempt >= 0:
             if config.rdzv_backend == "c10d":
                 print(spares.C10D_STORE_LOST.format(endpoint=config.rdzv_endpoint), file=sys.stderr)
-            return Outcome("failed", error=e)
+            return Outcome(JobState.FAILED, error=e)
         # A spare that never joined a round: its rendezvous store went away, which is how a
         # job that ended without it (or lost its store host) looks from the waiting list.
         print(
@@ -331,27 +340,27 @@ def _run_agent(agent: TrainGuardAgent, config: LaunchConfig, name: str) -> Outco
             file=sys.stderr,
             flush=True,
         )
-        return Outcome("rendezvous_lost", shutdown_rdzv=False)
+        return Outcome(JobState.RENDEZVOUS_LOST, shutdown_rdzv=False)
     except Exception as e:
         torch_events.record(agent.get_event_failed(), config.event_log_handler)
-        return Outcome("failed", error=e)
+        return Outcome(JobState.FAILED, error=e)
     if result is None:
         # torch returns nothing for a node that waited in the rendezvous's redundancy list
         # (a spare) when the job ended without it.
-        return Outcome("spare_released")
+        return Outcome(JobState.SPARE_RELEASED)
     torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
     if result.is_failed() and agent.requeue:
-        return Outcome("requeue")
+        return Outcome(JobState.REQUEUE)
     if result.is_failed() and agent.do_not_requeue:
-        return Outcome("do_not_requeue")
+        return Outcome(JobState.DO_NOT_REQUEUE)
     if result.is_failed():
-        return Outcome("failed", error=ChildFailedError(name=name, failures=result.failures))
+        return Outcome(JobState.FAILED, error=ChildFailedError(name=name, failures=result.failures))
     if result.state == WorkerState.UNHEALTHY:
         # torch hands an UNHEALTHY group back when no restarts are left, and its is_failed()
         # is False: report it like a failure instead of a success.
         failures = result.failures or agent.unhealthy_failures()
-        return Outcome("failed", error=ChildFailedError(name=name, failures=failures))
-    return Outcome("succeeded", return_values=result.return_values)
+        return Outcome(JobState.FAILED, error=ChildFailedError(name=name, failures=failures))
+    return Outcome(JobState.SUCCEEDED, return_values=result.return_values)
 
 
 def _conclude(outcome: Outcome, name: str) -> dict[int, Any]:
@@ -359,7 +368,7 @@ def _conclude(outcome: Outcome, name: str) -> dict[int, Any]:
     ``trainguard run`` turns into its exit code (requeue: ``REQUEUE_EXIT_CODE``; a failure:
     torch's ChildFailedError report, exit 1; a signal: torch's SignalException; a plugin's
     AgentExit: one line and its exit code (exclusion 1, eviction 94, job stop 93))."""
-    if outcome.state == "requeue":
+    if outcome.state is JobState.REQUEUE:
         print(
             f"trainguard run: the workers of {name} saved a preemption checkpoint and exited "
             f"with {REQUEUE_EXIT_CODE}; exiting with {REQUEUE_EXIT_CODE} so the scheduler "
@@ -368,7 +377,7 @@ def _conclude(outcome: Outcome, name: str) -> dict[int, Any]:
             flush=True,
         )
         raise SystemExit(REQUEUE_EXIT_CODE) from None
-    if outcome.state == "do_not_requeue" and outcome.error is None:
+    if outcome.state is JobState.DO_NOT_REQUEUE and outcome.error is None:
         # a worker's own exit 93 (an AgentExit with this state carries its own line)
         print(
             f"trainguard run: a worker of {name} exited with {DO_NOT_REQUEUE_EXIT_CODE} (do not "
@@ -396,7 +405,7 @@ def _exit_hooks(plugins: list[AgentPlugin], ctx: AgentContext, outcome: Outcome)
     return outcome
 
 
-def _finish_plugins(plugins: list[AgentPlugin], ctx: AgentContext, state: str) -> None:
+def _finish_plugins(plugins: list[AgentPlugin], ctx: AgentContext, state: JobState) -> None:
     for p in plugins:
         try:
             p.on_finish(ctx, state)
@@ -475,13 +484,13 @@ def launch(
         process_start=process_start_time(),
     )
     _announce_chaos(events)
-    outcome = Outcome("failed")
+    outcome = Outcome(JobState.FAILED)
     try:
         outcome = _exit_hooks(plugins, ctx, _run_agent(agent, config, name))
-        if outcome.state == "evicted" and agent.attempt >= 0:
+        if outcome.state is JobState.EVICTED and agent.attempt >= 0:
             spec.rdzv_handler.leave()  # the others go on at once, without this node
     finally:
-        events.emit("job_finished", state=outcome.state)
+        events.emit("job_finished", state=outcome.state.value)
         _finish_plugins(plugins, ctx, outcome.state)
         if warm_stop is not None:
             warm_stop()

@@ -124,18 +124,18 @@ class AttemptRendezvousHandler(RendezvousHandler):
     def job_store(self) -> Store | None:
         """The backend's store, which outlives the rounds (torch's dynamic handler keeps it as
         ``_store``: c10d's TCPStore at the endpoint, etcd-v3's key space); None for static."""
-        store = getattr(self._inner, "_store", None)
+        from trainguard.runtime._torch import handler_store
+
+        store = handler_store(self._inner)
         return store if isinstance(store, Store) else None
 
     def leave(self, timeout_s: float = 10.0) -> bool:
         """Take this node out of the rendezvous now (it leaves, the job goes on): the others
         need not wait for its keep-alive to expire before the next round. Never raises."""
         try:
-            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+            from trainguard.runtime._torch import leave_rendezvous
 
-            inner: Any = self._inner
-            inner._stop_heartbeats()
-            inner._op_executor.run(_RendezvousExitOp(), time.monotonic() + timeout_s)
+            leave_rendezvous(self._inner, time.monotonic() + timeout_s)
             return True
         except Exception as e:  # a static backend, a store already gone
             logger.warning("could not leave the rendezvous (the others time it out): %s", e)

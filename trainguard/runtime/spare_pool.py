@@ -26,6 +26,10 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing import api as mp_api
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
+from trainguard.core.config.spares import SparesConfig
+from trainguard.core.plugin import AgentContext
+from trainguard.runtime import _torch
+
 __all__ = ["WarmPool", "install", "start"]
 
 logger = logging.getLogger(__name__)
@@ -110,30 +114,30 @@ class WarmPool:
                 pass
 
 
-class _WarmHandler(SubprocessHandler):
+class _WarmHandler(_torch.SubprocessHandlerBase):
     """torch's handler, with the process taken from the pool when it can be."""
 
     pool: WarmPool | None = None
 
-    def _popen(self, args: tuple, env: dict[str, str]) -> subprocess.Popen:
+    def popen(self, args: tuple, env: dict[str, str]) -> subprocess.Popen:
         pool = _WarmHandler.pool
         argv = list(args[1:])
         ok_cmd = args[0] == sys.executable and argv[:1] == ["-u"] and len(argv) > 1
         proc = pool.take() if pool is not None and ok_cmd else None
         if proc is None or proc.stdin is None:
-            return super()._popen(args, env)
+            return super().popen(args, env)
         spec = {
             "argv": argv[1:],
             "env": env,
-            "stdout": getattr(self._stdout, "name", None),
-            "stderr": getattr(self._stderr, "name", None),
+            "stdout": getattr(self.stdout_file, "name", None),
+            "stderr": getattr(self.stderr_file, "name", None),
         }
         try:
             proc.stdin.write((json.dumps(spec) + "\n").encode())
             proc.stdin.close()
         except OSError as e:  # died between take() and now
             logger.debug("warm worker %s unusable: %s", proc.pid, e)
-            return super()._popen(args, env)
+            return super().popen(args, env)
         return proc
 
 
@@ -173,17 +177,17 @@ def install(pool: WarmPool) -> Callable[[], None]:
 
 
 def start(
-    cfg: Any,
+    cfg: SparesConfig,
     nproc: int,
-    entrypoint: Any,
-    ctx: Any,
+    entrypoint: object,
+    ctx: AgentContext,
     has_spares: Callable[[], bool] | None = None,
 ) -> Callable[[], None] | None:
     """The agent's warm pool per ``cfg`` (``[spares] warm_workers``). ``on``: filled now (the
     first attempt's workers start from it) and again once each attempt's workers made a step.
     ``auto``: filled when this node waits as a spare, or once a step is made and
     ``has_spares()`` says the job has spares. Returns the function that removes it (kills the
-    idle processes); None when off."""
+    idle processes); None when off, or for a function entrypoint (``entrypoint`` not a str)."""
     mode = cfg.warm_workers
     if mode == "off" or not isinstance(entrypoint, str) or nproc < 1:
         return None

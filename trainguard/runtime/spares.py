@@ -41,14 +41,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-    _NodeDesc,
-    _remove_participant_epilogue,
-    _RendezvousState,
-)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 from trainguard.core.config.spares import SparesConfig
+from trainguard.runtime import _torch
+from trainguard.runtime._torch import NodeDesc, RendezvousState
 
 __all__ = [
     "BEACON_PREFIX",
@@ -99,7 +96,7 @@ def _ring(key: str) -> tuple[bytes, str]:
     return hashlib.blake2b(key.encode(), digest_size=8).digest(), key
 
 
-def _watched_by(me: str, state: _RendezvousState) -> dict[str, _NodeDesc]:
+def _watched_by(me: str, state: RendezvousState) -> dict[str, NodeDesc]:
     """The nodes of ``state`` whose beacons the agent ``me`` (waiting in the rendezvous)
     watches: see ``REAP_NEIGHBOURS``."""
     listed = {repr(n): n for n in (*state.participants, *state.wait_list, *state.redundancy_list)}
@@ -118,7 +115,7 @@ def _watched_by(me: str, state: _RendezvousState) -> dict[str, _NodeDesc]:
     m = ring.index(_ring(me))
     before = {ring[(m - j) % len(ring)][1] for j in range(1, REAP_NEIGHBOURS + 1)}
     lo, hi = ring[(m - REAP_NEIGHBOURS) % len(ring)], ring[m]
-    mine: dict[str, _NodeDesc] = {}
+    mine: dict[str, NodeDesc] = {}
     for key, node in targets.items():
         if key in observers:
             if key in before:
@@ -188,10 +185,10 @@ class Reaper:
         beacon_prefix: str,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._me: _NodeDesc = handler._this_node
-        self._settings = handler._settings
-        self._backend = handler._state_holder._backend  # type: ignore[attr-defined]
-        self._store = handler._store
+        self._me: NodeDesc = _torch.handler_node(handler)
+        self._settings = _torch.handler_settings(handler)
+        self._backend = _torch.handler_backend(handler)
+        self._store = _torch.handler_store(handler)
         self._cfg = cfg
         self._emit = emit
         self._prefix = beacon_prefix
@@ -201,7 +198,7 @@ class Reaper:
         self._last_read: float | None = None
         self._etcd_bits = b""
         self._etcd_token: Any = None
-        self._watch_cache: tuple[Any, dict[str, _NodeDesc]] | None = None
+        self._watch_cache: tuple[Any, dict[str, NodeDesc]] | None = None
         self.beacon: LivenessBeacon | None = None
         """This node's own beacon (when set): while its beats do not land, no node is judged."""
         self.spare_since: float | None = None
@@ -209,7 +206,7 @@ class Reaper:
         self.removed: list[str] = []
 
     # -- reading -------------------------------------------------------------------------------
-    def _state(self) -> tuple[_RendezvousState, Any] | None:
+    def _state(self) -> tuple[RendezvousState, Any] | None:
         if self._etcd_v3():  # compact JSON there (trainguard.runtime.etcd_v3.codec)
             # an unchanged state is neither sent again nor decoded again
             got = self._backend.get_state_since(self._etcd_token)
@@ -241,7 +238,7 @@ class Reaper:
                 out[n] = _text(self._store.get(k))
         return out
 
-    def dead_nodes(self, state: _RendezvousState) -> dict[_NodeDesc, tuple[float, str]]:
+    def dead_nodes(self, state: RendezvousState) -> dict[NodeDesc, tuple[float, str]]:
         """The nodes of ``state`` (but this one) whose beacon stood still for ``dead_after_s``
         (``liveness_silent``) or says they exited (``left``), with how long they have been
         silent as seen from here."""
@@ -258,7 +255,7 @@ class Reaper:
             # seen across that gap proves nothing, so every node starts a fresh window
             self._seen.clear()
         self._last_read = now
-        dead: dict[_NodeDesc, tuple[float, str]] = {}
+        dead: dict[NodeDesc, tuple[float, str]] = {}
         for key, value in values.items():
             last = self._seen.get(key)
             if value == LEFT:
@@ -273,7 +270,7 @@ class Reaper:
                 del self._seen[key]
         return dead
 
-    def _watched(self, state: _RendezvousState) -> dict[str, _NodeDesc]:
+    def _watched(self, state: RendezvousState) -> dict[str, NodeDesc]:
         """:func:`_watched_by` this node, computed once per state read from etcd."""
         token = self._etcd_token if self._etcd_v3() else None
         if token is None or self._watch_cache is None or self._watch_cache[0] != token:
@@ -295,7 +292,7 @@ class Reaper:
         self._last_read = None
 
     # -- writing -------------------------------------------------------------------------------
-    def _write(self, mutate: Callable[[_RendezvousState], bool]) -> bool:
+    def _write(self, mutate: Callable[[RendezvousState], bool]) -> bool:
         """Apply ``mutate`` to the newest state and write it back with the backend's
         compare-and-swap, retrying on a lost race; False when there was nothing to change."""
         for _ in range(10):
@@ -314,8 +311,8 @@ class Reaper:
                 return True
         return False
 
-    def _remove(self, dead: dict[_NodeDesc, tuple[float, str]], round_: int) -> None:
-        def mutate(state: _RendezvousState) -> bool:
+    def _remove(self, dead: dict[NodeDesc, tuple[float, str]], round_: int) -> None:
+        def mutate(state: RendezvousState) -> bool:
             changed = participant = False
             for node in dead:
                 changed |= state.last_heartbeats.pop(node, None) is not None
@@ -326,7 +323,7 @@ class Reaper:
                         lst.discard(node)
                         changed = True
             if participant:
-                _remove_participant_epilogue(state, self._settings)
+                _torch.remove_participant_epilogue(state, self._settings)
             return changed
 
         if self._write(mutate):
@@ -354,7 +351,7 @@ class Reaper:
         (out of the wait list, which makes every active agent restart)."""
         me, max_nodes = self._me, self._settings.max_nodes
 
-        def mutate(state: _RendezvousState) -> bool:
+        def mutate(state: RendezvousState) -> bool:
             if not (state.complete and me in state.wait_list):
                 return False
             if len(state.participants) < max_nodes:
@@ -403,14 +400,18 @@ class SpareController:
     """One agent's beacon and, while it waits in a rendezvous, its reaper thread."""
 
     def __init__(self, handler: DynamicRendezvousHandler, cfg: SparesConfig, emit: Emit) -> None:
-        cfg = cfg.for_nodes(handler._settings.max_nodes)  # beacons of a large job beat slower
+        settings = _torch.handler_settings(handler)
+        self._max_nodes: int = settings.max_nodes
+        cfg = cfg.for_nodes(settings.max_nodes)  # beacons of a large job beat slower
         self.cfg = cfg
         self._emit = emit
         self._handler = handler
-        prefix = f"{BEACON_PREFIX}{handler._settings.run_id}/"
+        prefix = f"{BEACON_PREFIX}{settings.run_id}/"
         self._prefix = prefix
         self.beacon = LivenessBeacon(
-            handler._store, prefix + repr(handler._this_node), cfg.beacon_interval_s
+            _torch.handler_store(handler),
+            prefix + repr(_torch.handler_node(handler)),
+            cfg.beacon_interval_s,
         )
         self.reaper = Reaper(handler, cfg, emit, beacon_prefix=prefix)
         self.reaper.beacon = self.beacon
@@ -418,15 +419,15 @@ class SpareController:
 
     def has_spares(self) -> bool:
         """Whether any agent of this job has waited as a spare (one small store read)."""
-        return bool(self._handler._store.check([self._prefix + SPARES_KEY]))
+        return bool(_torch.handler_store(self._handler).check([self._prefix + SPARES_KEY]))
 
     def num_nodes_waiting(self, waiting: int) -> int:
         """torch's count, less the nodes no slot is free for: a complete round at
         ``max_nodes`` admits no one, so restarting the group for them would only loop."""
         if waiting <= 0:
             return waiting
-        state = self._handler._state_holder.state
-        if state.complete and len(state.participants) >= self._handler._settings.max_nodes:
+        state = _torch.handler_state(self._handler)
+        if state.complete and len(state.participants) >= self._max_nodes:
             return 0
         return waiting
 
@@ -459,7 +460,7 @@ class SpareController:
             self.reaper.spare_since = None
             self._emit(
                 "spare_joined",
-                round=self._handler._state_holder.state.round,
+                round=_torch.handler_state(self._handler).round,
                 waited_s=round(time.monotonic() - since, 3),
             )
 

@@ -46,6 +46,8 @@ from typing import IO, Any
 
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
+from trainguard.runtime import _torch
+
 __all__ = [
     "DYNAMIC_ENV",
     "PooledSubprocessHandler",
@@ -354,7 +356,7 @@ def _readable(sock: socket.socket) -> bool:
     return bool(r)
 
 
-class PooledSubprocessHandler(SubprocessHandler):
+class PooledSubprocessHandler(_torch.SubprocessHandlerBase):
     """torch's ``SubprocessHandler`` (torch keeps its ``poll``/``killpg``/reporting) whose
     process comes from ``pool`` (keyed by local rank) when given, else torch's own ``Popen``.
     ``mode="a"`` appends to the redirected log files instead of truncating them (an in-process
@@ -375,25 +377,22 @@ class PooledSubprocessHandler(SubprocessHandler):
         numa_options: Any = None,
     ) -> None:
         # what SubprocessHandler.__init__ does, with the pool's process
-        self._stdout = open(stdout, mode) if stdout else None  # noqa: SIM115
-        self._stderr = open(stderr, mode) if stderr else None  # noqa: SIM115
+        self.open_logs(stdout, stderr, mode)
         env_vars = os.environ.copy()
         env_vars.update(env)
         self.local_rank_id = local_rank_id
         argv: tuple[str, ...] = (entrypoint, *[str(a) for a in args])
         self.warm = False
         if numa_options is not None:
-            from torch.numa.binding import _maybe_wrap_command_args_with_numa_binding
-
-            argv = _maybe_wrap_command_args_with_numa_binding(
+            argv = _torch.wrap_numa_binding(
                 argv, gpu_index=local_rank_id, numa_options=numa_options
             )
             pool = None
         if pool is None:
-            self.proc = self._popen(argv, env_vars)
+            self.proc = self.popen(argv, env_vars)
             return
         started = pool.spawn(
-            argv, env_vars, stdout=self._stdout, stderr=self._stderr, key=local_rank_id
+            argv, env_vars, stdout=self.stdout_file, stderr=self.stderr_file, key=local_rank_id
         )
         self.proc = started.proc
         self.warm = started.warm
@@ -411,7 +410,7 @@ def serving_torch_workers(pool: WarmPool | None) -> Iterator[dict[int, bool]]:
     local rank); yields local rank → started warm. torch keeps its own handler class, files,
     ``poll``/``killpg`` teardown and failure reporting: only the ``Popen`` comes from the pool.
     NUMA-bound workers (``--numa-binding``) start cold. Use it around one
-    ``_start_workers`` call in the agent's main thread."""
+    ``start_workers`` call in the agent's main thread."""
     started: dict[int, bool] = {}
     if pool is None:
         yield started

@@ -25,7 +25,6 @@ from __future__ import annotations
 import re
 import shlex
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from trainguard.core.config.slurm import SlurmConfig
@@ -216,7 +215,3 @@ class BatchRequest:
 def _stem(path: str) -> str:
     base = path.rstrip("/").rsplit("/", 1)[-1]
     return base[:-3] if base.endswith(".py") else base
-
-
-def render_list(args: Sequence[str]) -> str:
-    return " ".join(_q(a) for a in args)

@@ -27,9 +27,11 @@ from typing import Any
 
 from trainguard.core.chaos import CHAOS_ENV
 from trainguard.core.config.slurm import SlurmConfig
+from trainguard.core.event_kinds import JOB_FINISHED, NODE_DRAINED
 from trainguard.core.events import EventLog, read_events
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.fencing import NodeFencer
+from trainguard.core.jobstate import JobState
 from trainguard.slurm.batch import CHAIN_ENV, RESUBMITS_ENV
 from trainguard.slurm.cli import SlurmCli, SlurmError
 
@@ -60,7 +62,7 @@ def node_states(events: Iterable[dict[str, Any]], since: float) -> dict[str, str
     """Each node's last ``job_finished`` state at or after ``since`` (unix seconds)."""
     out: dict[str, str] = {}
     for ev in events:
-        if ev.get("kind") == "job_finished" and float(ev.get("time", 0)) >= since:
+        if ev.get("kind") == JOB_FINISHED and float(ev.get("time", 0)) >= since:
             out[str(ev.get("node"))] = str(ev.get("state"))
     return out
 
@@ -68,7 +70,7 @@ def node_states(events: Iterable[dict[str, Any]], since: float) -> dict[str, str
 def drained_by_trainguard(events: Iterable[dict[str, Any]]) -> list[str]:
     """Nodes trainguard drained in this run (``node_drained`` events; ``node`` is the writer)."""
     return sorted(
-        {str(e["node_name"]) for e in events if e.get("kind") == "node_drained" and e.get("fenced")}
+        {str(e["node_name"]) for e in events if e.get("kind") == NODE_DRAINED and e.get("fenced")}
     )
 
 
@@ -85,16 +87,16 @@ def decide(
     """The action after the step (see the module doc); ``unusable``: allocated nodes Slurm
     reports down/drained now; ``drained_before``: nodes trainguard drained earlier in the run."""
     lost = sorted({n for n in allocation if n not in states} | set(unusable))
-    if any(s == "succeeded" for s in states.values()):
+    if any(s == JobState.SUCCEEDED for s in states.values()):
         return Decision(Action.DONE, 0, lost, message="training finished")
-    if rc == DO_NOT_REQUEUE_EXIT_CODE or any(s == "do_not_requeue" for s in states.values()):
+    if rc == DO_NOT_REQUEUE_EXIT_CODE or any(s == JobState.DO_NOT_REQUEUE for s in states.values()):
         return Decision(
             Action.STOP,
             DO_NOT_REQUEUE_EXIT_CODE,
             lost,
             message=f"exit code {DO_NOT_REQUEUE_EXIT_CODE}: not requeued",
         )
-    if rc == REQUEUE_EXIT_CODE or any(s == "requeue" for s in states.values()):
+    if rc == REQUEUE_EXIT_CODE or any(s == JobState.REQUEUE for s in states.values()):
         return Decision(
             Action.REQUEUE,
             REQUEUE_EXIT_CODE,

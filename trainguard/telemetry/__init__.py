@@ -4,8 +4,8 @@
   Prometheus names) shared with dashboards, alert rules and the report;
 - :mod:`~trainguard.telemetry.spans`: worker-side spans as JSON records (``tg.span``);
 - :mod:`~trainguard.telemetry.plugin`: the node agent's plugin (JSONL, ``/metrics``, OTLP);
-- :mod:`~trainguard.telemetry.goodput`, :mod:`~trainguard.telemetry.mfu`,
-  :mod:`~trainguard.telemetry.report`.
+- :mod:`~trainguard.core.goodput` (shared with the planner's run reader),
+  :mod:`~trainguard.telemetry.mfu`, :mod:`~trainguard.telemetry.report`.
 
 Importing this package is cheap: the OpenTelemetry SDK loads only in the agent's plugin.
 """

@@ -1,4 +1,4 @@
-"""Model FLOPs utilisation: peak table, the TorchTitan formula and a FLOP counter wrapper.
+"""Model FLOPs utilisation: the device peak, the TorchTitan formula and a FLOP counter wrapper.
 
 MFU = achieved FLOP/s of one device / the device's dense BF16 peak. An unknown device gets no
 MFU (never a made-up one): :class:`PeakResolver` warns once and returns ``None``.
@@ -10,8 +10,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from trainguard.core.devices import peak_bf16_flops
+
 __all__ = [
-    "PEAK_FLOPS_BF16",
     "PeakResolver",
     "count_flops",
     "mfu",
@@ -21,27 +22,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PEAK_FLOPS_BF16: dict[str, float] = {
-    "B200": 2.25e15,
-    "H200": 989e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,  # SXM (and HBM3 NVL parts report like SXM)
-    "A100": 312e12,
-    "MI300X": 1.3e15,
-}
-"""Dense BF16 peak FLOP/s per device model (REFERENCE.md §5); matched in this order."""
-
 
 def peak_flops(device_name: str | None) -> float | None:
-    """Peak dense BF16 FLOP/s for a device name such as ``NVIDIA H100 80GB HBM3``, else None."""
-    if not device_name:
-        return None
-    name = device_name.upper()
-    for key, value in PEAK_FLOPS_BF16.items():
-        parts = key.upper().split()
-        if all(p in name for p in parts):
-            return value
-    return None
+    """Peak dense BF16 FLOP/s for a device name such as ``NVIDIA H100 80GB HBM3``, else None
+    (the table is :data:`trainguard.core.devices.BF16_PEAK_FLOPS`)."""
+    return peak_bf16_flops(device_name)
 
 
 class PeakResolver:

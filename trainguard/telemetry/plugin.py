@@ -17,10 +17,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from trainguard.core.config.telemetry import TelemetryConfig
-from trainguard.core.events import EVENTS_FILE, MSG_STRAGGLER_SCORES
+from trainguard.core.events import MSG_STRAGGLER_SCORES
+from trainguard.core.goodput import GoodputTracker
 from trainguard.core.jsonl import JsonlTail
 from trainguard.core.plugin import AgentContext, AgentPlugin
-from trainguard.telemetry.goodput import GoodputTracker
+from trainguard.core.rundir import RunDir
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics import MeterProvider
@@ -100,7 +101,7 @@ class TelemetryPlugin(AgentPlugin):
         self._state_lock = threading.RLock()  # poll thread vs the agent's hooks
         self._ranks: set[int] = set()
         self._tails: dict[int, JsonlTail] = {}
-        self._events_tail = JsonlTail(self.run_dir / EVENTS_FILE)
+        self._events_tail = JsonlTail(RunDir(self.run_dir).events)
         self._events: list[dict[str, Any]] = []
         self._goodput = GoodputTracker()
         self._last_goodput = 0.0
@@ -278,9 +279,7 @@ class TelemetryPlugin(AgentPlugin):
                 self.recorder.event(ev)
             self.tracer.event(ev)
         for rank in sorted(self._ranks):
-            tail = self._tails.setdefault(
-                rank, JsonlTail(self.run_dir / "metrics" / f"rank_{rank}.jsonl")
-            )
+            tail = self._tails.setdefault(rank, JsonlTail(RunDir(self.run_dir).metrics(rank)))
             for rec in tail.read():
                 kind = rec.get("kind")
                 if kind == "span":

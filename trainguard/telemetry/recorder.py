@@ -23,7 +23,7 @@ from trainguard.core.contract import (
     MetricSpec,
 )
 from trainguard.core.failures import FailureKind
-from trainguard.telemetry.goodput import Goodput
+from trainguard.core.goodput import Goodput
 from trainguard.telemetry.mfu import PeakResolver
 
 __all__ = ["MetricsRecorder"]

@@ -20,7 +20,8 @@ from typing import Any
 from trainguard.core import svg
 from trainguard.core.contract import LOSS_CAUSES
 from trainguard.core.events import read_events
-from trainguard.telemetry.goodput import Goodput, compute_goodput
+from trainguard.core.goodput import Goodput, compute_goodput
+from trainguard.core.rundir import RunDir
 from trainguard.telemetry.mfu import peak_flops
 
 __all__ = ["RunData", "load_run", "render_report", "write_report"]
@@ -74,10 +75,10 @@ def load_run(run_dir: str | Path, progress: Progress | None = None) -> RunData:
     data.events = list(read_events(run_dir))
     say(f"read {len(data.events)} events")
     try:
-        data.config = json.loads((run_dir / "config.json").read_text())
+        data.config = json.loads(RunDir(run_dir).config.read_text())
     except (OSError, ValueError):
         data.config = {}
-    for path in sorted((run_dir / "metrics").glob("rank_*.jsonl")):
+    for path in RunDir(run_dir).metrics_files():
         try:
             rank = int(path.stem.split("_", 1)[1])
         except ValueError:

@@ -89,7 +89,7 @@ class SpanRecorder:
         if span_id is not None:
             if self._stack and self._stack[-1] == span_id:
                 self._stack.pop()
-            self._emit(
+            self._write_span(
                 "step",
                 span_id,
                 self._parent(),
@@ -105,7 +105,7 @@ class SpanRecorder:
         d, self.durations = self.durations, {}
         return d
 
-    def _emit(
+    def _write_span(
         self,
         name: str,
         span_id: str,
@@ -170,7 +170,7 @@ class SpanRecorder:
                             },
                         }
                     ]
-                self._emit(
+                self._write_span(
                     name,
                     sid,
                     parent,

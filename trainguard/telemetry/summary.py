@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainguard.telemetry.goodput import compute_goodput
+from trainguard.core.goodput import compute_goodput
 from trainguard.telemetry.report import RunData, _root_causes, load_run
 
 __all__ = ["recovery_summary"]

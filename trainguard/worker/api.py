@@ -14,11 +14,10 @@ import socket
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from trainguard.core import envvars
 from trainguard.core.chaos import WorkerChaos
@@ -26,7 +25,11 @@ from trainguard.core.config import ConfigError, load_worker_section
 from trainguard.core.events import EventLog
 from trainguard.core.failures import peer_failure
 from trainguard.core.progress import ProgressWriter, progress_path
+from trainguard.core.rundir import RunDir
 from trainguard.telemetry.spans import TRACEPARENT_ENV, SpanRecorder
+
+if TYPE_CHECKING:
+    from trainguard.checkpoint.manager import CheckpointManager
 
 __all__ = ["RESERVED_LOG_KEYS", "TrainGuard", "init"]
 
@@ -115,7 +118,6 @@ class TrainGuard:
         self._flusher: threading.Thread | None = None
         self._flush_stop = threading.Event()
         self._flush_hooks = False
-        self._sinks: list[Callable[[dict[str, Any]], None]] = []
         self._closed = False
         self._spans = SpanRecorder(
             self._write_record,
@@ -194,22 +196,11 @@ class TrainGuard:
         return {"attempt": self.attempt, "rank": self.rank}
 
     @property
-    def restart_count(self) -> int:
-        """Deprecated: ``agent_restarts`` (torch's per-agent count) or ``attempt`` (job-wide)."""
-        warnings.warn(
-            "TrainGuard.restart_count is deprecated: use agent_restarts (torch's per-agent "
-            "TORCHELASTIC_RESTART_COUNT) or attempt (the job-wide attempt)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.agent_restarts
-
-    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     @property
-    def checkpoint(self) -> Any:
+    def checkpoint(self) -> CheckpointManager:
         """The :class:`trainguard.checkpoint.CheckpointManager` of this worker, created on
         first access. Local: touching it runs no collective and installs nothing, so any
         rank may. The collective step is ``tg.checkpoint.setup()``, which ``restore``,
@@ -232,17 +223,8 @@ class TrainGuard:
         self.__dict__["_ft"] = run
         return run
 
-    def add_sink(self, fn: Callable[[dict[str, Any]], None]) -> None:
-        """Receive every metrics record written by ``log``/``step`` (used by telemetry)."""
-        self._sinks.append(fn)
-
     # -- metrics -----------------------------------------------------------------------------
     def _write_record(self, record: dict[str, Any]) -> None:
-        for fn in self._sinks:
-            try:
-                fn(record)
-            except Exception:  # telemetry must never take down training
-                logger.exception("metrics sink failed")
         with self._metrics_lock:
             self._pending.append(record)
             n = len(self._pending)
@@ -306,7 +288,7 @@ class TrainGuard:
             ).encode()
             try:
                 if self._metrics_fd is None:
-                    path = self.run_dir / "metrics" / f"rank_{self.rank}.jsonl"
+                    path = RunDir(self.run_dir).metrics(self.rank)
                     path.parent.mkdir(parents=True, exist_ok=True)
                     self._metrics_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
                 view = memoryview(data)

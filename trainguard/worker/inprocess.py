@@ -340,8 +340,9 @@ def _abort_device_communicators() -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            backend = dist.group.WORLD._get_backend(torch.device("cuda"))  # type: ignore[union-attr]
-            backend.abort()
+            from trainguard.core._torch import abort_backend
+
+            abort_backend(dist.group.WORLD, torch.device("cuda"))
     except Exception as e:  # best effort: the collective's own error follows
         logger.debug("aborting the NCCL communicators failed: %s", e)
 

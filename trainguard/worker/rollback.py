@@ -20,6 +20,7 @@ from typing import Any
 
 from trainguard.core.config.rollback import RollbackConfig
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE
+from trainguard.core.handles import WorkerHandle
 from trainguard.recovery.rollback import Anomaly, LossMonitor, Plan, RollbackLedger
 
 __all__ = ["LossGuard"]
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 class LossGuard:
     """One per worker handle (``tg._rollback``); see the module docstring."""
 
-    def __init__(self, tg: Any, config: RollbackConfig) -> None:
+    def __init__(self, tg: WorkerHandle, config: RollbackConfig) -> None:
         self.tg = tg
         self.config = config
         self.monitor = LossMonitor(config)

@@ -100,7 +100,7 @@ class CheckpointConfig:
     serialisation never contends with training for the GIL."""
     persist_timeout_s: float = 1800.0
     """Longest a save may take to persist (the persister's answer, the wait for the save in
-    flight): after it the save fails (``checkpoint_save_failed``, counted), a persister process
+    flight): after it the save fails (``checkpoint_failed``, counted), a persister process
     that did not answer is killed and replaced, and training goes on."""
     io_threads: int | None = None
     """Writer threads per rank (DCP FileSystemWriter ``thread_count``; also the checksum

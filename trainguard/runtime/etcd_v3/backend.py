@@ -10,13 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousStateError
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    RendezvousBackend,
-    Token,
-    _NodeDesc,
-    _RendezvousState,
-)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
+from trainguard.runtime._torch import NodeDesc, RendezvousState
 from trainguard.runtime.etcd_v3._common import (
     BACKEND_NAME,
     DEFAULT_CAS_BACKOFF,
@@ -95,7 +91,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def key(self) -> str:
         return self._key
 
-    def decode(self, value: bytes, revision: int) -> _RendezvousState | None:
+    def decode(self, value: bytes, revision: int) -> RendezvousState | None:
         """The state stored at ``revision`` (``value`` as read, packed or not), or None when it
         is refused: not trainguard's JSON (a pickle without :attr:`accept_pickle`, garbage),
         corrupt, or too large. A refusal is logged in one line and reported to
@@ -378,10 +374,6 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             self._meta_key, start_revision=after + 1, timeout=timeout, wanted=differs
         )
 
-    def wait_state_change(self, after: int, timeout: float) -> bool:
-        """Block until the state is written after revision ``after`` (True), or ``timeout``."""
-        return self._client.watch(self._key, start_revision=after + 1, timeout=timeout)
-
     def meta(self) -> bytes | None:
         found = self._client.get(self._meta_key)
         return None if found is None else found[0]
@@ -392,7 +384,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def put_join(
         self,
         round_: int,
-        node: _NodeDesc,
+        node: NodeDesc,
         when: float,
         *,
         lock_owner: str | None = None,
@@ -418,7 +410,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         locked = bool(compare) and bool(out.get("succeeded"))
         return int(out.get("header", {}).get("revision", 0)), locked
 
-    def wait_join_admitted(self, round_: int, node: _NodeDesc, after: int, timeout: float) -> bool:
+    def wait_join_admitted(self, round_: int, node: NodeDesc, after: int, timeout: float) -> bool:
         """Block until this node's join request is deleted after revision ``after`` (the
         writer admitted it, or the round completed), or ``timeout`` passes."""
         key = f"{self._join_prefix}{round_}/{node!r}"
@@ -432,7 +424,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def forget_joins(self, round_: int) -> None:
         self._client.delete(f"{self._join_prefix}{round_}/", prefix=True)
 
-    def forget_join_requests(self, round_: int, nodes: list[_NodeDesc]) -> None:
+    def forget_join_requests(self, round_: int, nodes: list[NodeDesc]) -> None:
         """Drop the join requests of admitted nodes (in transactions of at most 100 deletes,
         below etcd's default limit of 128 operations)."""
         keys = [f"{self._join_prefix}{round_}/{n!r}" for n in nodes]

@@ -1,6 +1,6 @@
 """torch's rendezvous state in a compact JSON form, decoded once per revision per process.
 
-torch's own backends store the state pickled. Unpickling a 1000-node state (a ``_NodeDesc``
+torch's own backends store the state pickled. Unpickling a 1000-node state (a ``NodeDesc``
 dataclass and a ``datetime`` per node and heartbeat) costs ~12 ms of CPU and every agent
 reads the state several times per round; this JSON form (a node table plus indices) decodes
 in a fraction of that.
@@ -28,7 +28,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousStateError
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from trainguard.runtime._torch import NodeDesc, RendezvousState
 
 __all__ = ["MAX_STATE_BYTES", "PICKLE_OPTION", "copy_state", "decode_state", "encode_state"]
 
@@ -39,15 +40,15 @@ MAX_STATE_BYTES = 64 << 20
 PICKLE_OPTION = "accept_pickle_state"
 """The ``--rdzv-conf`` key that lets a reader unpickle a state in torch's own format."""
 _CACHE_SIZE = 4
-_cache: OrderedDict[tuple[str, int], _RendezvousState] = OrderedDict()
+_cache: OrderedDict[tuple[str, int], RendezvousState] = OrderedDict()
 _cache_lock = threading.Lock()
 
 
-def encode_state(st: _RendezvousState) -> bytes:
-    index: dict[_NodeDesc, int] = {}
+def encode_state(st: RendezvousState) -> bytes:
+    index: dict[NodeDesc, int] = {}
     nodes: list[list[Any]] = []
 
-    def ix(n: _NodeDesc) -> int:
+    def ix(n: NodeDesc) -> int:
         i = index.get(n)
         if i is None:
             i = index[n] = len(nodes)
@@ -93,7 +94,7 @@ def unpack(value: bytes) -> bytes:
     return out
 
 
-def _decode(value: bytes, accept_pickle: bool) -> tuple[_RendezvousState, bool]:
+def _decode(value: bytes, accept_pickle: bool) -> tuple[RendezvousState, bool]:
     """The state and whether it was in the JSON form (only those are cached: an opted-in
     pickle must never reach another reader in this process that did not opt in)."""
     bits = unpack(value)
@@ -109,13 +110,13 @@ def _decode(value: bytes, accept_pickle: bool) -> tuple[_RendezvousState, bool]:
             st = pickle.loads(bits)  # torch's own format (the stock state holder), opted in
         except Exception as exc:  # a corrupt pickle raises nearly anything
             raise RendezvousStateError(f"it does not unpickle ({exc!r})") from None
-        if not isinstance(st, _RendezvousState):
+        if not isinstance(st, RendezvousState):
             raise RendezvousStateError(f"it unpickles to a {type(st).__name__}")
         return st, False
     try:
         doc = json.loads(bits[len(_MAGIC) :])
-        nodes = [_NodeDesc(str(a), int(p), int(i)) for a, p, i in doc["nodes"]]
-        st = _RendezvousState()
+        nodes = [NodeDesc(str(a), int(p), int(i)) for a, p, i in doc["nodes"]]
+        st = RendezvousState()
         st.round = int(doc["round"])
         st.complete = bool(doc["complete"])
         st.closed = bool(doc["closed"])
@@ -141,9 +142,9 @@ def _decode(value: bytes, accept_pickle: bool) -> tuple[_RendezvousState, bool]:
     return st, True
 
 
-def copy_state(st: _RendezvousState) -> _RendezvousState:
+def copy_state(st: RendezvousState) -> RendezvousState:
     """A copy whose containers the caller may edit (nodes and datetimes are immutable)."""
-    out = _RendezvousState()
+    out = RendezvousState()
     out.round, out.complete, out.closed, out.deadline = (
         st.round,
         st.complete,
@@ -159,7 +160,7 @@ def copy_state(st: _RendezvousState) -> _RendezvousState:
 
 def decode_state(
     value: bytes, *, key: str = "", revision: int = 0, accept_pickle: bool = False
-) -> _RendezvousState:
+) -> RendezvousState:
     """The state in ``value`` (as stored, packed or not): trainguard's JSON, or torch's pickle
     with ``accept_pickle``; cached per ``(key, revision)``. Raises RendezvousStateError (one
     line: why it is refused) for anything else."""
@@ -181,7 +182,7 @@ def decode_state(
     return copy_state(st)
 
 
-def remember(st: _RendezvousState, *, key: str, revision: int) -> None:
+def remember(st: RendezvousState, *, key: str, revision: int) -> None:
     """Cache a state this process wrote at ``revision`` (its readers need not decode it)."""
     with _cache_lock:
         _cache[(key, revision)] = copy_state(st)

@@ -19,6 +19,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
+from trainguard.runtime import _torch
 from trainguard.runtime.etcd_v3._common import (
     BACKEND_NAME,
     DEFAULT_CAS_BACKOFF,
@@ -32,7 +33,7 @@ from trainguard.runtime.etcd_v3._common import (
     PASSWORD_FILE_ENV,
     EtcdV3ConfigError,
 )
-from trainguard.runtime.etcd_v3.backend import STATE_REFUSED_EVENT, EtcdV3RendezvousBackend
+from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
 from trainguard.runtime.etcd_v3.client import EtcdV3Client
 from trainguard.runtime.etcd_v3.codec import PICKLE_OPTION
 from trainguard.runtime.etcd_v3.holder import ScalableStateHolder
@@ -209,8 +210,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     _cheap_event_names()
     backend, store = create_backend(params)
     stock = create_handler(store, backend, params)  # torch's parsing of the rdzv options
-    node = getattr(stock, "_this_node", None)
-    settings = getattr(stock, "_settings", None)
+    node = _torch.handler_node(stock)
+    settings = _torch.handler_settings(stock)
     if node is None or settings is None:  # another torch: its own holder still works
         if not backend.accept_pickle:
             raise EtcdV3ConfigError(
@@ -228,10 +229,12 @@ def report_refused_states(handler: Any, emit: Callable[..., Any]) -> None:
     """Have the etcd-v3 backend under ``handler`` (torch's dynamic handler) report a refused
     rendezvous state as ``emit(STATE_REFUSED_EVENT, key=, revision=, reason=)``; a no-op for
     other backends."""
-    holder = getattr(handler, "_state_holder", None)
-    backend = getattr(holder, "_etcd", None) or getattr(holder, "_backend", None)
+    try:
+        backend = _torch.handler_backend(handler)
+    except AttributeError:  # not torch's dynamic handler
+        return
     if isinstance(backend, EtcdV3RendezvousBackend):
-        backend.on_refused = lambda **fields: emit(STATE_REFUSED_EVENT, **fields)
+        backend.on_refused = lambda **fields: emit("rdzv_state_refused", **fields)
 
 
 def register() -> None:

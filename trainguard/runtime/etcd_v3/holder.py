@@ -7,13 +7,9 @@ from datetime import datetime, timezone
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    RendezvousSettings,
-    _BackendRendezvousStateHolder,
-    _NodeDesc,
-    _RendezvousState,
-)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSettings
 
+from trainguard.runtime._torch import NodeDesc, RendezvousState, StateHolderBase
 from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
 from trainguard.runtime.etcd_v3.codec import encode_state, remember
 
@@ -23,7 +19,7 @@ ADMISSION_LOCK_TTL = 10.0
 """Seconds the node that admits pending join requests holds the admission lock at most."""
 
 
-def _meta(state: _RendezvousState) -> bytes:
+def _meta(state: RendezvousState) -> bytes:
     """What a node waiting for a round to fill must not miss: round, completion, closing, the
     last-call deadline, and whether nodes wait for the next round."""
     deadline = state.deadline.isoformat() if state.deadline else ""
@@ -32,7 +28,7 @@ def _meta(state: _RendezvousState) -> bytes:
     ).encode()
 
 
-class ScalableStateHolder(_BackendRendezvousStateHolder):
+class ScalableStateHolder(StateHolderBase):
     """torch's state holder, made to scale on :class:`EtcdV3RendezvousBackend`.
 
     torch keeps every node's keep-alive time inside the one shared state, so each keep-alive is
@@ -57,7 +53,7 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
         self,
         backend: EtcdV3RendezvousBackend,
         settings: RendezvousSettings,
-        node: _NodeDesc,
+        node: NodeDesc,
         cache_duration: int = 1,
     ) -> None:
         super().__init__(backend, settings, cache_duration)
@@ -74,17 +70,17 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
         self._join_waits = 0
         self._next_sweep = 0.0
         self._snapshot: tuple[Any, ...] | None = None
-        self._joins: dict[_NodeDesc, float] = {}
+        self._joins: dict[NodeDesc, float] = {}
         self._join_round: int | None = None
         self._join_beat = 0.0
         self._beats: dict[str, float] = {}
         self._beats_rev = 0
-        self._admitted: list[_NodeDesc] = []
+        self._admitted: list[NodeDesc] = []
         self.batched = 0
         """Other nodes this node added to a round on their request (statistics)."""
 
     def _take_snapshot(self) -> tuple[Any, ...]:
-        st = self._state
+        st = self.held
         return (
             st.round,
             st.complete,
@@ -98,16 +94,16 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
 
     def _heartbeat_only(self) -> bool:
         return (
-            self._token is not None
+            self.token is not None
             and self._snapshot is not None
-            and self._node in self._state.last_heartbeats
+            and self._node in self.held.last_heartbeats
             and self._take_snapshot() == self._snapshot
         )
 
     def _joining(self) -> bool:
         """This write adds this node to the participants of an open round."""
         snap = self._snapshot
-        st = self._state
+        st = self.held
         return (
             snap is not None
             and self._node not in snap[4]
@@ -115,11 +111,11 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
             and not st.closed
         )
 
-    def _add_requested_joins(self, st: _RendezvousState) -> int:
+    def _add_requested_joins(self, st: RendezvousState) -> int:
         """Add the nodes that asked to join this round, as each would add itself (torch's
         ``_add_to_participants``: last-call deadline at ``min_nodes``, ranks at ``max_nodes``),
         so one write admits many nodes instead of each racing for its own."""
-        settings = self._settings
+        settings = self.settings
         fresh = (
             time.time()
             - (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
@@ -154,7 +150,7 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
         admitted does not write without the admission lock, and reads again under it)."""
         loaded = self._etcd.load()
         if loaded is None:
-            self._state, self._token = _RendezvousState(), None
+            self.held, self.token = RendezvousState(), None
             self._seen_rev = 0
         else:
             bits, token, _meta_value, self._seen_rev = loaded
@@ -164,24 +160,24 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
                 # revision: this node's next write replaces it and the rendezvous goes on, in
                 # a round numbered by that revision (above any round before it, whose store
                 # keys must not be met again; the same on every node that refused it)
-                state = _RendezvousState()
+                state = RendezvousState()
                 state.round = int(token)
                 overlay = None
-            self._state = state
-            self._token = token
+            self.held = state
+            self.token = token
             if overlay is not None and self._stale(overlay):
                 self._overlay_heartbeats()
-        self._meta_seen = _meta(self._state)
+        self._meta_seen = _meta(self.held)
         self._last_full = time.monotonic()
         self._done()
 
     def _stale(self, fraction: float) -> bool:
         """Some node's keep-alive time in the state is older than ``fraction`` of torch's
         dead-node threshold (keep_alive_interval x keep_alive_max_attempt)."""
-        s = self._settings
+        s = self.settings
         limit = (s.keep_alive_interval * s.keep_alive_max_attempt).total_seconds() * fraction
         oldest = time.time() - limit
-        return any(t.timestamp() < oldest for t in self._state.last_heartbeats.values())
+        return any(t.timestamp() < oldest for t in self.held.last_heartbeats.values())
 
     def _overlay_heartbeats(self) -> None:
         """Newer keep-alive times from the nodes' own keys (one read of every heartbeat key).
@@ -192,7 +188,7 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
         readers do not each read every node's key."""
         beats, self._beats_rev = self._etcd.heartbeats(self._beats_rev)
         self._beats.update(beats)
-        hb = self._state.last_heartbeats
+        hb = self.held.last_heartbeats
         for node, when in hb.items():
             t = self._beats.get(repr(node))
             if t is not None and t > when.timestamp():
@@ -201,23 +197,21 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
     def _sweep(self) -> None:
         """Refresh the keep-alive times in the shared state (under the admission lock), when
         some are older than half the dead-node threshold."""
-        if self._token is None or not self._stale(0.5) or time.monotonic() < self._next_sweep:
+        if self.token is None or not self._stale(0.5) or time.monotonic() < self._next_sweep:
             return
         # one try per keep-alive interval per node: the nodes that lose wait for the winner's
-        self._next_sweep = time.monotonic() + self._settings.keep_alive_interval.total_seconds()
+        self._next_sweep = time.monotonic() + self.settings.keep_alive_interval.total_seconds()
         lock = self._etcd.try_lock_admission(self._node_key, ADMISSION_LOCK_TTL)
         if lock is None:
             return
         try:
             self._load_full(overlay=0.5)
-            meta = _meta(self._state)
-            out = self._etcd.set_state(
-                encode_state(self._state), self._token, meta=meta, fetch=False
-            )
+            meta = _meta(self.held)
+            out = self._etcd.set_state(encode_state(self.held), self.token, meta=meta, fetch=False)
             if out is not None and out[2]:
-                self._token = out[1]
+                self.token = out[1]
                 self._meta_seen, self._seen_rev = meta, int(out[1])
-                remember(self._state, key=self._etcd.key, revision=int(out[1]))
+                remember(self.held, key=self._etcd.key, revision=int(out[1]))
                 self._done()
         finally:
             self._etcd.unlock_admission(lock)
@@ -225,30 +219,30 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
     def _read_joins(self) -> None:
         self._joins = {}
         for rnd, j in self._etcd.join_requests():
-            if rnd == self._state.round:
+            if rnd == self.held.round:
                 try:
-                    node = _NodeDesc(str(j["addr"]), int(j["pid"]), int(j["local_id"]))
+                    node = NodeDesc(str(j["addr"]), int(j["pid"]), int(j["local_id"]))
                     self._joins[node] = float(j["t"])
                 except (KeyError, TypeError, ValueError):
                     continue
 
     def _done(self) -> None:
-        self._dirty = False
-        self._last_sync_time = time.monotonic()
-        self._sanitize()
+        self.dirty = False
+        self.last_sync_time = time.monotonic()
+        self.sanitize()
         self._snapshot = self._take_snapshot()
 
     def _full_every(self) -> float:
         """Seconds between full reads of a node that otherwise waits on the summary key (to
         see dead nodes): twice the keep-alive interval, longer for large rounds."""
-        n = len(self._state.last_heartbeats)
-        return max(2 * self._settings.keep_alive_interval.total_seconds(), n / 50.0)
+        n = len(self.held.last_heartbeats)
+        return max(2 * self.settings.keep_alive_interval.total_seconds(), n / 50.0)
 
     def _wait_budget(self) -> float:
         """How long a waiting participant may block on a watch: until its own keep-alive or
         the round's last-call deadline is due, at most 3 s."""
-        st = self._state
-        s = self._settings
+        st = self.held
+        s = self.settings
         budget = 3.0
         mine = st.last_heartbeats.get(self._node)
         if mine is not None:
@@ -262,8 +256,8 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
         """A participant reads the whole state only when the summary changed (or for the
         periodic liveness check): while the round fills it blocks on a watch of the summary
         key; once the round is complete it reads the summary (a few bytes) instead."""
-        st = self._state
-        if self._token is None or self._node not in st.participants or st.closed:
+        st = self.held
+        if self.token is None or self._node not in st.participants or st.closed:
             return False
         if now - self._last_full >= self._full_every():
             return False
@@ -277,12 +271,12 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
     def _refresh_pending_join(self) -> None:
         """A node that asked to join keeps its heartbeat key fresh until it sees itself in the
         state (another node may have admitted it already)."""
-        if self._join_round is None or self._join_round != self._state.round:
+        if self._join_round is None or self._join_round != self.held.round:
             return
-        if self._node in self._state.last_heartbeats:
+        if self._node in self.held.last_heartbeats:
             return
         now = time.time()
-        if now - self._join_beat >= self._settings.keep_alive_interval.total_seconds():
+        if now - self._join_beat >= self.settings.keep_alive_interval.total_seconds():
             self._etcd.put_heartbeat(self._node_key, now)
             self._join_beat = now
 
@@ -295,8 +289,8 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
 
         One writer at a time admits every node that asked so far, in one write per batch,
         instead of hundreds of nodes racing for the same key with the whole state each."""
-        st = self._state
-        s = self._settings
+        st = self.held
+        s = self.settings
         if (
             self._join_round != st.round
             or time.time() - self._join_beat >= s.keep_alive_interval.total_seconds()
@@ -339,21 +333,21 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
         added = 0
         if self._lock_rev:
             self._read_joins()
-            added = self._add_requested_joins(self._state)
-        meta = _meta(self._state)
-        out = self._etcd.set_state(encode_state(self._state), self._token, meta=meta, fetch=False)
+            added = self._add_requested_joins(self.held)
+        meta = _meta(self.held)
+        out = self._etcd.set_state(encode_state(self.held), self.token, meta=meta, fetch=False)
         if out is None or not out[2]:
             return False
-        self._token = out[1]
+        self.token = out[1]
         self._meta_seen = meta
         self._seen_rev = int(out[1])
-        remember(self._state, key=self._etcd.key, revision=int(out[1]))
+        remember(self.held, key=self._etcd.key, revision=int(out[1]))
         self.batched += added
         try:
-            if self._state.complete and not was_complete:
-                self._etcd.forget_joins(self._state.round)  # wakes every admitted node
+            if self.held.complete and not was_complete:
+                self._etcd.forget_joins(self.held.round)  # wakes every admitted node
             elif added:
-                self._etcd.forget_join_requests(self._state.round, self._admitted)
+                self._etcd.forget_join_requests(self.held.round, self._admitted)
         except RendezvousConnectionError:
             pass  # they expire with the run's lease
         self._done()
@@ -367,11 +361,11 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
         a node whose request met the lock held is admitted by its holder, never left waiting
         for its watch to time out."""
         start = last = time.monotonic()
-        while not self._state.complete and not self._state.closed:
+        while not self.held.complete and not self.held.closed:
             now = time.monotonic()
             if now - last > 1.0 or now - start > ADMISSION_LOCK_TTL - 2.0:
                 released = self._etcd.unlock_admission_if_idle(
-                    self._lock_rev, self._state.round, self._etcd.joins_read_rev
+                    self._lock_rev, self.held.round, self._etcd.joins_read_rev
                 )
                 if released is not False:
                     self._lock_rev = 0
@@ -388,7 +382,7 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
             time.sleep(0.2)
             self._read_joins()
             if not any(
-                n not in self._state.participants and n not in self._state.redundancy_list
+                n not in self.held.participants and n not in self.held.redundancy_list
                 for n in self._joins
             ):
                 continue
@@ -399,9 +393,9 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
     def sync(self) -> bool | None:
         self._refresh_pending_join()
         now = time.monotonic()
-        if self._dirty:
+        if self.dirty:
             if self._heartbeat_only():
-                when = self._state.last_heartbeats[self._node].timestamp()
+                when = self.held.last_heartbeats[self._node].timestamp()
                 self._etcd.put_heartbeat(self._node_key, when)
                 self._done()
                 return True
@@ -419,10 +413,10 @@ class ScalableStateHolder(_BackendRendezvousStateHolder):
                 return True
             self._load_full()
             return False
-        if self._cache_duration > 0 and self._last_sync_time >= max(now - self._cache_duration, 0):
+        if self.cache_duration > 0 and self.last_sync_time >= max(now - self.cache_duration, 0):
             return None
         if self._may_skip_full_read(now):
-            self._last_sync_time = time.monotonic()
+            self.last_sync_time = time.monotonic()
             return None
         self._load_full()
         self._sweep()

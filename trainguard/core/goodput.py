@@ -17,6 +17,10 @@ wall clock of the job (``launch`` → ``job_finished`` or the last record) is sp
 - ``other``: the rest (data loading, logging, evaluation between steps...).
 
 ETTR (effective training time ratio) = productive / wall time.
+
+The telemetry (live gauges, the report, the run summary) and the goodput planner's reader of a
+finished run (``trainguard.plan.fromrun``) both count productive time, failures and hangs
+here, so they agree.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.core.contract import LOSS_CAUSES
+from trainguard.core.event_kinds import WORKER_FAILED, WORKER_GROUP_UNHEALTHY
 from trainguard.core.events import launch_time
 
-__all__ = ["Goodput", "GoodputTracker", "compute_goodput"]
+__all__ = ["Goodput", "GoodputTracker", "compute_goodput", "failures_by_attempt", "is_hang"]
 
 
 @dataclass(slots=True)
@@ -52,8 +57,21 @@ class Goodput:
         }
 
 
-def _is_hang(ev: Mapping[str, Any]) -> bool:
+def is_hang(ev: Mapping[str, Any]) -> bool:
+    """Whether an event reports a hang (a hang event, or a worker failure caused by one)."""
     return "hang" in str(ev.get("kind", "")) or "hang" in str(ev.get("cause", ""))
+
+
+def failures_by_attempt(
+    events: Iterable[Mapping[str, Any]],
+) -> dict[int, list[Mapping[str, Any]]]:
+    """The events that end an attempt in failure (a worker failed, the group went unhealthy,
+    a hang), by attempt."""
+    failed: dict[int, list[Mapping[str, Any]]] = {}
+    for e in events:
+        if e.get("kind") in (WORKER_FAILED, WORKER_GROUP_UNHEALTHY) or is_hang(e):
+            failed.setdefault(int(e.get("attempt", 0)), []).append(e)
+    return failed
 
 
 class GoodputTracker:
@@ -159,15 +177,12 @@ class GoodputTracker:
             a0 = min(first_start)
             g.lost_s["startup"] = max(0.0, first_start[a0] - t0 - rdzv.get(a0, 0.0))
 
-        failed: dict[int, list[Mapping[str, Any]]] = {}
-        for e in evs:
-            if e.get("kind") in ("worker_failed", "worker_group_unhealthy") or _is_hang(e):
-                failed.setdefault(int(e.get("attempt", 0)), []).append(e)
+        failed = failures_by_attempt(evs)
         for a, fevs in sorted(failed.items()):
             t_fail = min(float(e["time"]) for e in fevs)
             end = self.last_end.get(a)
             prev = end if end is not None and end <= t_fail else first_start.get(a, t_fail)
-            cause = "hang" if any(_is_hang(e) for e in fevs) else "restart"
+            cause = "hang" if any(is_hang(e) for e in fevs) else "restart"
             g.lost_s[cause] += max(0.0, t_fail - prev)
             later = [first_start[b] for b in first_start if b > a]
             t_next = min(later) if later else t_end

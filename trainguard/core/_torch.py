@@ -1,0 +1,50 @@
+"""torch private internals the layers below the runtime use (checkpoint, worker).
+
+The runtime's are in ``trainguard.runtime._torch``; this module holds the few that the
+checkpoint feature and the worker need, because the layering (README "Layout") lets them
+import the core but not the runtime. Each name is listed in :data:`PRIVATES`, and a test
+asserts it exists on the installed torch. torch is imported lazily: importing the core does
+not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["PRIVATES", "abort_backend", "dump_fr_trace_json", "fsspec_reader", "fsspec_writer"]
+
+PRIVATES: tuple[tuple[str, str, str], ...] = (
+    # (module, class or "" for the module itself, private name)
+    ("torch.distributed.checkpoint._fsspec_filesystem", "", "FsspecReader"),
+    ("torch.distributed.checkpoint._fsspec_filesystem", "", "FsspecWriter"),
+    ("torch.distributed", "ProcessGroup", "_get_backend"),
+    ("torch._C._distributed_c10d", "", "_dump_fr_trace_json"),
+)
+"""Every torch private the core provides: (module, class or "", name). The first two are
+public names in a private module (``_fsspec_filesystem``)."""
+
+
+def fsspec_writer(path: str, *, sync_files: bool) -> Any:
+    """torch's DCP ``FsspecWriter`` for ``path`` (an fsspec URL)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(path, sync_files=sync_files)
+
+
+def fsspec_reader(path: str) -> Any:
+    """torch's DCP ``FsspecReader`` for ``path`` (an fsspec URL)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(path)
+
+
+def abort_backend(group: Any, device: Any) -> None:
+    """Abort ``group``'s communicator for ``device`` (e.g. NCCL's), unblocking its collectives."""
+    group._get_backend(device).abort()
+
+
+def dump_fr_trace_json(include_collectives: bool) -> bytes:
+    """This process's flight-recorder trace, as torch's JSON dump (bytes)."""
+    from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
+
+    return _dump_fr_trace_json(include_collectives, False)

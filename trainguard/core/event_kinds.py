@@ -1,0 +1,168 @@
+"""The event contract: every kind of event trainguard writes to ``events.jsonl`` (and the
+in-process bus messages), with who emits it, its fields and what it means.
+
+Emitters write the kind as a literal (``ctx.events.emit("restart", ...)``) or one of the
+constants below; consumers in another package than the emitter match the constants. A test
+(tests/test_event_kinds.py) scans the source: an emitted kind missing here, or a kind here
+that nothing emits, fails it. Every event also carries ``time``, ``kind``, ``node``,
+``attempt`` (see :mod:`trainguard.core.events`); ``fields`` lists the ones the emitter names
+(some add a report's summary besides).
+
+This module imports nothing heavy and is safe to import anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "EVENTS",
+    "KINDS",
+    "EventSpec",
+    "by_name",
+    "CHECKPOINT_COMMITTED",
+    "CHECKPOINT_RESTORED",
+    "HANG_DETECTED",
+    "HANG_KILLED",
+    "HEALTH_UNHEALTHY",
+    "JOB_FINISHED",
+    "LAUNCH",
+    "LOSS_ROLLBACK",
+    "NODE_DRAINED",
+    "NODE_EXCLUDED",
+    "RENDEZVOUS",
+    "RESTART",
+    "ROLLBACK_EXHAUSTED",
+    "STRAGGLER_SCORES",
+    "WORKERS_STARTED",
+    "WORKER_FAILED",
+    "WORKER_GROUP_UNHEALTHY",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class EventSpec:
+    """One event kind of the contract."""
+
+    name: str
+    """The ``kind`` value, e.g. ``worker_failed``."""
+    emitters: tuple[str, ...]
+    """Modules that emit it, relative to ``trainguard`` (``runtime.agent``)."""
+    fields: tuple[str, ...]
+    """Fields the emitter names (besides ``time``, ``kind``, ``node``, ``attempt``)."""
+    description: str
+    logged: bool = True
+    """False: an in-process bus message (``EventLog.publish``), never written to the log."""
+
+
+EVENTS: tuple[EventSpec, ...] = (
+    # -- the launcher and the agent (runtime) --------------------------------------------------
+    EventSpec("launch", ("runtime.launcher",), ("args", "entrypoint", "max_nodes", "max_restarts", "min_nodes", "nproc_per_node", "pid", "process_start", "rdzv_backend", "run_id"), "The launcher started (its process start: the job's wall time includes imports)."),
+    EventSpec("job_finished", ("runtime.launcher",), ("state",), "This node's launcher ends; ``state`` is a JobState value."),
+    EventSpec("rendezvous", ("runtime.agent",), ("duration_s", "group_rank", "group_world_size", "master_addr", "master_port", "members"), "A rendezvous round completed: its members and this node's rank."),
+    EventSpec("workers_started", ("runtime.agent",), ("workers", "world_size"), "The local workers started (rank, local rank, pid, warm each)."),
+    EventSpec("worker_failed", ("runtime.agent",), ("cause", "exitcode", "local_rank", "message", "pid", "rank", "root_cause", "signal", "state"), "A worker died; ``root_cause`` marks the earliest failure (torch's rule)."),
+    EventSpec("worker_group_unhealthy", ("runtime.agent",), ("state",), "torch found the group unhealthy without a failed worker."),
+    EventSpec("restart", ("runtime.agent",), ("max_restarts", "reason", "remaining_restarts"), "The agent restarts its worker group (a failure or a membership change)."),
+    EventSpec("requeue", ("runtime.agent",), ("exitcode", "message"), "The workers saved on preemption and asked to be requeued: no restart here."),
+    EventSpec("do_not_requeue", ("runtime.agent",), ("exitcode", "ranks"), "A worker exited with the do-not-requeue code: no restart, no requeue."),
+    EventSpec("inprocess_restart", ("runtime.inprocess",), ("duration_s", "generation", "remaining_restarts", "replaced", "survivors"), "Dead local workers replaced in place; the survivors keep running."),
+    EventSpec("warm_ready", ("runtime.agent",), ("local_rank", "pid"), "A pre-started process for a local rank's restart is ready (zygote pool)."),
+    EventSpec("warm_workers_ready", ("runtime.spare_pool",), ("agent_pid", "count", "duration_s"), "A spare's pre-started worker processes are ready."),
+    EventSpec("warm_workers", ("runtime.spare_pool",), ("agent_pid", "pool_size", "used"), "After the first step: how many workers came pre-started from the spare's pool."),
+    EventSpec("node_dead", ("runtime.spares",), ("dead_node", "reason", "removed_by", "round", "silent_s"), "A node's liveness beacon went silent: it was removed from the rendezvous."),
+    EventSpec("spare_waiting", ("runtime.spares",), ("reason", "round"), "This node waits as a spare (no slot in the round)."),
+    EventSpec("spare_joined", ("runtime.spares",), ("round", "waited_s"), "A node that waited as a spare got a slot."),
+    EventSpec("ft_lighthouse", ("runtime.registry",), ("pid", "replica_group", "started", "url"), "torchft's lighthouse this job uses (started here or found)."),
+    # -- checkpoints ---------------------------------------------------------------------------
+    EventSpec("checkpoint_committed", ("checkpoint.manager",), ("bytes", "commit_s", "path", "persist_mode", "persist_s", "stall_s", "step"), "A checkpoint is durably on disk (every rank's files checked, manifest renamed in)."),
+    EventSpec("checkpoint_failed", ("checkpoint.manager",), ("error", "rank", "reason", "step"), "A save ended without a commit (``reason``: error, timeout, busy); training goes on."),
+    EventSpec("checkpoint_skipped", ("checkpoint.manager",), ("reason", "step"), "A save was not started (e.g. the previous one still persisting)."),
+    EventSpec("checkpoint_restored", ("checkpoint.restore",), ("disk_steps", "duration_s", "memory_steps", "rank", "source", "step"), "The state was restored (source: memory, peer or disk)."),
+    EventSpec("checkpoint_corrupt", ("checkpoint.restore",), ("error", "path", "step"), "A checkpoint failed its checks; the previous one is tried."),
+    EventSpec("checkpoint_interval", ("checkpoint.manager",), ("interval_s", "mtbf_s", "stall_s"), "The automatic checkpoint interval changed (goodput planner's optimum)."),
+    EventSpec("checkpoint_memory_cadence", ("checkpoint.manager",), ("every_steps", "max_stall_fraction", "stall_s", "step_s"), "How often the memory tier is written, from the measured stall."),
+    EventSpec("checkpoint_memory_tier_disabled", ("checkpoint.manager",), ("error", "rank"), "The memory tier could not be used on this rank."),
+    EventSpec("checkpoint_memory_tier_serving", ("checkpoint.memtier.plugin",), ("host", "port"), "The node's memory-tier replication server listens."),
+    EventSpec("checkpoint_memory_filled", ("checkpoint.memtier.plugin",), ("bytes", "duration_s", "rank", "snapshot_source", "source", "step", "steps"), "After a rendezvous, a rank's memory tier was filled from a peer."),
+    EventSpec("checkpoint_memory_fill_timeout", ("checkpoint.memtier.plugin",), ("rank", "timeout_s"), "Filling the memory tier from peers ran out of time."),
+    EventSpec("checkpoint_peer_push_failed", ("checkpoint.memtier.replication",), ("consecutive", "error", "failures", "peer", "rank", "retry_in_s"), "Replicating a snapshot to the peer node failed (backs off)."),
+    EventSpec("checkpoint_peer_skipped", ("checkpoint.memtier.plugin",), ("during", "group_ranks", "reasons", "wait_s"), "A peer did not answer the fill in time: skipped."),
+    EventSpec("checkpoint_persister_started", ("checkpoint.manager",), ("gen", "pid"), "The persister processes (``persist_mode = \"process\"``) started."),
+    EventSpec("checkpoint_persister_replaced", ("checkpoint.manager",), ("reason",), "A persister process died or hung and was replaced."),
+    EventSpec("checkpoint_preempted", ("checkpoint.manager",), ("signal", "step"), "A preemption signal arrived: save at the next step boundary."),
+    EventSpec("checkpoint_preempt_saved", ("checkpoint.manager",), ("committed", "error", "step"), "The preemption save finished (committed or not)."),
+    # -- health --------------------------------------------------------------------------------
+    EventSpec("preflight", ("health.monitor",), ("compute", "duration_s", "note"), "The node's checks before the first rendezvous (plus the report's summary)."),
+    EventSpec("preflight_compare", ("health.monitor",), ("nodes",), "The nodes' compute and clock checks compared after a rendezvous."),
+    EventSpec("health_probe", ("health.monitor",), ("previous",), "The in-job health verdict changed (plus the report's summary)."),
+    EventSpec("health_unhealthy", ("health.monitor",), ("action", "ranks", "reasons"), "An in-job finding with action restart or drain: the local group is killed."),
+    EventSpec("allreduce_probe", ("health.monitor",), ("action", "nodes", "status"), "The allreduce probe's verdict on slow or failing nodes."),
+    EventSpec("node_excluded", ("health.monitor", "health.straggler"), ("action", "ranks", "reason", "reasons", "scores"), "This node leaves the job (unhealthy or a straggler under the exclude policy)."),
+    EventSpec("straggler_detected", ("health.straggler",), ("message",), "A rank is persistently slower than the others' median (plus its scores)."),
+    EventSpec("straggler_scores", ("health.straggler",), ("scores", "stragglers"), "Bus message health → telemetry: rank → score, and the stragglers.", logged=False),
+    EventSpec("hang_detected", ("health.hang",), ("hang_kind", "median_step_s", "message", "per_rank", "ranks", "timeout_s", "waiting_ranks"), "Workers made no progress within the hang timeout."),
+    EventSpec("hang_stacks", ("health.hang",), ("ranks", "stacks"), "The hung workers' Python stacks (py-spy)."),
+    EventSpec("hang_killed", ("health.hang",), ("pids", "ranks"), "The hung local group was killed (the group restarts)."),
+    # -- recovery, Slurm, torchft, the worker ----------------------------------------------------
+    EventSpec("recovery_decision", ("recovery.plugin",), ("action", "backoff_s", "budget", "decided_by", "failed_attempt", "job_restarts", "reason"), "The restart policy's decision after a failure."),
+    EventSpec("node_evicted", ("recovery.plugin",), ("cooldown_s", "detail", "fenced", "fencer", "reason", "until"), "This node was taken out of the job for a cooldown."),
+    EventSpec("node_refused", ("recovery.plugin",), ("evicted_at", "reason", "until"), "An evicted node tried to rejoin during its cooldown."),
+    EventSpec("node_readmitted", ("recovery.plugin",), ("evicted_at", "reason", "until"), "An evicted node rejoined after its cooldown."),
+    EventSpec("node_drained", ("slurm.finish", "slurm.plugin"), ("detail", "fenced", "job_id", "node_name"), "A node was drained in Slurm (``fenced``: by trainguard)."),
+    EventSpec("slurm_finish", ("slurm.finish",), ("action", "job_id", "message", "rc"), "The batch script's decision after the step (done, stop, requeue, resubmit, fail)."),
+    EventSpec("resubmit", ("slurm.finish",), ("exclude", "job_id", "new_job_id"), "The job was resubmitted without its lost nodes."),
+    EventSpec("resubmit_failed", ("slurm.finish",), ("error", "job_id"), "Resubmitting the job failed."),
+    EventSpec("ft_healed", ("ft.worker",), ("replica_group", "step"), "A torchft replica group healed from the others."),
+    EventSpec("ft_recovered", ("ft.worker",), (), "A torchft recovery ended (plus its record: pause, steps)."),
+    EventSpec("inprocess_rejoin", ("worker.inprocess",), ("failed_step", "from_generation", "generation", "reason", "wait_s"), "A surviving worker rejoined a new in-process generation."),
+    EventSpec("loss_anomaly", ("worker.rollback",), ("median", "metric", "reason", "step", "value"), "The loss guard found a NaN/Inf or spike."),
+    EventSpec("loss_rollback", ("worker.rollback",), ("bad_step", "duration_s", "from_step", "reason", "restored_step", "resume_step", "rollbacks", "rollbacks_here", "skip"), "The workers rolled back to a checkpoint before a loss anomaly."),
+    EventSpec("rollback_exhausted", ("worker.rollback",), ("bad_step", "exitcode", "max_rollbacks", "reason", "rollbacks_here"), "Too many rollbacks at one step: the job stops."),
+    # -- security, hang diagnosis and framework integrations ---------------------------------
+    EventSpec("rdzv_state_refused", ("runtime.etcd_v3.handler",), ("key", "reason", "revision"), "The etcd-v3 rendezvous state at this revision was refused (not trainguard's JSON form, corrupt or oversized): treated as empty and written over."),
+    EventSpec("chaos_armed", ("runtime.launcher", "worker.api"), ("faults", "spec"), "Faults from TRAINGUARD_CHAOS are armed in this agent (spec and faults) or worker (faults)."),
+    EventSpec("collective_progress", ("runtime.agent",), ("rank",), "This rank writes no tg.step() progress: its collectives (torch's flight recorder) are its progress for hang detection."),
+    EventSpec("hang_diagnosis", ("health.hang",), ("diagnosis", "frames", "groups", "message", "missing_dumps", "op", "pg", "seq", "stack_groups", "suspect_hosts", "suspect_ranks"), "Where a hung job is stuck: the collective (process group, op, sequence id), the ranks missing from it or in another one, their hosts, and the ranks' stacks grouped."),
+    EventSpec("integration_attached", ("integrations.hf", "integrations.lightning"), ("framework", "resume", "resumed_step"), "trainguard's callback is attached to a framework's trainer (and, with resume, restored its newest snapshot)."),
+    EventSpec("integration_auto_attached", ("integrations.auto",), ("framework", "resume"), "The start-up hook attached trainguard to a framework's trainer without a code change."),
+    EventSpec("integration_preempted", ("integrations.hf", "integrations.lightning"), ("framework", "step"), "A preemption notice reached the framework's loop: it saves at this step and the worker exits for a requeue."),
+)  # fmt: skip
+
+_BY_NAME = {s.name: s for s in EVENTS}
+KINDS: frozenset[str] = frozenset(_BY_NAME)
+"""Every registered kind."""
+
+
+def by_name(kind: str) -> EventSpec:
+    """The spec of ``kind``; ``KeyError`` naming it when it is not registered."""
+    try:
+        return _BY_NAME[kind]
+    except KeyError:
+        raise KeyError(
+            f"event kind {kind!r} is not in trainguard.core.event_kinds.EVENTS"
+        ) from None
+
+
+def _kind(name: str) -> str:
+    return by_name(name).name
+
+
+# Kinds one package emits and another matches (consumers use these, not literals).
+LAUNCH = _kind("launch")
+JOB_FINISHED = _kind("job_finished")
+RENDEZVOUS = _kind("rendezvous")
+WORKERS_STARTED = _kind("workers_started")
+WORKER_FAILED = _kind("worker_failed")
+RESTART = _kind("restart")
+WORKER_GROUP_UNHEALTHY = _kind("worker_group_unhealthy")
+CHECKPOINT_RESTORED = _kind("checkpoint_restored")
+CHECKPOINT_COMMITTED = _kind("checkpoint_committed")
+HEALTH_UNHEALTHY = _kind("health_unhealthy")
+NODE_EXCLUDED = _kind("node_excluded")
+NODE_DRAINED = _kind("node_drained")
+HANG_DETECTED = _kind("hang_detected")
+HANG_KILLED = _kind("hang_killed")
+LOSS_ROLLBACK = _kind("loss_rollback")
+ROLLBACK_EXHAUSTED = _kind("rollback_exhausted")
+STRAGGLER_SCORES = _kind("straggler_scores")

@@ -1,0 +1,393 @@
+"""The one place trainguard reaches into torch's private (underscore) internals.
+
+trainguard wraps ``torch.distributed.elastic`` rather than forking it, and a few things it
+needs are not public there: the agent's process context and restart budget, the dynamic
+rendezvous handler's node, settings, store and state, torch's rendezvous state classes (the
+etcd-v3 backend encodes them), the signal handler torch installs for its own signals and the
+NUMA command wrapper. Every such name is used here and only here (a test greps the rest of
+the package), and :data:`PRIVATES` lists them: a test asserts each one still exists on the
+installed torch, so a torch upgrade that renames one fails there, naming it, instead of at
+run time in a job.
+
+The rest of trainguard sees public names: :class:`ElasticAgentBase` (torch's
+``LocalElasticAgent`` with its protected hooks and state under public names),
+:class:`SubprocessHandlerBase` (the same for ``SubprocessHandler``) and the functions below.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from typing import IO, Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import api as _mp_api
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
+
+__all__ = [
+    "PRIVATES",
+    "ElasticAgentBase",
+    "NodeDesc",
+    "RendezvousState",
+    "StateHolderBase",
+    "SubprocessHandlerBase",
+    "handler_backend",
+    "handler_node",
+    "handler_settings",
+    "handler_state",
+    "handler_store",
+    "leave_rendezvous",
+    "numa_options_of",
+    "remove_participant_epilogue",
+    "terminate_process_handler",
+    "worker_exitcodes",
+    "wrap_numa_binding",
+]
+
+PRIVATES: tuple[tuple[str, str, str], ...] = (
+    # (module, class or "" for the module itself, private name)
+    # the agent (torch.distributed.elastic.agent.server)
+    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent", "_worker_group"),
+    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent", "_remaining_restarts"),
+    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent", "_rendezvous"),
+    ("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent", "_restart_workers"),
+    (
+        "torch.distributed.elastic.agent.server.local_elastic_agent",
+        "LocalElasticAgent",
+        "_pcontext",
+    ),
+    (
+        "torch.distributed.elastic.agent.server.local_elastic_agent",
+        "LocalElasticAgent",
+        "_start_workers",
+    ),
+    (
+        "torch.distributed.elastic.agent.server.local_elastic_agent",
+        "LocalElasticAgent",
+        "_monitor_workers",
+    ),
+    # process contexts and handlers (torch.distributed.elastic.multiprocessing)
+    ("torch.distributed.elastic.multiprocessing.api", "", "_terminate_process_handler"),
+    ("torch.distributed.elastic.multiprocessing.api", "MultiprocessContext", "_pc"),
+    ("torch.distributed.elastic.multiprocessing.api", "SubprocessContext", "_numa_options"),
+    (
+        "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler",
+        "SubprocessHandler",
+        "_popen",
+    ),
+    (
+        "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler",
+        "SubprocessHandler",
+        "_stdout",
+    ),
+    (
+        "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler",
+        "SubprocessHandler",
+        "_stderr",
+    ),
+    ("torch.numa.binding", "", "_maybe_wrap_command_args_with_numa_binding"),
+    # the dynamic rendezvous (torch.distributed.elastic.rendezvous.dynamic_rendezvous)
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "", "_NodeDesc"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "", "_RendezvousState"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "", "_RendezvousExitOp"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "", "_remove_participant_epilogue"),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "DynamicRendezvousHandler",
+        "_this_node",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "DynamicRendezvousHandler",
+        "_settings",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "DynamicRendezvousHandler",
+        "_store",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "DynamicRendezvousHandler",
+        "_state_holder",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "DynamicRendezvousHandler",
+        "_stop_heartbeats",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "DynamicRendezvousHandler",
+        "_op_executor",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "",
+        "_BackendRendezvousStateHolder",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "_BackendRendezvousStateHolder",
+        "_backend",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "_BackendRendezvousStateHolder",
+        "_state",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "_BackendRendezvousStateHolder",
+        "_token",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "_BackendRendezvousStateHolder",
+        "_dirty",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "_BackendRendezvousStateHolder",
+        "_last_sync_time",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "_BackendRendezvousStateHolder",
+        "_cache_duration",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "_BackendRendezvousStateHolder",
+        "_settings",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "_BackendRendezvousStateHolder",
+        "_sanitize",
+    ),
+)
+"""Every torch private trainguard uses: (module, class or "" for the module, name). An
+attribute set in ``__init__`` counts as existing when the class's source assigns it."""
+
+NodeDesc = _dr._NodeDesc
+"""torch's rendezvous node descriptor (address, pid, local id)."""
+RendezvousState = _dr._RendezvousState
+"""torch's rendezvous state (round, participants, wait list, redundancy list, ...)."""
+terminate_process_handler = _mp_api._terminate_process_handler
+"""The handler torch installs for the signals it handles (raises ``SignalException``)."""
+
+
+def remove_participant_epilogue(state: Any, settings: Any) -> None:
+    """torch's bookkeeping after participants leave ``state`` (closes or reopens the round)."""
+    _dr._remove_participant_epilogue(state, settings)
+
+
+# -- the dynamic rendezvous handler ------------------------------------------------------------
+def handler_node(handler: Any) -> Any:
+    """This agent's :data:`NodeDesc` in torch's dynamic handler; None for another handler."""
+    return getattr(handler, "_this_node", None)
+
+
+def handler_settings(handler: Any) -> Any:
+    """torch's ``RendezvousSettings`` of a dynamic handler (run id, min/max nodes, timeouts);
+    None for another handler."""
+    return getattr(handler, "_settings", None)
+
+
+def handler_store(handler: Any) -> Any:
+    """The backend's store a dynamic handler keeps (outlives the rounds); None for another."""
+    return getattr(handler, "_store", None)
+
+
+def handler_backend(handler: Any) -> Any:
+    """The ``RendezvousBackend`` behind a dynamic handler's state holder."""
+    return handler._state_holder._backend
+
+
+def handler_state(handler: Any) -> Any:
+    """The :data:`RendezvousState` a dynamic handler last synced (no store read)."""
+    return handler._state_holder.state
+
+
+def sync_handler_state(handler: Any) -> Any:
+    """Read the rendezvous state from the store and return it."""
+    handler._state_holder.sync()
+    return handler._state_holder.state
+
+
+def stop_heartbeats(handler: Any) -> None:
+    """Stop a dynamic handler's keep-alive thread."""
+    handler._stop_heartbeats()
+
+
+def leave_rendezvous(handler: Any, deadline: float) -> None:
+    """Take this node out of the rendezvous now (torch's exit operation), by ``deadline``
+    (monotonic); raises what torch raises."""
+    handler._stop_heartbeats()
+    handler._op_executor.run(_dr._RendezvousExitOp(), deadline)
+
+
+# -- process contexts --------------------------------------------------------------------------
+def numa_options_of(pcontext: Any) -> Any:
+    """The NUMA options a ``SubprocessContext`` starts its workers with (None: none)."""
+    return getattr(pcontext, "_numa_options", None)
+
+
+def worker_exitcodes(pcontext: Any) -> list[int | None]:
+    """Exit codes of a process context's workers (script or function entrypoints); empty
+    when none were started."""
+    handlers = getattr(pcontext, "subprocess_handlers", None)
+    if handlers:
+        return [h.proc.returncode for h in handlers.values()]
+    procs = getattr(getattr(pcontext, "_pc", None), "processes", None)
+    if procs:
+        return [p.exitcode for p in procs]
+    return []
+
+
+def wrap_numa_binding(argv: tuple[str, ...], *, gpu_index: int, numa_options: Any) -> Any:
+    """``argv`` wrapped the way torch binds a worker to its GPU's NUMA node."""
+    from torch.numa.binding import _maybe_wrap_command_args_with_numa_binding
+
+    return _maybe_wrap_command_args_with_numa_binding(
+        argv, gpu_index=gpu_index, numa_options=numa_options
+    )
+
+
+class SubprocessHandlerBase(SubprocessHandler):
+    """torch's ``SubprocessHandler`` with its protected parts under public names:
+    :meth:`popen` (override it; torch calls it through ``_popen``), the redirected log files
+    (:attr:`stdout_file`, :attr:`stderr_file`, :meth:`open_logs`)."""
+
+    def _popen(self, args: tuple, env: dict[str, str]) -> subprocess.Popen:
+        return self.popen(args, env)
+
+    def popen(self, args: tuple, env: dict[str, str]) -> subprocess.Popen:
+        """Start the worker process (torch's own ``Popen`` unless overridden)."""
+        return super()._popen(args, env)
+
+    def open_logs(self, stdout: str | None, stderr: str | None, mode: str = "w") -> None:
+        """Open the log files torch's ``close`` closes (what its ``__init__`` does)."""
+        self._stdout = open(stdout, mode) if stdout else None  # noqa: SIM115
+        self._stderr = open(stderr, mode) if stderr else None  # noqa: SIM115
+
+    @property
+    def stdout_file(self) -> IO[Any] | None:
+        return getattr(self, "_stdout", None)
+
+    @property
+    def stderr_file(self) -> IO[Any] | None:
+        return getattr(self, "_stderr", None)
+
+
+def close_logs(handler: Any) -> None:
+    """Close the log files of any torch ``SubprocessHandler`` (not its process)."""
+    for f in (getattr(handler, "_stdout", None), getattr(handler, "_stderr", None)):
+        if f is not None:
+            f.close()
+
+
+class ElasticAgentBase(LocalElasticAgent):
+    """torch's ``LocalElasticAgent`` with the protected state and hooks trainguard uses under
+    public names. torch calls ``_rendezvous``, ``_start_workers``, ``_monitor_workers`` and
+    ``_restart_workers``; they call :meth:`rendezvous_workers`, :meth:`start_workers`,
+    :meth:`monitor_workers` and :meth:`restart_workers`, which subclasses override (calling
+    ``super()`` for torch's behaviour)."""
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def worker_group(self) -> WorkerGroup:
+        return self._worker_group
+
+    @property
+    def pcontext(self) -> Any:
+        """torch's process context of the current workers (None before the first start)."""
+        return getattr(self, "_pcontext", None)
+
+    @property
+    def remaining_restarts(self) -> int:
+        """Restarts left of ``--max-restarts`` (torch counts down)."""
+        return self._remaining_restarts
+
+    @remaining_restarts.setter
+    def remaining_restarts(self, n: int) -> None:
+        self._remaining_restarts = n
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        self.rendezvous_workers(worker_group)
+
+    def rendezvous_workers(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        return self.start_workers(worker_group)
+
+    def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        return super()._start_workers(worker_group)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        return self.monitor_workers(worker_group)
+
+    def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        return super()._monitor_workers(worker_group)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self.restart_workers(worker_group)
+
+    def restart_workers(self, worker_group: WorkerGroup) -> None:
+        super()._restart_workers(worker_group)
+
+
+class StateHolderBase(_dr._BackendRendezvousStateHolder):
+    """torch's rendezvous state holder over a ``RendezvousBackend``, its protected fields
+    under public names, for a holder that replaces how it syncs (the etcd-v3 one)."""
+
+    @property
+    def held(self) -> Any:
+        """The :data:`RendezvousState` held (torch's ``state`` property, settable)."""
+        return self._state
+
+    @held.setter
+    def held(self, state: Any) -> None:
+        self._state = state
+
+    @property
+    def token(self) -> Any:
+        """The backend's fencing token of :attr:`held`."""
+        return self._token
+
+    @token.setter
+    def token(self, token: Any) -> None:
+        self._token = token
+
+    @property
+    def dirty(self) -> bool:
+        """Whether :attr:`held` has changes to write."""
+        return self._dirty
+
+    @dirty.setter
+    def dirty(self, dirty: bool) -> None:
+        self._dirty = dirty
+
+    @property
+    def last_sync_time(self) -> float:
+        return self._last_sync_time
+
+    @last_sync_time.setter
+    def last_sync_time(self, t: float) -> None:
+        self._last_sync_time = t
+
+    @property
+    def cache_duration(self) -> float:
+        return self._cache_duration
+
+    @property
+    def settings(self) -> Any:
+        return self._settings
+
+    def sanitize(self) -> None:
+        """torch's clean-up of :attr:`held` (drops dead nodes past their keep-alive)."""
+        self._sanitize()
