@@ -44,12 +44,12 @@ def test_a_wrong_import_fails_lint_imports_naming_it(tmp_path: Path) -> None:
         events.read_text() + "\nfrom trainguard.runtime.agent import TrainGuardAgent\n"
     )
     interval = tmp_path / "trainguard" / "checkpoint" / "interval.py"
-    interval.write_text(interval.read_text() + "\nimport trainguard.telemetry.goodput\n")
+    interval.write_text(interval.read_text() + "\nimport trainguard.telemetry.mfu\n")
     r = _lint_imports(tmp_path)
     assert r.returncode != 0, r.stdout[-3000:]
     out = r.stdout
     assert "trainguard.core.events -> trainguard.runtime.agent" in out, out[-4000:]
-    assert "trainguard.checkpoint.interval -> trainguard.telemetry.goodput" in out, out[-4000:]
+    assert "trainguard.checkpoint.interval -> trainguard.telemetry.mfu" in out, out[-4000:]
     assert "The core imports nothing of trainguard above it BROKEN" in out
     assert "Features are independent of each other BROKEN" in out
 
