@@ -159,9 +159,8 @@ def once(which: str, root: Path, args: argparse.Namespace) -> dict:
 
 def _telemetry(run_dir: Path, t_end: float) -> dict:
     """trainguard's own accounting of the same run (its report's goodput), for comparison."""
-    from trainguard.core.goodput import compute_goodput
-
     from trainguard.core.events import read_events
+    from trainguard.core.goodput import compute_goodput
     from trainguard.telemetry.report import load_run
 
     events = list(read_events(run_dir))
