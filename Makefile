@@ -32,7 +32,7 @@ demo: $(VENV)/.installed
 # worker per group of tests that share a service (pytest.mark.xdist_group), the rest spread over
 # TEST_WORKERS. `make test TESTS=tests/test_spares.py` runs one file; `make test-soak` the soak tests.
 TEST_DEBS    := prometheus prometheus-alertmanager chromium slurm-wlm munge iproute2 etcd-server etcd-client
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 TESTS        ?=
 
 test: $(VENV)/.installed

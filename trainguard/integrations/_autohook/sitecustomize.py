@@ -30,7 +30,23 @@ def _chain_user_sitecustomize() -> None:
         )
 
 
+def _leave_pythonpath() -> None:
+    """Take this directory off ``sys.path`` and off the ``PYTHONPATH`` the script sees (and its
+    own children inherit): the worker's environment stays exactly the launcher's."""
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+    kept = [
+        p
+        for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if p and os.path.abspath(p) != _HERE
+    ]
+    if kept:
+        os.environ["PYTHONPATH"] = os.pathsep.join(kept)
+    else:
+        os.environ.pop("PYTHONPATH", None)
+
+
 def _main() -> None:
+    _leave_pythonpath()
     try:
         from trainguard.integrations.auto import install
 
