@@ -84,8 +84,18 @@ def test_alertmanager_routes_by_severity_and_node_down_inhibits_gpu_alerts(tmp_p
                     "annotations": {"summary": f"{name} on {node}", "runbook": "do x",
                                     "description": "d"}}  # fmt: skip
 
+        # The node is down before its GPU alerts arrive (as the rules fire them): posted in one
+        # batch, Alertmanager may route the GPU alert before the inhibiting one is active.
+        am.post_alerts([alert("TrainGuardNodeDown", "critical", "node", "node-1")])
+        wait_until(
+            lambda: any(
+                a["labels"]["alertname"] == "TrainGuardNodeDown"
+                for a in am.alerts(inhibited="false", active="true", silenced="false")
+            ),
+            30,
+            "the node-down alert active",
+        )
         am.post_alerts([
-            alert("TrainGuardNodeDown", "critical", "node", "node-1"),
             alert("TrainGuardEccDbe", "critical", "gpu", "node-1", gpu="3"),
             alert("TrainGuardEccDbe", "critical", "gpu", "node-2", gpu="5"),
             alert("TrainGuardRestartStorm", "warning", "job", "node-3", job_id="j1"),
