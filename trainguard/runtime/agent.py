@@ -149,7 +149,8 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
                     collectives.collective_progress_path(self.progress.dir, r)
                 )
                 if coll is not None:
-                    self._announce_collective_progress(r)
+                    if snap is None:  # a script without tg.step(), not one before its first step
+                        self._announce_collective_progress(r)
                     snap = coll
             if snap is not None:
                 out[r] = snap
