@@ -1,6 +1,6 @@
 """Attach the framework integrations without a code change: installed in every worker by
-``trainguard run`` (its start-up hook, ``_autohook/sitecustomize.py``, first on the workers'
-``PYTHONPATH`` when ``[integrations] auto`` is on), before the script runs.
+``trainguard run`` (its workers' start-up hook, ``runtime/_zygote/sitecustomize.py``, when
+``[integrations] auto`` is on), before the script runs.
 
 It imports no framework. It watches for ``transformers.trainer``, ``lightning.pytorch.trainer.
 trainer`` and ``pytorch_lightning.trainer.trainer`` to be imported (a ``sys.meta_path`` finder

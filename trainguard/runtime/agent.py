@@ -34,7 +34,8 @@ __all__ = ["NodeUnhealthyError", "TrainGuardAgent"]
 
 logger = logging.getLogger(__name__)
 
-INTEGRATIONS_HOOK_DIR = str(Path(__file__).resolve().parents[1] / "integrations" / "_autohook")
+INTEGRATIONS_ENV = "TRAINGUARD_AGENT_INTEGRATIONS"
+"""Set in the workers' environment when ``[integrations] auto`` is on (read by runtime/_zygote)."""
 """The framework integrations' worker start-up hook (``sitecustomize.py``)."""
 
 
@@ -229,24 +230,28 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         self._call("after_rendezvous", worker_group)
 
     def _install_worker_hooks(self) -> None:
-        """The workers' start-up hooks, first on their PYTHONPATH (paths, not imports: the agent
-        never imports the worker side): runtime/_zygote (collective progress) runs first and
-        hands on to integrations/_autohook (framework integrations), which hands on to the
-        user's own ``sitecustomize``."""
-        hooks = [warm.HOOK_DIR] if self._watch_collectives() else []
-        if self._integrations_auto():
-            hooks.append(INTEGRATIONS_HOOK_DIR)
-        parts = [*hooks, *filter(None, (self._user_pythonpath or "").split(os.pathsep))]
-        if parts:
+        """trainguard's start-up hook (runtime/_zygote), first on the workers' PYTHONPATH (a
+        path, not an import: the agent never imports the worker side), when it has work there:
+        the collective progress watcher, the framework integrations. It hands on to the user's
+        own ``sitecustomize``."""
+        watch = self._watch_collectives()
+        if self._integrations_auto() or watch:
+            parts = [warm.HOOK_DIR, *filter(None, (self._user_pythonpath or "").split(os.pathsep))]
             os.environ["PYTHONPATH"] = os.pathsep.join(parts)
+        elif self._user_pythonpath:
+            os.environ["PYTHONPATH"] = self._user_pythonpath
         else:
             os.environ.pop("PYTHONPATH", None)
 
     def _integrations_auto(self) -> bool:
-        """``[integrations] auto``: the hook that attaches trainguard to transformers' /
-        Lightning's Trainer (trainguard.integrations.auto)."""
+        """``[integrations] auto``: the hook attaches trainguard to transformers' / Lightning's
+        Trainer (trainguard.integrations.auto)."""
         cfg = self.tg_config.integrations
         os.environ["TRAINGUARD_INTEGRATIONS_RESUME"] = "1" if cfg.resume else "0"
+        if cfg.auto:
+            os.environ[INTEGRATIONS_ENV] = "1"
+        else:
+            os.environ.pop(INTEGRATIONS_ENV, None)
         return cfg.auto
 
     def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:

@@ -30,6 +30,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _WATCH_ENV = "TRAINGUARD_AGENT_COLLECTIVES"  # trainguard.core.collectives.WATCH_ENV
 _FR_AGENT_ENV = "TRAINGUARD_AGENT_FR_BUFFER_SIZE"  # trainguard.core.collectives
 _FR_ENV = "TORCH_FR_BUFFER_SIZE"
+_INTEGRATIONS_ENV = "TRAINGUARD_AGENT_INTEGRATIONS"  # trainguard.runtime.agent
 _ABORT = 111  # exit code of a zygote that never got a job (the agent ignores it)
 
 
@@ -89,15 +90,9 @@ def _wait_for_job(fd: int) -> None:
     sock.close()
 
 
-def _watch_collectives() -> None:
-    """In a worker of a trainguard agent: start the collective progress watcher (a daemon
-    thread, trainguard.core.collectives) and take this directory off the ``PYTHONPATH`` the
-    worker's own children inherit."""
-    if not os.environ.get(_WATCH_ENV):
-        return
-    fr_size = os.environ.pop(_FR_AGENT_ENV, None)
-    if fr_size and _FR_ENV not in os.environ:  # torch's getenv sees it, os.environ does not
-        os.putenv(_FR_ENV, fr_size)
+def _leave_pythonpath() -> None:
+    """Take this directory off the ``PYTHONPATH`` the script sees (and its own children
+    inherit): the worker's environment stays exactly the launcher's."""
     kept = [
         p
         for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
@@ -107,6 +102,29 @@ def _watch_collectives() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(kept)
     else:
         os.environ.pop("PYTHONPATH", None)
+
+
+def _attach_integrations() -> None:
+    """``[integrations] auto``: trainguard.integrations.auto attaches trainguard to the
+    framework's Trainer when the script imports it (it imports no framework itself)."""
+    if not os.environ.get(_INTEGRATIONS_ENV):
+        return
+    try:
+        from trainguard.integrations.auto import install
+
+        install()
+    except Exception as err:  # never keep the script from running
+        print(f"trainguard: framework integrations not installed ({err})", file=sys.stderr)
+
+
+def _watch_collectives() -> None:
+    """In a worker of a trainguard agent: start the collective progress watcher (a daemon
+    thread, trainguard.core.collectives)."""
+    if not os.environ.get(_WATCH_ENV):
+        return
+    fr_size = os.environ.pop(_FR_AGENT_ENV, None)
+    if fr_size and _FR_ENV not in os.environ:  # torch's getenv sees it, os.environ does not
+        os.putenv(_FR_ENV, fr_size)
     try:
         from trainguard.core.collectives import start_from_env
 
@@ -123,7 +141,9 @@ def _main() -> None:
             _wait_for_job(int(fd))
         except BaseException:
             os._exit(_ABORT)
+    _leave_pythonpath()
     _watch_collectives()
+    _attach_integrations()
     _chain_user_sitecustomize()
 
 
