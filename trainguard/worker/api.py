@@ -30,6 +30,7 @@ from trainguard.telemetry.spans import TRACEPARENT_ENV, SpanRecorder
 
 if TYPE_CHECKING:
     from trainguard.checkpoint.manager import CheckpointManager
+    from trainguard.worker.rollback import LossGuard
 
 __all__ = ["RESERVED_LOG_KEYS", "TrainGuard", "init"]
 
@@ -140,7 +141,7 @@ class TrainGuard:
 
             self._stack_file = register_stack_dump(self.run_dir, self.rank, self.attempt)
 
-    def _make_rollback(self) -> Any:
+    def _make_rollback(self) -> LossGuard | None:
         cfg = load_worker_section(self.run_dir, "rollback")
         if not cfg.enabled:
             return None
