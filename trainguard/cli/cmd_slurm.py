@@ -71,8 +71,62 @@ def _agent(argv: list[str], prog: str) -> int:
     )
     from trainguard.cli import cmd_run
 
-    cmd_run.main(argv, prog=prog)
+    watch = _watch_batch_host(dict(env), node, prog)
+    code: int | str | None = 0
+    try:
+        cmd_run.main(argv, prog=prog)
+    except SystemExit as e:
+        code = e.code
+    finally:
+        if watch is not None and code not in (0, None):
+            # the agent left (a c10d store on the batch host is gone with it): is the batch
+            # shell still there to end the job?
+            watch.settle(watch.dead_after_s + 2)
+        elif watch is not None:
+            watch.stop()
+    if code not in (0, None):
+        sys.exit(code)
     return 0
+
+
+def _watch_batch_host(env: dict[str, str], node: str, prog: str):  # type: ignore[no-untyped-def]
+    """On a node other than the batch host: watch the batch beacon; when it stands still, take
+    over what the batch script would do (resubmit without the batch host, cancel this job)."""
+    from trainguard.slurm.batch import BATCH_HOST_ENV, BEACON_ENV, CONFIG_ENV, RUN_DIR_ENV
+
+    beacon, host, run_dir = env.get(BEACON_ENV), env.get(BATCH_HOST_ENV), env.get(RUN_DIR_ENV)
+    if not beacon or not host or not run_dir or host == node:
+        return None
+    try:
+        cfg = load_config(env.get(CONFIG_ENV)).slurm
+    except ConfigError as e:
+        print(f"{prog}: batch host not watched: {e}", file=sys.stderr, flush=True)
+        return None
+    from trainguard.slurm.batchhost import BatchBeaconWatch
+    from trainguard.slurm.cli import make_slurm
+    from trainguard.slurm.fencer import SlurmFencer
+    from trainguard.slurm.finish import take_over
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    def on_lost(silent: float) -> None:
+        say(f"{prog}: batch host {host} silent for {silent:.1f} s: taking over")
+        slurm = make_slurm()
+        take_over(
+            batch_host=host,
+            run_dir=run_dir,
+            script=os.path.join(run_dir, "job.sbatch"),
+            cfg=cfg,
+            slurm=slurm,
+            fencer=SlurmFencer(slurm, record_only=cfg.drain == "record"),
+            env=env,
+            say=say,
+        )
+
+    watch = BatchBeaconWatch(beacon, cfg.batch_dead_after_s, on_lost)
+    watch.start()
+    return watch
 
 
 def _finish(argv: list[str], prog: str) -> int:

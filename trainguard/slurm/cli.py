@@ -84,6 +84,10 @@ class SlurmCli(Protocol):
         ``AuthInfo`` ``cred_expire`` + 1 s (default 121 s)."""
         ...
 
+    def cancel(self, job_id: str) -> None:
+        """``scancel JOB``; raises SlurmError."""
+        ...
+
 
 def _first_error(text: str) -> str:
     for line in text.splitlines():
@@ -205,6 +209,9 @@ class CommandSlurm:
 
     def requeue(self, job_id: str) -> None:
         self._run(["scontrol", "requeue", str(job_id)])
+
+    def cancel(self, job_id: str) -> None:
+        self._run(["scancel", str(job_id)])
 
 
 def make_slurm() -> SlurmCli:
