@@ -310,6 +310,7 @@ class FakeSlurm:
         self.drained: list[tuple[str, str]] = []
         self.requeued: list[str] = []
         self.cancelled: list[str] = []
+        self.down_nodes: list[tuple[str, str]] = []
         self.submitted: list[tuple[str, list[str], dict | None]] = []
         self.jobs: dict[str, dict[str, str]] = {}
 
@@ -339,6 +340,9 @@ class FakeSlurm:
 
     def cancel(self, job_id):
         self.cancelled.append(job_id)
+
+    def down(self, node, reason):
+        self.down_nodes.append((node, reason))
 
 
 def _finish(tmp_path: Path, slurm: FakeSlurm, rc: int, env_extra: dict | None = None) -> int:
@@ -594,8 +598,9 @@ def test_take_over_from_a_lost_batch_host(tmp_path: Path) -> None:
 
     assert take("n2") is True
     assert take("n3") is False  # one agent of the job acts
-    assert [n for n, _ in slurm.drained] == ["n1"]
-    assert slurm.drained[0][1].startswith("trainguard: batch host of job 77 lost")
+    # down at once (Slurm frees the job's other nodes only when every node is done with it)
+    assert [n for n, _ in slurm.down_nodes] == ["n1"] and not slurm.drained
+    assert slurm.down_nodes[0][1].startswith("trainguard: batch host of job 77 lost")
     ((text, extra, sub_env),) = slurm.submitted
     assert text == script.read_text()
     assert extra == [

@@ -34,6 +34,7 @@ from trainguard.core.fencing import NodeFencer
 from trainguard.core.jobstate import JobState
 from trainguard.slurm.batch import CHAIN_ENV, RESUBMITS_ENV
 from trainguard.slurm.cli import SlurmCli, SlurmError
+from trainguard.slurm.fencer import SlurmFencer
 
 __all__ = ["Action", "Decision", "decide", "finish", "node_states", "take_over"]
 
@@ -257,18 +258,21 @@ def take_over(
             f"[slurm] max_resubmits = {cfg.max_resubmits} used)"
         )
     say(f"trainguard: job {job_id}: {action.value}: {message}")
-    if batch_host not in drained_by_trainguard(events):
-        res = fencer.fence(
-            batch_host, f"batch host of job {job_id} lost (node failed or unreachable)"
-        )
-        log.emit(
-            "node_drained",
-            node_name=batch_host,
-            fenced=res.fenced,
-            detail=res.detail,
-            job_id=job_id,
-        )
-        say(f"trainguard: {res.detail}")
+    # Down, not only drained: the job's resources are freed only when all its nodes are done
+    # with it, and Slurm finds a dead node itself only after SlurmdTimeout (300 s by default):
+    # until then the resubmitted job could not have the job's other nodes.
+    reason = SlurmFencer.reason(f"batch host of job {job_id} lost (node failed or unreachable)")
+    if cfg.drain == "record":
+        fenced, detail = False, f"node {batch_host} not set down (record only): {reason}"
+    else:
+        try:
+            slurm.down(batch_host, reason)
+            fenced, detail = True, f"set node {batch_host} down: {reason}"
+        except SlurmError as e:
+            res = fencer.fence(batch_host, reason)
+            fenced, detail = res.fenced, f"could not set node {batch_host} down ({e}); {res.detail}"
+    log.emit("node_drained", node_name=batch_host, fenced=fenced, detail=detail, job_id=job_id)
+    say(f"trainguard: {detail}")
     log.emit("slurm_finish", action=action.value, rc=None, job_id=job_id, message=message)
     if action is Action.RESUBMIT:
         _resubmit(slurm, log, env, script, exclude, resubmits, job_id, say)
