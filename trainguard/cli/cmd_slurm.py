@@ -5,7 +5,9 @@ trainguard slurm status JOB [--run-dir DIR] [--json]
 trainguard slurm agent [trainguard run options] script.py [args]
     (in the batch script, one per node through srun) ``trainguard run`` with this node's
     Slurm identity: SLURMD_NODENAME names the node in events and telemetry; the node that
-    hosts the c10d rendezvous store is the allocation's first
+    hosts the c10d rendezvous store is the allocation's first. On the other nodes than the
+    batch host it watches the batch beacon: when the batch host is lost, one agent resubmits
+    the job without it and cancels this one (trainguard.slurm.finish.take_over)
 trainguard slurm finish --run-dir DIR --rc RC --since T --script FILE [--config TOML]
     (in the batch script, after the step) requeue, resubmit without lost nodes, or end
 """
@@ -78,12 +80,11 @@ def _agent(argv: list[str], prog: str) -> int:
     except SystemExit as e:
         code = e.code
     finally:
-        if watch is not None and code not in (0, None):
-            # the agent left (a c10d store on the batch host is gone with it): is the batch
-            # shell still there to end the job?
+        if watch is not None:
+            # the agent ended (with c10d, the store's host is the batch host: a spare waiting
+            # for it ends with 0): is the batch shell still there to end the job? Its beacon
+            # moves within a second if it is.
             watch.settle(watch.dead_after_s + 2)
-        elif watch is not None:
-            watch.stop()
     if code not in (0, None):
         sys.exit(code)
     return 0
@@ -97,6 +98,7 @@ def _watch_batch_host(env: dict[str, str], node: str, prog: str):  # type: ignor
     beacon, host, run_dir = env.get(BEACON_ENV), env.get(BATCH_HOST_ENV), env.get(RUN_DIR_ENV)
     if not beacon or not host or not run_dir or host == node:
         return None
+    run_dir, beacon = os.path.abspath(run_dir), os.path.abspath(beacon)
     try:
         cfg = load_config(env.get(CONFIG_ENV)).slurm
     except ConfigError as e:

@@ -102,7 +102,9 @@ def decide(
             Action.REQUEUE,
             REQUEUE_EXIT_CODE,
             lost,
-            message="preemption checkpoint committed: requeueing the job",
+            # the job keeps its id, priority and place; Slurm's wait is the price
+            message="preemption checkpoint committed: requeueing the job (Slurm starts it "
+            "again only after AuthInfo cred_expire + 1 s, 121 s by default)",
         )
     code = rc if rc != 0 else 1
     if not lost:
