@@ -51,7 +51,7 @@ def _job(which: str, tmp_path: Path) -> dict:
     run_dir = tmp_path / f"{which}-run"
     dump = job / "dump"
     env = base_env(
-        DUMP_DIR=str(dump), PLAN="0:sleep,1:raise", TRAINGUARD_RUNTIME_WARM_PRESTART_DELAY_S="0"
+        DUMP_DIR=str(dump), PLAN="0:sleep,1:raise", TRAINGUARD_WARM_PRESTART_DELAY_S="0"
     )
     args = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir",
             str(job / "logs"), "--redirects", "1"]  # fmt: skip

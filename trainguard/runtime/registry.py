@@ -39,6 +39,10 @@ def default_plugins(ctx: AgentContext) -> list[AgentPlugin]:
 
     # first: a blocklisted node refuses to join before any preflight work
     plugins: list[AgentPlugin] = [RecoveryPlugin(ctx, fencer=node_fencer(cfg))]
+    if cfg.warm.enabled:
+        from trainguard.runtime.warm import WarmPlugin
+
+        plugins.append(WarmPlugin(ctx))  # sets ctx.warm_pool, which the agent starts through
     if cfg.telemetry.enabled:
         from trainguard.telemetry.plugin import create_telemetry_plugin
 
