@@ -499,7 +499,7 @@ def launch(
 
 def _print_recovery_summary(run_dir: Path) -> None:
     """What failed and how the job recovered, in a few lines (never raises)."""
-    from trainguard.telemetry.summary import recovery_summary
+    from trainguard.runtime.registry import recovery_summary
 
     try:
         lines = recovery_summary(run_dir)
