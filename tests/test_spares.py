@@ -423,13 +423,11 @@ def test_etcd_v3_the_agent_that_started_first_dies_the_spare_takes_over_bitwise(
     tmp_path: Path, straight: Path, etcd: Etcd
 ) -> None:
     """With warm starts (``[warm]``, on by default): the spare starts its worker's warm process
-    while it waits, the survivor one for its restart, and both start their new workers from
-    them (one pool serves a spare's first start and a restart)."""
+    when it begins to wait, the survivor one after its start, and both start their new workers
+    from them (one pool serves a spare's first start and a restart)."""
     job = Job(tmp_path, "etcd-v3", etcd.endpoint, "spare-etcd", warm_delay_s=0)
     try:
         a, b, c = job.start_three()
-        # every node's warm process is ready before the fault (the spare's since it waits)
-        job.wait(lambda: len({e["node"] for e in job.events("warm_ready")}) == 3, "warm pools")
         kill_tree(a)  # the node is gone, agent and worker (kill -9); on c10d this ends the job
         for p in (b, c):
             assert p.wait(timeout=240) == 0, job.logs()
@@ -441,17 +439,15 @@ def test_etcd_v3_the_agent_that_started_first_dies_the_spare_takes_over_bitwise(
     assert set(_steps_at(job, attempt)) == {0, 1}
     _same_weights(straight, job.out)
     # the first attempt started cold; the last attempt's workers, the spare's first and the
-    # survivor's restarted one, each came from its node's warm process (a warm_ready pid)
+    # survivor's restarted one, each came from its node's warm process (handed its job while
+    # it may still be importing: the job is short, the fault comes early)
     first = [w["warm"] for e in job.events("workers_started") if e["attempt"] == 0
              for w in e["workers"]]  # fmt: skip
     assert first == [False, False], first
     by_node = {e["node"]: e for e in job.events("workers_started") if e["attempt"] == attempt}
     spare = job.events("spare_joined")[0]["node"]
     assert spare in by_node and len(by_node) == 2, by_node
-    zygotes = {e["pid"] for e in job.events("warm_ready")}
-    for node, e in by_node.items():
-        (w,) = e["workers"]
-        assert w["warm"] and w["pid"] in zygotes, (node, spare, e)
+    assert all(w["warm"] for e in by_node.values() for w in e["workers"]), by_node
 
 
 def test_c10d_spare_replaces_a_node_then_the_store_hosts_loss_ends_the_job(
