@@ -267,8 +267,11 @@ def test_one_pool_serves_a_spares_first_start_and_the_restarts_after_it(
         return started, pids
 
     try:
+        # emitted while the agent waits in a round, with the rendezvous wrapper's variable set
+        monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         ctx.events.emit("spare_waiting", round=3, reason="redundancy_list")
         spare_zygotes = wait_ready(2)
+        monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
         started, pids = start(0)  # the spare takes a dead node's slot
         assert started == {0: True, 1: True}
         assert pids == spare_zygotes

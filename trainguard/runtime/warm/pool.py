@@ -84,6 +84,9 @@ DYNAMIC_ENV = frozenset(
         "MASTER_PORT",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING",
         "CUDA_VISIBLE_DEVICES",  # read when CUDA initialises, never by ``import torch``
+        # set by trainguard's rendezvous wrapper only while the agent waits in a round (when a
+        # spare's zygotes are started); read by torch's rendezvous, never by a worker
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
     }
 )
 """Variables a zygote's environment may differ in from the worker's (with ``TORCHELASTIC_*`` and
