@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -226,7 +227,7 @@ def test_one_pool_serves_a_spares_first_start_and_the_restarts_after_it(
         config=TrainGuardConfig(warm=WarmConfig(preload=[], prestart_delay_s=0)),
         run_dir=run_dir,
         events=EventLog(run_dir),
-        launch_config=type("LaunchConfig", (), {"nproc_per_node": 2})(),
+        launch_config=SimpleNamespace(nproc_per_node=2, max_nodes=3, max_restarts=0),
         worker_argv=(sys.executable, "-u", PLAN_WORKER, "--opt", "${local_rank}"),
     )
     ready: list[dict] = []

@@ -8,7 +8,8 @@ worker command line it will run and its own environment, so the workers it start
 takes a dead node's slot come warm too. The first start of a node that never waited is cold.
 
 A thread keeps the pool filled (the agent's monitor loop does not run while a spare waits in
-the rendezvous) and emits ``warm_ready`` for each zygote that finished its imports.
+the rendezvous), while a restart can still follow (:func:`restart_possible`), and emits
+``warm_ready`` for each zygote that finished its imports.
 """
 
 from __future__ import annotations
@@ -24,12 +25,27 @@ from trainguard.core.event_kinds import SPARE_WAITING, WARM_READY
 from trainguard.core.plugin import AgentContext, AgentPlugin
 from trainguard.runtime.warm.pool import WarmPool
 
-__all__ = ["WarmPlugin"]
+__all__ = ["WarmPlugin", "restart_possible"]
 
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.2
 """How often the pool is refilled and checked for ready zygotes."""
+
+
+def restart_possible(ctx: AgentContext) -> bool:
+    """Whether the local workers can still be restarted: restarts left (torchrun's
+    ``--max-restarts`` less this agent's restarts so far), or more than one node (a membership
+    change restarts them without using one; a spare's first start too). Warm processes are
+    started only then: one that can never serve would import torch for nothing (a
+    ``--max-restarts 0`` job on one node, torchrun's default, or one whose last restart is
+    used)."""
+    launch = ctx.launch_config
+    if launch is None:
+        return True
+    if int(getattr(launch, "max_nodes", 1) or 1) > 1:
+        return True
+    return int(getattr(launch, "max_restarts", 0) or 0) - ctx.agent_restarts > 0
 
 
 class WarmPlugin(AgentPlugin):
@@ -65,6 +81,8 @@ class WarmPlugin(AgentPlugin):
 
     def _keep_filled(self) -> None:
         while not self._stop.wait(TICK_S):
+            if not restart_possible(self.ctx):
+                continue
             try:
                 for local_rank in self.pool.tick():
                     pid = self.pool.ready().get(local_rank)
