@@ -19,8 +19,8 @@ import json
 import os
 import sys
 
-from trainguard.core.chaos import CHAOS_ENV
 from trainguard.core.config import ConfigError, load_config
+from trainguard.testing.chaos import CHAOS_ENV
 
 __all__ = ["main"]
 
