@@ -40,8 +40,14 @@ def _kill_workers(cwd: Path) -> None:
             pass
 
 
-def _dump(rank: int, op: str | None, entered: int, completed: int, host: str = "h") -> RankDump:
-    st = CollectiveState(PG, entered, completed, op, [[16]])
+def _dump(
+    rank: int, op: str | None, entered: int, completed: int, host: str = "h", path: str = ""
+) -> RankDump:
+    """``path``: the ops of the collectives from #60 on, one letter each (a: all_reduce,
+    b: broadcast), the last one ``op``."""
+    names = {"a": "all_reduce", "b": "broadcast"}
+    hist = [[60 + i, names[c]] for i, c in enumerate(path)]
+    st = CollectiveState(PG, entered, completed, op, [[16]], hist)
     return RankDump(rank, host, "flight_recorder", {PG: st.to_json()})
 
 
@@ -57,6 +63,7 @@ def test_parse_trace_reads_last_entered_and_completed() -> None:
     }
     [(pg, s)] = parse_trace(trace).items()
     assert pg == PG and (s.op, s.entered, s.completed, s.in_flight) == ("broadcast", 62, 61, True)
+    assert s.history == [[61, "all_reduce"], [62, "broadcast"]]
 
 
 def test_analyse_classifies_missing_divergent_transport() -> None:
@@ -72,6 +79,17 @@ def test_analyse_classifies_missing_divergent_transport() -> None:
     d = analyse(div, 4)
     assert d.kind == "divergent" and d.suspect_ranks == [1]
     assert d.message.startswith("ranks split: {0,2,3} in broadcast #62, {1} in all_reduce #62")
+    # gloo: the broadcast's root sends and goes on, so rank 2 finished #62 and waits in #63;
+    # the traces' common history still names the split at #62
+    gloo = {r: _dump(r, "broadcast", 62, 61, path="abb") for r in (0, 3)}
+    gloo[1] = _dump(1, "all_reduce", 62, 61, path="aba")
+    gloo[2] = _dump(2, "all_reduce", 63, 62, path="abba")
+    d = analyse(gloo, 4)
+    assert (d.kind, d.op, d.seq, d.suspect_ranks) == ("divergent", "broadcast", 62, [1])
+    assert d.message.startswith(
+        "ranks split: {0,2,3} in broadcast #62, {1} in all_reduce #62 (divergent code path); "
+        "rank 2 got past it, now in all_reduce #63"
+    ), d.message
     d = analyse({r: _dump(r, "all_gather", 3, 2) for r in range(4)}, 4)
     assert d.kind == "transport" and d.seq == 3
     stale = {r: _dump(r, "all_reduce", 11, 10) for r in range(3)}
@@ -117,9 +135,11 @@ def test_plain_script_divergent_path_is_named_and_job_restarts(tmp_path: Path) -
     assert p.returncode == 0, p.stderr[-3000:]
     [diag] = events(run_dir, "hang_diagnosis")
     assert diag["diagnosis"] == "divergent", diag["message"]
-    assert diag["message"].startswith("ranks split: ")
-    assert " in broadcast #" in diag["message"] and " in all_reduce #" in diag["message"]
-    assert diag["suspect_ranks"] == [1]
+    seq = diag["seq"]
+    assert diag["message"].startswith(
+        f"ranks split: {{0,2,3}} in broadcast #{seq}, {{1}} in all_reduce #{seq} "
+    ), diag["message"]
+    assert diag["suspect_ranks"] == [1] and diag["op"] == "broadcast"
     hang_at = float((tmp_path / "hang_at").read_text())
     assert diag["time"] - hang_at <= 5 + 5, diag["time"] - hang_at
     assert events(run_dir, "collective_progress")
