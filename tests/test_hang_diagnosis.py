@@ -33,7 +33,7 @@ def _cmd(run_dir: Path, nproc: int, args: list[str], *, extra: list[str]) -> lis
 
 
 def _kill_workers(cwd: Path) -> None:
-    for f in (cwd / "pids").glob("rank_*"):
+    for f in (cwd / "pids").glob("*"):
         try:
             os.kill(int(f.read_text()), signal.SIGKILL)
         except (ProcessLookupError, ValueError):
@@ -161,7 +161,9 @@ def test_plain_script_divergent_path_is_named_and_job_restarts(tmp_path: Path) -
     assert "health.hang_timeout_s" in html.split('<div id="timeouts">')[1]
 
 
-def _two_nodes(tmp_path: Path, args: list[str]) -> tuple[list[subprocess.Popen[str]], Path]:
+def _two_nodes(
+    tmp_path: Path, args: list[str], nproc: int = 2
+) -> tuple[list[subprocess.Popen[str]], Path]:
     run_dir, port = tmp_path / "run", free_port()
     procs = []
     for node in ("nodeA", "nodeB"):
@@ -171,7 +173,7 @@ def _two_nodes(tmp_path: Path, args: list[str]) -> tuple[list[subprocess.Popen[s
                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hd"]  # fmt: skip
         procs.append(
             subprocess.Popen(
-                _cmd(run_dir, 2, args, extra=extra),
+                _cmd(run_dir, nproc, args, extra=extra),
                 cwd=tmp_path,
                 env=env,
                 text=True,
@@ -205,6 +207,30 @@ def test_two_nodes_stopped_rank_named_with_its_host_and_collective(tmp_path: Pat
     first = min(d["time"] for d in diags)
     assert first - hang_at <= 5 + 3, first - hang_at
     assert {d["node"] for d in diags} == {"nodeA", "nodeB"}
+
+
+def test_a_peer_node_that_failed_releases_the_survivors_at_once(tmp_path: Path) -> None:
+    """Rank 1 dies without its connections closing (a child holds them: a lost node): its
+    agent fails and says so in the rendezvous store; the other agent ends rank 0, which waits
+    in an all_reduce no error would end before the process-group timeout (30 min), at once:
+    before its own hang timeout (5 s) could fire."""
+    args = ["--kill-rank", "1", "--at-step", "10", "--keep-sockets", "--step-s", "0.05"]
+    procs, run_dir = _two_nodes(tmp_path, args, nproc=1)
+    try:
+        for p in procs:
+            p.wait(timeout=90)
+    finally:
+        _kill_workers(tmp_path)
+        for p in procs:
+            kill_tree(p)
+    assert (tmp_path / "pids" / "holder_1").is_file()
+    assert not (tmp_path / "released_rank_0").exists()  # no error reached it: sockets open
+    failed = {e["rank"]: e for e in events(run_dir, "worker_failed")}
+    assert failed[1]["signal"] == "SIGKILL" and failed[0]["signal"] == "SIGKILL"
+    [peer] = events(run_dir, "peer_failed")
+    assert peer["failed_node"] == failed[1]["node"] != peer["node"] == failed[0]["node"]
+    assert peer["ranks"] == [0]
+    assert not events(run_dir, "hang_detected")  # released by the failure, not by a timeout
 
 
 def _stopped_one_of_many(tmp_path: Path, nproc: int, stop: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,12 @@ logger = logging.getLogger(__name__)
 INTEGRATIONS_ENV = "TRAINGUARD_AGENT_INTEGRATIONS"
 """Set in the workers' environment when ``[integrations] auto`` is on (read by runtime/_zygote)."""
 """The framework integrations' worker start-up hook (``sitecustomize.py``)."""
+PEER_FAILED_KEY = "trainguard/failed"
+"""Rendezvous-store key (``/<attempt>``) where an agent whose workers failed names its node."""
+PEER_FAILED_POLL_S = 0.25
+"""How often a healthy agent looks for another node's failure."""
+PEER_FAILED_WAIT_S = 3.0
+"""How long an agent that exits after its workers failed waits for the other nodes to see it."""
 
 
 class TrainGuardAgent(_torch.ElasticAgentBase):
@@ -79,6 +86,8 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         """Pre-started workers for restarts (runtime/warm.py); None when warm_restarts is off."""
         self._user_pythonpath = os.environ.get("PYTHONPATH")
         self._collective_ranks: set[int] = set()
+        self._released = False
+        self._next_peer_check = 0.0
 
     # -- requeue (the one place that decides it) ------------------------------------------------
     def _mark_requeue(self, **fields: Any) -> None:
@@ -272,6 +281,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
             pids = super().start_workers(worker_group)
         self._mark_teardowns(self.pcontext)
         self._failed_reported = False
+        self._released = False
         self.events.emit(
             "workers_started",
             workers=[
@@ -314,13 +324,97 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
                 if override is not None:
                     result = override
                     break
+        if result.state == WorkerState.HEALTHY and not self._released:
+            failed_node = self._peer_failed()
+            if failed_node is not None:
+                self._release_survivors(failed_node)
         if (
             result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
             and not self._failed_reported
         ):
             self._failed_reported = True
+            self._announce_failure()
             self.report_failures(worker_group, result)
         return result
+
+    # -- survivors of a failed peer node ---------------------------------------------------------
+    def _failure_key(self) -> str:
+        return f"{PEER_FAILED_KEY}/{max(self.attempt, 0)}"
+
+    def _announce_failure(self) -> None:
+        """This node's workers of the attempt failed: the other nodes' agents release theirs
+        at once (:meth:`_peer_failed`) instead of leaving them in a collective that can no
+        longer complete until the process-group timeout."""
+        store = self.ctx.store
+        if store is None or self.ctx.group_world_size <= 1:
+            return
+        key = self._failure_key()
+        try:
+            store.set(key, self.events.node)
+            seen = int(store.add(f"{key}/seen", 1))
+            # an agent about to exit may host the store: it waits (bounded) until every node
+            # saw the failure (failed itself or released its workers)
+            deadline = time.monotonic() + PEER_FAILED_WAIT_S
+            while (
+                self.remaining_restarts <= 0
+                and seen < self.ctx.group_world_size
+                and time.monotonic() < deadline
+            ):
+                time.sleep(0.05)
+                seen = int(store.add(f"{key}/seen", 0))
+        except Exception as e:
+            logger.warning("cannot announce the failure in the rendezvous store: %s", e)
+
+    def _peer_failed(self) -> str | None:
+        """The node whose agent announced a failure of this attempt (checked at most every
+        :data:`PEER_FAILED_POLL_S`); None while there is none."""
+        store = self.ctx.store
+        now = time.monotonic()
+        if store is None or self.ctx.group_world_size <= 1 or now < self._next_peer_check:
+            return None
+        self._next_peer_check = now + PEER_FAILED_POLL_S
+        key = self._failure_key()
+        try:
+            if not store.check([key]):
+                return None
+            node = store.get(key)
+        except Exception as e:
+            logger.debug("cannot read the rendezvous store: %s", e)
+            return None
+        node = node.decode() if isinstance(node, bytes) else str(node)
+        return None if node == self.events.node else node
+
+    def _release_survivors(self, failed_node: str) -> None:
+        """SIGKILL this node's workers: they wait in collectives a failed peer will never join
+        (a peer that died without closing its connections leaves them there until the
+        process-group timeout; a stuck collective answers no SIGTERM handler). The kills
+        surface as the group's FAILED state on the next tick: torch's restart path."""
+        self._released = True
+        try:
+            self.ctx.store.add(f"{self._failure_key()}/seen", 1)
+        except Exception as e:
+            logger.debug("cannot acknowledge the failure in the rendezvous store: %s", e)
+        pids = self.worker_pids()
+        logger.error(
+            "node %s's workers failed: ending this node's workers (ranks %s) at once",
+            failed_node,
+            ",".join(str(r) for r in sorted(pids)),
+        )
+        killed = []
+        for rank, pid in sorted(pids.items()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(rank)
+            except ProcessLookupError:
+                pass
+            except OSError as e:
+                logger.warning("cannot end rank %d (pid %d): %s", rank, pid, e)
+        self.events.emit(
+            "peer_failed",
+            failed_node=failed_node,
+            ranks=killed,
+            pids={str(r): pids[r] for r in killed},
+        )
 
     def report_failures(self, worker_group: WorkerGroup, result: RunResult) -> None:
         """Events for ``result``'s failures (torch's root cause marked), the requeue and
