@@ -230,14 +230,16 @@ def _launch_nodes(
 def release_once(base: Path, which: str, how: str, wait_s: float) -> dict[str, float | None]:
     """Rank 1 (one node) dies before its all_reduce at step 10 while rank 0 (the other node)
     waits in it. ``how``: ``kill`` (SIGKILL, its connections held open by a child: a peer
-    that vanished without closing them), ``close`` (SIGKILL, connections closed), ``stop``
-    (SIGSTOP). Returns ``release_s``: seconds from the death to the survivor out of its
+    that vanished without closing them), ``lost`` (its launcher and it SIGSTOPped: a node
+    frozen or cut off), ``stop`` (SIGSTOP, its launcher running), ``close`` (SIGKILL,
+    connections closed). Returns ``release_s``: seconds from the death to the survivor out of its
     collective (an error, or its process gone), None after ``wait_s``; for trainguard also
     ``after_verdict_s``: from its first hang verdict or peer_failed event to the release."""
     root = base / f"{which}-rel-{how}-{time.monotonic_ns()}"
     root.mkdir()
     args = ["--at-step", "10", "--steps", "40", "--step-s", "0.05"]
-    args += ["--stop-rank", "1"] if how == "stop" else ["--kill-rank", "1"]
+    args += ["--stop-rank", "1"] if how in ("stop", "lost") else ["--kill-rank", "1"]
+    args += ["--stop-node"] if how == "lost" else []
     args += ["--keep-sockets"] if how == "kill" else []
     import torch.distributed as dist
 
@@ -303,6 +305,8 @@ def _gone(pid: int) -> bool:
 
 FR_CODE = r"""
 import os, sys, time, torch, torch.distributed as dist
+from trainguard.core.collectives import start_from_env
+start_from_env()  # what trainguard's start-up hook runs first in a worker (when asked to)
 dist.init_process_group("gloo")
 t = torch.ones(1024)
 x = torch.randn(256, 256)
@@ -326,13 +330,12 @@ dist.destroy_process_group()
 
 def fr_overhead(base: Path, steps: int, rounds: int) -> dict[str, object]:
     """Step time of a small gloo loop (torchrun, 2 processes) with trainguard's collective
-    watcher on (its start-up hook: torch's flight recorder at trainguard's buffer size, the
-    watcher thread reading it every ``collective_poll_interval_s`` and writing the progress
-    record) and off (plain torchrun), alternating runs (the box is shared); median of each,
-    and the on/off ratio of each pair (median, min, max)."""
+    watcher on (what its start-up hook starts: torch's flight recorder at trainguard's buffer
+    size, the watcher thread reading it every ``collective_poll_interval_s`` and writing the
+    progress record) and off (plain torchrun), alternating runs (the box is shared); median
+    of each, and the on/off ratio of each pair (median, min, max)."""
     from trainguard.core import collectives, envvars
     from trainguard.core.config.health import HealthConfig
-    from trainguard.runtime.warm import HOOK_DIR
 
     script = base / "fr_step.py"
     script.write_text(FR_CODE)
@@ -345,9 +348,8 @@ def fr_overhead(base: Path, steps: int, rounds: int) -> dict[str, object]:
                 run_dir = base / f"fr-run-{i}"
                 (run_dir / "progress").mkdir(parents=True, exist_ok=True)
                 env.update({
-                    "PYTHONPATH": os.pathsep.join([HOOK_DIR, str(REPO)]),
                     collectives.WATCH_ENV: str(HealthConfig().collective_poll_interval_s),
-                    collectives.FR_BUFFER_AGENT_ENV: str(collectives.FR_BUFFER_DEFAULT),
+                    collectives.FR_BUFFER_ENV: str(collectives.FR_BUFFER_DEFAULT),
                     envvars.RUN_DIR: str(run_dir),
                     envvars.PROGRESS_DIR: str(run_dir / "progress"),
                 })  # fmt: skip
@@ -379,6 +381,7 @@ def diagnosis_main(argv: list[str]) -> None:
     ap.add_argument("--release-wait", type=float, default=60.0)
     ap.add_argument("--release-only", action="store_true")
     ap.add_argument("--fr-only", action="store_true")
+    ap.add_argument("--cases", default="kill,lost,stop,close", help="survivor release cases")
     ap.add_argument("--fr-steps", type=int, default=300)
     ap.add_argument("--fr-rounds", type=int, default=3)
     args = ap.parse_args(argv)
@@ -390,7 +393,7 @@ def diagnosis_main(argv: list[str]) -> None:
     out: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="tg-hangdiag-") as tmp:
         base = Path(tmp)
-        if not args.release_only:
+        if not (args.release_only or args.fr_only):
             loc = [localize_once(base, "trainguard", 60) for _ in range(args.runs)]
             tr_loc = localize_once(base, "torchrun", args.torchrun_wait)
             out.update({
@@ -400,7 +403,7 @@ def diagnosis_main(argv: list[str]) -> None:
                 f" at all (null: still waiting after {args.torchrun_wait:g} s)",
             })  # fmt: skip
         release: dict[str, dict[str, object]] = {}
-        for how in () if args.fr_only else ("kill", "stop", "close"):
+        for how in () if args.fr_only else args.cases.split(","):
             for which in ("trainguard", "torchrun"):
                 runs = [release_once(base, which, how, args.release_wait)
                         for _ in range(args.runs)]  # fmt: skip

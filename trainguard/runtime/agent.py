@@ -325,9 +325,11 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
                     result = override
                     break
         if result.state == WorkerState.HEALTHY and not self._released:
-            failed_node = self._peer_failed()
+            failed_node, how = self._peer_failed(), "failed"
+            if failed_node is None:
+                failed_node, how = self._peer_lost(), "lost"
             if failed_node is not None:
-                self._release_survivors(failed_node)
+                self._release_survivors(failed_node, how)
         if (
             result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
             and not self._failed_reported
@@ -341,7 +343,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
     def _failure_key(self) -> str:
         return f"{PEER_FAILED_KEY}/{max(self.attempt, 0)}"
 
-    def _announce_failure(self) -> None:
+    def _announce_failure(self, *, wait: bool = True, node: str | None = None) -> None:
         """This node's workers of the attempt failed: the other nodes' agents release theirs
         at once (:meth:`_peer_failed`) instead of leaving them in a collective that can no
         longer complete until the process-group timeout."""
@@ -350,13 +352,14 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
             return
         key = self._failure_key()
         try:
-            store.set(key, self.events.node)
+            store.set(key, node or self.events.node)
             seen = int(store.add(f"{key}/seen", 1))
             # an agent about to exit may host the store: it waits (bounded) until every node
             # saw the failure (failed itself or released its workers)
             deadline = time.monotonic() + PEER_FAILED_WAIT_S
             while (
-                self.remaining_restarts <= 0
+                wait
+                and self.remaining_restarts <= 0
                 and seen < self.ctx.group_world_size
                 and time.monotonic() < deadline
             ):
@@ -382,22 +385,40 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
             logger.debug("cannot read the rendezvous store: %s", e)
             return None
         node = node.decode() if isinstance(node, bytes) else str(node)
-        return None if node == self.events.node else node
+        return None if node == self.events.node or self._released else node
 
-    def _release_survivors(self, failed_node: str) -> None:
+    def _peer_lost(self) -> str | None:
+        """A node of the running round whose liveness beacon went silent (lost node, frozen
+        agent: its workers may never close their connections): its rendezvous node id."""
+        rdzv = self.rdzv
+        spares = getattr(rdzv, "spares", None) if rdzv is not None else None
+        if spares is None or self.ctx.group_world_size <= 1:
+            return None
+        dead = spares.dead_participants()
+        if not dead:
+            return None
+        node = min(dead)
+        logger.error("node %s silent for %.1f s (liveness beacon)", node, dead[node])
+        # the other nodes may not watch it: they learn it from this node's announcement
+        self._announce_failure(wait=False, node=node)
+        return node
+
+    def _release_survivors(self, failed_node: str, how: str = "failed") -> None:
         """SIGKILL this node's workers: they wait in collectives a failed peer will never join
         (a peer that died without closing its connections leaves them there until the
         process-group timeout; a stuck collective answers no SIGTERM handler). The kills
         surface as the group's FAILED state on the next tick: torch's restart path."""
         self._released = True
         try:
-            self.ctx.store.add(f"{self._failure_key()}/seen", 1)
+            if how == "failed":  # the failed node may wait for every node to see it
+                self.ctx.store.add(f"{self._failure_key()}/seen", 1)
         except Exception as e:
             logger.debug("cannot acknowledge the failure in the rendezvous store: %s", e)
         pids = self.worker_pids()
         logger.error(
-            "node %s's workers failed: ending this node's workers (ranks %s) at once",
+            "node %s %s: ending this node's workers (ranks %s) at once",
             failed_node,
+            "lost" if how == "lost" else "had failed workers",
             ",".join(str(r) for r in sorted(pids)),
         )
         killed = []
@@ -412,6 +433,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         self.events.emit(
             "peer_failed",
             failed_node=failed_node,
+            how=how,
             ranks=killed,
             pids={str(r): pids[r] for r in killed},
         )
