@@ -206,6 +206,11 @@ class Reaper:
         self.removed: list[str] = []
 
     # -- reading -------------------------------------------------------------------------------
+    def read_state(self) -> RendezvousState | None:
+        """The rendezvous state as the backend holds it now (None: none yet)."""
+        got = self._state()
+        return None if got is None else got[0]
+
     def _state(self) -> tuple[RendezvousState, Any] | None:
         if self._etcd_v3():  # compact JSON there (trainguard.runtime.etcd_v3.codec)
             # an unchanged state is neither sent again nor decoded again
@@ -463,10 +468,9 @@ class SpareController:
             return {}
         self._next_check = now + self.cfg.poll_s
         try:
-            got = self.reaper._state()
-            if got is None:
+            state = self.reaper.read_state()
+            if state is None:
                 return {}
-            state = got[0]
             dead = self.reaper.dead_nodes(state)
         except Exception as e:  # the store may be briefly unreachable
             logger.debug("spares: liveness read failed: %s", e)
