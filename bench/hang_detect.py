@@ -374,6 +374,64 @@ def fr_overhead(base: Path, steps: int, rounds: int) -> dict[str, object]:
     }
 
 
+FR_COST_CODE = r"""
+import json, os, sys, time, torch, torch.distributed as dist
+from trainguard.core.collectives import _default_pg_status
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+t = torch.ones(16)
+def per_call(n):
+    t0 = time.perf_counter()
+    for _ in range(n):
+        dist.all_reduce(t)
+    return (time.perf_counter() - t0) / n
+per_call(500)
+coll = min(per_call(2000) for _ in range(15))  # min: the least disturbed pass (shared box)
+poll = None
+if os.environ.get("TORCH_FR_BUFFER_SIZE"):
+    def one_poll(n):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            _default_pg_status()
+        return (time.perf_counter() - t0) / n
+    poll = min(one_poll(200) for _ in range(10))
+print(json.dumps({"collective_s": coll, "poll_s": poll}))
+dist.destroy_process_group()
+"""
+
+
+def fr_cost(base: Path, rounds: int) -> dict[str, object]:
+    """The flight recorder's cost per collective, without the network: a one-process gloo
+    group (the collective is nearly all overhead), recorder on vs off in alternating
+    processes, the least disturbed pass of each; and one watcher poll (the recorder's status
+    read). The overhead on a step is then (collectives per step x the per-collective cost +
+    polls per step x the poll cost) / step time."""
+    script = base / "fr_cost.py"
+    script.write_text(FR_COST_CODE)
+    got: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
+    for i in range(rounds):
+        for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            env = base_env()
+            env.pop("TORCH_FR_BUFFER_SIZE", None)
+            if mode == "on":
+                env["TORCH_FR_BUFFER_SIZE"] = "2000"
+            out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                                 text=True, timeout=300)  # fmt: skip
+            got[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    on = statistics.median(r["collective_s"] for r in got["on"])
+    off = statistics.median(r["collective_s"] for r in got["off"])
+    diffs = [
+        a["collective_s"] - b["collective_s"] for a, b in zip(got["on"], got["off"], strict=True)
+    ]
+    poll = statistics.median(r["poll_s"] for r in got["on"])
+    return {
+        "fr_collective_us_on": round(on * 1e6, 2),
+        "fr_collective_us_off": round(off * 1e6, 2),
+        "fr_record_cost_us": round((on - off) * 1e6, 2),
+        "fr_record_cost_us_pairs": [round(d * 1e6, 2) for d in diffs],
+        "fr_poll_us": round(poll * 1e6, 1),
+    }
+
+
 def diagnosis_main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description="hang diagnosis: localize, release, FR overhead")
     ap.add_argument("--runs", type=int, default=1)
@@ -381,6 +439,7 @@ def diagnosis_main(argv: list[str]) -> None:
     ap.add_argument("--release-wait", type=float, default=60.0)
     ap.add_argument("--release-only", action="store_true")
     ap.add_argument("--fr-only", action="store_true")
+    ap.add_argument("--fr-cost-only", action="store_true")
     ap.add_argument("--cases", default="kill,lost,stop,close", help="survivor release cases")
     ap.add_argument("--fr-steps", type=int, default=300)
     ap.add_argument("--fr-rounds", type=int, default=3)
@@ -391,6 +450,11 @@ def diagnosis_main(argv: list[str]) -> None:
         return round(statistics.median(got), 3) if got else None
 
     out: dict[str, object] = {}
+    if args.fr_cost_only:
+        with tempfile.TemporaryDirectory(prefix="tg-hangdiag-") as tmp:
+            print(json.dumps({**fr_cost(Path(tmp), args.fr_rounds),
+                              "load_avg": list(os.getloadavg())}))  # fmt: skip
+        return
     with tempfile.TemporaryDirectory(prefix="tg-hangdiag-") as tmp:
         base = Path(tmp)
         if not (args.release_only or args.fr_only):
@@ -413,6 +477,7 @@ def diagnosis_main(argv: list[str]) -> None:
                     "runs_s": [r["release_s"] for r in runs],
                 }
         if not args.release_only:
+            out.update(fr_cost(base, args.fr_rounds))
             out.update(fr_overhead(base, args.fr_steps, args.fr_rounds))
     for how, by in release.items():
         for which, r in by.items():
