@@ -50,10 +50,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from tests.health_fixtures.dcgm_text import ExporterServer, h100_node  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 from tests.procs import kill_tree  # noqa: E402
 from tests.services.etcd_service import Etcd  # noqa: E402
+from trainguard.testing.dcgm import ExporterServer, h100_node  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_mlp.py"
 LAUNCHERS = {

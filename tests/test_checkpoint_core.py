@@ -374,7 +374,7 @@ ORPHAN_SCRIPT = textwrap.dedent(
     cfg = CheckpointConfig(dir=sys.argv[1], persist_mode="process", memory_root=sys.argv[2])
     mgr = CheckpointManager(config=cfg, install_signal_handlers=False)
     assert mgr.save(1, {"model": m, "optim": opt}).wait(timeout=120)
-    print("DIR", mgr._private_dir, mgr._proc.pid, flush=True)
+    print("DIR", mgr._private_dir, mgr._supervisor.proc.pid, flush=True)
     time.sleep(600)
     """
 )
@@ -518,7 +518,7 @@ def test_stopped_persister_fails_the_save_at_its_deadline_and_training_goes_on(
     try:
         _train(m, opt, 0)
         assert mgr.save(1, {"model": m, "optim": opt}).wait(timeout=120)
-        stopped = mgr._proc.pid
+        stopped = mgr._supervisor.proc.pid
         os.kill(stopped, signal.SIGSTOP)
         _train(m, opt, 1)
         t0 = time.monotonic()
@@ -532,7 +532,7 @@ def test_stopped_persister_fails_the_save_at_its_deadline_and_training_goes_on(
         assert not Path(f"/proc/{stopped}").exists()  # killed and reaped
         _train(m, opt, 2)
         assert mgr.save(3, {"model": m, "optim": opt}).wait(timeout=120)
-        assert mgr._proc.pid != stopped
+        assert mgr._supervisor.proc.pid != stopped
         assert len(events.kinds("checkpoint_persister_started")) == 2
     finally:
         mgr.close()

@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 
-from tests.health_fixtures.dcgm_text import ExporterServer, h100_node
 from tests.launch_utils import REPO, base_env, popen
 from tests.services.alerting_services import Alertmanager, PrometheusRules, WebhookReceiver
 from tests.services.telemetry_services import apt_ensure, free_port, wait_until
 from trainguard.dashboards import export, rule_tests
 from trainguard.dashboards.alertmanager import AlertmanagerParams, alertmanager_document
 from trainguard.dashboards.yamlgen import dump
+from trainguard.testing.dcgm import ExporterServer, h100_node
 
 pytestmark = pytest.mark.prometheus
 

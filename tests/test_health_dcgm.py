@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.health_fixtures.dcgm_text import ExporterServer, h100_node
 from trainguard.cli import cmd_health
 from trainguard.core.config.health import HealthConfig
 from trainguard.health.dcgm_exporter import DcgmExporterSource, parse_exposition
 from trainguard.health.policy import Policy
 from trainguard.health.result import Action, Status
+from trainguard.testing.dcgm import ExporterServer, h100_node
 
 REPO = Path(__file__).resolve().parent.parent
 

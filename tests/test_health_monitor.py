@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from tests.health_fixtures.dcgm_text import ExporterServer, h100_node
 from tests.health_fixtures.jobs import events, job_cmd, job_env, run_job, wait_for_event
 from tests.procs import kill_tree
 from trainguard.core.failures import EVICTED_EXIT_CODE
 from trainguard.health.compute import gemm_probe, peak_bf16_flops
 from trainguard.health.monitor import compare_nodes, exchange_node_values
+from trainguard.testing.dcgm import ExporterServer, h100_node
 
 HOST_OK = dict(min_free_disk_gib=0, min_free_memory_gib=0)
 

@@ -23,11 +23,11 @@ import pytest
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
-from tests.health_fixtures.dcgm_text import ExporterServer, h100_node
 from tests.health_fixtures.jobs import events, wait_for_event
 from tests.launch_utils import base_env, free_port, wait_listening
 from tests.procs import kill_tree
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, EVICTED_EXIT_CODE
+from trainguard.testing.dcgm import ExporterServer, h100_node
 
 WORKER = Path(__file__).resolve().parent / "workers" / "recovery_worker.py"
 GATED = Path(__file__).resolve().parent / "workers" / "gated_run.py"

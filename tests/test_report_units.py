@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.launch_utils import REPO, base_env
+from trainguard.core import svg
 from trainguard.telemetry.report import load_run, render_report, write_report
 
 T0 = 1_700_000_000.0
@@ -91,3 +97,40 @@ def test_report_cli_rejects_a_non_run_dir(tmp_path: Path) -> None:
         capture_output=True, text=True, env=base_env(), cwd=REPO, timeout=60,
     )  # fmt: skip
     assert r.returncode == 2 and "pass a run directory" in r.stderr
+
+
+def _is_nice(step: float) -> bool:
+    """True when ``step`` is 1, 2 or 5 times a power of ten."""
+    mantissa = step / 10 ** math.floor(math.log10(step) + 1e-9)
+    return any(abs(mantissa - m) < 1e-6 for m in (1, 2, 5))
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi"),
+    [(0, 50.8), (3.7, 8.13), (0.0012, 0.0047), (1.0e6, 3.3e6), (-7.3, 12.9), (99.2, 100.9),
+     (0, 1), (17, 17.4)],
+)  # fmt: skip
+def test_chart_ticks_sit_on_round_numbers(lo: float, hi: float) -> None:
+    ticks = svg.nice_ticks(lo, hi, 4)
+    assert 3 <= len(ticks) <= 8, ticks
+    assert all(lo - 1e-12 <= t <= hi + 1e-12 for t in ticks), ticks
+    step = ticks[1] - ticks[0]
+    assert _is_nice(step), (step, ticks)
+    assert all(abs(b - a - step) < step * 1e-6 for a, b in itertools.pairwise(ticks)), ticks
+    assert all(abs(t / step - round(t / step)) < 1e-6 for t in ticks), ticks
+
+
+def test_line_chart_axis_labels_are_round() -> None:
+    chart = svg.line_chart(
+        {"loss": [(3.0 + 0.37 * i, 3.7 + 4.43 * (i % 3) / 2) for i in range(20)]},
+        title="loss", xlabel="step",
+    )  # fmt: skip
+    for cls in ("tg-ytick", "tg-xtick"):
+        labels = re.findall(rf'class="{cls}">([^<]+)<', chart)
+        values = [float(v) for v in labels]
+        assert len(values) >= 3, chart
+        step = values[1] - values[0]
+        assert _is_nice(step), (cls, labels)
+        assert all(abs(v / step - round(v / step)) < 1e-6 for v in values), (cls, labels)
+    ys = [float(v) for v in re.findall(r'class="tg-ytick">([^<]+)<', chart)]
+    assert ys[0] <= 3.7 and ys[-1] >= 8.13, ys  # the y axis ends on ticks around the data

@@ -19,6 +19,9 @@ import re
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from tests.launch_utils import WORKERS, base_env, popen
 from tests.procs import alive, kill_tree
@@ -140,6 +143,25 @@ def test_warm_restart_matches_torchrun(tmp_path: Path) -> None:
         msg = json.loads(err_file.read_text())["message"]["message"]
         assert msg == "RuntimeError: planned failure at restart 1"
 
-    # the pool is gone with the agent, by PID
+    # the pool is gone with the agent, by PID; none was started after the last restart
+    # (--max-restarts 1: attempt 1's workers can never be restarted)
     zygotes = [e["pid"] for e in _events(tg["run_dir"], "warm_ready")]
-    assert zygotes and not any(alive(pid) for pid in zygotes)
+    assert len(zygotes) == 2 and not any(alive(pid) for pid in zygotes)
+
+
+@pytest.mark.parametrize(
+    ("remaining", "max_nodes", "possible"),
+    [(1, 1, True), (0, 1, False), (0, 2, True), (3, 4, True)],
+)
+def test_warm_processes_only_while_a_restart_can_follow(
+    remaining: int, max_nodes: int, possible: bool
+) -> None:
+    """A warm process is started only for a restart that can still happen: restarts left,
+    or more than one node (a membership change restarts without using one)."""
+    from trainguard.runtime.agent import TrainGuardAgent
+
+    agent = SimpleNamespace(
+        remaining_restarts=remaining,
+        ctx=SimpleNamespace(launch_config=SimpleNamespace(max_nodes=max_nodes)),
+    )
+    assert TrainGuardAgent._restart_possible(agent) is possible  # type: ignore[arg-type]

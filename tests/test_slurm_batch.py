@@ -5,9 +5,11 @@ fake SlurmCli (every fake here has a real-cluster counterpart in test_slurm_clus
 from __future__ import annotations
 
 import json
+import os
 import re
 import stat
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,13 +17,15 @@ from typing import Any
 import pytest
 
 from tests.launch_utils import REPO
+from tests.procs import descendants, reap
 from trainguard.core.config.slurm import SlurmConfig
-from trainguard.core.events import EventLog
+from trainguard.core.events import EventLog, read_events
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.slurm.batch import BatchRequest, valid_time
+from trainguard.slurm.batchhost import BatchBeaconWatch
 from trainguard.slurm.cli import NodeInfo, SlurmError, parse_scontrol_record
 from trainguard.slurm.fencer import SlurmFencer
-from trainguard.slurm.finish import Action, decide, finish
+from trainguard.slurm.finish import Action, decide, finish, take_over
 from trainguard.slurm.status import collect
 
 PY = "/opt/py/bin/python"
@@ -49,6 +53,12 @@ mkdir -p "$RUN_DIR/logs"
 [ -e "$RUN_DIR/job.sbatch" ] || cp "$0" "$RUN_DIR/job.sbatch"
 ln -sfn "slurm-$RUN_ID" trainguard-runs/"job-$SLURM_JOB_ID"
 export TRAINGUARD_RUNTIME_PREEMPTION_SIGNALS_DIRECT=1
+export TRAINGUARD_SBATCH_RUN_DIR="$RUN_DIR" TRAINGUARD_SBATCH_BATCH_HOST="${SLURMD_NODENAME:-}"
+export TRAINGUARD_SBATCH_BATCH_BEACON="$RUN_DIR/batch-$SLURM_JOB_ID.alive"
+# the batch beacon (while this shell, then its finish step, lives): when it stands
+# still, an agent on another node resubmits the job
+( trap '' USR1; n=0; while kill -0 $$ 2>/dev/null; do n=$((n + 1)); \
+echo "$n" > "$TRAINGUARD_SBATCH_BATCH_BEACON"; sleep 1; done ) >/dev/null 2>&1 &
 RDZV_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 RDZV_ADDR=$(scontrol show node -o "$RDZV_NODE" | sed -n 's/.* NodeAddr=\\([^ ]*\\).*/\\1/p')
 RDZV_PORT=29400
@@ -124,7 +134,7 @@ def test_materialize_all_options() -> None:
     assert "RDZV_NODE" not in text  # etcd: no store on the first node
     srun = text[text.index("srun ") : text.index("rc=$?")]
     assert "--nnodes 8:8" in srun
-    assert "--rdzv-backend etcd --rdzv-endpoint 10.0.0.5:2379" in srun
+    assert "--rdzv-backend etcd-v3 --rdzv-endpoint 10.0.0.5:2379" in srun
     assert "--rdzv-conf join_timeout=90" in srun
     assert "--config /etc/tg.toml" in srun
     assert "--max-restarts 3" not in srun  # the user's --max-restarts 5 wins
@@ -134,6 +144,21 @@ def test_materialize_all_options() -> None:
     )
     assert 'RUN_DIR=/scratch/runs/"slurm-$RUN_ID"' in text
     assert text.rstrip().endswith('--script "$RUN_DIR/job.sbatch" --config /etc/tg.toml')
+    assert "export TRAINGUARD_SBATCH_CONFIG=/etc/tg.toml" in text
+    assert "( trap '' USR2; n=0;" in text  # the beacon outlives the preemption notice
+
+
+def test_rendezvous_backend_follows_the_etcd_endpoint() -> None:
+    assert SlurmConfig().rendezvous == "c10d"  # zero setup
+    assert SlurmConfig(etcd_endpoint="etcd1:2379,etcd2:2379").rendezvous == "etcd-v3"
+    assert SlurmConfig(rdzv_backend="c10d", etcd_endpoint="e:2379").rendezvous == "c10d"
+    text = BatchRequest(
+        script="t.py", nodes=2, slurm=SlurmConfig(etcd_endpoint="e:2379"), python=PY
+    ).materialize()
+    assert "--rdzv-backend etcd-v3 --rdzv-endpoint e:2379" in text and "RDZV_NODE" not in text
+    for bad in ({"rdzv_backend": "etcd-v3"}, {"etcd_endpoint": "e:1 ;rm"}):
+        with pytest.raises(ValueError, match="etcd_endpoint"):
+            SlurmConfig(**bad)
 
 
 @pytest.mark.parametrize(
@@ -218,6 +243,11 @@ def test_hostile_arguments_stay_inert(tmp_path: Path) -> None:
     }
     p = subprocess.run(["bash", str(script)], cwd=work, env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
+    # the batch beacon's loop ends within a second of the batch shell (reaped: it is gone)
+    deadline = time.monotonic() + 10
+    while descendants(os.getpid()) and time.monotonic() < deadline:
+        reap()
+        time.sleep(0.2)
     pwned = [f for f in tmp_path.rglob("PWNED*")]
     assert pwned == []
     srun_files = list(rec.glob("srun.*"))
@@ -279,6 +309,8 @@ class FakeSlurm:
         self.drain_error = drain_error
         self.drained: list[tuple[str, str]] = []
         self.requeued: list[str] = []
+        self.cancelled: list[str] = []
+        self.down_nodes: list[tuple[str, str]] = []
         self.submitted: list[tuple[str, list[str], dict | None]] = []
         self.jobs: dict[str, dict[str, str]] = {}
 
@@ -305,6 +337,12 @@ class FakeSlurm:
 
     def requeue(self, job_id):
         self.requeued.append(job_id)
+
+    def cancel(self, job_id):
+        self.cancelled.append(job_id)
+
+    def down(self, node, reason):
+        self.down_nodes.append((node, reason))
 
 
 def _finish(tmp_path: Path, slurm: FakeSlurm, rc: int, env_extra: dict | None = None) -> int:
@@ -531,3 +569,77 @@ def test_finish_does_not_drain_twice(tmp_path: Path) -> None:
 def test_one_worker_per_gpu_by_default() -> None:
     text = BatchRequest(script="t.py", nodes=2, gpus_per_node=4, python=PY).materialize()
     assert "#SBATCH --gpus-per-node=4" in text and "--nproc-per-node 4 \\\n" in text
+
+
+def test_take_over_from_a_lost_batch_host(tmp_path: Path) -> None:
+    script = tmp_path / "job.sbatch"
+    script.write_text("#!/bin/bash\necho job\n")
+    EventLog(tmp_path, node="n2").emit(
+        "node_drained", node_name="n7", fenced=True, detail="", job_id="70"
+    )
+    env = {
+        "SLURM_JOB_ID": "77",
+        "SLURMD_NODENAME": "n2",
+        "SLURM_CONF": "/etc/slurm.conf",
+        "TRAINGUARD_SBATCH_CHAIN_ID": "70",
+        "TRAINGUARD_SBATCH_RESUBMITS": "0",
+        "TRAINGUARD_SBATCH_BATCH_HOST": "n1",
+        "TRAINGUARD_CHAOS": "kill@1",
+    }
+    cfg = SlurmConfig(max_resubmits=1, blocklist=["n9"])
+    slurm = FakeSlurm()
+
+    def take(node: str, **kw: Any) -> bool:
+        return take_over(
+            batch_host="n1", run_dir=str(tmp_path), script=str(script), cfg=kw.get("cfg", cfg),
+            slurm=slurm, fencer=SlurmFencer(slurm), env={**env, "SLURMD_NODENAME": node},
+            say=lambda s: None,
+        )  # fmt: skip
+
+    assert take("n2") is True
+    assert take("n3") is False  # one agent of the job acts
+    # down at once (Slurm frees the job's other nodes only when every node is done with it)
+    assert [n for n, _ in slurm.down_nodes] == ["n1"] and not slurm.drained
+    assert slurm.down_nodes[0][1].startswith("trainguard: batch host of job 77 lost")
+    ((text, extra, sub_env),) = slurm.submitted
+    assert text == script.read_text()
+    assert extra == [
+        "--exclude=n1,n7,n9",
+        "--export=ALL,TRAINGUARD_SBATCH_CHAIN_ID=70,TRAINGUARD_SBATCH_RESUBMITS=1",
+    ]
+    assert sub_env == {"SLURM_CONF": "/etc/slurm.conf"}  # nothing of this job or its node
+    assert slurm.cancelled == ["77"]
+    kinds = [e["kind"] for e in read_events(tmp_path)]
+    assert kinds[-3:] == ["node_drained", "slurm_finish", "resubmit"]
+    # no resubmission left: the orphaned job is still cancelled, nothing submitted
+    (tmp_path / "takeover-78").unlink(missing_ok=True)
+    env["SLURM_JOB_ID"], env["TRAINGUARD_SBATCH_RESUBMITS"] = "78", "1"
+    assert take("n2") is True
+    assert len(slurm.submitted) == 1 and slurm.cancelled == ["77", "78"]
+    last = [e for e in read_events(tmp_path) if e["kind"] == "slurm_finish"][-1]
+    assert last["action"] == "fail" and "no resubmission left" in last["message"]
+
+
+def test_batch_beacon_watch_judges_silence_on_its_own_clock(tmp_path: Path) -> None:
+    f = tmp_path / "batch.alive"
+    now = [100.0]
+    lost: list[float] = []
+    w = BatchBeaconWatch(str(f), 5.0, lost.append, clock=lambda: now[0])
+    assert w.silent_for() is None  # never seen: never judged
+    now[0] += 10
+    assert w.silent_for() is None and not w.lost()
+    for n in range(1, 4):  # a live beacon
+        f.write_text(f"{n}\n")
+        now[0] += 1
+        assert not w.lost()
+    for _ in range(4):
+        now[0] += 1
+        assert not w.lost()
+    now[0] += 1
+    assert w.lost()
+    # a gap in this process's own reading restarts the window
+    now[0] += 60
+    assert not w.lost()
+    w.fire(7.0)
+    w.fire(8.0)
+    assert lost == [7.0]

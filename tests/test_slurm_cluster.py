@@ -1,7 +1,10 @@
 """trainguard sbatch on a real Slurm 22.05 (4 nodes on this machine, one module-wide cluster):
 a job with a spare completes with the weights of a local run; a node crash mid-job is taken
 over by the spare and the node drained; a preemption notice saves, requeues and resumes; a lost
-node with no spare left resubmits the job without it; bad input submits nothing."""
+node with no spare left resubmits the job without it; bad input submits nothing. On the cluster's
+etcd (etcd-v3 rendezvous): the spare takes over a crashed node through trainguard's liveness
+beacons, and a crash of the batch host resubmits the job without it, which resumes from its
+newest checkpoint."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -80,6 +84,10 @@ def _submit(c: SlurmCluster, d: Path, *args: str, steps_args: list[str] | None =
     assert p.returncode == 0, p.stderr
     job = p.stdout.strip()
     assert job.isdigit(), p.stdout
+    # c10d (no etcd named): one line says that the first node is a single point of failure
+    on_etcd = "etcd_endpoint" in Path(args[args.index("--config") + 1]).read_text()
+    notes = [x for x in p.stderr.splitlines() if "single point of failure" in x]
+    assert len(notes) == (0 if on_etcd else 1), p.stderr
     return job
 
 
@@ -110,6 +118,19 @@ def _assert_same_weights(d: Path, local: dict) -> None:
 def _log(c: SlurmCluster, d: Path, job: str) -> str:
     f = d / "trainguard-runs" / f"slurm-{job}.out"
     return f.read_text() if f.exists() else ""
+
+
+def _steps_after(run_dir: Path, t: float) -> list[float]:
+    out = []
+    for f in (run_dir / "metrics").glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if r.get("kind") == "step" and r["time"] > t:
+                out.append(r["time"])
+    return sorted(out)
 
 
 def _first_node(c: SlurmCluster, job: str) -> str:
@@ -244,6 +265,96 @@ def test_spares_exhausted_resubmits_without_the_bad_node(
     # the resubmitted job trained on in the same run directory, from the checkpoint
     restored = [e for e in _events(run_dir) if e["kind"] == "checkpoint_restored"]
     assert restored[-1]["source"] == "disk" and restored[-1]["step"] >= 10
+    _assert_same_weights(tmp_path, local_weights)
+
+
+@pytest.mark.etcd
+@pytest.mark.xdist_group("slurm")  # the Slurm group's cluster; etcd: the session's
+def test_etcd_job_spare_takes_over_by_liveness_beacons(
+    fresh: SlurmCluster, tmp_path: Path, local_weights: dict, etcd: Any
+) -> None:
+    c = fresh
+    cfg = _config(tmp_path, join_timeout_s=120, max_resubmits=0, etcd_endpoint=etcd.endpoint)
+    p = _sbatch(c, tmp_path, "--nodes", "2", "--spares", "1", "--config", str(cfg),
+                "--nproc-per-node", "1", TRAIN, *TRAIN_ARGS, "--out", str(tmp_path / "final.pt"))  # fmt: skip
+    assert p.returncode == 0 and "single point of failure" not in p.stderr, p.stderr
+    job = p.stdout.strip()
+    run_dir = tmp_path / "trainguard-runs" / f"slurm-{job}"
+    _wait_event(run_dir, lambda e: e["kind"] == "checkpoint_committed", 180, "checkpoint")
+    rdzv = next(e for e in _events(run_dir) if e["kind"] == "rendezvous")
+    assert "--rdzv-backend etcd-v3" in (run_dir / "job.sbatch").read_text()
+    batch_host = c.job_field(job, "BatchHost")
+    victim = next(m for m in rdzv["members"] if m["node"] != batch_host)
+    t0 = time.time()
+    c.node("crash", victim["node"])
+    started = _wait_event(
+        run_dir,
+        lambda e: e["kind"] == "workers_started" and e["time"] > t0 and e["attempt"] >= 1,
+        120,
+        "workers started after the crash",
+    )
+    deadline = time.monotonic() + 60
+    while not _steps_after(run_dir, started["time"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    step = _steps_after(run_dir, started["time"])[0]
+    print(f"etcd-v3: crash of {victim['node']} -> next step {step - t0:.1f} s (workers started "
+          f"{started['time'] - t0:.1f} s), load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    # removed from the rendezvous by a beacon's silence, not by torch's keep-alive expiry
+    (dead,) = [e for e in _events(run_dir) if e["kind"] == "node_dead"]
+    assert f"_{victim['pid']}_" in dead["dead_node"] and dead["reason"] == "liveness_silent"
+    assert any(e["kind"] == "spare_joined" for e in _events(run_dir))
+    assert c.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED", _log(
+        c, tmp_path, job
+    )
+    last_round = [e for e in _events(run_dir) if e["kind"] == "rendezvous"][-1]
+    assert victim["node"] not in {m["node"] for m in last_round["members"]}
+    assert not any(e["kind"] == "resubmit" for e in _events(run_dir))
+    _assert_same_weights(tmp_path, local_weights)
+
+
+@pytest.mark.etcd
+@pytest.mark.xdist_group("slurm")
+def test_batch_host_crash_resubmits_without_it_and_resumes(
+    fresh: SlurmCluster, tmp_path: Path, local_weights: dict, etcd: Any
+) -> None:
+    c = fresh
+    cfg = _config(tmp_path, join_timeout_s=120, max_resubmits=1, etcd_endpoint=etcd.endpoint)
+    job = _submit(c, tmp_path, "--nodes", "2", "--spares", "1", "--config", str(cfg))
+    run_dir = tmp_path / "trainguard-runs" / f"slurm-{job}"
+    _wait_event(run_dir, lambda e: e["kind"] == "checkpoint_committed", 180, "checkpoint")
+    batch_host = c.job_field(job, "BatchHost")
+    t0 = time.time()
+    c.node("crash", batch_host)
+    resub = _wait_event(run_dir, lambda e: e["kind"] == "resubmit", 120, "resubmission")
+    assert resub["exclude"] == [batch_host] and resub["job_id"] == job
+    job2 = resub["new_job_id"]
+    # Slurm would have kept the job RUNNING without its batch script: the taking-over agent
+    # cancelled it
+    assert c.wait_job(job, {"CANCELLED", "COMPLETED", "FAILED"}, 120) == "CANCELLED"
+    restored = _wait_event(
+        run_dir,
+        lambda e: e["kind"] == "checkpoint_restored" and e["time"] > resub["time"],
+        240,
+        "restore in the resubmitted job",
+    )
+    deadline = time.monotonic() + 60
+    while not _steps_after(run_dir, restored["time"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    step = _steps_after(run_dir, restored["time"])[0]
+    print(f"batch host {batch_host} crashed: resubmitted after {resub['time'] - t0:.1f} s, "
+          f"next step {step - t0:.1f} s, load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    assert c.wait_job(job2, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED", _log(
+        c, tmp_path, job2
+    )
+    assert c.job_field(job2, "ExcNodeList") == batch_host
+    assert batch_host not in c.run("scontrol", "show", "hostnames", c.job_field(job2, "NodeList"))
+    st, reason = c.node_state(batch_host)
+    assert "DOWN" in st and reason.startswith("trainguard: ")  # set down by the taking-over agent
+    # from the newest checkpoint committed before the new job restored
+    ev = _events(run_dir)
+    committed = [e["step"] for e in ev if e["kind"] == "checkpoint_committed"
+                 and e["time"] < restored["time"]]  # fmt: skip
+    assert restored["source"] == "disk" and restored["step"] == max(committed)
     _assert_same_weights(tmp_path, local_weights)
 
 

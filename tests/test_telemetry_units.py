@@ -193,8 +193,6 @@ def test_plugin_end_to_end_in_process(tmp_path: Path, monkeypatch: pytest.Monkey
 
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.setenv(TRACEPARENT_ENV, "")  # restored by monkeypatch after the plugin sets it
-    monkeypatch.setenv("TRAINGUARD_TELEMETRY_TRACE_EVERY_N_STEPS", "")
-    monkeypatch.setenv("TRAINGUARD_TELEMETRY_FLUSH_INTERVAL_S", "")
     cfg = TelemetryConfig(prometheus_port=0, peak_flops=1e9, export_interval_s=0.2)
     events = EventLog(tmp_path, node="n1")
     ctx = AgentContext(config=TrainGuardConfig(telemetry=cfg), run_dir=tmp_path, events=events)

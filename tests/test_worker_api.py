@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.launch_utils import REPO, base_env, launch
 from trainguard.core.progress import ProgressReader, ProgressWriter, progress_path
 
@@ -324,3 +326,23 @@ def test_a_zeroed_progress_record_is_no_record_and_a_new_writer_never_zeroes(
             w2.close()
     finally:
         os.close(fd)
+
+
+def test_worker_telemetry_settings_come_from_the_agents_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker reads [telemetry] as it reads every section: the agent's config.json when
+    there is one, else the environment; a bad value falls back to the defaults."""
+    from trainguard.core.config.telemetry import TelemetryConfig
+    from trainguard.worker.api import _telemetry_settings
+
+    section = {"trace_every_n_steps": 3, "flush_interval_s": 0.05}
+    (tmp_path / "config.json").write_text(json.dumps({"trainguard": {"telemetry": section}}))
+    monkeypatch.setenv("TRAINGUARD_TELEMETRY_TRACE_EVERY_N_STEPS", "7")
+    cfg = _telemetry_settings(tmp_path)
+    assert (cfg.trace_every_n_steps, cfg.flush_interval_s) == (3, 0.05)
+    plain = tmp_path / "plain"  # no config.json: plain torchrun or python
+    plain.mkdir()
+    assert _telemetry_settings(plain).trace_every_n_steps == 7
+    monkeypatch.setenv("TRAINGUARD_TELEMETRY_FLUSH_INTERVAL_S", "0")
+    assert _telemetry_settings(plain) == TelemetryConfig()

@@ -20,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard.core import chaos, chaos_ops
 from trainguard.core.rundir import RunDir
+from trainguard.testing import chaos, chaos_ops, procs
+from trainguard.testing.dcgm import DcgmExporter
 
 __all__ = ["main"]
 
@@ -136,7 +137,7 @@ def _run(args: argparse.Namespace, prog: str) -> int:
             raise chaos_ops.ChaosTargetError("--group-rank and --node need the run directory")
         else:
             pid = chaos_ops.agent_pid(args.run_dir, group_rank=args.group_rank, node=args.node)
-        killed = chaos_ops.kill_tree(pid)
+        killed = procs.kill_tree(pid)
         if not killed:
             raise chaos_ops.ChaosTargetError(f"no process {pid}")
         print(f"{prog}: killed agent {pid} and {len(killed) - 1} processes under it", flush=True)
@@ -152,7 +153,7 @@ def _run(args: argparse.Namespace, prog: str) -> int:
         print(f"{prog}: resumed {pids} after {time.monotonic() - t0:.1f} s (SIGCONT)", flush=True)
         return 0
     if args.cmd == "dcgm":
-        srv = chaos_ops.DcgmExporter(
+        srv = DcgmExporter(
             host=args.host, port=args.port, xid=args.xid, gpu=args.gpu, num_gpus=args.gpus,
             hostname=args.hostname, after_s=args.after, trigger_file=args.trigger_file,
         )  # fmt: skip

@@ -7,10 +7,10 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainguard.core.chaos import check_env as check_chaos_env
 from trainguard.core.config import ConfigError
 from trainguard.core.plugin import AgentExit
 from trainguard.runtime import launcher
+from trainguard.testing.chaos import check_env as check_chaos_env
 
 __all__ = ["main", "tgrun_main"]
 

@@ -42,6 +42,13 @@ _RESERVED = {
 }
 
 
+C10D_NOTE = (
+    "trainguard sbatch: note: the rendezvous store runs in the agent on the job's first node "
+    "(c10d), a single point of failure: if that agent is lost, no spare can take over and the "
+    "job restarts from its newest checkpoint; set [slurm] etcd_endpoint to use the cluster's etcd"
+)
+
+
 class _BadInput(Exception):
     pass
 
@@ -183,6 +190,8 @@ def main(argv: list[str], *, prog: str = "trainguard sbatch") -> int:
         _check_slurm(req, slurm)
         os.makedirs(cfg.slurm.runs_root, exist_ok=True)
         job_id = slurm.submit(req.materialize())
+        if cfg.slurm.rendezvous == "c10d":
+            print(C10D_NOTE, file=sys.stderr)
     except (_BadInput, ConfigError, ValueError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

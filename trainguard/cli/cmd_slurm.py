@@ -5,7 +5,9 @@ trainguard slurm status JOB [--run-dir DIR] [--json]
 trainguard slurm agent [trainguard run options] script.py [args]
     (in the batch script, one per node through srun) ``trainguard run`` with this node's
     Slurm identity: SLURMD_NODENAME names the node in events and telemetry; the node that
-    hosts the c10d rendezvous store is the allocation's first
+    hosts the c10d rendezvous store is the allocation's first. On the other nodes than the
+    batch host it watches the batch beacon: when the batch host is lost, one agent resubmits
+    the job without it and cancels this one (trainguard.slurm.finish.take_over)
 trainguard slurm finish --run-dir DIR --rc RC --since T --script FILE [--config TOML]
     (in the batch script, after the step) requeue, resubmit without lost nodes, or end
 """
@@ -17,8 +19,8 @@ import json
 import os
 import sys
 
-from trainguard.core.chaos import CHAOS_ENV
 from trainguard.core.config import ConfigError, load_config
+from trainguard.testing.chaos import CHAOS_ENV
 
 __all__ = ["main"]
 
@@ -71,8 +73,62 @@ def _agent(argv: list[str], prog: str) -> int:
     )
     from trainguard.cli import cmd_run
 
-    cmd_run.main(argv, prog=prog)
+    watch = _watch_batch_host(dict(env), node, prog)
+    code: int | str | None = 0
+    try:
+        cmd_run.main(argv, prog=prog)
+    except SystemExit as e:
+        code = e.code
+    finally:
+        if watch is not None:
+            # the agent ended (with c10d, the store's host is the batch host: a spare waiting
+            # for it ends with 0): is the batch shell still there to end the job? Its beacon
+            # moves within a second if it is.
+            watch.settle(watch.dead_after_s + 2)
+    if code not in (0, None):
+        sys.exit(code)
     return 0
+
+
+def _watch_batch_host(env: dict[str, str], node: str, prog: str):  # type: ignore[no-untyped-def]
+    """On a node other than the batch host: watch the batch beacon; when it stands still, take
+    over what the batch script would do (resubmit without the batch host, cancel this job)."""
+    from trainguard.slurm.batch import BATCH_HOST_ENV, BEACON_ENV, CONFIG_ENV, RUN_DIR_ENV
+
+    beacon, host, run_dir = env.get(BEACON_ENV), env.get(BATCH_HOST_ENV), env.get(RUN_DIR_ENV)
+    if not beacon or not host or not run_dir or host == node:
+        return None
+    run_dir, beacon = os.path.abspath(run_dir), os.path.abspath(beacon)
+    try:
+        cfg = load_config(env.get(CONFIG_ENV)).slurm
+    except ConfigError as e:
+        print(f"{prog}: batch host not watched: {e}", file=sys.stderr, flush=True)
+        return None
+    from trainguard.slurm.batchhost import BatchBeaconWatch
+    from trainguard.slurm.cli import make_slurm
+    from trainguard.slurm.fencer import SlurmFencer
+    from trainguard.slurm.finish import take_over
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    def on_lost(silent: float) -> None:
+        say(f"{prog}: batch host {host} silent for {silent:.1f} s: taking over")
+        slurm = make_slurm()
+        take_over(
+            batch_host=host,
+            run_dir=run_dir,
+            script=os.path.join(run_dir, "job.sbatch"),
+            cfg=cfg,
+            slurm=slurm,
+            fencer=SlurmFencer(slurm, record_only=cfg.drain == "record"),
+            env=env,
+            say=say,
+        )
+
+    watch = BatchBeaconWatch(beacon, cfg.batch_dead_after_s, on_lost)
+    watch.start()
+    return watch
 
 
 def _finish(argv: list[str], prog: str) -> int:

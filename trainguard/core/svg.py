@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from html import escape
 
-__all__ = ["PALETTE", "bar_breakdown", "heatmap", "line_chart", "timeline"]
+__all__ = ["PALETTE", "bar_breakdown", "heatmap", "line_chart", "nice_ticks", "timeline"]
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f")
 MAX_POINTS = 1500
@@ -15,15 +15,52 @@ Point = tuple[float, float]
 Marker = tuple[float, str, str]  # x, label, css class
 
 
-def _fmt(v: float) -> str:
+def nice_step(span: float, target: int = 5) -> float:
+    """The 1/2/5 × 10^k step nearest to cutting ``span`` into ``target`` intervals."""
+    if not span > 0 or not math.isfinite(span):
+        return 1.0
+    raw = span / max(target, 1)
+    magnitude = 10.0 ** math.floor(math.log10(raw))
+    ratio = raw / magnitude  # in [1, 10): choose the 1/2/5/10 nearest on a log scale
+    if ratio >= math.sqrt(50):
+        return 10.0 * magnitude
+    if ratio >= math.sqrt(10):
+        return 5.0 * magnitude
+    if ratio >= math.sqrt(2):
+        return 2.0 * magnitude
+    return magnitude
+
+
+def nice_ticks(lo: float, hi: float, target: int = 5, step: float | None = None) -> list[float]:
+    """Tick values inside ``[lo, hi]`` on round numbers: multiples of a 1/2/5 × 10^k step."""
+    step = step or nice_step(hi - lo, target)
+    first, last = math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9)
+    return [_on_grid(k * step, step) for k in range(first, last + 1)]
+
+
+def _on_grid(v: float, step: float) -> float:
+    """``v`` rounded to the step's decimals (``3 * 0.1`` is 0.3, not 0.30000000000000004)."""
+    return round(v, max(0, -math.floor(math.log10(step))) + 1) + 0.0  # + 0.0: no "-0"
+
+
+def _nice_axis(lo: float, hi: float, target: int) -> tuple[float, float, float]:
+    """``[lo, hi]`` widened outwards to the nearest round ticks, and the tick step."""
+    step = nice_step(hi - lo, target)
+    return (
+        _on_grid(math.floor(lo / step + 1e-9) * step, step),
+        _on_grid(math.ceil(hi / step - 1e-9) * step, step),
+        step,
+    )
+
+
+def _tick_label(v: float, step: float) -> str:
+    """A tick shown with as many decimals as its step needs (``0.05``, ``2.5e+06``, ``120``)."""
     if v == 0:
         return "0"
-    a = abs(v)
-    if a >= 1e5 or a < 1e-3:
-        return f"{v:.2e}"
-    if a >= 100:
-        return f"{v:.0f}"
-    return f"{v:.3g}"
+    decimals = max(0, -math.floor(math.log10(step)))
+    if abs(v) >= 1e6 or decimals > 4:
+        return f"{v:g}"
+    return f"{v:.{decimals}f}"
 
 
 def _downsample(points: Sequence[Point]) -> Sequence[Point]:
@@ -67,7 +104,8 @@ def line_chart(
     xs = [p[0] for s in series.values() for p in s if p[0] == p[0]] + [m[0] for m in markers]
     ys = [p[1] for s in series.values() for p in s if p[1] == p[1]]
     x0, x1 = _bounds(xs)
-    y0, y1 = _bounds(ys)
+    y0, y1, ystep = _nice_axis(*_bounds(ys), target=4)
+    xstep = nice_step(x1 - x0, 4)
 
     def sx(x: float) -> float:
         return left + (x - x0) / (x1 - x0) * pw
@@ -76,18 +114,16 @@ def line_chart(
         return top + ph - (y - y0) / (y1 - y0) * ph
 
     parts.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" class="tg-plot"/>')
-    for i in range(5):
-        yv = y0 + (y1 - y0) * i / 4
+    for yv in nice_ticks(y0, y1, step=ystep):
         y = sy(yv)
         parts.append(
             f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" class="tg-grid"/>'
         )
-        parts.append(f'<text x="{left - 4}" y="{y + 4:.1f}" class="tg-ytick">{_fmt(yv)}</text>')
-    for i in range(5):
-        xv = x0 + (x1 - x0) * i / 4
-        parts.append(
-            f'<text x="{sx(xv):.1f}" y="{top + ph + 14}" class="tg-xtick">{_fmt(xv)}</text>'
-        )
+        label = _tick_label(yv, ystep)
+        parts.append(f'<text x="{left - 4}" y="{y + 4:.1f}" class="tg-ytick">{label}</text>')
+    for xv in nice_ticks(x0, x1, step=xstep):
+        label = _tick_label(xv, xstep)
+        parts.append(f'<text x="{sx(xv):.1f}" y="{top + ph + 14}" class="tg-xtick">{label}</text>')
     parts.append(
         f'<text x="{left + pw / 2}" y="{height - 6}" class="tg-xlabel">{escape(xlabel)}</text>'
     )
@@ -246,8 +282,9 @@ def timeline(
             f'<text x="{sx(t):.1f}" y="{y}" class="tg-glyph {escape(cls)}" '
             f'data-t="{t:.3f}">{escape(glyph)}<title>{escape(label)}</title></text>'
         )
-    for i in range(6):
-        t = t1 * i / 5
-        out.append(f'<text x="{sx(t):.1f}" y="{h - 14}" class="tg-xtick">{_fmt(t)} s</text>')
+    step = nice_step(t1, 5)
+    for t in nice_ticks(0.0, t1, step=step):
+        label = _tick_label(t, step)
+        out.append(f'<text x="{sx(t):.1f}" y="{h - 14}" class="tg-xtick">{label} s</text>')
     out.append("</svg>")
     return "".join(out)

@@ -67,69 +67,79 @@ def evaluate_gpus(
         if r.get("lost"):
             result.add(policy.finding("gpu_lost", f"GPU unreachable: {r['lost']}", gpu=gpu))
         _xids(result, gpu, r, policy=policy, cfg=cfg)
-        if _num(r, "ecc_dbe_volatile") > 0:
-            result.add(
-                policy.finding(
-                    "ecc_dbe_volatile",
-                    f"{int(_num(r, 'ecc_dbe_volatile'))} volatile double-bit ECC error(s)",
-                    gpu=gpu,
-                )
-            )
-        if _num(r, "ecc_dbe_aggregate") > 0 and _num(r, "ecc_dbe_volatile") == 0:
-            result.add(
-                policy.finding(
-                    "ecc_dbe_aggregate",
-                    f"{int(_num(r, 'ecc_dbe_aggregate'))} double-bit ECC error(s) since the "
-                    "counters were reset",
-                    gpu=gpu,
-                )
-            )
-        if _num(r, "row_remap_failure") > 0:
-            result.add(policy.finding("row_remap_failure", "row remapping failed", gpu=gpu))
-        if _num(r, "row_remap_pending") > 0:
-            result.add(
-                policy.finding(
-                    "row_remap_pending", "row remap pending: reset the GPU when convenient", gpu=gpu
-                )
-            )
-        if _num(r, "row_remap_uncorrectable") > 0:
-            result.add(
-                policy.finding(
-                    "row_remap_uncorrectable",
-                    f"{int(_num(r, 'row_remap_uncorrectable'))} rows remapped for uncorrectable errors",
-                    gpu=gpu,
-                )
-            )
-        if _num(r, "retired_pages_pending") > 0:
-            result.add(
-                policy.finding(
-                    "retired_pages_pending", "page retirement pending (reset needed)", gpu=gpu
-                )
-            )
-        if _num(r, "nvlink_errors") > cfg.nvlink_error_threshold:
-            result.add(
-                policy.finding(
-                    "nvlink_errors",
-                    f"{int(_num(r, 'nvlink_errors'))} NVLink CRC/replay/recovery errors",
-                    gpu=gpu,
-                )
-            )
-        if _num(r, "pcie_replay") > cfg.pcie_replay_threshold:
-            result.add(
-                policy.finding(
-                    "pcie_replay", f"{int(_num(r, 'pcie_replay'))} PCIe replays", gpu=gpu
-                )
-            )
-        width, width_max = _num(r, "pcie_width"), _num(r, "pcie_width_max")
-        if width and width_max and width < width_max:
-            result.add(
-                policy.finding(
-                    "pcie_link_degraded",
-                    f"PCIe link x{int(width)} below its maximum x{int(width_max)}",
-                    gpu=gpu,
-                )
-            )
+        _memory_errors(result, gpu, r, policy=policy)
+        _link_errors(result, gpu, r, policy=policy, cfg=cfg)
         _thermal(result, gpu, r, policy=policy, cfg=cfg, tracker=thermal)
+
+
+def _memory_errors(result: ProbeResult, gpu: str, r: dict[str, Any], *, policy: Policy) -> None:
+    """Double-bit ECC errors, row remapping and page retirement of one GPU."""
+    if _num(r, "ecc_dbe_volatile") > 0:
+        result.add(
+            policy.finding(
+                "ecc_dbe_volatile",
+                f"{int(_num(r, 'ecc_dbe_volatile'))} volatile double-bit ECC error(s)",
+                gpu=gpu,
+            )
+        )
+    if _num(r, "ecc_dbe_aggregate") > 0 and _num(r, "ecc_dbe_volatile") == 0:
+        result.add(
+            policy.finding(
+                "ecc_dbe_aggregate",
+                f"{int(_num(r, 'ecc_dbe_aggregate'))} double-bit ECC error(s) since the "
+                "counters were reset",
+                gpu=gpu,
+            )
+        )
+    if _num(r, "row_remap_failure") > 0:
+        result.add(policy.finding("row_remap_failure", "row remapping failed", gpu=gpu))
+    if _num(r, "row_remap_pending") > 0:
+        result.add(
+            policy.finding(
+                "row_remap_pending", "row remap pending: reset the GPU when convenient", gpu=gpu
+            )
+        )
+    if _num(r, "row_remap_uncorrectable") > 0:
+        result.add(
+            policy.finding(
+                "row_remap_uncorrectable",
+                f"{int(_num(r, 'row_remap_uncorrectable'))} rows remapped for uncorrectable errors",
+                gpu=gpu,
+            )
+        )
+    if _num(r, "retired_pages_pending") > 0:
+        result.add(
+            policy.finding(
+                "retired_pages_pending", "page retirement pending (reset needed)", gpu=gpu
+            )
+        )
+
+
+def _link_errors(
+    result: ProbeResult, gpu: str, r: dict[str, Any], *, policy: Policy, cfg: HealthConfig
+) -> None:
+    """NVLink errors, PCIe replays and a PCIe link below its width of one GPU."""
+    if _num(r, "nvlink_errors") > cfg.nvlink_error_threshold:
+        result.add(
+            policy.finding(
+                "nvlink_errors",
+                f"{int(_num(r, 'nvlink_errors'))} NVLink CRC/replay/recovery errors",
+                gpu=gpu,
+            )
+        )
+    if _num(r, "pcie_replay") > cfg.pcie_replay_threshold:
+        result.add(
+            policy.finding("pcie_replay", f"{int(_num(r, 'pcie_replay'))} PCIe replays", gpu=gpu)
+        )
+    width, width_max = _num(r, "pcie_width"), _num(r, "pcie_width_max")
+    if width and width_max and width < width_max:
+        result.add(
+            policy.finding(
+                "pcie_link_degraded",
+                f"PCIe link x{int(width)} below its maximum x{int(width_max)}",
+                gpu=gpu,
+            )
+        )
 
 
 def _xids(

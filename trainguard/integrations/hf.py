@@ -208,7 +208,7 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
         try:
             if self._state:
                 self._ckpt.maybe_save(int(state.global_step), self._state)
-            elif self._ckpt._agree(self._ckpt.preemption.signum is not None)[0]:
+            elif self._ckpt.preemption_agreed():
                 raise SystemExit(REQUEUE_EXIT_CODE)
         except SystemExit as e:
             if e.code != REQUEUE_EXIT_CODE:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +69,24 @@ def _median(values: list[float], default: float = 0.0) -> float:
     return float(statistics.median(values)) if values else default
 
 
-def read_run(run_dir: str | Path) -> RunCosts:
-    """The costs of the run in ``run_dir``; ValueError naming what is missing."""
-    run_dir = Path(run_dir)
+@dataclass
+class _Attempts:
+    """The reference rank's steps, per attempt: when its first step started and its last
+    ended, the step time summed; every first-time step time; the checkpoint stalls."""
+
+    productive_s: float = 0.0
+    first_start: dict[int, float] = field(default_factory=dict)
+    last_end: dict[int, float] = field(default_factory=dict)
+    step_sum: dict[int, float] = field(default_factory=dict)
+    step_times: list[float] = field(default_factory=list)
+    max_step: int = -1
+    stalls: list[float] = field(default_factory=list)
+    stall_steps: set[int] = field(default_factory=set)
+
+
+def _load(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The run's events (by time), its metrics records and its step records; ValueError
+    naming what is missing."""
     events = sorted(read_events(run_dir), key=lambda e: float(e.get("time", 0.0)))
     if not events:
         raise ValueError(
@@ -79,52 +94,42 @@ def read_run(run_dir: str | Path) -> RunCosts:
             "directory (trainguard run --tg-run-dir DIR)"
         )
     recs = _records(run_dir)
-    steps_all = [r for r in recs if r["kind"] == "step" and "step_time_s" in r]
-    if not steps_all:
+    steps = [r for r in recs if r["kind"] == "step" and "step_time_s" in r]
+    if not steps:
         raise ValueError(
             f"{RunDir(run_dir).metrics_dir}: no step records: the run never trained a step"
         )
-    ref = min(int(r.get("rank", 0)) for r in steps_all)
-    mine = sorted((r for r in recs if int(r.get("rank", 0)) == ref), key=lambda r: float(r["time"]))
-    t0 = launch_time(events)  # the same start as trainguard's goodput (launcher start-up in)
-    finished = [float(e["time"]) for e in events if e.get("kind") == "job_finished"]
-    # productive time as trainguard's goodput counts it (a loss rollback takes back the steps
-    # it discarded; steps redone after a restart are not productive)
+    return events, recs, steps
+
+
+def _scan_attempts(records: list[dict[str, Any]]) -> _Attempts:
+    """One rank's records, in time order, into :class:`_Attempts`; productive time as
+    trainguard's goodput counts it (a loss rollback takes back the steps it discarded; steps
+    redone after a restart are not productive)."""
+    out = _Attempts()
     tracker = GoodputTracker()
-    first_start: dict[int, float] = {}
-    last_end: dict[int, float] = {}
-    step_sum: dict[int, float] = {}
-    times: list[float] = []
-    max_step = -1
-    stalls: list[float] = []
-    stall_steps: set[int] = set()
-    for r in mine:
+    for r in records:
         tracker.add(r)
         if r["kind"] == "log":
             v = r.get("checkpoint_stall_s")
             if isinstance(v, int | float) and not isinstance(v, bool):
-                stalls.append(float(v))
-                stall_steps.add(int(r.get("step", 0)))
+                out.stalls.append(float(v))
+                out.stall_steps.add(int(r.get("step", 0)))
             continue
         if r.get("failed"):
             continue
         dt, end, a = float(r["step_time_s"]), float(r["time"]), int(r.get("attempt", 0))
-        max_step = max(max_step, int(r.get("step", 0)))
-        times.append(dt)
-        first_start.setdefault(a, end - dt)
-        last_end[a] = max(last_end.get(a, end), end)
-        step_sum[a] = step_sum.get(a, 0.0) + dt
-    productive = tracker.productive_s
-    if t0 is None:
-        t0 = min(first_start.values())
-    t_end = max(finished) if finished else max(last_end.values())
-    a_first, a_last = min(first_start), max(last_end)
-    startup = (first_start[a_first] - t0) + max(0.0, t_end - last_end[a_last])
-    wall = t_end - t0
+        out.max_step = max(out.max_step, int(r.get("step", 0)))
+        out.step_times.append(dt)
+        out.first_start.setdefault(a, end - dt)
+        out.last_end[a] = max(out.last_end.get(a, end), end)
+        out.step_sum[a] = out.step_sum.get(a, 0.0) + dt
+    out.productive_s = tracker.productive_s
+    return out
 
-    failed = {
-        a: min(float(e["time"]) for e in fevs) for a, fevs in failures_by_attempt(events).items()
-    }
+
+def _restore_times(events: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """Median restore time from the memory tier and from disk (rank 0; None: none seen)."""
     restores: dict[str, list[float]] = {"memory": [], "disk": []}
     for e in events:
         if e.get("kind") == "checkpoint_restored" and e.get("rank", 0) == 0:
@@ -132,37 +137,69 @@ def read_run(run_dir: str | Path) -> RunCosts:
             key = "memory" if "memory" in src else "disk" if src not in ("none", "") else None
             if key:
                 restores[key].append(float(e.get("duration_s") or 0.0))
-    mem_restore = _median(restores["memory"]) if restores["memory"] else None
-    disk_restore = _median(restores["disk"]) if restores["disk"] else None
+    mem = _median(restores["memory"]) if restores["memory"] else None
+    disk = _median(restores["disk"]) if restores["disk"] else None
+    return mem, disk
+
+
+def _detect_and_restart(
+    failed: dict[int, float], att: _Attempts
+) -> tuple[list[float], list[float]]:
+    """Per failed attempt: detection (its last step → the failure) and restart (the failure
+    → the first step of the next attempt)."""
     detects, restarts = [], []
     for a, t_fail in sorted(failed.items()):
-        if a in last_end and last_end[a] <= t_fail:
-            detects.append(t_fail - last_end[a])
-        later = [first_start[b] for b in first_start if b > a]
+        if a in att.last_end and att.last_end[a] <= t_fail:
+            detects.append(t_fail - att.last_end[a])
+        later = [att.first_start[b] for b in att.first_start if b > a]
         if later:
             restarts.append(min(later) - t_fail)
+    return detects, restarts
+
+
+def read_run(run_dir: str | Path) -> RunCosts:
+    """The costs of the run in ``run_dir``; ValueError naming what is missing."""
+    run_dir = Path(run_dir)
+    events, recs, steps_all = _load(run_dir)
+    ref = min(int(r.get("rank", 0)) for r in steps_all)
+    mine = sorted((r for r in recs if int(r.get("rank", 0)) == ref), key=lambda r: float(r["time"]))
+    att = _scan_attempts(mine)
+    t0 = launch_time(events)  # the same start as trainguard's goodput (launcher start-up in)
+    if t0 is None:
+        t0 = min(att.first_start.values())
+    finished = [float(e["time"]) for e in events if e.get("kind") == "job_finished"]
+    t_end = max(finished) if finished else max(att.last_end.values())
+    a_first, a_last = min(att.first_start), max(att.last_end)
+    startup = (att.first_start[a_first] - t0) + max(0.0, t_end - att.last_end[a_last])
+    wall = t_end - t0
+
+    failed = {
+        a: min(float(e["time"]) for e in fevs) for a, fevs in failures_by_attempt(events).items()
+    }
+    mem_restore, disk_restore = _restore_times(events)
+    detects, restarts = _detect_and_restart(failed, att)
     restore_used = mem_restore if mem_restore is not None else (disk_restore or 0.0)
     commits = [e for e in events if e.get("kind") == "checkpoint_committed"]
     committed_steps = sorted({int(e["step"]) for e in commits if e.get("step") is not None})
     gaps = [b - a for a, b in zip(committed_steps, committed_steps[1:], strict=False)]
-    steps_done = max_step + 1
-    mem_every = max(1, round(steps_done / len(stall_steps))) if stall_steps else 0
-    in_attempts = sum(last_end[a] - first_start[a] for a in last_end)
-    running = sum(step_sum.values())
-    stall_total = sum(stalls)
+    steps_done = att.max_step + 1
+    mem_every = max(1, round(steps_done / len(att.stall_steps))) if att.stall_steps else 0
+    in_attempts = sum(att.last_end[a] - att.first_start[a] for a in att.last_end)
+    running = sum(att.step_sum.values())
+    stall_total = sum(att.stalls)
     exposed = max(wall - startup, 1e-9)
     return RunCosts(
         world_size=1 + max(int(r.get("rank", 0)) for r in steps_all),
         wall_s=wall,
-        productive_s=productive,
-        measured_ettr=productive / wall if wall > 0 else 0.0,
+        productive_s=att.productive_s,
+        measured_ettr=att.productive_s / wall if wall > 0 else 0.0,
         startup_s=startup,
-        step_s=_median(times),
+        step_s=_median(att.step_times),
         steps=steps_done,
         failures=len(failed),
         exposed_s=exposed,
         memory_every_steps=mem_every,
-        memory_stall_s=stall_total / len(stalls) if stalls else 0.0,
+        memory_stall_s=stall_total / len(att.stalls) if att.stalls else 0.0,
         disk_every_steps=int(_median([float(g) for g in gaps], 0.0)) if gaps else 0,
         disk_stall_s=_median([float(e.get("stall_s") or 0.0) for e in commits]),
         disk_commit_s=_median([float(e.get("commit_s") or 0.0) for e in commits]),

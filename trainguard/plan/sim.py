@@ -10,7 +10,7 @@ job). Node failures are generated up front per copy as absolute wall times:
   stationary residual life: ``(x / eta)^k ~ Gamma(1 / k)``); a failed node is replaced by a fresh
   one (age 0).
 
-Training time is followed in "running coordinates": from a restored save (index ``j0`` of
+Training time is followed in "running coordinates": from a restored save (index ``seg_save`` of
 memory saves; every ``K``-th is also a disk save) memory cycles of ``tau_m (1 + overhead)``
 work plus the stall repeat. A save is usable ``commit_s`` after its stall ends; an in-flight
 save dies with a failure. Failures follow the model's rules (transient / swap a spare /
@@ -196,156 +196,231 @@ def simulate(
 RUN, REC, DONE = 0, 1, 2
 
 
-def _run(spec: JobSpec, rng: np.random.Generator, jobs: int, horizon: float) -> SimResult | None:
-    cyc = _Cycles(spec)
-    stream = failure_stream(spec, rng, jobs, horizon)
-    width = stream.shape[1]
-    idx = np.arange(jobs)
-    work_total = spec.work_s
-    f, nspare = spec.node_loss_fraction, spec.spares
-    has_mem = spec.memory is not None
-    peer = has_mem and spec.peer_replication
-    r_mem = spec.memory.restore_s if spec.memory else spec.disk.restore_s
-    r_disk = spec.disk.restore_s
+class _Copies:
+    """``jobs`` simulated copies of one job, side by side: one array entry per copy.
 
-    t = np.full(jobs, spec.startup_s)
-    ptr = (stream < t[:, None]).sum(axis=1)  # no failures in start-up
-    phase = np.full(jobs, RUN)
-    j0 = np.zeros(jobs, dtype=np.int64)  # save index the running segment started from
-    t_seg = t.copy()
-    mem_ok = np.zeros(jobs, dtype=np.int64)
-    disk_ok = np.zeros(jobs, dtype=np.int64)
-    target = np.zeros(jobs, dtype=np.int64)
-    target_mem = np.zeros(jobs, dtype=bool)
-    rec_start = np.zeros(jobs)
-    rec_end = np.zeros(jobs)
-    rec_det = np.zeros(jobs)
-    spares = np.full(jobs, nspare)
-    acc = {c: np.zeros(jobs) for c in ("running", "lost", "detection", "restart", "requeue")}
-    nfail = np.zeros(jobs)
-    t_fin = t_seg + cyc.wall_to(j0, work_total)  # when each copy finishes if nothing fails
+    A copy is running (``RUN``: from save ``seg_save``, resumed at wall time ``seg_t0``, done
+    at ``t_done`` unless a failure comes first), recovering (``REC``: detection, then restart
+    and restore, from ``rec_start`` to ``rec_end``, resuming from save ``target``) or done.
+    ``mem_ok`` / ``disk_ok`` are the newest usable saves on each tier; ``next_fail`` points
+    into the copy's row of the failure stream.
+    """
 
-    while True:
-        live = phase != DONE
-        if not live.any():
-            break
-        nf = stream[idx, np.minimum(ptr, width - 1)]
-        # -- recovering copies: done, or fail at nf --------------------------------------------
-        rec = phase == REC
-        done = rec & (nf >= rec_end)
-        acc["detection"][done] += rec_det[done]
-        acc["restart"][done] += (rec_end - rec_start - rec_det)[done]
-        t[done] = rec_end[done]
-        phase[done] = RUN
-        j0[done] = target[done]
-        mem_ok[done] = target[done]
-        t_seg[done] = t[done]
+    def __init__(self, spec: JobSpec, rng: np.random.Generator, jobs: int, horizon: float) -> None:
+        self.spec, self.rng, self.jobs = spec, rng, jobs
+        self.cyc = _Cycles(spec)
+        self.stream = failure_stream(spec, rng, jobs, horizon)
+        self.width = self.stream.shape[1]
+        self.idx = np.arange(jobs)
+        self.has_mem = spec.memory is not None
+        self.peer = self.has_mem and spec.peer_replication
+        self.restore_mem_s = spec.memory.restore_s if spec.memory else spec.disk.restore_s
+        self.restore_disk_s = spec.disk.restore_s
+
+        self.t = np.full(jobs, spec.startup_s)  # each copy's clock
+        self.next_fail = (self.stream < self.t[:, None]).sum(axis=1)  # none in start-up
+        self.phase = np.full(jobs, RUN)
+        self.seg_save = np.zeros(jobs, dtype=np.int64)  # save the running segment started from
+        self.seg_t0 = self.t.copy()
+        self.mem_ok = np.zeros(jobs, dtype=np.int64)
+        self.disk_ok = np.zeros(jobs, dtype=np.int64)
+        self.target = np.zeros(jobs, dtype=np.int64)  # the save a recovery restores
+        self.target_mem = np.zeros(jobs, dtype=bool)  # ... from the memory tier
+        self.rec_start = np.zeros(jobs)
+        self.rec_end = np.zeros(jobs)
+        self.rec_detect = np.zeros(jobs)
+        self.spares = np.full(jobs, spec.spares)
+        self.acc = {
+            c: np.zeros(jobs) for c in ("running", "lost", "detection", "restart", "requeue")
+        }
+        self.failures = np.zeros(jobs)
+        # when each copy finishes if nothing fails
+        self.t_done = self.seg_t0 + self.cyc.wall_to(self.seg_save, spec.work_s)
+
+    def _failure_at(self, copies: np.ndarray | slice) -> np.ndarray:
+        """The next failure time of ``copies`` (+inf past the last)."""
+        idx = self.idx[copies]
+        return self.stream[idx, np.minimum(self.next_fail[copies], self.width - 1)]
+
+    def advance(self) -> bool:
+        """Every live copy to its next event; False once all are done."""
+        if not (self.phase != DONE).any():
+            return False
+        t_next = self._failure_at(slice(None))
+        rec_failed = self._end_recoveries(t_next)
+        run_failed = self._end_runs(t_next)
+        failing = np.nonzero(run_failed | rec_failed)[0]
+        if failing.size:
+            self._fail(failing, t_next[failing], run_failed[failing])
+        return True
+
+    def _end_recoveries(self, t_next: np.ndarray) -> np.ndarray:
+        """Recoveries that end before the next failure resume running; the mask of the ones
+        a failure interrupts."""
+        rec = self.phase == REC
+        done = rec & (t_next >= self.rec_end)
+        self.acc["detection"][done] += self.rec_detect[done]
+        self.acc["restart"][done] += (self.rec_end - self.rec_start - self.rec_detect)[done]
+        self.t[done] = self.rec_end[done]
+        self.phase[done] = RUN
+        self.seg_save[done] = self.target[done]
+        self.mem_ok[done] = self.target[done]
+        self.seg_t0[done] = self.t[done]
         if done.any():
-            t_fin[done] = t_seg[done] + cyc.wall_to(j0[done], work_total)
-        cf = rec & ~done
-        # -- running copies: finish, or fail at nf ---------------------------------------------
-        run = phase == RUN
-        fin = run & (nf >= t_fin)
-        acc["running"][fin] += (t_fin - t)[fin]
-        t[fin] = t_fin[fin]
-        phase[fin] = DONE
-        rf = run & ~fin
-        fail = rf | cf
-        if not fail.any():
-            continue
-        fi = np.nonzero(fail)[0]  # the rest works on the failing copies only
-        tf = nf[fi]
-        nfail[fi] += 1
-        ptr[fi] += 1
-        is_run = rf[fi]
-        # failures while running: how far did the work get, which saves are usable
-        work_f = np.zeros(fi.size)
-        if is_run.any():
-            r = fi[is_run]
-            jr = j0[r]
-            y = tf[is_run] - t_seg[r]
-            _, work_f[is_run] = cyc.advance(jr, y)
-            i_m, _ = cyc.advance(jr, np.maximum(y - cyc.cm, 0.0))
-            m_new = np.where(y >= cyc.cm, jr + i_m, jr)
-            i_d, _ = cyc.advance(jr, np.maximum(y - cyc.cd, 0.0))
-            d_last = ((jr + i_d) // cyc.k) * cyc.k
-            d_new = np.where((y >= cyc.cd) & (d_last > jr), d_last, disk_ok[r])
-            mem_ok[r] = np.maximum(mem_ok[r], m_new)
-            disk_ok[r] = np.maximum(disk_ok[r], d_new)
-            acc["running"][r] += tf[is_run] - t[r]
-        # interrupted recoveries: account the part done
-        is_rec = ~is_run
-        if is_rec.any():
-            c = fi[is_rec]
-            e = tf[is_rec] - rec_start[c]
-            det = np.minimum(e, rec_det[c])
-            acc["detection"][c] += det
-            acc["restart"][c] += e - det
-        # kind of failure
-        node = rng.random(fi.size) < f
-        sp = spares[fi]
-        swap = node & (sp > 0)
-        requeue = node & ~swap
-        spares[fi] = np.where(swap, sp - 1, np.where(requeue, nspare, sp))
-        mem_possible = np.where(node, peer & ~requeue, has_mem)
-        # restore point
-        mo, do, tg = mem_ok[fi], disk_ok[fi], target[fi]
-        new_target = np.where(mem_possible, np.maximum(mo, do), do)
-        downgrade = is_rec & ~mem_possible & (tg > do)
-        acc["lost"][fi] += np.where(is_run, work_f - new_target * cyc.tau, 0.0) + np.where(
-            downgrade, (tg - do) * cyc.tau, 0.0
-        )
-        target[fi] = np.where(is_run, new_target, np.where(downgrade, do, tg))
-        tm = np.where(is_run, mem_possible, target_mem[fi] & mem_possible)
-        target_mem[fi] = tm
-        mem_ok[fi] = np.where(mem_possible, mo, do)
-        # the recovery
-        restore = np.where(tm & has_mem, r_mem, r_disk)
-        t_start = tf.copy()
-        if requeue.any():
-            q = fi[requeue]
-            t_start[requeue] = tf[requeue] + spec.detect_s + spec.requeue_s
-            acc["detection"][q] += spec.detect_s
-            acc["requeue"][q] += spec.requeue_s
-            # the job holds no nodes while it waits: failures in that window do not hit it
-            tq = t_start[requeue]
-            late = stream[q, np.minimum(ptr[q], width - 1)] < tq
-            while late.any():
-                ptr[q] += late
-                late &= stream[q, np.minimum(ptr[q], width - 1)] < tq
-        det_len = np.where(requeue, 0.0, spec.detect_s)
-        x = det_len + np.where(swap, spec.swap_s, 0.0) + spec.restart_s + restore
-        rec_start[fi] = t_start
-        rec_det[fi] = det_len
-        rec_end[fi] = t_start + x
-        t[fi] = tf
-        phase[fi] = REC
+            self.t_done[done] = self.seg_t0[done] + self.cyc.wall_to(
+                self.seg_save[done], self.spec.work_s
+            )
+        return rec & ~done
 
-    if (t > horizon).any():
-        return None
-    wall = t
-    work_done = work_total + acc["lost"]
-    stall_other = acc["running"] - work_done
-    other = work_done * spec.overhead_fraction
-    by_cause = {
-        "checkpoint_stall": stall_other - other,
-        "lost_work": acc["lost"],
-        "restart": acc["restart"],
-        "detection": acc["detection"],
-        "requeue": acc["requeue"],
-        "startup": np.full(jobs, spec.startup_s),
-        "other": other,
-    }
-    total_wall = float(wall.sum())
-    ettr = work_total * jobs / total_wall
-    # ratio estimator's standard error (delta method over copies)
-    per = work_total / wall
-    stderr = float(np.std(per, ddof=1) / math.sqrt(jobs)) if jobs > 1 else float("nan")
-    return SimResult(
-        ettr=ettr,
-        ettr_stderr=stderr,
-        jobs=jobs,
-        job_days=total_wall / 86400.0,
-        failures_per_job=float(nfail.mean()),
-        badput_fraction={c: float(by_cause[c].sum()) / total_wall for c in CAUSES},
-    )
+    def _end_runs(self, t_next: np.ndarray) -> np.ndarray:
+        """Runs that reach the end of the work before the next failure are done; the mask of
+        the ones a failure interrupts."""
+        run = self.phase == RUN
+        fin = run & (t_next >= self.t_done)
+        self.acc["running"][fin] += (self.t_done - self.t)[fin]
+        self.t[fin] = self.t_done[fin]
+        self.phase[fin] = DONE
+        return run & ~fin
+
+    def _fail(self, failing: np.ndarray, t_fail: np.ndarray, was_running: np.ndarray) -> None:
+        """A failure at ``t_fail`` hits the copies ``failing`` (running or recovering)."""
+        spec = self.spec
+        self.failures[failing] += 1
+        self.next_fail[failing] += 1
+        work_at_fail = self._stop_runs(failing[was_running], t_fail[was_running])
+        work = np.zeros(failing.size)
+        work[was_running] = work_at_fail
+        self._stop_recoveries(failing[~was_running], t_fail[~was_running])
+        # kind of failure: transient, a node lost and a spare swapped in, or a requeue
+        node = self.rng.random(failing.size) < spec.node_loss_fraction
+        spares = self.spares[failing]
+        swap = node & (spares > 0)
+        requeue = node & ~swap
+        self.spares[failing] = np.where(swap, spares - 1, np.where(requeue, spec.spares, spares))
+        mem_possible = np.where(node, self.peer & ~requeue, self.has_mem)
+        from_mem = self._restore_point(failing, was_running, work, mem_possible)
+        self._start_recoveries(failing, t_fail, from_mem, swap, requeue)
+
+    def _stop_runs(self, copies: np.ndarray, t_fail: np.ndarray) -> np.ndarray:
+        """Running copies failing at ``t_fail``: how far the work got (returned), and which
+        saves had committed on each tier by then."""
+        cyc = self.cyc
+        if not copies.size:
+            return np.zeros(0)
+        start = self.seg_save[copies]
+        y = t_fail - self.seg_t0[copies]  # wall time run since the restore
+        _, work = cyc.advance(start, y)
+        saves_m, _ = cyc.advance(start, np.maximum(y - cyc.cm, 0.0))
+        mem_new = np.where(y >= cyc.cm, start + saves_m, start)
+        saves_d, _ = cyc.advance(start, np.maximum(y - cyc.cd, 0.0))
+        disk_last = ((start + saves_d) // cyc.k) * cyc.k
+        disk_new = np.where((y >= cyc.cd) & (disk_last > start), disk_last, self.disk_ok[copies])
+        self.mem_ok[copies] = np.maximum(self.mem_ok[copies], mem_new)
+        self.disk_ok[copies] = np.maximum(self.disk_ok[copies], disk_new)
+        self.acc["running"][copies] += t_fail - self.t[copies]
+        return work
+
+    def _stop_recoveries(self, copies: np.ndarray, t_fail: np.ndarray) -> None:
+        """Recoveries a failure interrupts at ``t_fail``: account the part done."""
+        if not copies.size:
+            return
+        elapsed = t_fail - self.rec_start[copies]
+        detect = np.minimum(elapsed, self.rec_detect[copies])
+        self.acc["detection"][copies] += detect
+        self.acc["restart"][copies] += elapsed - detect
+
+    def _restore_point(
+        self,
+        failing: np.ndarray,
+        was_running: np.ndarray,
+        work: np.ndarray,
+        mem_possible: np.ndarray,
+    ) -> np.ndarray:
+        """The save each failing copy will restore, the work lost to it; whether it comes
+        from the memory tier (returned)."""
+        tau = self.cyc.tau
+        mem, disk, target = self.mem_ok[failing], self.disk_ok[failing], self.target[failing]
+        new_target = np.where(mem_possible, np.maximum(mem, disk), disk)
+        # a recovery that needed the memory tier, now gone: back to the disk save
+        downgrade = ~was_running & ~mem_possible & (target > disk)
+        self.acc["lost"][failing] += np.where(was_running, work - new_target * tau, 0.0) + np.where(
+            downgrade, (target - disk) * tau, 0.0
+        )
+        self.target[failing] = np.where(was_running, new_target, np.where(downgrade, disk, target))
+        from_mem = np.where(was_running, mem_possible, self.target_mem[failing] & mem_possible)
+        self.target_mem[failing] = from_mem
+        self.mem_ok[failing] = np.where(mem_possible, mem, disk)
+        return from_mem
+
+    def _start_recoveries(
+        self,
+        failing: np.ndarray,
+        t_fail: np.ndarray,
+        from_mem: np.ndarray,
+        swap: np.ndarray,
+        requeue: np.ndarray,
+    ) -> None:
+        """Each failing copy starts recovering: detection (none for a requeue, which waits
+        for its allocation first), a spare swapped in, restart, restore."""
+        spec = self.spec
+        restore = np.where(from_mem & self.has_mem, self.restore_mem_s, self.restore_disk_s)
+        t_start = t_fail.copy()
+        if requeue.any():
+            queued = failing[requeue]
+            t_start[requeue] = t_fail[requeue] + spec.detect_s + spec.requeue_s
+            self.acc["detection"][queued] += spec.detect_s
+            self.acc["requeue"][queued] += spec.requeue_s
+            # the job holds no nodes while it waits: failures in that window do not hit it
+            t_back = t_start[requeue]
+            late = self._failure_at(queued) < t_back
+            while late.any():
+                self.next_fail[queued] += late
+                late &= self._failure_at(queued) < t_back
+        detect = np.where(requeue, 0.0, spec.detect_s)
+        length = detect + np.where(swap, spec.swap_s, 0.0) + spec.restart_s + restore
+        self.rec_start[failing] = t_start
+        self.rec_detect[failing] = detect
+        self.rec_end[failing] = t_start + length
+        self.t[failing] = t_fail
+        self.phase[failing] = REC
+
+    def result(self, horizon: float) -> SimResult | None:
+        """ETTR and badput by cause over the copies; None if a copy ran past ``horizon``
+        (the failure stream would have ended early)."""
+        spec, jobs, acc = self.spec, self.jobs, self.acc
+        if (self.t > horizon).any():
+            return None
+        wall = self.t
+        work_done = spec.work_s + acc["lost"]
+        stall_other = acc["running"] - work_done
+        other = work_done * spec.overhead_fraction
+        by_cause = {
+            "checkpoint_stall": stall_other - other,
+            "lost_work": acc["lost"],
+            "restart": acc["restart"],
+            "detection": acc["detection"],
+            "requeue": acc["requeue"],
+            "startup": np.full(jobs, spec.startup_s),
+            "other": other,
+        }
+        total_wall = float(wall.sum())
+        ettr = spec.work_s * jobs / total_wall
+        # ratio estimator's standard error (delta method over copies)
+        per = spec.work_s / wall
+        stderr = float(np.std(per, ddof=1) / math.sqrt(jobs)) if jobs > 1 else float("nan")
+        return SimResult(
+            ettr=ettr,
+            ettr_stderr=stderr,
+            jobs=jobs,
+            job_days=total_wall / 86400.0,
+            failures_per_job=float(self.failures.mean()),
+            badput_fraction={c: float(by_cause[c].sum()) / total_wall for c in CAUSES},
+        )
+
+
+def _run(spec: JobSpec, rng: np.random.Generator, jobs: int, horizon: float) -> SimResult | None:
+    """One simulation of ``jobs`` copies up to ``horizon``; None if that was too short."""
+    copies = _Copies(spec, rng, jobs, horizon)
+    while copies.advance():
+        pass
+    return copies.result(horizon)

@@ -139,6 +139,16 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         """This agent's restarts (torchrun's TORCHELASTIC_RESTART_COUNT)."""
         return self.worker_group.spec.max_restarts - self.remaining_restarts
 
+    def _restart_possible(self) -> bool:
+        """Whether the local workers can still be restarted: restarts left, or more than one
+        node (a membership change restarts them without using one). Warm processes are started
+        only then: one that can never serve would import torch for nothing (a ``--max-restarts
+        0`` job on one node, torchrun's default, or one whose last restart is used)."""
+        if self.remaining_restarts > 0:
+            return True
+        launch = self.ctx.launch_config
+        return launch is None or launch.max_nodes > 1
+
     def event_context(self) -> dict[str, Any]:
         ctx = {"attempt": max(self.attempt, 0), "agent_restarts": self.agent_restarts}
         if self.inprocess.generation:
@@ -315,7 +325,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self.inprocess.check(worker_group)  # before torch's poll, which stops every worker
         result = super().monitor_workers(worker_group)
-        if self.warm_pool is not None:
+        if self.warm_pool is not None and self._restart_possible():
             for local_rank in self.warm_pool.tick():
                 pid = self.warm_pool.ready().get(local_rank)
                 self.events.emit("warm_ready", local_rank=local_rank, pid=pid)

@@ -3,8 +3,20 @@
 The script allocates ``nodes + spares`` nodes and starts one ``trainguard slurm agent`` (a
 ``trainguard run`` that reads the Slurm environment) per node with ``--nnodes N:N``: N agents
 train, the other K wait in torch's rendezvous redundancy list and join the next round when a
-node is lost. The rendezvous runs in the agent on the allocation's first node (c10d) or in
-etcd. Every value that comes from the user is shell-quoted.
+node is lost. The rendezvous runs on the cluster's etcd (``[slurm] etcd_endpoint``: trainguard's
+etcd-v3 backend, no rendezvous state on any node of the job) or, with no etcd named, in the agent
+on the allocation's first node (c10d: that node's loss ends the round for every agent). Every
+value that comes from the user is shell-quoted.
+
+The batch host (the allocation's first node) runs this script. Slurm keeps a ``--no-kill`` job
+RUNNING when its batch host fails, without the script that would end it (measured on Slurm
+22.05: the job keeps its other nodes, with no step, until its time limit). So the script also
+advances a counter in the run directory every second (the *batch beacon*); the agents on the
+other nodes watch it, and when it stood still for ``[slurm] batch_dead_after_s`` one of them
+drains the batch host, resubmits the job without it and cancels the orphaned job
+(:func:`trainguard.slurm.finish.take_over`). A resubmitted job may start at once; a requeued one
+(``scontrol requeue``) only after Slurm's credential expiry (``AuthInfo`` ``cred_expire`` + 1 s,
+121 s by default).
 
 The preemption signal is ``--signal=USR1@grace`` *without* ``B:``. Slurm then sends it to every
 process of the job's steps (measured on Slurm 22.05: the agent and its workers each get one;
@@ -44,6 +56,14 @@ Its presence also tells the agents they run in a ``trainguard sbatch`` job (they
 nodes: trainguard.runtime.registry)."""
 RESUBMITS_ENV = "TRAINGUARD_SBATCH_RESUBMITS"
 """How many times the chain has been resubmitted so far."""
+RUN_DIR_ENV = "TRAINGUARD_SBATCH_RUN_DIR"
+"""The chain's run directory (holds ``job.sbatch``, the events and the batch beacon)."""
+BATCH_HOST_ENV = "TRAINGUARD_SBATCH_BATCH_HOST"
+"""The node that runs the batch script (``SLURMD_NODENAME`` of the batch shell)."""
+BEACON_ENV = "TRAINGUARD_SBATCH_BATCH_BEACON"
+"""The batch beacon's file: a counter the batch shell advances every second."""
+CONFIG_ENV = "TRAINGUARD_SBATCH_CONFIG"
+"""The trainguard.toml handed to the job (its [slurm] section), when there is one."""
 
 
 def valid_time(t: str) -> bool:
@@ -149,8 +169,8 @@ class BatchRequest:
             f'--output="$RUN_DIR/logs/agent-%j-%t.out" {tg} slurm agent',
             f"--nnodes {self.nodes}:{self.nodes}",
         ]
-        if cfg.rdzv_backend == "etcd":
-            parts.append(f"--rdzv-backend etcd --rdzv-endpoint {_q(cfg.etcd_endpoint)}")
+        if cfg.rendezvous == "etcd-v3":
+            parts.append(f"--rdzv-backend etcd-v3 --rdzv-endpoint {_q(cfg.etcd_endpoint)}")
         else:
             parts.append('--rdzv-backend c10d --rdzv-endpoint "$RDZV_ADDR:$RDZV_PORT"')
         parts.append(f'--rdzv-id "$RUN_ID" --rdzv-conf join_timeout={cfg.join_timeout_s}')
@@ -189,8 +209,18 @@ class BatchRequest:
             '[ -e "$RUN_DIR/job.sbatch" ] || cp "$0" "$RUN_DIR/job.sbatch"',
             f'ln -sfn "slurm-$RUN_ID" {runs_root}/"job-$SLURM_JOB_ID"',
             "export TRAINGUARD_RUNTIME_PREEMPTION_SIGNALS_DIRECT=1",
+            f'export {RUN_DIR_ENV}="$RUN_DIR" {BATCH_HOST_ENV}="${{SLURMD_NODENAME:-}}"',
+            f'export {BEACON_ENV}="$RUN_DIR/batch-$SLURM_JOB_ID.alive"',
         ]
-        if cfg.rdzv_backend == "c10d":
+        if self.config_file:
+            lines.append(f"export {CONFIG_ENV}={_q(self.config_file)}")
+        lines += [
+            "# the batch beacon (while this shell, then its finish step, lives): when it stands",
+            "# still, an agent on another node resubmits the job",
+            f"( trap '' {cfg.signal_name}; n=0; while kill -0 $$ 2>/dev/null; do n=$((n + 1)); "
+            f'echo "$n" > "${BEACON_ENV}"; sleep 1; done ) >/dev/null 2>&1 &',
+        ]
+        if cfg.rendezvous == "c10d":
             lines += [
                 'RDZV_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
                 'RDZV_ADDR=$(scontrol show node -o "$RDZV_NODE" '

@@ -84,6 +84,16 @@ class SlurmCli(Protocol):
         ``AuthInfo`` ``cred_expire`` + 1 s (default 121 s)."""
         ...
 
+    def cancel(self, job_id: str) -> None:
+        """``scancel JOB``; raises SlurmError."""
+        ...
+
+    def down(self, node: str, reason: str) -> None:
+        """``scontrol update nodename=NODE state=down reason=REASON``: Slurm ends the node's
+        part in every job at once (it would wait ``SlurmdTimeout`` to find a dead node
+        itself); raises SlurmError."""
+        ...
+
 
 def _first_error(text: str) -> str:
     for line in text.splitlines():
@@ -205,6 +215,12 @@ class CommandSlurm:
 
     def requeue(self, job_id: str) -> None:
         self._run(["scontrol", "requeue", str(job_id)])
+
+    def cancel(self, job_id: str) -> None:
+        self._run(["scancel", str(job_id)])
+
+    def down(self, node: str, reason: str) -> None:
+        self._run(["scontrol", "update", f"nodename={node}", "state=down", f"reason={reason}"])
 
 
 def make_slurm() -> SlurmCli:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from trainguard.core.chaos import CHAOS_ENV
 from trainguard.core.config.slurm import SlurmConfig
 from trainguard.core.event_kinds import JOB_FINISHED, NODE_DRAINED
 from trainguard.core.events import EventLog, read_events
@@ -34,8 +33,10 @@ from trainguard.core.fencing import NodeFencer
 from trainguard.core.jobstate import JobState
 from trainguard.slurm.batch import CHAIN_ENV, RESUBMITS_ENV
 from trainguard.slurm.cli import SlurmCli, SlurmError
+from trainguard.slurm.fencer import SlurmFencer
+from trainguard.testing.chaos import CHAOS_ENV
 
-__all__ = ["Action", "Decision", "decide", "finish", "node_states"]
+__all__ = ["Action", "Decision", "decide", "finish", "node_states", "take_over"]
 
 
 class Action(str, Enum):
@@ -101,7 +102,9 @@ def decide(
             Action.REQUEUE,
             REQUEUE_EXIT_CODE,
             lost,
-            message="preemption checkpoint committed: requeueing the job",
+            # the job keeps its id, priority and place; Slurm's wait is the price
+            message="preemption checkpoint committed: requeueing the job (Slurm starts it "
+            "again only after AuthInfo cred_expire + 1 s, 121 s by default)",
         )
     code = rc if rc != 0 else 1
     if not lost:
@@ -171,25 +174,112 @@ def finish(
         except SlurmError as e:
             say(f"trainguard: scontrol requeue {job_id} failed: {e}")
     elif d.action is Action.RESUBMIT:
-        chain = env.get(CHAIN_ENV) or job_id
-        extra = [
-            f"--exclude={','.join(d.exclude)}",
-            f"--export=ALL,{CHAIN_ENV}={chain},{RESUBMITS_ENV}={resubmits + 1}",
-        ]
-        try:
-            with open(script, encoding="utf-8") as f:
-                text = f.read()
-            # the new job starts from attempt 0 again: injected faults would fire once more
-            clean = {
-                k: v
-                for k, v in env.items()
-                if (not k.startswith("SLURM_") or k == "SLURM_CONF") and k != CHAOS_ENV
-            }
-            new_id = slurm.submit(text, extra, env=clean)
-        except (OSError, SlurmError) as e:
-            say(f"trainguard: resubmission of job {job_id} failed: {e}")
-            log.emit("resubmit_failed", job_id=job_id, error=str(e))
-        else:
-            say(f"trainguard: resubmitted as job {new_id} (--exclude={','.join(d.exclude)})")
-            log.emit("resubmit", job_id=job_id, new_job_id=new_id, exclude=d.exclude)
+        _resubmit(slurm, log, env, script, d.exclude, resubmits, job_id, say)
     return d.exit_code
+
+
+def _resubmit(
+    slurm: SlurmCli,
+    log: EventLog,
+    env: dict[str, str],
+    script: str,
+    exclude: list[str],
+    resubmits: int,
+    job_id: str,
+    say: Any,
+) -> str | None:
+    """Submit the chain's batch script again without ``exclude``; the new job id or None."""
+    chain = env.get(CHAIN_ENV) or job_id
+    extra = [
+        f"--exclude={','.join(exclude)}",
+        f"--export=ALL,{CHAIN_ENV}={chain},{RESUBMITS_ENV}={resubmits + 1}",
+    ]
+    try:
+        with open(script, encoding="utf-8") as f:
+            text = f.read()
+        # the new job starts from attempt 0 again: injected faults would fire once more; the
+        # job's own variables (and the batch host's) are not the new job's
+        clean = {
+            k: v
+            for k, v in env.items()
+            if (not k.startswith(("SLURM_", "SLURMD_", "TRAINGUARD_SBATCH_")) or k == "SLURM_CONF")
+            and k != CHAOS_ENV
+        }
+        new_id = slurm.submit(text, extra, env=clean)
+    except (OSError, SlurmError) as e:
+        say(f"trainguard: resubmission of job {job_id} failed: {e}")
+        log.emit("resubmit_failed", job_id=job_id, error=str(e))
+        return None
+    say(f"trainguard: resubmitted as job {new_id} (--exclude={','.join(exclude)})")
+    log.emit("resubmit", job_id=job_id, new_job_id=new_id, exclude=exclude)
+    return new_id
+
+
+def take_over(
+    *,
+    batch_host: str,
+    run_dir: str,
+    script: str,
+    cfg: SlurmConfig,
+    slurm: SlurmCli,
+    fencer: NodeFencer,
+    env: dict[str, str] | None = None,
+    say: Any = print,
+) -> bool:
+    """The batch host of this job is lost (its batch beacon stood still): do what the batch
+    script can no longer do. Exactly one agent of the job acts (the first to create the job's
+    takeover file in the shared run directory); it drains the batch host, resubmits the job
+    without it (while ``[slurm] max_resubmits`` allows) and cancels this job, which Slurm would
+    keep RUNNING without a batch script until its time limit. Returns whether this agent
+    acted."""
+    env = dict(os.environ if env is None else env)
+    job_id = env.get("SLURM_JOB_ID", "")
+    node = env.get("SLURMD_NODENAME") or None
+    try:
+        fd = os.open(
+            os.path.join(run_dir, f"takeover-{job_id}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644
+        )
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{node}\n")
+    log = EventLog(run_dir, node=node)
+    events = list(read_events(run_dir))
+    resubmits = int(env.get(RESUBMITS_ENV, "0") or 0)
+    exclude = sorted({batch_host} | set(drained_by_trainguard(events)) | set(cfg.blocklist))
+    if resubmits < cfg.max_resubmits:
+        action = Action.RESUBMIT
+        message = (
+            f"batch host {batch_host} lost: resubmitting without {','.join(exclude)} "
+            f"({resubmits + 1} of {cfg.max_resubmits})"
+        )
+    else:
+        action = Action.FAIL
+        message = (
+            f"batch host {batch_host} lost and no resubmission left ({resubmits} of "
+            f"[slurm] max_resubmits = {cfg.max_resubmits} used)"
+        )
+    say(f"trainguard: job {job_id}: {action.value}: {message}")
+    # Down, not only drained: the job's resources are freed only when all its nodes are done
+    # with it, and Slurm finds a dead node itself only after SlurmdTimeout (300 s by default):
+    # until then the resubmitted job could not have the job's other nodes.
+    reason = SlurmFencer.reason(f"batch host of job {job_id} lost (node failed or unreachable)")
+    if cfg.drain == "record":
+        fenced, detail = False, f"node {batch_host} not set down (record only): {reason}"
+    else:
+        try:
+            slurm.down(batch_host, reason)
+            fenced, detail = True, f"set node {batch_host} down: {reason}"
+        except SlurmError as e:
+            res = fencer.fence(batch_host, reason)
+            fenced, detail = res.fenced, f"could not set node {batch_host} down ({e}); {res.detail}"
+    log.emit("node_drained", node_name=batch_host, fenced=fenced, detail=detail, job_id=job_id)
+    say(f"trainguard: {detail}")
+    log.emit("slurm_finish", action=action.value, rc=None, job_id=job_id, message=message)
+    if action is Action.RESUBMIT:
+        _resubmit(slurm, log, env, script, exclude, resubmits, job_id, say)
+    try:  # this agent ends with it
+        slurm.cancel(job_id)
+    except SlurmError as e:
+        say(f"trainguard: scancel {job_id} failed: {e}")
+    return True

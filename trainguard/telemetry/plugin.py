@@ -344,8 +344,6 @@ class TelemetryPlugin(AgentPlugin):
                 ctx.attempt, group_rank=group.group_rank or 0, world_size=world
             )
         os.environ[TRACEPARENT_ENV] = tp
-        os.environ["TRAINGUARD_TELEMETRY_TRACE_EVERY_N_STEPS"] = str(self.cfg.trace_every_n_steps)
-        os.environ["TRAINGUARD_TELEMETRY_FLUSH_INTERVAL_S"] = str(self.cfg.flush_interval_s)
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="tg-telemetry", daemon=True)
             self._thread.start()

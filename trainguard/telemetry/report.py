@@ -334,39 +334,21 @@ table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;paddin
 """
 
 
-def render_report(
-    data: RunData, *, peak_override: float | None = None, progress: Progress | None = None
-) -> str:
-    say = progress or (lambda s: None)
-    t0 = data.t0
-    ref = min(data.records) if data.records else None
-    ref_recs = data.records.get(ref, []) if ref is not None else []
-    finished = [e for e in data.events if e.get("kind") == "job_finished"]
-    last_t = max(
-        [float(e["time"]) for e in data.events]
-        + [float(r["time"]) for recs in data.records.values() for r in recs[-1:] if "time" in r]
-        + [t0]
-    )
-    t_end = last_t - t0
-    say("computing goodput")
-    all_recs = [r for recs in data.records.values() for r in recs]
-    g: Goodput = compute_goodput(data.events, all_recs)
-    failures = _failure_rows(data, t0)
-    rollbacks = [e for e in data.events if e.get("kind") in ("loss_rollback", "rollback_exhausted")]
-    health = [e for e in data.events if _is_health_incident(e)]
-    attempts = sorted({int(e.get("attempt", 0)) for e in data.events} | {0})
-    state = finished[-1].get("state", "?") if finished else "running or crashed"
-    run_id = data.run_dir.name
+_CURVES = (
+    ("Loss", ("loss",)),
+    ("Reward", ("reward", "reward_mean")),
+    ("KL to reference", ("kl",)),
+    ("Entropy", ("entropy",)),
+)
+"""Training curves: title, the metric keys that feed it (the first a rank logs)."""
+_ALWAYS_SHOWN = ("Loss", "Reward", "KL to reference")
+"""Curves drawn (as "no data") even when no rank logs them."""
 
-    say("plotting training curves")
+
+def _training_curves(data: RunData, t0: float) -> list[str]:
     step_markers = _restart_markers(data, t0, "step")
     curves = []
-    for title, keys in (
-        ("Loss", ("loss",)),
-        ("Reward", ("reward", "reward_mean")),
-        ("KL to reference", ("kl",)),
-        ("Entropy", ("entropy",)),
-    ):
+    for title, keys in _CURVES:
         series = {}
         for rank, recs in sorted(data.records.items()):
             for k in keys:
@@ -374,13 +356,15 @@ def render_report(
                 if pts:
                     series[f"rank {rank}"] = pts
                     break
-        if series or title in ("Loss", "Reward", "KL to reference"):
+        if series or title in _ALWAYS_SHOWN:
             curves.append(
                 svg.line_chart(series, title=title, xlabel="step", markers=step_markers, width=460)
             )
+    return curves
 
-    say("plotting throughput and MFU")
-    peak = _peak(data, peak_override)
+
+def _speed_charts(data: RunData, t0: float, peak: float | None) -> list[str]:
+    """Throughput per device and MFU (with a known peak) over time, per rank."""
     time_markers = _restart_markers(data, t0, "time")
     tput: dict[str, list[tuple[float, float]]] = {}
     mfu: dict[str, list[tuple[float, float]]] = {}
@@ -398,41 +382,96 @@ def render_report(
                          for s in steps if s.get("flops") and s["step_time_s"] > 0], t0)  # fmt: skip
             if m:
                 mfu[f"rank {rank}"] = m
-    speed = [
+    return [
         svg.line_chart(tput, title=f"Throughput ({unit} per device)", xlabel="seconds since launch",
                        markers=time_markers, width=460),
         svg.line_chart(mfu, title="MFU (%)" if peak else "MFU (peak FLOP/s unknown: omitted)",
                        xlabel="seconds since launch", markers=time_markers, width=460),
     ]  # fmt: skip
 
-    say("building timeline and heatmap")
+
+def _goodput_section(g: Goodput, ettr: str) -> str:
+    """The wall-time bar (productive and lost by cause) and its table."""
     parts = {"productive": g.productive_s, **{c: g.lost_s.get(c, 0.0) for c in LOSS_CAUSES}}
-    goodput_rows = "".join(
+    rows = "".join(
         f"<tr><td>{escape(k)}</td><td>{v:.2f} s</td><td>{100 * v / g.total_s:.1f} %</td></tr>"
         if g.total_s
         else ""
         for k, v in parts.items()
     )
-    ettr = f"{100 * g.ettr:.1f} %" if g.ettr is not None else "n/a"
-    n_steps = len(_steps(ref_recs))
-    summary = {
-        "run": run_id,
-        "state": state,
+    bar = svg.bar_breakdown(
+        parts, title=f"Wall time {g.total_s:.1f} s, ETTR {ettr}", colors=GOODPUT_COLORS
+    )
+    return f"{bar}\n<table>{rows}</table>"
+
+
+def _summary(
+    data: RunData,
+    *,
+    t_end: float,
+    failures: list[dict[str, Any]],
+    rollbacks: list[dict[str, Any]],
+    ettr: str,
+    peak: float | None,
+) -> dict[str, Any]:
+    """The key-value table at the top of the report."""
+    t0 = data.t0
+    finished = [e for e in data.events if e.get("kind") == "job_finished"]
+    attempts = sorted({int(e.get("attempt", 0)) for e in data.events} | {0})
+    ref = min(data.records) if data.records else None
+    ref_recs = data.records.get(ref, []) if ref is not None else []
+    roots = _root_causes(failures)
+    return {
+        "run": data.run_dir.name,
+        "state": finished[-1].get("state", "?") if finished else "running or crashed",
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0)) if t0 else "?",
         "wall time": f"{t_end:.1f} s",
         "attempts": len(attempts),
         # a failure is its root cause; the ranks torch's teardown stopped are the recovery
-        "worker failures": len(_root_causes(failures)),
+        "worker failures": len(roots),
         "loss rollbacks": len(rollbacks),
         "ranks stopped by the recovery": len(
             [f for f in failures if f.get("kind") == "worker_failed"]
         )
-        - len([f for f in _root_causes(failures) if f.get("kind") == "worker_failed"]),
+        - len([f for f in roots if f.get("kind") == "worker_failed"]),
         "ranks": len(data.records),
-        "steps (lowest rank)": n_steps,
+        "steps (lowest rank)": len(_steps(ref_recs)),
         "ETTR": ettr,
         "peak FLOP/s": f"{peak:.3g}" if peak else "unknown",
     }
+
+
+def render_report(
+    data: RunData, *, peak_override: float | None = None, progress: Progress | None = None
+) -> str:
+    """The self-contained HTML report of ``data`` (``progress`` hears each stage)."""
+    say = progress or (lambda s: None)
+    t0 = data.t0
+    last_t = max(
+        [float(e["time"]) for e in data.events]
+        + [float(r["time"]) for recs in data.records.values() for r in recs[-1:] if "time" in r]
+        + [t0]
+    )
+    t_end = last_t - t0
+    say("computing goodput")
+    all_recs = [r for recs in data.records.values() for r in recs]
+    g: Goodput = compute_goodput(data.events, all_recs)
+    failures = _failure_rows(data, t0)
+    rollbacks = [e for e in data.events if e.get("kind") in ("loss_rollback", "rollback_exhausted")]
+    health = [e for e in data.events if _is_health_incident(e)]
+    run_id = data.run_dir.name
+
+    say("plotting training curves")
+    curves = _training_curves(data, t0)
+    say("plotting throughput and MFU")
+    peak = _peak(data, peak_override)
+    speed = _speed_charts(data, t0, peak)
+
+    say("building timeline and heatmap")
+    ettr = f"{100 * g.ettr:.1f} %" if g.ettr is not None else "n/a"
+    summary = _summary(
+        data, t_end=t_end, failures=failures, rollbacks=rollbacks, ettr=ettr, peak=peak
+    )
     kv = "".join(
         f"<tr><td>{escape(k)}</td><td>{escape(str(v))}</td></tr>" for k, v in summary.items()
     )
@@ -446,8 +485,7 @@ def render_report(
 <h2>Training</h2><div class="charts" id="training">{"".join(curves)}</div>
 <h2>Throughput and MFU</h2><div class="charts" id="speed">{"".join(speed)}</div>
 <h2>Goodput</h2><div id="goodput">
-{svg.bar_breakdown(parts, title=f"Wall time {g.total_s:.1f} s, ETTR {ettr}", colors=GOODPUT_COLORS)}
-<table>{goodput_rows}</table></div>
+{_goodput_section(g, ettr)}</div>
 <h2>Timeline</h2><div id="timeline">{_timeline(data, t0, t_end)}</div>
 <h2>Step time per rank</h2><div id="heatmap">{_heatmap(data)}</div>
 <h2>Failures</h2><div id="failures">{_table(failures, ["time", "kind", "attempt", "rank", "cause", "exitcode", "signal", "message"], t0, "tg-failure-row")}</div>

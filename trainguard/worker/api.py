@@ -20,16 +20,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainguard.core import envvars
-from trainguard.core.chaos import WorkerChaos
 from trainguard.core.config import ConfigError, load_worker_section
+from trainguard.core.config.telemetry import TelemetryConfig
 from trainguard.core.events import EventLog
 from trainguard.core.failures import peer_failure
 from trainguard.core.progress import ProgressWriter, progress_path
 from trainguard.core.rundir import RunDir
 from trainguard.telemetry.spans import TRACEPARENT_ENV, SpanRecorder
+from trainguard.testing.chaos import WorkerChaos
 
 if TYPE_CHECKING:
     from trainguard.checkpoint.manager import CheckpointManager
+    from trainguard.worker.rollback import LossGuard
 
 __all__ = ["RESERVED_LOG_KEYS", "TrainGuard", "init"]
 
@@ -54,20 +56,16 @@ def _default_run_dir() -> Path:
     return Path(root) / run_id
 
 
-def _env_number(name: str, default: float) -> float:
-    """A positive-or-zero number from the environment; a bad value → default + a warning
-    (telemetry settings never stop a worker)."""
-    raw = os.environ.get(name)
-    if not raw:
-        return default
+def _telemetry_settings(run_dir: Path) -> TelemetryConfig:
+    """The ``[telemetry]`` section as every worker setting is read (the agent's config.json,
+    else the environment and defaults); a bad value → the defaults and a warning (telemetry
+    settings never stop a worker)."""
     try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value < 0:
-        logger.warning("ignoring %s=%r (not a number >= 0); using %s", name, raw, default)
-        return default
-    return value
+        cfg: TelemetryConfig = load_worker_section(run_dir, "telemetry")
+    except ConfigError as e:
+        logger.warning("telemetry settings ignored (%s); using the defaults", e)
+        return TelemetryConfig()
+    return cfg
 
 
 class TrainGuard:
@@ -103,7 +101,7 @@ class TrainGuard:
         """The training runs in ``trainguard.run`` with in-process restarts."""
         self._step_guard: Callable[[], None] | None = None  # trainguard.run's restart check
         self._chaos = WorkerChaos.from_env(rank=self.rank, attempt=self.attempt, node=self.node)
-        """Injected faults (``TRAINGUARD_CHAOS``, trainguard.core.chaos); None when unset."""
+        """Injected faults (``TRAINGUARD_CHAOS``, trainguard.testing.chaos); None when unset."""
         if self._chaos is not None:
             armed = [f.describe() for f in self._chaos.faults]
             logger.warning("rank %d: injected faults armed: %s", self.rank, "; ".join(armed))
@@ -119,10 +117,11 @@ class TrainGuard:
         self._flush_stop = threading.Event()
         self._flush_hooks = False
         self._closed = False
+        self._telemetry = _telemetry_settings(self.run_dir)
         self._spans = SpanRecorder(
             self._write_record,
             traceparent=env.get(TRACEPARENT_ENV),
-            every_n_steps=int(_env_number("TRAINGUARD_TELEMETRY_TRACE_EVERY_N_STEPS", 10)),
+            every_n_steps=self._telemetry.trace_every_n_steps,
             base={"rank": self.rank, "attempt": self.attempt},
         )
         self._flops_per_step: float | None = None
@@ -140,7 +139,7 @@ class TrainGuard:
 
             self._stack_file = register_stack_dump(self.run_dir, self.rank, self.attempt)
 
-    def _make_rollback(self) -> Any:
+    def _make_rollback(self) -> LossGuard | None:
         cfg = load_worker_section(self.run_dir, "rollback")
         if not cfg.enabled:
             return None
@@ -234,14 +233,14 @@ class TrainGuard:
             self._flush_metrics()
 
     # Records are serialised and appended to ``metrics/rank_<r>.jsonl`` by a daemon thread
-    # every ``TRAINGUARD_TELEMETRY_FLUSH_INTERVAL_S`` (0.2 s), not by the training thread: once
+    # every ``[telemetry] flush_interval_s`` (0.2 s), not by the training thread: once
     # per step, with cold caches, json.dumps + write cost ~100 us, a list append ~1 us. A
     # SIGKILL loses at most one interval of records; exit, close() and fork are handled.
     def _start_flusher(self) -> None:
         import atexit
         import weakref
 
-        interval = _env_number("TRAINGUARD_TELEMETRY_FLUSH_INTERVAL_S", 0.2) or 0.2
+        interval = self._telemetry.flush_interval_s
         ref = weakref.ref(self)
         stop = self._flush_stop
 

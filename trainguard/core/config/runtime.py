@@ -20,8 +20,9 @@ class RuntimeConfig:
     signal stops a worker before its preemption save commits). Set by ``trainguard sbatch``."""
     warm_restarts: bool = True
     """Restart workers from pre-started processes that already imported torch (one per local
-    rank, started ``warm_prestart_delay_s`` after each start): a restart skips interpreter and
-    ``import torch`` start-up. The first start is always cold. ``--no-tg-warm`` turns it off."""
+    rank, started ``warm_prestart_delay_s`` after each start, while a restart can still follow:
+    restarts left, or more than one node): a restart skips interpreter and ``import torch``
+    start-up. The first start is always cold. ``--no-tg-warm`` turns it off."""
     warm_preload: list[str] = field(
         default_factory=lambda: [
             "torch",

@@ -18,6 +18,7 @@ from typing import Literal
 # \A...\Z, not ^...$: "$" also matches before a trailing newline, which would end the batch
 # script's #SBATCH header early
 _NODE = re.compile(r"\A[A-Za-z0-9._\-\[\],]+\Z")
+_ENDPOINTS = re.compile(r"\A[A-Za-z0-9._\-\[\]:/,]+\Z")  # host:port[,host:port], http(s)://
 _SIGNAL = re.compile(r"\A(SIG)?[A-Z0-9]+\Z")
 
 
@@ -37,13 +38,14 @@ class SlurmConfig:
     drain: Literal["drain", "record"] = "drain"
     """``drain``: a failed node is drained (``scontrol update state=drain``); ``record``: it is
     only recorded (users without operator rights)."""
-    rdzv_backend: Literal["c10d", "etcd"] = "c10d"
-    """``c10d``: the rendezvous store runs in the agent on the allocation's first node;
-    ``etcd``: ``--rdzv-backend etcd --rdzv-endpoint <etcd_endpoint>`` (whatever backend is
-    registered under that name: torch's etcd rendezvous, or trainguard's etcd v3 one), so the
-    job has no store on one of its own nodes."""
+    rdzv_backend: Literal["auto", "c10d", "etcd-v3", "etcd"] = "auto"
+    """``etcd-v3`` (``etcd`` is the same): ``--rdzv-backend etcd-v3 --rdzv-endpoint
+    <etcd_endpoint>``, trainguard's etcd v3 rendezvous on the cluster's etcd, so the job keeps
+    no rendezvous state on one of its own nodes (the production setting); ``c10d``: the
+    rendezvous store runs in the agent on the allocation's first node, which no spare can
+    replace (zero setup); ``auto``: ``etcd-v3`` when ``etcd_endpoint`` is set, else ``c10d``."""
     etcd_endpoint: str | None = None
-    """``host:port`` of etcd when ``rdzv_backend = "etcd"``."""
+    """``host:port`` (comma-separated members) of the cluster's etcd for the rendezvous."""
     rdzv_port: int = 29400
     """Port of the c10d rendezvous store on the first node."""
     max_restarts: int = 3
@@ -52,6 +54,11 @@ class SlurmConfig:
     join_timeout_s: int = 600
     """How long agents wait for enough nodes in a rendezvous round before the job fails (and
     is resubmitted when ``max_resubmits`` allows)."""
+    batch_dead_after_s: float = 5.0
+    """The batch script advances a counter in the run directory every second; when it stood
+    still this long (the batch host crashed or lost the shared file system), an agent on
+    another node resubmits the job without the batch host and cancels the orphaned one (Slurm
+    itself would keep it running without its batch script)."""
     runs_root: str = "trainguard-runs"
     """Parent of the job's run directory ``<runs_root>/slurm-<first job id>`` and its logs
     ``<runs_root>/slurm-<job id>.out`` (relative to the submit directory)."""
@@ -68,14 +75,30 @@ class SlurmConfig:
         for node in self.blocklist:
             if not _NODE.match(node):
                 raise ValueError(f"blocklist: {node!r} is not a node name")
-        if self.rdzv_backend == "etcd" and not self.etcd_endpoint:
-            raise ValueError('rdzv_backend = "etcd" needs etcd_endpoint = "host:port"')
+        if self.rdzv_backend in ("etcd", "etcd-v3") and not self.etcd_endpoint:
+            raise ValueError(
+                f'rdzv_backend = "{self.rdzv_backend}" needs etcd_endpoint = "host:port" '
+                "(the cluster's etcd)"
+            )
+        if self.etcd_endpoint is not None and not _ENDPOINTS.match(self.etcd_endpoint):
+            raise ValueError(f"etcd_endpoint {self.etcd_endpoint!r}: use host:port[,host:port...]")
+        if self.batch_dead_after_s < 3:
+            raise ValueError("batch_dead_after_s must be >= 3 (the batch beacon beats every 1 s)")
         if not 0 < self.rdzv_port < 65536:
             raise ValueError("rdzv_port must be a TCP port (1..65535)")
         if self.max_restarts < 0:
             raise ValueError("max_restarts must be >= 0")
         if self.join_timeout_s <= 0:
             raise ValueError("join_timeout_s must be > 0")
+
+    @property
+    def rendezvous(self) -> Literal["c10d", "etcd-v3"]:
+        """The backend the batch script uses: ``etcd-v3`` or ``c10d``."""
+        if self.rdzv_backend in ("etcd", "etcd-v3"):
+            return "etcd-v3"
+        if self.rdzv_backend == "auto" and self.etcd_endpoint:
+            return "etcd-v3"
+        return "c10d"
 
     @property
     def signal_name(self) -> str:

@@ -1,15 +1,24 @@
-"""dcgm-exporter exposition text of an 8-GPU H100 node, with faults.
+"""A fake dcgm-exporter: the exposition text of an H100 node (8 GPUs unless told), with faults,
+and HTTP endpoints serving it.
 
 A fault is injected per GPU: ``h100_node(faults={3: {"DCGM_FI_DEV_XID_ERRORS": 79}})``; a
-``missing`` set drops GPUs entirely.
+``missing`` set drops GPUs entirely. :class:`ExporterServer` serves whatever text a test sets;
+:class:`DcgmExporter` (``trainguard chaos dcgm``) turns faulty after a delay or on a trigger
+file.
 """
 
 from __future__ import annotations
 
 import http.server
+import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FIELDS", "DcgmExporter", "ExporterServer", "h100_node", "serve"]
 
 # (name, type, help, healthy value) in dcgm-exporter's default + health-suite field set.
 FIELDS: list[tuple[str, str, str, float]] = [
@@ -147,6 +156,14 @@ UUIDS = [
 PCI = ["04", "0A", "41", "47", "84", "8A", "C1", "C7"]
 
 
+def _uuid(gpu: int) -> str:
+    return UUIDS[gpu] if gpu < len(UUIDS) else f"GPU-00000000-0000-4000-8000-{gpu:012d}"
+
+
+def _pci(gpu: int) -> str:
+    return PCI[gpu] if gpu < len(PCI) else f"{gpu + 1:02X}"
+
+
 def h100_node(
     *,
     hostname: str = "node-12",
@@ -157,6 +174,9 @@ def h100_node(
     num_gpus: int = 8,
     xid_counts: dict[int, dict[int, int]] | None = None,
 ) -> str:
+    """The node's ``/metrics`` text: every GPU healthy but for ``faults`` (GPU → field →
+    value), ``xid_msgs`` (GPU → ``err_msg``), the GPUs in ``missing`` left out, and the
+    optional ``DCGM_EXP_XID_ERRORS_COUNT`` series (GPU → XID → count)."""
     faults = faults or {}
     xid_msgs = xid_msgs or {}
     lines: list[str] = []
@@ -168,7 +188,7 @@ def h100_node(
                 continue
             value = faults.get(gpu, {}).get(name, healthy)
             labels = (
-                f'gpu="{gpu}",UUID="{UUIDS[gpu]}",pci_bus_id="00000000:{PCI[gpu]}:00.0",'
+                f'gpu="{gpu}",UUID="{_uuid(gpu)}",pci_bus_id="00000000:{_pci(gpu)}:00.0",'
                 f'device="nvidia{gpu}",modelName="NVIDIA H100 80GB HBM3",'
                 f'{host_label}="{hostname}",DCGM_FI_DRIVER_VERSION="570.86.15"'
             )
@@ -185,7 +205,7 @@ def h100_node(
         for gpu, per_xid in xid_counts.items():
             for xid, n in per_xid.items():
                 lines.append(
-                    f'DCGM_EXP_XID_ERRORS_COUNT{{gpu="{gpu}",UUID="{UUIDS[gpu]}",'
+                    f'DCGM_EXP_XID_ERRORS_COUNT{{gpu="{gpu}",UUID="{_uuid(gpu)}",'
                     f'device="nvidia{gpu}",modelName="NVIDIA H100 80GB HBM3",'
                     f'{host_label}="{hostname}",window_size_in_ms="300000",xid="{xid}"}} {n}'
                 )
@@ -234,3 +254,77 @@ class ExporterServer:
 def serve(text: str) -> Iterator[ExporterServer]:
     with ExporterServer(text) as srv:
         yield srv
+
+
+class DcgmExporter:
+    """A dcgm-exporter-compatible ``/metrics`` endpoint on ``host:port`` (0: a free port) that
+    turns faulty (GPU ``gpu`` reports ``xid``) ``after_s`` seconds after it starts, or once
+    ``trigger_file`` exists, whichever comes first (neither: faulty from the start)."""
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        xid: int = 79,
+        gpu: int = 0,
+        num_gpus: int = 8,
+        hostname: str = "node",
+        after_s: float | None = None,
+        trigger_file: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.xid, self.gpu, self.num_gpus, self.hostname = xid, gpu, num_gpus, hostname
+        self.after_s = after_s
+        self.trigger_file = Path(trigger_file) if trigger_file else None
+        self.t0 = time.monotonic()
+        self.scrapes = 0
+        me = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path.split("?")[0] not in ("/metrics", "/"):
+                    self.send_error(404)
+                    return
+                me.scrapes += 1
+                body = me.text().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.port = int(self.server.server_address[1])
+        self.url = f"http://{host}:{self.port}/metrics"
+        self._thread: threading.Thread | None = None
+
+    def faulty(self) -> bool:
+        if self.after_s is None and self.trigger_file is None:
+            return True
+        if self.after_s is not None and time.monotonic() - self.t0 >= self.after_s:
+            return True
+        return self.trigger_file is not None and self.trigger_file.exists()
+
+    def text(self) -> str:
+        faults: dict[int, dict[str, float]] = {}
+        if self.faulty():
+            faults[self.gpu] = {"DCGM_FI_DEV_XID_ERRORS": self.xid}
+        return h100_node(
+            hostname=self.hostname, host_label="Hostname", faults=faults, num_gpus=self.num_gpus
+        )
+
+    def start(self) -> DcgmExporter:
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.server.serve_forever()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,5 +1,7 @@
-"""Faults injected from outside a job (``trainguard chaos ...``): find and kill processes, pause a
-service, serve a failing dcgm-exporter endpoint, corrupt a checkpoint. Standard library only.
+"""Faults injected from outside a job (``trainguard chaos ...``): find a run's processes and the
+processes behind a port, pause a service, corrupt a checkpoint. Standard library only (killing
+process trees: :mod:`trainguard.testing.procs`; the failing dcgm-exporter endpoint:
+:mod:`trainguard.testing.dcgm`).
 
 Every function takes explicit targets (pids, ports, directories) and never acts on anything it
 was not pointed at; the CLI (``trainguard.cli.cmd_chaos``) resolves a run directory's ranks,
@@ -8,7 +10,6 @@ agents and checkpoints to those targets.
 
 from __future__ import annotations
 
-import http.server
 import ipaddress
 import json
 import os
@@ -16,7 +17,6 @@ import random
 import re
 import signal
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -25,15 +25,12 @@ from typing import Any
 from trainguard.core.events import node_name
 from trainguard.core.proctime import process_start_time
 from trainguard.core.rundir import RunDir
+from trainguard.testing.procs import alive, descendants
 
 __all__ = [
     "ChaosTargetError",
-    "DcgmExporter",
     "agent_pid",
     "corrupt_checkpoint",
-    "dcgm_text",
-    "descendants",
-    "kill_tree",
     "listening_pids",
     "local_addresses",
     "pause",
@@ -45,52 +42,7 @@ class ChaosTargetError(LookupError):
     """The target of a fault does not exist (no such rank, agent, port or checkpoint)."""
 
 
-# -- processes --------------------------------------------------------------------------------
-def _ppids() -> dict[int, int]:
-    out: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # pid (comm) state ppid ...: comm may hold spaces and parentheses
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 1:
-            out[int(d)] = int(fields[1])
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (children first)."""
-    children: dict[int, list[int]] = {}
-    for p, pp in _ppids().items():
-        children.setdefault(pp, []).append(p)
-    out: list[int] = []
-    todo = list(children.get(pid, []))
-    while todo:
-        p = todo.pop(0)
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> list[int]:
-    """Send ``sig`` to ``pid`` and all its descendants (found first, so none is missed once
-    the parent dies); returns the pids signalled."""
-    tree = [pid, *descendants(pid)]
-    done = []
-    for p in tree:
-        try:
-            os.kill(p, sig)
-            done.append(p)
-        except ProcessLookupError:
-            pass
-    return done
-
-
+# -- sockets ----------------------------------------------------------------------------------
 def _proc_addr(hexaddr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     """An address of /proc/net/tcp{,6}: 32-bit words in host (little-endian) order."""
     raw = bytes.fromhex(hexaddr)
@@ -194,15 +146,6 @@ def _events(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
-
-
 # A pid read from events.jsonl is only a claim: anyone who can write the run directory can
 # write any pid there, and the pid of a process that ended is soon another process's. A target
 # is signalled only when it is verifiably this job's and on this machine: an agent is a live
@@ -229,7 +172,7 @@ def _agents(events: list[dict[str, Any]], node: str | None = None) -> list[int]:
             continue
         if node is not None and ev.get("node") != node:
             continue
-        started = process_start_time(pid) if _alive(pid) else None
+        started = process_start_time(pid) if alive(pid) else None
         try:
             if started is not None and abs(float(ev["process_start"]) - started) <= _START_SLACK_S:
                 out.append(pid)
@@ -260,7 +203,7 @@ def worker_pid(run_dir: Path, rank: int) -> int:
             if w.get("rank") != rank:
                 continue
             pid = _pid(w.get("pid"))
-            if pid is not None and _alive(pid):
+            if pid is not None and alive(pid):
                 if any(pid in descendants(agent) for agent in _agents(events)):
                     return pid
             raise _not_ours(pid, f"rank {rank}", ev.get("node"))
@@ -333,111 +276,3 @@ def corrupt_checkpoint(
         f.flush()
         os.fsync(f.fileno())
     return {"step": step, "file": str(target), "offset": start, "bytes": n}
-
-
-# -- a dcgm-exporter endpoint -----------------------------------------------------------------
-_GPU_FIELDS: list[tuple[str, str, float]] = [
-    ("DCGM_FI_DEV_GPU_TEMP", "gauge", 41),
-    ("DCGM_FI_DEV_POWER_USAGE", "gauge", 312.5),
-    ("DCGM_FI_DEV_GPU_UTIL", "gauge", 97),
-    ("DCGM_FI_DEV_SM_CLOCK", "gauge", 1980),
-    ("DCGM_FI_DEV_FB_USED", "gauge", 79000),
-    ("DCGM_FI_DEV_FB_FREE", "gauge", 2100),
-    ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "counter", 0),
-    ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", 0),
-    ("DCGM_FI_DEV_XID_ERRORS", "gauge", 0),
-]
-
-
-def dcgm_text(
-    *, num_gpus: int = 8, hostname: str = "node", xid: dict[int, int] | None = None
-) -> str:
-    """dcgm-exporter exposition text of a healthy node; ``xid`` maps a GPU index to the last
-    XID it reported (``DCGM_FI_DEV_XID_ERRORS``, with ``err_code`` as dcgm-exporter 3.3+)."""
-    xid = xid or {}
-    lines: list[str] = []
-    for name, typ, healthy in _GPU_FIELDS:
-        lines.append(f"# HELP {name} {name}.")
-        lines.append(f"# TYPE {name} {typ}")
-        for gpu in range(num_gpus):
-            value = xid.get(gpu, 0) if name == "DCGM_FI_DEV_XID_ERRORS" else healthy
-            labels = (
-                f'gpu="{gpu}",UUID="GPU-00000000-0000-4000-8000-{gpu:012d}",'
-                f'pci_bus_id="00000000:{gpu + 1:02X}:00.0",device="nvidia{gpu}",'
-                f'modelName="NVIDIA H100 80GB HBM3",Hostname="{hostname}",'
-                'DCGM_FI_DRIVER_VERSION="570.86.15"'
-            )
-            if name == "DCGM_FI_DEV_XID_ERRORS":
-                labels += f',err_code="{int(value)}",err_msg=""'
-            lines.append(f"{name}{{{labels}}} {value:g}")
-    return "\n".join(lines) + "\n"
-
-
-class DcgmExporter:
-    """A dcgm-exporter-compatible ``/metrics`` endpoint on ``host:port`` (0: a free port) that
-    turns faulty (GPU ``gpu`` reports ``xid``) ``after_s`` seconds after it starts, or once
-    ``trigger_file`` exists, whichever comes first (neither: faulty from the start)."""
-
-    def __init__(
-        self,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        xid: int = 79,
-        gpu: int = 0,
-        num_gpus: int = 8,
-        hostname: str = "node",
-        after_s: float | None = None,
-        trigger_file: str | os.PathLike[str] | None = None,
-    ) -> None:
-        self.xid, self.gpu, self.num_gpus, self.hostname = xid, gpu, num_gpus, hostname
-        self.after_s = after_s
-        self.trigger_file = Path(trigger_file) if trigger_file else None
-        self.t0 = time.monotonic()
-        self.scrapes = 0
-        me = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if self.path.split("?")[0] not in ("/metrics", "/"):
-                    self.send_error(404)
-                    return
-                me.scrapes += 1
-                body = me.text().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
-        self.port = int(self.server.server_address[1])
-        self.url = f"http://{host}:{self.port}/metrics"
-        self._thread: threading.Thread | None = None
-
-    def faulty(self) -> bool:
-        if self.after_s is None and self.trigger_file is None:
-            return True
-        if self.after_s is not None and time.monotonic() - self.t0 >= self.after_s:
-            return True
-        return self.trigger_file is not None and self.trigger_file.exists()
-
-    def text(self) -> str:
-        xid = {self.gpu: self.xid} if self.faulty() else {}
-        return dcgm_text(num_gpus=self.num_gpus, hostname=self.hostname, xid=xid)
-
-    def start(self) -> DcgmExporter:
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
-        return self
-
-    def serve_forever(self) -> None:
-        self.server.serve_forever()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()

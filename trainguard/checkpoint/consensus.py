@@ -1,0 +1,62 @@
+"""The ranks' collective checkpoint decisions: one small all-reduce on a control group.
+
+Every rank calls :meth:`CheckpointManager.maybe_save` at every step boundary; what it decides
+there (persist now? skip? preempted? a persister died? roll back?) must be the same on every
+rank, so each rank contributes its local flags and all take the maximum. A loss rollback rides
+on the same all-reduce: the smallest anomalous step any rank reports (:class:`RollbackHook`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Consensus", "RollbackHook"]
+
+_NO_STEP = 1 << 62
+
+
+class RollbackHook(Protocol):
+    """What the checkpoint manager asks of a loss-rollback guard
+    (:class:`trainguard.worker.rollback.LossGuard` is the one the worker handle sets)."""
+
+    def pending(self) -> int | None:
+        """This rank's anomalous step waiting for the ranks' agreement, or None."""
+
+    def apply(self, bad_step: int, step: int, state: MutableMapping[str, Any]) -> None:
+        """Roll back (collective: every rank, the same ``bad_step``) at step ``step``:
+        restore into ``state`` the newest checkpoint before the anomaly."""
+
+
+class Consensus:
+    """Agreement over the control group ``pg`` (set by the manager's ``setup``); without one
+    (a single process, or before ``setup``) each rank's own flags are the answer."""
+
+    def __init__(self) -> None:
+        self.pg: Any = None
+
+    def agree(self, *flags: bool) -> list[bool]:
+        """Each flag: True on every rank when it is True on any rank."""
+        if self.pg is None:
+            return list(flags)
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        return [bool(x) for x in t.tolist()]
+
+    def agree_with_step(self, flags: list[bool], step: int | None) -> tuple[list[bool], int | None]:
+        """:meth:`agree` and, in the same all-reduce, the smallest ``step`` any rank reports
+        (None: no rank reports one)."""
+        if self.pg is None:
+            return list(flags), step
+        t = torch.tensor([int(f) for f in flags] + [-(_NO_STEP if step is None else step)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        vals = [int(x) for x in t.tolist()]
+        return [bool(x) for x in vals[:-1]], (None if vals[-1] == -_NO_STEP else -vals[-1])
+
+    def barrier(self) -> None:
+        """Every rank reached this point (nothing without a group)."""
+        if self.pg is not None:
+            dist.barrier(group=self.pg)
