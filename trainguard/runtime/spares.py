@@ -203,6 +203,11 @@ class Reaper:
         self.removed: list[str] = []
 
     # -- reading -------------------------------------------------------------------------------
+    def read_state(self) -> RendezvousState | None:
+        """The rendezvous state as the backend holds it now (None: none yet)."""
+        got = self._state()
+        return None if got is None else got[0]
+
     def _state(self) -> tuple[RendezvousState, Any] | None:
         if self._etcd_v3():  # compact JSON there (trainguard.runtime.etcd_v3.codec)
             # an unchanged state is neither sent again nor decoded again
@@ -403,6 +408,7 @@ class SpareController:
         )
         self.reaper = Reaper(handler, cfg, emit, beacon_prefix=prefix)
         self.reaper.beacon = self.beacon
+        self._next_check = 0.0
         self.beacon.start()
 
     def num_nodes_waiting(self, waiting: int) -> int:
@@ -436,6 +442,31 @@ class SpareController:
         finally:
             stop.set()
             thread.join(timeout=10)
+
+    def dead_participants(self) -> dict[str, float]:
+        """While the round runs: the round's participants whose beacon this agent watches and
+        that stood still for ``dead_after_s`` (node id → seconds silent).
+        Read at most every ``poll_s``; nothing is removed (the next rendezvous does that)."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return {}
+        self._next_check = now + self.cfg.poll_s
+        try:
+            state = self.reaper.read_state()
+            if state is None:
+                return {}
+            dead = self.reaper.dead_nodes(state)
+        except Exception as e:  # the store may be briefly unreachable
+            logger.debug("spares: liveness read failed: %s", e)
+            self.reaper.forget()
+            return {}
+        running = {repr(n) for n in state.participants}
+        # "left" (a tombstone) is an agent that exited: its workers' connections closed with it
+        return {
+            repr(n): silent
+            for n, (silent, why) in dead.items()
+            if repr(n) in running and why == "liveness_silent"
+        }
 
     def joined(self) -> None:
         """This node got a slot in a round: an event if it waited as a spare."""
