@@ -33,7 +33,9 @@ __all__ = [
     "RENDEZVOUS",
     "RESTART",
     "ROLLBACK_EXHAUSTED",
+    "SPARE_WAITING",
     "STRAGGLER_SCORES",
+    "WARM_READY",
     "WORKERS_STARTED",
     "WORKER_FAILED",
     "WORKER_GROUP_UNHEALTHY",
@@ -68,9 +70,7 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("requeue", ("runtime.agent",), ("exitcode", "message"), "The workers saved on preemption and asked to be requeued: no restart here."),
     EventSpec("do_not_requeue", ("runtime.agent",), ("exitcode", "ranks"), "A worker exited with the do-not-requeue code: no restart, no requeue."),
     EventSpec("inprocess_restart", ("runtime.inprocess",), ("duration_s", "generation", "remaining_restarts", "replaced", "survivors"), "Dead local workers replaced in place; the survivors keep running."),
-    EventSpec("warm_ready", ("runtime.agent",), ("local_rank", "pid"), "A pre-started process for a local rank's restart is ready (zygote pool)."),
-    EventSpec("warm_workers_ready", ("runtime.spare_pool",), ("agent_pid", "count", "duration_s"), "A spare's pre-started worker processes are ready."),
-    EventSpec("warm_workers", ("runtime.spare_pool",), ("agent_pid", "pool_size", "used"), "After the first step: how many workers came pre-started from the spare's pool."),
+    EventSpec("warm_ready", ("runtime.warm.plugin",), ("local_rank", "pid"), "A pre-started process for a local rank's next start is ready (a restart, or a spare's first start)."),
     EventSpec("node_dead", ("runtime.spares",), ("dead_node", "reason", "removed_by", "round", "silent_s"), "A node's liveness beacon went silent: it was removed from the rendezvous."),
     EventSpec("spare_waiting", ("runtime.spares",), ("reason", "round"), "This node waits as a spare (no slot in the round)."),
     EventSpec("spare_joined", ("runtime.spares",), ("round", "waited_s"), "A node that waited as a spare got a slot."),
@@ -167,3 +167,5 @@ HANG_KILLED = _kind("hang_killed")
 LOSS_ROLLBACK = _kind("loss_rollback")
 ROLLBACK_EXHAUSTED = _kind("rollback_exhausted")
 STRAGGLER_SCORES = _kind("straggler_scores")
+SPARE_WAITING = _kind("spare_waiting")
+WARM_READY = _kind("warm_ready")

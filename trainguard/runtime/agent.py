@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -27,7 +28,7 @@ from trainguard.core.failures import (
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin, NodeUnhealthyError
 from trainguard.core.progress import ProgressReader, ProgressSnapshot
 from trainguard.core.rundir import RunDir
-from trainguard.runtime import _torch, warm
+from trainguard.runtime import _torch
 from trainguard.runtime.inprocess import InProcessRestarter
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
@@ -37,7 +38,9 @@ logger = logging.getLogger(__name__)
 
 INTEGRATIONS_ENV = "TRAINGUARD_AGENT_INTEGRATIONS"
 """Set in the workers' environment when ``[integrations] auto`` is on (read by runtime/_zygote)."""
-"""The framework integrations' worker start-up hook (``sitecustomize.py``)."""
+HOOK_DIR = str(Path(__file__).resolve().parent / "_zygote")
+"""The workers' start-up hook (``sitecustomize.py``: warm starts, collective watcher, framework
+integrations)."""
 PEER_FAILED_KEY = "trainguard/failed"
 """Rendezvous-store key (``/<attempt>``) where an agent whose workers failed names its node."""
 PEER_FAILED_POLL_S = 0.25
@@ -77,17 +80,15 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         self._failed_reported = False
         self.inprocess = InProcessRestarter(self)
         """Replaces a dead worker in place when the workers run in ``trainguard.run``."""
-        rt = self.tg_config.runtime
-        self.warm_pool: warm.WarmPool | None = (
-            warm.WarmPool(preload=rt.warm_preload, prestart_delay_s=rt.warm_prestart_delay_s)
-            if rt.warm_restarts
-            else None
-        )
-        """Pre-started workers for restarts (runtime/warm.py); None when warm_restarts is off."""
         self._user_pythonpath = os.environ.get("PYTHONPATH")
         self._collective_ranks: set[int] = set()
         self._released = False
         self._next_peer_check = 0.0
+
+    @property
+    def warm_pool(self) -> Any:
+        """Pre-started worker processes (runtime/warm, set up by its plugin); None: cold starts."""
+        return self.ctx.warm_pool
 
     # -- requeue (the one place that decides it) ------------------------------------------------
     def _mark_requeue(self, **fields: Any) -> None:
@@ -138,16 +139,6 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
     def agent_restarts(self) -> int:
         """This agent's restarts (torchrun's TORCHELASTIC_RESTART_COUNT)."""
         return self.worker_group.spec.max_restarts - self.remaining_restarts
-
-    def _restart_possible(self) -> bool:
-        """Whether the local workers can still be restarted: restarts left, or more than one
-        node (a membership change restarts them without using one). Warm processes are started
-        only then: one that can never serve would import torch for nothing (a ``--max-restarts
-        0`` job on one node, torchrun's default, or one whose last restart is used)."""
-        if self.remaining_restarts > 0:
-            return True
-        launch = self.ctx.launch_config
-        return launch is None or launch.max_nodes > 1
 
     def event_context(self) -> dict[str, Any]:
         ctx = {"attempt": max(self.attempt, 0), "agent_restarts": self.agent_restarts}
@@ -255,7 +246,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         own ``sitecustomize``."""
         watch = self._watch_collectives()
         if self._integrations_auto() or watch:
-            parts = [warm.HOOK_DIR, *filter(None, (self._user_pythonpath or "").split(os.pathsep))]
+            parts = [HOOK_DIR, *filter(None, (self._user_pythonpath or "").split(os.pathsep))]
             os.environ["PYTHONPATH"] = os.pathsep.join(parts)
         elif self._user_pythonpath:
             os.environ["PYTHONPATH"] = self._user_pythonpath
@@ -287,7 +278,9 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         os.environ[envvars.TEARDOWN_FILE] = str(self._teardown_file)
         self._collective_ranks.clear()
         self._install_worker_hooks()
-        with warm.serving_torch_workers(self.warm_pool) as started_warm:
+        pool = self.warm_pool
+        serving = pool.serving_torch_workers() if pool is not None else contextlib.nullcontext({})
+        with serving as started_warm:
             pids = super().start_workers(worker_group)
         self._mark_teardowns(self.pcontext)
         self._failed_reported = False
@@ -325,10 +318,6 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self.inprocess.check(worker_group)  # before torch's poll, which stops every worker
         result = super().monitor_workers(worker_group)
-        if self.warm_pool is not None and self._restart_possible():
-            for local_rank in self.warm_pool.tick():
-                pid = self.warm_pool.ready().get(local_rank)
-                self.events.emit("warm_ready", local_rank=local_rank, pid=pid)
         if result.state == WorkerState.HEALTHY:
             for override in self._call("on_monitor", worker_group, result):
                 if override is not None:
@@ -522,13 +511,6 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
             path.touch()
         except OSError as e:
             logger.warning("cannot mark the teardown of attempt %s: %s", self.attempt, e)
-
-    def run(self, *args: Any, **kwargs: Any) -> RunResult:
-        try:
-            return super().run(*args, **kwargs)
-        finally:
-            if self.warm_pool is not None:
-                self.warm_pool.close()  # by PID; the workers are torch's to stop
 
     def restart_workers(self, worker_group: WorkerGroup) -> None:
         self.events.emit(

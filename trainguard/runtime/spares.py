@@ -64,9 +64,6 @@ LEFT = "left"
 
 Emit = Callable[..., Any]
 
-SPARES_KEY = "has_spares"
-"""Set (under the run's beacon prefix) once any agent of the job waited as a spare."""
-
 C10D_STORE_LOST = (
     "trainguard run: the rendezvous store is gone: with --rdzv-backend c10d it is a TCPStore "
     "server inside the agent that started first ({endpoint}), and that node was lost with the "
@@ -367,13 +364,6 @@ class Reaper:
 
         return self._write(mutate)
 
-    def _announce(self) -> None:
-        """Tell the job it has a spare (what ``warm_workers = "auto"`` waits for)."""
-        try:
-            self._store.set(self._prefix + SPARES_KEY, "1")
-        except Exception as e:
-            logger.debug("spares: not announced: %s", e)
-
     # -- one pass ------------------------------------------------------------------------------
     def tick(self) -> None:
         got = self._state()
@@ -391,13 +381,11 @@ class Reaper:
             and len(state.participants) >= self._settings.max_nodes
             and self._demote()
         ):
-            self._announce()
             self._emit("spare_waiting", round=state.round, reason="round_full")
             self.spare_since = self.spare_since or self._clock()
             return
         if self._me in state.redundancy_list and self.spare_since is None:
             self.spare_since = self._clock()
-            self._announce()
             self._emit("spare_waiting", round=state.round, reason="redundancy_list")
 
 
@@ -422,10 +410,6 @@ class SpareController:
         self.reaper.beacon = self.beacon
         self._next_check = 0.0
         self.beacon.start()
-
-    def has_spares(self) -> bool:
-        """Whether any agent of this job has waited as a spare (one small store read)."""
-        return bool(_torch.handler_store(self._handler).check([self._prefix + SPARES_KEY]))
 
     def num_nodes_waiting(self, waiting: int) -> int:
         """torch's count, less the nodes no slot is free for: a complete round at
