@@ -166,9 +166,10 @@ def _launch(which: str, root: Path, args: list[str], env_extra: dict[str, str]) 
                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
 
 
-def _end(p: subprocess.Popen, root: Path) -> None:
-    kill_tree(p)
-    for f in (root / "pids").glob("rank_*"):
+def _end(p: subprocess.Popen | None, root: Path) -> None:
+    if p is not None:
+        kill_tree(p)
+    for f in (root / "pids").glob("*"):
         try:
             os.kill(int(f.read_text()), 9)
         except (ProcessLookupError, ValueError):
@@ -202,35 +203,110 @@ def localize_once(base: Path, which: str, wait_s: float) -> float | None:
         _end(p, root)
 
 
-def release_once(base: Path, which: str) -> float | None:
-    """Rank 1 SIGKILLed before its all_reduce at step 10: seconds until the survivor (rank 0)
-    left its collective (an error) or was ended by the launcher, whichever came first."""
-    root = base / f"{which}-rel-{time.monotonic_ns()}"
+def _launch_nodes(
+    which: str, root: Path, args: list[str], env_extra: dict[str, str], port: int
+) -> list[subprocess.Popen]:
+    """Two agents ("nodes" nodeA, nodeB), one worker each, c10d rendezvous on
+    127.0.0.1:``port``."""
+    procs = []
+    for node in ("nodeA", "nodeB"):
+        env = base_env()
+        env.update(TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S="0", TRAINGUARD_TELEMETRY_ENABLED="false",
+                   TRAINGUARD_HEALTH_HANG_TIMEOUT_S=str(TIMEOUT_S), SLURMD_NODENAME=node)  # fmt: skip
+        env.update(env_extra)
+        launcher = (
+            [sys.executable, "-m", "trainguard", "run", "--tg-run-dir", str(root / "run")]
+            if which == "trainguard"
+            else [sys.executable, "-m", "torch.distributed.run"]
+        )
+        cmd = [*launcher, "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "0",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", "rel", "--monitor-interval", "0.1", str(PLAIN), *args]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
+    return procs
+
+
+def release_once(base: Path, which: str, how: str, wait_s: float) -> dict[str, float | None]:
+    """Rank 1 (one node) dies before its all_reduce at step 10 while rank 0 (the other node)
+    waits in it. ``how``: ``kill`` (SIGKILL, its connections held open by a child: a peer
+    that vanished without closing them), ``lost`` (its launcher and it SIGSTOPped: a node
+    frozen or cut off), ``stop`` (SIGSTOP, its launcher running), ``close`` (SIGKILL,
+    connections closed). Returns ``release_s``: seconds from the death to the survivor out of its
+    collective (an error, or its process gone), None after ``wait_s``; for trainguard also
+    ``after_verdict_s``: from its first hang verdict or peer_failed event to the release."""
+    root = base / f"{which}-rel-{how}-{time.monotonic_ns()}"
     root.mkdir()
-    p = _launch(which, root, ["--kill-rank", "1", "--at-step", "10", "--steps", "40",
-                              "--step-s", "0.2"], {})  # fmt: skip
+    args = ["--at-step", "10", "--steps", "40", "--step-s", "0.05"]
+    args += ["--stop-rank", "1"] if how in ("stop", "lost") else ["--kill-rank", "1"]
+    args += ["--stop-node"] if how == "lost" else []
+    args += ["--keep-sockets"] if how == "kill" else []
+    import torch.distributed as dist
+
+    from tests.ports import free_port
+
+    # the rendezvous store lives here, as on a node that is not the one lost (were it hosted
+    # by the dead rank's agent, its exit would end torchrun's other agent through the store)
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    procs = _launch_nodes(which, root, args, {}, port)
+    out: dict[str, float | None] = {"release_s": None, "after_verdict_s": None}
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         pid0 = None
+        released = None
         while time.monotonic() < deadline:
-            if pid0 is None and (root / "pids" / "rank_0").exists():
-                pid0 = int((root / "pids" / "rank_0").read_text() or 0) or None
-            if (root / "hang_at").exists():
-                killed = float((root / "hang_at").read_text())
-                if (root / "released_rank_0").exists():
-                    return float((root / "released_rank_0").read_text()) - killed
-                if pid0 and not Path(f"/proc/{pid0}").exists():
-                    return time.time() - killed
-                if time.time() - killed > 60:
-                    return None
+            if pid0 is None:
+                pid0 = int(_read_float(root / "pids" / "rank_0") or 0) or None
+            died = _read_float(root / "hang_at")
+            if died is not None:
+                released = _read_float(root / "released_rank_0")
+                if released is None and pid0 and _gone(pid0):
+                    released = time.time()
+                if released is not None:
+                    out["release_s"] = released - died
+                    break
+                if time.time() - died > wait_s:
+                    break
             time.sleep(0.01)
-        return None
+        events = root / "run" / "events.jsonl"
+        if released is not None and events.exists():
+            marks = [
+                ev["time"]
+                for ev in map(json.loads, events.read_text().splitlines())
+                if ev["kind"] in ("hang_detected", "peer_failed")
+            ]
+            if marks:
+                out["after_verdict_s"] = released - min(marks)
+        return out
     finally:
-        _end(p, root)
+        for p in procs:
+            kill_tree(p)
+        _end(None, root)
+        del store
+
+
+def _read_float(path: Path) -> float | None:
+    """A number a worker writes (None while absent or half written)."""
+    try:
+        return float(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _gone(pid: int) -> bool:
+    """Exited (or a zombie its launcher has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
 
 
 FR_CODE = r"""
 import os, sys, time, torch, torch.distributed as dist
+from trainguard.core.collectives import start_from_env
+start_from_env()  # what trainguard's start-up hook runs first in a worker (when asked to)
 dist.init_process_group("gloo")
 t = torch.ones(1024)
 x = torch.randn(256, 256)
@@ -253,29 +329,106 @@ dist.destroy_process_group()
 
 
 def fr_overhead(base: Path, steps: int, rounds: int) -> dict[str, object]:
-    """Step time of a small gloo loop with the flight recorder on (trainguard's buffer size)
-    and off, alternating runs; median of each."""
+    """Step time of a small gloo loop (torchrun, 2 processes) with trainguard's collective
+    watcher on (what its start-up hook starts: torch's flight recorder at trainguard's buffer
+    size, the watcher thread reading it every ``collective_poll_interval_s`` and writing the
+    progress record) and off (plain torchrun), alternating runs (the box is shared); median
+    of each, and the on/off ratio of each pair (median, min, max)."""
+    from trainguard.core import collectives, envvars
+    from trainguard.core.config.health import HealthConfig
+
     script = base / "fr_step.py"
     script.write_text(FR_CODE)
     times: dict[str, list[float]] = {"on": [], "off": []}
-    for _ in range(rounds):
-        for mode in ("off", "on"):
+    for i in range(rounds):
+        for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
             env = base_env()
             env.pop("TORCH_FR_BUFFER_SIZE", None)
             if mode == "on":
-                env["TORCH_FR_BUFFER_SIZE"] = "2000"
+                run_dir = base / f"fr-run-{i}"
+                (run_dir / "progress").mkdir(parents=True, exist_ok=True)
+                env.update({
+                    collectives.WATCH_ENV: str(HealthConfig().collective_poll_interval_s),
+                    collectives.FR_BUFFER_ENV: str(collectives.FR_BUFFER_DEFAULT),
+                    envvars.RUN_DIR: str(run_dir),
+                    envvars.PROGRESS_DIR: str(run_dir / "progress"),
+                })  # fmt: skip
             out = subprocess.run(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone",
                  "--nproc-per-node", "2", str(script), str(steps)],
                 env=env, capture_output=True, text=True, timeout=300,
             )  # fmt: skip
             times[mode].append(float(out.stdout.strip().splitlines()[-1]))
+            if mode == "on":  # the watcher really ran: its progress records exist
+                assert list((base / f"fr-run-{i}" / "progress").glob("collectives_rank_*")), out
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
+    ratios = [a / b for a, b in zip(times["on"], times["off"], strict=True)]
     return {
         "fr_step_s_on": round(on, 6),
         "fr_step_s_off": round(off, 6),
         "fr_overhead_pct": round(100 * (on - off) / off, 2),
+        "fr_pair_ratio_median": round(statistics.median(ratios), 4),
+        "fr_pair_ratio_min": round(min(ratios), 4),
+        "fr_pair_ratio_max": round(max(ratios), 4),
         "fr_runs_s": times,
+    }
+
+
+FR_COST_CODE = r"""
+import json, os, sys, time, torch, torch.distributed as dist
+from trainguard.core.collectives import _default_pg_status
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+t = torch.ones(16)
+def per_call(n):
+    t0 = time.perf_counter()
+    for _ in range(n):
+        dist.all_reduce(t)
+    return (time.perf_counter() - t0) / n
+per_call(500)
+coll = min(per_call(2000) for _ in range(15))  # min: the least disturbed pass (shared box)
+poll = None
+if os.environ.get("TORCH_FR_BUFFER_SIZE"):
+    def one_poll(n):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            _default_pg_status()
+        return (time.perf_counter() - t0) / n
+    poll = min(one_poll(200) for _ in range(10))
+print(json.dumps({"collective_s": coll, "poll_s": poll}))
+dist.destroy_process_group()
+"""
+
+
+def fr_cost(base: Path, rounds: int) -> dict[str, object]:
+    """The flight recorder's cost per collective, without the network: a one-process gloo
+    group (the collective is nearly all overhead), recorder on vs off in alternating
+    processes, the least disturbed pass of each; and one watcher poll (the recorder's status
+    read). The overhead on a step is then (collectives per step x the per-collective cost +
+    polls per step x the poll cost) / step time."""
+    script = base / "fr_cost.py"
+    script.write_text(FR_COST_CODE)
+    got: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
+    for i in range(rounds):
+        for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            env = base_env()
+            env.pop("TORCH_FR_BUFFER_SIZE", None)
+            if mode == "on":
+                env["TORCH_FR_BUFFER_SIZE"] = "2000"
+            out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                                 text=True, timeout=300)  # fmt: skip
+            got[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    on = statistics.median(r["collective_s"] for r in got["on"])
+    off = statistics.median(r["collective_s"] for r in got["off"])
+    diffs = [
+        a["collective_s"] - b["collective_s"] for a, b in zip(got["on"], got["off"], strict=True)
+    ]
+    poll = statistics.median(r["poll_s"] for r in got["on"])
+    return {
+        "fr_collective_us_on": round(on * 1e6, 2),
+        "fr_collective_us_off": round(off * 1e6, 2),
+        "fr_record_cost_us": round((on - off) * 1e6, 2),
+        "fr_record_cost_us_pairs": [round(d * 1e6, 2) for d in diffs],
+        "fr_poll_us": round(poll * 1e6, 1),
     }
 
 
@@ -283,31 +436,65 @@ def diagnosis_main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description="hang diagnosis: localize, release, FR overhead")
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--torchrun-wait", type=float, default=30.0)
+    ap.add_argument("--release-wait", type=float, default=60.0)
+    ap.add_argument("--release-only", action="store_true")
+    ap.add_argument("--fr-only", action="store_true")
+    ap.add_argument("--fr-cost-only", action="store_true")
+    ap.add_argument("--cases", default="kill,lost,stop,close", help="survivor release cases")
     ap.add_argument("--fr-steps", type=int, default=300)
     ap.add_argument("--fr-rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="tg-hangdiag-") as tmp:
-        base = Path(tmp)
-        loc = [localize_once(base, "trainguard", 60) for _ in range(args.runs)]
-        tr_loc = localize_once(base, "torchrun", args.torchrun_wait)
-        rel = [release_once(base, "trainguard") for _ in range(args.runs)]
-        tr_rel = [release_once(base, "torchrun") for _ in range(args.runs)]
-        fr = fr_overhead(base, args.fr_steps, args.fr_rounds)
 
     def med(xs: list[float | None]) -> float | None:
         got = [x for x in xs if x is not None]
         return round(statistics.median(got), 3) if got else None
 
-    print(json.dumps({
-        "trainguard_localize_s": med(loc),
-        "torchrun_localize_s": None if tr_loc is None else round(tr_loc, 3),
-        "torchrun_localize_note": "torchrun names no collective; exit time if it exits at all"
-        f" (null: still waiting after {args.torchrun_wait:g} s)",
-        "trainguard_survivor_release_s": med(rel),
-        "torchrun_survivor_release_s": med(tr_rel),
+    out: dict[str, object] = {}
+    if args.fr_cost_only:
+        with tempfile.TemporaryDirectory(prefix="tg-hangdiag-") as tmp:
+            print(json.dumps({**fr_cost(Path(tmp), args.fr_rounds),
+                              "load_avg": list(os.getloadavg())}))  # fmt: skip
+        return
+    with tempfile.TemporaryDirectory(prefix="tg-hangdiag-") as tmp:
+        base = Path(tmp)
+        if not (args.release_only or args.fr_only):
+            loc = [localize_once(base, "trainguard", 60) for _ in range(args.runs)]
+            tr_loc = localize_once(base, "torchrun", args.torchrun_wait)
+            out.update({
+                "trainguard_localize_s": med(loc),
+                "torchrun_localize_s": None if tr_loc is None else round(tr_loc, 3),
+                "torchrun_localize_note": "torchrun names no collective; exit time if it exits"
+                f" at all (null: still waiting after {args.torchrun_wait:g} s)",
+            })  # fmt: skip
+        release: dict[str, dict[str, object]] = {}
+        for how in () if args.fr_only else args.cases.split(","):
+            for which in ("trainguard", "torchrun"):
+                runs = [release_once(base, which, how, args.release_wait)
+                        for _ in range(args.runs)]  # fmt: skip
+                release.setdefault(how, {})[which] = {
+                    "release_s": med([r["release_s"] for r in runs]),
+                    "after_verdict_s": med([r["after_verdict_s"] for r in runs]),
+                    "runs_s": [r["release_s"] for r in runs],
+                }
+        if not args.release_only:
+            out.update(fr_cost(base, args.fr_rounds))
+            out.update(fr_overhead(base, args.fr_steps, args.fr_rounds))
+    for how, by in release.items():
+        for which, r in by.items():
+            print(f"{how:5s} {which:10s} release {r['release_s']} s "
+                  f"(after verdict {r['after_verdict_s']}) runs {r['runs_s']}", file=sys.stderr)  # fmt: skip
+    out.update({
+        "trainguard_survivor_release_s": release.get("kill", {}).get("trainguard", {}).get("release_s"),
+        "torchrun_survivor_release_s": release.get("kill", {}).get("torchrun", {}).get("release_s"),
+        "survivor_release_note": "peer SIGKILLed on another node, its connections held open (a"
+        " lost node); null: still in the collective after"
+        f" {args.release_wait:g} s (the process-group timeout is 30 min)",
+        "release": release,
+        "release_wait_s": args.release_wait,
         "hang_timeout_s": TIMEOUT_S,
-        **fr,
-    }))  # fmt: skip
+        "load_avg": list(os.getloadavg()),
+    })  # fmt: skip
+    print(json.dumps(out))
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "diagnosis":

@@ -26,9 +26,10 @@ trainguard_node_loss_resume_s, trainguard_store_host_loss_resume_s,
 torchrun_store_host_loss_resume_s, trainguard_eviction_resume_s, trainguard_world_size_after
 (medians; null when the job died or never resumed in most runs), plus
 torchrun_node_loss_elastic_resume_s, torchrun_elastic_world_size_after and the same trainguard
-figures with ``[spares] warm_workers = off`` (``tg-cold`` rows, ``trainguard_cold_*`` keys).
-trainguard's default (``warm_workers = auto``) starts the new workers from processes that
-imported torch ahead; the fault comes once every warm pool is ready, as it would for a spare
+figures with ``[warm] enabled = false`` (``tg-cold`` rows, ``trainguard_cold_*`` keys: every
+worker starts cold). trainguard's default (``[warm] enabled``) starts the new workers from
+processes that imported torch ahead (the spare's started while it waits, the survivors' after
+their start); the fault comes once every node's warm processes are ready, as it would for a spare
 that waited a while.
 """
 
@@ -59,7 +60,7 @@ EXAMPLE = REPO / "examples" / "train_mlp.py"
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
     "trainguard": [sys.executable, "-m", "trainguard", "run"],
-    "tg-cold": [sys.executable, "-m", "trainguard", "run"],  # [spares] warm_workers = off
+    "tg-cold": [sys.executable, "-m", "trainguard", "run"],  # [warm] enabled = false
 }
 
 
@@ -180,7 +181,7 @@ def once(
             env["TRAINGUARD_RUNTIME_RUN_DIR"] = str(run_dir)
             env["TRAINGUARD_TELEMETRY_ENABLED"] = "false"
             if which == "tg-cold":
-                env["TRAINGUARD_SPARES_WARM_WORKERS"] = "off"
+                env["TRAINGUARD_WARM_ENABLED"] = "false"
             if fault == "eviction":
                 exporters[name] = ExporterServer(h100_node(hostname=f"node-{name}")).__enter__()
                 env.update(
@@ -227,15 +228,17 @@ def once(
         if not trained:
             return None, None, "the first round never trained"
         if which == "trainguard":  # a spare waits warm: the fault comes once every pool is ready
-            fills = len(procs)  # warm_workers = auto: c while it waits, a and b once c showed up
+            nodes = len(procs)  # c's while it waits, a's and b's after their start
             _wait(
                 lambda: (
-                    sum(
-                        1
-                        for e in _records(run_dir, "events")
-                        if e.get("kind") == "warm_workers_ready"
+                    len(
+                        {
+                            e.get("node")
+                            for e in _records(run_dir, "events")
+                            if e.get("kind") == "warm_ready"
+                        }
                     )
-                    >= fills
+                    >= nodes
                 ),
                 180,
                 list(procs.values()),

@@ -46,3 +46,31 @@ def test_round_trip_json() -> None:
 
     cfg = load_config(env={})
     assert json.loads(cfg.to_json())["runtime"]["runs_root"] == "trainguard-runs"
+
+
+def test_warm_section_and_its_deprecated_settings(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One ``[warm]`` section; the old ``[runtime] warm_*`` and ``[spares] warm_*`` settings are
+    still read, into ``[warm]``, with one deprecation line each; the new name wins."""
+    assert load_config(env={}).warm.enabled is True
+    assert load_config(env={}, overrides={"warm.enabled": False}).warm.enabled is False
+    f = tmp_path / "c.toml"
+    f.write_text(
+        '[runtime]\nwarm_prestart_delay_s = 2.0\nwarm_preload = ["json"]\n'
+        '[spares]\nwarm_workers = "off"\n'
+    )
+    with caplog.at_level("WARNING", logger="trainguard.core.config"):
+        cfg = load_config(str(f), env={"TRAINGUARD_WARM_PRESTART_DELAY_S": "9"})
+    assert (cfg.warm.enabled, cfg.warm.preload, cfg.warm.prestart_delay_s) == (False, ["json"], 2.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and all("\n" not in m and "deprecated" in m for m in lines)
+    assert any("[spares] warm_workers" in m and "[warm] enabled = false" in m for m in lines)
+    assert "warm_workers" not in cfg.to_json() and "warm_restarts" not in cfg.to_json()
+    # env: the old variable maps too; the new one, set in the same source, wins
+    env = {"TRAINGUARD_RUNTIME_WARM_RESTARTS": "false", "TRAINGUARD_SPARES_WARM_WORKERS": "on"}
+    assert load_config(env=env).warm.enabled is False
+    assert load_config(env={**env, "TRAINGUARD_WARM_ENABLED": "true"}).warm.enabled is True
+    f.write_text('[spares]\nwarm_workers = "sometimes"\n')
+    with pytest.raises(ConfigError, match=r"warm_workers.*use on, auto or off.*\[warm\] enabled"):
+        load_config(str(f), env={})

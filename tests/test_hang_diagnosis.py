@@ -33,15 +33,21 @@ def _cmd(run_dir: Path, nproc: int, args: list[str], *, extra: list[str]) -> lis
 
 
 def _kill_workers(cwd: Path) -> None:
-    for f in (cwd / "pids").glob("rank_*"):
+    for f in (cwd / "pids").glob("*"):
         try:
             os.kill(int(f.read_text()), signal.SIGKILL)
         except (ProcessLookupError, ValueError):
             pass
 
 
-def _dump(rank: int, op: str | None, entered: int, completed: int, host: str = "h") -> RankDump:
-    st = CollectiveState(PG, entered, completed, op, [[16]])
+def _dump(
+    rank: int, op: str | None, entered: int, completed: int, host: str = "h", path: str = ""
+) -> RankDump:
+    """``path``: the ops of the collectives from #60 on, one letter each (a: all_reduce,
+    b: broadcast), the last one ``op``."""
+    names = {"a": "all_reduce", "b": "broadcast"}
+    hist = [[60 + i, names[c]] for i, c in enumerate(path)]
+    st = CollectiveState(PG, entered, completed, op, [[16]], hist)
     return RankDump(rank, host, "flight_recorder", {PG: st.to_json()})
 
 
@@ -57,6 +63,7 @@ def test_parse_trace_reads_last_entered_and_completed() -> None:
     }
     [(pg, s)] = parse_trace(trace).items()
     assert pg == PG and (s.op, s.entered, s.completed, s.in_flight) == ("broadcast", 62, 61, True)
+    assert s.history == [[61, "all_reduce"], [62, "broadcast"]]
 
 
 def test_analyse_classifies_missing_divergent_transport() -> None:
@@ -72,6 +79,17 @@ def test_analyse_classifies_missing_divergent_transport() -> None:
     d = analyse(div, 4)
     assert d.kind == "divergent" and d.suspect_ranks == [1]
     assert d.message.startswith("ranks split: {0,2,3} in broadcast #62, {1} in all_reduce #62")
+    # gloo: the broadcast's root sends and goes on, so rank 2 finished #62 and waits in #63;
+    # the traces' common history still names the split at #62
+    gloo = {r: _dump(r, "broadcast", 62, 61, path="abb") for r in (0, 3)}
+    gloo[1] = _dump(1, "all_reduce", 62, 61, path="aba")
+    gloo[2] = _dump(2, "all_reduce", 63, 62, path="abba")
+    d = analyse(gloo, 4)
+    assert (d.kind, d.op, d.seq, d.suspect_ranks) == ("divergent", "broadcast", 62, [1])
+    assert d.message.startswith(
+        "ranks split: {0,2,3} in broadcast #62, {1} in all_reduce #62 (divergent code path); "
+        "rank 2 got past it, now in all_reduce #63"
+    ), d.message
     d = analyse({r: _dump(r, "all_gather", 3, 2) for r in range(4)}, 4)
     assert d.kind == "transport" and d.seq == 3
     stale = {r: _dump(r, "all_reduce", 11, 10) for r in range(3)}
@@ -117,9 +135,11 @@ def test_plain_script_divergent_path_is_named_and_job_restarts(tmp_path: Path) -
     assert p.returncode == 0, p.stderr[-3000:]
     [diag] = events(run_dir, "hang_diagnosis")
     assert diag["diagnosis"] == "divergent", diag["message"]
-    assert diag["message"].startswith("ranks split: ")
-    assert " in broadcast #" in diag["message"] and " in all_reduce #" in diag["message"]
-    assert diag["suspect_ranks"] == [1]
+    seq = diag["seq"]
+    assert diag["message"].startswith(
+        f"ranks split: {{0,2,3}} in broadcast #{seq}, {{1}} in all_reduce #{seq} "
+    ), diag["message"]
+    assert diag["suspect_ranks"] == [1] and diag["op"] == "broadcast"
     hang_at = float((tmp_path / "hang_at").read_text())
     assert diag["time"] - hang_at <= 5 + 5, diag["time"] - hang_at
     assert events(run_dir, "collective_progress")
@@ -141,17 +161,19 @@ def test_plain_script_divergent_path_is_named_and_job_restarts(tmp_path: Path) -
     assert "health.hang_timeout_s" in html.split('<div id="timeouts">')[1]
 
 
-def _two_nodes(tmp_path: Path, args: list[str]) -> tuple[list[subprocess.Popen[str]], Path]:
-    run_dir, port = tmp_path / "run", free_port()
+def _two_nodes(
+    tmp_path: Path, args: list[str], nproc: int = 2, hang_timeout_s: float = 5, port: int = 0
+) -> tuple[list[subprocess.Popen[str]], Path]:
+    run_dir, port = tmp_path / "run", port or free_port()
     procs = []
     for node in ("nodeA", "nodeB"):
-        env = job_env(hang_timeout_s=5)
+        env = job_env(hang_timeout_s=hang_timeout_s)
         env["SLURMD_NODENAME"] = node
         extra = ["--nnodes", "2", "--max-restarts", "0", "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hd"]  # fmt: skip
         procs.append(
             subprocess.Popen(
-                _cmd(run_dir, 2, args, extra=extra),
+                _cmd(run_dir, nproc, args, extra=extra),
                 cwd=tmp_path,
                 env=env,
                 text=True,
@@ -185,6 +207,67 @@ def test_two_nodes_stopped_rank_named_with_its_host_and_collective(tmp_path: Pat
     first = min(d["time"] for d in diags)
     assert first - hang_at <= 5 + 3, first - hang_at
     assert {d["node"] for d in diags} == {"nodeA", "nodeB"}
+
+
+@pytest.mark.parametrize("how", ["failed", "lost"])
+def test_survivors_of_a_dead_peer_node_are_released_at_once(tmp_path: Path, how: str) -> None:
+    """Rank 1 dies without its connections closing, so rank 0 (the other node) waits in an
+    all_reduce no error ends before the process-group timeout (30 min). ``failed``: rank 1
+    SIGKILLed, a child holds its connections; its agent fails and says so in the rendezvous
+    store. ``lost``: rank 1 and its agent SIGSTOPped (a frozen or cut-off node); its liveness
+    beacon stands still. Either way the other agent ends rank 0 at once: before its own hang
+    timeout could fire."""
+    if how == "failed":
+        args = ["--kill-rank", "1", "--keep-sockets"]
+    else:
+        args = ["--stop-rank", "1", "--stop-node"]
+    args += ["--at-step", "10", "--step-s", "0.05"]
+    # the rendezvous store is hosted here, as by a node that stays (a frozen agent hosting it
+    # would stall every agent's store reads)
+    import torch.distributed as dist
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    procs, run_dir = _two_nodes(tmp_path, args, nproc=1, hang_timeout_s=10, port=port)
+    try:
+        deadline = time.monotonic() + 120
+        while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if how == "failed":
+            for p in procs:
+                p.wait(timeout=30)
+    finally:
+        _kill_workers(tmp_path)
+        for p in procs:
+            kill_tree(p)
+        del store
+        for f in (tmp_path / "pids").glob("*"):
+            _reaped(f)
+    assert not (tmp_path / "released_rank_0").exists()  # no error reached it: sockets open
+    failed = {e["rank"]: e for e in events(run_dir, "worker_failed")}
+    assert failed[0]["signal"] == "SIGKILL"
+    [peer] = events(run_dir, "peer_failed")
+    assert peer["how"] == how and peer["ranks"] == [0] and peer["node"] == failed[0]["node"]
+    if how == "failed":
+        assert (tmp_path / "pids" / "holder_1").is_file()
+        assert failed[1]["signal"] == "SIGKILL" and peer["failed_node"] == failed[1]["node"]
+    assert not events(run_dir, "hang_detected")  # released by the failure, not by a timeout
+
+
+def _reaped(pid_file: Path) -> None:
+    """Wait (briefly) until a killed worker or holder is gone (its parent died before it:
+    this process may be the one to reap it)."""
+    try:
+        pid = int(pid_file.read_text())
+    except (OSError, ValueError):
+        return
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)  # this process may be its reaper (a subreaper)
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
 
 
 def _stopped_one_of_many(tmp_path: Path, nproc: int, stop: int) -> None:

@@ -53,9 +53,7 @@ def _job(which: str, tmp_path: Path) -> dict:
     job.mkdir()
     run_dir = tmp_path / f"{which}-run"
     dump = job / "dump"
-    env = base_env(
-        DUMP_DIR=str(dump), PLAN="0:sleep,1:raise", TRAINGUARD_RUNTIME_WARM_PRESTART_DELAY_S="0"
-    )
+    env = base_env(DUMP_DIR=str(dump), PLAN="0:sleep,1:raise", TRAINGUARD_WARM_PRESTART_DELAY_S="0")
     args = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir",
             str(job / "logs"), "--redirects", "1"]  # fmt: skip
     if which == "trainguard":
@@ -158,10 +156,10 @@ def test_warm_processes_only_while_a_restart_can_follow(
 ) -> None:
     """A warm process is started only for a restart that can still happen: restarts left,
     or more than one node (a membership change restarts without using one)."""
-    from trainguard.runtime.agent import TrainGuardAgent
+    from trainguard.runtime.warm.plugin import restart_possible
 
-    agent = SimpleNamespace(
-        remaining_restarts=remaining,
-        ctx=SimpleNamespace(launch_config=SimpleNamespace(max_nodes=max_nodes)),
+    ctx = SimpleNamespace(
+        agent_restarts=2,
+        launch_config=SimpleNamespace(max_nodes=max_nodes, max_restarts=2 + remaining),
     )
-    assert TrainGuardAgent._restart_possible(agent) is possible  # type: ignore[arg-type]
+    assert restart_possible(ctx) is possible  # type: ignore[arg-type]

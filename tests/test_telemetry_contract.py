@@ -205,6 +205,15 @@ def test_job_hung_gauge_holds_from_the_verdict_to_the_next_completed_step() -> N
         p.attributes["cause"]: p.value for p in collect(reader)["trainguard.job.restarts"][1]
     }
     assert restarts == {c: 0 for c in RESTART_CAUSES}  # exported from 0, before any restart
+    # a node that learns of the hang from another node's agent: its diagnosis raises it too
+    peer = MetricsRecorder(
+        MeterProvider(metric_readers=[reader2 := InMemoryMetricReader()]), node="n1"
+    )
+    peer.event({"time": T0 + 10.6, "kind": "hang_diagnosis", "diagnosis": "missing"})
+    by_label = {
+        p.attributes["diagnosis"]: p.value for p in collect(reader2)["trainguard.job.hung"][1]
+    }
+    assert by_label == {"none": 0, "missing": 1}
 
 
 def test_goodput_breakdown_of_the_synthetic_run() -> None:

@@ -1,6 +1,7 @@
 """The warm pool on its own, real processes: a worker handed to a pre-started process behaves
 exactly as the same command started cold (script and ``-m`` forms; exit codes, SystemExit
-messages, uncaught exceptions, signals, stdout/stderr files, env, argv, cwd, ``__main__``).
+messages, uncaught exceptions, signals, stdout/stderr files, env, argv, cwd, ``__main__``);
+the agent's one pool (its plugin) serves a spare's first start and the restarts after it.
 
 The zygotes here preload nothing (``preload=()``) to stay cheap; the torch preload is
 exercised by tests/test_run_warm.py through the agent.
@@ -16,13 +17,17 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from tests.launch_utils import REPO, WORKERS, base_env
 from tests.procs import alive
-from trainguard.core.config.runtime import RuntimeConfig
-from trainguard.runtime.warm import WarmPool, env_compatible, warm_argv_ok
+from trainguard.core.config import TrainGuardConfig
+from trainguard.core.config.warm import WarmConfig
+from trainguard.core.events import EventLog
+from trainguard.core.plugin import AgentContext
+from trainguard.runtime.warm import HOOK_DIR, WarmPlugin, WarmPool, env_compatible, warm_argv_ok
 
 PLAN_WORKER = str(WORKERS / "restart_plan.py")
 FORMS = {
@@ -197,6 +202,94 @@ def test_env_compatible_allows_only_values_read_after_startup() -> None:
     assert env_compatible(base, dict(base, TRAINGUARD_ZYGOTE_PRELOAD="x")) == [
         "TRAINGUARD_ZYGOTE_PRELOAD"
     ]
+    # the agent's worker start-up hook on PYTHONPATH (the zygote has it first anyway)
+    hooked = os.pathsep.join([HOOK_DIR, "/a"])
+    assert env_compatible(dict(base, PYTHONPATH="/a"), dict(base, PYTHONPATH=hooked)) == []
+    assert env_compatible(base, dict(base, PYTHONPATH=HOOK_DIR)) == []
+    assert env_compatible(dict(base, PYTHONPATH="/a"), dict(base, PYTHONPATH=HOOK_DIR)) == [
+        "PYTHONPATH"
+    ]
+
+
+def test_one_pool_serves_a_spares_first_start_and_the_restarts_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's warm plugin: a node that waits as a spare (``spare_waiting``) starts a
+    zygote per local rank from the worker command line at once; torch's own process context
+    then starts the spare's workers from them, and the restart after that from the zygotes
+    the pool started for it. Each worker's process is the zygote ``warm_ready`` announced."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    for k, v in base_env(TORCH="0", PLAN="0:ok,1:ok", DUMP_DIR=str(tmp_path / "d")).items():
+        monkeypatch.setenv(k, v)  # the agent's environment, which its workers inherit
+    run_dir = tmp_path / "run"
+    ctx = AgentContext(
+        config=TrainGuardConfig(warm=WarmConfig(preload=[], prestart_delay_s=0)),
+        run_dir=run_dir,
+        events=EventLog(run_dir),
+        launch_config=SimpleNamespace(nproc_per_node=2, max_nodes=3, max_restarts=0),
+        worker_argv=(sys.executable, "-u", PLAN_WORKER, "--opt", "${local_rank}"),
+    )
+    ready: list[dict] = []
+    ctx.events.subscribe(ready.append, ["warm_ready"])
+    plugin = WarmPlugin(ctx)
+    pool = ctx.warm_pool
+    assert pool is plugin.pool
+
+    def wait_ready(n: int) -> dict[int, int]:
+        deadline = time.monotonic() + 60
+        while len(ready) < n:
+            assert time.monotonic() < deadline, f"warm processes not ready: {ready}"
+            time.sleep(0.05)
+        return {e["local_rank"]: e["pid"] for e in ready[n - 2 : n]}
+
+    def start(restart: int) -> tuple[dict[int, bool], dict[int, int]]:
+        with pool.serving_torch_workers() as started:
+            pc = start_processes(
+                name="trainer",
+                entrypoint=sys.executable,
+                args={lr: ("-u", PLAN_WORKER, "--opt", str(lr)) for lr in (0, 1)},
+                envs={
+                    lr: {
+                        "RANK": str(lr),
+                        "LOCAL_RANK": str(lr),
+                        "TORCHELASTIC_RESTART_COUNT": str(restart),
+                    }
+                    for lr in (0, 1)
+                },  # fmt: skip
+                logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / f"logs{restart}")),
+            )
+        try:
+            pids = pc.pids()
+            result = pc.wait(timeout=60)
+            assert result is not None and not result.is_failed(), result
+        finally:
+            pc.close()
+        return started, pids
+
+    try:
+        # emitted while the agent waits in a round, with the rendezvous wrapper's variable set
+        monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        ctx.events.emit("spare_waiting", round=3, reason="redundancy_list")
+        spare_zygotes = wait_ready(2)
+        monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+        started, pids = start(0)  # the spare takes a dead node's slot
+        assert started == {0: True, 1: True}
+        assert pids == spare_zygotes
+        restart_zygotes = wait_ready(4)  # refilled for the restart
+        assert set(restart_zygotes.values()).isdisjoint(spare_zygotes.values())
+        started, pids = start(1)
+        assert started == {0: True, 1: True}
+        assert pids == restart_zygotes
+        for restart, zygotes in enumerate((spare_zygotes, restart_zygotes)):
+            for rank in (0, 1):
+                dump = json.loads((tmp_path / "d" / f"env_{restart}_{rank}.json").read_text())
+                assert dump["pid"] == zygotes[rank], (restart, rank)
+                assert dump["argv"] == [PLAN_WORKER, "--opt", str(rank)]
+        idle = wait_ready(6)
+    finally:
+        plugin.close()
+    assert ctx.warm_pool is None and not any(alive(pid) for pid in idle.values())
 
 
 # A read is a get or [] by key; walking every item (tqdm scans os.environ for its TQDM_*
@@ -218,7 +311,7 @@ print(" ".join(sorted(reads)))
 def test_preload_reads_no_variable_a_zygote_may_differ_in() -> None:
     """The allowed differences hold for the default preload: importing it reads none of them
     from os.environ (C-level getenv at library load is not seen here)."""
-    preload = RuntimeConfig().warm_preload
+    preload = WarmConfig().preload
     r = subprocess.run(
         [sys.executable, "-c", _SPY, *preload],
         env=base_env(),

@@ -3,7 +3,10 @@
 ``--diverge-rank R --at-step S``: at step S (first attempt only) rank R calls an extra
 ``all_reduce`` while the others go on to the ``broadcast``. ``--stop-rank R --at-step S``: rank R
 stops itself (SIGSTOP) inside step S, before its collectives; ``--kill-rank R``: it SIGKILLs
-itself there (survivors that leave their collective with an error write ``released_rank_R``). Every rank writes its pid to
+itself there (survivors that leave their collective with an error write ``released_rank_R``);
+with ``--keep-sockets`` a forked child (pid in ``pids/holder_R``, gone after 120 s) keeps its
+connections open, so its peers see no closed socket; ``--stop-node``: the stopped rank stops
+its launcher (parent) first, a whole node frozen. Every rank writes its pid to
 ``pids/rank_R`` and the hang moment to ``hang_at`` in the working directory.
 """
 
@@ -27,6 +30,8 @@ def main() -> None:
     p.add_argument("--stop-rank", type=int, default=-1)
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--at-step", type=int, default=30)
+    p.add_argument("--keep-sockets", action="store_true")
+    p.add_argument("--stop-node", action="store_true")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -38,8 +43,17 @@ def main() -> None:
         time.sleep(a.step_s)
         if first and step == a.at_step and rank == a.stop_rank:
             Path("hang_at").write_text(str(time.time()))
+            if a.stop_node:  # its launcher too: a node that froze or dropped off the network
+                os.kill(os.getppid(), signal.SIGSTOP)
             os.kill(os.getpid(), signal.SIGSTOP)
         if first and step == a.at_step and rank == a.kill_rank:
+            if a.keep_sockets:  # a child holds the connections open: a peer that vanished
+                holder = os.fork()  # without closing them (lost node, partition)
+                if holder == 0:
+                    os.setsid()  # out of the worker's process group, which torch ends
+                    time.sleep(120)
+                    os._exit(0)
+                Path(f"pids/holder_{rank}").write_text(str(holder))
             Path("hang_at").write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         try:

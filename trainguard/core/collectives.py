@@ -58,6 +58,8 @@ buffer size into the worker's C environment only (``os.putenv``), where torch re
 script's ``os.environ`` stays exactly what torchrun would give it."""
 REQUEST_POLL_S = 0.5
 """How often a worker looks for a dump request."""
+HISTORY = 16
+"""Collectives per process group a rank's summary keeps (:attr:`CollectiveState.history`)."""
 WATCH_ENV = envvars.PREFIX + "COLLECTIVES"
 """Set by the agent: seconds between collective progress reads (the watcher runs when set)."""
 
@@ -116,6 +118,11 @@ class CollectiveState:
     """Operation of the last collective entered, e.g. ``all_reduce`` (no backend prefix)."""
     sizes: list[Any] = field(default_factory=list)
     """Input sizes of the last collective entered."""
+    history: list[list[Any]] = field(default_factory=list)
+    """The newest collectives entered (up to :data:`HISTORY`), oldest first: ``[seq, op]``.
+    Once ranks took different paths their sequence ids no longer name the same call (a rank
+    can finish a collective against the wrong partner and go on): the history shows where
+    each rank's path parted from the others'."""
 
     @property
     def in_flight(self) -> bool:
@@ -128,6 +135,7 @@ class CollectiveState:
             "completed": self.completed,
             "op": self.op,
             "sizes": self.sizes,
+            "history": self.history,
         }
 
 
@@ -140,11 +148,15 @@ def parse_trace(trace: dict[str, Any]) -> dict[str, CollectiveState]:
     sizes of the last one entered. Only collectives (p2p entries are skipped)."""
     names: dict[str, str] = {}
     last_entry: dict[str, dict[str, Any]] = {}
+    ops: dict[str, dict[int, str]] = {}
     for e in trace.get("entries", []):
         if e.get("is_p2p"):
             continue
         pg_id, pg_name = (list(e.get("process_group") or ["?", "?"]) + ["?"])[:2]
         names[str(pg_id)] = str(pg_name)
+        seq = e.get("collective_seq_id")
+        if isinstance(seq, int):
+            ops.setdefault(str(pg_id), {})[seq] = _op_name(e.get("profiling_name", ""))
         prev = last_entry.get(str(pg_id))
         if prev is None or e.get("collective_seq_id", -1) >= prev.get("collective_seq_id", -1):
             last_entry[str(pg_id)] = e
@@ -157,7 +169,10 @@ def parse_trace(trace: dict[str, Any]) -> dict[str, CollectiveState]:
         if e is not None and e.get("collective_seq_id") == entered:
             op, sizes = _op_name(e.get("profiling_name", "")), e.get("input_sizes") or []
         key = f"{pg_id}:{names.get(pg_id, 'default_pg' if pg_id == '0' else '?')}"
-        out[key] = CollectiveState(key, entered, completed, op, sizes or [])
+        hist = sorted(ops.get(pg_id, {}).items())[-HISTORY:]
+        out[key] = CollectiveState(
+            key, entered, completed, op, sizes or [], [[q, o] for q, o in hist]
+        )
     return out
 
 

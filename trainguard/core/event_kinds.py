@@ -33,7 +33,9 @@ __all__ = [
     "RENDEZVOUS",
     "RESTART",
     "ROLLBACK_EXHAUSTED",
+    "SPARE_WAITING",
     "STRAGGLER_SCORES",
+    "WARM_READY",
     "WORKERS_STARTED",
     "WORKER_FAILED",
     "WORKER_GROUP_UNHEALTHY",
@@ -62,14 +64,13 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("rendezvous", ("runtime.agent",), ("duration_s", "group_rank", "group_world_size", "master_addr", "master_port", "members"), "A rendezvous round completed: its members and this node's rank."),
     EventSpec("workers_started", ("runtime.agent",), ("workers", "world_size"), "The local workers started (rank, local rank, pid, warm each)."),
     EventSpec("worker_failed", ("runtime.agent",), ("cause", "exitcode", "local_rank", "message", "pid", "rank", "root_cause", "signal", "state"), "A worker died; ``root_cause`` marks the earliest failure (torch's rule)."),
+    EventSpec("peer_failed", ("runtime.agent",), ("failed_node", "how", "pids", "ranks"), "Another node's workers of this attempt failed (``how``: ``failed``, its agent said so; ``lost``, its liveness beacon went silent): this node's workers were ended at once instead of waiting in their collectives for the process-group timeout."),
     EventSpec("worker_group_unhealthy", ("runtime.agent",), ("state",), "torch found the group unhealthy without a failed worker."),
     EventSpec("restart", ("runtime.agent",), ("max_restarts", "reason", "remaining_restarts"), "The agent restarts its worker group (a failure or a membership change)."),
     EventSpec("requeue", ("runtime.agent",), ("exitcode", "message"), "The workers saved on preemption and asked to be requeued: no restart here."),
     EventSpec("do_not_requeue", ("runtime.agent",), ("exitcode", "ranks"), "A worker exited with the do-not-requeue code: no restart, no requeue."),
     EventSpec("inprocess_restart", ("runtime.inprocess",), ("duration_s", "generation", "remaining_restarts", "replaced", "survivors"), "Dead local workers replaced in place; the survivors keep running."),
-    EventSpec("warm_ready", ("runtime.agent",), ("local_rank", "pid"), "A pre-started process for a local rank's restart is ready (zygote pool)."),
-    EventSpec("warm_workers_ready", ("runtime.spare_pool",), ("agent_pid", "count", "duration_s"), "A spare's pre-started worker processes are ready."),
-    EventSpec("warm_workers", ("runtime.spare_pool",), ("agent_pid", "pool_size", "used"), "After the first step: how many workers came pre-started from the spare's pool."),
+    EventSpec("warm_ready", ("runtime.warm.plugin",), ("local_rank", "pid"), "A pre-started process for a local rank's next start is ready (a restart, or a spare's first start)."),
     EventSpec("node_dead", ("runtime.spares",), ("dead_node", "reason", "removed_by", "round", "silent_s"), "A node's liveness beacon went silent: it was removed from the rendezvous."),
     EventSpec("spare_waiting", ("runtime.spares",), ("reason", "round"), "This node waits as a spare (no slot in the round)."),
     EventSpec("spare_joined", ("runtime.spares",), ("round", "waited_s"), "A node that waited as a spare got a slot."),
@@ -166,3 +167,5 @@ HANG_KILLED = _kind("hang_killed")
 LOSS_ROLLBACK = _kind("loss_rollback")
 ROLLBACK_EXHAUSTED = _kind("rollback_exhausted")
 STRAGGLER_SCORES = _kind("straggler_scores")
+SPARE_WAITING = _kind("spare_waiting")
+WARM_READY = _kind("warm_ready")

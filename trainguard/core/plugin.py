@@ -119,6 +119,12 @@ class AgentContext:
     """Latest progress of every local worker, by global rank."""
     worker_pids: Callable[[], dict[int, int]] = field(default=dict)
     """Pids of this node's running workers, by global rank."""
+    worker_argv: tuple[str, ...] = ()
+    """The command line torch starts each local worker with (``python -u script.py args...``,
+    torch's ``${local_rank}`` macro not yet substituted); empty for a function entrypoint."""
+    warm_pool: Any = None
+    """The pool of pre-started worker processes the agent starts its workers through
+    (:class:`trainguard.runtime.warm.WarmPool`, set by its plugin); None: every start is cold."""
 
     @property
     def node(self) -> str:

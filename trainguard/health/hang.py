@@ -271,17 +271,27 @@ class HangDetector(AgentPlugin):
             per_rank={str(r): d for r, d in v.per_rank.items()},
         )
         pids = local_worker_pids(ctx, group)
+        stacks: dict[int, dict[str, str]] = {}
         if self.cfg.hang_diagnosis:
+            from trainguard.core.collectives import hang_dir
+            from trainguard.health.hangdiag import local_stacks
+
             self._diagnose(ctx, group, pids, frozen=set(v.ranks) if v.kind == "frozen" else set())
+            # the diagnosis took every rank's stack it could: taken once
+            stacks = local_stacks(hang_dir(ctx.run_dir, max(ctx.attempt, 0)), sorted(pids))
         if self.cfg.stack_dump and pids:
             from trainguard.health.stacks import dump_stacks
 
-            stacks = dump_stacks(
-                pids,
-                run_dir=ctx.run_dir,
-                attempt=max(ctx.attempt, 0),
-                timeout_s=self.cfg.stack_dump_timeout_s,
-            )
+            rest = {r: p for r, p in pids.items() if r not in stacks}
+            if rest:
+                stacks.update(
+                    dump_stacks(
+                        rest,
+                        run_dir=ctx.run_dir,
+                        attempt=max(ctx.attempt, 0),
+                        timeout_s=self.cfg.stack_dump_timeout_s,
+                    )
+                )
             ctx.events.emit(
                 "hang_stacks",
                 ranks=sorted(stacks),

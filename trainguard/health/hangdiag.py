@@ -24,7 +24,7 @@ from typing import Any
 
 from trainguard.core.collectives import CollectiveState, parse_trace
 
-__all__ = ["Diagnosis", "RankDump", "aggregate_stacks", "analyse", "main_frame"]
+__all__ = ["Diagnosis", "RankDump", "aggregate_stacks", "analyse", "local_stacks", "main_frame"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,15 +168,31 @@ def analyse(dumps: dict[int, RankDump], world_size: int | None = None) -> Diagno
     absent += unknown + missing_dumps
     absent = sorted(set(absent))
     if len(by_coll) > 1:
-        parts = [
-            f"{_fmt_ranks(rs)} in {o or 'collective'} #{q}"
-            for (o, q), rs in sorted(by_coll.items(), key=lambda kv: (-len(kv[1]), kv[0][1]))
-        ]
-        # the ranks that took another path: a different op at the collective the others wait
-        # in (ranks past it only finished it against the wrong partner); else all the others
-        others = sorted(r for r, s in flying.items() if s.entered == seq and s.op != op)
-        others = others or sorted(set(flying) - set(waiting))
+        split = _split_point(
+            {r: s for r, s in known.items() if dumps[r].source == "flight_recorder"}
+        )
+        if split is not None:
+            seq, by_op = split
+            op, waiting = max(by_op.items(), key=lambda kv: (len(kv[1]), kv[0]))
+            parts = [
+                f"{_fmt_ranks(rs)} in {o} #{seq}"
+                for o, rs in sorted(by_op.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+            ]
+            others = sorted(r for o, rs in by_op.items() if o != op for r in rs)
+            past = sorted(r for r in flying if flying[r].entered > seq)
+        else:  # no common history: each rank where it waits
+            parts = [
+                f"{_fmt_ranks(rs)} in {o or 'collective'} #{q}"
+                for (o, q), rs in sorted(by_coll.items(), key=lambda kv: (-len(kv[1]), kv[0][1]))
+            ]
+            others = sorted(set(flying) - set(waiting))
+            past = []
         msg = "ranks split: " + ", ".join(parts) + " (divergent code path)"
+        if past:
+            msg += "; " + ", ".join(
+                f"rank {r} got past it, now in {flying[r].op or 'collective'} #{flying[r].entered}"
+                for r in past
+            )
         if absent:
             msg += f"; ranks {_fmt_ranks(absent)} in no collective"
         return Diagnosis(
@@ -213,6 +229,28 @@ def analyse(dumps: dict[int, RankDump], world_size: int | None = None) -> Diagno
         "(transport or peer problem)"
     )
     return Diagnosis("transport", msg, op=op, seq=seq, **base)
+
+
+def _split_point(states: dict[int, CollectiveState]) -> tuple[int, dict[str, list[int]]] | None:
+    """The first collective (sequence id) the ranks' traces disagree on, with the ranks per
+    operation there. Past a divergence sequence ids stop naming the same call: a rank may
+    finish a collective whose partners never called it (a broadcast's root sends and goes
+    on) and wait in the next one; the op each rank ran at the first disagreement is the path
+    it took."""
+    paths: dict[int, dict[int, str]] = {}
+    for r, s in states.items():
+        path = {int(q): str(o) for q, o in s.history}
+        if s.op and s.entered >= 0:
+            path[s.entered] = s.op
+        paths[r] = path
+    for seq in sorted({q for p in paths.values() for q in p}):
+        by_op: dict[str, list[int]] = defaultdict(list)
+        for r, p in paths.items():
+            if seq in p:
+                by_op[p[seq]].append(r)
+        if len(by_op) > 1:
+            return seq, {o: sorted(rs) for o, rs in by_op.items()}
+    return None
 
 
 # -- stacks -----------------------------------------------------------------------------------
@@ -330,6 +368,28 @@ def _local_dump(
     pg = "0:default_pg"
     state = CollectiveState(pg, entered, snap.step)
     return RankDump(rank, host, "progress", {pg: state.to_json()}, stack, pstate)
+
+
+def local_stacks(directory: Path, ranks: list[int]) -> dict[int, dict[str, str]]:
+    """The stacks the diagnosis took of this node's ranks (the worker's own faulthandler dump,
+    py-spy for a stopped one), in :func:`trainguard.health.stacks.dump_stacks`'s layout."""
+    out: dict[int, dict[str, str]] = {}
+    for r in ranks:
+        for name, method in (
+            (f"stacks_rank_{r}.txt", "faulthandler"),
+            (f"pyspy_rank_{r}.txt", "py-spy"),
+        ):
+            path = directory / name
+            try:
+                out[r] = {
+                    "method": method,
+                    "path": str(path),
+                    "stack": path.read_text(encoding="utf-8"),
+                }
+                break
+            except OSError:
+                continue
+    return out
 
 
 def collect_and_analyse(

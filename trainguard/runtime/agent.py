@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -26,7 +28,7 @@ from trainguard.core.failures import (
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin, NodeUnhealthyError
 from trainguard.core.progress import ProgressReader, ProgressSnapshot
 from trainguard.core.rundir import RunDir
-from trainguard.runtime import _torch, warm
+from trainguard.runtime import _torch
 from trainguard.runtime.inprocess import InProcessRestarter
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
@@ -36,7 +38,15 @@ logger = logging.getLogger(__name__)
 
 INTEGRATIONS_ENV = "TRAINGUARD_AGENT_INTEGRATIONS"
 """Set in the workers' environment when ``[integrations] auto`` is on (read by runtime/_zygote)."""
-"""The framework integrations' worker start-up hook (``sitecustomize.py``)."""
+HOOK_DIR = str(Path(__file__).resolve().parent / "_zygote")
+"""The workers' start-up hook (``sitecustomize.py``: warm starts, collective watcher, framework
+integrations)."""
+PEER_FAILED_KEY = "trainguard/failed"
+"""Rendezvous-store key (``/<attempt>``) where an agent whose workers failed names its node."""
+PEER_FAILED_POLL_S = 0.25
+"""How often a healthy agent looks for another node's failure."""
+PEER_FAILED_WAIT_S = 3.0
+"""How long an agent that exits after its workers failed waits for the other nodes to see it."""
 
 
 class TrainGuardAgent(_torch.ElasticAgentBase):
@@ -70,15 +80,15 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         self._failed_reported = False
         self.inprocess = InProcessRestarter(self)
         """Replaces a dead worker in place when the workers run in ``trainguard.run``."""
-        rt = self.tg_config.runtime
-        self.warm_pool: warm.WarmPool | None = (
-            warm.WarmPool(preload=rt.warm_preload, prestart_delay_s=rt.warm_prestart_delay_s)
-            if rt.warm_restarts
-            else None
-        )
-        """Pre-started workers for restarts (runtime/warm.py); None when warm_restarts is off."""
         self._user_pythonpath = os.environ.get("PYTHONPATH")
         self._collective_ranks: set[int] = set()
+        self._released = False
+        self._next_peer_check = 0.0
+
+    @property
+    def warm_pool(self) -> Any:
+        """Pre-started worker processes (runtime/warm, set up by its plugin); None: cold starts."""
+        return self.ctx.warm_pool
 
     # -- requeue (the one place that decides it) ------------------------------------------------
     def _mark_requeue(self, **fields: Any) -> None:
@@ -129,16 +139,6 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
     def agent_restarts(self) -> int:
         """This agent's restarts (torchrun's TORCHELASTIC_RESTART_COUNT)."""
         return self.worker_group.spec.max_restarts - self.remaining_restarts
-
-    def _restart_possible(self) -> bool:
-        """Whether the local workers can still be restarted: restarts left, or more than one
-        node (a membership change restarts them without using one). Warm processes are started
-        only then: one that can never serve would import torch for nothing (a ``--max-restarts
-        0`` job on one node, torchrun's default, or one whose last restart is used)."""
-        if self.remaining_restarts > 0:
-            return True
-        launch = self.ctx.launch_config
-        return launch is None or launch.max_nodes > 1
 
     def event_context(self) -> dict[str, Any]:
         ctx = {"attempt": max(self.attempt, 0), "agent_restarts": self.agent_restarts}
@@ -246,7 +246,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         own ``sitecustomize``."""
         watch = self._watch_collectives()
         if self._integrations_auto() or watch:
-            parts = [warm.HOOK_DIR, *filter(None, (self._user_pythonpath or "").split(os.pathsep))]
+            parts = [HOOK_DIR, *filter(None, (self._user_pythonpath or "").split(os.pathsep))]
             os.environ["PYTHONPATH"] = os.pathsep.join(parts)
         elif self._user_pythonpath:
             os.environ["PYTHONPATH"] = self._user_pythonpath
@@ -278,10 +278,13 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         os.environ[envvars.TEARDOWN_FILE] = str(self._teardown_file)
         self._collective_ranks.clear()
         self._install_worker_hooks()
-        with warm.serving_torch_workers(self.warm_pool) as started_warm:
+        pool = self.warm_pool
+        serving = pool.serving_torch_workers() if pool is not None else contextlib.nullcontext({})
+        with serving as started_warm:
             pids = super().start_workers(worker_group)
         self._mark_teardowns(self.pcontext)
         self._failed_reported = False
+        self._released = False
         self.events.emit(
             "workers_started",
             workers=[
@@ -315,22 +318,124 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self.inprocess.check(worker_group)  # before torch's poll, which stops every worker
         result = super().monitor_workers(worker_group)
-        if self.warm_pool is not None and self._restart_possible():
-            for local_rank in self.warm_pool.tick():
-                pid = self.warm_pool.ready().get(local_rank)
-                self.events.emit("warm_ready", local_rank=local_rank, pid=pid)
         if result.state == WorkerState.HEALTHY:
             for override in self._call("on_monitor", worker_group, result):
                 if override is not None:
                     result = override
                     break
+        if result.state == WorkerState.HEALTHY and not self._released:
+            failed_node, how = self._peer_failed(), "failed"
+            if failed_node is None:
+                failed_node, how = self._peer_lost(), "lost"
+            if failed_node is not None:
+                self._release_survivors(failed_node, how)
         if (
             result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
             and not self._failed_reported
         ):
             self._failed_reported = True
+            self._announce_failure()
             self.report_failures(worker_group, result)
         return result
+
+    # -- survivors of a failed peer node ---------------------------------------------------------
+    def _failure_key(self) -> str:
+        return f"{PEER_FAILED_KEY}/{max(self.attempt, 0)}"
+
+    def _announce_failure(self, *, wait: bool = True, node: str | None = None) -> None:
+        """This node's workers of the attempt failed: the other nodes' agents release theirs
+        at once (:meth:`_peer_failed`) instead of leaving them in a collective that can no
+        longer complete until the process-group timeout."""
+        store = self.ctx.store
+        if store is None or self.ctx.group_world_size <= 1:
+            return
+        key = self._failure_key()
+        try:
+            store.set(key, node or self.events.node)
+            seen = int(store.add(f"{key}/seen", 1))
+            # an agent about to exit may host the store: it waits (bounded) until every node
+            # saw the failure (failed itself or released its workers)
+            deadline = time.monotonic() + PEER_FAILED_WAIT_S
+            while (
+                wait
+                and self.remaining_restarts <= 0
+                and seen < self.ctx.group_world_size
+                and time.monotonic() < deadline
+            ):
+                time.sleep(0.05)
+                seen = int(store.add(f"{key}/seen", 0))
+        except Exception as e:
+            logger.warning("cannot announce the failure in the rendezvous store: %s", e)
+
+    def _peer_failed(self) -> str | None:
+        """The node whose agent announced a failure of this attempt (checked at most every
+        :data:`PEER_FAILED_POLL_S`); None while there is none."""
+        store = self.ctx.store
+        now = time.monotonic()
+        if store is None or self.ctx.group_world_size <= 1 or now < self._next_peer_check:
+            return None
+        self._next_peer_check = now + PEER_FAILED_POLL_S
+        key = self._failure_key()
+        try:
+            if not store.check([key]):
+                return None
+            node = store.get(key)
+        except Exception as e:
+            logger.debug("cannot read the rendezvous store: %s", e)
+            return None
+        node = node.decode() if isinstance(node, bytes) else str(node)
+        return None if node == self.events.node or self._released else node
+
+    def _peer_lost(self) -> str | None:
+        """A node of the running round whose liveness beacon went silent (lost node, frozen
+        agent: its workers may never close their connections): its rendezvous node id."""
+        rdzv = self.rdzv
+        spares = getattr(rdzv, "spares", None) if rdzv is not None else None
+        if spares is None or self.ctx.group_world_size <= 1:
+            return None
+        dead = spares.dead_participants()
+        if not dead:
+            return None
+        node = min(dead)
+        logger.error("node %s silent for %.1f s (liveness beacon)", node, dead[node])
+        # the other nodes may not watch it: they learn it from this node's announcement
+        self._announce_failure(wait=False, node=node)
+        return node
+
+    def _release_survivors(self, failed_node: str, how: str = "failed") -> None:
+        """SIGKILL this node's workers: they wait in collectives a failed peer will never join
+        (a peer that died without closing its connections leaves them there until the
+        process-group timeout; a stuck collective answers no SIGTERM handler). The kills
+        surface as the group's FAILED state on the next tick: torch's restart path."""
+        self._released = True
+        try:
+            if how == "failed":  # the failed node may wait for every node to see it
+                self.ctx.store.add(f"{self._failure_key()}/seen", 1)
+        except Exception as e:
+            logger.debug("cannot acknowledge the failure in the rendezvous store: %s", e)
+        pids = self.worker_pids()
+        logger.error(
+            "node %s %s: ending this node's workers (ranks %s) at once",
+            failed_node,
+            "lost" if how == "lost" else "had failed workers",
+            ",".join(str(r) for r in sorted(pids)),
+        )
+        killed = []
+        for rank, pid in sorted(pids.items()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(rank)
+            except ProcessLookupError:
+                pass
+            except OSError as e:
+                logger.warning("cannot end rank %d (pid %d): %s", rank, pid, e)
+        self.events.emit(
+            "peer_failed",
+            failed_node=failed_node,
+            how=how,
+            ranks=killed,
+            pids={str(r): pids[r] for r in killed},
+        )
 
     def report_failures(self, worker_group: WorkerGroup, result: RunResult) -> None:
         """Events for ``result``'s failures (torch's root cause marked), the requeue and
@@ -406,13 +511,6 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
             path.touch()
         except OSError as e:
             logger.warning("cannot mark the teardown of attempt %s: %s", self.attempt, e)
-
-    def run(self, *args: Any, **kwargs: Any) -> RunResult:
-        try:
-            return super().run(*args, **kwargs)
-        finally:
-            if self.warm_pool is not None:
-                self.warm_pool.close()  # by PID; the workers are torch's to stop
 
     def restart_workers(self, worker_group: WorkerGroup) -> None:
         self.events.emit(

@@ -48,7 +48,7 @@ from trainguard.core.inprocess import (
     ready_key,
 )
 from trainguard.runtime import _torch
-from trainguard.runtime.warm import PooledSubprocessHandler, WarmPool
+from trainguard.runtime.warm.pool import PooledSubprocessHandler, WarmPool
 
 __all__ = ["InProcessRestarter", "spawn_replacement"]
 

@@ -41,7 +41,7 @@ from trainguard.core.jobstate import JobState
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin
 from trainguard.core.proctime import process_start_time
 from trainguard.core.timeouts import contradictions, timeout_chain
-from trainguard.runtime import etcd_v3, spare_pool, spares
+from trainguard.runtime import etcd_v3, spares
 from trainguard.runtime.agent import TrainGuardAgent
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 from trainguard.testing import chaos
@@ -70,7 +70,7 @@ def build_parser(prog: str = "trainguard run") -> argparse.ArgumentParser:
         default=None,
         metavar="TRAINGUARD_TOML",
         help="trainguard's settings file (sections [runtime], [health], [checkpoint], "
-        "[telemetry], [recovery], [rendezvous]); precedence: flag > file > TRAINGUARD_* env > default.",
+        "[telemetry], [recovery], [rendezvous], [warm], ...); precedence: flag > file > TRAINGUARD_* env > default.",
     )
     group.add_argument(
         "--tg-run-dir",
@@ -102,8 +102,9 @@ def build_parser(prog: str = "trainguard run") -> argparse.ArgumentParser:
         dest="tg_warm",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="Restart workers from pre-started processes with torch imported ([runtime] "
-        "warm_restarts, on by default); --no-tg-warm starts every worker cold, as torchrun.",
+        help="Start restarted workers (and a spare's) from pre-started processes with torch "
+        "imported ([warm] enabled, on by default); --no-tg-warm starts every worker cold, as "
+        "torchrun.",
     )
     return parser
 
@@ -452,13 +453,8 @@ def launch(
     ctx.job_store = getattr(spec.rdzv_handler, "job_store", None)
     etcd_v3.report_refused_states(getattr(spec.rdzv_handler, "_inner", None), events.emit)
     spare_ctl = spares.attach(spec.rdzv_handler, tg_config.spares, events.emit)
-    warm_stop = spare_pool.start(
-        tg_config.spares,
-        config.nproc_per_node,
-        entrypoint,
-        ctx,
-        has_spares=spare_ctl.has_spares if spare_ctl is not None else None,
-    )
+    if isinstance(entrypoint, str):
+        ctx.worker_argv = (entrypoint, *map(str, args))
     plugins = plugin_factory(ctx) if plugin_factory else []
     agent = TrainGuardAgent(
         spec=spec,
@@ -492,8 +488,6 @@ def launch(
     finally:
         events.emit("job_finished", state=outcome.state.value)
         _finish_plugins(plugins, ctx, outcome.state)
-        if warm_stop is not None:
-            warm_stop()
         if spare_ctl is not None:
             spare_ctl.close()  # a tombstone: the others remove this node at once
         if outcome.shutdown_rdzv:
@@ -505,7 +499,7 @@ def launch(
 
 def _print_recovery_summary(run_dir: Path) -> None:
     """What failed and how the job recovered, in a few lines (never raises)."""
-    from trainguard.telemetry.summary import recovery_summary
+    from trainguard.runtime.registry import recovery_summary
 
     try:
         lines = recovery_summary(run_dir)
@@ -526,7 +520,7 @@ def prepare(
             "runtime.run_dir": args.tg_run_dir,
             "ft.enabled": getattr(args, "tg_ft", None),
             "recovery.job_restart_budget": getattr(args, "tg_restart_budget", None),
-            "runtime.warm_restarts": getattr(args, "tg_warm", None),
+            "warm.enabled": getattr(args, "tg_warm", None),
         },
     )
     _apply_torchrun_defaults(args)

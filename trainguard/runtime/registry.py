@@ -12,7 +12,7 @@ from trainguard.core.events import EventLog
 from trainguard.core.fencing import NodeFencer, RecordOnlyFencer
 from trainguard.core.plugin import AgentContext, AgentPlugin
 
-__all__ = ["default_plugins", "node_fencer", "start_ft"]
+__all__ = ["default_plugins", "node_fencer", "recovery_summary", "start_ft"]
 
 _SBATCH_CHAIN_ENV = "TRAINGUARD_SBATCH_CHAIN_ID"  # trainguard.slurm.batch.CHAIN_ENV
 
@@ -39,6 +39,10 @@ def default_plugins(ctx: AgentContext) -> list[AgentPlugin]:
 
     # first: a blocklisted node refuses to join before any preflight work
     plugins: list[AgentPlugin] = [RecoveryPlugin(ctx, fencer=node_fencer(cfg))]
+    if cfg.warm.enabled:
+        from trainguard.runtime.warm import WarmPlugin
+
+        plugins.append(WarmPlugin(ctx))  # sets ctx.warm_pool, which the agent starts through
     if cfg.telemetry.enabled:
         from trainguard.telemetry.plugin import create_telemetry_plugin
 
@@ -88,3 +92,11 @@ def start_ft(cfg: TrainGuardConfig, run_dir: Path) -> Any:
         replica_group=os.environ.get("REPLICA_GROUP_ID", "0"),
     )
     return lighthouse
+
+
+def recovery_summary(run_dir: Path) -> list[str]:
+    """What failed and how the job recovered, in a few lines (the telemetry feature's summary
+    of the run's events), for ``trainguard run`` to print at the end."""
+    from trainguard.telemetry.summary import recovery_summary as summary
+
+    return summary(run_dir)

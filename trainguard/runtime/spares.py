@@ -66,9 +66,6 @@ LEFT = "left"
 
 Emit = Callable[..., Any]
 
-SPARES_KEY = "has_spares"
-"""Set (under the run's beacon prefix) once any agent of the job waited as a spare."""
-
 C10D_STORE_LOST = (
     "trainguard run: the rendezvous store is gone: with --rdzv-backend c10d it is a TCPStore "
     "server inside the agent that started first ({endpoint}), and that node was lost with the "
@@ -214,6 +211,11 @@ class Reaper:
         """Nodes found dead and already out of the newest state (not read for again)."""
 
     # -- reading -------------------------------------------------------------------------------
+    def read_state(self) -> RendezvousState | None:
+        """The rendezvous state as the backend holds it now (None: none yet)."""
+        got = self._state()
+        return None if got is None else got[0]
+
     def _state(self) -> tuple[RendezvousState, Any] | None:
         if self._etcd_v3():  # compact JSON there (trainguard.runtime.etcd_v3.codec)
             # an unchanged state is neither sent again nor decoded again
@@ -383,13 +385,6 @@ class Reaper:
 
         return self._write(mutate)
 
-    def _announce(self) -> None:
-        """Tell the job it has a spare (what ``warm_workers = "auto"`` waits for)."""
-        try:
-            self._store.set(self._prefix + SPARES_KEY, "1")
-        except Exception as e:
-            logger.debug("spares: not announced: %s", e)
-
     # -- one pass ------------------------------------------------------------------------------
     def _held(self) -> RendezvousState | None:
         from trainguard.runtime.etcd_v3.codec import copy_state
@@ -425,13 +420,11 @@ class Reaper:
             and len(state.participants) >= self._settings.max_nodes
             and self._demote()
         ):
-            self._announce()
             self._emit("spare_waiting", round=state.round, reason="round_full")
             self.spare_since = self.spare_since or self._clock()
             return
         if self._me in state.redundancy_list and self.spare_since is None:
             self.spare_since = self._clock()
-            self._announce()
             self._emit("spare_waiting", round=state.round, reason="redundancy_list")
 
 
@@ -454,11 +447,8 @@ class SpareController:
             cfg.beacon_interval_s,
         )
         self.reaper.beacon = self.beacon
+        self._next_check = 0.0
         self.beacon.start()
-
-    def has_spares(self) -> bool:
-        """Whether any agent of this job has waited as a spare (one small store read)."""
-        return bool(_torch.handler_store(self._handler).check([self._prefix + SPARES_KEY]))
 
     def num_nodes_waiting(self, waiting: int) -> int:
         """torch's count, less the nodes no slot is free for: a complete round at
@@ -491,6 +481,31 @@ class SpareController:
         finally:
             stop.set()
             thread.join(timeout=10)
+
+    def dead_participants(self) -> dict[str, float]:
+        """While the round runs: the round's participants whose beacon this agent watches and
+        that stood still for ``dead_after_s`` (node id → seconds silent).
+        Read at most every ``poll_s``; nothing is removed (the next rendezvous does that)."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return {}
+        self._next_check = now + self.cfg.poll_s
+        try:
+            state = self.reaper.read_state()
+            if state is None:
+                return {}
+            dead = self.reaper.dead_nodes(state)
+        except Exception as e:  # the store may be briefly unreachable
+            logger.debug("spares: liveness read failed: %s", e)
+            self.reaper.forget()
+            return {}
+        running = {repr(n) for n in state.participants}
+        # "left" (a tombstone) is an agent that exited: its workers' connections closed with it
+        return {
+            repr(n): silent
+            for n, (silent, why) in dead.items()
+            if repr(n) in running and why == "liveness_silent"
+        }
 
     def joined(self) -> None:
         """This node got a slot in a round: an event if it waited as a spare."""

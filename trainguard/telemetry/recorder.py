@@ -241,7 +241,10 @@ class MetricsRecorder:
                 self._pending_cause = "hang"
                 self._hung_since = _num(ev.get("time")) or 0.0
                 self._set_hung(1, "pending")
-            elif kind == "hang_diagnosis" and self._hung_since is not None:
+            elif kind == "hang_diagnosis":
+                if self._hung_since is None:  # another node's agent found the hang
+                    self._pending_cause = "hang"
+                    self._hung_since = _num(ev.get("time")) or 0.0
                 self._set_hung(1, str(ev.get("diagnosis") or "unknown"))
             elif kind == "job_finished":
                 self._hung_since = None

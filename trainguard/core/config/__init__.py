@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from trainguard.core.config.runtime import RuntimeConfig
 from trainguard.core.config.slurm import SlurmConfig
 from trainguard.core.config.spares import SparesConfig
 from trainguard.core.config.telemetry import TelemetryConfig
+from trainguard.core.config.warm import WarmConfig
 from trainguard.core.urls import redact_url
 
 __all__ = [
@@ -55,6 +57,22 @@ __all__ = [
 CONFIG_JSON = "config.json"
 
 ENV_PREFIX = "TRAINGUARD_"
+
+logger = logging.getLogger(__name__)
+
+DEPRECATED: dict[tuple[str, str], tuple[str, str]] = {
+    ("runtime", "warm_restarts"): ("warm", "enabled"),
+    ("runtime", "warm_preload"): ("warm", "preload"),
+    ("runtime", "warm_prestart_delay_s"): ("warm", "prestart_delay_s"),
+    ("spares", "warm_workers"): ("warm", "enabled"),
+    ("spares", "warm_preload"): ("warm", "preload"),
+}
+"""Old settings still accepted, (section, key) → the ``[warm]`` setting they now set (one
+warm pool serves restarts and spares). A value given under the new name in the same source
+wins."""
+
+_WARM_WORKERS = {"on": True, "auto": True, "true": True, "1": True}
+_WARM_WORKERS.update({"off": False, "false": False, "0": False})
 
 
 class ConfigError(ValueError):
@@ -78,6 +96,7 @@ class TrainGuardConfig:
     inprocess: InProcessConfig = field(default_factory=InProcessConfig)
     spares: SparesConfig = field(default_factory=SparesConfig)
     integrations: IntegrationsConfig = field(default_factory=IntegrationsConfig)
+    warm: WarmConfig = field(default_factory=WarmConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -173,6 +192,47 @@ def _apply(section_obj: Any, key: str, raw: Any, where: str) -> None:
     setattr(section_obj, key, _coerce(raw, hints[key], where))
 
 
+def _undeprecated(
+    layer: dict[str, dict[str, tuple[Any, str]]], spell: Callable[[str, str], str]
+) -> dict[str, dict[str, tuple[Any, str]]]:
+    """``layer`` (one source's values) with the :data:`DEPRECATED` settings moved to their new
+    place, one warning line each; ``spell(section, key)`` names a setting as the source does."""
+    for (old_section, old_key), (new_section, new_key) in DEPRECATED.items():
+        if old_key not in layer.get(old_section, {}):
+            continue
+        raw, where = layer[old_section].pop(old_key)
+        if (old_section, old_key) == ("spares", "warm_workers"):
+            mode = str(raw).lower()
+            if mode not in _WARM_WORKERS:
+                raise ConfigError(
+                    f"{where}: {raw!r}: use on, auto or off (deprecated: set "
+                    f"{spell(new_section, new_key)} = true or false instead)"
+                )
+            raw = _WARM_WORKERS[mode]
+        new = spell(new_section, new_key)
+        taken = new_key in layer[new_section]
+        if taken:
+            by = layer[new_section][new_key][1].removesuffix(" (deprecated)")
+            logger.warning("%s is deprecated and ignored here: %s sets %s", where, by, new)
+        else:
+            logger.warning(
+                "%s is deprecated (one warm pool serves restarts and spares): read as %s = %s; "
+                "set that instead",
+                where,
+                new,
+                json.dumps(raw),
+            )
+            layer[new_section][new_key] = (raw, f"{where} (deprecated)")
+    return layer
+
+
+def _merge(
+    values: dict[str, dict[str, tuple[Any, str]]], layer: dict[str, dict[str, tuple[Any, str]]]
+) -> None:
+    for name, table in layer.items():
+        values.setdefault(name, {}).update(table)
+
+
 def load_config(
     path: str | None = None,
     *,
@@ -188,17 +248,20 @@ def load_config(
     sections = _sections()
     values: dict[str, dict[str, tuple[Any, str]]] = {name: {} for name in sections}
 
+    layer: dict[str, dict[str, tuple[Any, str]]] = {name: {} for name in sections}
     for var, raw in env.items():
         if not var.startswith(ENV_PREFIX) or var.startswith(envvars.PREFIX):
             continue  # TRAINGUARD_AGENT_*: what the agent tells its workers, not settings
         rest = var[len(ENV_PREFIX) :].lower()
         for name in sections:
             if rest.startswith(name + "_"):
-                values[name][rest[len(name) + 1 :]] = (raw, f"env {var}")
+                layer[name][rest[len(name) + 1 :]] = (raw, f"env {var}")
                 break
+    _merge(values, _undeprecated(layer, lambda s, k: f"{ENV_PREFIX}{s}_{k}".upper()))
 
     if path is not None:
         data = _read_toml(path)
+        layer = {name: {} for name in sections}
         for name, table in data.items():
             if name not in sections:
                 raise ConfigError(
@@ -208,7 +271,8 @@ def load_config(
             if not isinstance(table, dict):
                 raise ConfigError(f"config file {path}: [{name}] must be a table")
             for key, raw in table.items():
-                values[name][key] = (raw, f"config file {path}: [{name}] {key}")
+                layer[name][key] = (raw, f"config file {path}: [{name}] {key}")
+        _merge(values, _undeprecated(layer, lambda s, k: f"[{s}] {k}"))
 
     for dotted, raw in (overrides or {}).items():
         if raw is None:

@@ -9,7 +9,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 
 @dataclass(kw_only=True, slots=True)
@@ -30,36 +30,8 @@ class SparesConfig:
     ``beacon_writes_per_s x beacon_interval_s`` nodes (500 at the defaults) beats less often,
     and ``dead_after_s`` and ``poll_s`` stretch by the same factor (see :meth:`for_nodes`):
     1000 agents beating every 0.5 s saturated a 2-core etcd and the rendezvous round with it."""
-    warm_workers: str = "auto"
-    """``on``: keep ``nproc_per_node`` worker processes per agent started ahead, with
-    ``warm_preload`` imported, and start the next attempt's workers from them (a restart then
-    skips each worker's interpreter start and torch import). ``auto``: the same, but only in a
-    job that has spares (a spare fills its pool while it waits; an active agent once a spare
-    has shown up). ``off``: torch's own start. ``true``/``false`` mean ``on``/``off``."""
-    warm_preload: list[str] = field(
-        default_factory=lambda: [
-            "torch",
-            "torch.distributed",
-            "torch.nn.parallel",
-            "torch.distributed.checkpoint",
-            # DistributedDataParallel's constructor imports these (~800 modules, seconds)
-            "torch._dynamo",
-            "torch._inductor",
-            "torch._numpy",
-            "torch.onnx",
-            "trainguard.worker.api",
-            "trainguard.checkpoint.manager",
-        ]
-    )
-    """Modules a warm worker imports before it is needed."""
 
     def __post_init__(self) -> None:
-        mode = {"true": "on", "false": "off", "1": "on", "0": "off"}.get(
-            str(self.warm_workers).lower(), str(self.warm_workers).lower()
-        )
-        if mode not in ("off", "on", "auto"):
-            raise ValueError(f"warm_workers {self.warm_workers!r}: use off, on or auto")
-        self.warm_workers = mode
         if self.beacon_interval_s <= 0 or self.poll_s <= 0 or self.beacon_writes_per_s <= 0:
             raise ValueError("beacon_interval_s, poll_s and beacon_writes_per_s must be > 0")
         if self.dead_after_s < 3 * self.beacon_interval_s:

@@ -1,22 +1,25 @@
-"""Warm restarts: worker processes started ahead of need, with torch already imported.
+"""Warm starts: worker processes started ahead of need, with torch already imported.
 
-A restarted rank normally pays interpreter start-up and ``import torch`` (1-1.5 s on a CPU) on
-the critical path of every restart. The :class:`WarmPool` keeps one pre-started process
-("zygote") per key (the agent uses the local rank): a fresh ``python`` started with exactly the
-worker's command line (``python -u script.py args...`` or ``python -u -m module args...``)
-whose start-up hook (``_zygote/sitecustomize.py``, first on ``PYTHONPATH``) imports the
-preload modules and then blocks on a unix socket. :meth:`WarmPool.spawn` hands a zygote the
-worker's full environment, working directory and stdout/stderr descriptors; the hook puts
-them in place and returns, and the interpreter runs the script itself, as it would have in a
-fresh process: same ``sys.argv``, ``sys.path[0]``, ``__main__``, ``-m`` handling, exit codes,
-uncaught exceptions (exit 1), signals and error files. Nothing is forked after torch is
-imported. The zygote is a child of the agent in its own session, so torch's monitoring and
-teardown (``poll``, ``killpg``) work on it unchanged.
+A started worker normally pays interpreter start-up and ``import torch`` (1-1.5 s on a CPU;
+seconds with ``torch._dynamo``/``torch._inductor``, which the ``DistributedDataParallel``
+constructor imports) on the critical path: after every restart, and when a spare takes a dead
+node's slot. The :class:`WarmPool` keeps one pre-started process ("zygote") per key (the agent
+uses the local rank): a fresh ``python`` started with exactly the worker's command line
+(``python -u script.py args...`` or ``python -u -m module args...``) whose start-up hook
+(``runtime/_zygote/sitecustomize.py``, first on ``PYTHONPATH``) imports the preload modules
+and then blocks on a unix socket. :meth:`WarmPool.spawn` hands a zygote the worker's full
+environment, working directory and stdout/stderr descriptors; the hook puts them in place and
+returns, and the interpreter runs the script itself, as it would have in a fresh process: same
+``sys.argv``, ``sys.path[0]``, ``__main__``, ``-m`` handling, exit codes, uncaught exceptions
+(exit 1), signals and error files. Nothing is forked after torch is imported. The zygote is a
+child of the agent in its own session, so torch's monitoring and teardown (``poll``,
+``killpg``) work on it unchanged.
 
 A zygote is used only when the command line is the same and the environment differs from the
 one it started with only in values that are read after start-up (the rank and round values
-the agent sets: :data:`DYNAMIC_ENV`, ``TORCHELASTIC_*``, ``TRAINGUARD_*``); anything else
-(``PYTHON*``, ``OMP_*``, ``LD_*``, ``TORCH_LOGS``, ...) falls back to a cold start.
+the agent sets: :data:`DYNAMIC_ENV`, ``TORCHELASTIC_*``, ``TRAINGUARD_*``, and the hook's own
+entry on ``PYTHONPATH``); anything else (``PYTHON*``, ``OMP_*``, ``LD_*``, ``TORCH_LOGS``, ...)
+falls back to a cold start.
 
 Differences a worker can see (by design): its process is older than the hand-off (start
 time), it was started with ``TRAINGUARD_ZYGOTE_*`` and trainguard's hook directory in its
@@ -37,6 +40,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -50,6 +54,7 @@ from trainguard.runtime import _torch
 
 __all__ = [
     "DYNAMIC_ENV",
+    "HOOK_DIR",
     "PooledSubprocessHandler",
     "WarmPool",
     "WarmProcess",
@@ -60,7 +65,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-HOOK_DIR = str(Path(__file__).resolve().parent / "_zygote")
+HOOK_DIR = str(Path(__file__).resolve().parent.parent / "_zygote")
 FD_ENV = "TRAINGUARD_ZYGOTE_FD"
 PRELOAD_ENV = "TRAINGUARD_ZYGOTE_PRELOAD"
 
@@ -79,6 +84,9 @@ DYNAMIC_ENV = frozenset(
         "MASTER_PORT",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING",
         "CUDA_VISIBLE_DEVICES",  # read when CUDA initialises, never by ``import torch``
+        # set by trainguard's rendezvous wrapper only while the agent waits in a round (when a
+        # spare's zygotes are started); read by torch's rendezvous, never by a worker
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
     }
 )
 """Variables a zygote's environment may differ in from the worker's (with ``TORCHELASTIC_*`` and
@@ -115,10 +123,23 @@ def env_compatible(started: Mapping[str, str], wanted: Mapping[str, str]) -> lis
     return sorted(
         k
         for k in keys
-        if started.get(k) != wanted.get(k)
+        if _value(started, k) != _value(wanted, k)
         and k not in DYNAMIC_ENV
         and not (k.startswith(_DYNAMIC_PREFIXES) and not k.startswith("TRAINGUARD_ZYGOTE_"))
     )
+
+
+def _value(env: Mapping[str, str], key: str) -> str | None:
+    if key != "PYTHONPATH":
+        return env.get(key)
+    return _without_hook(env.get(key))
+
+
+def _without_hook(pythonpath: str | None) -> str | None:
+    """``PYTHONPATH`` without trainguard's hook directory (the agent puts it first for the
+    worker start-up hook; the hook takes it off again): None when nothing else is left."""
+    kept = [p for p in (pythonpath or "").split(os.pathsep) if p and os.path.abspath(p) != HOOK_DIR]
+    return os.pathsep.join(kept) or None
 
 
 @dataclass
@@ -172,13 +193,16 @@ class _Slot:
 @dataclass
 class WarmPool:
     """One pre-started zygote per key, (re)filled ``prestart_delay_s`` after the key's last
-    start (so the zygote does not compete with the starting workers for CPU)."""
+    start (so the zygote does not compete with the starting workers for CPU), or at once for a
+    key :meth:`prestart` names (a spare's workers, before its first start). Thread-safe: the
+    agent starts workers in its main thread while another thread keeps the pool filled."""
 
     preload: Sequence[str] = ("torch",)
     prestart_delay_s: float = 5.0
     clock: Callable[[], float] = time.monotonic
     _slots: dict[Hashable, _Slot] = field(default_factory=dict, init=False, repr=False)
     _closed: bool = field(default=False, init=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
 
     def __post_init__(self) -> None:
         atexit.register(self.close)
@@ -199,28 +223,49 @@ class WarmPool:
         command becomes ``key``'s template for the next zygote."""
         argv = tuple(str(a) for a in argv)
         env = dict(env)
-        proc = self._hand_off(key, argv, env, stdout, stderr)
-        warm = proc is not None
-        if proc is None:
-            proc = subprocess.Popen(
-                argv, env=env, stdout=stdout, stderr=stderr, start_new_session=True
-            )
-        self.remember(argv, env, key=key)
+        with self._lock:
+            proc = self._hand_off(key, argv, env, stdout, stderr)
+            warm = proc is not None
+            if proc is None:
+                proc = subprocess.Popen(
+                    argv, env=env, stdout=stdout, stderr=stderr, start_new_session=True
+                )
+            self.remember(argv, env, key=key)
         return WarmProcess(proc=proc, warm=warm)
 
     def has_zygote(self, key: Hashable = 0) -> bool:
         """``key`` has a pre-started process (ready or still importing)."""
-        slot = self._slots.get(key)
-        return slot is not None and slot.zygote is not None
+        with self._lock:
+            slot = self._slots.get(key)
+            return slot is not None and slot.zygote is not None
 
-    def remember(self, argv: Sequence[str], env: Mapping[str, str], *, key: Hashable = 0) -> None:
-        """Make ``argv``/``env`` ``key``'s template for its next zygote, for a start that did
-        not go through :meth:`spawn` (another pool served it). Only for a key without a
-        zygote (:meth:`has_zygote`), whose process would otherwise be lost track of."""
+    def remember(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        key: Hashable = 0,
+        now: bool = False,
+    ) -> None:
+        """Make ``argv``/``env`` ``key``'s template for its next zygote, started
+        ``prestart_delay_s`` from now (``now``: at the next :meth:`tick`). Only for a key
+        without a zygote (:meth:`has_zygote`), whose process would otherwise be lost track of."""
         argv = tuple(str(a) for a in argv)
-        slot = self._slots.get(key)
-        deaths = slot.deaths if slot is not None and slot.argv == argv else 0
-        self._slots[key] = _Slot(argv=argv, env=dict(env), since=self.clock(), deaths=deaths)
+        with self._lock:
+            slot = self._slots.get(key)
+            deaths = slot.deaths if slot is not None and slot.argv == argv else 0
+            since = self.clock() - (self.prestart_delay_s if now else 0.0)
+            self._slots[key] = _Slot(argv=argv, env=dict(env), since=since, deaths=deaths)
+
+    def prestart(self, argv: Sequence[str], env: Mapping[str, str], *, key: Hashable = 0) -> bool:
+        """Have a zygote for ``argv``/``env`` started for ``key`` at the next :meth:`tick`
+        (a spare's worker, before its first start), unless ``key`` has one already. True when
+        one is due."""
+        with self._lock:
+            if self._closed or self.has_zygote(key):
+                return False
+            self.remember(argv, env, key=key, now=True)
+            return True
 
     def _hand_off(
         self,
@@ -264,6 +309,10 @@ class WarmPool:
     def tick(self) -> list[Hashable]:
         """Start the zygotes that are due and reap dead ones; returns the keys whose zygote
         became ready since the last call. Call it often (the agent does on every monitor tick)."""
+        with self._lock:
+            return self._tick()
+
+    def _tick(self) -> list[Hashable]:
         became_ready = []
         now = self.clock()
         for key, slot in self._slots.items():
@@ -295,12 +344,15 @@ class WarmPool:
 
     def ready(self) -> dict[Hashable, int]:
         """Key → pid of each zygote that has finished its imports and waits for a job."""
-        return {k: s.zygote.proc.pid for k, s in self._slots.items() if s.zygote and s.zygote.ready}
+        with self._lock:
+            return {
+                k: s.zygote.proc.pid for k, s in self._slots.items() if s.zygote and s.zygote.ready
+            }
 
     def _start_zygote(self, slot: _Slot) -> _Zygote | None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(slot.env)
-        pythonpath = [HOOK_DIR, *filter(None, [env.get("PYTHONPATH")])]
+        pythonpath = [HOOK_DIR, *filter(None, [_without_hook(env.get("PYTHONPATH"))])]
         env["PYTHONPATH"] = os.pathsep.join(pythonpath)
         env[FD_ENV] = str(theirs.fileno())
         env[PRELOAD_ENV] = ",".join(self.preload)
@@ -326,11 +378,16 @@ class WarmPool:
     # -- ending ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Kill every unused zygote by PID (idempotent); handed-off workers are not touched."""
-        self._closed = True
-        for slot in self._slots.values():
-            if slot.zygote is not None:
-                self._discard(slot.zygote)
-                slot.zygote = None
+        with self._lock:
+            self._closed = True
+            for slot in self._slots.values():
+                if slot.zygote is not None:
+                    self._discard(slot.zygote)
+                    slot.zygote = None
+
+    def serving_torch_workers(self) -> Any:
+        """:func:`serving_torch_workers` with this pool (the agent's entry point)."""
+        return serving_torch_workers(self)
 
     @staticmethod
     def _discard(z: _Zygote) -> None:
@@ -398,12 +455,6 @@ class PooledSubprocessHandler(_torch.SubprocessHandlerBase):
         self.warm = started.warm
 
 
-def _torch_get_subprocess_handler() -> Any:
-    from torch.distributed.elastic.multiprocessing import subprocess_handler
-
-    return subprocess_handler.get_subprocess_handler
-
-
 @contextmanager
 def serving_torch_workers(pool: WarmPool | None) -> Iterator[dict[int, bool]]:
     """While active, torch's ``SubprocessContext`` starts its workers through ``pool`` (keyed by
@@ -418,8 +469,6 @@ def serving_torch_workers(pool: WarmPool | None) -> Iterator[dict[int, bool]]:
     from torch.distributed.elastic.multiprocessing import api as mp_api
 
     original = mp_api.get_subprocess_handler
-    # torch's own, or another pool's (runtime/spare_pool.py installs one for jobs with spares)
-    fallback = None if original is _torch_get_subprocess_handler() else original
 
     def get_subprocess_handler(
         entrypoint: str,
@@ -435,14 +484,6 @@ def serving_torch_workers(pool: WarmPool | None) -> Iterator[dict[int, bool]]:
             return original(
                 entrypoint, args, env, stdout, stderr, local_rank_id, numa_options=numa_options
             )
-        if fallback is not None and not pool.has_zygote(local_rank_id):
-            # nothing pre-started here (a first start): another installed pool (a spare's,
-            # runtime/spare_pool.py) may have one; this pool still learns the command
-            pool.remember(
-                (entrypoint, *[str(a) for a in args]), {**os.environ, **env}, key=local_rank_id
-            )
-            started[local_rank_id] = False
-            return fallback(entrypoint, args, env, stdout, stderr, local_rank_id)
         h = PooledSubprocessHandler(entrypoint, args, env, stdout, stderr, local_rank_id, pool=pool)
         started[local_rank_id] = h.warm
         return h
