@@ -14,10 +14,20 @@ in one run, on the same machine:
 The time of a round is from "go" (every agent built and waiting) to the last agent's return.
 A round that does not finish in ``--timeout`` (300 s) counts as null. Medians of ``--runs``.
 Ends with one JSON line: ``trainguard_etcd_rdzv_s_<N>`` and ``torch_c10d_rdzv_s_<N>`` for
-N in 100, 300, 1000. Each etcd round also says when its agents were done (p50, p90), their CPU
+N in 100, 300, 1000, and the etcd rounds' tail, ``trainguard_etcd_rdzv_p90_s_<N>`` and
+``trainguard_etcd_rdzv_max_s_<N>`` (null when a round did not finish).
+
+Node loss (``--node-loss 100,1000``, etcd-v3, ``--spares 2``, ``--loss-runs 5``): N agents in a
+complete round and k spares waiting in the redundancy list, every agent with the spares'
+beacon and reaper (what ``trainguard run`` attaches); one active agent's process is SIGKILLed
+and the other active agents join the next round at once (as each does once its workers fail on
+the lost peer). The time from the kill until etcd holds a complete round of N nodes without
+the dead one: ``trainguard_node_loss_rdzv_s_<N>`` (median). Each etcd round also says when its agents were done (p50, p90), their CPU
 and etcd's, and the etcd requests per agent by kind (``RDZV_SCALE_DETAIL=1``: also by key).
 
     python bench/rendezvous_scale.py [--sizes 100,300,1000] [--runs 3] [--runs-large 1] [--procs 4]
+    RDZV_SCALE_SPARES=1 python bench/rendezvous_scale.py --only etcd --sizes 1000 --runs 10 \
+        --node-loss 1000
 """
 
 from __future__ import annotations
@@ -79,6 +89,19 @@ def _count_requests(client_cls: type) -> None:
         return watch(self, key, **kw)
 
     client_cls.call, client_cls.watch = counted_call, counted_watch
+
+    from trainguard.runtime.etcd_v3 import client as client_mod
+
+    post = client_mod._Member.post
+
+    def counted_post(self, path, payload, headers):  # type: ignore[no-untyped-def]
+        status, text = post(self, path, payload, headers)
+        n = len(json.dumps(payload)) + len(text)  # bytes sent and received (JSON bodies)
+        with lock:
+            _REQUESTS["bytes"] = _REQUESTS.get("bytes", 0) + n
+        return status, text
+
+    client_mod._Member.post = counted_post
 
 
 def child(
@@ -171,6 +194,92 @@ def child(
     out["ends"] = ends
     print(json.dumps(out), flush=True)
     os._exit(0)  # skip torch's interpreter teardown of a thousand handlers
+
+
+def child_loss(endpoint: str, run_id: str, n_total: int, n_here: int, timeout: int) -> None:
+    """Node loss: ``n_here`` agents with spares attached (what ``trainguard run`` attaches)
+    join on "go"; on "again" every agent whose round completed joins the next round (as its
+    agent does once its workers fail on the lost peer); "report" prints what happened since
+    "again" (the spares' first calls return in that round too)."""
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from trainguard.core.config.spares import SparesConfig
+    from trainguard.runtime import spares
+    from trainguard.runtime.etcd_v3 import EtcdV3Client, create_rdzv_handler
+
+    _count_requests(EtcdV3Client)
+    handlers = [
+        create_rdzv_handler(
+            RendezvousParameters(
+                backend="etcd-v3",
+                endpoint=endpoint,
+                run_id=run_id,
+                min_nodes=n_total,
+                max_nodes=n_total,
+                join_timeout=timeout,
+            )  # fmt: skip
+        )
+        for _ in range(n_here)
+    ]
+    removed: list[str] = []
+
+    def emit(kind: str, **fields: object) -> None:
+        if kind == "node_dead":
+            removed.append(str(fields.get("reason")))
+            print(f"  node_dead {fields}"[:300], file=sys.stderr, flush=True)
+
+    ctls = [spares.attach(h, SparesConfig(), emit) for h in handlers]
+    lock = threading.Lock()
+    first: list[int] = []  # agents whose first round completed
+    ends: list[float] = []  # returns after "again"
+    errors: list[str] = []
+    again = threading.Event()
+
+    def agent(i: int) -> None:
+        h, ctl = handlers[i], ctls[i]
+        try:
+            with ctl.watching():  # type: ignore[union-attr]
+                h.next_rendezvous()
+            with lock:
+                if again.is_set():  # a spare: its first round is the recovered one
+                    ends.append(time.time())
+                    return
+                first.append(i)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}"[:300])
+
+    def rejoin(i: int) -> None:
+        try:
+            with ctls[i].watching():  # type: ignore[union-attr]
+                handlers[i].next_rendezvous()
+            with lock:
+                ends.append(time.time())
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}"[:300])
+
+    nodes = [repr(h._this_node) for h in handlers]  # type: ignore[attr-defined]
+    print("ready " + json.dumps(nodes), flush=True)
+    sys.stdin.readline()  # go
+    threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(n_here)]
+    for t in threads:
+        t.start()
+    sys.stdin.readline()  # again
+    _REQUESTS.clear()
+    t0 = os.times()
+    with lock:
+        again.set()
+        rejoining = list(first)
+    for i in rejoining:
+        threading.Thread(target=rejoin, args=(i,), daemon=True).start()
+    sys.stdin.readline()  # report
+    t1 = os.times()
+    out = {
+        "ends": ends, "errors": errors[:3], "requests": dict(_REQUESTS), "removed": removed,
+        "cpu_s": t1.user + t1.system - t0.user - t0.system,
+    }  # fmt: skip
+    print(json.dumps(out), flush=True)
+    os._exit(0)
 
 
 # -- parent --------------------------------------------------------------------------------------
@@ -275,9 +384,11 @@ def one_round(
         p50, p90 = ends[len(ends) // 2], ends[len(ends) * 9 // 10]
         stats += f"agents done at p50 {p50:.1f} s, p90 {p90:.1f} s, "
         stats += f"agents' CPU {cpu:.1f} s"
+        nbytes = requests.pop("bytes", 0)
         if requests:
             per = ", ".join(f"{k} {v / n:.1f}" for k, v in sorted(requests.items()))
             stats += f"; etcd requests per agent: {sum(requests.values()) / n:.1f} ({per})"
+            stats += f"; {nbytes / n / 1024:.0f} KiB per agent"
         stats += ")"
         return max(r["t_end"] for r in results) - t_go, stats
     finally:
@@ -290,6 +401,139 @@ def one_round(
                 except ProcessLookupError:
                     pass
             c.wait()
+
+
+def node_loss(
+    endpoint: str, n: int, spares_k: int, procs: int, timeout: float, progress: bool = False
+) -> tuple[float | None, str]:
+    """N agents in a complete round and ``spares_k`` spares (all with the spares' beacons and
+    reapers); one active agent's process is SIGKILLed, the others rejoin at once. The time
+    from the kill until etcd holds a complete round of N nodes without the dead one."""
+    from trainguard.runtime.etcd_v3 import EtcdV3Client, _unpack, parse_endpoints
+    from trainguard.runtime.etcd_v3.codec import decode_state
+
+    run_id = f"loss-{n}-{uuid.uuid4().hex[:8]}"
+    total = n + spares_k - 1  # beside the victim's own process
+    counts = [
+        c for c in (total // procs + (1 if i < total % procs else 0) for i in range(procs)) if c
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    kids = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--child-loss",
+                endpoint,
+                run_id,
+                str(n),
+                str(c),
+                str(int(timeout)),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None if progress else subprocess.DEVNULL,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        for c in [1, *counts]  # the victim first: one agent in a process of its own
+    ]
+    client = EtcdV3Client(parse_endpoints(endpoint))
+    key = f"/trainguard/rdzv/{run_id}/state"
+
+    def state():  # type: ignore[no-untyped-def]
+        found = client.get(key)
+        return None if found is None else decode_state(_unpack(found[0]))
+
+    def say(kid: subprocess.Popen, line: str) -> None:  # type: ignore[type-arg]
+        kid.stdin.write(line + "\n")  # type: ignore[union-attr]
+        kid.stdin.flush()  # type: ignore[union-attr]
+
+    shown = [0.0]
+
+    def wait_for(cond, limit: float) -> object:  # type: ignore[no-untyped-def]
+        end = time.monotonic() + limit
+        while time.monotonic() < end:
+            st = state()
+            if st is not None and cond(st):
+                return st
+            if progress and st is not None and time.monotonic() - shown[0] >= 1.0:
+                shown[0] = time.monotonic()
+                print(
+                    f"  round={st.round} complete={st.complete} participants="
+                    f"{len(st.participants)} wait={len(st.wait_list)} "
+                    f"redundancy={len(st.redundancy_list)}",
+                    flush=True,
+                )
+            time.sleep(0.1)
+        return None
+
+    try:
+        victim_node = None
+        for i, kid in enumerate(kids):
+            line = kid.stdout.readline()  # type: ignore[union-attr]
+            if not line.startswith("ready "):
+                return None, f"a child did not start: {line!r}"
+            if i == 0:
+                victim_node = json.loads(line[6:])[0]
+        say(kids[0], "go")  # the victim joins first: it is a participant, not a spare
+        if wait_for(lambda st: any(repr(p) == victim_node for p in st.participants), 60) is None:
+            return None, "the victim did not join"
+        for kid in kids[1:]:
+            say(kid, "go")
+        full = wait_for(
+            lambda st: st.complete and len(st.participants) == n
+            and len(st.redundancy_list) == spares_k,
+            timeout,
+        )  # fmt: skip
+        if full is None:
+            return None, f"no complete first round with {spares_k} spares in {timeout:.0f} s"
+        round1 = full.round  # type: ignore[attr-defined]
+        time.sleep(1.0)  # the spares settle in the redundancy list
+        os.killpg(kids[0].pid, signal.SIGKILL)
+        t_kill = time.time()
+        for kid in kids[1:]:
+            say(kid, "again")
+        done = wait_for(
+            lambda st: st.round > round1 and st.complete and len(st.participants) == n
+            and all(repr(p) != victim_node for p in st.participants),
+            timeout,
+        )  # fmt: skip
+        t_done = time.time()
+        time.sleep(2.0)  # the agents return from the rendezvous
+        for kid in kids[1:]:
+            say(kid, "report")
+        results = [json.loads(kid.stdout.readline()) for kid in kids[1:]]  # type: ignore[union-attr]
+        if done is None:
+            errs = [e for r in results for e in r["errors"]]
+            return None, f"no full round again in {timeout:.0f} s; errors: {errs[:2]}"
+        ends = sorted(e - t_kill for r in results for e in r["ends"])
+        requests: dict[str, int] = {}
+        for r in results:
+            for k, v in r["requests"].items():
+                requests[k] = requests.get(k, 0) + v
+        removed = [x for r in results for x in r["removed"]]
+        nbytes = requests.pop("bytes", 0)
+        cpu = sum(r["cpu_s"] for r in results)
+        per = ", ".join(f"{k} {v / n:.1f}" for k, v in sorted(requests.items()))
+        stats = (
+            f"ok ({len(ends)} agents back, the last at {ends[-1]:.1f} s; dead node removed by "
+            f"{len(removed)} write(s) {sorted(set(removed))}; agents' CPU {cpu:.1f} s; etcd "
+            f"requests per agent: {sum(requests.values()) / n:.1f} ({per}); "
+            f"{nbytes / n / 1024:.0f} KiB per agent)"
+            if ends
+            else "ok (no agent return seen)"
+        )
+        return t_done - t_kill, stats
+    finally:
+        for kid in kids:
+            if kid.poll() is None:
+                try:
+                    os.killpg(kid.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            kid.wait()
 
 
 class _External:
@@ -313,12 +557,19 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=4, help="processes the agents are spread over")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--only", choices=["etcd", "c10d"], default=None)
+    ap.add_argument(
+        "--node-loss", default="", help="node-loss case for these N (etcd-v3, spares attached)"
+    )
+    ap.add_argument("--spares", type=int, default=2, help="spares in the node-loss case")
+    ap.add_argument("--loss-runs", type=int, default=5, help="node-loss runs per N")
+    ap.add_argument("--no-rounds", action="store_true", help="only the node-loss case")
     ap.add_argument("--progress", action="store_true", help="print the etcd round's progress")
     ap.add_argument(
         "--etcd-endpoint", default=None, help="use this running etcd instead of starting one"
     )
     args = ap.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [] if args.no_rounds else [int(s) for s in args.sizes.split(",")]
+    loss_sizes = [int(s) for s in args.node_loss.split(",") if s]
     # a SIGTERM still runs the finally blocks that stop etcd and the agent processes
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -363,6 +614,14 @@ def main() -> None:
                         times.setdefault((b, n), []).append(dt)
                         shown = f"{dt:7.2f} s" if dt is not None else "   null"
                         print(f"N={n:<5} run {r + 1} {b:<5} {shown}  {why}", flush=True)
+            for n in loss_sizes:
+                for r in range(args.loss_runs):
+                    dt, why = node_loss(
+                        etcd.endpoint, n, args.spares, args.procs, args.timeout, args.progress
+                    )
+                    times.setdefault(("loss", n), []).append(dt)
+                    shown = f"{dt:7.2f} s" if dt is not None else "   null"
+                    print(f"N={n:<5} node loss run {r + 1} {shown}  {why}", flush=True)
         finally:
             etcd.kill()
 
@@ -386,11 +645,35 @@ def main() -> None:
         f"(medians of {args.runs} rounds, {args.runs_large or args.runs} for N > 100; "
         f"{args.procs} processes of threads; {os.cpu_count()} cores)"
     )
+    for n in sizes:  # the tail: every round must complete (null when one did not)
+        xs = times.get(("etcd", n), [])
+        if xs and "etcd" in backends:
+            done = sorted(x for x in xs if x is not None)
+            ok = len(done) == len(xs)
+            out[f"trainguard_etcd_rdzv_p90_s_{n}"] = (
+                round(done[-(-len(done) * 9 // 10) - 1], 2) if ok else None  # nearest rank
+            )
+            out[f"trainguard_etcd_rdzv_max_s_{n}"] = round(done[-1], 2) if ok else None
+            print(
+                f"{n:>7} agents, etcd-v3: p90 {out[f'trainguard_etcd_rdzv_p90_s_{n}']} s, "
+                f"max {out[f'trainguard_etcd_rdzv_max_s_{n}']} s over {len(xs)} rounds "
+                f"({len(xs) - len(done)} did not finish)"
+            )
+    for n in loss_sizes:
+        m = median(times[("loss", n)])
+        out[f"trainguard_node_loss_rdzv_s_{n}"] = m
+        print(
+            f"{n:>7} agents + {args.spares} spares, node loss: full-size round again in "
+            f"{'null' if m is None else f'{m:.2f}'} s (median of {args.loss_runs})"
+        )
     print(json.dumps(out))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child-loss":
+        ep, rid, nt, nh, to = sys.argv[2:7]
+        child_loss(ep, rid, int(nt), int(nh), int(to))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--child":
         b, ep, rid, nt, nh, to = sys.argv[2:8]
         child(b, ep, rid, int(nt), int(nh), int(to))
     else:

@@ -26,6 +26,7 @@ from tests.launch_utils import REPO, base_env, steps_done
 from tests.procs import descendants
 from tests.services.etcd_service import Etcd, make_certs
 from trainguard.runtime import etcd_v3
+from trainguard.runtime.etcd_v3.codec import decode_state
 
 pytestmark = pytest.mark.etcd
 
@@ -451,6 +452,151 @@ def test_forty_agents_one_round_admitted_in_batches(etcd: Etcd) -> None:
         # keep-alives go to each node's own key, not through the shared state
         h0 = handlers[0]
         h0._keep_alive()  # type: ignore[attr-defined]
+    finally:
+        for h in handlers:
+            h._stop_heartbeats()  # type: ignore[attr-defined]
+
+
+def test_keep_alives_do_not_write_the_state_an_expired_lease_is_a_dead_node(etcd: Etcd) -> None:
+    """3 handlers complete a round with torch's keep-alive every 1 s (dead after 2 missed):
+    over 5 keep-alive periods neither the state nor any heartbeat key gets a new revision (a
+    keep-alive renews the node's lease) and every node stays in the round; then one node stops
+    its keep-alives without a word, its lease expires on etcd, and the survivors' reads drop
+    it as torch's dead-node check does."""
+    run = "keepalive"
+    handlers = [
+        etcd_v3.create_rdzv_handler(
+            RendezvousParameters(
+                backend="etcd-v3",
+                endpoint=etcd.endpoint,
+                run_id=run,
+                min_nodes=3,
+                max_nodes=3,
+                join_timeout="60",
+                keep_alive_interval="1",
+                keep_alive_max_attempt="2",
+            )  # fmt: skip
+        )
+        for _ in range(3)
+    ]
+    client = etcd_v3.EtcdV3Client(etcd_v3.parse_endpoints(etcd.endpoint))
+    base = f"/trainguard/rdzv/{run}/"
+
+    def revisions() -> dict[str, int]:
+        out = client.range(base, prefix=True)
+        return {
+            etcd_v3._unb64(kv["key"]).decode(): int(kv["mod_revision"])
+            for kv in out.get("kvs") or []
+            if "/state" in etcd_v3._unb64(kv["key"]).decode()
+            or "/heartbeat/" in etcd_v3._unb64(kv["key"]).decode()
+        }
+
+    threads = [threading.Thread(target=h.next_rendezvous, daemon=True) for h in handlers]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(h._state_holder.state.complete for h in handlers)  # type: ignore[attr-defined]
+        time.sleep(1.5)  # the last writes of the round (join requests, heartbeats) settle
+        before = revisions()
+        assert sum("/heartbeat/" in k for k in before) == 3 and base + "state" in before
+        time.sleep(5.0)  # 5 keep-alive periods: each node renewed its lease ~5 times
+        assert revisions() == before
+        nodes = [h._this_node for h in handlers]  # type: ignore[attr-defined]
+        for h in handlers:
+            st = h._state_holder  # type: ignore[attr-defined]
+            st._last_full = -1e9  # a full read now (liveness check)
+            st.last_sync_time = -1e9
+            st.sync()
+            assert set(st.state.participants) == set(nodes)
+        # the third node stops keeping alive (as a frozen or lost agent would)
+        handlers[2]._stop_heartbeats()  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 15
+        while True:
+            views = []
+            for h in handlers[:2]:
+                st = h._state_holder  # type: ignore[attr-defined]
+                st._last_full = -1e9
+                st.last_sync_time = -1e9
+                st.sync()
+                views.append(set(st.state.participants))
+            if all(v == set(nodes[:2]) for v in views):
+                break
+            assert time.monotonic() < deadline, f"the dead node is still there: {views}"
+            time.sleep(0.5)
+        assert base + "heartbeat/" + repr(nodes[2]) not in revisions()  # its lease expired
+    finally:
+        for h in handlers:
+            h._stop_heartbeats()  # type: ignore[attr-defined]
+
+
+def test_survivors_of_a_node_loss_leave_in_batches_and_complete_the_next_round(
+    etcd: Etcd,
+) -> None:
+    """8 handlers complete a round; one goes silent (no keep-alive: a lost node) and the 7
+    others enter the next rendezvous at once, as their agents do once their workers fail.
+    They leave the complete round into its wait list in fewer state writes than there are
+    of them (torch: two contended writes each, an exit and a wait-list add), the lost node's
+    lease expires and it is dropped, and the 7 complete the next round together."""
+    run = "survivors"
+    handlers = [
+        etcd_v3.create_rdzv_handler(
+            RendezvousParameters(
+                backend="etcd-v3",
+                endpoint=etcd.endpoint,
+                run_id=run,
+                min_nodes=7,
+                max_nodes=8,
+                join_timeout="60",
+                last_call_timeout="1",
+                keep_alive_interval="1",
+                keep_alive_max_attempt="2",
+            )  # fmt: skip
+        )
+        for _ in range(8)
+    ]
+    worlds: list[int] = []
+    errors: list[BaseException] = []
+
+    def join(h: object) -> None:
+        try:
+            worlds.append(h.next_rendezvous().world_size)  # type: ignore[attr-defined]
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    def wins() -> int:
+        return sum(h._state_holder._etcd.wins for h in handlers)  # type: ignore[attr-defined]
+
+    try:
+        first = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
+        for t in first:
+            t.start()
+        for t in first:
+            t.join(60)
+        assert worlds == [8] * 8 and not errors, errors
+        handlers[7]._stop_heartbeats()  # type: ignore[attr-defined]
+        before = wins()
+        survivors = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers[:7]]
+        for t in survivors:
+            t.start()
+        client = etcd_v3.EtcdV3Client(etcd_v3.parse_endpoints(etcd.endpoint))
+        deadline = time.monotonic() + 30
+        while True:
+            got = client.get(f"/trainguard/rdzv/{run}/state")
+            assert got is not None
+            st = decode_state(etcd_v3._unpack(got[0]))
+            if st.round == 0 and len(st.wait_list) == 7:
+                break
+            assert st.round == 0, "the lost node left before the survivors were all waiting"
+            assert time.monotonic() < deadline, f"survivors not all waiting: {st}"
+            time.sleep(0.05)
+        assert wins() - before < 7, "every survivor raced its own exit"
+        assert set(st.participants) == {handlers[7]._this_node}  # type: ignore[attr-defined]
+        for t in survivors:
+            t.join(60)
+        assert not errors, errors
+        assert worlds[8:] == [7] * 7
     finally:
         for h in handlers:
             h._stop_heartbeats()  # type: ignore[attr-defined]

@@ -35,7 +35,7 @@ from tests.launch_utils import REPO, base_env, free_port
 from tests.procs import kill_tree
 from tests.services.etcd_service import Etcd
 from trainguard.core.config.spares import SparesConfig
-from trainguard.runtime import spares
+from trainguard.runtime import etcd_v3, spares
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
@@ -158,20 +158,35 @@ def test_beacons_of_a_large_job_beat_slower_all_timings_by_one_factor() -> None:
 
 
 def test_two_spares_one_dead_node_one_takes_the_slot_no_wait_list() -> None:
-    port = free_port()
+    _two_spares_one_dead_node("c10d", f"127.0.0.1:{free_port()}")
+
+
+@pytest.mark.etcd
+def test_etcd_v3_two_spares_one_dead_node_removed_by_one_write(etcd: Etcd) -> None:
+    """On etcd-v3 the reapers judge the state their handlers hold, without reading it per
+    pass; the dead node is removed by one write, though several watch it."""
+    _two_spares_one_dead_node("etcd-v3", etcd.endpoint)
+
+
+def _two_spares_one_dead_node(backend: str, endpoint: str) -> None:
+    """The dead node's beacon counter stands still and a waiting node removes it."""
     events: list[tuple[int, str, dict[str, Any]]] = []
     handlers: list[AttemptRendezvousHandler] = []
     for i in range(4):
         params = RendezvousParameters(
-            backend="c10d",
-            endpoint=f"127.0.0.1:{port}",
-            run_id="race",
+            backend=backend,
+            endpoint=endpoint,
+            run_id=f"race-{backend}",
             min_nodes=2,
             max_nodes=2,
             join_timeout="120",
         )
         h = AttemptRendezvousHandler(
-            rdzv_registry.get_rendezvous_handler(params), node=f"n{i}", member_timeout_s=5
+            rdzv_registry.get_rendezvous_handler(params)
+            if backend == "c10d"
+            else etcd_v3.create_rdzv_handler(params),
+            node=f"n{i}",
+            member_timeout_s=5,
         )
         ctl = spares.attach(h, SparesConfig(), lambda kind, i=i, **f: events.append((i, kind, f)))
         assert ctl is not None
@@ -223,6 +238,8 @@ def test_two_spares_one_dead_node_one_takes_the_slot_no_wait_list() -> None:
         removed = [f for _, k, f in events if k == "node_dead"]
         assert removed and {f["dead_node"] for f in removed} == {dead_key}
         assert removed[0]["reason"] == "liveness_silent"
+        if backend == "etcd-v3":  # removed by one writer, though several watch it
+            assert len(removed) == 1, removed
         assert {i for i, k, _ in events if k == "spare_joined"} == set(winners) & set(spare_ids)
         # the node that lost the race (a spare, or the survivor itself) waits in the redundancy
         # list, not the wait list: the active agents see nobody waiting and keep training

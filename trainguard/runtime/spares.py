@@ -17,7 +17,9 @@ full world size. What torch lacks, and this module adds:
   stood still for ``dead_after_s`` from the shared state (:class:`Reaper`), through the
   backend's compare-and-swap, exactly as torch's own dead-node check would. The observer
   judges on its own clock (no clock skew), and an agent that exits writes a tombstone, so a node that leaves (evicted, drained, stopped) is removed at
-  once. A node without a beacon (a plain torchrun agent) is left to torch's keep-alive.
+  once. On etcd-v3 the reapers judge the nodes of the state their
+  handlers already hold (no read of the shared state per pass, which made every waiting agent
+  fetch the whole state after each of its changes). A node without a beacon (a plain torchrun agent) is left to torch's keep-alive.
 - **No race between spares.** With k > 1 spares and one dead node, the survivors and every
   spare move to the wait list and race for the free slots; torch completes the round at N and
   the losers stay in the *wait list*, so every active agent sees ``num_nodes_waiting() > 0`` and
@@ -182,6 +184,7 @@ class Reaper:
         beacon_prefix: str,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._handler = handler
         self._me: NodeDesc = _torch.handler_node(handler)
         self._settings = _torch.handler_settings(handler)
         self._backend = _torch.handler_backend(handler)
@@ -201,6 +204,11 @@ class Reaper:
         self.spare_since: float | None = None
         """Monotonic time this node entered the redundancy list (None: not a spare now)."""
         self.removed: list[str] = []
+        self.from_handler = self._etcd_v3()
+        """etcd-v3: judge the nodes of the state this agent's handler holds (no read of the
+        shared state per pass)."""
+        self._gone: set[str] = set()
+        """Nodes found dead and already out of the newest state (not read for again)."""
 
     # -- reading -------------------------------------------------------------------------------
     def read_state(self) -> RendezvousState | None:
@@ -274,7 +282,13 @@ class Reaper:
 
     def _watched(self, state: RendezvousState) -> dict[str, NodeDesc]:
         """:func:`_watched_by` this node, computed once per state read from etcd."""
-        token = self._etcd_token if self._etcd_v3() else None
+        if self.from_handler:  # the handler's state: its size says when the share changes
+            token: Any = (
+                state.round, state.complete, len(state.participants), len(state.wait_list),
+                len(state.redundancy_list),
+            )  # fmt: skip
+        else:
+            token = self._etcd_token if self._etcd_v3() else None
         if token is None or self._watch_cache is None or self._watch_cache[0] != token:
             watched = _watched_by(repr(self._me), state)
             if token is None:
@@ -314,6 +328,8 @@ class Reaper:
         return False
 
     def _remove(self, dead: dict[NodeDesc, tuple[float, str]], round_: int) -> None:
+        outcome: list[bool] = []
+
         def mutate(state: RendezvousState) -> bool:
             changed = participant = False
             for node in dead:
@@ -326,9 +342,14 @@ class Reaper:
                         changed = True
             if participant:
                 _torch.remove_participant_epilogue(state, self._settings)
+            outcome.append(changed)
             return changed
 
-        if self._write(mutate):
+        wrote = self._write(mutate)
+        if self.from_handler and (wrote or outcome[-1:] == [False]):
+            # out of the newest state (by this write or another's): not read for again
+            self._gone.update(repr(n) for n in dead)
+        if wrote:
             for node, (silent, reason) in dead.items():
                 key = repr(node)
                 self.removed.append(key)
@@ -365,11 +386,29 @@ class Reaper:
         return self._write(mutate)
 
     # -- one pass ------------------------------------------------------------------------------
+    def _held(self) -> RendezvousState | None:
+        from trainguard.runtime.etcd_v3.codec import copy_state
+
+        """The state this agent's rendezvous handler last read (etcd-v3): no
+        read of the shared state per pass, which would make every waiting agent fetch the
+        whole state after each of its changes (N agents x N nodes per change)."""
+        for _ in range(3):
+            try:
+                return copy_state(_torch.handler_state(self._handler))
+            except RuntimeError:  # changed while copied (the handler's thread): again
+                continue
+        return None
+
     def tick(self) -> None:
-        got = self._state()
-        if got is None:
-            return
-        state = got[0]
+        if self.from_handler:
+            state = self._held()
+            if state is None or state.round == 0 and not state.participants:
+                return
+        else:
+            got = self._state()
+            if got is None:
+                return
+            state = got[0]
         if state.closed:
             return
         dead = self.dead_nodes(state)
@@ -401,12 +440,12 @@ class SpareController:
         self._handler = handler
         prefix = f"{BEACON_PREFIX}{settings.run_id}/"
         self._prefix = prefix
+        self.reaper = Reaper(handler, cfg, emit, beacon_prefix=prefix)
         self.beacon = LivenessBeacon(
             _torch.handler_store(handler),
             prefix + repr(_torch.handler_node(handler)),
             cfg.beacon_interval_s,
         )
-        self.reaper = Reaper(handler, cfg, emit, beacon_prefix=prefix)
         self.reaper.beacon = self.beacon
         self._next_check = 0.0
         self.beacon.start()

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torch.distributed.elastic.rendezvous import RendezvousStateError
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from trainguard.runtime._torch import NodeDesc, RendezvousState
@@ -82,6 +82,13 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         """Compare-and-swap attempts of this backend (won or lost)."""
         self.wins = 0
         """Compare-and-swap attempts that won."""
+        self.heartbeat_ttl = 15
+        """Seconds a node's heartbeat key lives without a keep-alive (the state holder sets
+        torch's dead-node threshold: keep_alive_interval x keep_alive_max_attempt)."""
+        self._hb_leases: dict[str, int] = {}
+        self.lease_trouble = -float("inf")
+        """Monotonic time a heartbeat lease of this backend last failed to renew (etcd
+        overloaded or unreachable, or the lease expired meanwhile)."""
 
     @property
     def name(self) -> str:
@@ -346,21 +353,11 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         )
         return int(out["header"]["revision"]) if out.get("succeeded") else None
 
-    def heartbeats(self, since: int = 0) -> tuple[dict[str, float], int]:
-        """The heartbeat keys written after revision ``since`` (all when 0), and the store's
-        revision to pass as ``since`` next time."""
+    def live_nodes(self) -> set[str]:
+        """The nodes whose heartbeat key exists: their lease is alive (one keys-only read)."""
         hb = self._hb_prefix
-        req: dict[str, Any] = {"key": _b64(hb), "range_end": _b64(_range_end(hb.encode()))}
-        if since > 0:
-            req["min_mod_revision"] = str(since + 1)
-        out = self._client.call("kv/range", req)
-        times: dict[str, float] = {}
-        for kv in out.get("kvs") or []:
-            try:
-                times[_unb64(kv["key"]).decode()[len(hb) :]] = float(_unb64(kv.get("value")))
-            except (KeyError, ValueError):
-                continue
-        return times, int(out.get("header", {}).get("revision", 0))
+        out = self._client.range(hb, prefix=True, keys_only=True)
+        return {_unb64(kv["key"]).decode()[len(hb) :] for kv in out.get("kvs") or [] if "key" in kv}
 
     def wait_meta_change(self, seen: bytes | None, after: int, timeout: float) -> bool:
         """Block until the summary key changes, after revision ``after`` (that of the read
@@ -378,8 +375,39 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         found = self._client.get(self._meta_key)
         return None if found is None else found[0]
 
+    def _heartbeat_put(self, node: str, when: float) -> dict[str, Any]:
+        """The put of ``node``'s heartbeat key on the node's own lease (granted now when it
+        has none; its TTL is ``heartbeat_ttl``)."""
+        lease = self._hb_leases.get(node)
+        if lease is None:
+            out = self._client.call("lease/grant", {"TTL": str(self.heartbeat_ttl)})
+            lease = self._hb_leases[node] = int(out["ID"])
+        return {
+            "request_put": {
+                "key": _b64(self._hb_prefix + node),
+                "value": _b64(repr(when)),
+                "lease": str(lease),
+            }
+        }
+
     def put_heartbeat(self, node: str, when: float) -> None:
-        self._client.put(self._hb_prefix + node, repr(when))
+        """``node`` is alive: a keep-alive of its heartbeat key's lease (no write to etcd's
+        log, no new revision); the key is written (on a new lease) only when there is none
+        or the lease expired."""
+        lease = self._hb_leases.get(node)
+        if lease is not None:
+            t0 = time.monotonic()
+            try:
+                out = self._client.call("lease/keepalive", {"ID": str(lease)})
+                if int(out.get("result", out).get("TTL", 0)) > 0:
+                    if time.monotonic() - t0 > 1.0:  # answered only after retries
+                        self.lease_trouble = time.monotonic()
+                    return
+            except RendezvousConnectionError:
+                pass  # lease not found: granted again below
+            self.lease_trouble = time.monotonic()
+            self._hb_leases.pop(node, None)
+        self._client.txn([], [self._heartbeat_put(node, when)], [])
 
     def put_join(
         self,
@@ -389,15 +417,18 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         *,
         lock_owner: str | None = None,
         lock_ttl: float = 10.0,
+        kind: str = "join",
     ) -> tuple[int, bool]:
         """This node asks to join ``round_`` as a participant (any writer may add it) and
         refreshes its heartbeat key; with ``lock_owner``, it also takes the admission lock if
         nobody holds it. One transaction; returns its revision and whether the lock is ours."""
         value = {"addr": node.addr, "pid": node.pid, "local_id": node.local_id, "t": when}
+        if kind != "join":  # "exit": this node leaves ``round_`` (complete), any writer lets it go
+            value["kind"] = kind
         c = self._client
         puts = [
             c.put_request(f"{self._join_prefix}{round_}/{node!r}", json.dumps(value)),
-            c.put_request(self._hb_prefix + repr(node), repr(when)),
+            self._heartbeat_put(repr(node), when),
         ]
         compare: list[dict[str, Any]] = []
         success = puts

@@ -300,6 +300,9 @@ class EtcdV3Client:
                 err: Exception = e
             except _LeaseGone as e:
                 old = self._lease_id
+                if old is None or _with_lease(payload, str(old), "") == payload:
+                    # not the run's lease (a node's own, revoked or expired): nothing to renew
+                    raise RendezvousConnectionError(f"etcd: {_text(e).strip()[:200]}") from None
                 with self._lease_lock:
                     if self._lease_id == old:
                         self._lease_id = self._acquire_lease()

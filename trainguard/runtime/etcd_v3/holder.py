@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSettings
 
-from trainguard.runtime._torch import NodeDesc, RendezvousState, StateHolderBase
+from trainguard.runtime._torch import (
+    NodeDesc,
+    RendezvousState,
+    StateHolderBase,
+    remove_participant_epilogue,
+)
 from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
 from trainguard.runtime.etcd_v3.codec import encode_state, remember
 
@@ -36,9 +41,14 @@ class ScalableStateHolder(StateHolderBase):
     keep-alives alone outrun what one key can take, nodes that cannot land theirs are declared
     dead and removed, rejoin, and the round never completes. Here:
 
-    - a write that changes nothing but this node's keep-alive time goes to the node's own key
-      (``heartbeat/<node>``, no race); every full read overlays those times on the state before
-      torch's dead-node check, so liveness means exactly what it means in torch;
+    - a write that changes nothing but this node's keep-alive time is a keep-alive of the
+      lease of the node's own key (``heartbeat/<node>``, TTL torch's dead-node threshold
+      ``keep_alive_interval x keep_alive_max_attempt``): no write to etcd's log, no race, no
+      new revision of the state, which is written only when its membership changes. A full
+      read whose keep-alive times are past half the threshold overlays the read's time on
+      every node whose key exists (one keys-only read) before torch's dead-node check: a node
+      is dead when its lease expired (on etcd's clock) and its time in the state is past the
+      threshold, and torch's check removes it as in torch;
     - a node waiting for an incomplete round to fill reads only a small summary key (round,
       complete, closed, deadline, wait-list size, written with every state write) and reads
       the full state only when it changes, or every ``max(keep_alive_interval, nodes/100 s)``
@@ -58,6 +68,15 @@ class ScalableStateHolder(StateHolderBase):
     ) -> None:
         super().__init__(backend, settings, cache_duration)
         self._etcd = backend
+        backend.heartbeat_ttl = max(
+            2,
+            int(
+                -(
+                    -(settings.keep_alive_interval * settings.keep_alive_max_attempt)
+                    // timedelta(seconds=1)
+                )
+            ),
+        )
         self._node = node
         self._node_key = repr(node)
         self._last_full = -float("inf")
@@ -68,14 +87,18 @@ class ScalableStateHolder(StateHolderBase):
         self._join_rev = 0
         self._lock_rev = 0
         self._join_waits = 0
-        self._next_sweep = 0.0
         self._snapshot: tuple[Any, ...] | None = None
         self._joins: dict[NodeDesc, float] = {}
+        self._exits: set[NodeDesc] = set()
+        self._req_round: int | None = None
+        """The round of the requests last read (:meth:`_read_joins`)."""
         self._join_round: int | None = None
+        self._join_kind = "join"
+        self._exited: list[NodeDesc] = []
         self._join_beat = 0.0
-        self._beats: dict[str, float] = {}
-        self._beats_rev = 0
         self._admitted: list[NodeDesc] = []
+        self._beat_at: datetime | None = None
+        """When this node last kept its heartbeat lease alive (torch's keep-alive time)."""
         self.batched = 0
         """Other nodes this node added to a round on their request (statistics)."""
 
@@ -110,6 +133,42 @@ class ScalableStateHolder(StateHolderBase):
             and self._node in st.participants
             and not st.closed
         )
+
+    def _leaving(self) -> bool:
+        """This write takes this node out of the participants of a complete round (torch's
+        exit at the start of ``next_rendezvous``, after this node's workers failed)."""
+        snap = self._snapshot
+        return (
+            snap is not None
+            and bool(snap[1])
+            and self._node in snap[4]
+            and self._node not in self.held.participants
+            and not self.held.closed
+        )
+
+    def _apply_requested_exits(self, st: RendezvousState) -> None:
+        """Take the nodes that asked to leave this complete round out of its participants,
+        as each would itself (torch's ``_remove_from_participants``), and, while the round stays
+        complete with a free slot, into its wait list, which is what each one's join right
+        after its exit does (torch's ``_add_to_wait_list``): one write for many nodes instead
+        of two each, all racing for the same key."""
+        self._exited = []
+        if not st.complete or st.closed:
+            return
+        for node in sorted(self._exits):
+            if node in st.participants:
+                del st.participants[node]
+                st.last_heartbeats.pop(node, None)
+                self._exited.append(node)
+        if not self._exited:
+            return
+        remove_participant_epilogue(st, self.settings)
+        if st.complete and len(st.participants) < self.settings.max_nodes:
+            now = datetime.now(timezone.utc)
+            for node in self._exited:
+                st.redundancy_list.discard(node)
+                st.wait_list.add(node)
+                st.last_heartbeats[node] = now
 
     def _add_requested_joins(self, st: RendezvousState) -> int:
         """Add the nodes that asked to join this round, as each would add itself (torch's
@@ -180,49 +239,34 @@ class ScalableStateHolder(StateHolderBase):
         return any(t.timestamp() < oldest for t in self.held.last_heartbeats.values())
 
     def _overlay_heartbeats(self) -> None:
-        """Newer keep-alive times from the nodes' own keys (one read of every heartbeat key).
-
-        A reader needs them only when some node would otherwise be declared dead (past torch's
-        threshold). Before that, at half the threshold, one node (the admission-lock holder)
-        writes fresh times into the state for everyone (:meth:`_sweep`), so that hundreds of
-        readers do not each read every node's key."""
-        beats, self._beats_rev = self._etcd.heartbeats(self._beats_rev)
-        self._beats.update(beats)
+        """The read's time for every node whose heartbeat key exists (its lease is alive):
+        one keys-only read of the heartbeat keys, only when some time in the state is old."""
+        s = self.settings
+        threshold = (s.keep_alive_interval * s.keep_alive_max_attempt).total_seconds()
+        # etcd failed to renew this node's own lease within the threshold (overloaded or
+        # unreachable): the leases it let expire meanwhile prove nothing, every node is alive
+        trusted = time.monotonic() - self._etcd.lease_trouble > threshold
+        live = self._etcd.live_nodes() if trusted else set()
+        now = datetime.now(timezone.utc)
         hb = self.held.last_heartbeats
         for node, when in hb.items():
-            t = self._beats.get(repr(node))
-            if t is not None and t > when.timestamp():
-                hb[node] = datetime.fromtimestamp(t, timezone.utc)
-
-    def _sweep(self) -> None:
-        """Refresh the keep-alive times in the shared state (under the admission lock), when
-        some are older than half the dead-node threshold."""
-        if self.token is None or not self._stale(0.5) or time.monotonic() < self._next_sweep:
-            return
-        # one try per keep-alive interval per node: the nodes that lose wait for the winner's
-        self._next_sweep = time.monotonic() + self.settings.keep_alive_interval.total_seconds()
-        lock = self._etcd.try_lock_admission(self._node_key, ADMISSION_LOCK_TTL)
-        if lock is None:
-            return
-        try:
-            self._load_full(overlay=0.5)
-            meta = _meta(self.held)
-            out = self._etcd.set_state(encode_state(self.held), self.token, meta=meta, fetch=False)
-            if out is not None and out[2]:
-                self.token = out[1]
-                self._meta_seen, self._seen_rev = meta, int(out[1])
-                remember(self.held, key=self._etcd.key, revision=int(out[1]))
-                self._done()
-        finally:
-            self._etcd.unlock_admission(lock)
+            if node == self._node:  # this node's own: its last keep-alive (torch's timer)
+                if self._beat_at is not None and self._beat_at > when:
+                    hb[node] = self._beat_at
+            elif not trusted or repr(node) in live:
+                hb[node] = now
 
     def _read_joins(self) -> None:
-        self._joins = {}
+        """The requests to join (and to leave) the held round."""
+        self._joins, self._exits, self._req_round = {}, set(), self.held.round
         for rnd, j in self._etcd.join_requests():
             if rnd == self.held.round:
                 try:
                     node = NodeDesc(str(j["addr"]), int(j["pid"]), int(j["local_id"]))
-                    self._joins[node] = float(j["t"])
+                    if j.get("kind") == "exit":
+                        self._exits.add(node)
+                    else:
+                        self._joins[node] = float(j["t"])
                 except (KeyError, TypeError, ValueError):
                     continue
 
@@ -263,8 +307,6 @@ class ScalableStateHolder(StateHolderBase):
             return False
         if st.complete:
             return self._etcd.meta() == self._meta_seen
-        if self._stale(0.5) and now >= self._next_sweep:
-            return False  # read, then refresh everyone's keep-alive times (_sweep)
         changed = self._etcd.wait_meta_change(self._meta_seen, self._seen_rev, self._wait_budget())
         return not changed
 
@@ -281,7 +323,7 @@ class ScalableStateHolder(StateHolderBase):
             self._join_beat = now
 
     # -- writes ------------------------------------------------------------------------------
-    def _ask_to_join(self) -> bool:
+    def _ask_to_join(self, kind: str = "join") -> bool:
         """Put this node's join request; in the same transaction, become the admission
         writer if nobody is (False: write now, holding the lock). Otherwise wait until the
         writer admits this node, which deletes its request (a watch on that one key: each
@@ -289,18 +331,21 @@ class ScalableStateHolder(StateHolderBase):
 
         One writer at a time admits every node that asked so far, in one write per batch,
         instead of hundreds of nodes racing for the same key with the whole state each."""
-        st = self.held
         s = self.settings
+        # an exit is asked of the round it leaves (the held one may be the next already)
+        rnd = self._snapshot[0] if kind == "exit" and self._snapshot else self.held.round
         if (
-            self._join_round != st.round
+            self._join_round != rnd
+            or self._join_kind != kind
             or time.time() - self._join_beat >= s.keep_alive_interval.total_seconds()
         ):
             self._join_beat = time.time()
             rev, locked = self._etcd.put_join(
-                st.round, self._node, self._join_beat, lock_owner=self._node_key,
-                lock_ttl=ADMISSION_LOCK_TTL,
+                rnd, self._node, self._join_beat, lock_owner=self._node_key,
+                lock_ttl=ADMISSION_LOCK_TTL, kind=kind,
             )  # fmt: skip
-            self._join_rev, self._join_round, self._join_waits = rev, st.round, 0
+            self._join_rev, self._join_round, self._join_waits = rev, rnd, 0
+            self._join_kind = kind
             if locked:
                 self._lock_rev = rev
         elif self._join_waits > 0:
@@ -314,7 +359,7 @@ class ScalableStateHolder(StateHolderBase):
             return False
         self._join_waits += 1
         wait = min(s.keep_alive_interval.total_seconds(), 5.0)
-        self._etcd.wait_join_admitted(st.round, self._node, self._join_rev, wait)
+        self._etcd.wait_join_admitted(rnd, self._node, self._join_rev, wait)
         self._load_full(overlay=None)
         return True
 
@@ -331,8 +376,10 @@ class ScalableStateHolder(StateHolderBase):
         (when it holds the admission lock); True when it won."""
         was_complete = self._snapshot is not None and self._snapshot[1]
         added = 0
+        self._exited = []
         if self._lock_rev:
             self._read_joins()
+            self._apply_requested_exits(self.held)
             added = self._add_requested_joins(self.held)
         meta = _meta(self.held)
         out = self._etcd.set_state(encode_state(self.held), self.token, meta=meta, fetch=False)
@@ -348,6 +395,8 @@ class ScalableStateHolder(StateHolderBase):
                 self._etcd.forget_joins(self.held.round)  # wakes every admitted node
             elif added:
                 self._etcd.forget_join_requests(self.held.round, self._admitted)
+            if self._exited and self._req_round is not None:  # wakes every node let go
+                self._etcd.forget_join_requests(self._req_round, self._exited)
         except RendezvousConnectionError:
             pass  # they expire with the run's lease
         self._done()
@@ -360,8 +409,9 @@ class ScalableStateHolder(StateHolderBase):
         up only when no request came after the last read of them (in the same transaction):
         a node whose request met the lock held is admitted by its holder, never left waiting
         for its watch to time out."""
+        exiting = bool(self._exited)  # letting nodes go from a complete round
         start = last = time.monotonic()
-        while not self.held.complete and not self.held.closed:
+        while not self.held.closed and (exiting or not self.held.complete):
             now = time.monotonic()
             if now - last > 1.0 or now - start > ADMISSION_LOCK_TTL - 2.0:
                 released = self._etcd.unlock_admission_if_idle(
@@ -381,26 +431,32 @@ class ScalableStateHolder(StateHolderBase):
                 last = now
             time.sleep(0.2)
             self._read_joins()
-            if not any(
-                n not in self.held.participants and n not in self.held.redundancy_list
-                for n in self._joins
-            ):
+            st = self.held
+            if st.complete:  # nodes leaving a complete round (their workers failed)
+                pending = any(n in st.participants for n in self._exits)
+            else:
+                pending = any(
+                    n not in st.participants and n not in st.redundancy_list for n in self._joins
+                )
+            if not pending:
                 continue
             last = time.monotonic()
             if not self._write_state():
-                self._load_full(overlay=0.5)  # another writer (a sweep): again on the new state
+                self._load_full(overlay=0.5)  # another writer: again on the new state
 
     def sync(self) -> bool | None:
         self._refresh_pending_join()
         now = time.monotonic()
         if self.dirty:
             if self._heartbeat_only():
-                when = self.held.last_heartbeats[self._node].timestamp()
-                self._etcd.put_heartbeat(self._node_key, when)
+                self._beat_at = self.held.last_heartbeats[self._node]
+                self._etcd.put_heartbeat(self._node_key, self._beat_at.timestamp())
                 self._done()
                 return True
             try:
                 if self._joining() and self._ask_to_join():
+                    return False
+                if self._leaving() and self._ask_to_join("exit"):
                     return False
                 ok = self._write_state()
                 if not ok and self._lock_rev:
@@ -419,5 +475,4 @@ class ScalableStateHolder(StateHolderBase):
             self.last_sync_time = time.monotonic()
             return None
         self._load_full()
-        self._sweep()
         return None
