@@ -58,6 +58,9 @@ def base_env(**extra: str) -> dict[str, str]:
         if not k.startswith(("PET_", "TORCHELASTIC_", "TRAINGUARD_"))
     }
     env.pop("OMP_NUM_THREADS", None)
+    # set in this process while an in-process rendezvous test's handler is inside torch's
+    # next_rendezvous (a thread of it may still be): never a launched job's setting
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     # The memory tier snapshots every step in tests, whatever it stalls: its adaptive cadence
     # (trainguard's default stretches it beyond 1 % of a step) follows wall-clock measurements,
     # and the tests assert which step a restart or rollback resumes from. The cadence itself

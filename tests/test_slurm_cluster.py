@@ -312,6 +312,7 @@ def test_etcd_job_spare_takes_over_by_liveness_beacons(
     _assert_same_weights(tmp_path, local_weights)
 
 
+@pytest.mark.soak  # 3-5 min on 2 cores: two jobs, a crash and a resubmission (make test-soak)
 @pytest.mark.etcd
 @pytest.mark.xdist_group("slurm")
 def test_batch_host_crash_resubmits_without_it_and_resumes(

@@ -25,7 +25,9 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +46,44 @@ __all__ = ["AttemptRendezvousHandler", "RoundInfo"]
 logger = logging.getLogger(__name__)
 
 _NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+_flip_lock = threading.Lock()
+_flip_depth = 0
+_flip_saved: str | None = None
+
+
+@contextlib.contextmanager
+def _uncached_store_path() -> Iterator[None]:
+    """``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` while torch's ``next_rendezvous`` runs (its
+    uncached path), restored after. Process-wide and counted: handlers in several threads of
+    one process (spares' tests, an embedding) overlap, and the last one out restores the
+    user's value (two plain save/restore pairs interleaved would leave it set for good, and
+    every process started afterwards would inherit it)."""
+    global _flip_depth, _flip_saved
+    with _flip_lock:
+        if _flip_depth == 0:
+            _flip_saved = os.environ.get(_NO_SHARED_STORE)
+            os.environ[_NO_SHARED_STORE] = "1"
+        _flip_depth += 1
+    try:
+        yield
+    finally:
+        with _flip_lock:
+            _flip_depth -= 1
+            if _flip_depth == 0:
+                if _flip_saved is None:
+                    os.environ.pop(_NO_SHARED_STORE, None)
+                else:
+                    os.environ[_NO_SHARED_STORE] = _flip_saved
+
+
+def _user_uses_agent_store() -> bool | None:
+    """torch's ``use_agent_store`` from the user's value while the variable is flipped; None
+    when it is not (ask torch)."""
+    with _flip_lock:
+        if _flip_depth == 0:
+            return None
+        return _flip_saved != "1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +127,10 @@ class AttemptRendezvousHandler(RendezvousHandler):
 
     @property
     def use_agent_store(self) -> bool:
-        # torch's answer outside next_rendezvous (where we flip the env var it reads)
-        return self._inner.use_agent_store
+        # torch's answer from the user's value of the variable next_rendezvous flips (another
+        # thread may be inside one)
+        user = _user_uses_agent_store()
+        return self._inner.use_agent_store if user is None else user
 
     def is_closed(self) -> bool:
         return self._inner.is_closed()
@@ -145,19 +187,12 @@ class AttemptRendezvousHandler(RendezvousHandler):
         # torch caches the shared store's address after the first round, so a node that joins
         # a later round (a replacement) waits forever for keys the old rank 0 never publishes
         # again. We host our own store every round anyway: ask torch for its uncached path.
-        previous = os.environ.get(_NO_SHARED_STORE)
-        os.environ[_NO_SHARED_STORE] = "1"
         watching = self.spares.watching() if self.spares else contextlib.nullcontext()
-        try:
+        with _uncached_store_path():
             with watching:
                 info = self._inner.next_rendezvous()
             if self.spares:
                 self.spares.joined()
-        finally:
-            if previous is None:
-                del os.environ[_NO_SHARED_STORE]
-            else:
-                os.environ[_NO_SHARED_STORE] = previous
         self._num_rounds += 1
         store, rank, world_size = info.store, info.rank, info.world_size
         static = self.get_backend() == "static"
