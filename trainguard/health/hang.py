@@ -19,8 +19,6 @@ join within half a second), and names the collective the job is stuck in.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import statistics
 import time
 from collections import deque
@@ -32,6 +30,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 from trainguard.core.config.health import HealthConfig
 from trainguard.core.plugin import AgentContext, AgentPlugin
+from trainguard.core.procs import kill_ranks
 from trainguard.core.progress import ProgressSnapshot
 
 __all__ = ["HangDetector", "HangTracker", "HangVerdict"]
@@ -185,16 +184,7 @@ def kill_workers(pids: dict[int, int]) -> list[int]:
     The kills surface on the agent's next monitor tick as torch's own FAILED result (exit -9
     per rank, the failure report, the restart path). Returning an UNHEALTHY RunResult instead
     would, with no restarts left, end the job as "succeeded" in torch's launch path."""
-    killed = []
-    for rank, pid in sorted(pids.items()):
-        try:
-            os.kill(pid, signal.SIGKILL)
-            killed.append(rank)
-        except ProcessLookupError:
-            pass
-        except OSError as e:
-            logger.warning("cannot kill rank %d (pid %d): %s", rank, pid, e)
-    return killed
+    return kill_ranks(pids)
 
 
 def process_state(pid: int) -> str | None:

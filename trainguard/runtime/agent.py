@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from trainguard.core.failures import (
     classify_exit,
 )
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin, NodeUnhealthyError
+from trainguard.core.procs import kill_ranks
 from trainguard.core.progress import ProgressReader, ProgressSnapshot
 from trainguard.core.rundir import RunDir
 from trainguard.runtime import _torch
@@ -420,15 +420,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
             "lost" if how == "lost" else "had failed workers",
             ",".join(str(r) for r in sorted(pids)),
         )
-        killed = []
-        for rank, pid in sorted(pids.items()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(rank)
-            except ProcessLookupError:
-                pass
-            except OSError as e:
-                logger.warning("cannot end rank %d (pid %d): %s", rank, pid, e)
+        killed = kill_ranks(pids)
         self.events.emit(
             "peer_failed",
             failed_node=failed_node,
