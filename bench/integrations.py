@@ -1,8 +1,11 @@
 """The framework integrations, per framework (HF Trainer, TRL GRPO, Lightning; the examples'
 tiny models, 2 processes, gloo on CPU):
 
-- overhead: ``trainer.train()`` / ``fit()`` wall time per step under ``trainguard run`` with the
-  callback vs the same script without it (``--no-trainguard``, ``[integrations] auto`` off);
+- overhead: ``trainer.train()`` / ``fit()`` wall time under ``trainguard run`` with the callback
+  vs the same script without it (``--no-trainguard``, ``[integrations] auto`` off), the two run
+  in turn ``--repeats`` times, medians: with trainguard's default memory-tier cadence (snapshots
+  stretched to stay within 1 % of a step: ``<fw>_overhead``) and with a snapshot every step
+  (``<fw>_overhead_every_step``, the setting the kill runs use);
 - a kill -9 of rank 1 some steps after the framework's first checkpoint, under ``trainguard run``
   with the callback and under ``torchrun`` (same script, same callback: its step records give
   both launchers' step times): steps redone and time from the kill to the next completed step.
@@ -11,7 +14,8 @@ tiny models, 2 processes, gloo on CPU):
 
 Prints a table, then one JSON line: ``<fw>_steps_redone``, ``<fw>_kill_to_next_step_s``,
 ``<fw>_torchrun_kill_to_next_step_s`` (null where torchrun's job failed or hung),
-``<fw>_overhead`` (fraction of a step) for ``<fw>`` in hf, trl, lightning.
+``<fw>_overhead`` (fraction of a step; ``<fw>_overhead_every_step`` after them) for ``<fw>``
+in hf, trl, lightning.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,7 +51,6 @@ def _env(**extra: str) -> dict[str, str]:
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
         TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S="0",
-        TRAINGUARD_CHECKPOINT_MEMORY_MAX_STALL_FRACTION="0",  # snapshot every step
     )
     env.update(extra)
     return env
@@ -110,30 +114,39 @@ def _redone(run: Path, kill_at: int) -> int | None:
     return kill_at - min(after) if after else None
 
 
-def bench(fw: str, root: Path) -> dict[str, Any]:
+EVERY_STEP = {"TRAINGUARD_CHECKPOINT_MEMORY_MAX_STALL_FRACTION": "0"}
+"""A memory-tier snapshot every step, whatever it stalls (the kill runs: ≤ 1 step redone)."""
+
+
+def bench(fw: str, root: Path, repeats: int = 3) -> dict[str, Any]:
     script, steps, save, kill_at = SCRIPTS[fw]
     out: dict[str, Any] = {}
     base = ["--steps", str(steps), "--save-steps", str(steps * 10)]
-    t = {}
-    for name, extra, env in (
+    variants = (
         ("without", ["--no-trainguard"], _env(TRAINGUARD_INTEGRATIONS_AUTO="false")),
         ("with", [], _env()),
-    ):
-        work = root / f"{fw}-{name}"
-        work.mkdir()
-        p = _launch("trainguard", work, script, base + extra, env)
-        t[name] = _train_s(p)
-    if t["with"] and t["without"]:
-        out["overhead"] = round((t["with"] - t["without"]) / t["without"], 4)
-        out["step_s_without"] = round(t["without"] / steps, 4)
-        out["step_s_with"] = round(t["with"] / steps, 4)
-    else:
-        out["overhead"] = None
+        ("with_every_step", [], _env(**EVERY_STEP)),
+    )
+    t: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+    for i in range(repeats):  # in turn, so that a slow phase of the machine hits all three
+        for name, extra, env in variants:
+            work = root / f"{fw}-{name}-{i}"
+            work.mkdir()
+            s = _train_s(_launch("trainguard", work, script, base + extra, env))
+            if s is not None:
+                t[name].append(s)
+    med = {name: statistics.median(xs) if xs else None for name, xs in t.items()}
+    out["train_s"] = {name: [round(x, 2) for x in xs] for name, xs in t.items()}
+    for name, key in (("with", "overhead"), ("with_every_step", "overhead_every_step")):
+        a, b = med[name], med["without"]
+        out[key] = round((a - b) / b, 4) if a and b else None
+    if med["without"]:
+        out["step_s_without"] = round(med["without"] / steps, 4)
     kill = ["--steps", str(steps), "--save-steps", str(save), "--fail-at-step", str(kill_at)]
     for launcher in ("trainguard", "torchrun"):
         work = root / f"{fw}-kill-{launcher}"
         work.mkdir()
-        env = _env(TRAINGUARD_RUNTIME_RUN_DIR=str(work / "run"))
+        env = _env(TRAINGUARD_RUNTIME_RUN_DIR=str(work / "run"), **EVERY_STEP)
         p = _launch(launcher, work, script, kill, env)
         ok = p is not None and p.returncode == 0
         run = work / "run"
@@ -150,17 +163,21 @@ def bench(fw: str, root: Path) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--frameworks", default="hf,trl,lightning")
+    ap.add_argument("--repeats", type=int, default=3, help="overhead runs per variant")
     args = ap.parse_args()
     summary: dict[str, Any] = {}
+    results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="tg-bench-integrations-") as tmp:
         for fw in args.frameworks.split(","):
-            r = bench(fw, Path(tmp))
+            r = results[fw] = bench(fw, Path(tmp), args.repeats)
             print(f"{fw}: {json.dumps(r)}", flush=True)
             summary[f"{fw}_steps_redone"] = r.get("steps_redone")
             summary[f"{fw}_kill_to_next_step_s"] = r.get("kill_to_next_step_s")
             summary[f"{fw}_torchrun_kill_to_next_step_s"] = r.get("torchrun_kill_to_next_step_s")
             summary[f"{fw}_torchrun_steps_redone"] = r.get("torchrun_steps_redone")
             summary[f"{fw}_overhead"] = r.get("overhead")
+        for fw in args.frameworks.split(","):
+            summary[f"{fw}_overhead_every_step"] = results[fw].get("overhead_every_step")
     print(json.dumps(summary), flush=True)
 
 

@@ -66,6 +66,13 @@ def base_env(**extra: str) -> dict[str, str]:
     # and the tests assert which step a restart or rollback resumes from. The cadence itself
     # is tested in test_inprocess_units (MemoryCadence and its defaults).
     env["TRAINGUARD_CHECKPOINT_MEMORY_MAX_STALL_FRACTION"] = "0"
+    # Warm starts stay on, but the zygotes for the next restart are not started unless a test
+    # asks for them (``TRAINGUARD_WARM_PRESTART_DELAY_S``): each is a torch import plus its
+    # preload (~4 s of CPU), wasted in every job that ends without another restart, and the
+    # suite is CPU-bound. A restart before they exist is cold, the product's path for an early
+    # failure. The warm path is tested where a test sets the delay (test_run_warm, test_spares,
+    # test_warm_pool, test_run_restarts).
+    env["TRAINGUARD_WARM_PRESTART_DELAY_S"] = "3600"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(extra)
     return env

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.launch_utils import REPO, base_env, popen
+from tests.procs import alive, descendants, kill_tree
 from tests.services.alerting_services import Alertmanager, PrometheusRules, WebhookReceiver
 from tests.services.telemetry_services import apt_ensure, free_port, wait_until
 from trainguard.dashboards import export, rule_tests
@@ -133,7 +134,7 @@ GPU_ONLY = {"trainguard_gpu_memory_used_bytes", "trainguard_gpu_memory_peak_byte
 """Logged only by CUDA workers: empty on a CPU machine (each has its panel to itself)."""
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("panels")
     exp_a = ExporterServer(h100_node(hostname="node-a", host_label="Hostname",
@@ -173,6 +174,9 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                               cwd=tmp, env=env))  # fmt: skip
         yield {"prom": prom, "start": start, "runs": runs, "tmp": tmp}
     finally:
+        # the workers are found before the agents are told to stop: an agent that does not stop
+        # in time is killed with them, none left training for the rest of the suite
+        tree = {pid for p in runs for pid in descendants(p.pid)}
         for p in runs:
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
@@ -180,8 +184,11 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             try:
                 p.communicate(timeout=60)
             except subprocess.TimeoutExpired:
-                p.kill()
+                kill_tree(p)
                 p.communicate(timeout=30)
+        for pid in tree:
+            if alive(pid):
+                kill_tree(pid)
         prom.stop()
         exp_a.__exit__(None, None, None)
         exp_b.__exit__(None, None, None)

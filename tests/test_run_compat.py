@@ -383,6 +383,19 @@ def test_trainguard_run_writes_events_and_config(tmp_path: Path) -> None:
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["trainguard"]["runtime"]["run_dir"] == str(run_dir)
     assert cfg["torchrun"]["max_restarts"] == 1
+    # settings reach the workers through config.json only: besides the user's own variables
+    # they inherit, the agent adds facts (TRAINGUARD_AGENT_*), never a setting
+    from trainguard.core.config import TrainGuardConfig
+
+    sections = tuple(
+        f"TRAINGUARD_{name.upper()}_" for name in TrainGuardConfig.__dataclass_fields__
+    )
+    dumps = read_dumps(tmp_path / "dump")
+    assert dumps
+    for d in dumps.values():
+        added = {k for k in d["env"] if k.startswith("TRAINGUARD_") and k not in env}
+        assert any(k.startswith("TRAINGUARD_AGENT_") for k in added), added
+        assert not [k for k in added if k.startswith(sections)], added
 
 
 def test_subprocess_env_unchanged_by_import() -> None:

@@ -41,7 +41,8 @@ def _kill9_restarts(tmp_path: Path, runs: int) -> None:
             EXAMPLE, "--steps", "12", "--fail-at-step", str(3 + i % 6), "--fail-rank", str(i % 2),
             "--out", str(d / "final.pt"),
         ]  # fmt: skip
-        r = launch("trainguard", args, cwd=d, env=base_env(), timeout=120)
+        warm = base_env(TRAINGUARD_WARM_PRESTART_DELAY_S="0")  # restarts from the zygotes
+        r = launch("trainguard", args, cwd=d, env=warm, timeout=120)
         assert r.returncode == 0, f"run {i}: exit {r.returncode}\n{r.stderr[-3000:]}"
         events = [json.loads(x) for x in (d / "run" / "events.jsonl").read_text().splitlines()]
         kinds = [e["kind"] for e in events]

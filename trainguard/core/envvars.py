@@ -2,7 +2,8 @@
 
 They live in their own namespace, ``TRAINGUARD_AGENT_*``, which the config loader never reads
 as settings: ``TRAINGUARD_<SECTION>_<FIELD>`` variables are the user's settings, these are
-facts the agent hands its workers.
+facts the agent hands its workers. Settings reach a worker one way only: the run's
+``config.json`` (``trainguard.core.config.load_worker_section``).
 """
 
 PREFIX = "TRAINGUARD_AGENT_"
@@ -16,8 +17,6 @@ ATTEMPT = PREFIX + "ATTEMPT"
 """Job-wide worker-group attempt number (0-based), equal across nodes."""
 NODE = PREFIX + "NODE"
 """Node name as the agent reports it (SLURMD_NODENAME or hostname)."""
-HEARTBEAT_INTERVAL_S = PREFIX + "HEARTBEAT_INTERVAL_S"
-"""Seconds between heartbeats of a worker's background thread."""
 TEARDOWN_FILE = PREFIX + "TEARDOWN_FILE"
 """A file the agent creates before it stops this attempt's workers for a restart or at the end
 of a failed job: a worker that finds it treats the SIGTERM that follows as a teardown (exit at
@@ -26,4 +25,4 @@ once), not as a preemption notice (save at the next step boundary)."""
 CHECKPOINT_MEMORY_DIR = PREFIX + "MEMORY_DIR"
 """The node's in-memory checkpoint tier (a directory in host shared memory) owned by the agent."""
 
-ALL = (RUN_DIR, PROGRESS_DIR, ATTEMPT, NODE, HEARTBEAT_INTERVAL_S, TEARDOWN_FILE)
+ALL = (RUN_DIR, PROGRESS_DIR, ATTEMPT, NODE, TEARDOWN_FILE)

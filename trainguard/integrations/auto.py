@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -25,11 +26,23 @@ __all__ = ["WATCHED", "install"]
 
 logger = logging.getLogger(__name__)
 
-RESUME_ENV = "TRAINGUARD_INTEGRATIONS_RESUME"
 
+def _resume() -> bool:
+    """``[integrations] resume`` from the run's config.json (as every worker setting is read);
+    the default where it cannot be read (never stops the script)."""
+    from trainguard.core import envvars
+    from trainguard.core.config import ConfigError, load_worker_section
+    from trainguard.core.config.integrations import IntegrationsConfig
 
-def _resume() -> bool:  # the agent sets it from [integrations] resume
-    return os.environ.get(RESUME_ENV, "1").lower() not in ("0", "false", "no", "off")
+    run_dir = os.environ.get(envvars.RUN_DIR)
+    try:
+        cfg: IntegrationsConfig = load_worker_section(
+            Path(run_dir) if run_dir else None, "integrations"
+        )
+    except (ConfigError, ValueError) as e:
+        logger.warning("trainguard: [integrations] settings unreadable (%s); resume on", e)
+        return IntegrationsConfig().resume
+    return cfg.resume
 
 
 def _announce(framework: str) -> None:

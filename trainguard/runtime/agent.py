@@ -257,7 +257,6 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         """``[integrations] auto``: the hook attaches trainguard to transformers' / Lightning's
         Trainer (trainguard.integrations.auto)."""
         cfg = self.tg_config.integrations
-        os.environ["TRAINGUARD_INTEGRATIONS_RESUME"] = "1" if cfg.resume else "0"
         if cfg.auto:
             os.environ[INTEGRATIONS_ENV] = "1"
         else:
@@ -273,7 +272,6 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         os.environ[envvars.PROGRESS_DIR] = str(progress_dir)
         os.environ[envvars.ATTEMPT] = str(self.attempt)
         os.environ[envvars.NODE] = self.events.node
-        os.environ[envvars.HEARTBEAT_INTERVAL_S] = str(self.tg_config.runtime.heartbeat_interval_s)
         self._teardown_file = progress_dir / "teardown"
         os.environ[envvars.TEARDOWN_FILE] = str(self._teardown_file)
         self._collective_ranks.clear()

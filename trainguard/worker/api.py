@@ -130,7 +130,7 @@ class TrainGuard:
         self._rollback = self._make_rollback()
         self._progress: ProgressWriter | None = None
         if self.under_agent:
-            interval = float(env.get(envvars.HEARTBEAT_INTERVAL_S, "1.0"))
+            interval = load_worker_section(self.run_dir, "runtime").heartbeat_interval_s
             self._progress = ProgressWriter(
                 progress_path(env[envvars.PROGRESS_DIR], self.rank),
                 heartbeat_interval_s=interval,
