@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,53 @@ def run_example(
         text=True,
         timeout=timeout,
         stdin=subprocess.DEVNULL,
+    )
+
+
+class EndpointScraper:
+    """Scrapes the node agent's Prometheus endpoint (``[telemetry] prometheus_port``) every
+    ``interval_s`` while a job runs, as Prometheus would: :attr:`seen` holds every metric name
+    that carried a number (not NaN) at least once."""
+
+    def __init__(self, port: int, interval_s: float = 0.5) -> None:
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.interval_s = interval_s
+        self.seen: set[str] = set()
+        self.scrapes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> EndpointScraper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                with urllib.request.urlopen(self.url, timeout=2) as r:
+                    text = r.read().decode()
+            except OSError:  # not up yet, or between attempts
+                continue
+            self.scrapes += 1
+            for line in text.splitlines():
+                if not line or line.startswith("#"):
+                    continue
+                name, _, value = line.rpartition(" ")
+                if value.lower() != "nan":
+                    self.seen.add(name.split("{", 1)[0])
+
+
+def scraped_env(port: int, **extra: str) -> dict[str, str]:
+    """The job env with the agent's Prometheus endpoint on ``port`` and a short export cycle."""
+    return job_env(
+        TRAINGUARD_TELEMETRY_PROMETHEUS_PORT=str(port),
+        TRAINGUARD_TELEMETRY_POLL_INTERVAL_S="0.2",
+        TRAINGUARD_TELEMETRY_EXPORT_INTERVAL_S="1",
+        **extra,
     )
 
 

@@ -11,25 +11,33 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.integration_jobs import (  # noqa: E402
+    EndpointScraper,
     events,
     job_env,
     logged_keys,
     records,
     restored_steps,
     run_example,
+    scraped_env,
 )
+from tests.ports import free_port  # noqa: E402
 
 KILL_AT, SAVE, STEPS = 13, 10, 18
 
 
 def test_kill_after_first_checkpoint_resumes_from_the_snapshot(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    p = run_example(
-        run_dir,
-        "hf_trainer.py",
-        ["--steps", str(STEPS), "--save-steps", str(SAVE), "--fail-at-step", str(KILL_AT)],
-    )
+    port = free_port()
+    with EndpointScraper(port) as scraper:
+        p = run_example(
+            run_dir,
+            "hf_trainer.py",
+            ["--steps", str(STEPS), "--save-steps", str(SAVE), "--fail-at-step", str(KILL_AT)],
+            env=scraped_env(port),
+        )
     assert p.returncode == 0, p.stderr[-3000:]
+    # what Prometheus scrapes from the node: the framework's loss and the throughput
+    assert {"trainguard_train_loss", "trainguard_train_throughput_per_second"} <= scraper.seen
     assert "trainguard: resumed at step" in p.stderr
     restored = [s for src, s in restored_steps(run_dir) if s is not None]
     assert restored and KILL_AT - 1 <= restored[-1] <= KILL_AT  # <= 1 step redone, not 3

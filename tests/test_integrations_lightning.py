@@ -11,23 +11,34 @@ import pytest
 pytest.importorskip("lightning")
 
 from tests.integration_jobs import (  # noqa: E402
+    EndpointScraper,
     events,
     job_env,
     logged_keys,
     records,
     restored_steps,
     run_example,
+    scraped_env,
 )
+from tests.ports import free_port  # noqa: E402
 
 
 def test_kill_after_first_checkpoint_resumes_from_the_snapshot(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    p = run_example(
-        run_dir,
-        "lightning_trainer.py",
-        ["--steps", "30", "--save-steps", "10", "--fail-at-step", "17"],
-    )
+    port = free_port()
+    with EndpointScraper(port) as scraper:
+        p = run_example(
+            run_dir,
+            "lightning_trainer.py",
+            ["--steps", "30", "--save-steps", "10", "--fail-at-step", "17"],
+            env=scraped_env(port),
+        )
     assert p.returncode == 0, p.stderr[-3000:]
+    # what Prometheus scrapes from the node: the framework's loss and the throughput (samples
+    # per second: the example's model reads no tokens)
+    assert {"trainguard_train_loss", "trainguard_train_sample_throughput_per_second"} <= (
+        scraper.seen
+    ), sorted(scraper.seen)
     restored = [s for src, s in restored_steps(run_dir) if s is not None]
     assert restored and 16 <= restored[-1] <= 17  # Lightning's own checkpoint had step 10
     for rank in (0, 1):  # each rank logs its own values (Lightning does not reduce them)

@@ -14,17 +14,36 @@ import pytest
 
 pytest.importorskip("trl")
 
-from tests.integration_jobs import events, logged_keys, records, restored_steps, run_example  # noqa: E402
+from tests.integration_jobs import (  # noqa: E402
+    EndpointScraper,
+    events,
+    logged_keys,
+    records,
+    restored_steps,
+    run_example,
+    scraped_env,
+)
+from tests.ports import free_port  # noqa: E402
 
 
 def test_grpo_kill_resumes_from_the_snapshot_with_rl_metrics(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    p = run_example(
-        run_dir,
-        "trl_grpo.py",
-        ["--steps", "8", "--save-steps", "3", "--fail-at-step", "5", "--no-trainguard"],
-    )
+    port = free_port()
+    with EndpointScraper(port) as scraper:
+        p = run_example(
+            run_dir,
+            "trl_grpo.py",
+            ["--steps", "8", "--save-steps", "3", "--fail-at-step", "5", "--no-trainguard"],
+            env=scraped_env(port),
+        )
     assert p.returncode == 0, p.stderr[-3000:]
+    # what Prometheus scrapes from the node: loss, throughput, reward and KL
+    assert {
+        "trainguard_train_loss",
+        "trainguard_train_throughput_per_second",
+        "trainguard_rl_reward_mean",
+        "trainguard_rl_kl",
+    } <= scraper.seen, sorted(scraper.seen)
     assert events(run_dir, "integration_auto_attached")
     restored = [s for src, s in restored_steps(run_dir) if s is not None]
     assert restored and 4 <= restored[-1] <= 5  # the framework's checkpoint had step 3
