@@ -1,8 +1,9 @@
 """The framework integrations, per framework (HF Trainer, TRL GRPO, Lightning; the examples'
 tiny models, 2 processes, gloo on CPU):
 
-- overhead: ``trainer.train()`` / ``fit()`` wall time under ``trainguard run`` with the callback
-  vs the same script without it (``--no-trainguard``, ``[integrations] auto`` off), the two run
+- overhead: the steady-state time per step (the examples' ``steady:`` line: from the end of
+  step 5 to the end of the last, ``OVERHEAD_STEPS`` steps) under ``trainguard run`` with the
+  callback vs the same script without it (``--no-trainguard``, ``[integrations] auto`` off), run
   in turn ``--repeats`` times, medians: with trainguard's default memory-tier cadence (snapshots
   stretched to stay within 1 % of a step: ``<fw>_overhead``) and with a snapshot every step
   (``<fw>_overhead_every_step``, the setting the kill runs use);
@@ -10,7 +11,7 @@ tiny models, 2 processes, gloo on CPU):
   with the callback and under ``torchrun`` (same script, same callback: its step records give
   both launchers' step times): steps redone and time from the kill to the next completed step.
 
-    python bench/integrations.py [--frameworks hf,trl,lightning]
+    python bench/integrations.py [--frameworks hf,trl,lightning] [--repeats 3] [--no-kills]
 
 Prints a table, then one JSON line: ``<fw>_steps_redone``, ``<fw>_kill_to_next_step_s``,
 ``<fw>_torchrun_kill_to_next_step_s`` (null where torchrun's job failed or hung),
@@ -41,6 +42,8 @@ SCRIPTS = {
     "trl": ("trl_grpo.py", 14, 4, 7),
     "lightning": ("lightning_trainer.py", 60, 20, 30),
 }
+OVERHEAD_STEPS = {"hf": 200, "trl": 40, "lightning": 300}
+"""Steps of each overhead run (the kill runs use ``SCRIPTS``' counts)."""
 TIMEOUT_S = 420
 
 
@@ -80,13 +83,14 @@ def _launch(launcher: str, work: Path, script: str, args: list[str], env: dict[s
         return None
 
 
-def _train_s(p: Any) -> float | None:
+def _steady_s(p: Any) -> float | None:
+    """Seconds per step after the first five (the example's ``steady:`` line)."""
     m = (
-        re.search(r"done: \d+ steps in ([\d.]+) s", (p.stdout or "") + (p.stderr or ""))
+        re.search(r"steady: (\d+) steps in ([\d.]+) s", (p.stdout or "") + (p.stderr or ""))
         if p
         else None
     )
-    return float(m.group(1)) if m else None
+    return float(m.group(2)) / int(m.group(1)) if m else None
 
 
 def _steps(run: Path, rank: int) -> list[dict[str, Any]]:
@@ -118,10 +122,11 @@ EVERY_STEP = {"TRAINGUARD_CHECKPOINT_MEMORY_MAX_STALL_FRACTION": "0"}
 """A memory-tier snapshot every step, whatever it stalls (the kill runs: ≤ 1 step redone)."""
 
 
-def bench(fw: str, root: Path, repeats: int = 3) -> dict[str, Any]:
+def bench(fw: str, root: Path, repeats: int = 3, kills: bool = True) -> dict[str, Any]:
     script, steps, save, kill_at = SCRIPTS[fw]
     out: dict[str, Any] = {}
-    base = ["--steps", str(steps), "--save-steps", str(steps * 10)]
+    n = OVERHEAD_STEPS[fw]
+    base = ["--steps", str(n), "--save-steps", str(n * 10)]
     variants = (
         ("without", ["--no-trainguard"], _env(TRAINGUARD_INTEGRATIONS_AUTO="false")),
         ("with", [], _env()),
@@ -132,16 +137,16 @@ def bench(fw: str, root: Path, repeats: int = 3) -> dict[str, Any]:
         for name, extra, env in variants:
             work = root / f"{fw}-{name}-{i}"
             work.mkdir()
-            s = _train_s(_launch("trainguard", work, script, base + extra, env))
+            s = _steady_s(_launch("trainguard", work, script, base + extra, env))
             if s is not None:
                 t[name].append(s)
     med = {name: statistics.median(xs) if xs else None for name, xs in t.items()}
-    out["train_s"] = {name: [round(x, 2) for x in xs] for name, xs in t.items()}
+    out["step_ms"] = {name: [round(x * 1000, 2) for x in xs] for name, xs in t.items()}
     for name, key in (("with", "overhead"), ("with_every_step", "overhead_every_step")):
         a, b = med[name], med["without"]
         out[key] = round((a - b) / b, 4) if a and b else None
-    if med["without"]:
-        out["step_s_without"] = round(med["without"] / steps, 4)
+    if not kills:
+        return out
     kill = ["--steps", str(steps), "--save-steps", str(save), "--fail-at-step", str(kill_at)]
     for launcher in ("trainguard", "torchrun"):
         work = root / f"{fw}-kill-{launcher}"
@@ -164,12 +169,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--frameworks", default="hf,trl,lightning")
     ap.add_argument("--repeats", type=int, default=3, help="overhead runs per variant")
+    ap.add_argument("--no-kills", action="store_true", help="the overhead runs only")
     args = ap.parse_args()
     summary: dict[str, Any] = {}
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="tg-bench-integrations-") as tmp:
         for fw in args.frameworks.split(","):
-            r = results[fw] = bench(fw, Path(tmp), args.repeats)
+            r = results[fw] = bench(fw, Path(tmp), args.repeats, not args.no_kills)
             print(f"{fw}: {json.dumps(r)}", flush=True)
             summary[f"{fw}_steps_redone"] = r.get("steps_redone")
             summary[f"{fw}_kill_to_next_step_s"] = r.get("kill_to_next_step_s")

@@ -21,6 +21,7 @@ import signal
 import time
 
 import torch
+from step_clock import StepClock, hf_callback
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -96,6 +97,8 @@ def main() -> None:
         callbacks.append(TrainGuardCallback())  # the one trainguard line
     if args.fail_at_step >= 0:
         callbacks.append(FailAt(args.fail_at_step, args.fail_rank))
+    clock = StepClock()
+    callbacks.append(hf_callback(clock))
     trainer = Trainer(
         model=model,
         args=targs,
@@ -113,6 +116,7 @@ def main() -> None:
             f"done: {trainer.state.global_step} steps in {train_s:.2f} s, output {out_dir}",
             flush=True,
         )
+        print(clock.line(), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import time
 import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from step_clock import StepClock, lightning_callback
 from torch import nn
 
 DIM = 32
@@ -75,6 +76,8 @@ def main() -> None:
         from trainguard.integrations.lightning import TrainGuardCallback
 
         callbacks.append(TrainGuardCallback())  # the one trainguard line
+    clock = StepClock()
+    callbacks.append(lightning_callback(clock))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
@@ -94,6 +97,7 @@ def main() -> None:
     train_s = time.perf_counter() - t0
     if trainer.is_global_zero:
         print(f"done: {trainer.global_step} steps in {train_s:.2f} s, output {out_dir}", flush=True)
+        print(clock.line(), flush=True)
 
 
 if __name__ == "__main__":

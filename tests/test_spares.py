@@ -477,8 +477,11 @@ def test_c10d_spare_replaces_a_node_then_the_store_hosts_loss_ends_the_job(
         job.wait(lambda: job.events("spare_joined"), "the spare joins")
         attempt = job.events("spare_joined")[0]["attempt"] + 1
         # training goes on at full size: both ranks of the new attempt complete steps
-        job.wait(lambda: min(_steps_at(job, attempt).values() or [0]) >= 2, "steps after")
-        assert set(_steps_at(job, attempt)) == {0, 1}
+        # (each rank's records reach the run dir on their own flush: wait for both)
+        job.wait(
+            lambda: set(s := _steps_at(job, attempt)) == {0, 1} and min(s.values()) >= 2,
+            "steps of both ranks after",
+        )
         assert _assert_spare_took_over(job, b.pid, c.pid) == attempt
         # now the agent that started first: under c10d it hosts the rendezvous store (a TCPStore
         # server thread inside that agent process), and with it go the rendezvous state, the

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainguard.core.config import ConfigError
+from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.plugin import AgentExit
 from trainguard.runtime import launcher
 from trainguard.testing.chaos import check_env as check_chaos_env
@@ -33,6 +36,24 @@ def main(argv: list[str] | None = None, *, prog: str = "trainguard run") -> None
     except AgentExit as e:  # the node left, or the job stopped (policy): one line, its code
         print(f"{prog}: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    except SystemExit as e:
+        if e.code in (REQUEUE_EXIT_CODE, DO_NOT_REQUEUE_EXIT_CODE):
+            _exit_now(e.code)
+        raise
+
+
+def _exit_now(code: int) -> None:
+    """Leave with the job's final code once its line is printed and every plugin has finished:
+    without the interpreter's teardown, where torch's C++ threads left by a signal-driven
+    shutdown can abort the process (SIGABRT, "terminate called without an active exception")
+    after the requeue was decided, turning exit 75 into -6."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def tgrun_main() -> None:
