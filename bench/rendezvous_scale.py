@@ -310,35 +310,33 @@ def _show_progress(endpoint: str, run_id: str, t0: float, stop: threading.Event)
         )
 
 
-def one_round(
-    backend: str, endpoint: str, n: int, procs: int, timeout: float, progress: bool = False
-) -> tuple[float | None, str]:
-    run_id = f"scale-{backend}-{n}-{uuid.uuid4().hex[:8]}"
-    counts = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
-    counts = [c for c in counts if c]
+def _spawn_children(argv: list[str], counts: list[int], timeout: float, progress: bool) -> list:
+    """One child process per entry of ``counts`` (``__file__ *argv <n> <count> <timeout>``
+    follows), in sessions of their own; stderr shown only with ``--progress``."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    children = [
+    return [
         subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--child",
-                backend,
-                endpoint,
-                run_id,
-                str(n),
-                str(c),
-                str(int(timeout)),
-            ],
+            [sys.executable, __file__, *argv, str(c), str(int(timeout))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=None if progress else subprocess.DEVNULL,  # node_dead lines with --progress
             env=env,
             text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         for c in counts
     ]
+
+
+def one_round(
+    backend: str, endpoint: str, n: int, procs: int, timeout: float, progress: bool = False
+) -> tuple[float | None, str]:
+    run_id = f"scale-{backend}-{n}-{uuid.uuid4().hex[:8]}"
+    counts = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+    counts = [c for c in counts if c]
+    children = _spawn_children(
+        ["--child", backend, endpoint, run_id, str(n)], counts, timeout, progress
+    )
     try:
         for c in children:
             line = c.stdout.readline()  # type: ignore[union-attr]
@@ -417,28 +415,10 @@ def node_loss(
     counts = [
         c for c in (total // procs + (1 if i < total % procs else 0) for i in range(procs)) if c
     ]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    kids = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--child-loss",
-                endpoint,
-                run_id,
-                str(n),
-                str(c),
-                str(int(timeout)),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=None if progress else subprocess.DEVNULL,
-            env=env,
-            text=True,
-            start_new_session=True,
-        )  # fmt: skip
-        for c in [1, *counts]  # the victim first: one agent in a process of its own
-    ]
+    # the victim first: one agent in a process of its own
+    kids = _spawn_children(
+        ["--child-loss", endpoint, run_id, str(n)], [1, *counts], timeout, progress
+    )
     client = EtcdV3Client(parse_endpoints(endpoint))
     key = f"/trainguard/rdzv/{run_id}/state"
 

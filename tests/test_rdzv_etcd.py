@@ -17,6 +17,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -33,10 +34,13 @@ pytestmark = pytest.mark.etcd
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 
 
-def _params(etcd: Etcd, run_id: str, **conf: str) -> RendezvousParameters:
+def _params(
+    etcd: Etcd, run_id: str, *, min_nodes: int = 1, max_nodes: int = 2, **conf: str
+) -> RendezvousParameters:
     return RendezvousParameters(
-        backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, min_nodes=1, max_nodes=2, **conf
-    )
+        backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, min_nodes=min_nodes,
+        max_nodes=max_nodes, **conf,
+    )  # fmt: skip
 
 
 # -- backend and store against real etcd --------------------------------------------------------
@@ -457,6 +461,13 @@ def test_forty_agents_one_round_admitted_in_batches(etcd: Etcd) -> None:
             h._stop_heartbeats()  # type: ignore[attr-defined]
 
 
+def _keep_alive_handlers(etcd: Etcd, run: str, count: int, **conf: Any) -> list:
+    """``count`` etcd-v3 handlers of run ``run`` with torch's keep-alive every 1 s, a node dead
+    after 2 missed."""
+    conf = {"join_timeout": "60", "keep_alive_interval": "1", "keep_alive_max_attempt": "2", **conf}
+    return [etcd_v3.create_rdzv_handler(_params(etcd, run, **conf)) for _ in range(count)]
+
+
 def test_keep_alives_do_not_write_the_state_an_expired_lease_is_a_dead_node(etcd: Etcd) -> None:
     """3 handlers complete a round with torch's keep-alive every 1 s (dead after 2 missed):
     over 5 keep-alive periods neither the state nor any heartbeat key gets a new revision (a
@@ -464,21 +475,7 @@ def test_keep_alives_do_not_write_the_state_an_expired_lease_is_a_dead_node(etcd
     its keep-alives without a word, its lease expires on etcd, and the survivors' reads drop
     it as torch's dead-node check does."""
     run = "keepalive"
-    handlers = [
-        etcd_v3.create_rdzv_handler(
-            RendezvousParameters(
-                backend="etcd-v3",
-                endpoint=etcd.endpoint,
-                run_id=run,
-                min_nodes=3,
-                max_nodes=3,
-                join_timeout="60",
-                keep_alive_interval="1",
-                keep_alive_max_attempt="2",
-            )  # fmt: skip
-        )
-        for _ in range(3)
-    ]
+    handlers = _keep_alive_handlers(etcd, run, 3, min_nodes=3, max_nodes=3)
     client = etcd_v3.EtcdV3Client(etcd_v3.parse_endpoints(etcd.endpoint))
     base = f"/trainguard/rdzv/{run}/"
 
@@ -540,22 +537,7 @@ def test_survivors_of_a_node_loss_leave_in_batches_and_complete_the_next_round(
     of them (torch: two contended writes each, an exit and a wait-list add), the lost node's
     lease expires and it is dropped, and the 7 complete the next round together."""
     run = "survivors"
-    handlers = [
-        etcd_v3.create_rdzv_handler(
-            RendezvousParameters(
-                backend="etcd-v3",
-                endpoint=etcd.endpoint,
-                run_id=run,
-                min_nodes=7,
-                max_nodes=8,
-                join_timeout="60",
-                last_call_timeout="1",
-                keep_alive_interval="1",
-                keep_alive_max_attempt="2",
-            )  # fmt: skip
-        )
-        for _ in range(8)
-    ]
+    handlers = _keep_alive_handlers(etcd, run, 8, min_nodes=7, max_nodes=8, last_call_timeout="1")
     worlds: list[int] = []
     errors: list[BaseException] = []
 

@@ -333,8 +333,11 @@ def test_worker_telemetry_settings_come_from_the_agents_config(
 ) -> None:
     """A worker reads [telemetry] as it reads every section: the agent's config.json when
     there is one, else the environment; a bad value falls back to the defaults."""
+    from trainguard.core.config import worker_section_or_default
     from trainguard.core.config.telemetry import TelemetryConfig
-    from trainguard.worker.api import _telemetry_settings
+
+    def _telemetry_settings(run_dir: Path) -> TelemetryConfig:  # as the worker reads it
+        return worker_section_or_default(run_dir, "telemetry")
 
     section = {"trace_every_n_steps": 3, "flush_interval_s": 0.05}
     (tmp_path / "config.json").write_text(json.dumps({"trainguard": {"telemetry": section}}))

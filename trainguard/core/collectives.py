@@ -177,20 +177,6 @@ def parse_trace(trace: dict[str, Any]) -> dict[str, CollectiveState]:
 
 
 # -- the in-worker watcher --------------------------------------------------------------------
-def _heartbeat_interval_s(run_dir: str | None) -> float:
-    """``[runtime] heartbeat_interval_s`` from the run's config.json (settings reach a worker
-    that way only); the default where it cannot be read (the watcher never stops a worker)."""
-    from trainguard.core.config import ConfigError, load_worker_section
-    from trainguard.core.config.runtime import RuntimeConfig
-
-    try:
-        cfg: RuntimeConfig = load_worker_section(Path(run_dir) if run_dir else None, "runtime")
-    except (ConfigError, ValueError) as e:
-        logger.warning("trainguard: [runtime] settings unreadable (%s); default heartbeat", e)
-        return RuntimeConfig().heartbeat_interval_s
-    return cfg.heartbeat_interval_s
-
-
 class _Watcher:
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
@@ -215,7 +201,10 @@ class _Watcher:
             self._answer_requests()
             time.sleep(self.interval_s)
         self._register_stack_signal()
-        hb = _heartbeat_interval_s(self.run_dir)
+        from trainguard.core.config import worker_section_or_default
+
+        # settings reach a worker one way, the run's config.json; never stops the worker
+        hb = worker_section_or_default(self.run_dir, "runtime").heartbeat_interval_s
         if self.progress_dir:
             self.writer = ProgressWriter(
                 collective_progress_path(self.progress_dir, self.rank), heartbeat_interval_s=hb

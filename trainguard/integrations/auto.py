@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -31,18 +30,9 @@ def _resume() -> bool:
     """``[integrations] resume`` from the run's config.json (as every worker setting is read);
     the default where it cannot be read (never stops the script)."""
     from trainguard.core import envvars
-    from trainguard.core.config import ConfigError, load_worker_section
-    from trainguard.core.config.integrations import IntegrationsConfig
+    from trainguard.core.config import worker_section_or_default
 
-    run_dir = os.environ.get(envvars.RUN_DIR)
-    try:
-        cfg: IntegrationsConfig = load_worker_section(
-            Path(run_dir) if run_dir else None, "integrations"
-        )
-    except (ConfigError, ValueError) as e:
-        logger.warning("trainguard: [integrations] settings unreadable (%s); resume on", e)
-        return IntegrationsConfig().resume
-    return cfg.resume
+    return bool(worker_section_or_default(os.environ.get(envvars.RUN_DIR), "integrations").resume)
 
 
 def _announce(framework: str) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainguard.core import envvars
-from trainguard.core.config import ConfigError, load_worker_section
+from trainguard.core.config import ConfigError, load_worker_section, worker_section_or_default
 from trainguard.core.config.telemetry import TelemetryConfig
 from trainguard.core.events import EventLog
 from trainguard.core.failures import peer_failure
@@ -54,18 +54,6 @@ def _default_run_dir() -> Path:
     if not run_id:
         run_id = time.strftime("local-%Y%m%d-%H%M%S-") + str(os.getpid())
     return Path(root) / run_id
-
-
-def _telemetry_settings(run_dir: Path) -> TelemetryConfig:
-    """The ``[telemetry]`` section as every worker setting is read (the agent's config.json,
-    else the environment and defaults); a bad value → the defaults and a warning (telemetry
-    settings never stop a worker)."""
-    try:
-        cfg: TelemetryConfig = load_worker_section(run_dir, "telemetry")
-    except ConfigError as e:
-        logger.warning("telemetry settings ignored (%s); using the defaults", e)
-        return TelemetryConfig()
-    return cfg
 
 
 class TrainGuard:
@@ -117,7 +105,8 @@ class TrainGuard:
         self._flush_stop = threading.Event()
         self._flush_hooks = False
         self._closed = False
-        self._telemetry = _telemetry_settings(self.run_dir)
+        # telemetry settings never stop a worker: a bad value → the defaults and a warning
+        self._telemetry: TelemetryConfig = worker_section_or_default(self.run_dir, "telemetry")
         self._spans = SpanRecorder(
             self._write_record,
             traceparent=env.get(TRACEPARENT_ENV),

@@ -51,6 +51,7 @@ __all__ = [
     "TrainGuardConfig",
     "load_config",
     "load_worker_section",
+    "worker_section_or_default",
     "write_effective",
 ]
 
@@ -329,6 +330,16 @@ def load_worker_section(run_dir: Path | None, name: str) -> Any:
             "written by `trainguard run` at launch: was the run directory reused by another "
             "trainguard version? start with a fresh --tg-run-dir"
         ) from None
+
+
+def worker_section_or_default(run_dir: Path | str | None, name: str) -> Any:
+    """:func:`load_worker_section`, or the section's defaults with one warning where it cannot
+    be read: for settings (telemetry, heartbeats, integrations) that must never stop a worker."""
+    try:
+        return load_worker_section(Path(run_dir) if run_dir else None, name)
+    except ValueError as e:  # a ConfigError, or a section's own check
+        logger.warning("trainguard: [%s] settings ignored (%s); using the defaults", name, e)
+        return type(getattr(TrainGuardConfig(), name))()
 
 
 def write_effective(run_dir: Path, effective: dict[str, Any]) -> Path:
