@@ -185,6 +185,33 @@ def test_overlapped_agreement_saves_at_the_same_steps_and_agrees_less(tmp_path: 
     assert agreements[False] == 13 and agreements[True] < 13, agreements
 
 
+def test_overlapped_preemption_is_agreed_within_the_time_bound(tmp_path: Path) -> None:
+    from trainguard.checkpoint.manager import AGREE_EVERY_S
+
+    mgr = CheckpointManager(config=CheckpointConfig(dir=str(tmp_path / "ckpt")),
+                            install_signal_handlers=False)  # fmt: skip
+    starts = []
+    inner = mgr.consensus.start_agree_with_step
+
+    def counted(*a: Any, **k: Any) -> Any:
+        starts.append(k["tag"])
+        return inner(*a, **k)
+
+    mgr.consensus.start_agree_with_step = counted  # type: ignore[method-assign]
+    step_s, notice_at, agreed_at = 0.01, 20, None
+    for step in range(1, 200):
+        time.sleep(step_s)
+        if step == notice_at:
+            mgr.preemption.signum = signal.SIGTERM  # what the handler records
+        if mgr.preemption_agreed(step):
+            agreed_at = step
+            break
+    mgr.close()
+    # acted on at the next agreement: within AGREE_EVERY_S of training (+ the step ahead)
+    assert agreed_at is not None and notice_at < agreed_at <= notice_at + AGREE_EVERY_S / step_s + 2
+    assert len(starts) < agreed_at / 5, starts  # not an agreement per step
+
+
 def test_retention_keeps_last_k_and_every_mth(tmp_path: Path) -> None:
     assert mf.retention_victims([1, 2, 3, 4, 5, 6], keep_last=2, keep_every_steps=3) == [1, 2, 4]
     assert mf.retention_victims([7], keep_last=1) == []

@@ -317,9 +317,12 @@ class CheckpointManager:
             self._local_flags(step), hook.pending() if hook is not None else None
         )
 
-    def _overlapped(self, step: int, act: Callable[[list[bool], int | None], Any]) -> Any:
+    def _overlapped(
+        self, step: int, act: Callable[[list[bool], int | None], Any], *, saves: bool = True
+    ) -> Any:
         """``maybe_save(overlap=True)``'s schedule: ``act`` on the flags agreed for ``step``
-        at the boundaries where the ranks agree (None elsewhere)."""
+        at the boundaries where the ranks agree (None elsewhere). ``saves``: the caller saves
+        on the agreed flags (the configured cadences set the agreements' boundaries)."""
         self.memory_cadence.tick()
         ahead, nxt = self._ahead, self._next_agreement
         result = None
@@ -339,22 +342,22 @@ class CheckpointManager:
             result = act(flags, bad)
             self._next_agreement = step + 1
         if self._next_agreement == step + 1:
-            self._ahead = self._start_agreement(step + 1)
+            self._ahead = self._start_agreement(step + 1, saves=saves)
         return result
 
-    def _start_agreement(self, step: int) -> Agreement:
+    def _start_agreement(self, step: int, *, saves: bool = True) -> Agreement:
         """The agreement for the boundary ``step``, started at the one before it, with this
         rank's proposal of how many boundaries later the next one comes: the next snapshot
         or persist of the configured cadence, at most :data:`AGREE_EVERY_S` of training."""
         flags = self._local_flags(step, tick=False)
         cadence, every = self.memory_cadence, self.config.every_steps
         step_s = cadence.step_s
-        period = MAX_AGREE_STEPS
+        period = 1  # until a step time is measured
         if step_s is not None and step_s > 0:
-            period = min(period, max(1, int(AGREE_EVERY_S / step_s)))
-        if every > 0:
+            period = min(MAX_AGREE_STEPS, max(1, int(AGREE_EVERY_S / step_s)))
+        if saves and every > 0:
             period = min(period, (step // every + 1) * every - step)
-        if self.has_memory_tier:
+        if saves and self.has_memory_tier:
             if flags[4]:  # snapshotting at ``step``: the next one counts from there
                 nxt = step + cadence.every if cadence.every > 0 else None
             else:
@@ -400,7 +403,7 @@ class CheckpointManager:
             self.settle_agreement()
             (preempt,) = self.consensus.agree(self.preemption.signum is not None)
             return preempt
-        return bool(self._overlapped(step, lambda flags, bad: flags[0]))
+        return bool(self._overlapped(step, lambda flags, bad: flags[0], saves=False))
 
     def settle_agreement(self) -> None:
         """Read the agreement ``maybe_save(overlap=True)`` left running (local; its flags are
