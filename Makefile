@@ -31,6 +31,8 @@ demo: $(VENV)/.installed
 # the first test). Then lint, format and type checks, then the suite in parallel: one pytest-xdist
 # worker per group of tests that share a service (pytest.mark.xdist_group), the rest spread over
 # TEST_WORKERS. `make test TESTS=tests/test_spares.py` runs one file; `make test-soak` the soak tests.
+# The suite starts ~1500 Python processes; compileall first, so that none of them compiles the
+# package from source (where PYTHONDONTWRITEBYTECODE is set, none would write the cache).
 TEST_DEBS    := prometheus prometheus-alertmanager chromium slurm-wlm munge iproute2 etcd-server etcd-client
 TEST_WORKERS ?= 3
 TESTS        ?=
@@ -40,6 +42,7 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(PY) -m compileall -q trainguard tests examples bench
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(TESTS)
 
 test-soak: $(VENV)/.installed

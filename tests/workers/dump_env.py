@@ -6,6 +6,9 @@ EXIT_UNTIL        ... only while TORCHELASTIC_RESTART_COUNT < EXIT_UNTIL (defaul
 EXIT_RANK         ... only on this global rank (default: every rank)
 RAISE_MESSAGE     raise RuntimeError(message) under @record instead of exiting
 SLEEP_S           sleep this long before exiting (e.g. to be killed)
+
+torch is imported only when RAISE_MESSAGE asks for torch's ``@record`` (an error file): every
+other path is torch-free, so a worker starts in milliseconds instead of an import of torch.
 """
 
 import json
@@ -13,10 +16,7 @@ import os
 import sys
 import time
 
-from torch.distributed.elastic.multiprocessing.errors import record
 
-
-@record
 def main() -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ.get("RANK", "0"))
@@ -40,4 +40,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if os.environ.get("RAISE_MESSAGE"):
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        record(main)()
+    else:
+        main()
