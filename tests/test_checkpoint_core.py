@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -142,6 +143,73 @@ def test_memory_tier_restore_is_exact_and_preferred(tmp_path: Path) -> None:
     m3, opt3 = _model()
     assert mgr2.restore({"model": m3, "optim": opt3}, use_memory=False) == 4
     mgr2.close()
+
+
+def test_overlapped_agreement_saves_at_the_same_steps_and_agrees_less(tmp_path: Path) -> None:
+    # maybe_save(overlap=True) (the framework integrations): the ranks agree only where a
+    # snapshot or a persist may be due (and on a time bound), each agreement started one step
+    # ahead; the steps that save are those of the agreement at every step
+    saved: dict[bool, list[int]] = {}
+    agreements: dict[bool, int] = {}
+    for overlap in (False, True):
+        m, opt = _model()
+        cfg = CheckpointConfig(
+            dir=str(tmp_path / f"ckpt-{overlap}"),
+            every_steps=4,
+            memory_every_steps=3,
+            memory_max_stall_fraction=0.0,
+        )
+        mgr = CheckpointManager(
+            config=cfg, memory_dir=tmp_path / f"shm-{overlap}", install_signal_handlers=False
+        )
+        calls = [0]
+        for name in ("agree_with_step", "start_agree_with_step"):
+            inner = getattr(mgr.consensus, name)
+
+            def counted(
+                *a: object, _inner: Any = inner, _calls: list[int] = calls, **k: object
+            ) -> object:
+                _calls[0] += 1
+                return _inner(*a, **k)
+
+            setattr(mgr.consensus, name, counted)
+        state = {"model": m, "optim": opt}
+        saved[overlap] = []
+        for step in range(1, 14):
+            _train(m, opt, step)
+            if mgr.maybe_save(step, state, overlap=overlap) is not None:
+                saved[overlap].append(step)
+        mgr.close()
+        agreements[overlap] = calls[0]
+    assert saved[True] == saved[False] == [3, 4, 6, 8, 9, 12]
+    assert agreements[False] == 13 and agreements[True] < 13, agreements
+
+
+def test_overlapped_preemption_is_agreed_within_the_time_bound(tmp_path: Path) -> None:
+    from trainguard.checkpoint.manager import AGREE_EVERY_S
+
+    mgr = CheckpointManager(config=CheckpointConfig(dir=str(tmp_path / "ckpt")),
+                            install_signal_handlers=False)  # fmt: skip
+    starts = []
+    inner = mgr.consensus.start_agree_with_step
+
+    def counted(*a: Any, **k: Any) -> Any:
+        starts.append(k["tag"])
+        return inner(*a, **k)
+
+    mgr.consensus.start_agree_with_step = counted  # type: ignore[method-assign]
+    step_s, notice_at, agreed_at = 0.01, 20, None
+    for step in range(1, 200):
+        time.sleep(step_s)
+        if step == notice_at:
+            mgr.preemption.signum = signal.SIGTERM  # what the handler records
+        if mgr.preemption_agreed(step):
+            agreed_at = step
+            break
+    mgr.close()
+    # acted on at the next agreement: within AGREE_EVERY_S of training (+ the step ahead)
+    assert agreed_at is not None and notice_at < agreed_at <= notice_at + AGREE_EVERY_S / step_s + 2
+    assert len(starts) < agreed_at / 5, starts  # not an agreement per step
 
 
 def test_retention_keeps_last_k_and_every_mth(tmp_path: Path) -> None:

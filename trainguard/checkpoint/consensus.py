@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-__all__ = ["Consensus", "RollbackHook"]
+__all__ = ["Agreement", "Consensus", "RollbackHook"]
 
 _NO_STEP = 1 << 62
 
@@ -56,7 +56,46 @@ class Consensus:
         vals = [int(x) for x in t.tolist()]
         return [bool(x) for x in vals[:-1]], (None if vals[-1] == -_NO_STEP else -vals[-1])
 
+    def start_agree_with_step(
+        self, flags: list[bool], step: int | None, least: int, *, tag: Any
+    ) -> Agreement:
+        """:meth:`agree_with_step` plus the smallest ``least`` of any rank (a positive
+        number), started now and read later (:meth:`Agreement.result`): an async all-reduce
+        that runs while the caller trains on. ``tag``: what the caller agrees about; every
+        rank must start and read the same agreements in the same order."""
+        if self.pg is None:
+            return Agreement(tag, None, (list(flags), step, least))
+        t = torch.tensor([int(f) for f in flags] + [-(_NO_STEP if step is None else step), -least])
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg, async_op=True)
+        return Agreement(tag, (work, t), None)
+
     def barrier(self) -> None:
         """Every rank reached this point (nothing without a group)."""
         if self.pg is not None:
             dist.barrier(group=self.pg)
+
+
+class Agreement:
+    """An agreement in flight (:meth:`Consensus.start_agree_with_step`)."""
+
+    def __init__(
+        self,
+        tag: Any,
+        work: tuple[Any, torch.Tensor] | None,
+        done: tuple[list[bool], int | None, int] | None,
+    ) -> None:
+        self.tag = tag
+        self._work = work
+        self._done = done
+
+    def result(self) -> tuple[list[bool], int | None, int]:
+        """The agreed flags, smallest step and smallest ``least`` (waits for the all-reduce;
+        local: no new collective)."""
+        if self._done is None:
+            assert self._work is not None
+            work, t = self._work
+            work.wait()
+            *flags, step, least = (int(x) for x in t.tolist())
+            self._done = [bool(x) for x in flags], (None if step == -_NO_STEP else -step), -least
+            self._work = None
+        return self._done

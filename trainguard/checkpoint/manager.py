@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.checkpoint import manifest as mf
-from trainguard.checkpoint.consensus import Consensus, RollbackHook
+from trainguard.checkpoint.consensus import Agreement, Consensus, RollbackHook
 from trainguard.checkpoint.faults import Faults
 from trainguard.checkpoint.interval import (
     IntervalPolicy,
@@ -70,6 +70,12 @@ DEFAULT_MAX_STALL_FRACTION = 0.01
 """``memory_max_stall_fraction`` when unset otherwise: a process restart costs far more than
 a step anyway, so the memory tier snapshots every step only while that stalls training by at
 most 1 %, and every few steps where it would cost more (tiny steps, a huge state)."""
+
+
+AGREE_EVERY_S = 0.5
+"""``maybe_save(overlap=True)``: the ranks agree at least this often (in training time): a
+preemption notice, a loss anomaly or a time-based persist waits at most this long."""
+MAX_AGREE_STEPS = 1000
 
 
 class CheckpointManager:
@@ -129,6 +135,8 @@ class CheckpointManager:
         )
         self.preemption = Preemption(self.config.preemption_signals)
         self._preempting = False
+        self._ahead: Agreement | None = None  # maybe_save(overlap=True)'s next agreement
+        self._next_agreement: int | None = None  # ... and the boundary it is for
         self._writer = Writer(
             root=self.root,
             storage=self.storage,
@@ -266,22 +274,107 @@ class CheckpointManager:
             self._check_persister()
         return self._pipeline.save(step, state, persist=persist)
 
-    def maybe_save(self, step: int, state: MutableMapping[str, Any]) -> SaveResult | None:
+    def maybe_save(
+        self, step: int, state: MutableMapping[str, Any], *, overlap: bool = False
+    ) -> SaveResult | None:
         """Call once per step boundary on every rank. Saves to memory / disk as configured,
         and on a preemption signal saves, waits for the commit and exits with the requeue code.
-        A loss rollback (:attr:`rollback_hook`) restores into ``state``."""
+        A loss rollback (:attr:`rollback_hook`) restores into ``state``.
+
+        The ranks agree on what to do in one small all-reduce, at every call by default.
+        ``overlap=True`` is for a caller whose boundaries are ``step``, ``step + 1``, ... on
+        every rank (a framework's optimizer steps): the ranks then agree only at the
+        boundaries where something may be due, a snapshot or a persist of the configured
+        cadence (those save at the same steps as without it) and at least every
+        :data:`AGREE_EVERY_S` of training, each agreement started one step ahead and run in
+        the background; a preemption notice, a loss anomaly, a finished persist or a
+        time-based persist interval is acted on at the next agreement."""
         if not self.config.enabled:
             return None
         self.setup()
-        due = self.interval.due(step)
-        busy = self._pipeline.busy()
-        broken = self._supervisor.broken()
+        if overlap:
+            return self._overlapped(step, lambda flags, bad: self._act(step, state, flags, bad))
+        self.settle_agreement()
+        flags, bad = self._agree(step)
+        return self._act(step, state, flags, bad)
+
+    def _local_flags(self, step: int, *, tick: bool = True) -> list[bool]:
+        """This rank's view of the boundary ``step``: preempted, persist due, a persist in
+        flight, its persister dead, a memory snapshot due (``tick``: this call is the step
+        boundary the memory cadence measures)."""
+        cadence = self.memory_cadence
+        return [
+            self.preemption.signum is not None,
+            self.interval.due(step),
+            self._pipeline.busy(),
+            self._supervisor.broken(),
+            self.has_memory_tier and (cadence.due(step) if tick else cadence.is_due(step)),
+        ]
+
+    def _agree(self, step: int) -> tuple[list[bool], int | None]:
         hook = self.rollback_hook
-        mem = self.has_memory_tier and self.memory_cadence.due(step)
-        (preempt, due, busy, broken, mem), bad = self.consensus.agree_with_step(
-            [self.preemption.signum is not None, due, busy, broken, mem],
-            hook.pending() if hook is not None else None,
+        return self.consensus.agree_with_step(
+            self._local_flags(step), hook.pending() if hook is not None else None
         )
+
+    def _overlapped(
+        self, step: int, act: Callable[[list[bool], int | None], Any], *, saves: bool = True
+    ) -> Any:
+        """``maybe_save(overlap=True)``'s schedule: ``act`` on the flags agreed for ``step``
+        at the boundaries where the ranks agree (None elsewhere). ``saves``: the caller saves
+        on the agreed flags (the configured cadences set the agreements' boundaries)."""
+        self.memory_cadence.tick()
+        ahead, nxt = self._ahead, self._next_agreement
+        result = None
+        if ahead is not None and ahead.tag == step:
+            self._ahead = None
+            flags, bad, period = ahead.result()
+            result = act(flags, bad)
+            self._next_agreement = step + period
+        elif ahead is not None or nxt is None or step >= nxt:
+            # the first call, or boundaries that did not come as announced (every rank sees
+            # the same steps): agree now, and one step ahead from here on
+            self.settle_agreement()
+            hook = self.rollback_hook
+            flags, bad = self.consensus.agree_with_step(
+                self._local_flags(step, tick=False), hook.pending() if hook is not None else None
+            )
+            result = act(flags, bad)
+            self._next_agreement = step + 1
+        if self._next_agreement == step + 1:
+            self._ahead = self._start_agreement(step + 1, saves=saves)
+        return result
+
+    def _start_agreement(self, step: int, *, saves: bool = True) -> Agreement:
+        """The agreement for the boundary ``step``, started at the one before it, with this
+        rank's proposal of how many boundaries later the next one comes: the next snapshot
+        or persist of the configured cadence, at most :data:`AGREE_EVERY_S` of training."""
+        flags = self._local_flags(step, tick=False)
+        cadence, every = self.memory_cadence, self.config.every_steps
+        step_s = cadence.step_s
+        period = 1  # until a step time is measured
+        if step_s is not None and step_s > 0:
+            period = min(MAX_AGREE_STEPS, max(1, int(AGREE_EVERY_S / step_s)))
+        if saves and every > 0:
+            period = min(period, (step // every + 1) * every - step)
+        if saves and self.has_memory_tier:
+            if flags[4]:  # snapshotting at ``step``: the next one counts from there
+                nxt = step + cadence.every if cadence.every > 0 else None
+            else:
+                nxt = cadence.next_due(step)
+            if nxt is not None:
+                period = min(period, max(1, nxt - step))
+        hook = self.rollback_hook
+        return self.consensus.start_agree_with_step(
+            flags, hook.pending() if hook is not None else None, max(1, period), tag=step
+        )
+
+    def _act(
+        self, step: int, state: MutableMapping[str, Any], flags: list[bool], bad: int | None
+    ) -> SaveResult | None:
+        """``maybe_save``'s decision once the ranks agreed on ``flags`` and ``bad``."""
+        preempt, due, busy, broken, mem = flags
+        hook = self.rollback_hook
         if bad is not None and hook is not None:  # a loss anomaly on some rank: roll back
             hook.apply(bad, step, state)
             return None
@@ -301,11 +394,24 @@ class CheckpointManager:
             self.memory_cadence.snapshotted(step)
         return self._save_agreed(step, state, persist=due)
 
-    def preemption_agreed(self) -> bool:
+    def preemption_agreed(self, step: int | None = None) -> bool:
         """Collective: True on every rank when a preemption notice reached any rank (for a
-        caller that does not save through ``maybe_save`` this step)."""
-        (preempt,) = self.consensus.agree(self.preemption.signum is not None)
-        return preempt
+        caller that does not save through ``maybe_save``). With ``step`` (the boundary:
+        ``step``, ``step + 1``, ... on every rank) the ranks agree on the schedule of
+        ``maybe_save(overlap=True)``, False in between."""
+        if step is None:
+            self.settle_agreement()
+            (preempt,) = self.consensus.agree(self.preemption.signum is not None)
+            return preempt
+        return bool(self._overlapped(step, lambda flags, bad: flags[0], saves=False))
+
+    def settle_agreement(self) -> None:
+        """Read the agreement ``maybe_save(overlap=True)`` left running (local; its flags are
+        dropped): before the training loop ends or the caller stops calling it."""
+        ahead, self._ahead = self._ahead, None
+        self._next_agreement = None
+        if ahead is not None:
+            ahead.result()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for staging and the persist in flight; True if the last persist committed."""
@@ -386,6 +492,7 @@ class CheckpointManager:
             return
         self._closed = True
         try:
+            self.settle_agreement()
             self.wait()
         except Exception:
             logger.exception("checkpoint work in flight failed at close")

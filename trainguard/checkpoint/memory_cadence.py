@@ -53,17 +53,36 @@ class MemoryCadence:
 
     def due(self, step: int) -> bool:
         """Called once per step boundary (``maybe_save``): snapshot now?"""
+        self.tick()
+        return self.is_due(step)
+
+    def tick(self) -> None:
+        """A step boundary passed (measures the step time; ``due`` calls it)."""
         now = self._clock()
         if self._last_call is not None:
             self._steps.append(max(now - self._last_call - self._stall_since_call, 0.0))
         self._last_call = now
         self._stall_since_call = 0.0
+
+    def is_due(self, step: int) -> bool:
+        """Is a snapshot due at ``step`` (no measurement)?"""
         if self.every <= 0:
             return False
         if self.every == self.base:
             return step % self.every == 0
         last = self._last_snapshot  # stretched: count from the last snapshot
         return last is None or step - last >= self.every or step < last
+
+    def next_due(self, step: int) -> int | None:
+        """The first boundary after ``step`` at which a snapshot is due (None: off)."""
+        if self.every <= 0:
+            return None
+        if self.every == self.base:
+            return (step // self.every + 1) * self.every
+        last = self._last_snapshot
+        if last is None or step < last:
+            return step + 1
+        return max(last + self.every, step + 1)
 
     def snapshotted(self, step: int) -> None:
         self._last_snapshot = step

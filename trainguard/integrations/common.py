@@ -35,6 +35,8 @@ _ALIASES = {
 _PREFIXES = ("train/", "train_", "train.")
 _SUFFIXES = ("_step", "/step")
 _RESERVED = RESERVED_LOG_KEYS | {"step"}
+_MAX_CACHED = 256
+"""Sets of metric names whose mapping is kept (a framework logs a few; more are recomputed)."""
 
 
 def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
@@ -75,6 +77,17 @@ class MetricMapper:
         self.dropped = 0
         """Values without a single value (None, multi-element tensors): not logged."""
         self._cache: dict[str, str] = {}
+        self._orders: dict[tuple[str, ...], list[str]] = {}
+        self._keys: dict[tuple[str, ...], frozenset[str]] = {}
+
+    def keys_of(self, names: tuple[str, ...]) -> frozenset[str]:
+        """The ``tg.log`` keys the names map onto (cached per set of names)."""
+        hit = self._keys.get(names)
+        if hit is None:
+            if len(self._keys) >= _MAX_CACHED:
+                self._keys.clear()
+            hit = self._keys[names] = frozenset(self.key(n) for n in names)
+        return hit
 
     def key(self, name: str) -> str:
         hit = self._cache.get(name)
@@ -108,12 +121,22 @@ class MetricMapper:
         return name
 
     def map(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
-        flat: dict[str, Any] = {}
-        _flatten("", metrics, flat)
+        flat: Mapping[str, Any] = metrics
+        if any(isinstance(v, Mapping) for v in metrics.values()):
+            nested: dict[str, Any] = {}
+            _flatten("", metrics, nested)
+            flat = nested
+        names = tuple(flat)
+        order = self._orders.get(names)
+        if order is None:
+            if len(self._orders) >= _MAX_CACHED:
+                self._orders.clear()
+            # names that are the contract's own come first: they keep it, an alias met later
+            # (train_loss next to loss) keeps its own name
+            order = self._orders[names] = sorted(names, key=lambda n: self.key(n) != n)
         out: dict[str, Any] = {}
-        # names that are the contract's own come first: they keep it, an alias met later
-        # (train_loss next to loss) keeps its own name
-        for name, raw in sorted(flat.items(), key=lambda kv: self.key(kv[0]) != kv[0]):
+        for name in order:
+            raw = flat[name]
             value = _scalar(raw)
             if value is None:
                 self.dropped += 1

@@ -11,9 +11,11 @@ What it does, on every rank:
   tokens/s and FLOPs where the batch has ``input_ids`` (else samples/s);
 - every value in ``trainer.callback_metrics`` (each rank's own: Lightning does not reduce
   them unless ``sync_dist``) and the learning rate through ``tg.log``, with the metric
-  contract's names where one exists (``train_loss``, ``train/loss_step`` → ``loss``);
+  contract's names where one exists (``train_loss``, ``train/loss_step`` → ``loss``), at
+  every step end, at most 10 times a second (``METRICS_MIN_INTERVAL_S``);
 - a snapshot of module, optimizer, scheduler, RNG and step into trainguard's checkpoint
-  manager at every step end (the node's memory tier under ``trainguard run``); at
+  manager on the memory tier's cadence (the node's memory tier under ``trainguard run``;
+  ``maybe_save(overlap=True)``: the ranks agree in the background, not at every step); at
   ``on_train_start`` a restore from it when it holds a newer step of the same epoch than the
   checkpoint Lightning resumed from, the loop's progress counters moved on to it. The data
   loader restarts the epoch as Lightning's own mid-epoch resume does (a non-stateful loader
@@ -28,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 from trainguard.core.failures import REQUEUE_EXIT_CODE
@@ -42,6 +45,11 @@ from trainguard.integrations.common import (
 __all__ = ["TrainGuardCallback", "callback_class"]
 
 logger = logging.getLogger(__name__)
+
+METRICS_MIN_INTERVAL_S = 0.1
+"""The metrics are recorded at a step end at most this often (10 times a second): at every
+step of a step longer than that. Reading them (``trainer.callback_metrics`` is recomputed on
+each access, a tensor's ``.item()``) costs tens of microseconds, a share of a short step."""
 
 
 def _lightning() -> Any:
@@ -78,6 +86,7 @@ class _Mixin:
         self._ckpt: Any = None
         self._state: dict[str, Any] = {}
         self._fpt: float | None = None
+        self._next_log = 0.0  # monotonic time of the next metrics record
         self.resumed_step: int | None = None
         """The step restored from trainguard's snapshot at ``on_train_start``, or None."""
 
@@ -164,9 +173,9 @@ class _Mixin:
         if self._ckpt is None:
             return
         try:
-            if self._state:
-                self._ckpt.maybe_save(step, self._state)
-            elif self._ckpt.preemption_agreed():
+            if self._state:  # the ranks' agreement for the next step runs during it
+                self._ckpt.maybe_save(step, self._state, overlap=True)
+            elif self._ckpt.preemption_agreed(step):
                 raise SystemExit(REQUEUE_EXIT_CODE)
         except SystemExit as e:
             if e.code != REQUEUE_EXIT_CODE:
@@ -175,14 +184,21 @@ class _Mixin:
 
     def _log(self, trainer: Any, outputs: Any, step: int) -> None:
         assert self._t is not None
+        now = time.monotonic()
+        if now < self._next_log:
+            return
+        self._next_log = now + METRICS_MIN_INTERVAL_S
         try:
             values: dict[str, Any] = dict(trainer.callback_metrics)
-            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-            if loss is not None and not any(self._mapper.key(k) == "loss" for k in values):
-                values["loss"] = loss
-            opts = trainer.optimizers
-            if opts and not any(self._mapper.key(k) == "lr" for k in values):
-                values["lr"] = opts[0].param_groups[0]["lr"]
+            keys = self._mapper.keys_of(tuple(values))
+            if "loss" not in keys:
+                loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+                if loss is not None:
+                    values["loss"] = loss
+            if "lr" not in keys:
+                opts = trainer.optimizers
+                if opts:
+                    values["lr"] = opts[0].param_groups[0]["lr"]
             metrics = self._mapper.map(values)
         except Exception:
             self._t.failed("mapping metrics")
@@ -215,6 +231,7 @@ class _Mixin:
             self._tg.training_done()  # a final save or a slow exit is not a hang
         if self._ckpt is not None:
             try:
+                self._ckpt.settle_agreement()
                 self._ckpt.wait()
             except Exception:
                 logger.exception("trainguard snapshot in flight failed")

@@ -115,6 +115,7 @@ class TrainGuard:
         )
         self._flops_per_step: float | None = None
         self._device: str | None = None
+        self._cuda_available: bool | None = None
         self._current_step: int | None = None  # the step the next tg.log values belong to
         self._rollback = self._make_rollback()
         self._progress: ProgressWriter | None = None
@@ -395,7 +396,9 @@ class TrainGuard:
 
     def _add_device_info(self, record: dict[str, Any]) -> None:
         torch = sys.modules.get("torch")
-        cuda = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+        if torch is not None and self._cuda_available is None:
+            self._cuda_available = bool(torch.cuda.is_available())  # asked once: not cheap
+        cuda = torch is not None and self._cuda_available and torch.cuda.is_initialized()
         if self._device is None:
             self._device = torch.cuda.get_device_name() if torch is not None and cuda else "cpu"
             record["device"] = self._device
