@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.procs import FIXTURE_PIDS, become_subreaper, descendants, kill_tree, reap
+from tests.procs import FIXTURE_PIDS, alive, become_subreaper, descendants, kill_tree, reap
 
 _LEFT: list[str] = []
 _BEFORE_CALL: dict[str, set[int]] = {}
@@ -117,11 +118,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     before = _BEFORE_CALL.pop(item.nodeid, None)
     if before is None:
         return
-    left = [
-        f"PID {pid} still running: {_cmdline(pid)}"
-        for pid in descendants(os.getpid())
-        if pid not in before and pid not in FIXTURE_PIDS
-    ]
+    new = [p for p in descendants(os.getpid()) if p not in before and p not in FIXTURE_PIDS]
+    # a process SIGKILLed at the test's end may still be tearing itself down (its memory
+    # released, not yet a zombie): a moment to finish dying before it counts as left running
+    deadline = time.monotonic() + 2.0
+    while new and time.monotonic() < deadline:
+        time.sleep(0.05)
+        reap()
+        new = [p for p in new if alive(p)]
+    left = [f"PID {pid} still running: {_cmdline(pid)}" for pid in new]
     if left:
         outcome.get_result().user_properties.append(("tg_left_processes", left))
 
