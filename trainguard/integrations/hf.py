@@ -13,12 +13,14 @@ What it does, on every rank:
 - every value HF logs (``on_log``; rank 0 only, HF gives every rank the same reduced values)
   through ``tg.log``, with the metric contract's names where one exists;
 - a snapshot of model, optimizer, scheduler, RNG and step into trainguard's checkpoint
-  manager at every step end (the node's memory tier under ``trainguard run``), and at
+  manager on the memory tier's cadence (the node's memory tier under ``trainguard run``;
+  ``maybe_save(overlap=True)``: the ranks agree in the background, not at every step), and at
   ``on_train_begin`` a restore from it when it holds a newer step than the checkpoint HF
   resumed from (the data loader is moved on by the steps in between): a restart redoes at
   most the step in flight;
-- a preemption notice (SIGTERM / SIGUSR1, ``[checkpoint] preemption_signals``): trainguard's
-  preemption save, then HF saves its own checkpoint at that step boundary
+- a preemption notice (SIGTERM / SIGUSR1, ``[checkpoint] preemption_signals``), acted on at
+  the ranks' next agreement (within 0.5 s of training): trainguard's preemption save, then HF
+  saves its own checkpoint at that step boundary
   (``control.should_save``), training stops and the process exits with the requeue code 75.
 """
 
@@ -206,9 +208,10 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
         if self._ckpt is None or self._preempted:
             return None
         try:
-            if self._state:
-                self._ckpt.maybe_save(int(state.global_step), self._state)
-            elif self._ckpt.preemption_agreed():
+            step = int(state.global_step)
+            if self._state:  # the ranks' agreement for the next step runs during it
+                self._ckpt.maybe_save(step, self._state, overlap=True)
+            elif self._ckpt.preemption_agreed(step):
                 raise SystemExit(REQUEUE_EXIT_CODE)
         except SystemExit as e:
             if e.code != REQUEUE_EXIT_CODE:
@@ -245,6 +248,7 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
             self._exit()
         if self._ckpt is not None:
             try:
+                self._ckpt.settle_agreement()
                 self._ckpt.wait()
             except Exception:
                 logger.exception("trainguard snapshot in flight failed")
