@@ -311,10 +311,14 @@ class CheckpointManager:
             self.has_memory_tier and (cadence.due(step) if tick else cadence.is_due(step)),
         ]
 
-    def _agree(self, step: int) -> tuple[list[bool], int | None]:
+    def _pending_rollback(self) -> int | None:
+        """The step of this rank's pending loss anomaly (None: none, or no rollback hook)."""
         hook = self.rollback_hook
+        return hook.pending() if hook is not None else None
+
+    def _agree(self, step: int, *, tick: bool = True) -> tuple[list[bool], int | None]:
         return self.consensus.agree_with_step(
-            self._local_flags(step), hook.pending() if hook is not None else None
+            self._local_flags(step, tick=tick), self._pending_rollback()
         )
 
     def _overlapped(
@@ -335,11 +339,7 @@ class CheckpointManager:
             # the first call, or boundaries that did not come as announced (every rank sees
             # the same steps): agree now, and one step ahead from here on
             self.settle_agreement()
-            hook = self.rollback_hook
-            flags, bad = self.consensus.agree_with_step(
-                self._local_flags(step, tick=False), hook.pending() if hook is not None else None
-            )
-            result = act(flags, bad)
+            result = act(*self._agree(step, tick=False))
             self._next_agreement = step + 1
         if self._next_agreement == step + 1:
             self._ahead = self._start_agreement(step + 1, saves=saves)
@@ -364,9 +364,8 @@ class CheckpointManager:
                 nxt = cadence.next_due(step)
             if nxt is not None:
                 period = min(period, max(1, nxt - step))
-        hook = self.rollback_hook
         return self.consensus.start_agree_with_step(
-            flags, hook.pending() if hook is not None else None, max(1, period), tag=step
+            flags, self._pending_rollback(), max(1, period), tag=step
         )
 
     def _act(
