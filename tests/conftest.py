@@ -49,6 +49,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         groups = [m.name for m in item.iter_markers() if m.name in SERVICE_GROUPS]
         if groups and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(groups[0]))
+    # The longest tests first (a stable sort: collection order otherwise): xdist hands out the
+    # groups (largest first), then single tests in this order, so the run does not end with one
+    # worker still in a minute-long test while the others have nothing left.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -105,6 +105,7 @@ def _job(run_dir: Path, steps: int, env: dict[str, str]) -> subprocess.Completed
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
+@pytest.mark.slow
 def test_kill_and_hang_spec_then_corrupt_checkpoint_falls_back(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     env = base_env(

@@ -572,6 +572,7 @@ def test_object_storage_through_fsspec(tmp_path: Path) -> None:
     mgr.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_stopped_persister_fails_the_save_at_its_deadline_and_training_goes_on(
     tmp_path: Path,

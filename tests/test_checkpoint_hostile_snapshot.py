@@ -97,6 +97,7 @@ def _run_pair(tmp: Path, phase: str, ckpt: Path, mem: Path) -> list[dict]:
     return [json.loads((tmp / f"{phase}_{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skeleton", HOSTILE[:2])
 def test_hostile_memory_snapshot_falls_back_to_disk_on_every_rank(
     tmp_path: Path, skeleton: object

@@ -208,6 +208,7 @@ def test_exclude_policy_takes_the_node_out_with_a_one_line_message(tmp_path: Pat
     assert fin["state"] == "excluded"
 
 
+@pytest.mark.slow
 def test_elastic_job_carries_on_without_the_excluded_node(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     procs = start_nodes(

@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.launch_utils import REPO, base_env
@@ -102,6 +103,7 @@ def _killed(d: Path) -> tuple[int, str, str, dict[int, int], float]:
         kill_tree(p)
 
 
+@pytest.mark.slow
 def test_kill_9_restarts_in_process_bitwise_identical(tmp_path: Path) -> None:
     with ThreadPoolExecutor(2) as ex:
         straight = ex.submit(_straight, tmp_path / "straight")

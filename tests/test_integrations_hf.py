@@ -26,6 +26,7 @@ from tests.ports import free_port  # noqa: E402
 KILL_AT, SAVE, STEPS = 13, 10, 18
 
 
+@pytest.mark.slow
 def test_kill_after_first_checkpoint_resumes_from_the_snapshot_with_a_straight_runs_weights(
     tmp_path: Path,
 ) -> None:
@@ -74,6 +75,7 @@ def test_kill_after_first_checkpoint_resumes_from_the_snapshot_with_a_straight_r
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_no_code_change_attaches_and_a_stopped_rank_is_a_hang(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     env = job_env(
@@ -95,6 +97,7 @@ def test_no_code_change_attaches_and_a_stopped_rank_is_a_hang(tmp_path: Path) ->
     assert restored and restored[-1] >= 5
 
 
+@pytest.mark.slow
 def test_auto_off_leaves_the_job_alone(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     env = job_env(TRAINGUARD_INTEGRATIONS_AUTO="false")

@@ -23,6 +23,7 @@ from tests.integration_jobs import (  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
 
+@pytest.mark.slow
 def test_kill_after_first_checkpoint_resumes_from_the_snapshot(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     port = free_port()
@@ -47,6 +48,7 @@ def test_kill_after_first_checkpoint_resumes_from_the_snapshot(tmp_path: Path) -
         assert all(r["samples"] == 16 for r in records(run_dir, rank, "step"))
 
 
+@pytest.mark.slow
 def test_preemption_saves_last_checkpoint_and_exits_75(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     env = job_env(TRAINGUARD_CHAOS="kill:rank=1,step=6,signal=USR1")

@@ -26,6 +26,7 @@ from tests.integration_jobs import (  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
 
+@pytest.mark.slow
 def test_grpo_kill_resumes_from_the_snapshot_with_rl_metrics(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     port = free_port()

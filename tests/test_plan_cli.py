@@ -125,6 +125,7 @@ def _measured_ettr(run_dir: Path) -> float:
     return g.ettr
 
 
+@pytest.mark.slow
 def test_from_run_reproduces_measured_goodput(
     failed_run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -135,6 +135,7 @@ def check_stopped(agents: list[Agent], reason: str) -> None:
         assert "Traceback" not in a.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_job_restart_budget_and_crash_loop_stop_every_agent_with_93(tmp_path: Path) -> None:
     """Two 2-node jobs side by side (they share nothing but the machine)."""
@@ -189,6 +190,7 @@ def test_job_restart_budget_and_crash_loop_stop_every_agent_with_93(tmp_path: Pa
     assert {e["state"] for e in events(loop_dir, "job_finished")} == {"do_not_requeue"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_health_eviction_spare_takes_over_blocklist_then_cooldown(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

@@ -200,6 +200,8 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"root": root, "run_dir": run_dir, "p": p, "ref": ref, "t": (t_start, t_end)}
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("rollback")  # one worker runs the module's job (`faulty`) once
 def test_nan_rollback_skips_the_window_and_ends_bitwise_equal(faulty: dict) -> None:
     p, ref, run_dir, root = faulty["p"], faulty["ref"], faulty["run_dir"], faulty["root"]
     assert p.returncode == 0, p.stderr[-4000:]
@@ -234,6 +236,8 @@ def test_nan_rollback_skips_the_window_and_ends_bitwise_equal(faulty: dict) -> N
     assert "loss rollbacks</td><td>1<" in html and 'class="tg-rollback-row"' in html
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("rollback")
 def test_goodput_matches_an_independent_measurement(faulty: dict) -> None:
     """trainguard's goodput (the report's and the agent's telemetry) against the script's own
     timing and the test's clock, under a kill -9, a hang and a rollback."""

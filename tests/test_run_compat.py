@@ -21,6 +21,8 @@ from tests.launch_utils import (
     popen,
     read_dumps,
 )
+from tests.mlp_reference import assert_same_as_reference
+from tests.procs import kill_tree
 
 DUMP = str(WORKERS / "dump_env.py")
 BOTH = ("torchrun", "trainguard")
@@ -288,14 +290,18 @@ def test_script_args_that_look_like_flags_pass_through(tmp_path: Path) -> None:
 def test_sigterm_to_launcher_stops_every_worker(tmp_path: Path, which: str) -> None:
     env = base_env(DUMP_DIR=str(tmp_path / "dump"), SLEEP_S="300")
     p = popen(which, ["--standalone", "--nproc-per-node", "2", DUMP], cwd=tmp_path, env=env)
-    deadline = time.monotonic() + 60
-    while len(read_dumps(tmp_path / "dump")) < 2:
-        assert time.monotonic() < deadline, "workers did not start"
-        assert p.poll() is None, p.communicate()[1][-2000:]
-        time.sleep(0.2)
-    pids = [d["pid"] for d in read_dumps(tmp_path / "dump").values()]
-    p.send_signal(signal.SIGTERM)
-    p.communicate(timeout=60)
+    try:
+        deadline = time.monotonic() + 60
+        while len(read_dumps(tmp_path / "dump")) < 2:
+            assert time.monotonic() < deadline, "workers did not start"
+            assert p.poll() is None, p.communicate()[1][-2000:]
+            time.sleep(0.2)
+        pids = [d["pid"] for d in read_dumps(tmp_path / "dump").values()]
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:  # a failed wait above leaves the launcher and its workers running
+            kill_tree(p)
     assert p.returncode != 0
     deadline = time.monotonic() + 10
     alive = pids
@@ -317,6 +323,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_train_mlp_bitwise_identical(tmp_path: Path) -> None:
     import torch
 
@@ -339,6 +346,8 @@ def test_train_mlp_bitwise_identical(tmp_path: Path) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    # the in-process reference that the fault tests compare their jobs with is these bits
+    assert_same_as_reference(a, 30)
 
 
 def test_trainguard_run_writes_events_and_config(tmp_path: Path) -> None:

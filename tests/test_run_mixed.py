@@ -17,6 +17,7 @@ from tests.procs import kill_tree
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", ["torchrun", "trainguard"])
 def test_torchrun_and_trainguard_agents_finish_one_job(tmp_path: Path, first: str) -> None:
     second = "trainguard" if first == "torchrun" else "torchrun"

@@ -19,6 +19,7 @@ EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 SOAK_RUNS = int(os.environ.get("TRAINGUARD_TEST_RESTART_RUNS", "20"))
 
 
+@pytest.mark.slow
 def test_kill9_restart_three_times(tmp_path: Path) -> None:
     """Both ranks killed, at three different steps."""
     _kill9_restarts(tmp_path, 3)

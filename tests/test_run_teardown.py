@@ -12,6 +12,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.launch_utils import REPO, base_env, popen
 from tests.procs import kill_tree
 
@@ -19,6 +21,7 @@ WORKER = str(REPO / "bench" / "teardown_worker.py")
 SHUTDOWN_TIMEOUT_S = 60
 
 
+@pytest.mark.slow
 def test_restart_does_not_wait_for_the_shutdown_timeout(tmp_path: Path) -> None:
     out = tmp_path / "out"
     run_dir = tmp_path / "run"

@@ -90,6 +90,7 @@ def _logs(root: Path) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 def test_warm_restart_matches_torchrun(tmp_path: Path) -> None:
     tr = _job("torchrun", tmp_path)
     tg = _job("trainguard", tmp_path)

@@ -21,17 +21,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from tests.launch_utils import REPO, base_env, free_port
+from tests.mlp_reference import assert_same_as_reference
 from tests.procs import kill_tree
 from tests.services.etcd_service import Etcd
 from trainguard.core.config.spares import SparesConfig
@@ -266,43 +265,6 @@ def _two_spares_one_dead_node(backend: str, endpoint: str) -> None:
 
 
 # -- real jobs --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The fault-free run's final weights (2 processes, no checkpoints)."""
-    tmp = tmp_path_factory.mktemp("straight")
-    out = tmp / "straight.pt"
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trainguard",
-            "run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "--tg-run-dir",
-            str(tmp / "run"),
-            EXAMPLE,
-            "--steps",
-            str(STEPS),
-            "--ckpt-every",
-            "0",
-            "--out",
-            str(out),
-        ],  # fmt: skip
-        cwd=tmp,
-        env=base_env(TRAINGUARD_TELEMETRY_ENABLED="false"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        yield out
-        assert p.wait(timeout=240) == 0
-    finally:
-        kill_tree(p)
-
-
 class Job:
     """Three agents of one job (``--nnodes 2``): a and b train, c waits as a spare."""
 
@@ -396,13 +358,6 @@ class Job:
             kill_tree(p)
 
 
-def _same_weights(want: Path, got: Path) -> None:
-    a, b = torch.load(want), torch.load(got)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-
-
 def _assert_spare_took_over(job: Job, victim: int, spare: int) -> int:
     """The spare replaced ``victim`` at full world size and restored the lost shard from a
     survivor's memory copy; returns the attempt it joined."""
@@ -437,7 +392,7 @@ def _steps_at(job: Job, attempt: int) -> dict[int, int]:
 
 @pytest.mark.etcd
 def test_etcd_v3_the_agent_that_started_first_dies_the_spare_takes_over_bitwise(
-    tmp_path: Path, straight: Path, etcd: Etcd
+    tmp_path: Path, etcd: Etcd
 ) -> None:
     """With warm starts (``[warm]``, on by default): the spare starts its worker's warm process
     when it begins to wait, the survivor one after its start, and both start their new workers
@@ -454,7 +409,7 @@ def test_etcd_v3_the_agent_that_started_first_dies_the_spare_takes_over_bitwise(
     # the job ran to its end at full world size
     assert max(s["step"] for s in job.steps()) == STEPS - 1
     assert set(_steps_at(job, attempt)) == {0, 1}
-    _same_weights(straight, job.out)
+    assert_same_as_reference(job.out, STEPS)  # a fault-free run's weights
     # the first attempt started cold; the last attempt's workers, the spare's first and the
     # survivor's restarted one, each came from its node's warm process (handed its job while
     # it may still be importing: the job is short, the fault comes early)

@@ -229,6 +229,7 @@ tg.close()
 """
 
 
+@pytest.mark.slow
 def test_checkpoint_touched_on_one_rank_then_saved_on_every_rank(tmp_path: Path) -> None:
     """``tg.checkpoint`` on rank 0 only, then ``save`` on every rank: no deadlock; a restore
     in a new job sets the handle's step."""

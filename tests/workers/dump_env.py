@@ -22,10 +22,13 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     out = os.environ["DUMP_DIR"]
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"env_{restart}_{rank}.json"), "w") as f:
+    # written whole or not at all: the tests poll for these files while the worker runs
+    path = os.path.join(out, f"env_{restart}_{rank}.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(
             {"env": dict(os.environ), "argv": sys.argv, "pid": os.getpid(), "cwd": os.getcwd()}, f
         )
+    os.replace(path + ".tmp", path)
     print(f"hello from rank {rank} restart {restart}", flush=True)
     print(f"stderr line from rank {rank}", file=sys.stderr, flush=True)
     if os.environ.get("SLEEP_S"):
