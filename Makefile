@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 DEMO   := trainguard-runs/demo
 
-.PHONY: demo test test-soak lint bench clean
+.PHONY: demo test test-checks test-services test-soak lint bench clean
 
 # The venv sees system site-packages so a torch the user already has is kept; where no torch
 # is importable, the CPU build torch==2.13.0 is installed (a bare `torch` pulls CUDA, GBs).
@@ -27,23 +27,31 @@ demo: $(VENV)/.installed
 	@echo "Events:        $(VENV)/bin/trainguard events $(DEMO)"
 
 # Everything the tests run outside Python: these Debian packages and the rotel OTLP receiver,
-# installed up front (tests/services/preflight.py names any that is missing, in one line, before
-# the first test). Then lint, format and type checks, then the suite in parallel: one pytest-xdist
-# worker per group of tests that share a service (pytest.mark.xdist_group), the rest spread over
-# TEST_WORKERS. `make test TESTS=tests/test_spares.py` runs one file; `make test-soak` the soak tests.
+# installed while the venv is built and checked (lint, format, types; tests/services/preflight.py
+# names any binary still missing, in one line, before the first test). Then the suite in
+# parallel: one pytest-xdist worker per group of tests that share a service
+# (pytest.mark.xdist_group), the rest spread over TEST_WORKERS, the slow tests first.
+# `make test TESTS=tests/test_spares.py` runs one file; `make test-soak` the soak tests.
 # The suite starts ~1500 Python processes; compileall first, so that none of them compiles the
 # package from source (where PYTHONDONTWRITEBYTECODE is set, none would write the cache).
 TEST_DEBS    := prometheus prometheus-alertmanager chromium slurm-wlm munge iproute2 etcd-server etcd-client
 TEST_WORKERS ?= 3
 TESTS        ?=
 
-test: $(VENV)/.installed
-	$(PY) -c "from tests.services.telemetry_services import apt_ensure, rotel_binary; apt_ensure(*'$(TEST_DEBS)'.split()); rotel_binary()"
+test:
+	@$(MAKE) --no-print-directory -j2 -O test-checks test-services
+	$(PY) -m compileall -q trainguard tests examples bench
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(TESTS)
+
+# Lint, format and type checks; the Debian packages and the rotel receiver are installed
+# meanwhile (stdlib only: no venv needed).
+test-checks: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(PY) -m compileall -q trainguard tests examples bench
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(TESTS)
+
+test-services:
+	PYTHONPATH=. $(PYTHON) -c "from tests.services.telemetry_services import apt_ensure, rotel_binary; apt_ensure(*'$(TEST_DEBS)'.split()); rotel_binary()"
 
 test-soak: $(VENV)/.installed
 	$(PY) -m pytest -q -m soak $(TESTS)

@@ -419,7 +419,9 @@ def test_kill_9_of_the_persister_process_fails_one_save_and_training_goes_on(
     mgr.close()
     # a persister killed after renaming the manifest in did commit, and the manager says so
     after_commit = fault.get("kill_at") in ("committed", "retention")
-    assert outcomes == {1: True, 2: True, 3: True, 4: after_commit, 5: True, 6: True}, outcomes
+    why = [(f["step"], f.get("error")) for f in events.kinds("checkpoint_failed")]
+    want = {1: True, 2: True, 3: True, 4: after_commit, 5: True, 6: True}
+    assert outcomes == want, (outcomes, why)
     failed = [f["step"] for f in events.kinds("checkpoint_failed")]
     assert failed == ([] if after_commit else [4]), failed
     assert len(events.kinds("checkpoint_persister_started")) == 2  # the first and its successor

@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
-
-from tests.integration_jobs import (  # noqa: E402
+from tests.integration_jobs import (
     EndpointScraper,
     events,
     job_env,
@@ -21,7 +19,7 @@ from tests.integration_jobs import (  # noqa: E402
     run_example,
     scraped_env,
 )
-from tests.ports import free_port  # noqa: E402
+from tests.ports import free_port
 
 KILL_AT, SAVE, STEPS = 13, 10, 18
 

@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("lightning")
-
-from tests.integration_jobs import (  # noqa: E402
+from tests.integration_jobs import (
     EndpointScraper,
     events,
     job_env,
@@ -20,7 +18,7 @@ from tests.integration_jobs import (  # noqa: E402
     run_example,
     scraped_env,
 )
-from tests.ports import free_port  # noqa: E402
+from tests.ports import free_port
 
 
 @pytest.mark.slow

@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("trl")
-
-from tests.integration_jobs import (  # noqa: E402
+from tests.integration_jobs import (
     EndpointScraper,
     events,
     logged_keys,
@@ -23,7 +21,7 @@ from tests.integration_jobs import (  # noqa: E402
     run_example,
     scraped_env,
 )
-from tests.ports import free_port  # noqa: E402
+from tests.ports import free_port
 
 
 @pytest.mark.slow
