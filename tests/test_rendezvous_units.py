@@ -50,3 +50,29 @@ def test_overlapping_rounds_restore_the_users_value(
     assert seen["agent_store"] is (user != "1")  # what torch tells the workers: the user's
     assert os.environ.get(KEY) == user  # both out: the user's value, not a leftover "1"
     assert rendezvous._user_uses_agent_store() is None
+
+
+def test_rendezvous_event_names_without_the_stack_are_torchs() -> None:
+    """torch names a rendezvous event after the function that called ``_record``
+    (``get_method_name(depth=2)`` over ``inspect.stack()``); trainguard's replacement, which
+    every agent installs, names the same function."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from trainguard.runtime import _torch
+
+    def torchs(depth: int = 2) -> str:  # torch 2.13's get_method_name, as written there
+        if len(inspect.stack()) > depth:
+            return inspect.stack()[depth].function
+        return "no_method_name"
+
+    def _record(name_of) -> str:  # noqa: ANN001 - as torch's handler._record calls it
+        return name_of()
+
+    def next_rendezvous(name_of) -> str:  # noqa: ANN001
+        return _record(name_of)
+
+    _torch.cheap_rendezvous_event_names()
+    assert dr.get_method_name.__module__ == "trainguard.runtime._torch"  # installed
+    assert next_rendezvous(dr.get_method_name) == next_rendezvous(torchs) == "next_rendezvous"

@@ -438,6 +438,9 @@ def launch(
     plugin_factory: PluginFactory | None = None,
 ) -> dict[int, Any]:
     """Run one node's agent to completion; mirrors ``torch.distributed.launcher.api.launch_agent``."""
+    from trainguard.runtime._torch import cheap_rendezvous_event_names
+
+    cheap_rendezvous_event_names()  # the same event names, without reading the stack's source
     events = EventLog(run_dir)
     ctx = AgentContext(config=tg_config, run_dir=run_dir, events=events, launch_config=config)
     name = _entrypoint_name(entrypoint, args)

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousParameters,
-    dynamic_rendezvous,
 )
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -189,25 +187,9 @@ def _accept_pickle(params: RendezvousParameters) -> bool:
         ) from None
 
 
-def _method_name(depth: int = 2) -> str:
-    """torch's ``dynamic_rendezvous.get_method_name`` (the name of the function ``depth``
-    frames up, for the name of a rendezvous event) without ``inspect.stack()``, which reads
-    the source lines of every frame of the stack: ~1 ms per event, several events per node
-    and round, which was most of a node's CPU in a 1000-node rendezvous."""
-    try:
-        return sys._getframe(depth).f_code.co_name
-    except ValueError:
-        return "no_method_name"
-
-
-def _cheap_event_names() -> None:
-    if getattr(dynamic_rendezvous, "get_method_name", None) is not None:
-        dynamic_rendezvous.get_method_name = _method_name
-
-
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """The ``etcd-v3`` handler: torch's dynamic rendezvous on this backend, store and holder."""
-    _cheap_event_names()
+    _torch.cheap_rendezvous_event_names()
     backend, store = create_backend(params)
     stock = create_handler(store, backend, params)  # torch's parsing of the rdzv options
     node = _torch.handler_node(stock)
