@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tests.launch_utils import REPO, free_port
-from tests.mlp_reference import train_mlp_reference
+from tests.mlp_reference import assert_same_as_reference
 from tests.services.slurm_cluster import SlurmCluster, start_cluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
@@ -48,13 +47,6 @@ def fresh(cluster: SlurmCluster) -> Iterator[SlurmCluster]:
         while cluster.jobs() and time.monotonic() < deadline:
             time.sleep(0.5)
     cluster.kill_job_processes()
-
-
-@pytest.fixture(scope="module")
-def local_weights() -> dict:
-    """The weights of the same training run without faults (tests/mlp_reference.py; checked
-    against real torchrun and trainguard runs in test_run_compat)."""
-    return train_mlp_reference(STEPS)[0]
 
 
 def _config(d: Path, **slurm: object) -> Path:
@@ -102,13 +94,6 @@ def _wait_event(run_dir: Path, pred, timeout: float, what: str) -> dict:
     raise TimeoutError(f"no {what} in {run_dir}/events.jsonl after {timeout:.0f} s")
 
 
-def _assert_same_weights(d: Path, local: dict) -> None:
-    got = torch.load(d / "final.pt")
-    assert got.keys() == local.keys()
-    for k in local:
-        assert torch.equal(got[k], local[k]), k
-
-
 def _log(c: SlurmCluster, d: Path, job: str) -> str:
     f = d / "trainguard-runs" / f"slurm-{job}.out"
     return f.read_text() if f.exists() else ""
@@ -131,16 +116,14 @@ def _first_node(c: SlurmCluster, job: str) -> str:
     return c.run("scontrol", "show", "hostnames", c.job_field(job, "NodeList")).split()[0]
 
 
-def test_job_with_spare_completes_like_a_local_run(
-    fresh: SlurmCluster, tmp_path: Path, local_weights: dict
-) -> None:
+def test_job_with_spare_completes_like_a_local_run(fresh: SlurmCluster, tmp_path: Path) -> None:
     c = fresh
     cfg = _config(tmp_path, join_timeout_s=120)
     job = _submit(c, tmp_path, "--nodes", "2", "--spares", "1", "--config", str(cfg))
     assert c.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"}, 240) == "COMPLETED", _log(
         c, tmp_path, job
     )
-    _assert_same_weights(tmp_path, local_weights)
+    assert_same_as_reference(tmp_path / "final.pt", STEPS)  # a fault-free run's weights
     run_dir = tmp_path / "trainguard-runs" / f"slurm-{job}"
     ev = _events(run_dir)
     finished = {e["node"]: e["state"] for e in ev if e["kind"] == "job_finished"}
@@ -164,7 +147,7 @@ def test_job_with_spare_completes_like_a_local_run(
 
 
 def test_node_crash_spare_takes_over_and_node_is_drained(
-    fresh: SlurmCluster, tmp_path: Path, local_weights: dict
+    fresh: SlurmCluster, tmp_path: Path
 ) -> None:
     c = fresh
     cfg = _config(tmp_path, join_timeout_s=120, max_resubmits=0)
@@ -198,12 +181,10 @@ def test_node_crash_spare_takes_over_and_node_is_drained(
     assert drain["node_name"] == victim and drain["fenced"] and drain["time"] < finish["time"]
     st, reason = c.node_state(victim)
     assert "DRAIN" in st and reason.startswith(f"trainguard: node left job {job} at attempt 1")
-    _assert_same_weights(tmp_path, local_weights)
+    assert_same_as_reference(tmp_path / "final.pt", STEPS)  # a fault-free run's weights
 
 
-def test_preemption_saves_requeues_and_resumes(
-    fresh: SlurmCluster, tmp_path: Path, local_weights: dict
-) -> None:
+def test_preemption_saves_requeues_and_resumes(fresh: SlurmCluster, tmp_path: Path) -> None:
     c = fresh
     cfg = _config(tmp_path, join_timeout_s=120)
     job = _submit(c, tmp_path, "--nodes", "2", "--spares", "1", "--config", str(cfg))
@@ -230,11 +211,11 @@ def test_preemption_saves_requeues_and_resumes(
         c, tmp_path, job
     )
     assert c.job_field(job, "Restarts") == "1"
-    _assert_same_weights(tmp_path, local_weights)
+    assert_same_as_reference(tmp_path / "final.pt", STEPS)  # a fault-free run's weights
 
 
 def test_spares_exhausted_resubmits_without_the_bad_node(
-    fresh: SlurmCluster, tmp_path: Path, local_weights: dict
+    fresh: SlurmCluster, tmp_path: Path
 ) -> None:
     c = fresh
     cfg = _config(tmp_path, join_timeout_s=20, max_resubmits=1)
@@ -259,13 +240,13 @@ def test_spares_exhausted_resubmits_without_the_bad_node(
     # the resubmitted job trained on in the same run directory, from the checkpoint
     restored = [e for e in _events(run_dir) if e["kind"] == "checkpoint_restored"]
     assert restored[-1]["source"] == "disk" and restored[-1]["step"] >= 10
-    _assert_same_weights(tmp_path, local_weights)
+    assert_same_as_reference(tmp_path / "final.pt", STEPS)  # a fault-free run's weights
 
 
 @pytest.mark.etcd
 @pytest.mark.xdist_group("slurm")  # the Slurm group's cluster; etcd: the session's
 def test_etcd_job_spare_takes_over_by_liveness_beacons(
-    fresh: SlurmCluster, tmp_path: Path, local_weights: dict, etcd: Any
+    fresh: SlurmCluster, tmp_path: Path, etcd: Any
 ) -> None:
     c = fresh
     cfg = _config(tmp_path, join_timeout_s=120, max_resubmits=0, etcd_endpoint=etcd.endpoint)
@@ -303,14 +284,14 @@ def test_etcd_job_spare_takes_over_by_liveness_beacons(
     last_round = [e for e in _events(run_dir) if e["kind"] == "rendezvous"][-1]
     assert victim["node"] not in {m["node"] for m in last_round["members"]}
     assert not any(e["kind"] == "resubmit" for e in _events(run_dir))
-    _assert_same_weights(tmp_path, local_weights)
+    assert_same_as_reference(tmp_path / "final.pt", STEPS)  # a fault-free run's weights
 
 
 @pytest.mark.soak  # 3-5 min on 2 cores: two jobs, a crash and a resubmission (make test-soak)
 @pytest.mark.etcd
 @pytest.mark.xdist_group("slurm")
 def test_batch_host_crash_resubmits_without_it_and_resumes(
-    fresh: SlurmCluster, tmp_path: Path, local_weights: dict, etcd: Any
+    fresh: SlurmCluster, tmp_path: Path, etcd: Any
 ) -> None:
     c = fresh
     cfg = _config(tmp_path, join_timeout_s=120, max_resubmits=1, etcd_endpoint=etcd.endpoint)
@@ -350,7 +331,7 @@ def test_batch_host_crash_resubmits_without_it_and_resumes(
     committed = [e["step"] for e in ev if e["kind"] == "checkpoint_committed"
                  and e["time"] < restored["time"]]  # fmt: skip
     assert restored["source"] == "disk" and restored["step"] == max(committed)
-    _assert_same_weights(tmp_path, local_weights)
+    assert_same_as_reference(tmp_path / "final.pt", STEPS)  # a fault-free run's weights
 
 
 @pytest.mark.parametrize(

@@ -28,12 +28,12 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
 
 __all__ = [
     "PRIVATES",
-    "cheap_rendezvous_event_names",
     "ElasticAgentBase",
     "NodeDesc",
     "RendezvousState",
     "StateHolderBase",
     "SubprocessHandlerBase",
+    "cheap_rendezvous_event_names",
     "handler_backend",
     "handler_node",
     "handler_settings",

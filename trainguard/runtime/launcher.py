@@ -42,6 +42,7 @@ from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin
 from trainguard.core.proctime import process_start_time
 from trainguard.core.timeouts import contradictions, timeout_chain
 from trainguard.runtime import etcd_v3, spares
+from trainguard.runtime._torch import cheap_rendezvous_event_names
 from trainguard.runtime.agent import TrainGuardAgent
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 from trainguard.testing import chaos
@@ -438,8 +439,6 @@ def launch(
     plugin_factory: PluginFactory | None = None,
 ) -> dict[int, Any]:
     """Run one node's agent to completion; mirrors ``torch.distributed.launcher.api.launch_agent``."""
-    from trainguard.runtime._torch import cheap_rendezvous_event_names
-
     cheap_rendezvous_event_names()  # the same event names, without reading the stack's source
     events = EventLog(run_dir)
     ctx = AgentContext(config=tg_config, run_dir=run_dir, events=events, launch_config=config)
