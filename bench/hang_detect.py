@@ -18,7 +18,7 @@ import) instead and prints ``trainguard_localize_s`` (divergence → the hang_di
 names the collective), ``trainguard_survivor_release_s`` and ``torchrun_survivor_release_s``
 (a peer SIGKILLed before its collective → the survivor out of its collective, by an error or by
 its launcher) and the flight recorder's overhead on a small gloo training step
-(``fr_overhead_pct``, recorder on vs off, alternating runs).
+(``fr_overhead_pct``, recorder on vs off: two jobs at once, paced block by block).
 """
 
 from __future__ import annotations
@@ -308,6 +308,7 @@ import os, sys, time, torch, torch.distributed as dist
 from trainguard.core.collectives import start_from_env
 start_from_env()  # what trainguard's start-up hook runs first in a worker (when asked to)
 dist.init_process_group("gloo")
+rank = dist.get_rank()
 t = torch.ones(1024)
 x = torch.randn(256, 256)
 def step():
@@ -317,13 +318,25 @@ def step():
     dist.broadcast(t, 0)
 for _ in range(20):
     step()
-dist.barrier()
-t0 = time.perf_counter()
-for _ in range(int(sys.argv[1])):
-    step()
-dist.barrier()
-if dist.get_rank() == 0:
-    print((time.perf_counter() - t0) / int(sys.argv[1]))
+ctl = open(sys.argv[1]) if rank == 0 else None  # the bench's pacing: one block at a time
+res = open(sys.argv[2], "w") if rank == 0 else None
+n = torch.zeros(1, dtype=torch.int64)
+while True:
+    if rank == 0:
+        n[0] = int(ctl.readline() or 0)
+    dist.broadcast(n, 0)  # the other job's block runs while this job waits here
+    if not n.item():
+        break
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n.item()):
+        step()
+    dist.barrier()
+    wall, cpu = time.perf_counter() - t0, torch.tensor([time.process_time() - c0])
+    dist.all_reduce(cpu)  # CPU time of every thread of both ranks (the watcher's included)
+    if rank == 0:
+        res.write(f"{wall / n.item()} {cpu.item() / n.item()}\n")
+        res.flush()
 dist.destroy_process_group()
 """
 
@@ -332,45 +345,105 @@ def fr_overhead(base: Path, steps: int, rounds: int) -> dict[str, object]:
     """Step time of a small gloo loop (torchrun, 2 processes) with trainguard's collective
     watcher on (what its start-up hook starts: torch's flight recorder at trainguard's buffer
     size, the watcher thread reading it every ``collective_poll_interval_s`` and writing the
-    progress record) and off (plain torchrun), alternating runs (the box is shared); median
-    of each, and the on/off ratio of each pair (median, min, max)."""
+    progress record) and off (plain torchrun).
+
+    Both jobs run at once and the bench paces them: one block of ``steps`` steps at a time, in
+    the order off, on, on, off, off, on, ... (the job not in its block waits in a broadcast,
+    using no CPU). So each "on" block has an "off" block next to it in time, and the slow
+    spells of a shared machine (seconds long, up to ±30 % here) fall on both alike. ``rounds``
+    pairs; the overhead is the median of the pairs' on/off ratios, with a bootstrap 95 %
+    interval of that median; wall time and CPU time (both ranks, all threads) per step."""
+    import random
+
     from trainguard.core import collectives, envvars
     from trainguard.core.config.health import HealthConfig
 
     script = base / "fr_step.py"
     script.write_text(FR_CODE)
-    times: dict[str, list[float]] = {"on": [], "off": []}
-    for i in range(rounds):
-        for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+    procs: dict[str, subprocess.Popen] = {}
+    ctl: dict[str, object] = {}
+    res: dict[str, object] = {}
+    run_dir = base / "fr-run"
+    (run_dir / "progress").mkdir(parents=True, exist_ok=True)
+    try:
+        for mode in ("off", "on"):
             env = base_env()
             env.pop("TORCH_FR_BUFFER_SIZE", None)
             if mode == "on":
-                run_dir = base / f"fr-run-{i}"
-                (run_dir / "progress").mkdir(parents=True, exist_ok=True)
                 env.update({
                     collectives.WATCH_ENV: str(HealthConfig().collective_poll_interval_s),
                     collectives.FR_BUFFER_ENV: str(collectives.FR_BUFFER_DEFAULT),
                     envvars.RUN_DIR: str(run_dir),
                     envvars.PROGRESS_DIR: str(run_dir / "progress"),
                 })  # fmt: skip
-            out = subprocess.run(
+            fifo_ctl, fifo_res = base / f"fr-{mode}.ctl", base / f"fr-{mode}.res"
+            os.mkfifo(fifo_ctl)
+            os.mkfifo(fifo_res)
+            procs[mode] = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node", "2", str(script), str(steps)],
-                env=env, capture_output=True, text=True, timeout=300,
+                 "--nproc-per-node", "2", str(script), str(fifo_ctl), str(fifo_res)],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True,
             )  # fmt: skip
-            times[mode].append(float(out.stdout.strip().splitlines()[-1]))
-            if mode == "on":  # the watcher really ran: its progress records exist
-                assert list((base / f"fr-run-{i}" / "progress").glob("collectives_rank_*")), out
-    on, off = statistics.median(times["on"]), statistics.median(times["off"])
-    ratios = [a / b for a, b in zip(times["on"], times["off"], strict=True)]
+            ctl[mode] = open(fifo_ctl, "w")  # noqa: SIM115  (opens once the job's rank 0 does)
+            res[mode] = open(fifo_res)  # noqa: SIM115
+
+        def block(mode: str) -> tuple[float, float]:
+            ctl[mode].write(f"{steps}\n")  # type: ignore[attr-defined]
+            ctl[mode].flush()  # type: ignore[attr-defined]
+            wall, cpu = res[mode].readline().split()  # type: ignore[attr-defined]
+            return float(wall), float(cpu)
+
+        for mode in ("off", "on"):  # warm-up blocks, not counted
+            block(mode)
+        walls: dict[str, list[float]] = {"on": [], "off": []}
+        cpus: dict[str, list[float]] = {"on": [], "off": []}
+        for i in range(rounds):
+            for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                wall, cpu = block(mode)
+                walls[mode].append(wall)
+                cpus[mode].append(cpu)
+        for mode in ("off", "on"):
+            ctl[mode].write("0\n")  # type: ignore[attr-defined]
+            ctl[mode].flush()  # type: ignore[attr-defined]
+            procs[mode].wait(timeout=60)
+        # the watcher really ran: its progress records exist
+        assert list((run_dir / "progress").glob("collectives_rank_*")), "no collective records"
+    finally:
+        for f in (*ctl.values(), *res.values()):
+            f.close()  # type: ignore[attr-defined]
+        for p in procs.values():
+            if p.poll() is None:
+                kill_tree(p.pid)
+
+    def summary(xs: dict[str, list[float]]) -> dict[str, float]:
+        ratios = [a / b for a, b in zip(xs["on"], xs["off"], strict=True)]
+        rng = random.Random(0)
+        boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+        return {
+            "on": statistics.median(xs["on"]),
+            "off": statistics.median(xs["off"]),
+            "pct": 100 * (statistics.median(ratios) - 1),
+            "lo": 100 * (boot[50] - 1),
+            "hi": 100 * (boot[1949] - 1),
+            "rmin": min(ratios),
+            "rmax": max(ratios),
+        }
+
+    w, c = summary(walls), summary(cpus)
     return {
-        "fr_step_s_on": round(on, 6),
-        "fr_step_s_off": round(off, 6),
-        "fr_overhead_pct": round(100 * (on - off) / off, 2),
-        "fr_pair_ratio_median": round(statistics.median(ratios), 4),
-        "fr_pair_ratio_min": round(min(ratios), 4),
-        "fr_pair_ratio_max": round(max(ratios), 4),
-        "fr_runs_s": times,
+        "fr_step_s_on": round(w["on"], 6),
+        "fr_step_s_off": round(w["off"], 6),
+        "fr_overhead_pct": round(w["pct"], 2),
+        "fr_overhead_pct_ci95": [round(w["lo"], 2), round(w["hi"], 2)],
+        "fr_pair_ratio_min": round(w["rmin"], 4),
+        "fr_pair_ratio_max": round(w["rmax"], 4),
+        "fr_cpu_per_step_s_on": round(c["on"], 6),
+        "fr_cpu_per_step_s_off": round(c["off"], 6),
+        "fr_cpu_overhead_pct": round(c["pct"], 2),
+        "fr_cpu_overhead_pct_ci95": [round(c["lo"], 2), round(c["hi"], 2)],
+        "fr_pairs": rounds,
+        "fr_block_steps": steps,
     }
 
 
@@ -441,8 +514,9 @@ def diagnosis_main(argv: list[str]) -> None:
     ap.add_argument("--fr-only", action="store_true")
     ap.add_argument("--fr-cost-only", action="store_true")
     ap.add_argument("--cases", default="kill,lost,stop,close", help="survivor release cases")
-    ap.add_argument("--fr-steps", type=int, default=300)
+    ap.add_argument("--fr-steps", type=int, default=50, help="steps per paced block")
     ap.add_argument("--fr-rounds", type=int, default=3)
+    ap.add_argument("--fr-pairs", type=int, default=200, help="paced on/off block pairs")
     args = ap.parse_args(argv)
 
     def med(xs: list[float | None]) -> float | None:
@@ -478,7 +552,7 @@ def diagnosis_main(argv: list[str]) -> None:
                 }
         if not args.release_only:
             out.update(fr_cost(base, args.fr_rounds))
-            out.update(fr_overhead(base, args.fr_steps, args.fr_rounds))
+            out.update(fr_overhead(base, args.fr_steps, args.fr_pairs))
     for how, by in release.items():
         for which, r in by.items():
             print(f"{how:5s} {which:10s} release {r['release_s']} s "
