@@ -1,12 +1,18 @@
 """The framework integrations, per framework (HF Trainer, TRL GRPO, Lightning; the examples'
 tiny models, 2 processes, gloo on CPU):
 
-- overhead: the steady-state time per step (the examples' ``steady:`` line: from the end of
-  step 5 to the end of the last, ``OVERHEAD_STEPS`` steps) under ``trainguard run`` with the
-  callback vs the same script without it (``--no-trainguard``, ``[integrations] auto`` off), run
-  in turn ``--repeats`` times, medians: with trainguard's default memory-tier cadence (snapshots
-  stretched to stay within 1 % of a step: ``<fw>_overhead``) and with a snapshot every step
-  (``<fw>_overhead_every_step``, the setting the kill runs use);
+- overhead, by accounting (``bench/hook_cost.py`` runs the example under ``trainguard run``
+  and times, on rank 0, the callback's per-step hooks and the CPU of trainguard's threads in
+  the worker, after the first 5 steps): that time as a fraction of the rest of the step,
+  with trainguard's default memory-tier cadence (snapshots stretched to stay within 1 % of a
+  step: ``<fw>_overhead``) and with a snapshot every step (``<fw>_overhead_every_step``, the
+  setting the kill runs use); ``<fw>_hook_us_per_step`` is the same in microseconds. Counting
+  every microsecond of the hooks as added to the step makes it an upper bound;
+- the same as a comparison of whole runs, for reference (``<fw>_overhead_ab``): the steady
+  time per step (the examples' ``steady:`` line: from the end of step 5 to the end of the
+  last, ``OVERHEAD_STEPS`` steps) with the callback vs the same script without it
+  (``--no-trainguard``, ``[integrations] auto`` off), run in turn ``--repeats`` times,
+  medians. On a shared 2-core machine one such run varies by ±30 %, far more than 1 %;
 - a kill -9 of rank 1 some steps after the framework's first checkpoint, under ``trainguard run``
   with the callback and under ``torchrun`` (same script, same callback: its step records give
   both launchers' step times): steps redone and time from the kill to the next completed step.
@@ -15,8 +21,8 @@ tiny models, 2 processes, gloo on CPU):
 
 Prints a table, then one JSON line: ``<fw>_steps_redone``, ``<fw>_kill_to_next_step_s``,
 ``<fw>_torchrun_kill_to_next_step_s`` (null where torchrun's job failed or hung),
-``<fw>_overhead`` (fraction of a step; ``<fw>_overhead_every_step`` after them) for ``<fw>``
-in hf, trl, lightning.
+``<fw>_overhead`` (fraction of a step; ``<fw>_overhead_every_step``, ``<fw>_hook_us_per_step``
+and ``<fw>_overhead_ab`` after them) for ``<fw>`` in hf, trl, lightning.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ SCRIPTS = {
     "trl": ("trl_grpo.py", 14, 4, 7),
     "lightning": ("lightning_trainer.py", 60, 20, 30),
 }
-OVERHEAD_STEPS = {"hf": 200, "trl": 40, "lightning": 300}
+OVERHEAD_STEPS = {"hf": 400, "trl": 80, "lightning": 1000}
 """Steps of each overhead run (the kill runs use ``SCRIPTS``' counts)."""
 TIMEOUT_S = 420
 
@@ -59,7 +65,14 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _launch(launcher: str, work: Path, script: str, args: list[str], env: dict[str, str]) -> Any:
+def _launch(
+    launcher: str,
+    work: Path,
+    script: str,
+    args: list[str],
+    env: dict[str, str],
+    account: bool = False,
+) -> Any:
     common = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "3"]
     if launcher == "trainguard":
         cmd = [
@@ -73,6 +86,10 @@ def _launch(launcher: str, work: Path, script: str, args: list[str], env: dict[s
         ]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", *common]
+    if account:  # the example run by bench/hook_cost.py, which times the callback's hooks
+        cmd.append(str(REPO / "bench" / "hook_cost.py"))
+        env = {**env, "HOOK_COST_OUT": str(work / "hook_cost.json"),
+               "HOOK_COST_FW": "lightning" if script.startswith("lightning") else "hf"}  # fmt: skip
     cmd += [str(REPO / "examples" / script), "--output-dir", str(work / "out"), *args]
     try:
         return subprocess.run(
@@ -91,6 +108,29 @@ def _steady_s(p: Any) -> float | None:
         else None
     )
     return float(m.group(2)) / int(m.group(1)) if m else None
+
+
+INTEGRATION_THREADS = ("tg-ckpt-stage", "tg-metrics-flush")
+"""Worker threads that run for the callback (the heartbeat and collectives watchers run in
+every worker under ``trainguard run``, with or without it)."""
+
+
+def _hook_cost(work: Path) -> tuple[float, float] | None:
+    """(fraction of a step, microseconds per step) the callback took on rank 0: its hooks'
+    wall time plus its threads' CPU time, against the step without them."""
+    try:
+        d = json.loads((work / "hook_cost.json").read_text())
+    except (OSError, ValueError):
+        return None
+    n, step_s, hooks = d.get("steps"), d.get("step_s"), d.get("hooks_wall_per_step_s")
+    if not n or not step_s or hooks is None:
+        return None
+    threads = sum(
+        cpu for name, cpu in d.get("threads_cpu_s", {}).items()
+        if name.startswith(INTEGRATION_THREADS)
+    ) / n  # fmt: skip
+    spent = hooks + threads
+    return spent / (step_s - spent), spent * 1e6
 
 
 def _steps(run: Path, rank: int) -> list[dict[str, Any]]:
@@ -133,18 +173,28 @@ def bench(fw: str, root: Path, repeats: int = 3, kills: bool = True) -> dict[str
         ("with_every_step", [], _env(**EVERY_STEP)),
     )
     t: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+    cost: dict[str, list[tuple[float, float]]] = {"with": [], "with_every_step": []}
     for i in range(repeats):  # in turn, so that a slow phase of the machine hits all three
         for name, extra, env in variants:
             work = root / f"{fw}-{name}-{i}"
             work.mkdir()
-            s = _steady_s(_launch("trainguard", work, script, base + extra, env))
+            p = _launch("trainguard", work, script, base + extra, env, account=name != "without")
+            s = _steady_s(p)
             if s is not None:
                 t[name].append(s)
+            if name in cost and (c := _hook_cost(work)) is not None:
+                cost[name].append(c)
     med = {name: statistics.median(xs) if xs else None for name, xs in t.items()}
     out["step_ms"] = {name: [round(x * 1000, 2) for x in xs] for name, xs in t.items()}
+    a, b = med["with"], med["without"]
+    out["overhead_ab"] = round((a - b) / b, 4) if a and b else None
     for name, key in (("with", "overhead"), ("with_every_step", "overhead_every_step")):
-        a, b = med[name], med["without"]
-        out[key] = round((a - b) / b, 4) if a and b else None
+        out[key] = round(statistics.median(f for f, _ in cost[name]), 4) if cost[name] else None
+    out["hook_us_per_step"] = (
+        round(statistics.median(us for _, us in cost["with"]), 1) if cost["with"] else None
+    )
+    out["hook_cost_runs"] = {k: [(round(f, 4), round(us, 1)) for f, us in v]
+                             for k, v in cost.items()}  # fmt: skip
     if not kills:
         return out
     kill = ["--steps", str(steps), "--save-steps", str(save), "--fail-at-step", str(kill_at)]
@@ -183,7 +233,8 @@ def main() -> None:
             summary[f"{fw}_torchrun_steps_redone"] = r.get("torchrun_steps_redone")
             summary[f"{fw}_overhead"] = r.get("overhead")
         for fw in args.frameworks.split(","):
-            summary[f"{fw}_overhead_every_step"] = results[fw].get("overhead_every_step")
+            for key in ("overhead_every_step", "hook_us_per_step", "overhead_ab"):
+                summary[f"{fw}_{key}"] = results[fw].get(key)
     print(json.dumps(summary), flush=True)
 
 
