@@ -198,9 +198,10 @@ def child(
 
 def child_loss(endpoint: str, run_id: str, n_total: int, n_here: int, timeout: int) -> None:
     """Node loss: ``n_here`` agents with spares attached (what ``trainguard run`` attaches)
-    join on "go"; on "again" every agent whose round completed joins the next round (as its
-    agent does once its workers fail on the lost peer); "report" prints what happened since
-    "again" (the spares' first calls return in that round too)."""
+    join on "go"; on "again <round>" every agent whose round completed joins the next round (as
+    its agent does once its workers fail on the lost peer; one whose first call returns only
+    later, in that round, too); "report" prints what happened since "again" (the spares'
+    first calls return in the next round)."""
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
@@ -236,18 +237,30 @@ def child_loss(endpoint: str, run_id: str, n_total: int, n_here: int, timeout: i
     errors: list[str] = []
     again = threading.Event()
 
+    killed_in: list[int] = []  # the round the lost node was killed in
+    n_late: list[int] = []  # participants of that round back from it only after the kill
+
     def agent(i: int) -> None:
         h, ctl = handlers[i], ctls[i]
         try:
             with ctl.watching():  # type: ignore[union-attr]
                 h.next_rendezvous()
             with lock:
-                if again.is_set():  # a spare: its first round is the recovered one
+                if not again.is_set():
+                    first.append(i)
+                    return
+                # back only after the kill (a slow return on a loaded box): a participant of
+                # the round the node was lost in rejoins as the others did; a spare's first
+                # round is the recovered one
+                late = h._state_holder.state.round <= killed_in[0]  # type: ignore[attr-defined]
+                if not late:
                     ends.append(time.time())
                     return
-                first.append(i)
+                n_late.append(i)
         except Exception as e:
             errors.append(f"{type(e).__name__}: {e}"[:300])
+            return
+        rejoin(i)
 
     def rejoin(i: int) -> None:
         try:
@@ -264,7 +277,7 @@ def child_loss(endpoint: str, run_id: str, n_total: int, n_here: int, timeout: i
     threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(n_here)]
     for t in threads:
         t.start()
-    sys.stdin.readline()  # again
+    killed_in.append(int(sys.stdin.readline().split()[1]))  # again <round>
     _REQUESTS.clear()
     t0 = os.times()
     with lock:
@@ -276,6 +289,7 @@ def child_loss(endpoint: str, run_id: str, n_total: int, n_here: int, timeout: i
     t1 = os.times()
     out = {
         "ends": ends, "errors": errors[:3], "requests": dict(_REQUESTS), "removed": removed,
+        "late": len(n_late),
         "cpu_s": t1.user + t1.system - t0.user - t0.system,
     }  # fmt: skip
     print(json.dumps(out), flush=True)
@@ -474,7 +488,7 @@ def node_loss(
         os.killpg(kids[0].pid, signal.SIGKILL)
         t_kill = time.time()
         for kid in kids[1:]:
-            say(kid, "again")
+            say(kid, f"again {round1}")
         done = wait_for(
             lambda st: st.round > round1 and st.complete and len(st.participants) == n
             and all(repr(p) != victim_node for p in st.participants),
@@ -494,11 +508,14 @@ def node_loss(
             for k, v in r["requests"].items():
                 requests[k] = requests.get(k, 0) + v
         removed = [x for r in results for x in r["removed"]]
+        late = sum(r.get("late", 0) for r in results)
         nbytes = requests.pop("bytes", 0)
         cpu = sum(r["cpu_s"] for r in results)
         per = ", ".join(f"{k} {v / n:.1f}" for k, v in sorted(requests.items()))
         stats = (
-            f"ok ({len(ends)} agents back, the last at {ends[-1]:.1f} s; dead node removed by "
+            f"ok ({len(ends)} agents back, the last at {ends[-1]:.1f} s"
+            + (f" ({late} back from the first round only after the kill)" if late else "")
+            + "; dead node removed by "
             f"{len(removed)} write(s) {sorted(set(removed))}; agents' CPU {cpu:.1f} s; etcd "
             f"requests per agent: {sum(requests.values()) / n:.1f} ({per}); "
             f"{nbytes / n / 1024:.0f} KiB per agent)"

@@ -1,14 +1,19 @@
 """The rendezvous wrapper's flip of ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` (torch's uncached
-path while ``next_rendezvous`` runs) when several handlers overlap in one process."""
+path while ``next_rendezvous`` runs) when several handlers overlap in one process; the etcd-v3
+state holder's admission of a round's wait list and what a node waiting out a round wakes for."""
 
 from __future__ import annotations
 
 import os
 import threading
+from datetime import datetime, timedelta, timezone
 
 import pytest
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSettings
 
 from trainguard.runtime import rendezvous
+from trainguard.runtime._torch import NodeDesc, RendezvousState
+from trainguard.runtime.etcd_v3.holder import _meta, admit_waiting
 
 KEY = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -76,3 +81,76 @@ def test_rendezvous_event_names_without_the_stack_are_torchs() -> None:
     _torch.cheap_rendezvous_event_names()
     assert dr.get_method_name.__module__ == "trainguard.runtime._torch"  # installed
     assert next_rendezvous(dr.get_method_name) == next_rendezvous(torchs) == "next_rendezvous"
+
+
+def _settings(min_nodes: int, max_nodes: int) -> RendezvousSettings:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+
+    return RendezvousSettings(
+        run_id="u", min_nodes=min_nodes, max_nodes=max_nodes,
+        timeout=RendezvousTimeout(last_call=timedelta(seconds=30)),
+        keep_alive_interval=timedelta(seconds=5), keep_alive_max_attempt=3,
+    )  # fmt: skip
+
+
+def test_the_wait_list_of_an_open_round_joins_it_in_one_write() -> None:
+    """When a round ends (its last participant left), the write that ends it moves the nodes
+    of its wait list into the next round, as each of them would itself (torch's join op):
+    up to max_nodes, complete with ranks there; a node whose keep-alive time is stale is left
+    to join itself; a complete round and a closed one are left alone."""
+    now = datetime.now(timezone.utc)
+    nodes = [NodeDesc("h", 1, i) for i in range(5)]
+    st = RendezvousState()
+    st.round = 4
+    st.wait_list = set(nodes)
+    st.last_heartbeats = {n: now for n in nodes}
+    st.last_heartbeats[nodes[0]] = now - timedelta(seconds=60)  # dead for torch
+    moved = admit_waiting(st, _settings(2, 3))
+    assert moved == nodes[1:4] and st.complete and st.deadline is None
+    assert sorted(st.participants.values()) == [0, 1, 2]
+    assert st.wait_list == {nodes[0], nodes[4]}  # the stale node, and one over max_nodes
+    assert admit_waiting(st, _settings(2, 3)) == []  # complete now
+    elastic = RendezvousState()
+    elastic.wait_list = set(nodes[1:3])
+    elastic.last_heartbeats = {n: now for n in nodes[1:3]}
+    assert admit_waiting(elastic, _settings(2, 4)) == nodes[1:3]
+    assert not elastic.complete and elastic.deadline is not None  # min_nodes: last call
+    closed = RendezvousState()
+    closed.closed = True
+    closed.wait_list = {nodes[1]}
+    closed.last_heartbeats = {nodes[1]: now}
+    assert admit_waiting(closed, _settings(1, 3)) == [] and closed.wait_list == {nodes[1]}
+
+
+def test_a_node_waiting_out_a_complete_round_wakes_for_its_end_or_a_free_slot() -> None:
+    """A node in the wait list (or a spare) of a complete round waits on the state's summary
+    and wakes only when the round ends or closes, or (a spare) a slot is free: not for each
+    exit batch or keep-alive of the round's participants."""
+    from trainguard.runtime.etcd_v3.holder import ScalableStateHolder
+
+    me = NodeDesc("h", 9, 0)
+    st = RendezvousState()
+    st.round, st.complete = 2, True
+    st.participants = {NodeDesc("h", 1, i): i for i in range(4)}
+    holder = object.__new__(ScalableStateHolder)
+    holder._node = me  # type: ignore[attr-defined]
+    holder._settings = _settings(4, 4)  # type: ignore[attr-defined]
+    holder.held = st
+
+    def summary(**changes: object) -> bytes:
+        other = RendezvousState()
+        other.round, other.complete, other.closed = st.round, st.complete, st.closed
+        other.participants = dict(st.participants)
+        for k, v in changes.items():
+            setattr(other, k, v)
+        return _meta(other)
+
+    st.wait_list = {me}
+    fewer = {NodeDesc("h", 1, i): i for i in range(3)}
+    assert not holder._moves(summary(participants=fewer))  # an exit: not its business
+    assert holder._moves(summary(round=3, complete=False))  # the round ended
+    assert holder._moves(summary(closed=True))
+    assert holder._moves(b"garbage")  # anything unreadable: read the state
+    st.wait_list, st.redundancy_list = set(), {me}
+    assert holder._moves(summary(participants=fewer))  # a spare: a free slot
+    assert not holder._moves(summary())

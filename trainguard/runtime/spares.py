@@ -240,6 +240,10 @@ class Reaper:
         keys = [self._prefix + n for n in nodes]
         if not keys:
             return {}
+        existing = getattr(self._store, "existing", None)
+        if existing is not None:  # etcd-v3's store: one read for every beacon there is
+            values = existing(keys)
+            return {n: _text(values[k]) for n, k in zip(nodes, keys, strict=True) if k in values}
         if self._store.check(keys):
             return {n: _text(v) for n, v in zip(nodes, self._store.multi_get(keys), strict=True)}
         out = {}
@@ -318,8 +322,11 @@ class Reaper:
             state, token = got
             if self._etcd_v3():  # JSON state and a summary of it for cheap watches
                 from trainguard.runtime.etcd_v3.codec import encode_state
-                from trainguard.runtime.etcd_v3.holder import _meta
+                from trainguard.runtime.etcd_v3.holder import _meta, admit_waiting
 
+                # a removal that ends the round admits its wait list to the next one, as
+                # the etcd-v3 state holder's writes do
+                admit_waiting(state, self._settings)
                 out = self._backend.set_state(encode_state(state), token, meta=_meta(state))
             else:
                 out = self._backend.set_state(pickle.dumps(state), token)
