@@ -416,7 +416,13 @@ def one_round(
 
 
 def node_loss(
-    endpoint: str, n: int, spares_k: int, procs: int, timeout: float, progress: bool = False
+    endpoint: str,
+    n: int,
+    spares_k: int,
+    procs: int,
+    timeout: float,
+    progress: bool = False,
+    settle: float = 1.0,
 ) -> tuple[float | None, str]:
     """N agents in a complete round and ``spares_k`` spares (all with the spares' beacons and
     reapers); one active agent's process is SIGKILLed, the others rejoin at once. The time
@@ -484,7 +490,7 @@ def node_loss(
         if full is None:
             return None, f"no complete first round with {spares_k} spares in {timeout:.0f} s"
         round1 = full.round  # type: ignore[attr-defined]
-        time.sleep(1.0)  # the spares settle in the redundancy list
+        time.sleep(settle)  # the spares settle in the redundancy list (the round idle)
         os.killpg(kids[0].pid, signal.SIGKILL)
         t_kill = time.time()
         for kid in kids[1:]:
@@ -560,6 +566,13 @@ def main() -> None:
     ap.add_argument("--spares", type=int, default=2, help="spares in the node-loss case")
     ap.add_argument("--loss-runs", type=int, default=5, help="node-loss runs per N")
     ap.add_argument("--no-rounds", action="store_true", help="only the node-loss case")
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=1.0,
+        help="node loss: seconds the complete round idles before the kill (past the 15 s "
+        "keep-alive threshold: no node may take the idle ones for dead)",
+    )
     ap.add_argument("--progress", action="store_true", help="print the etcd round's progress")
     ap.add_argument(
         "--etcd-endpoint", default=None, help="use this running etcd instead of starting one"
@@ -614,8 +627,9 @@ def main() -> None:
             for n in loss_sizes:
                 for r in range(args.loss_runs):
                     dt, why = node_loss(
-                        etcd.endpoint, n, args.spares, args.procs, args.timeout, args.progress
-                    )
+                        etcd.endpoint, n, args.spares, args.procs, args.timeout, args.progress,
+                        args.settle,
+                    )  # fmt: skip
                     times.setdefault(("loss", n), []).append(dt)
                     shown = f"{dt:7.2f} s" if dt is not None else "   null"
                     print(f"N={n:<5} node loss run {r + 1} {shown}  {why}", flush=True)

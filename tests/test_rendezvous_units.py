@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -154,3 +155,136 @@ def test_a_node_waiting_out_a_complete_round_wakes_for_its_end_or_a_free_slot() 
     st.wait_list, st.redundancy_list = set(), {me}
     assert holder._moves(summary(participants=fewer))  # a spare: a free slot
     assert not holder._moves(summary())
+
+
+class _NoEtcd:
+    """A backend that fails any use but the holder's setting of its heartbeat TTL."""
+
+    heartbeat_ttl = 0
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"etcd used: {name}")
+
+
+def _holder_of(st: RendezvousState, me: NodeDesc) -> object:
+    from trainguard.runtime.etcd_v3.holder import ScalableStateHolder
+
+    holder = ScalableStateHolder(_NoEtcd(), _settings(4, 4), me)  # type: ignore[arg-type]
+    holder.held, holder.token = st, 7
+    return holder
+
+
+def test_a_held_state_loses_no_node_to_its_old_keep_alive_times() -> None:
+    """The times in a held state are those of its last write or keep-alive overlay: once held
+    past torch's dead-node threshold (a waiting node reads the whole state every 20 s at 1000
+    nodes), torch's check would take every live node for dead, the round would end in the
+    holder's copy (which the beacon reaper judges) and its next write would persist that.
+    Only a fresh read with the keep-alive overlay runs that check."""
+    old = datetime.now(timezone.utc) - timedelta(seconds=60)
+    me = NodeDesc("h", 9, 0)
+    st = RendezvousState()
+    st.round, st.complete = 3, True
+    st.participants = {NodeDesc("h", 1, i): i for i in range(4)}
+    st.redundancy_list = {me}
+    st.last_heartbeats = {n: old for n in (*st.participants, me)}
+    st.last_heartbeats[me] = datetime.now(timezone.utc)  # this node's keep-alive just now
+    holder = _holder_of(st, me)
+    holder._done()  # type: ignore[attr-defined]  # after a keep-alive or a won write
+    assert holder.held.round == 3 and holder.held.complete  # type: ignore[attr-defined]
+    assert len(holder.held.participants) == 4  # type: ignore[attr-defined]
+
+
+def test_the_periodic_keep_alive_reads_nothing() -> None:
+    """torch's keep-alive gives its first sync 5 s; here it renews a lease and writes no
+    state, so its sync reads nothing (a slow read under load failed it, and three failures
+    let the node's heartbeat lease expire)."""
+    me = NodeDesc("h", 9, 0)
+    st = RendezvousState()
+    st.round, st.complete = 3, True
+    st.participants = {me: 0}
+    st.last_heartbeats = {me: datetime.now(timezone.utc)}
+    holder = _holder_of(st, me)
+    holder.dirty = False  # type: ignore[attr-defined]
+    holder.last_sync_time = -1e9  # type: ignore[attr-defined]  # past the cache: would read
+    with holder.keep_alive_only():  # type: ignore[attr-defined]
+        assert holder.sync() is None  # type: ignore[attr-defined]
+    with pytest.raises(AssertionError, match="etcd used"):
+        holder.sync()  # type: ignore[attr-defined]  # any other sync reads
+
+
+def test_a_node_waiting_for_admission_reads_an_unchanged_state_as_a_few_bytes() -> None:
+    """After a wait for its admission (exit or join) a node reads the state again only when
+    its revision moved: an unchanged one comes from the decode cache (a thousand nodes
+    waiting out a node loss each re-read the whole state every few seconds)."""
+    from trainguard.runtime.etcd_v3.codec import encode_state, remember
+
+    me = NodeDesc("h", 9, 0)
+    st = RendezvousState()
+    st.round, st.complete = 3, True
+    st.participants = {NodeDesc("h", 1, i): i for i in range(4)}
+    key = "/trainguard/rdzv/unit-reload/state"
+    remember(st, key=key, revision=41)
+    calls: list[object] = []
+
+    class Etcd(_NoEtcd):
+        def __init__(self, since: tuple[bytes, int]) -> None:
+            self.since = since
+
+        key = "/trainguard/rdzv/unit-reload/state"
+
+        def get_state_since(self, token: int) -> tuple[bytes, int]:
+            calls.append(token)
+            return self.since
+
+        def decode(self, bits: bytes, revision: int) -> RendezvousState:
+            from trainguard.runtime.etcd_v3.codec import decode_state
+
+            return decode_state(bits, key=key, revision=revision)
+
+    holder = _holder_of(RendezvousState(), me)
+    holder.token = 41  # type: ignore[attr-defined]
+    holder._etcd = Etcd((b"", 41))  # type: ignore[attr-defined]
+    holder._reload()  # type: ignore[attr-defined]
+    assert calls == [41] and holder.held.participants == st.participants  # type: ignore[attr-defined]
+    moved = RendezvousState()
+    moved.round = 4
+    holder._etcd = Etcd((encode_state(moved), 57))  # type: ignore[attr-defined]
+    holder._reload()  # type: ignore[attr-defined]
+    assert holder.token == 57 and holder.held.round == 4  # type: ignore[attr-defined]
+    assert not holder.held.participants  # type: ignore[attr-defined]
+
+
+def test_most_heartbeat_leases_expiring_at_once_is_an_overloaded_etcd_until_it_lasts() -> None:
+    """A fresh read finds its nodes' heartbeat keys to overlay their keep-alive times: one
+    node's key gone is a dead node; most of them gone at once (an etcd too loaded to renew
+    leases: 621 of 1000 in one read) keeps them all alive until that has lasted torch's
+    dead-node threshold."""
+    me = NodeDesc("h", 9, 0)
+    nodes = [NodeDesc("h", 1, i) for i in range(8)]
+    old = datetime.now(timezone.utc) - timedelta(seconds=60)
+
+    class Etcd(_NoEtcd):
+        lease_trouble = -1e9
+
+        def __init__(self, live: set[str]) -> None:
+            self.live = live
+
+        def live_nodes(self) -> set[str]:
+            return self.live
+
+    def read(live: list[NodeDesc], since: float | None = None) -> tuple[object, set[NodeDesc]]:
+        st = RendezvousState()
+        st.round, st.complete = 3, True
+        st.participants = {n: i for i, n in enumerate(nodes)}
+        st.last_heartbeats = {n: old for n in nodes}
+        holder = _holder_of(st, me)
+        holder._etcd = Etcd({repr(n) for n in live})  # type: ignore[attr-defined]
+        holder._mass_since = since  # type: ignore[attr-defined]
+        holder._overlay_heartbeats()  # type: ignore[attr-defined]
+        holder.sanitize()  # type: ignore[attr-defined]
+        return holder, set(holder.held.participants)  # type: ignore[attr-defined]
+
+    assert read(nodes[1:])[1] == set(nodes[1:])  # one dead node
+    holder, kept = read(nodes[:2])  # 6 of 8 at once: etcd, not nodes
+    assert kept == set(nodes) and holder._mass_since is not None  # type: ignore[attr-defined]
+    assert read(nodes[:2], since=time.monotonic() - 20)[1] == set(nodes[:2])  # for 20 s: dead

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -16,9 +20,11 @@ from trainguard.runtime._torch import (
     remove_participant_epilogue,
 )
 from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
-from trainguard.runtime.etcd_v3.codec import encode_state, remember
+from trainguard.runtime.etcd_v3.codec import cached_state, encode_state, remember
 
 __all__ = ["ADMISSION_LOCK_TTL", "ScalableStateHolder", "admit_waiting"]
+
+logger = logging.getLogger(__name__)
 
 ADMISSION_LOCK_TTL = 10.0
 """Seconds the node that admits pending join requests holds the admission lock at most."""
@@ -110,7 +116,11 @@ class ScalableStateHolder(StateHolderBase):
       last participant gone, dead or left) admits the wait list to the next round
       (:func:`admit_waiting`), so the round after a node loss fills in one write instead of
       a join request of each survivor;
-    - a won write keeps the state it wrote instead of decoding it again.
+    - a won write keeps the state it wrote instead of decoding it again;
+    - torch's dead-node check runs only on a state just read with the keep-alive overlay,
+      never on one held since (its times would be older than the threshold), and not while
+      most leases expired at once (an overloaded etcd, see :meth:`_mass_expiry`); torch's
+      periodic keep-alive reads nothing (:meth:`keep_alive_only`).
 
     Every decision is still torch's (the same operations and the same compare-and-swap); a
     decision taken on a state that turns out stale simply loses its race and is retried.
@@ -158,6 +168,9 @@ class ScalableStateHolder(StateHolderBase):
         """When this node last kept its heartbeat lease alive (torch's keep-alive time)."""
         self.batched = 0
         """Other nodes this node added to a round on their request (statistics)."""
+        self._tls = threading.local()
+        self._mass_since: float | None = None
+        """When a read first found most heartbeat leases expired at once (see _mass_expiry)."""
 
     def _take_snapshot(self) -> tuple[Any, ...]:
         st = self.held
@@ -305,12 +318,38 @@ class ScalableStateHolder(StateHolderBase):
         live = self._etcd.live_nodes() if trusted else set()
         now = datetime.now(timezone.utc)
         hb = self.held.last_heartbeats
+        if trusted:
+            trusted = not self._mass_expiry(hb, live, threshold)
         for node, when in hb.items():
             if node == self._node:  # this node's own: its last keep-alive (torch's timer)
                 if self._beat_at is not None and self._beat_at > when:
                     hb[node] = self._beat_at
             elif not trusted or repr(node) in live:
                 hb[node] = now
+
+    def _mass_expiry(self, hb: dict[NodeDesc, datetime], live: set[str], threshold: float) -> bool:
+        """More than a quarter of the nodes (and more than two) lost their heartbeat leases
+        at once, for less than the dead-node threshold so far: an etcd too loaded to renew
+        leases in time (at 1000 nodes on two cores, 621 live nodes' leases expired together
+        and a reader's next write dropped them from the round), not as many dead nodes. Their
+        times are kept until the expiry has lasted the threshold (a live node renews its
+        lease, or grants a new one, within that) or fewer are missing."""
+        missing = sum(1 for n in hb if n != self._node and repr(n) not in live)
+        if missing <= max(2, len(hb) // 4):
+            self._mass_since = None
+            return False
+        now = time.monotonic()
+        if self._mass_since is None:
+            self._mass_since = now
+            logger.warning(
+                "rendezvous %s: %d of %d nodes' heartbeat leases expired at once; taken for "
+                "an overloaded etcd, not dead nodes, for up to %.0f s",
+                self.settings.run_id,
+                missing,
+                len(hb),
+                threshold,
+            )
+        return now - self._mass_since < threshold
 
     def _read_joins(self) -> None:
         """The requests to join (and to leave) the held round."""
@@ -326,11 +365,27 @@ class ScalableStateHolder(StateHolderBase):
                 except (KeyError, TypeError, ValueError):
                     continue
 
-    def _done(self, sanitize: bool = True) -> None:
+    def _done(self, sanitize: bool = False) -> None:
+        """The held state is in sync. torch's dead-node check (``sanitize``) runs only on a
+        state just read with the nodes' keep-alive times overlaid (``_load_full``): the times
+        in the state are those of its last write and of the last overlay, so on a state held
+        a while (a won write or a keep-alive of this node after seconds without a full read,
+        20 s for a waiting node at 1000 nodes) it would take every live node for dead, and
+        this node's next write would empty the round."""
         self.dirty = False
         self.last_sync_time = time.monotonic()
         if sanitize:
+            before = len(self.held.last_heartbeats)
             self.sanitize()
+            gone = before - len(self.held.last_heartbeats)
+            if gone:
+                logger.warning(
+                    "rendezvous %s: %d node(s) past the keep-alive threshold (their heartbeat "
+                    "lease expired) dropped from round %d",
+                    self.settings.run_id,
+                    gone,
+                    self.held.round,
+                )
         self._snapshot = self._take_snapshot()
 
     def _full_every(self) -> float:
@@ -448,8 +503,31 @@ class ScalableStateHolder(StateHolderBase):
         self._join_waits += 1
         wait = min(s.keep_alive_interval.total_seconds(), 5.0)
         self._etcd.wait_join_admitted(rnd, self._node, self._join_rev, wait)
-        self._load_full(overlay=None)
+        self._reload()
         return True
+
+    def _reload(self) -> None:
+        """Read the state again, as :meth:`_load_full` without the keep-alive overlay, but in
+        one compare-and-read: a state still at the held revision is not sent again (a node
+        whose request the writer has not come to yet, one of a thousand after a node loss,
+        reads a few bytes instead of the whole state every few seconds) and is taken from
+        the decode cache."""
+        token = self.token
+        got = self._etcd.get_state_since(token) if token is not None else None
+        if got is None:
+            self._load_full(overlay=None)
+            return
+        bits, token = got
+        state = self._etcd.decode(bits, int(token)) if bits else cached_state(
+            self._etcd.key, int(token)
+        )  # fmt: skip
+        if state is None:
+            self._load_full(overlay=None)
+            return
+        self.held, self.token = state, token
+        self._seen_rev = max(self._seen_rev, int(token))
+        self._meta_seen = _meta(state)
+        self._done()
 
     def _unlock(self) -> None:
         if self._lock_rev:
@@ -534,7 +612,24 @@ class ScalableStateHolder(StateHolderBase):
             if not self._write_state():
                 self._load_full(overlay=0.5)  # another writer: again on the new state
 
+    @contextlib.contextmanager
+    def keep_alive_only(self) -> Iterator[None]:
+        """While torch's periodic keep-alive runs in this thread: its syncs read nothing. The
+        keep-alive writes no state here (it renews this node's heartbeat lease), and torch
+        gives it ``timeout.heartbeat`` (5 s) from before its first sync: a read slowed down
+        by an overloaded etcd (seen at 1000 nodes) failed it, three of those in a row let the
+        node's lease expire, and the next reader's dead-node check took the live node out of
+        the round. The state is read as before by the agent's other calls (its rendezvous,
+        ``num_nodes_waiting``)."""
+        self._tls.keep_alive = True
+        try:
+            yield
+        finally:
+            self._tls.keep_alive = False
+
     def sync(self) -> bool | None:
+        if not self.dirty and self.token is not None and getattr(self._tls, "keep_alive", False):
+            return None
         self._refresh_pending_join()
         now = time.monotonic()
         if self.dirty:
