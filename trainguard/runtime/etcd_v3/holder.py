@@ -112,10 +112,9 @@ class ScalableStateHolder(StateHolderBase):
       summary key too (it carries the participants' count), and wakes only when the round
       ends or closes or, for a spare, a slot is free: not once a second for a full read;
     - nodes leaving a complete round (after a node loss, every survivor) ask to, and one
-      writer lets them go in batches into the wait list; the write that ends the round (its
-      last participant gone, dead or left) admits the wait list to the next round
-      (:func:`admit_waiting`), so the round after a node loss fills in one write instead of
-      a join request of each survivor;
+      writer lets them go in batches; their joins that follow are admitted in batches too,
+      and the write that ends a round (its last participant gone, dead or left) admits the
+      nodes already in its wait list to the next round (:func:`admit_waiting`);
     - a won write keeps the state it wrote instead of decoding it again;
     - torch's dead-node check runs only on a state just read with the keep-alive overlay,
       never on one held since (its times would be older than the threshold), and not while
@@ -218,12 +217,14 @@ class ScalableStateHolder(StateHolderBase):
 
     def _apply_requested_exits(self, st: RendezvousState) -> None:
         """Take the nodes that asked to leave this complete round out of its participants,
-        as each would itself (torch's ``_remove_from_participants``), and into its wait list,
-        which is what each one's join right after its exit does (torch's
-        ``_add_to_wait_list`` while the round stays complete with a free slot; when the last
-        participant left, the next round is open and :func:`admit_waiting` adds them to it, as
-        torch's ``_add_to_participants`` would): one write for many nodes instead of two each,
-        all racing for the same key."""
+        as each would itself (torch's ``_remove_from_participants``): one write for many nodes
+        instead of one each, all racing for the same key. Not into the wait list: each
+        leaver's exit op is still running (it asked, it has not read the answer yet), and
+        torch's exit op takes a node out of whatever round it finds it a participant of; a
+        leaver put in the wait list and admitted to the next round (:func:`admit_waiting`)
+        before it read the answer would leave that round too, the round complete without it,
+        and the others wait forever for its rank. Its own join op, after its exit op ended,
+        asks for the wait list or the next round (a join request, admitted in batches)."""
         self._exited = []
         if not st.complete or st.closed:
             return
@@ -232,15 +233,8 @@ class ScalableStateHolder(StateHolderBase):
                 del st.participants[node]
                 st.last_heartbeats.pop(node, None)
                 self._exited.append(node)
-        if not self._exited:
-            return
-        remove_participant_epilogue(st, self.settings)
-        if not st.complete or len(st.participants) < self.settings.max_nodes:
-            now = datetime.now(timezone.utc)
-            for node in self._exited:
-                st.redundancy_list.discard(node)
-                st.wait_list.add(node)
-                st.last_heartbeats[node] = now
+        if self._exited:
+            remove_participant_epilogue(st, self.settings)
 
     def _add_requested_joins(self, st: RendezvousState) -> int:
         """Add the nodes that asked to join this round, as each would add itself (torch's
