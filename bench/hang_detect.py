@@ -24,6 +24,7 @@ its launcher) and the flight recorder's overhead on a small gloo training step
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import statistics
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -341,6 +343,24 @@ dist.destroy_process_group()
 """
 
 
+def _open_writer(fifo: Path, proc: subprocess.Popen, timeout: float = 300.0) -> Any:
+    """The write end of ``fifo`` once its reader (``proc``'s rank 0) opened it; an error, not
+    a wait forever, when ``proc`` ended or ``timeout`` passed first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while nobody reads
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the paced job never opened {fifo} (exit {proc.poll()})") from e
+            time.sleep(0.05)
+            continue
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "w")
+
+
 def fr_overhead(base: Path, steps: int, rounds: int) -> dict[str, object]:
     """Step time of a small gloo loop (torchrun, 2 processes) with trainguard's collective
     watcher on (what its start-up hook starts: torch's flight recorder at trainguard's buffer
@@ -385,8 +405,8 @@ def fr_overhead(base: Path, steps: int, rounds: int) -> dict[str, object]:
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True,
             )  # fmt: skip
-            ctl[mode] = open(fifo_ctl, "w")  # noqa: SIM115  (opens once the job's rank 0 does)
-            res[mode] = open(fifo_res)  # noqa: SIM115
+            ctl[mode] = _open_writer(fifo_ctl, procs[mode])  # once the job's rank 0 opened it
+            res[mode] = open(fifo_res)  # noqa: SIM115  (rank 0 opens it right after ``ctl``)
 
         def block(mode: str) -> tuple[float, float]:
             ctl[mode].write(f"{steps}\n")  # type: ignore[attr-defined]

@@ -11,7 +11,9 @@ costs the training thread, by accounting instead of by comparing two runs (which
   ``/proc`` every 0.5 s;
 - the training's steady wall time per step over the same steps.
 
-At exit rank 0 writes them as JSON to ``$HOOK_COST_OUT``. Every microsecond of both counts as
+At exit rank 0 writes them as JSON to ``$HOOK_COST_OUT`` (with ``HOOK_COST_DETAIL=1`` also the
+time of the heartbeat, metrics, snapshot and agreement calls inside the hooks, under
+``detail``). Every microsecond of both counts as
 added to the step (an upper bound: on a GPU much of the hooks' CPU time overlaps with kernels
 already queued).
 """
@@ -83,7 +85,7 @@ def _patch(fw: str) -> None:
 
         for c, name in ((common.StepBeat, "begin"), (common.StepBeat, "end"),
                         (common.SafeTelemetry, "log"), (manager.CheckpointManager, "maybe_save"),
-                        (pipeline.SavePipeline, "save"), (common, "batch_amounts"),
+                        (pipeline.SavePipeline, "save"),
                         (manager.CheckpointManager, "_start_agreement"),
                         (manager.CheckpointManager, "_save_agreed")):  # fmt: skip
             _wrap(fw, c, name, f"{getattr(c, '__name__', c)}.{name}")
