@@ -198,9 +198,10 @@ def child(
 
 def child_loss(endpoint: str, run_id: str, n_total: int, n_here: int, timeout: int) -> None:
     """Node loss: ``n_here`` agents with spares attached (what ``trainguard run`` attaches)
-    join on "go"; on "again" every agent whose round completed joins the next round (as its
-    agent does once its workers fail on the lost peer); "report" prints what happened since
-    "again" (the spares' first calls return in that round too)."""
+    join on "go"; on "again <round>" every agent whose round completed joins the next round (as
+    its agent does once its workers fail on the lost peer; one whose first call returns only
+    later, in that round, too); "report" prints what happened since "again" (the spares'
+    first calls return in the next round)."""
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
@@ -236,18 +237,30 @@ def child_loss(endpoint: str, run_id: str, n_total: int, n_here: int, timeout: i
     errors: list[str] = []
     again = threading.Event()
 
+    killed_in: list[int] = []  # the round the lost node was killed in
+    n_late: list[int] = []  # participants of that round back from it only after the kill
+
     def agent(i: int) -> None:
         h, ctl = handlers[i], ctls[i]
         try:
             with ctl.watching():  # type: ignore[union-attr]
                 h.next_rendezvous()
             with lock:
-                if again.is_set():  # a spare: its first round is the recovered one
+                if not again.is_set():
+                    first.append(i)
+                    return
+                # back only after the kill (a slow return on a loaded box): a participant of
+                # the round the node was lost in rejoins as the others did; a spare's first
+                # round is the recovered one
+                late = h._state_holder.state.round <= killed_in[0]  # type: ignore[attr-defined]
+                if not late:
                     ends.append(time.time())
                     return
-                first.append(i)
+                n_late.append(i)
         except Exception as e:
             errors.append(f"{type(e).__name__}: {e}"[:300])
+            return
+        rejoin(i)
 
     def rejoin(i: int) -> None:
         try:
@@ -264,7 +277,7 @@ def child_loss(endpoint: str, run_id: str, n_total: int, n_here: int, timeout: i
     threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(n_here)]
     for t in threads:
         t.start()
-    sys.stdin.readline()  # again
+    killed_in.append(int(sys.stdin.readline().split()[1]))  # again <round>
     _REQUESTS.clear()
     t0 = os.times()
     with lock:
@@ -276,6 +289,7 @@ def child_loss(endpoint: str, run_id: str, n_total: int, n_here: int, timeout: i
     t1 = os.times()
     out = {
         "ends": ends, "errors": errors[:3], "requests": dict(_REQUESTS), "removed": removed,
+        "late": len(n_late),
         "cpu_s": t1.user + t1.system - t0.user - t0.system,
     }  # fmt: skip
     print(json.dumps(out), flush=True)
@@ -402,7 +416,13 @@ def one_round(
 
 
 def node_loss(
-    endpoint: str, n: int, spares_k: int, procs: int, timeout: float, progress: bool = False
+    endpoint: str,
+    n: int,
+    spares_k: int,
+    procs: int,
+    timeout: float,
+    progress: bool = False,
+    settle: float = 1.0,
 ) -> tuple[float | None, str]:
     """N agents in a complete round and ``spares_k`` spares (all with the spares' beacons and
     reapers); one active agent's process is SIGKILLed, the others rejoin at once. The time
@@ -470,11 +490,11 @@ def node_loss(
         if full is None:
             return None, f"no complete first round with {spares_k} spares in {timeout:.0f} s"
         round1 = full.round  # type: ignore[attr-defined]
-        time.sleep(1.0)  # the spares settle in the redundancy list
+        time.sleep(settle)  # the spares settle in the redundancy list (the round idle)
         os.killpg(kids[0].pid, signal.SIGKILL)
         t_kill = time.time()
         for kid in kids[1:]:
-            say(kid, "again")
+            say(kid, f"again {round1}")
         done = wait_for(
             lambda st: st.round > round1 and st.complete and len(st.participants) == n
             and all(repr(p) != victim_node for p in st.participants),
@@ -494,11 +514,14 @@ def node_loss(
             for k, v in r["requests"].items():
                 requests[k] = requests.get(k, 0) + v
         removed = [x for r in results for x in r["removed"]]
+        late = sum(r.get("late", 0) for r in results)
         nbytes = requests.pop("bytes", 0)
         cpu = sum(r["cpu_s"] for r in results)
         per = ", ".join(f"{k} {v / n:.1f}" for k, v in sorted(requests.items()))
         stats = (
-            f"ok ({len(ends)} agents back, the last at {ends[-1]:.1f} s; dead node removed by "
+            f"ok ({len(ends)} agents back, the last at {ends[-1]:.1f} s"
+            + (f" ({late} back from the first round only after the kill)" if late else "")
+            + "; dead node removed by "
             f"{len(removed)} write(s) {sorted(set(removed))}; agents' CPU {cpu:.1f} s; etcd "
             f"requests per agent: {sum(requests.values()) / n:.1f} ({per}); "
             f"{nbytes / n / 1024:.0f} KiB per agent)"
@@ -543,6 +566,13 @@ def main() -> None:
     ap.add_argument("--spares", type=int, default=2, help="spares in the node-loss case")
     ap.add_argument("--loss-runs", type=int, default=5, help="node-loss runs per N")
     ap.add_argument("--no-rounds", action="store_true", help="only the node-loss case")
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=1.0,
+        help="node loss: seconds the complete round idles before the kill (past the 15 s "
+        "keep-alive threshold: no node may take the idle ones for dead)",
+    )
     ap.add_argument("--progress", action="store_true", help="print the etcd round's progress")
     ap.add_argument(
         "--etcd-endpoint", default=None, help="use this running etcd instead of starting one"
@@ -597,8 +627,9 @@ def main() -> None:
             for n in loss_sizes:
                 for r in range(args.loss_runs):
                     dt, why = node_loss(
-                        etcd.endpoint, n, args.spares, args.procs, args.timeout, args.progress
-                    )
+                        etcd.endpoint, n, args.spares, args.procs, args.timeout, args.progress,
+                        args.settle,
+                    )  # fmt: skip
                     times.setdefault(("loss", n), []).append(dt)
                     shown = f"{dt:7.2f} s" if dt is not None else "   null"
                     print(f"N={n:<5} node loss run {r + 1} {shown}  {why}", flush=True)

@@ -614,6 +614,25 @@ def test_agents_starting_together_share_one_lease_and_no_join_request_is_strande
     assert late.try_lock_admission("b", 10) is not None  # released
 
 
+def test_a_join_request_outlives_the_nodes_expired_heartbeat_lease(etcd: Etcd) -> None:
+    """A node whose own heartbeat lease expired (etcd overloaded, the agent starved) asks to
+    join at once on a new lease: the request, the heartbeat key and the run's lease are
+    written, instead of the write failing on the gone lease until the retry deadline."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+
+    backend, _ = etcd_v3.create_backend(_params(etcd, "lease-gone", retry_timeout="20"))
+    node = _NodeDesc("a", 1, 0)
+    backend.put_heartbeat(repr(node), time.time())
+    lease = backend._hb_leases[repr(node)]
+    backend._client.call("lease/revoke", {"ID": str(lease)})
+    t0 = time.monotonic()
+    backend.put_join(0, node, time.time())
+    assert time.monotonic() - t0 < 5
+    assert backend._hb_leases[repr(node)] != lease
+    assert [j["addr"] for _, j in backend.join_requests()] == ["a"]
+    assert repr(node) in backend.live_nodes()
+
+
 def test_cli_bad_etcd_options_one_line(tmp_path: Path) -> None:
     from tests.launch_utils import launch
 

@@ -1,14 +1,20 @@
 """The rendezvous wrapper's flip of ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` (torch's uncached
-path while ``next_rendezvous`` runs) when several handlers overlap in one process."""
+path while ``next_rendezvous`` runs) when several handlers overlap in one process; the etcd-v3
+state holder's admission of a round's wait list and what a node waiting out a round wakes for."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
+from datetime import datetime, timedelta, timezone
 
 import pytest
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSettings
 
 from trainguard.runtime import rendezvous
+from trainguard.runtime._torch import NodeDesc, RendezvousState
+from trainguard.runtime.etcd_v3.holder import _meta, admit_waiting
 
 KEY = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -76,3 +82,209 @@ def test_rendezvous_event_names_without_the_stack_are_torchs() -> None:
     _torch.cheap_rendezvous_event_names()
     assert dr.get_method_name.__module__ == "trainguard.runtime._torch"  # installed
     assert next_rendezvous(dr.get_method_name) == next_rendezvous(torchs) == "next_rendezvous"
+
+
+def _settings(min_nodes: int, max_nodes: int) -> RendezvousSettings:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+
+    return RendezvousSettings(
+        run_id="u", min_nodes=min_nodes, max_nodes=max_nodes,
+        timeout=RendezvousTimeout(last_call=timedelta(seconds=30)),
+        keep_alive_interval=timedelta(seconds=5), keep_alive_max_attempt=3,
+    )  # fmt: skip
+
+
+def test_the_wait_list_of_an_open_round_joins_it_in_one_write() -> None:
+    """When a round ends (its last participant left), the write that ends it moves the nodes
+    of its wait list into the next round, as each of them would itself (torch's join op):
+    up to max_nodes, complete with ranks there; a node whose keep-alive time is stale is left
+    to join itself; a complete round and a closed one are left alone."""
+    now = datetime.now(timezone.utc)
+    nodes = [NodeDesc("h", 1, i) for i in range(5)]
+    st = RendezvousState()
+    st.round = 4
+    st.wait_list = set(nodes)
+    st.last_heartbeats = {n: now for n in nodes}
+    st.last_heartbeats[nodes[0]] = now - timedelta(seconds=60)  # dead for torch
+    moved = admit_waiting(st, _settings(2, 3))
+    assert moved == nodes[1:4] and st.complete and st.deadline is None
+    assert sorted(st.participants.values()) == [0, 1, 2]
+    assert st.wait_list == {nodes[0], nodes[4]}  # the stale node, and one over max_nodes
+    assert admit_waiting(st, _settings(2, 3)) == []  # complete now
+    elastic = RendezvousState()
+    elastic.wait_list = set(nodes[1:3])
+    elastic.last_heartbeats = {n: now for n in nodes[1:3]}
+    assert admit_waiting(elastic, _settings(2, 4)) == nodes[1:3]
+    assert not elastic.complete and elastic.deadline is not None  # min_nodes: last call
+    closed = RendezvousState()
+    closed.closed = True
+    closed.wait_list = {nodes[1]}
+    closed.last_heartbeats = {nodes[1]: now}
+    assert admit_waiting(closed, _settings(1, 3)) == [] and closed.wait_list == {nodes[1]}
+
+
+def test_a_node_waiting_out_a_complete_round_wakes_for_its_end_or_a_free_slot() -> None:
+    """A node in the wait list (or a spare) of a complete round waits on the state's summary
+    and wakes only when the round ends or closes, or (a spare) a slot is free: not for each
+    exit batch or keep-alive of the round's participants."""
+    from trainguard.runtime.etcd_v3.holder import ScalableStateHolder
+
+    me = NodeDesc("h", 9, 0)
+    st = RendezvousState()
+    st.round, st.complete = 2, True
+    st.participants = {NodeDesc("h", 1, i): i for i in range(4)}
+    holder = object.__new__(ScalableStateHolder)
+    holder._node = me  # type: ignore[attr-defined]
+    holder._settings = _settings(4, 4)  # type: ignore[attr-defined]
+    holder.held = st
+
+    def summary(**changes: object) -> bytes:
+        other = RendezvousState()
+        other.round, other.complete, other.closed = st.round, st.complete, st.closed
+        other.participants = dict(st.participants)
+        for k, v in changes.items():
+            setattr(other, k, v)
+        return _meta(other)
+
+    st.wait_list = {me}
+    fewer = {NodeDesc("h", 1, i): i for i in range(3)}
+    assert not holder._moves(summary(participants=fewer))  # an exit: not its business
+    assert holder._moves(summary(round=3, complete=False))  # the round ended
+    assert holder._moves(summary(closed=True))
+    assert holder._moves(b"garbage")  # anything unreadable: read the state
+    st.wait_list, st.redundancy_list = set(), {me}
+    assert holder._moves(summary(participants=fewer))  # a spare: a free slot
+    assert not holder._moves(summary())
+
+
+class _NoEtcd:
+    """A backend that fails any use but the holder's setting of its heartbeat TTL."""
+
+    heartbeat_ttl = 0
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"etcd used: {name}")
+
+
+def _holder_of(st: RendezvousState, me: NodeDesc) -> object:
+    from trainguard.runtime.etcd_v3.holder import ScalableStateHolder
+
+    holder = ScalableStateHolder(_NoEtcd(), _settings(4, 4), me)  # type: ignore[arg-type]
+    holder.held, holder.token = st, 7
+    return holder
+
+
+def test_a_held_state_loses_no_node_to_its_old_keep_alive_times() -> None:
+    """The times in a held state are those of its last write or keep-alive overlay: once held
+    past torch's dead-node threshold (a waiting node reads the whole state every 20 s at 1000
+    nodes), torch's check would take every live node for dead, the round would end in the
+    holder's copy (which the beacon reaper judges) and its next write would persist that.
+    Only a fresh read with the keep-alive overlay runs that check."""
+    old = datetime.now(timezone.utc) - timedelta(seconds=60)
+    me = NodeDesc("h", 9, 0)
+    st = RendezvousState()
+    st.round, st.complete = 3, True
+    st.participants = {NodeDesc("h", 1, i): i for i in range(4)}
+    st.redundancy_list = {me}
+    st.last_heartbeats = {n: old for n in (*st.participants, me)}
+    st.last_heartbeats[me] = datetime.now(timezone.utc)  # this node's keep-alive just now
+    holder = _holder_of(st, me)
+    holder._done()  # type: ignore[attr-defined]  # after a keep-alive or a won write
+    assert holder.held.round == 3 and holder.held.complete  # type: ignore[attr-defined]
+    assert len(holder.held.participants) == 4  # type: ignore[attr-defined]
+
+
+def test_the_periodic_keep_alive_reads_nothing() -> None:
+    """torch's keep-alive gives its first sync 5 s; here it renews a lease and writes no
+    state, so its sync reads nothing (a slow read under load failed it, and three failures
+    let the node's heartbeat lease expire)."""
+    me = NodeDesc("h", 9, 0)
+    st = RendezvousState()
+    st.round, st.complete = 3, True
+    st.participants = {me: 0}
+    st.last_heartbeats = {me: datetime.now(timezone.utc)}
+    holder = _holder_of(st, me)
+    holder.dirty = False  # type: ignore[attr-defined]
+    holder.last_sync_time = -1e9  # type: ignore[attr-defined]  # past the cache: would read
+    with holder.keep_alive_only():  # type: ignore[attr-defined]
+        assert holder.sync() is None  # type: ignore[attr-defined]
+    with pytest.raises(AssertionError, match="etcd used"):
+        holder.sync()  # type: ignore[attr-defined]  # any other sync reads
+
+
+def test_a_node_waiting_for_admission_reads_an_unchanged_state_as_a_few_bytes() -> None:
+    """After a wait for its admission (exit or join) a node reads the state again only when
+    its revision moved: an unchanged one comes from the decode cache (a thousand nodes
+    waiting out a node loss each re-read the whole state every few seconds)."""
+    from trainguard.runtime.etcd_v3.codec import encode_state, remember
+
+    me = NodeDesc("h", 9, 0)
+    st = RendezvousState()
+    st.round, st.complete = 3, True
+    st.participants = {NodeDesc("h", 1, i): i for i in range(4)}
+    key = "/trainguard/rdzv/unit-reload/state"
+    remember(st, key=key, revision=41)
+    calls: list[object] = []
+
+    class Etcd(_NoEtcd):
+        def __init__(self, since: tuple[bytes, int]) -> None:
+            self.since = since
+
+        key = "/trainguard/rdzv/unit-reload/state"
+
+        def get_state_since(self, token: int) -> tuple[bytes, int]:
+            calls.append(token)
+            return self.since
+
+        def decode(self, bits: bytes, revision: int) -> RendezvousState:
+            from trainguard.runtime.etcd_v3.codec import decode_state
+
+            return decode_state(bits, key=key, revision=revision)
+
+    holder = _holder_of(RendezvousState(), me)
+    holder.token = 41  # type: ignore[attr-defined]
+    holder._etcd = Etcd((b"", 41))  # type: ignore[attr-defined]
+    holder._reload()  # type: ignore[attr-defined]
+    assert calls == [41] and holder.held.participants == st.participants  # type: ignore[attr-defined]
+    moved = RendezvousState()
+    moved.round = 4
+    holder._etcd = Etcd((encode_state(moved), 57))  # type: ignore[attr-defined]
+    holder._reload()  # type: ignore[attr-defined]
+    assert holder.token == 57 and holder.held.round == 4  # type: ignore[attr-defined]
+    assert not holder.held.participants  # type: ignore[attr-defined]
+
+
+def test_most_heartbeat_leases_expiring_at_once_is_an_overloaded_etcd_until_it_lasts() -> None:
+    """A fresh read finds its nodes' heartbeat keys to overlay their keep-alive times: one
+    node's key gone is a dead node; most of them gone at once (an etcd too loaded to renew
+    leases: 621 of 1000 in one read) keeps them all alive until that has lasted torch's
+    dead-node threshold."""
+    me = NodeDesc("h", 9, 0)
+    nodes = [NodeDesc("h", 1, i) for i in range(8)]
+    old = datetime.now(timezone.utc) - timedelta(seconds=60)
+
+    class Etcd(_NoEtcd):
+        lease_trouble = -1e9
+
+        def __init__(self, live: set[str]) -> None:
+            self.live = live
+
+        def live_nodes(self) -> set[str]:
+            return self.live
+
+    def read(live: list[NodeDesc], since: float | None = None) -> tuple[object, set[NodeDesc]]:
+        st = RendezvousState()
+        st.round, st.complete = 3, True
+        st.participants = {n: i for i, n in enumerate(nodes)}
+        st.last_heartbeats = {n: old for n in nodes}
+        holder = _holder_of(st, me)
+        holder._etcd = Etcd({repr(n) for n in live})  # type: ignore[attr-defined]
+        holder._mass_since = since  # type: ignore[attr-defined]
+        holder._overlay_heartbeats()  # type: ignore[attr-defined]
+        holder.sanitize()  # type: ignore[attr-defined]
+        return holder, set(holder.held.participants)  # type: ignore[attr-defined]
+
+    assert read(nodes[1:])[1] == set(nodes[1:])  # one dead node
+    holder, kept = read(nodes[:2])  # 6 of 8 at once: etcd, not nodes
+    assert kept == set(nodes) and holder._mass_since is not None  # type: ignore[attr-defined]
+    assert read(nodes[:2], since=time.monotonic() - 20)[1] == set(nodes[:2])  # for 20 s: dead

@@ -134,6 +134,28 @@ def test_each_node_is_watched_by_a_few_waiting_agents_not_by_all() -> None:
     assert seen == {repr(n): 2 for n in nodes[:58]} | {repr(n): 1 for n in nodes[58:]}
 
 
+def test_a_thousand_waiting_agents_reap_through_a_few_observers() -> None:
+    """With more waiting agents than REAP_OBSERVERS_MAX (every survivor of a node loss in a
+    1000-node round), only that many read beacons, and every node still has exactly
+    REAP_NEIGHBOURS watchers."""
+    k, cap = spares.REAP_NEIGHBOURS, spares.REAP_OBSERVERS_MAX
+    nodes = [_NodeDesc(f"host{i // 8}", 100 + i, 0) for i in range(1000)]
+    state = _RendezvousState()
+    state.round, state.complete = 4, True
+    state.participants = {nodes[0]: 0}
+    state.wait_list = set(nodes[1:998])
+    state.redundancy_list = set(nodes[998:])
+    count: dict[str, int] = {}
+    readers = 0
+    for o in nodes[1:]:
+        mine = spares._watched_by(repr(o), state)
+        readers += bool(mine)
+        for key in mine:
+            count[key] = count.get(key, 0) + 1
+    assert readers == cap
+    assert count == {repr(n): k for n in nodes}
+
+
 def test_beacons_of_a_large_job_beat_slower_all_timings_by_one_factor() -> None:
     cfg = SparesConfig()
     assert cfg.for_nodes(2) is cfg and cfg.for_nodes(500) is cfg  # 500 x 2 beats/s = the cap

@@ -122,6 +122,11 @@ PRIVATES: tuple[tuple[str, str, str], ...] = (
     (
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
         "DynamicRendezvousHandler",
+        "_keep_alive",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "DynamicRendezvousHandler",
         "_op_executor",
     ),
     (
@@ -187,6 +192,20 @@ def remove_participant_epilogue(state: Any, settings: Any) -> None:
 
 
 # -- the dynamic rendezvous handler ------------------------------------------------------------
+class QuietKeepAliveHandler(_dr.DynamicRendezvousHandler):
+    """torch's dynamic handler whose periodic keep-alive runs inside its state holder's
+    ``keep_alive_only()`` when the holder has one (the etcd-v3 holder then reads nothing for
+    it: its keep-alive renews a lease, it writes no state)."""
+
+    def _keep_alive(self) -> None:
+        quiet = getattr(self._state_holder, "keep_alive_only", None)
+        if quiet is None:
+            super()._keep_alive()
+            return
+        with quiet():
+            super()._keep_alive()
+
+
 def _method_name(depth: int = 2) -> str:
     """torch's ``dynamic_rendezvous.get_method_name`` (the name of the function ``depth``
     frames up, for the name of a rendezvous event) without ``inspect.stack()``, which reads

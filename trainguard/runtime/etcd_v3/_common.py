@@ -43,6 +43,11 @@ class EtcdUnavailableError(RendezvousConnectionError):
     """etcd did not answer within the retry deadline."""
 
 
+class LeaseGoneError(RendezvousConnectionError):
+    """A write named a lease of the caller's own (not the run's lease) that expired or was
+    revoked: the caller grants a new one and writes again."""
+
+
 class _AuthError(Exception):
     pass
 

@@ -19,6 +19,7 @@ from trainguard.runtime.etcd_v3._common import (
     DEFAULT_CAS_BACKOFF_MAX,
     DEFAULT_KEY_PREFIX,
     JOIN_BATCH,
+    LeaseGoneError,
     _b64,
     _range_end,
     _unb64,
@@ -359,17 +360,25 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         out = self._client.range(hb, prefix=True, keys_only=True)
         return {_unb64(kv["key"]).decode()[len(hb) :] for kv in out.get("kvs") or [] if "key" in kv}
 
-    def wait_meta_change(self, seen: bytes | None, after: int, timeout: float) -> bool:
-        """Block until the summary key changes, after revision ``after`` (that of the read
-        that saw ``seen``), to another value (True), or ``timeout`` passes (False). One
-        streaming watch, no polling."""
+    def wait_meta(
+        self, after: int, timeout: float, wanted: Callable[[bytes], bool]
+    ) -> tuple[bool, int]:
+        """Block until the summary key is written, after revision ``after``, with a value
+        ``wanted`` accepts (True), or ``timeout`` passes (False); also the revision of the
+        last write of it seen (a later wait may start there: nothing before it was wanted)."""
+        last = [after]
 
-        def differs(ev: dict[str, Any]) -> bool:
-            return _unb64((ev.get("kv") or {}).get("value")) != seen
+        def check(ev: dict[str, Any]) -> bool:
+            kv = ev.get("kv") or {}
+            if ev.get("type", "PUT") != "PUT":
+                return True
+            last[0] = max(last[0], int(kv.get("mod_revision", 0) or 0))
+            return wanted(_unb64(kv.get("value")))
 
-        return self._client.watch(
-            self._meta_key, start_revision=after + 1, timeout=timeout, wanted=differs
+        changed = self._client.watch(
+            self._meta_key, start_revision=after + 1, timeout=timeout, wanted=check
         )
+        return changed, last[0]
 
     def meta(self) -> bytes | None:
         found = self._client.get(self._meta_key)
@@ -407,7 +416,11 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                 pass  # lease not found: granted again below
             self.lease_trouble = time.monotonic()
             self._hb_leases.pop(node, None)
-        self._client.txn([], [self._heartbeat_put(node, when)], [])
+        try:
+            self._client.txn([], [self._heartbeat_put(node, when)], [])
+        except LeaseGoneError:  # expired between its grant and the put (etcd overloaded)
+            self._hb_leases.pop(node, None)
+            self._client.txn([], [self._heartbeat_put(node, when)], [])
 
     def put_join(
         self,
@@ -422,6 +435,22 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         """This node asks to join ``round_`` as a participant (any writer may add it) and
         refreshes its heartbeat key; with ``lock_owner``, it also takes the admission lock if
         nobody holds it. One transaction; returns its revision and whether the lock is ours."""
+        try:
+            return self._put_join(round_, node, when, lock_owner, lock_ttl, kind)
+        except LeaseGoneError:  # this node's heartbeat lease expired: a new one, once
+            self.lease_trouble = time.monotonic()
+            self._hb_leases.pop(repr(node), None)
+            return self._put_join(round_, node, when, lock_owner, lock_ttl, kind)
+
+    def _put_join(
+        self,
+        round_: int,
+        node: NodeDesc,
+        when: float,
+        lock_owner: str | None,
+        lock_ttl: float,
+        kind: str,
+    ) -> tuple[int, bool]:
         value = {"addr": node.addr, "pid": node.pid, "local_id": node.local_id, "t": when}
         if kind != "join":  # "exit": this node leaves ``round_`` (complete), any writer lets it go
             value["kind"] = kind

@@ -23,6 +23,7 @@ from trainguard.runtime.etcd_v3._common import (
     PASSWORD_ENV,
     EtcdUnavailableError,
     EtcdV3ConfigError,
+    LeaseGoneError,
     _AuthError,
     _b64,
     _range_end,
@@ -71,6 +72,16 @@ def _with_lease(payload: dict[str, Any], old: str, new: str) -> dict[str, Any]:
         if branch in payload:
             out[branch] = ops
     return out
+
+
+def _other_leases(payload: dict[str, Any], run_lease: str) -> bool:
+    """Whether a put of ``payload`` names a lease other than the run's."""
+    for branch in ("success", "failure"):
+        for op in payload.get(branch) or []:
+            lease = (op.get("request_put") or {}).get("lease")
+            if lease and lease != run_lease:
+                return True
+    return False
 
 
 class _Transient(Exception):
@@ -300,9 +311,13 @@ class EtcdV3Client:
                 err: Exception = e
             except _LeaseGone as e:
                 old = self._lease_id
-                if old is None or _with_lease(payload, str(old), "") == payload:
-                    # not the run's lease (a node's own, revoked or expired): nothing to renew
-                    raise RendezvousConnectionError(f"etcd: {_text(e).strip()[:200]}") from None
+                if (
+                    old is None
+                    or _with_lease(payload, str(old), "") == payload
+                    or (_other_leases(payload, str(old)) and self._lease_alive(old))
+                ):
+                    # not the run's lease (a node's own, revoked or expired): the caller's
+                    raise LeaseGoneError(f"etcd: {_text(e).strip()[:200]}") from None
                 with self._lease_lock:
                     if self._lease_id == old:
                         self._lease_id = self._acquire_lease()
@@ -325,6 +340,15 @@ class EtcdV3Client:
             self._current = (index + 1) % len(self._members)
             time.sleep(min(random.uniform(0, delay), max(deadline - now, 0)))
             delay = min(delay * 2, 2.0)
+
+    def _lease_alive(self, lease: int) -> bool:
+        """Whether etcd still knows ``lease`` (a failed check counts as alive: the write is
+        then retried as is)."""
+        try:
+            out = self._post_once(self._current, "lease/timetolive", {"ID": str(lease)})
+        except Exception:
+            return True
+        return int(out.get("TTL", -1)) > 0
 
     def endpoints_text(self) -> str:
         return ",".join(f"{m.host}:{m.port}" for m in self._members)

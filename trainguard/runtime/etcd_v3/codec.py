@@ -31,7 +31,14 @@ from torch.distributed.elastic.rendezvous import RendezvousStateError
 
 from trainguard.runtime._torch import NodeDesc, RendezvousState
 
-__all__ = ["MAX_STATE_BYTES", "PICKLE_OPTION", "copy_state", "decode_state", "encode_state"]
+__all__ = [
+    "MAX_STATE_BYTES",
+    "PICKLE_OPTION",
+    "cached_state",
+    "copy_state",
+    "decode_state",
+    "encode_state",
+]
 
 _MAGIC = b"TGJ1"
 _PACKED = b"TGZ1"
@@ -180,6 +187,14 @@ def decode_state(
             while len(_cache) > _CACHE_SIZE:
                 _cache.popitem(last=False)
     return copy_state(st)
+
+
+def cached_state(key: str, revision: int) -> RendezvousState | None:
+    """A copy of the state of ``key`` at ``revision`` when this process decoded or wrote it
+    lately (None: not cached)."""
+    with _cache_lock:
+        st = _cache.get((key, revision))
+    return None if st is None else copy_state(st)
 
 
 def remember(st: RendezvousState, *, key: str, revision: int) -> None:

@@ -13,7 +13,6 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
     create_handler,
 )
 
@@ -204,7 +203,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
             )
         return stock
     holder = ScalableStateHolder(backend, settings, node)
-    return DynamicRendezvousHandler(node, settings, backend.name, store, holder)
+    return _torch.QuietKeepAliveHandler(node, settings, backend.name, store, holder)
 
 
 def report_refused_states(handler: Any, emit: Callable[..., Any]) -> None:

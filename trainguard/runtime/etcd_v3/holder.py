@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -16,9 +20,11 @@ from trainguard.runtime._torch import (
     remove_participant_epilogue,
 )
 from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
-from trainguard.runtime.etcd_v3.codec import encode_state, remember
+from trainguard.runtime.etcd_v3.codec import cached_state, encode_state, remember
 
-__all__ = ["ADMISSION_LOCK_TTL", "ScalableStateHolder"]
+__all__ = ["ADMISSION_LOCK_TTL", "ScalableStateHolder", "admit_waiting"]
+
+logger = logging.getLogger(__name__)
 
 ADMISSION_LOCK_TTL = 10.0
 """Seconds the node that admits pending join requests holds the admission lock at most."""
@@ -26,11 +32,60 @@ ADMISSION_LOCK_TTL = 10.0
 
 def _meta(state: RendezvousState) -> bytes:
     """What a node waiting for a round to fill must not miss: round, completion, closing, the
-    last-call deadline, and whether nodes wait for the next round."""
+    last-call deadline, and whether nodes wait for the next round; and the participants'
+    count (a spare waits for a free slot)."""
     deadline = state.deadline.isoformat() if state.deadline else ""
     return (
-        f"{state.round}|{int(state.complete)}|{int(state.closed)}|{deadline}|{len(state.wait_list)}"
+        f"{state.round}|{int(state.complete)}|{int(state.closed)}|{deadline}|"
+        f"{len(state.wait_list)}|{len(state.participants)}"
     ).encode()
+
+
+def _head(meta: bytes | None) -> bytes | None:
+    """The summary less the participants' count: what a participant waits on (a round that
+    fills changes its count with every admission, which is none of a waiting one's business)."""
+    return None if meta is None else b"|".join(meta.split(b"|")[:5])
+
+
+def _add_participant(st: RendezvousState, settings: RendezvousSettings, node: NodeDesc) -> None:
+    """Add ``node`` to the participants of the open round ``st`` as it would add itself
+    (torch's ``_add_to_participants``: last-call deadline at ``min_nodes``, complete with
+    ranks at ``max_nodes``), its keep-alive time now."""
+    st.wait_list.discard(node)
+    st.participants[node] = 0
+    st.last_heartbeats[node] = datetime.now(timezone.utc)
+    if len(st.participants) == settings.min_nodes:
+        st.deadline = datetime.now(timezone.utc) + settings.timeout.last_call
+    if len(st.participants) == settings.max_nodes:
+        st.complete = True
+        st.deadline = None
+        for rank, member in enumerate(sorted(st.participants)):
+            st.participants[member] = rank
+
+
+def admit_waiting(st: RendezvousState, settings: RendezvousSettings) -> list[NodeDesc]:
+    """Move the nodes of the wait list of an open round (not complete, not closed) into its
+    participants, up to ``max_nodes``: what each of them does itself next (torch's join op adds
+    a node that is not a participant of an open round to its participants), done by whichever
+    node writes the state first, in its write, instead of by a contended write or a join
+    request of each once it has read that its round ended. Only nodes whose keep-alive time in
+    the state is fresh (within torch's dead-node threshold) are moved; the others are left to
+    join themselves (or to torch's dead-node check). Returns the nodes moved."""
+    if st.complete or st.closed or not st.wait_list:
+        return []
+    limit = (
+        datetime.now(timezone.utc) - settings.keep_alive_interval * settings.keep_alive_max_attempt
+    )
+    moved = []
+    for node in sorted(st.wait_list):
+        if st.complete or len(st.participants) >= settings.max_nodes:
+            break
+        seen = st.last_heartbeats.get(node)
+        if seen is None or seen < limit or node in st.participants:
+            continue
+        _add_participant(st, settings, node)
+        moved.append(node)
+    return moved
 
 
 class ScalableStateHolder(StateHolderBase):
@@ -53,7 +108,18 @@ class ScalableStateHolder(StateHolderBase):
       complete, closed, deadline, wait-list size, written with every state write) and reads
       the full state only when it changes, or every ``max(keep_alive_interval, nodes/100 s)``
       to check liveness, instead of decoding the whole state every second;
-    - a won write keeps the state it wrote instead of decoding it again.
+    - a node in the wait list or the redundancy list of a complete round waits on the
+      summary key too (it carries the participants' count), and wakes only when the round
+      ends or closes or, for a spare, a slot is free: not once a second for a full read;
+    - nodes leaving a complete round (after a node loss, every survivor) ask to, and one
+      writer lets them go in batches; their joins that follow are admitted in batches too,
+      and the write that ends a round (its last participant gone, dead or left) admits the
+      nodes already in its wait list to the next round (:func:`admit_waiting`);
+    - a won write keeps the state it wrote instead of decoding it again;
+    - torch's dead-node check runs only on a state just read with the keep-alive overlay,
+      never on one held since (its times would be older than the threshold), and not while
+      most leases expired at once (an overloaded etcd, see :meth:`_mass_expiry`); torch's
+      periodic keep-alive reads nothing (:meth:`keep_alive_only`).
 
     Every decision is still torch's (the same operations and the same compare-and-swap); a
     decision taken on a state that turns out stale simply loses its race and is retried.
@@ -101,6 +167,9 @@ class ScalableStateHolder(StateHolderBase):
         """When this node last kept its heartbeat lease alive (torch's keep-alive time)."""
         self.batched = 0
         """Other nodes this node added to a round on their request (statistics)."""
+        self._tls = threading.local()
+        self._mass_since: float | None = None
+        """When a read first found most heartbeat leases expired at once (see _mass_expiry)."""
 
     def _take_snapshot(self) -> tuple[Any, ...]:
         st = self.held
@@ -148,10 +217,14 @@ class ScalableStateHolder(StateHolderBase):
 
     def _apply_requested_exits(self, st: RendezvousState) -> None:
         """Take the nodes that asked to leave this complete round out of its participants,
-        as each would itself (torch's ``_remove_from_participants``), and, while the round stays
-        complete with a free slot, into its wait list, which is what each one's join right
-        after its exit does (torch's ``_add_to_wait_list``): one write for many nodes instead
-        of two each, all racing for the same key."""
+        as each would itself (torch's ``_remove_from_participants``): one write for many nodes
+        instead of one each, all racing for the same key. Not into the wait list: each
+        leaver's exit op is still running (it asked, it has not read the answer yet), and
+        torch's exit op takes a node out of whatever round it finds it a participant of; a
+        leaver put in the wait list and admitted to the next round (:func:`admit_waiting`)
+        before it read the answer would leave that round too, the round complete without it,
+        and the others wait forever for its rank. Its own join op, after its exit op ended,
+        asks for the wait list or the next round (a join request, admitted in batches)."""
         self._exited = []
         if not st.complete or st.closed:
             return
@@ -160,15 +233,8 @@ class ScalableStateHolder(StateHolderBase):
                 del st.participants[node]
                 st.last_heartbeats.pop(node, None)
                 self._exited.append(node)
-        if not self._exited:
-            return
-        remove_participant_epilogue(st, self.settings)
-        if st.complete and len(st.participants) < self.settings.max_nodes:
-            now = datetime.now(timezone.utc)
-            for node in self._exited:
-                st.redundancy_list.discard(node)
-                st.wait_list.add(node)
-                st.last_heartbeats[node] = now
+        if self._exited:
+            remove_participant_epilogue(st, self.settings)
 
     def _add_requested_joins(self, st: RendezvousState) -> int:
         """Add the nodes that asked to join this round, as each would add itself (torch's
@@ -186,27 +252,19 @@ class ScalableStateHolder(StateHolderBase):
                 break
             if node in st.participants or node in st.redundancy_list or t < fresh:
                 continue
-            st.wait_list.discard(node)
-            st.participants[node] = 0
+            # its keep-alive time as of now: the node learns of its admission at its next
+            # read and keeps its heartbeat key fresh meanwhile
+            _add_participant(st, settings, node)
             self._admitted.append(node)
-            # as of now: the node learns of its admission at its next read and keeps its
-            # heartbeat key fresh meanwhile
-            st.last_heartbeats[node] = datetime.now(timezone.utc)
             added += 1
-            if len(st.participants) == settings.min_nodes:
-                st.deadline = datetime.now(timezone.utc) + settings.timeout.last_call
-            if len(st.participants) == settings.max_nodes:
-                st.complete = True
-                st.deadline = None
-                for rank, member in enumerate(sorted(st.participants)):
-                    st.participants[member] = rank
         return added
 
     # -- reads -------------------------------------------------------------------------------
     def _load_full(self, overlay: float | None = 1.0) -> None:
         """Read the state; overlay the nodes' own keep-alive keys when some node's time in it
-        is older than ``overlay`` x the dead-node threshold (None: never; a node waiting to be
-        admitted does not write without the admission lock, and reads again under it)."""
+        is older than ``overlay`` x the dead-node threshold (None: never, and no dead-node
+        check on this read; a node waiting to be admitted reads again under the admission
+        lock before it writes for others)."""
         loaded = self._etcd.load()
         if loaded is None:
             self.held, self.token = RendezvousState(), None
@@ -228,7 +286,12 @@ class ScalableStateHolder(StateHolderBase):
                 self._overlay_heartbeats()
         self._meta_seen = _meta(self.held)
         self._last_full = time.monotonic()
-        self._done()
+        # torch's dead-node check only on keep-alive times that are known to be current: the
+        # times in the state are those of its last write (keep-alives renew leases, not the
+        # state), so without the overlay it would drop every live node not written for a
+        # while, and this node's next write (its wait-list add after its exit, say) would
+        # take them all out of the round
+        self._done(sanitize=overlay is not None)
 
     def _stale(self, fraction: float) -> bool:
         """Some node's keep-alive time in the state is older than ``fraction`` of torch's
@@ -249,12 +312,38 @@ class ScalableStateHolder(StateHolderBase):
         live = self._etcd.live_nodes() if trusted else set()
         now = datetime.now(timezone.utc)
         hb = self.held.last_heartbeats
+        if trusted:
+            trusted = not self._mass_expiry(hb, live, threshold)
         for node, when in hb.items():
             if node == self._node:  # this node's own: its last keep-alive (torch's timer)
                 if self._beat_at is not None and self._beat_at > when:
                     hb[node] = self._beat_at
             elif not trusted or repr(node) in live:
                 hb[node] = now
+
+    def _mass_expiry(self, hb: dict[NodeDesc, datetime], live: set[str], threshold: float) -> bool:
+        """More than a quarter of the nodes (and more than two) lost their heartbeat leases
+        at once, for less than the dead-node threshold so far: an etcd too loaded to renew
+        leases in time (at 1000 nodes on two cores, 621 live nodes' leases expired together
+        and a reader's next write dropped them from the round), not as many dead nodes. Their
+        times are kept until the expiry has lasted the threshold (a live node renews its
+        lease, or grants a new one, within that) or fewer are missing."""
+        missing = sum(1 for n in hb if n != self._node and repr(n) not in live)
+        if missing <= max(2, len(hb) // 4):
+            self._mass_since = None
+            return False
+        now = time.monotonic()
+        if self._mass_since is None:
+            self._mass_since = now
+            logger.warning(
+                "rendezvous %s: %d of %d nodes' heartbeat leases expired at once; taken for "
+                "an overloaded etcd, not dead nodes, for up to %.0f s",
+                self.settings.run_id,
+                missing,
+                len(hb),
+                threshold,
+            )
+        return now - self._mass_since < threshold
 
     def _read_joins(self) -> None:
         """The requests to join (and to leave) the held round."""
@@ -270,10 +359,27 @@ class ScalableStateHolder(StateHolderBase):
                 except (KeyError, TypeError, ValueError):
                     continue
 
-    def _done(self) -> None:
+    def _done(self, sanitize: bool = False) -> None:
+        """The held state is in sync. torch's dead-node check (``sanitize``) runs only on a
+        state just read with the nodes' keep-alive times overlaid (``_load_full``): the times
+        in the state are those of its last write and of the last overlay, so on a state held
+        a while (a won write or a keep-alive of this node after seconds without a full read,
+        20 s for a waiting node at 1000 nodes) it would take every live node for dead, and
+        this node's next write would empty the round."""
         self.dirty = False
         self.last_sync_time = time.monotonic()
-        self.sanitize()
+        if sanitize:
+            before = len(self.held.last_heartbeats)
+            self.sanitize()
+            gone = before - len(self.held.last_heartbeats)
+            if gone:
+                logger.warning(
+                    "rendezvous %s: %d node(s) past the keep-alive threshold (their heartbeat "
+                    "lease expired) dropped from round %d",
+                    self.settings.run_id,
+                    gone,
+                    self.held.round,
+                )
         self._snapshot = self._take_snapshot()
 
     def _full_every(self) -> float:
@@ -299,16 +405,47 @@ class ScalableStateHolder(StateHolderBase):
     def _may_skip_full_read(self, now: float) -> bool:
         """A participant reads the whole state only when the summary changed (or for the
         periodic liveness check): while the round fills it blocks on a watch of the summary
-        key; once the round is complete it reads the summary (a few bytes) instead."""
+        key; once the round is complete it reads the summary (a few bytes) instead. A node
+        waiting out a complete round (wait list, spare) blocks on the same watch until the
+        round ends or closes, or a spare's slot is free."""
         st = self.held
-        if self.token is None or self._node not in st.participants or st.closed:
+        if self.token is None or st.closed:
             return False
         if now - self._last_full >= self._full_every():
             return False
+        if self._node not in st.participants:
+            if not st.complete or (
+                self._node not in st.wait_list and self._node not in st.redundancy_list
+            ):
+                return False
+            # waiting out a complete round (wait list, spare): only its end or a free slot
+            # matters, not each exit or keep-alive of its participants
+            changed, rev = self._etcd.wait_meta(self._seen_rev, self._wait_budget(), self._moves)
+            if not changed:
+                self._seen_rev = rev
+            return not changed
         if st.complete:
-            return self._etcd.meta() == self._meta_seen
-        changed = self._etcd.wait_meta_change(self._meta_seen, self._seen_rev, self._wait_budget())
+            return _head(self._etcd.meta()) == _head(self._meta_seen)
+        seen = _head(self._meta_seen)
+        changed, rev = self._etcd.wait_meta(
+            self._seen_rev, self._wait_budget(), lambda meta: _head(meta) != seen
+        )
+        if not changed:
+            self._seen_rev = rev  # the next watch need not replay what this one saw
         return not changed
+
+    def _moves(self, meta: bytes) -> bool:
+        """Whether the summary ``meta`` matters to this node, waiting out the complete round
+        it holds (in the wait list or as a spare): the round ended or closed, or has a slot
+        free for a spare."""
+        st = self.held
+        f = meta.decode(errors="replace").split("|")
+        try:
+            if int(f[0]) != st.round or f[1] != "1" or f[2] != "0":
+                return True
+            return self._node in st.redundancy_list and int(f[5]) < self.settings.max_nodes
+        except (ValueError, IndexError):
+            return True
 
     def _refresh_pending_join(self) -> None:
         """A node that asked to join keeps its heartbeat key fresh until it sees itself in the
@@ -360,8 +497,31 @@ class ScalableStateHolder(StateHolderBase):
         self._join_waits += 1
         wait = min(s.keep_alive_interval.total_seconds(), 5.0)
         self._etcd.wait_join_admitted(rnd, self._node, self._join_rev, wait)
-        self._load_full(overlay=None)
+        self._reload()
         return True
+
+    def _reload(self) -> None:
+        """Read the state again, as :meth:`_load_full` without the keep-alive overlay, but in
+        one compare-and-read: a state still at the held revision is not sent again (a node
+        whose request the writer has not come to yet, one of a thousand after a node loss,
+        reads a few bytes instead of the whole state every few seconds) and is taken from
+        the decode cache."""
+        token = self.token
+        got = self._etcd.get_state_since(token) if token is not None else None
+        if got is None:
+            self._load_full(overlay=None)
+            return
+        bits, token = got
+        state = self._etcd.decode(bits, int(token)) if bits else cached_state(
+            self._etcd.key, int(token)
+        )  # fmt: skip
+        if state is None:
+            self._load_full(overlay=None)
+            return
+        self.held, self.token = state, token
+        self._seen_rev = max(self._seen_rev, int(token))
+        self._meta_seen = _meta(state)
+        self._done()
 
     def _unlock(self) -> None:
         if self._lock_rev:
@@ -374,13 +534,15 @@ class ScalableStateHolder(StateHolderBase):
     def _write_state(self) -> bool:
         """Compare-and-swap this node's state, with every pending join request it may admit
         (when it holds the admission lock); True when it won."""
-        was_complete = self._snapshot is not None and self._snapshot[1]
+        was_complete = self._snapshot is not None and bool(self._snapshot[1])
+        was_round = self._snapshot[0] if self._snapshot is not None else None
         added = 0
         self._exited = []
         if self._lock_rev:
             self._read_joins()
             self._apply_requested_exits(self.held)
             added = self._add_requested_joins(self.held)
+        added += len(admit_waiting(self.held, self.settings))
         meta = _meta(self.held)
         out = self._etcd.set_state(encode_state(self.held), self.token, meta=meta, fetch=False)
         if out is None or not out[2]:
@@ -391,7 +553,7 @@ class ScalableStateHolder(StateHolderBase):
         remember(self.held, key=self._etcd.key, revision=int(out[1]))
         self.batched += added
         try:
-            if self.held.complete and not was_complete:
+            if self.held.complete and (not was_complete or self.held.round != was_round):
                 self._etcd.forget_joins(self.held.round)  # wakes every admitted node
             elif added:
                 self._etcd.forget_join_requests(self.held.round, self._admitted)
@@ -444,7 +606,24 @@ class ScalableStateHolder(StateHolderBase):
             if not self._write_state():
                 self._load_full(overlay=0.5)  # another writer: again on the new state
 
+    @contextlib.contextmanager
+    def keep_alive_only(self) -> Iterator[None]:
+        """While torch's periodic keep-alive runs in this thread: its syncs read nothing. The
+        keep-alive writes no state here (it renews this node's heartbeat lease), and torch
+        gives it ``timeout.heartbeat`` (5 s) from before its first sync: a read slowed down
+        by an overloaded etcd (seen at 1000 nodes) failed it, three of those in a row let the
+        node's lease expire, and the next reader's dead-node check took the live node out of
+        the round. The state is read as before by the agent's other calls (its rendezvous,
+        ``num_nodes_waiting``)."""
+        self._tls.keep_alive = True
+        try:
+            yield
+        finally:
+            self._tls.keep_alive = False
+
     def sync(self) -> bool | None:
+        if not self.dirty and self.token is not None and getattr(self._tls, "keep_alive", False):
+            return None
         self._refresh_pending_join()
         now = time.monotonic()
         if self.dirty:

@@ -207,6 +207,21 @@ class EtcdV3Store(dist.Store):
                 values.append(_unb64(kvs[0].get("value")))
         return values
 
+    def existing(self, keys: Sequence[str]) -> dict[str, bytes]:
+        """The values of those of ``keys`` that exist, without waiting for the others: one
+        read per 100 keys (``check`` then ``multi_get`` costs three)."""
+        keys = list(keys)
+        found: dict[str, bytes] = {}
+        for i in range(0, len(keys), 100):  # etcd allows 128 operations per transaction
+            chunk = keys[i : i + 100]
+            ops = [{"request_range": {"key": _b64(self._k(k))}} for k in chunk]
+            out = self._client.txn([], ops, [])
+            for k, r in zip(chunk, out.get("responses") or [], strict=False):
+                kvs = (r.get("response_range") or {}).get("kvs") or []
+                if kvs:
+                    found[k] = _unb64(kvs[0].get("value"))
+        return found
+
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         ops = [
             self._client.put_request(self._k(k), self._v(v))
