@@ -174,6 +174,58 @@ def _holder_of(st: RendezvousState, me: NodeDesc) -> object:
     return holder
 
 
+def test_survivors_leave_and_enter_the_wait_list_by_requests_answered_in_batches() -> None:
+    """After a node loss every survivor leaves the complete round (an exit request) and then,
+    once its exit op has read that it left, asks for the wait list (a wait request); one write
+    answers many of each. An exit does not put the node in the wait list: the write that ends
+    the round admits its wait list to the next one, and a leaver admitted there before its exit
+    op read the answer would leave that round too, which then waits for its rank forever."""
+    now = datetime.now(timezone.utc)
+    nodes = [NodeDesc("h", 1, i) for i in range(4)]
+    st = RendezvousState()
+    st.round, st.complete = 3, True
+    st.participants = {n: i for i, n in enumerate(nodes)}
+    st.last_heartbeats = dict.fromkeys(nodes, now)
+    holder = _holder_of(st, nodes[0])
+    holder._exits = set(nodes[1:3])  # type: ignore[attr-defined]
+    holder._apply_requested_exits(st)  # type: ignore[attr-defined]
+    assert holder._exited == nodes[1:3]  # type: ignore[attr-defined]
+    assert set(st.participants) == {nodes[0], nodes[3]} and st.complete
+    assert not st.wait_list  # not before their own wait requests
+    holder._waits = set(nodes[1:3])  # type: ignore[attr-defined]
+    holder._apply_requested_waits(st)  # type: ignore[attr-defined]
+    assert st.wait_list == set(nodes[1:3]) and holder._waited == nodes[1:3]  # type: ignore[attr-defined]
+    holder._apply_requested_waits(st)  # type: ignore[attr-defined]  # already in: answered again
+    assert holder._waited == nodes[1:3]  # type: ignore[attr-defined]
+    # the last participants leave: the round ends, its wait list is admitted to the next one
+    holder._exits = {nodes[0], nodes[3]}  # type: ignore[attr-defined]
+    holder._apply_requested_exits(st)  # type: ignore[attr-defined]
+    assert st.round == 4 and not st.complete and not st.participants
+    assert admit_waiting(st, _settings(2, 4)) == nodes[1:3]
+    assert nodes[0] not in st.participants and nodes[3] not in st.participants
+    # a wait request of the ended round is not answered by a write of the next
+    holder._waits = {nodes[0]}  # type: ignore[attr-defined]
+    holder._apply_requested_waits(st)  # type: ignore[attr-defined]
+    assert holder._waited == [] and nodes[0] not in st.wait_list  # type: ignore[attr-defined]
+
+
+def test_a_nodes_own_wait_list_add_is_asked_of_the_admission_writer() -> None:
+    """torch's join op puts a node let go from a complete round in its wait list: that write is
+    a wait request (batched by the admission writer), not a contended write of the state."""
+    me = NodeDesc("h", 9, 0)
+    st = RendezvousState()
+    st.round, st.complete = 3, True
+    st.participants = {NodeDesc("h", 1, i): i for i in range(3)}
+    holder = _holder_of(st, me)
+    holder._done()  # type: ignore[attr-defined]
+    assert not holder._waiting()  # type: ignore[attr-defined]
+    st.wait_list.add(me)  # what torch's ADD_TO_WAIT_LIST does
+    st.last_heartbeats[me] = datetime.now(timezone.utc)
+    assert holder._waiting()  # type: ignore[attr-defined]
+    st.round = 4  # a different round: not this add
+    assert not holder._waiting()  # type: ignore[attr-defined]
+
+
 def test_a_held_state_loses_no_node_to_its_old_keep_alive_times() -> None:
     """The times in a held state are those of its last write or keep-alive overlay: once held
     past torch's dead-node threshold (a waiting node reads the whole state every 20 s at 1000

@@ -112,7 +112,8 @@ class ScalableStateHolder(StateHolderBase):
       summary key too (it carries the participants' count), and wakes only when the round
       ends or closes or, for a spare, a slot is free: not once a second for a full read;
     - nodes leaving a complete round (after a node loss, every survivor) ask to, and one
-      writer lets them go in batches; their joins that follow are admitted in batches too,
+      writer lets them go in batches; their wait-list adds and joins that follow are
+      requests answered in batches too,
       and the write that ends a round (its last participant gone, dead or left) admits the
       nodes already in its wait list to the next round (:func:`admit_waiting`);
     - a won write keeps the state it wrote instead of decoding it again;
@@ -156,11 +157,13 @@ class ScalableStateHolder(StateHolderBase):
         self._snapshot: tuple[Any, ...] | None = None
         self._joins: dict[NodeDesc, float] = {}
         self._exits: set[NodeDesc] = set()
+        self._waits: set[NodeDesc] = set()
         self._req_round: int | None = None
         """The round of the requests last read (:meth:`_read_joins`)."""
         self._join_round: int | None = None
         self._join_kind = "join"
         self._exited: list[NodeDesc] = []
+        self._waited: list[NodeDesc] = []
         self._join_beat = 0.0
         self._admitted: list[NodeDesc] = []
         self._beat_at: datetime | None = None
@@ -215,6 +218,22 @@ class ScalableStateHolder(StateHolderBase):
             and not self.held.closed
         )
 
+    def _waiting(self) -> bool:
+        """This write adds this node to the wait list of a complete round (torch's join op,
+        once its exit op has read that it left that round)."""
+        snap = self._snapshot
+        st = self.held
+        return (
+            snap is not None
+            and bool(snap[1])
+            and st.complete
+            and not st.closed
+            and st.round == snap[0]
+            and self._node not in snap[5]
+            and self._node in st.wait_list
+            and self._node not in st.participants
+        )
+
     def _apply_requested_exits(self, st: RendezvousState) -> None:
         """Take the nodes that asked to leave this complete round out of its participants,
         as each would itself (torch's ``_remove_from_participants``): one write for many nodes
@@ -224,7 +243,8 @@ class ScalableStateHolder(StateHolderBase):
         leaver put in the wait list and admitted to the next round (:func:`admit_waiting`)
         before it read the answer would leave that round too, the round complete without it,
         and the others wait forever for its rank. Its own join op, after its exit op ended,
-        asks for the wait list or the next round (a join request, admitted in batches)."""
+        asks for the wait list (a wait request, :meth:`_apply_requested_waits`) or the next
+        round (a join request), each admitted in batches too."""
         self._exited = []
         if not st.complete or st.closed:
             return
@@ -235,6 +255,23 @@ class ScalableStateHolder(StateHolderBase):
                 self._exited.append(node)
         if self._exited:
             remove_participant_epilogue(st, self.settings)
+
+    def _apply_requested_waits(self, st: RendezvousState) -> None:
+        """Put the nodes that asked for the wait list of this complete round in it, as each
+        would put itself (torch's ``_add_to_wait_list``): after a node loss every survivor
+        asks, once its exit op has read that it left, and one write takes many. Every
+        requester found in the wait list (put now or before) is answered (``_waited``)."""
+        self._waited = []
+        if not st.complete or st.closed:
+            return
+        now = datetime.now(timezone.utc)
+        for node in sorted(self._waits):
+            if node in st.participants or node in st.redundancy_list:
+                continue
+            if node not in st.wait_list:
+                st.wait_list.add(node)
+                st.last_heartbeats[node] = now
+            self._waited.append(node)
 
     def _add_requested_joins(self, st: RendezvousState) -> int:
         """Add the nodes that asked to join this round, as each would add itself (torch's
@@ -347,13 +384,16 @@ class ScalableStateHolder(StateHolderBase):
 
     def _read_joins(self) -> None:
         """The requests to join (and to leave) the held round."""
-        self._joins, self._exits, self._req_round = {}, set(), self.held.round
+        self._joins, self._exits, self._waits = {}, set(), set()
+        self._req_round = self.held.round
         for rnd, j in self._etcd.join_requests():
             if rnd == self.held.round:
                 try:
                     node = NodeDesc(str(j["addr"]), int(j["pid"]), int(j["local_id"]))
                     if j.get("kind") == "exit":
                         self._exits.add(node)
+                    elif j.get("kind") == "wait":
+                        self._waits.add(node)
                     else:
                         self._joins[node] = float(j["t"])
                 except (KeyError, TypeError, ValueError):
@@ -537,10 +577,11 @@ class ScalableStateHolder(StateHolderBase):
         was_complete = self._snapshot is not None and bool(self._snapshot[1])
         was_round = self._snapshot[0] if self._snapshot is not None else None
         added = 0
-        self._exited = []
+        self._exited, self._waited = [], []
         if self._lock_rev:
             self._read_joins()
             self._apply_requested_exits(self.held)
+            self._apply_requested_waits(self.held)
             added = self._add_requested_joins(self.held)
         added += len(admit_waiting(self.held, self.settings))
         meta = _meta(self.held)
@@ -553,12 +594,17 @@ class ScalableStateHolder(StateHolderBase):
         remember(self.held, key=self._etcd.key, revision=int(out[1]))
         self.batched += added
         try:
+            if was_round is not None and self.held.round != was_round:
+                # the round ended: its pending requests (a wait, an exit) are answered by the
+                # new one, which their nodes read when woken
+                self._etcd.forget_joins(was_round)
             if self.held.complete and (not was_complete or self.held.round != was_round):
                 self._etcd.forget_joins(self.held.round)  # wakes every admitted node
             elif added:
                 self._etcd.forget_join_requests(self.held.round, self._admitted)
-            if self._exited and self._req_round is not None:  # wakes every node let go
-                self._etcd.forget_join_requests(self._req_round, self._exited)
+            answered = self._exited + self._waited
+            if answered and self._req_round is not None:  # wakes every node let go or put
+                self._etcd.forget_join_requests(self._req_round, answered)
         except RendezvousConnectionError:
             pass  # they expire with the run's lease
         self._done()
@@ -571,7 +617,8 @@ class ScalableStateHolder(StateHolderBase):
         up only when no request came after the last read of them (in the same transaction):
         a node whose request met the lock held is admitted by its holder, never left waiting
         for its watch to time out."""
-        exiting = bool(self._exited)  # letting nodes go from a complete round
+        # letting nodes go from a complete round, and putting them in its wait list
+        exiting = bool(self._exited or self._waited) or self._join_kind in ("exit", "wait")
         start = last = time.monotonic()
         while not self.held.closed and (exiting or not self.held.complete):
             now = time.monotonic()
@@ -595,7 +642,13 @@ class ScalableStateHolder(StateHolderBase):
             self._read_joins()
             st = self.held
             if st.complete:  # nodes leaving a complete round (their workers failed)
-                pending = any(n in st.participants for n in self._exits)
+                pending = any(n in st.participants for n in self._exits) or any(
+                    n not in st.wait_list for n in self._waits
+                )
+                answered = [n for n in self._waits if n in st.wait_list]
+                if answered and not pending:  # put by an earlier write: just wake them
+                    with contextlib.suppress(RendezvousConnectionError):
+                        self._etcd.forget_join_requests(st.round, answered)
             else:
                 pending = any(
                     n not in st.participants and n not in st.redundancy_list for n in self._joins
@@ -636,6 +689,8 @@ class ScalableStateHolder(StateHolderBase):
                 if self._joining() and self._ask_to_join():
                     return False
                 if self._leaving() and self._ask_to_join("exit"):
+                    return False
+                if self._waiting() and self._ask_to_join("wait"):
                     return False
                 ok = self._write_state()
                 if not ok and self._lock_rev:
