@@ -336,11 +336,8 @@ class Reaper:
             state, token = got
             if self._etcd_v3():  # JSON state and a summary of it for cheap watches
                 from trainguard.runtime.etcd_v3.codec import encode_state
-                from trainguard.runtime.etcd_v3.holder import _meta, admit_waiting
+                from trainguard.runtime.etcd_v3.holder import _meta
 
-                # a removal that ends the round admits its wait list to the next one, as
-                # the etcd-v3 state holder's writes do
-                admit_waiting(state, self._settings)
                 out = self._backend.set_state(encode_state(state), token, meta=_meta(state))
             else:
                 out = self._backend.set_state(pickle.dumps(state), token)

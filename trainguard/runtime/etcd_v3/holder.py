@@ -22,7 +22,7 @@ from trainguard.runtime._torch import (
 from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
 from trainguard.runtime.etcd_v3.codec import cached_state, encode_state, remember
 
-__all__ = ["ADMISSION_LOCK_TTL", "ScalableStateHolder", "admit_waiting"]
+__all__ = ["ADMISSION_LOCK_TTL", "ScalableStateHolder"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,31 +63,6 @@ def _add_participant(st: RendezvousState, settings: RendezvousSettings, node: No
             st.participants[member] = rank
 
 
-def admit_waiting(st: RendezvousState, settings: RendezvousSettings) -> list[NodeDesc]:
-    """Move the nodes of the wait list of an open round (not complete, not closed) into its
-    participants, up to ``max_nodes``: what each of them does itself next (torch's join op adds
-    a node that is not a participant of an open round to its participants), done by whichever
-    node writes the state first, in its write, instead of by a contended write or a join
-    request of each once it has read that its round ended. Only nodes whose keep-alive time in
-    the state is fresh (within torch's dead-node threshold) are moved; the others are left to
-    join themselves (or to torch's dead-node check). Returns the nodes moved."""
-    if st.complete or st.closed or not st.wait_list:
-        return []
-    limit = (
-        datetime.now(timezone.utc) - settings.keep_alive_interval * settings.keep_alive_max_attempt
-    )
-    moved = []
-    for node in sorted(st.wait_list):
-        if st.complete or len(st.participants) >= settings.max_nodes:
-            break
-        seen = st.last_heartbeats.get(node)
-        if seen is None or seen < limit or node in st.participants:
-            continue
-        _add_participant(st, settings, node)
-        moved.append(node)
-    return moved
-
-
 class ScalableStateHolder(StateHolderBase):
     """torch's state holder, made to scale on :class:`EtcdV3RendezvousBackend`.
 
@@ -112,10 +87,8 @@ class ScalableStateHolder(StateHolderBase):
       summary key too (it carries the participants' count), and wakes only when the round
       ends or closes or, for a spare, a slot is free: not once a second for a full read;
     - nodes leaving a complete round (after a node loss, every survivor) ask to, and one
-      writer lets them go in batches; their wait-list adds and joins that follow are
-      requests answered in batches too,
-      and the write that ends a round (its last participant gone, dead or left) admits the
-      nodes already in its wait list to the next round (:func:`admit_waiting`);
+      writer lets them go into the round's wait list in batches; their joins of the next
+      round are admitted in batches too;
     - a won write keeps the state it wrote instead of decoding it again;
     - torch's dead-node check runs only on a state just read with the keep-alive overlay,
       never on one held since (its times would be older than the threshold), and not while
@@ -157,16 +130,16 @@ class ScalableStateHolder(StateHolderBase):
         self._snapshot: tuple[Any, ...] | None = None
         self._joins: dict[NodeDesc, float] = {}
         self._exits: set[NodeDesc] = set()
-        self._waits: set[NodeDesc] = set()
         self._req_round: int | None = None
         """The round of the requests last read (:meth:`_read_joins`)."""
         self._join_round: int | None = None
         self._join_kind = "join"
         self._exited: list[NodeDesc] = []
-        self._waited: list[NodeDesc] = []
         self._join_beat = 0.0
         self._admitted: list[NodeDesc] = []
         self._beat_at: datetime | None = None
+        self._renewed = -float("inf")
+        """When (monotonic) this node last renewed its heartbeat lease or wrote its key."""
         """When this node last kept its heartbeat lease alive (torch's keep-alive time)."""
         self.batched = 0
         """Other nodes this node added to a round on their request (statistics)."""
@@ -218,33 +191,19 @@ class ScalableStateHolder(StateHolderBase):
             and not self.held.closed
         )
 
-    def _waiting(self) -> bool:
-        """This write adds this node to the wait list of a complete round (torch's join op,
-        once its exit op has read that it left that round)."""
-        snap = self._snapshot
-        st = self.held
-        return (
-            snap is not None
-            and bool(snap[1])
-            and st.complete
-            and not st.closed
-            and st.round == snap[0]
-            and self._node not in snap[5]
-            and self._node in st.wait_list
-            and self._node not in st.participants
-        )
-
     def _apply_requested_exits(self, st: RendezvousState) -> None:
         """Take the nodes that asked to leave this complete round out of its participants,
-        as each would itself (torch's ``_remove_from_participants``): one write for many nodes
-        instead of one each, all racing for the same key. Not into the wait list: each
-        leaver's exit op is still running (it asked, it has not read the answer yet), and
-        torch's exit op takes a node out of whatever round it finds it a participant of; a
-        leaver put in the wait list and admitted to the next round (:func:`admit_waiting`)
-        before it read the answer would leave that round too, the round complete without it,
-        and the others wait forever for its rank. Its own join op, after its exit op ended,
-        asks for the wait list (a wait request, :meth:`_apply_requested_waits`) or the next
-        round (a join request), each admitted in batches too."""
+        as each would itself (torch's ``_remove_from_participants``), and, while the round stays
+        complete with a free slot, into its wait list, which is what each one's join right
+        after its exit does (torch's ``_add_to_wait_list``): one write for many nodes instead
+        of two each, all racing for the same key.
+
+        No write moves a wait list into the next round for its nodes: a leaver's exit op is
+        still running when it is let go (it asked, it has not read the answer yet), and torch's
+        exit op takes a node out of whatever round it finds it a participant of; a leaver put
+        in the next round before it read the answer would leave that round too, the round
+        complete without it, and the others wait forever for its rank. Each joins the next
+        round itself once its exit op ended (a join request, admitted in batches)."""
         self._exited = []
         if not st.complete or st.closed:
             return
@@ -253,25 +212,15 @@ class ScalableStateHolder(StateHolderBase):
                 del st.participants[node]
                 st.last_heartbeats.pop(node, None)
                 self._exited.append(node)
-        if self._exited:
-            remove_participant_epilogue(st, self.settings)
-
-    def _apply_requested_waits(self, st: RendezvousState) -> None:
-        """Put the nodes that asked for the wait list of this complete round in it, as each
-        would put itself (torch's ``_add_to_wait_list``): after a node loss every survivor
-        asks, once its exit op has read that it left, and one write takes many. Every
-        requester found in the wait list (put now or before) is answered (``_waited``)."""
-        self._waited = []
-        if not st.complete or st.closed:
+        if not self._exited:
             return
-        now = datetime.now(timezone.utc)
-        for node in sorted(self._waits):
-            if node in st.participants or node in st.redundancy_list:
-                continue
-            if node not in st.wait_list:
+        remove_participant_epilogue(st, self.settings)
+        if st.complete and len(st.participants) < self.settings.max_nodes:
+            now = datetime.now(timezone.utc)
+            for node in self._exited:
+                st.redundancy_list.discard(node)
                 st.wait_list.add(node)
                 st.last_heartbeats[node] = now
-            self._waited.append(node)
 
     def _add_requested_joins(self, st: RendezvousState) -> int:
         """Add the nodes that asked to join this round, as each would add itself (torch's
@@ -384,16 +333,13 @@ class ScalableStateHolder(StateHolderBase):
 
     def _read_joins(self) -> None:
         """The requests to join (and to leave) the held round."""
-        self._joins, self._exits, self._waits = {}, set(), set()
-        self._req_round = self.held.round
+        self._joins, self._exits, self._req_round = {}, set(), self.held.round
         for rnd, j in self._etcd.join_requests():
             if rnd == self.held.round:
                 try:
                     node = NodeDesc(str(j["addr"]), int(j["pid"]), int(j["local_id"]))
                     if j.get("kind") == "exit":
                         self._exits.add(node)
-                    elif j.get("kind") == "wait":
-                        self._waits.add(node)
                     else:
                         self._joins[node] = float(j["t"])
                 except (KeyError, TypeError, ValueError):
@@ -420,7 +366,26 @@ class ScalableStateHolder(StateHolderBase):
                     gone,
                     self.held.round,
                 )
+        self._renew_if_due()
         self._snapshot = self._take_snapshot()
+
+    def _renew_if_due(self) -> None:
+        """Renew this node's heartbeat lease when it is a member of the held state (a
+        participant, waiting, a spare) and its last renewal is half a keep-alive interval old.
+        torch renews it when the node's keep-alive time in the state is an interval old, but
+        that time is often another node's "now" (an admission, an exit batch), later than this
+        node's last renewal: at torch's threshold of two intervals, a loaded node renewed too
+        late and its lease expired while it was alive."""
+        if self._node not in self.held.last_heartbeats:
+            return
+        half = self.settings.keep_alive_interval.total_seconds() / 2
+        if time.monotonic() - self._renewed < half:
+            return
+        try:
+            self._etcd.put_heartbeat(self._node_key, time.time())
+        except RendezvousConnectionError:
+            return  # torch's own keep-alive retries
+        self._renewed = time.monotonic()
 
     def _full_every(self) -> float:
         """Seconds between full reads of a node that otherwise waits on the summary key (to
@@ -497,6 +462,7 @@ class ScalableStateHolder(StateHolderBase):
         now = time.time()
         if now - self._join_beat >= self.settings.keep_alive_interval.total_seconds():
             self._etcd.put_heartbeat(self._node_key, now)
+            self._renewed = time.monotonic()
             self._join_beat = now
 
     # -- writes ------------------------------------------------------------------------------
@@ -521,6 +487,7 @@ class ScalableStateHolder(StateHolderBase):
                 rnd, self._node, self._join_beat, lock_owner=self._node_key,
                 lock_ttl=ADMISSION_LOCK_TTL, kind=kind,
             )  # fmt: skip
+            self._renewed = time.monotonic()
             self._join_rev, self._join_round, self._join_waits = rev, rnd, 0
             self._join_kind = kind
             if locked:
@@ -577,13 +544,11 @@ class ScalableStateHolder(StateHolderBase):
         was_complete = self._snapshot is not None and bool(self._snapshot[1])
         was_round = self._snapshot[0] if self._snapshot is not None else None
         added = 0
-        self._exited, self._waited = [], []
+        self._exited = []
         if self._lock_rev:
             self._read_joins()
             self._apply_requested_exits(self.held)
-            self._apply_requested_waits(self.held)
             added = self._add_requested_joins(self.held)
-        added += len(admit_waiting(self.held, self.settings))
         meta = _meta(self.held)
         out = self._etcd.set_state(encode_state(self.held), self.token, meta=meta, fetch=False)
         if out is None or not out[2]:
@@ -594,17 +559,12 @@ class ScalableStateHolder(StateHolderBase):
         remember(self.held, key=self._etcd.key, revision=int(out[1]))
         self.batched += added
         try:
-            if was_round is not None and self.held.round != was_round:
-                # the round ended: its pending requests (a wait, an exit) are answered by the
-                # new one, which their nodes read when woken
-                self._etcd.forget_joins(was_round)
             if self.held.complete and (not was_complete or self.held.round != was_round):
                 self._etcd.forget_joins(self.held.round)  # wakes every admitted node
             elif added:
                 self._etcd.forget_join_requests(self.held.round, self._admitted)
-            answered = self._exited + self._waited
-            if answered and self._req_round is not None:  # wakes every node let go or put
-                self._etcd.forget_join_requests(self._req_round, answered)
+            if self._exited and self._req_round is not None:  # wakes every node let go
+                self._etcd.forget_join_requests(self._req_round, self._exited)
         except RendezvousConnectionError:
             pass  # they expire with the run's lease
         self._done()
@@ -617,8 +577,7 @@ class ScalableStateHolder(StateHolderBase):
         up only when no request came after the last read of them (in the same transaction):
         a node whose request met the lock held is admitted by its holder, never left waiting
         for its watch to time out."""
-        # letting nodes go from a complete round, and putting them in its wait list
-        exiting = bool(self._exited or self._waited) or self._join_kind in ("exit", "wait")
+        exiting = bool(self._exited)  # letting nodes go from a complete round
         start = last = time.monotonic()
         while not self.held.closed and (exiting or not self.held.complete):
             now = time.monotonic()
@@ -642,13 +601,7 @@ class ScalableStateHolder(StateHolderBase):
             self._read_joins()
             st = self.held
             if st.complete:  # nodes leaving a complete round (their workers failed)
-                pending = any(n in st.participants for n in self._exits) or any(
-                    n not in st.wait_list for n in self._waits
-                )
-                answered = [n for n in self._waits if n in st.wait_list]
-                if answered and not pending:  # put by an earlier write: just wake them
-                    with contextlib.suppress(RendezvousConnectionError):
-                        self._etcd.forget_join_requests(st.round, answered)
+                pending = any(n in st.participants for n in self._exits)
             else:
                 pending = any(
                     n not in st.participants and n not in st.redundancy_list for n in self._joins
@@ -683,14 +636,13 @@ class ScalableStateHolder(StateHolderBase):
             if self._heartbeat_only():
                 self._beat_at = self.held.last_heartbeats[self._node]
                 self._etcd.put_heartbeat(self._node_key, self._beat_at.timestamp())
+                self._renewed = time.monotonic()
                 self._done()
                 return True
             try:
                 if self._joining() and self._ask_to_join():
                     return False
                 if self._leaving() and self._ask_to_join("exit"):
-                    return False
-                if self._waiting() and self._ask_to_join("wait"):
                     return False
                 ok = self._write_state()
                 if not ok and self._lock_rev:
