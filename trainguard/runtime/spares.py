@@ -483,12 +483,25 @@ class SpareController:
         """Run the reaper every ``poll_s`` while the body (torch's ``next_rendezvous``) runs."""
         stop = threading.Event()
 
+        seen: set[type[BaseException]] = set()
+
         def loop() -> None:
             while not stop.is_set():
                 try:
                     self.reaper.tick()
                 except Exception as e:  # the store may be briefly unreachable (etcd restart)
-                    logger.debug("spares: reaper pass failed: %s", e)
+                    # each kind of failure once at warning (a store that is down says so;
+                    # anything else would otherwise leave dead nodes to torch's keep-alive
+                    # without a word), the rest at debug
+                    first = type(e) not in seen
+                    seen.add(type(e))
+                    logger.log(
+                        logging.WARNING if first else logging.DEBUG,
+                        "spares: reaper pass failed (retried every %.1f s): %s: %s",
+                        self.cfg.poll_s,
+                        type(e).__name__,
+                        e,
+                    )
                     self.reaper.forget()
                 stop.wait(self.cfg.poll_s)
 
