@@ -138,9 +138,9 @@ class ScalableStateHolder(StateHolderBase):
         self._join_beat = 0.0
         self._admitted: list[NodeDesc] = []
         self._beat_at: datetime | None = None
+        """When this node last kept its heartbeat lease alive (torch's keep-alive time)."""
         self._renewed = -float("inf")
         """When (monotonic) this node last renewed its heartbeat lease or wrote its key."""
-        """When this node last kept its heartbeat lease alive (torch's keep-alive time)."""
         self.batched = 0
         """Other nodes this node added to a round on their request (statistics)."""
         self._tls = threading.local()
