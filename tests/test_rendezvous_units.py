@@ -1,6 +1,6 @@
 """The rendezvous wrapper's flip of ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` (torch's uncached
 path while ``next_rendezvous`` runs) when several handlers overlap in one process; the etcd-v3
-state holder's admission of a round's wait list and what a node waiting out a round wakes for."""
+state holder's keep-alive times, reads and what a node waiting out a round wakes for."""
 
 from __future__ import annotations
 
