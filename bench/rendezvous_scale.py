@@ -285,8 +285,25 @@ def child_loss(endpoint: str, run_id: str, n_total: int, n_here: int, timeout: i
         rejoining = list(first)
     for i in rejoining:
         threading.Thread(target=rejoin, args=(i,), daemon=True).start()
-    sys.stdin.readline()  # report
+    sys.stdin.readline()  # report, once the agents' returns stop (10 s without one, 60 s at most)
+    end, seen, quiet = time.monotonic() + 60, -1, time.monotonic()
+    while time.monotonic() < end and time.monotonic() - quiet < 10.0:
+        if len(ends) != seen:
+            seen, quiet = len(ends), time.monotonic()
+        time.sleep(0.1)
     t1 = os.times()
+    if os.environ.get("RDZV_SCALE_STACKS"):  # where the agents that did not return wait
+        import collections
+        import traceback
+
+        where: collections.Counter[str] = collections.Counter()
+        for frame in sys._current_frames().values():
+            stack = traceback.extract_stack(frame)
+            if not any(f.name in ("rejoin", "agent") for f in stack):
+                continue
+            where[" < ".join(f"{f.name}:{f.lineno}" for f in reversed(stack[-7:]))] += 1
+        for k, v in where.most_common(8):
+            print(f"  {v:4d} {k}", file=sys.stderr, flush=True)
     out = {
         "ends": ends, "errors": errors[:3], "requests": dict(_REQUESTS), "removed": removed,
         "late": len(n_late),
@@ -501,7 +518,6 @@ def node_loss(
             timeout,
         )  # fmt: skip
         t_done = time.time()
-        time.sleep(2.0)  # the agents return from the rendezvous
         for kid in kids[1:]:
             say(kid, "report")
         results = [json.loads(kid.stdout.readline()) for kid in kids[1:]]  # type: ignore[union-attr]

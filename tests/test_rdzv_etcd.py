@@ -520,14 +520,16 @@ def test_keep_alives_do_not_write_the_state_an_expired_lease_is_a_dead_node(etcd
             h._stop_heartbeats()  # type: ignore[attr-defined]
 
 
-def test_survivors_of_a_node_loss_leave_in_batches_and_complete_the_next_round(
+def test_the_first_survivor_to_leave_ends_the_round_and_the_others_complete_the_next(
     etcd: Etcd,
 ) -> None:
-    """8 handlers complete a round; one goes silent (no keep-alive: a lost node) and the 7
-    others enter the next rendezvous at once, as their agents do once their workers fail.
-    They leave the complete round into its wait list in fewer state writes than there are
-    of them (torch: two contended writes each, an exit and a wait-list add), the lost node's
-    lease expires and it is dropped, and the 7 complete the next round together."""
+    """8 handlers complete a round; one goes silent (no keep-alive: a lost node) and 6 others
+    enter the next rendezvous at once, as their agents do once their workers fail on the lost
+    peer. The first to leave ends the round for every node: the 6 are in the next round in
+    fewer state writes than there are of them (torch: two contended writes each, an exit and
+    a wait-list add), without waiting for the lost node's lease to expire; the 7th survivor,
+    whose workers still run (hung on the lost peer), is told by ``num_nodes_waiting`` that its
+    round is over, joins, and the 7 complete the next round together."""
     run = "survivors"
     handlers = _keep_alive_handlers(etcd, run, 8, min_nodes=7, max_nodes=8, last_call_timeout="1")
     worlds: list[int] = []
@@ -542,6 +544,15 @@ def test_survivors_of_a_node_loss_leave_in_batches_and_complete_the_next_round(
     def wins() -> int:
         return sum(h._state_holder._etcd.wins for h in handlers)  # type: ignore[attr-defined]
 
+    client = etcd_v3.EtcdV3Client(etcd_v3.parse_endpoints(etcd.endpoint))
+    lost = handlers[7]._this_node  # type: ignore[attr-defined]
+    lost_key = f"/trainguard/rdzv/{run}/heartbeat/{lost!r}"
+
+    def state() -> Any:
+        got = client.get(f"/trainguard/rdzv/{run}/state")
+        assert got is not None
+        return decode_state(etcd_v3._unpack(got[0]))
+
     try:
         first = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
         for t in first:
@@ -549,28 +560,36 @@ def test_survivors_of_a_node_loss_leave_in_batches_and_complete_the_next_round(
         for t in first:
             t.join(60)
         assert worlds == [8] * 8 and not errors, errors
+        assert handlers[6].num_nodes_waiting() == 0  # type: ignore[attr-defined]
         handlers[7]._stop_heartbeats()  # type: ignore[attr-defined]
         before = wins()
-        survivors = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers[:7]]
+        survivors = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers[:6]]
         for t in survivors:
             t.start()
-        client = etcd_v3.EtcdV3Client(etcd_v3.parse_endpoints(etcd.endpoint))
         deadline = time.monotonic() + 30
         while True:
-            got = client.get(f"/trainguard/rdzv/{run}/state")
-            assert got is not None
-            st = decode_state(etcd_v3._unpack(got[0]))
-            if st.round == 0 and len(st.wait_list) == 7:
+            st = state()
+            if st.round == 1 and len(st.participants) == 6:
                 break
-            assert st.round == 0, "the lost node left before the survivors were all waiting"
-            assert time.monotonic() < deadline, f"survivors not all waiting: {st}"
+            assert time.monotonic() < deadline, f"the 6 are not in the next round: {st}"
             time.sleep(0.05)
-        assert wins() - before < 7, "every survivor raced its own exit"
-        assert set(st.participants) == {handlers[7]._this_node}  # type: ignore[attr-defined]
-        for t in survivors:
+        assert wins() - before < 6, "every survivor raced its own exit"
+        assert lost not in st.participants and lost not in st.last_heartbeats
+        assert client.get(lost_key) is not None, "the round waited for the lost node's lease"
+        # the survivor whose workers still run learns that its round is over (within the
+        # second the handler caches the state)
+        deadline = time.monotonic() + 5
+        while handlers[6].num_nodes_waiting() < 1:  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, "the 7th survivor is not told its round ended"
+            time.sleep(0.2)
+        last = threading.Thread(target=join, args=(handlers[6],), daemon=True)
+        last.start()
+        for t in [*survivors, last]:
             t.join(60)
         assert not errors, errors
         assert worlds[8:] == [7] * 7
+        st = state()
+        assert st.round == 1 and st.complete and lost not in st.participants
     finally:
         for h in handlers:
             h._stop_heartbeats()  # type: ignore[attr-defined]

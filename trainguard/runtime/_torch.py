@@ -195,7 +195,25 @@ def remove_participant_epilogue(state: Any, settings: Any) -> None:
 class QuietKeepAliveHandler(_dr.DynamicRendezvousHandler):
     """torch's dynamic handler whose periodic keep-alive runs inside its state holder's
     ``keep_alive_only()`` when the holder has one (the etcd-v3 holder then reads nothing for
-    it: its keep-alive renews a lease, it writes no state)."""
+    it: its keep-alive renews a lease, it writes no state), and whose ``num_nodes_waiting``
+    also counts the end of the round this node's workers run in: the etcd-v3 holder ends a
+    complete round for every node when its first participant leaves it (torch's agents
+    restart their workers when nodes wait; a node whose workers hang on a lost peer then
+    restarts them at once instead of waiting for the collective's timeout)."""
+
+    _joined_round: int | None = None
+
+    def next_rendezvous(self) -> Any:
+        info = super().next_rendezvous()
+        self._joined_round = self._state_holder.state.round
+        return info
+
+    def num_nodes_waiting(self) -> int:
+        waiting = super().num_nodes_waiting()
+        joined = self._joined_round
+        if waiting == 0 and joined is not None and self._state_holder.state.round > joined:
+            return 1  # the round this node's workers run in is over
+        return waiting
 
     def _keep_alive(self) -> None:
         quiet = getattr(self._state_holder, "keep_alive_only", None)

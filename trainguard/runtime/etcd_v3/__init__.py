@@ -19,7 +19,9 @@ What lives in etcd, under ``<key_prefix>/<run id>/``:
   agent keeps alive; when no agent is left, the run's keys expire after ``lease_ttl`` seconds;
 - ``heartbeat/<node>``, ``join/<round>/<node>``, ``state.meta``: what
   :class:`ScalableStateHolder` adds so that hundreds of agents can rendezvous (keep-alives
-  off the shared state, join requests admitted in batches, a small summary to poll).
+  off the shared state, join requests admitted in batches, a small summary to poll; the
+  first node to leave a complete round ends it for all, so a node loss costs one write, not
+  one per survivor).
 
 Every etcd call is retried with exponential backoff and jitter until ``retry_timeout`` (default
 60 s), failing over between the ``--rdzv-endpoint`` members, so an etcd restart or a leader

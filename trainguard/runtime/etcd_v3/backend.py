@@ -430,17 +430,16 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         *,
         lock_owner: str | None = None,
         lock_ttl: float = 10.0,
-        kind: str = "join",
     ) -> tuple[int, bool]:
         """This node asks to join ``round_`` as a participant (any writer may add it) and
         refreshes its heartbeat key; with ``lock_owner``, it also takes the admission lock if
         nobody holds it. One transaction; returns its revision and whether the lock is ours."""
         try:
-            return self._put_join(round_, node, when, lock_owner, lock_ttl, kind)
+            return self._put_join(round_, node, when, lock_owner, lock_ttl)
         except LeaseGoneError:  # this node's heartbeat lease expired: a new one, once
             self.lease_trouble = time.monotonic()
             self._hb_leases.pop(repr(node), None)
-            return self._put_join(round_, node, when, lock_owner, lock_ttl, kind)
+            return self._put_join(round_, node, when, lock_owner, lock_ttl)
 
     def _put_join(
         self,
@@ -449,11 +448,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         when: float,
         lock_owner: str | None,
         lock_ttl: float,
-        kind: str,
     ) -> tuple[int, bool]:
         value = {"addr": node.addr, "pid": node.pid, "local_id": node.local_id, "t": when}
-        if kind != "join":  # "exit": this node leaves ``round_`` (complete), any writer lets it go
-            value["kind"] = kind
         c = self._client
         puts = [
             c.put_request(f"{self._join_prefix}{round_}/{node!r}", json.dumps(value)),

@@ -17,7 +17,6 @@ from trainguard.runtime._torch import (
     NodeDesc,
     RendezvousState,
     StateHolderBase,
-    remove_participant_epilogue,
 )
 from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
 from trainguard.runtime.etcd_v3.codec import cached_state, encode_state, remember
@@ -86,9 +85,9 @@ class ScalableStateHolder(StateHolderBase):
     - a node in the wait list or the redundancy list of a complete round waits on the
       summary key too (it carries the participants' count), and wakes only when the round
       ends or closes or, for a spare, a slot is free: not once a second for a full read;
-    - nodes leaving a complete round (after a node loss, every survivor) ask to, and one
-      writer lets them go into the round's wait list in batches; their joins of the next
-      round are admitted in batches too;
+    - the first node to leave a complete round ends it for every node (after a node loss,
+      one write instead of one per survivor; see :meth:`_end_round`), and the joins of the
+      next round are admitted in batches;
     - a won write keeps the state it wrote instead of decoding it again;
     - torch's dead-node check runs only on a state just read with the keep-alive overlay,
       never on one held since (its times would be older than the threshold), and not while
@@ -129,12 +128,7 @@ class ScalableStateHolder(StateHolderBase):
         self._join_waits = 0
         self._snapshot: tuple[Any, ...] | None = None
         self._joins: dict[NodeDesc, float] = {}
-        self._exits: set[NodeDesc] = set()
-        self._req_round: int | None = None
-        """The round of the requests last read (:meth:`_read_joins`)."""
         self._join_round: int | None = None
-        self._join_kind = "join"
-        self._exited: list[NodeDesc] = []
         self._join_beat = 0.0
         self._admitted: list[NodeDesc] = []
         self._beat_at: datetime | None = None
@@ -191,36 +185,27 @@ class ScalableStateHolder(StateHolderBase):
             and not self.held.closed
         )
 
-    def _apply_requested_exits(self, st: RendezvousState) -> None:
-        """Take the nodes that asked to leave this complete round out of its participants,
-        as each would itself (torch's ``_remove_from_participants``), and, while the round stays
-        complete with a free slot, into its wait list, which is what each one's join right
-        after its exit does (torch's ``_add_to_wait_list``): one write for many nodes instead
-        of two each, all racing for the same key.
-
-        No write moves a wait list into the next round for its nodes: a leaver's exit op is
-        still running when it is let go (it asked, it has not read the answer yet), and torch's
-        exit op takes a node out of whatever round it finds it a participant of; a leaver put
-        in the next round before it read the answer would leave that round too, the round
-        complete without it, and the others wait forever for its rank. Each joins the next
-        round itself once its exit op ended (a join request, admitted in batches)."""
-        self._exited = []
-        if not st.complete or st.closed:
-            return
-        for node in sorted(self._exits):
-            if node in st.participants:
-                del st.participants[node]
-                st.last_heartbeats.pop(node, None)
-                self._exited.append(node)
-        if not self._exited:
-            return
-        remove_participant_epilogue(st, self.settings)
-        if st.complete and len(st.participants) < self.settings.max_nodes:
-            now = datetime.now(timezone.utc)
-            for node in self._exited:
-                st.redundancy_list.discard(node)
-                st.wait_list.add(node)
-                st.last_heartbeats[node] = now
+    def _end_round(self, st: RendezvousState) -> None:
+        """End the complete round this node just left (torch's exit op took it out of the
+        participants): every other participant out of it too, the next round open. torch ends
+        a round only when its last participant has left, and a node leaves a complete round
+        only when its workers stopped (they failed, or nodes wait to join), which breaks the
+        group's collectives, so every other participant leaves after it anyway (its workers
+        fail on the lost peer, or it sees the round over: ``num_nodes_waiting``). After a
+        node loss that is every survivor taking itself out with a write of its own, a
+        thousand writes racing for one key before the next round can even start, and the
+        lost node holding the round until its liveness runs out. Here the first write ends
+        it: the others find themselves out of it (torch's exit op then has nothing to do) and
+        join the next round, in batches; the wait and redundancy lists stay."""
+        snap = self._snapshot
+        if snap is None or st.round != snap[0] or st.closed:
+            return  # it was the last participant: torch opened the next round itself
+        for node in st.participants:
+            st.last_heartbeats.pop(node, None)
+        st.participants.clear()
+        st.complete = False
+        st.deadline = None
+        st.round += 1
 
     def _add_requested_joins(self, st: RendezvousState) -> int:
         """Add the nodes that asked to join this round, as each would add itself (torch's
@@ -332,16 +317,13 @@ class ScalableStateHolder(StateHolderBase):
         return now - self._mass_since < threshold
 
     def _read_joins(self) -> None:
-        """The requests to join (and to leave) the held round."""
-        self._joins, self._exits, self._req_round = {}, set(), self.held.round
+        """The requests to join the held round."""
+        self._joins = {}
         for rnd, j in self._etcd.join_requests():
             if rnd == self.held.round:
                 try:
                     node = NodeDesc(str(j["addr"]), int(j["pid"]), int(j["local_id"]))
-                    if j.get("kind") == "exit":
-                        self._exits.add(node)
-                    else:
-                        self._joins[node] = float(j["t"])
+                    self._joins[node] = float(j["t"])
                 except (KeyError, TypeError, ValueError):
                     continue
 
@@ -373,7 +355,7 @@ class ScalableStateHolder(StateHolderBase):
         """Renew this node's heartbeat lease when it is a member of the held state (a
         participant, waiting, a spare) and its last renewal is half a keep-alive interval old.
         torch renews it when the node's keep-alive time in the state is an interval old, but
-        that time is often another node's "now" (an admission, an exit batch), later than this
+        that time is often another node's "now" (an admission, say), later than this
         node's last renewal: at torch's threshold of two intervals, a loaded node renewed too
         late and its lease expired while it was alive."""
         if self._node not in self.held.last_heartbeats:
@@ -424,7 +406,7 @@ class ScalableStateHolder(StateHolderBase):
             ):
                 return False
             # waiting out a complete round (wait list, spare): only its end or a free slot
-            # matters, not each exit or keep-alive of its participants
+            # matters, not each keep-alive of its participants
             changed, rev = self._etcd.wait_meta(self._seen_rev, self._wait_budget(), self._moves)
             if not changed:
                 self._seen_rev = rev
@@ -466,7 +448,7 @@ class ScalableStateHolder(StateHolderBase):
             self._join_beat = now
 
     # -- writes ------------------------------------------------------------------------------
-    def _ask_to_join(self, kind: str = "join") -> bool:
+    def _ask_to_join(self) -> bool:
         """Put this node's join request; in the same transaction, become the admission
         writer if nobody is (False: write now, holding the lock). Otherwise wait until the
         writer admits this node, which deletes its request (a watch on that one key: each
@@ -475,21 +457,18 @@ class ScalableStateHolder(StateHolderBase):
         One writer at a time admits every node that asked so far, in one write per batch,
         instead of hundreds of nodes racing for the same key with the whole state each."""
         s = self.settings
-        # an exit is asked of the round it leaves (the held one may be the next already)
-        rnd = self._snapshot[0] if kind == "exit" and self._snapshot else self.held.round
+        rnd = self.held.round
         if (
             self._join_round != rnd
-            or self._join_kind != kind
             or time.time() - self._join_beat >= s.keep_alive_interval.total_seconds()
         ):
             self._join_beat = time.time()
             rev, locked = self._etcd.put_join(
                 rnd, self._node, self._join_beat, lock_owner=self._node_key,
-                lock_ttl=ADMISSION_LOCK_TTL, kind=kind,
+                lock_ttl=ADMISSION_LOCK_TTL,
             )  # fmt: skip
             self._renewed = time.monotonic()
             self._join_rev, self._join_round, self._join_waits = rev, rnd, 0
-            self._join_kind = kind
             if locked:
                 self._lock_rev = rev
         elif self._join_waits > 0:
@@ -507,14 +486,15 @@ class ScalableStateHolder(StateHolderBase):
         self._reload()
         return True
 
-    def _reload(self) -> None:
+    def _reload(self, got: tuple[bytes, Any] | None | bool = False) -> None:
         """Read the state again, as :meth:`_load_full` without the keep-alive overlay, but in
         one compare-and-read: a state still at the held revision is not sent again (a node
         whose request the writer has not come to yet, one of a thousand after a node loss,
         reads a few bytes instead of the whole state every few seconds) and is taken from
-        the decode cache."""
+        the decode cache. ``got``: that read, made already."""
         token = self.token
-        got = self._etcd.get_state_since(token) if token is not None else None
+        if got is False:
+            got = self._etcd.get_state_since(token) if token is not None else None
         if got is None:
             self._load_full(overlay=None)
             return
@@ -544,10 +524,8 @@ class ScalableStateHolder(StateHolderBase):
         was_complete = self._snapshot is not None and bool(self._snapshot[1])
         was_round = self._snapshot[0] if self._snapshot is not None else None
         added = 0
-        self._exited = []
         if self._lock_rev:
             self._read_joins()
-            self._apply_requested_exits(self.held)
             added = self._add_requested_joins(self.held)
         meta = _meta(self.held)
         out = self._etcd.set_state(encode_state(self.held), self.token, meta=meta, fetch=False)
@@ -563,12 +541,40 @@ class ScalableStateHolder(StateHolderBase):
                 self._etcd.forget_joins(self.held.round)  # wakes every admitted node
             elif added:
                 self._etcd.forget_join_requests(self.held.round, self._admitted)
-            if self._exited and self._req_round is not None:  # wakes every node let go
-                self._etcd.forget_join_requests(self._req_round, self._exited)
         except RendezvousConnectionError:
             pass  # they expire with the run's lease
         self._done()
         return True
+
+    def _leave(self) -> bool:
+        """This node leaves the complete round it is a participant of and ends it for every
+        node (:meth:`_end_round`); True when its write did it.
+
+        After a node loss every survivor leaves at once, and a thousand compare-and-swaps of
+        the whole state (~20 KB at 1000 nodes), all but one bound to fail, each went through
+        etcd's log: enough to stall a small etcd. So a node first checks that its state is
+        still the newest (a compare-and-read: a few bytes), then takes the admission lock (a
+        small transaction); only its holder writes. Any other node waits on the summary key
+        until the round has ended (at most 2 s), reads the state again (decoded once per
+        process) and torch's exit op finds it out of the round."""
+        token = self.token
+        if token is not None:
+            got = self._etcd.get_state_since(token)
+            if got is None or got[0]:
+                self._reload(got)  # changed meanwhile: torch decides again on the new state
+                return False
+        lock = self._etcd.try_lock_admission(self._node_key, ADMISSION_LOCK_TTL)
+        if lock is None:
+            prefix = f"{self.held.round}|".encode()
+            self._etcd.wait_meta(self._seen_rev, 2.0, lambda meta: not meta.startswith(prefix))
+            self._reload()
+            return False
+        self._lock_rev = lock  # given up by sync() once written
+        self._end_round(self.held)
+        if self._write_state():
+            return True
+        self._reload()
+        return False
 
     def _admit_batches(self) -> None:
         """Holding the admission lock: keep admitting the join requests that come in, one
@@ -577,9 +583,8 @@ class ScalableStateHolder(StateHolderBase):
         up only when no request came after the last read of them (in the same transaction):
         a node whose request met the lock held is admitted by its holder, never left waiting
         for its watch to time out."""
-        exiting = bool(self._exited)  # letting nodes go from a complete round
         start = last = time.monotonic()
-        while not self.held.closed and (exiting or not self.held.complete):
+        while not self.held.closed and not self.held.complete:
             now = time.monotonic()
             if now - last > 1.0 or now - start > ADMISSION_LOCK_TTL - 2.0:
                 released = self._etcd.unlock_admission_if_idle(
@@ -600,12 +605,9 @@ class ScalableStateHolder(StateHolderBase):
             time.sleep(0.2)
             self._read_joins()
             st = self.held
-            if st.complete:  # nodes leaving a complete round (their workers failed)
-                pending = any(n in st.participants for n in self._exits)
-            else:
-                pending = any(
-                    n not in st.participants and n not in st.redundancy_list for n in self._joins
-                )
+            pending = any(
+                n not in st.participants and n not in st.redundancy_list for n in self._joins
+            )
             if not pending:
                 continue
             last = time.monotonic()
@@ -637,13 +639,15 @@ class ScalableStateHolder(StateHolderBase):
                 self._beat_at = self.held.last_heartbeats[self._node]
                 self._etcd.put_heartbeat(self._node_key, self._beat_at.timestamp())
                 self._renewed = time.monotonic()
+                synced = self.last_sync_time
                 self._done()
+                self.last_sync_time = synced  # it read nothing: the next sync may
                 return True
             try:
                 if self._joining() and self._ask_to_join():
                     return False
-                if self._leaving() and self._ask_to_join("exit"):
-                    return False
+                if self._leaving():
+                    return self._leave()
                 ok = self._write_state()
                 if not ok and self._lock_rev:
                     self._join_waits = 1  # lost a race holding the lock: take it again at once
