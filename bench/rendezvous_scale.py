@@ -79,7 +79,10 @@ def _count_requests(client_cls: type) -> None:
 
     def counted_call(self, path, payload, **kw):  # type: ignore[no-untyped-def]
         if os.environ.get("RDZV_SCALE_DETAIL"):  # by key too: kv/txn[state], kv/range[store]...
-            bump(f"{path}[{_key_kind(payload)}]")
+            kind = _key_kind(payload)
+            bump(f"{path}[{kind}]")
+            for _ in range(len(payload.get("success") or []) - 1):  # operations past the first
+                bump(f"ops+[{kind}]")
         else:
             bump(path)
         return call(self, path, payload, **kw)
@@ -468,17 +471,39 @@ def node_loss(
         kid.stdin.flush()  # type: ignore[union-attr]
 
     shown = [0.0]
+    etcd_pid = [
+        int(p)
+        for p in subprocess.run(
+            ["pgrep", "-x", "etcd"], capture_output=True, text=True
+        ).stdout.split()
+    ]
+
+    def _busy() -> dict[str, float]:
+        return {
+            "etcd": sum(_cpu_s(p) for p in etcd_pid),
+            "agents": sum(_cpu_s(k.pid) for k in kids),
+        }
+
+    last: list = [time.monotonic(), _busy()]
 
     def wait_for(cond, limit: float) -> object:  # type: ignore[no-untyped-def]
-        end = time.monotonic() + limit
+        t0 = time.monotonic()
+        end = t0 + limit
         while time.monotonic() < end:
             st = state()
             if st is not None and cond(st):
                 return st
             if progress and st is not None and time.monotonic() - shown[0] >= 1.0:
+                now, cpus = time.monotonic(), _busy()
+                load = " ".join(
+                    f"{k} {(cpus[k] - last[1][k]) / (now - last[0]) * 100:.0f}%" for k in cpus
+                )
+                last[:] = [now, cpus]
                 shown[0] = time.monotonic()
+                print(f"  [{load}]", end="")
                 print(
-                    f"  round={st.round} complete={st.complete} participants="
+                    f"  +{time.monotonic() - t0:5.1f} s round={st.round} complete={st.complete} "
+                    "participants="
                     f"{len(st.participants)} wait={len(st.wait_list)} "
                     f"redundancy={len(st.redundancy_list)}",
                     flush=True,

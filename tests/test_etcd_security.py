@@ -93,7 +93,7 @@ def test_a_pickled_state_never_runs_and_the_rendezvous_writes_over_it(
     hostile = backend._client.put(backend.key, etcd_v3._pack(pickle.dumps(_Evil(marker))))
     handler = etcd_v3.create_rdzv_handler(_params(etcd, "evil"))
     events: list[tuple[str, dict[str, Any]]] = []
-    etcd_v3.report_refused_states(handler, lambda kind, **f: events.append((kind, f)))
+    etcd_v3.report_rdzv_events(handler, lambda kind, **f: events.append((kind, f)))
     caplog.set_level(logging.WARNING)
     try:
         info = _within(handler.next_rendezvous, 60)

@@ -116,6 +116,41 @@ def test_store_ops(etcd: Etcd) -> None:
     # two runs do not see each other's keys
     _, run2 = etcd_v3.create_backend(_params(etcd, "store-2"))
     assert not run2.check(["n"])
+    # every key under a prefix in one read
+    s.multi_set(["under/a", "under/b", "underway"], ["1", "2", "3"])
+    assert s.under("under/") == {"under/a": b"1", "under/b": b"2"}
+
+
+def test_a_reaper_watching_many_beacons_reads_them_in_one_range(etcd: Etcd) -> None:
+    """A spare of a large job watches every node's beacon: past UNDER_FROM beacons the reaper
+    reads the job's beacons in one range (the same values as one read of each)."""
+    from trainguard.core.config.spares import SparesConfig
+    from trainguard.runtime import spares
+
+    h = etcd_v3.create_rdzv_handler(_params(etcd, "beacons", min_nodes=1, max_nodes=400))
+    prefix = f"{spares.BEACON_PREFIX}beacons/"
+    reaper = spares.Reaper(h, SparesConfig(), lambda *a, **k: None, beacon_prefix=prefix)
+    store = h._store  # type: ignore[attr-defined]
+    many = [f"node{i}" for i in range(spares.UNDER_FROM + 50)]
+    store.multi_set([prefix + n for n in many[:-1]], [str(i) for i in range(len(many) - 1)])
+    expected = {n: str(i) for i, n in enumerate(many[:-1])}  # the last one has no beacon
+    client = store._client
+    calls: list[str] = []
+    call = client.call
+    client.call = lambda path, payload, **kw: (calls.append(path), call(path, payload, **kw))[1]
+    assert reaper._beacons(list(many)) == expected
+    assert calls == ["kv/range"]  # one read
+    assert store_values(store, prefix, many) == expected  # as read one by one
+    calls.clear()
+    few = many[:5]
+    assert reaper._beacons(few) == {n: expected[n] for n in few}
+    assert calls == ["kv/txn"]  # a few: one read of those keys
+
+
+def store_values(store: Any, prefix: str, nodes: list[str]) -> dict[str, str]:
+    """One read per key (the reaper's path for a few beacons)."""
+    found = store.existing([prefix + n for n in nodes])
+    return {n: found[prefix + n].decode() for n in nodes if prefix + n in found}
 
 
 def test_atomic_add_from_many_clients(etcd: Etcd) -> None:

@@ -274,9 +274,13 @@ def test_etcd_job_spare_takes_over_by_liveness_beacons(
     step = _steps_after(run_dir, started["time"])[0]
     print(f"etcd-v3: crash of {victim['node']} -> next step {step - t0:.1f} s (workers started "
           f"{started['time'] - t0:.1f} s), load {os.getloadavg()[0]:.1f}")  # fmt: skip
-    # removed from the rendezvous by a beacon's silence, not by torch's keep-alive expiry
-    (dead,) = [e for e in _events(run_dir) if e["kind"] == "node_dead"]
-    assert f"_{victim['pid']}_" in dead["dead_node"] and dead["reason"] == "liveness_silent"
+    # out of the rendezvous by a beacon's silence, or with the round the surviving node ended
+    # for every node when it left it first; not by torch's keep-alive expiry
+    dead = [e for e in _events(run_dir) if e["kind"] == "node_dead"]
+    ended = [e for e in _events(run_dir) if e["kind"] == "rdzv_round_ended"]
+    assert dead or ended, "the lost node never left the rendezvous"
+    for e in dead:
+        assert f"_{victim['pid']}_" in e["dead_node"] and e["reason"] == "liveness_silent"
     assert any(e["kind"] == "spare_joined" for e in _events(run_dir))
     assert c.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED", _log(
         c, tmp_path, job

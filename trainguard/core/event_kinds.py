@@ -121,6 +121,7 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("loss_rollback", ("worker.rollback",), ("bad_step", "duration_s", "from_step", "reason", "restored_step", "resume_step", "rollbacks", "rollbacks_here", "skip"), "The workers rolled back to a checkpoint before a loss anomaly."),
     EventSpec("rollback_exhausted", ("worker.rollback",), ("bad_step", "exitcode", "max_rollbacks", "reason", "rollbacks_here"), "Too many rollbacks at one step: the job stops."),
     # -- security, hang diagnosis and framework integrations ---------------------------------
+    EventSpec("rdzv_round_ended", ("runtime.etcd_v3.handler",), ("left", "round"), "This node left the complete etcd-v3 round first and ended it for every node (left: the other participants taken out with it, a lost node's among them): all join the next round at once."),
     EventSpec("rdzv_state_refused", ("runtime.etcd_v3.handler",), ("key", "reason", "revision"), "The etcd-v3 rendezvous state at this revision was refused (not trainguard's JSON form, corrupt or oversized): treated as empty and written over."),
     EventSpec("chaos_armed", ("runtime.launcher", "worker.api"), ("faults", "spec"), "Faults from TRAINGUARD_CHAOS are armed in this agent (spec and faults) or worker (faults)."),
     EventSpec("collective_progress", ("runtime.agent",), ("rank",), "This rank writes no tg.step() progress: its collectives (torch's flight recorder) are its progress for hang detection."),

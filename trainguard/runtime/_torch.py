@@ -38,6 +38,7 @@ __all__ = [
     "handler_node",
     "handler_settings",
     "handler_state",
+    "handler_state_pending",
     "handler_store",
     "leave_rendezvous",
     "numa_options_of",
@@ -266,6 +267,12 @@ def handler_backend(handler: Any) -> Any:
 def handler_state(handler: Any) -> Any:
     """The :data:`RendezvousState` a dynamic handler last synced (no store read)."""
     return handler._state_holder.state
+
+
+def handler_state_pending(handler: Any) -> bool:
+    """Whether the state a dynamic handler holds has changes of its own not written yet
+    (torch's op changed it in place and its write or the wait for it is under way)."""
+    return bool(getattr(handler._state_holder, "dirty", False))
 
 
 def sync_handler_state(handler: Any) -> Any:

@@ -453,7 +453,7 @@ def launch(
         rdzv_defaults=tg_config.rendezvous.rdzv_conf(),
     )
     ctx.job_store = getattr(spec.rdzv_handler, "job_store", None)
-    etcd_v3.report_refused_states(getattr(spec.rdzv_handler, "_inner", None), events.emit)
+    etcd_v3.report_rdzv_events(getattr(spec.rdzv_handler, "_inner", None), events.emit)
     spare_ctl = spares.attach(spec.rdzv_handler, tg_config.spares, events.emit)
     if isinstance(entrypoint, str):
         ctx.worker_argv = (entrypoint, *map(str, args))

@@ -73,7 +73,7 @@ from trainguard.runtime.etcd_v3.handler import (
     create_rdzv_handler,
     parse_endpoints,
     register,
-    report_refused_states,
+    report_rdzv_events,
 )
 from trainguard.runtime.etcd_v3.holder import ScalableStateHolder
 from trainguard.runtime.etcd_v3.store import EtcdV3Store
@@ -99,5 +99,5 @@ __all__ = [
     "create_rdzv_handler",
     "parse_endpoints",
     "register",
-    "report_refused_states",
+    "report_rdzv_events",
 ]

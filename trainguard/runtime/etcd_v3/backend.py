@@ -71,6 +71,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self.on_refused: Callable[..., Any] | None = None
         """Called as ``on_refused(key=, revision=, reason=)`` once per refused revision (the
         agent emits :data:`STATE_REFUSED_EVENT`); must not raise."""
+        self.on_round_ended: Callable[..., Any] | None = None
+        """Called as ``on_round_ended(round=, left=)`` when this node, leaving a complete round
+        first, ended it for every node (``left``: the other participants it took out of it,
+        the lost node's among them after a node loss); must not raise."""
         self._refused_rev = -1
         self._client = client
         self._key = f"{key_prefix.rstrip('/')}/{run_id}/state"
@@ -365,8 +369,21 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     ) -> tuple[bool, int]:
         """Block until the summary key is written, after revision ``after``, with a value
         ``wanted`` accepts (True), or ``timeout`` passes (False); also the revision of the
-        last write of it seen (a later wait may start there: nothing before it was wanted)."""
+        last write of it seen (a later wait may start there: nothing before it was wanted).
+
+        The watch starts at etcd's current revision and the key is read once it exists (a
+        write before it is seen there): a watch from revision ``after`` would be "unsynced"
+        and make etcd replay every change of every key since then (the liveness beacons
+        alone are a thousand a second at 1000 nodes); a thousand of those at once, each
+        node waiting on the summary after a node loss, kept a 2-core etcd busy for 30 s."""
         last = [after]
+
+        def written() -> bool:
+            found = self._client.get(self._meta_key)
+            if found is None:
+                return True  # gone: the caller reads again
+            last[0] = max(last[0], found[1])
+            return found[1] > after and wanted(found[0])
 
         def check(ev: dict[str, Any]) -> bool:
             kv = ev.get("kv") or {}
@@ -375,9 +392,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             last[0] = max(last[0], int(kv.get("mod_revision", 0) or 0))
             return wanted(_unb64(kv.get("value")))
 
-        changed = self._client.watch(
-            self._meta_key, start_revision=after + 1, timeout=timeout, wanted=check
-        )
+        changed = self._client.watch(self._meta_key, timeout=timeout, wanted=check, changed=written)
         return changed, last[0]
 
     def meta(self) -> bytes | None:
@@ -467,14 +482,16 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return int(out.get("header", {}).get("revision", 0)), locked
 
     def wait_join_admitted(self, round_: int, node: NodeDesc, after: int, timeout: float) -> bool:
-        """Block until this node's join request is deleted after revision ``after`` (the
-        writer admitted it, or the round completed), or ``timeout`` passes."""
+        """Block until this node's join request (put at revision ``after``) is deleted (the
+        writer admitted it, or the round completed), or ``timeout`` passes. The watch starts
+        at etcd's current revision and the request is read once it exists (see
+        :meth:`wait_meta`: a watch from an old revision makes etcd replay every change since)."""
         key = f"{self._join_prefix}{round_}/{node!r}"
         return self._client.watch(
             key,
-            start_revision=after + 1,
             timeout=timeout,
             wanted=lambda ev: ev.get("type") == "DELETE",
+            changed=lambda: self._client.get(key) is None,
         )
 
     def forget_joins(self, round_: int) -> None:

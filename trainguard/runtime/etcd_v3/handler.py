@@ -42,7 +42,7 @@ __all__ = [
     "create_rdzv_handler",
     "parse_endpoints",
     "register",
-    "report_refused_states",
+    "report_rdzv_events",
 ]
 
 logger = logging.getLogger(__name__)
@@ -206,16 +206,18 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     return _torch.QuietKeepAliveHandler(node, settings, backend.name, store, holder)
 
 
-def report_refused_states(handler: Any, emit: Callable[..., Any]) -> None:
+def report_rdzv_events(handler: Any, emit: Callable[..., Any]) -> None:
     """Have the etcd-v3 backend under ``handler`` (torch's dynamic handler) report a refused
-    rendezvous state as ``emit(STATE_REFUSED_EVENT, key=, revision=, reason=)``; a no-op for
-    other backends."""
+    rendezvous state as ``emit(STATE_REFUSED_EVENT, key=, revision=, reason=)`` and a round
+    this node ended for every node (it left it first) as ``emit("rdzv_round_ended", round=,
+    left=)``; a no-op for other backends."""
     try:
         backend = _torch.handler_backend(handler)
     except AttributeError:  # not torch's dynamic handler
         return
     if isinstance(backend, EtcdV3RendezvousBackend):
         backend.on_refused = lambda **fields: emit("rdzv_state_refused", **fields)
+        backend.on_round_ended = lambda **fields: emit("rdzv_round_ended", **fields)
 
 
 def register() -> None:

@@ -570,8 +570,15 @@ class ScalableStateHolder(StateHolderBase):
             self._reload()
             return False
         self._lock_rev = lock  # given up by sync() once written
+        ended, left = self.held.round, len(self.held.participants)
         self._end_round(self.held)
         if self._write_state():
+            report = self._etcd.on_round_ended
+            if report is not None and self.held.round > ended:
+                try:
+                    report(round=ended, left=left)
+                except Exception:  # reporting must never break the rendezvous
+                    logger.debug("on_round_ended failed", exc_info=True)
             return True
         self._reload()
         return False

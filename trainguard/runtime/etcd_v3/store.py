@@ -45,8 +45,8 @@ class EtcdV3Store(dist.Store):
         self._client.put(self._k(key), self._v(value))
 
     def get(self, key: str) -> bytes:
-        """The key's value; a missing key is waited for with a watch on it from the read's
-        revision, whose event carries the value (no second read)."""
+        """The key's value; a missing key is waited for with a watch on it, whose event
+        carries the value."""
         k = self._k(key)
         limit = self.timeout.total_seconds()
         deadline = time.monotonic() + limit
@@ -69,10 +69,16 @@ class EtcdV3Store(dist.Store):
                 put.append(_unb64((ev.get("kv") or {}).get("value")))
                 return True
 
-            revision = int(out.get("header", {}).get("revision", 0))
-            self._client.watch(
-                k, start_revision=revision + 1, timeout=min(deadline - now, 5.0), wanted=written
-            )
+            def there(put: list[bytes] = put) -> bool:
+                kvs = self._client.range(k).get("kvs") or []
+                if kvs:
+                    put.append(_unb64(kvs[0].get("value")))
+                return bool(kvs)
+
+            # from etcd's current revision, the key read again once the watch exists: a watch
+            # from the read's revision would make etcd replay every change since (a thousand
+            # agents waiting for the same key right after a round completes)
+            self._client.watch(k, timeout=min(deadline - now, 5.0), wanted=written, changed=there)
             if put:
                 return put[0]
 
@@ -158,13 +164,13 @@ class EtcdV3Store(dist.Store):
         return missing, revision
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
-        """Block until every key exists: one check, then a watch on the store's keys from
-        that revision (woken by the first write of a missing key), no polling."""
+        """Block until every key exists: one check, then a watch on the store's keys (woken
+        by the first write of a missing key), no polling."""
         limit = (timeout if timeout is not None else self.timeout).total_seconds()
         deadline = time.monotonic() + limit
         pending = list(keys)
         while True:
-            pending, revision = self._missing(pending)
+            pending, _ = self._missing(pending)
             if not pending:
                 return
             now = time.monotonic()
@@ -174,12 +180,12 @@ class EtcdV3Store(dist.Store):
                     f"({self._prefix})"
                 )
             wanted = {_b64(self._k(k)) for k in pending}
-            self._client.watch(
+            self._client.watch(  # from the current revision, checked again once it exists
                 self._prefix,
                 prefix=True,
-                start_revision=revision + 1,
                 timeout=min(deadline - now, 5.0),
                 wanted=lambda ev, w=wanted: (ev.get("kv") or {}).get("key") in w,  # type: ignore[misc]
+                changed=lambda p=pending: not self._missing(p)[0],  # type: ignore[misc]
             )
 
     def check(self, keys: Sequence[str]) -> bool:
@@ -221,6 +227,17 @@ class EtcdV3Store(dist.Store):
                 if kvs:
                     found[k] = _unb64(kvs[0].get("value"))
         return found
+
+    def under(self, prefix: str) -> dict[str, bytes]:
+        """Every key of the store that starts with ``prefix`` and its value, in one read (a
+        range: for many keys several times cheaper for etcd than reading each)."""
+        out = self._client.range(self._k(prefix), prefix=True)
+        skip = len(self._prefix)
+        return {
+            _unb64(kv["key"]).decode()[skip:]: _unb64(kv.get("value"))
+            for kv in out.get("kvs") or []
+            if "key" in kv
+        }
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         ops = [
