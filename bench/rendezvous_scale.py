@@ -23,7 +23,10 @@ beacon and reaper (what ``trainguard run`` attaches); one active agent's process
 and the other active agents join the next round at once (as each does once its workers fail on
 the lost peer). The time from the kill until etcd holds a complete round of N nodes without
 the dead one: ``trainguard_node_loss_rdzv_s_<N>`` (median). Each etcd round also says when its agents were done (p50, p90), their CPU
-and etcd's, and the etcd requests per agent by kind (``RDZV_SCALE_DETAIL=1``: also by key).
+and etcd's, and the etcd requests per agent by kind (``RDZV_SCALE_DETAIL=1``: also by key and
+the operations of multi-key transactions; ``RDZV_SCALE_STACKS=1``: where the node-loss agents
+that have not returned wait). ``--progress`` shows the round filling, with etcd's and the
+agents' CPU.
 
     python bench/rendezvous_scale.py [--sizes 100,300,1000] [--runs 3] [--runs-large 1] [--procs 4]
     RDZV_SCALE_SPARES=1 python bench/rendezvous_scale.py --only etcd --sizes 1000 --runs 10 \
@@ -562,8 +565,12 @@ def node_loss(
         stats = (
             f"ok ({len(ends)} agents back, the last at {ends[-1]:.1f} s"
             + (f" ({late} back from the first round only after the kill)" if late else "")
-            + "; dead node removed by "
-            f"{len(removed)} write(s) {sorted(set(removed))}; agents' CPU {cpu:.1f} s; etcd "
+            + (
+                f"; dead node removed by {len(removed)} write(s) {sorted(set(removed))}"
+                if removed
+                else "; the lost node out with the round a survivor ended"
+            )
+            + f"; agents' CPU {cpu:.1f} s; etcd "
             f"requests per agent: {sum(requests.values()) / n:.1f} ({per}); "
             f"{nbytes / n / 1024:.0f} KiB per agent)"
             if ends
