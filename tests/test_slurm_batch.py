@@ -47,6 +47,9 @@ set -u
 trap 'echo "trainguard: SIGUSR1 (preemption notice)" >&2' USR1
 RUN_ID="${TRAINGUARD_SBATCH_CHAIN_ID:-$SLURM_JOB_ID}"
 export TRAINGUARD_SBATCH_CHAIN_ID="$RUN_ID"
+# a rendezvous of its own per allocation (a requeue, a resubmission): the etcd
+# rendezvous of an earlier one may have been closed when its agents ended
+RDZV_ID="$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"
 export TRAINGUARD_SBATCH_RESUBMITS="${TRAINGUARD_SBATCH_RESUBMITS:-0}"
 RUN_DIR=trainguard-runs/"slurm-$RUN_ID"
 mkdir -p "$RUN_DIR/logs"
@@ -70,7 +73,7 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=0 --no-kill \\
     --output="$RUN_DIR/logs/agent-%j-%t.out" /opt/py/bin/python -m trainguard slurm agent \\
     --nnodes 2:2 \\
     --rdzv-backend c10d --rdzv-endpoint "$RDZV_ADDR:$RDZV_PORT" \\
-    --rdzv-id "$RUN_ID" --rdzv-conf join_timeout=600 \\
+    --rdzv-id "$RDZV_ID" --rdzv-conf join_timeout=600 \\
     --tg-run-dir "$RUN_DIR" \\
     --max-restarts 3 \\
     train.py
@@ -262,7 +265,7 @@ def test_hostile_arguments_stay_inert(tmp_path: Path) -> None:
     assert tail[tail.index("--tg-run-dir") + 1] == run_dir
     assert tail[tail.index("--config") + 1] == str(work / "tg;$(touch PWNED_cfg).toml")
     assert tail[tail.index("--rdzv-endpoint") + 1] == "10.1.2.3:29400"
-    assert tail[tail.index("--rdzv-id") + 1] == "42"
+    assert tail[tail.index("--rdzv-id") + 1] == "42.0"  # job 42, not requeued
     (fin,) = [f for f in rec.glob("python.*")]
     fargv = fin.read_bytes().decode().split("\0")[:-1]
     assert fargv[:4] == ["-m", "trainguard", "slurm", "finish"]

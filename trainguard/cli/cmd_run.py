@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
+from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainguard.core.config import ConfigError
-from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.plugin import AgentExit
+from trainguard.core.procs import exit_now
 from trainguard.runtime import launcher
 from trainguard.testing.chaos import check_env as check_chaos_env
 
-__all__ = ["main", "tgrun_main"]
+__all__ = ["main", "run_job", "tgrun_main"]
 
 
 @record
@@ -23,8 +22,10 @@ def _run(args: argparse.Namespace) -> None:
     launcher.run(args)
 
 
-def main(argv: list[str] | None = None, *, prog: str = "trainguard run") -> None:
-    """Parse torchrun-compatible arguments and run the job; exits like torchrun."""
+def run_job(argv: list[str] | None = None, *, prog: str = "trainguard run") -> int:
+    """Parse torchrun-compatible arguments and run the job; returns its exit code, torchrun's
+    (a failure report is printed as torchrun prints it). Bad input, before anything starts:
+    one line on stderr and ``SystemExit(2)``."""
     parser = launcher.build_parser(prog)
     args = parser.parse_args(argv)
     try:
@@ -35,25 +36,24 @@ def main(argv: list[str] | None = None, *, prog: str = "trainguard run") -> None
         sys.exit(2)
     except AgentExit as e:  # the node left, or the job stopped (policy): one line, its code
         print(f"{prog}: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except SystemExit as e:
-        if e.code in (REQUEUE_EXIT_CODE, DO_NOT_REQUEUE_EXIT_CODE):
-            _exit_now(e.code)
-        raise
+        return e.exit_code
+    except SystemExit as e:  # the requeue codes of a preempted job among them
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except Exception:  # ChildFailedError: the report, as the interpreter would print it
+        sys.excepthook(*sys.exc_info())
+        return 1
+    return 0
 
 
-def _exit_now(code: int) -> None:
-    """Leave with the job's final code once its line is printed and every plugin has finished:
-    without the interpreter's teardown, where torch's C++ threads left by a signal-driven
-    shutdown can abort the process (SIGABRT, "terminate called without an active exception")
-    after the requeue was decided, turning exit 75 into -6."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+def main(argv: list[str] | None = None, *, prog: str = "trainguard run") -> NoReturn:
+    """``trainguard run``: run the job and exit with its code, like torchrun. The process
+    leaves without the interpreter's teardown (:func:`trainguard.core.procs.exit_now`), where
+    torch's C++ threads left by a failed or signal-driven run can abort it and turn the code
+    (1, an excluded node's, the requeue code) into -6."""
+    exit_now(run_job(argv, prog=prog))
 
 
 def tgrun_main() -> None:

@@ -20,6 +20,7 @@ import os
 import sys
 
 from trainguard.core.config import ConfigError, load_config
+from trainguard.core.procs import exit_now
 from trainguard.testing.chaos import CHAOS_ENV
 
 __all__ = ["main"]
@@ -74,20 +75,15 @@ def _agent(argv: list[str], prog: str) -> int:
     from trainguard.cli import cmd_run
 
     watch = _watch_batch_host(dict(env), node, prog)
-    code: int | str | None = 0
     try:
-        cmd_run.main(argv, prog=prog)
-    except SystemExit as e:
-        code = e.code
+        code = cmd_run.run_job(argv, prog=prog)
     finally:
         if watch is not None:
             # the agent ended (with c10d, the store's host is the batch host: a spare waiting
             # for it ends with 0): is the batch shell still there to end the job? Its beacon
             # moves within a second if it is.
             watch.settle(watch.dead_after_s + 2)
-    if code not in (0, None):
-        sys.exit(code)
-    return 0
+    exit_now(code)  # as `trainguard run` leaves: without the interpreter's teardown
 
 
 def _watch_batch_host(env: dict[str, str], node: str, prog: str):  # type: ignore[no-untyped-def]

@@ -1,12 +1,16 @@
-"""Ending a node's worker processes by PID."""
+"""Ending processes: a node's workers by PID, and this process without the interpreter's
+teardown."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
+import sys
+from typing import NoReturn
 
-__all__ = ["kill_ranks"]
+__all__ = ["exit_now", "kill_ranks"]
 
 logger = logging.getLogger(__name__)
 
@@ -24,3 +28,22 @@ def kill_ranks(pids: dict[int, int]) -> list[int]:
         except OSError as e:
             logger.warning("cannot kill rank %d (pid %d): %s", rank, pid, e)
     return killed
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process with ``code`` once its atexit handlers ran and its output is flushed,
+    skipping the interpreter's teardown. After a peer or a worker died, torch's C++ objects
+    (a process group's or a store's threads) can be destroyed during that teardown while their
+    threads still run, and the process then aborts ("terminate called without an active
+    exception", SIGABRT): its decided exit code (0, 1, the requeue code) would read as -6."""
+    try:
+        atexit._run_exitfuncs()  # prints and swallows a handler's exception itself
+    except BaseException:  # noqa: BLE001 - nothing may stand between the process and its code
+        pass
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

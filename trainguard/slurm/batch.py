@@ -30,6 +30,10 @@ worker before its save commits. The batch shell traps the signal too, so ``scanc
 After the step the script hands the outcome to ``trainguard slurm finish``, which ends the job
 (success, or the "do not requeue" exit code), requeues it (exit 75: preempted, checkpoint
 committed) or drains the lost nodes and resubmits the job without them.
+
+The run (its directory, checkpoints and events: ``slurm-<first job id>``) spans the requeues
+and resubmissions of a job; each allocation has a rendezvous id of its own (``<job id>.<restart
+count>``), so a closed or stale etcd rendezvous of an earlier allocation is never joined.
 """
 
 from __future__ import annotations
@@ -173,7 +177,7 @@ class BatchRequest:
             parts.append(f"--rdzv-backend etcd-v3 --rdzv-endpoint {_q(cfg.etcd_endpoint)}")
         else:
             parts.append('--rdzv-backend c10d --rdzv-endpoint "$RDZV_ADDR:$RDZV_PORT"')
-        parts.append(f'--rdzv-id "$RUN_ID" --rdzv-conf join_timeout={cfg.join_timeout_s}')
+        parts.append(f'--rdzv-id "$RDZV_ID" --rdzv-conf join_timeout={cfg.join_timeout_s}')
         parts.append('--tg-run-dir "$RUN_DIR"')
         if self.config_file:
             parts.append(f"--config {_q(self.config_file)}")
@@ -203,6 +207,9 @@ class BatchRequest:
             f"{cfg.signal_name}",
             f'RUN_ID="${{{CHAIN_ENV}:-$SLURM_JOB_ID}}"',
             f'export {CHAIN_ENV}="$RUN_ID"',
+            "# a rendezvous of its own per allocation (a requeue, a resubmission): the etcd",
+            "# rendezvous of an earlier one may have been closed when its agents ended",
+            'RDZV_ID="$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"',
             f'export {RESUBMITS_ENV}="${{{RESUBMITS_ENV}:-0}}"',
             f'RUN_DIR={runs_root}/"slurm-$RUN_ID"',
             'mkdir -p "$RUN_DIR/logs"',

@@ -24,6 +24,7 @@ from trainguard.core.config import ConfigError, load_worker_section, worker_sect
 from trainguard.core.config.telemetry import TelemetryConfig
 from trainguard.core.events import EventLog
 from trainguard.core.failures import peer_failure
+from trainguard.core.procs import exit_now
 from trainguard.core.progress import ProgressWriter, progress_path
 from trainguard.core.rundir import RunDir
 from trainguard.telemetry.spans import TRACEPARENT_ENV, SpanRecorder
@@ -164,7 +165,7 @@ class TrainGuard:
 
     def _install_excepthook(self) -> None:
         """A survivor's collective that failed because a peer rank died is a consequence, not
-        a failure: one line instead of a traceback (other errors keep theirs)."""
+        a failure: one line instead of a traceback and exit 1 (other errors keep theirs)."""
         previous = sys.excepthook
 
         def hook(exc_type: Any, exc: Any, tb: Any) -> None:
@@ -177,6 +178,10 @@ class TrainGuard:
                 file=sys.stderr,
                 flush=True,
             )
+            # exit 1 as the interpreter would, without its teardown: the broken process
+            # group's threads can abort it there (SIGABRT), and a -6 of this survivor, in the
+            # same second as the peer's death, could be reported as the root cause
+            exit_now(1)
 
         sys.excepthook = hook
 
