@@ -63,7 +63,7 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("job_finished", ("runtime.launcher",), ("state",), "This node's launcher ends; ``state`` is a JobState value."),
     EventSpec("rendezvous", ("runtime.agent",), ("duration_s", "group_rank", "group_world_size", "master_addr", "master_port", "members"), "A rendezvous round completed: its members and this node's rank."),
     EventSpec("workers_started", ("runtime.agent",), ("workers", "world_size"), "The local workers started (rank, local rank, pid, warm each)."),
-    EventSpec("worker_failed", ("runtime.agent",), ("cause", "exitcode", "local_rank", "message", "pid", "rank", "root_cause", "signal", "state"), "A worker died; ``root_cause`` marks the earliest failure (torch's rule)."),
+    EventSpec("worker_failed", ("runtime.agent",), ("cause", "exitcode", "local_rank", "message", "pid", "rank", "root_cause", "signal", "state"), "A worker died; ``root_cause`` marks the earliest failure (torch's rule), not counting a survivor's error because a peer rank died."),
     EventSpec("peer_failed", ("runtime.agent",), ("failed_node", "how", "pids", "ranks"), "Another node's workers of this attempt failed (``how``: ``failed``, its agent said so; ``lost``, its liveness beacon went silent): this node's workers were ended at once instead of waiting in their collectives for the process-group timeout."),
     EventSpec("worker_group_unhealthy", ("runtime.agent",), ("state",), "torch found the group unhealthy without a failed worker."),
     EventSpec("restart", ("runtime.agent",), ("max_restarts", "reason", "remaining_restarts"), "The agent restarts its worker group (a failure or a membership change)."),

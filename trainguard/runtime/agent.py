@@ -23,6 +23,7 @@ from trainguard.core.failures import (
     FailureKind,
     WorkerFailure,
     classify_exit,
+    peer_failure_text,
 )
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin, NodeUnhealthyError
 from trainguard.core.procs import kill_ranks
@@ -431,8 +432,6 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         """Events for ``result``'s failures (torch's root cause marked), the requeue and
         do-not-requeue decisions, and the plugins' ``on_failure``."""
         local = {w.global_rank: w.local_rank for w in worker_group.workers}
-        # torch's report names the earliest failure the root cause; so do the events.
-        root = min(result.failures, key=lambda r: result.failures[r].timestamp, default=None)
         failures: list[WorkerFailure] = []
         for rank, f in sorted(result.failures.items()):
             failures.append(
@@ -444,6 +443,18 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
                     pid=f.pid,
                 )
             )
+
+        # torch's report names the earliest failure the root cause; so do the events, but a
+        # survivor's collective error because a peer died (its error file says so) is a
+        # consequence: torch's timestamps are whole seconds, and a survivor often exits in the
+        # same second as the rank whose death it reports
+        def order(f: WorkerFailure) -> tuple[bool, int]:
+            consequence = f.kind is FailureKind.EXCEPTION and bool(
+                f.message and peer_failure_text(f.message)
+            )
+            return consequence, result.failures[f.rank].timestamp
+
+        root = min(failures, key=order).rank if failures else None
         for f in failures:
             self.events.emit(
                 "worker_failed",
