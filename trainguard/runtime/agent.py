@@ -449,9 +449,8 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         # consequence: torch's timestamps are whole seconds, and a survivor often exits in the
         # same second as the rank whose death it reports
         def order(f: WorkerFailure) -> tuple[bool, int]:
-            consequence = f.kind is FailureKind.EXCEPTION and bool(
-                f.message and peer_failure_text(f.message)
-            )
+            # (whatever ended it afterwards: a SIGTERM may reach it while it exits)
+            consequence = bool(f.message and peer_failure_text(f.message))
             return consequence, result.failures[f.rank].timestamp
 
         root = min(failures, key=order).rank if failures else None
