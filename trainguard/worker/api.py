@@ -57,28 +57,18 @@ def _default_run_dir() -> Path:
     return Path(root) / run_id
 
 
-def _write_error_file(exc_type: Any, exc: BaseException, tb: Any) -> None:
-    """Write ``exc`` to this worker's error file (``TORCHELASTIC_ERROR_FILE``) in the format of
-    torch's ``ErrorHandler.record_exception``, with the exception's own traceback."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    import traceback
+def _record_error(exc: BaseException) -> None:
+    """Write ``exc`` to this worker's error file (``TORCHELASTIC_ERROR_FILE``) with torch's
+    ``ErrorHandler``, which takes the traceback of the exception being handled."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-    data = {
-        "message": {
-            "message": f"{exc_type.__name__}: {exc}",
-            "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(exc_type, exc, tb)),
-                "timestamp": str(int(time.time())),
-            },
-        }
-    }
     try:
-        with open(path, "w") as fp:
-            json.dump(data, fp)
-    except OSError as e:
-        logger.warning("trainguard: cannot write the error file %s: %s", path, e)
+        raise exc
+    except BaseException as e:  # noqa: BLE001 - re-raised only to be the one being handled
+        try:
+            ErrorHandler().record_exception(e)
+        except OSError as err:
+            logger.warning("trainguard: cannot write the error file: %s", err)
 
 
 class TrainGuard:
@@ -205,7 +195,7 @@ class TrainGuard:
             # torch's error file says what stopped this rank: the agent reads a consequence
             # there, and names the peer's failure the root cause even when both are seen in
             # the same second
-            _write_error_file(exc_type, exc, tb)
+            _record_error(exc)
             # exit 1 as the interpreter would, without its teardown: the broken process
             # group's threads can abort it there (SIGABRT, exit -6)
             exit_now(1)
