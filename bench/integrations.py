@@ -3,16 +3,20 @@ tiny models, 2 processes, gloo on CPU):
 
 - overhead, by accounting (``bench/hook_cost.py`` runs the example under ``trainguard run``
   and times, on rank 0, the callback's per-step hooks and the CPU of trainguard's threads in
-  the worker, after the first 5 steps): that time as a fraction of the rest of the step,
-  with trainguard's default memory-tier cadence (snapshots stretched to stay within 1 % of a
-  step: ``<fw>_overhead``) and with a snapshot every step (``<fw>_overhead_every_step``, the
-  setting the kill runs use); ``<fw>_hook_us_per_step`` is the same in microseconds. Counting
-  every microsecond of the hooks as added to the step makes it an upper bound;
+  the worker, after the first 5 steps): that time as a fraction of the rest of the step.
+  ``<fw>_overhead``: with trainguard's default memory-tier cadence (its snapshots share a
+  budget of 1 % of a step with the hooks' fixed cost), at batch sizes that make a step last
+  75-100 ms here (``OVERHEAD_RUNS``: about a small model's step on a GPU);
+  ``<fw>_overhead_small_steps``: the same at the examples' own batch sizes (steps of
+  5-20 ms, where the hooks' fixed ~100-300 us alone is 1-3 %); ``<fw>_overhead_every_step``:
+  a snapshot every step (the setting the kill runs use); ``<fw>_hook_us_per_step``: the
+  first in microseconds. Counting every microsecond of the hooks as added to the step makes
+  these upper bounds;
 - the same as a comparison of whole runs, for reference (``<fw>_overhead_ab``): the steady
   time per step (the examples' ``steady:`` line: from the end of step 5 to the end of the
-  last, ``OVERHEAD_STEPS`` steps) with the callback vs the same script without it
-  (``--no-trainguard``, ``[integrations] auto`` off), run in turn ``--repeats`` times,
-  medians. On a shared 2-core machine one such run varies by ±30 %, far more than 1 %;
+  last) with the callback vs the same script without it (``--no-trainguard``,
+  ``[integrations] auto`` off), run in turn ``--repeats`` times, medians. On a shared
+  2-core machine one such run varies by ±30 %, far more than 1 %;
 - a kill -9 of rank 1 some steps after the framework's first checkpoint, under ``trainguard run``
   with the callback and under ``torchrun`` (same script, same callback: its step records give
   both launchers' step times): steps redone and time from the kill to the next completed step.
@@ -21,8 +25,9 @@ tiny models, 2 processes, gloo on CPU):
 
 Prints a table, then one JSON line: ``<fw>_steps_redone``, ``<fw>_kill_to_next_step_s``,
 ``<fw>_torchrun_kill_to_next_step_s`` (null where torchrun's job failed or hung),
-``<fw>_overhead`` (fraction of a step; ``<fw>_overhead_every_step``, ``<fw>_hook_us_per_step``
-and ``<fw>_overhead_ab`` after them) for ``<fw>`` in hf, trl, lightning.
+``<fw>_overhead`` (fraction of a step; ``<fw>_overhead_small_steps``,
+``<fw>_overhead_every_step``, ``<fw>_hook_us_per_step``, ``<fw>_step_ms_with`` and
+``<fw>_overhead_ab`` after them) for ``<fw>`` in hf, trl, lightning.
 """
 
 from __future__ import annotations
@@ -48,8 +53,17 @@ SCRIPTS = {
     "trl": ("trl_grpo.py", 14, 4, 7),
     "lightning": ("lightning_trainer.py", 60, 20, 30),
 }
-OVERHEAD_STEPS = {"hf": 400, "trl": 80, "lightning": 1000}
-"""Steps of each overhead run (the kill runs use ``SCRIPTS``' counts)."""
+OVERHEAD_RUNS = {
+    "hf": (120, ["--batch", "128"]),
+    "trl": (80, []),
+    "lightning": (200, ["--batch", "4096"]),
+}
+"""Steps and arguments of the overhead runs: batches that make a step last 75-100 ms on
+this CPU, about as long as a small model's training step on a GPU (the kill runs use
+``SCRIPTS``' counts, at the examples' own batch sizes)."""
+SMALL_STEPS = {"hf": 400, "lightning": 1000}
+"""Steps of the one overhead run at the examples' own batch sizes (steps of 5-20 ms), for
+``<fw>_overhead_small_steps`` (TRL's own steps are the overhead runs' already)."""
 TIMEOUT_S = 420
 
 
@@ -115,9 +129,9 @@ INTEGRATION_THREADS = ("tg-ckpt-stage", "tg-metrics-flush")
 every worker under ``trainguard run``, with or without it)."""
 
 
-def _hook_cost(work: Path) -> tuple[float, float] | None:
-    """(fraction of a step, microseconds per step) the callback took on rank 0: its hooks'
-    wall time plus its threads' CPU time, against the step without them."""
+def _hook_cost(work: Path) -> tuple[float, float, float] | None:
+    """(fraction of a step, microseconds per step, seconds per step) the callback took on
+    rank 0: its hooks' wall time plus its threads' CPU time, against the step without them."""
     try:
         d = json.loads((work / "hook_cost.json").read_text())
     except (OSError, ValueError):
@@ -130,7 +144,7 @@ def _hook_cost(work: Path) -> tuple[float, float] | None:
         if name.startswith(INTEGRATION_THREADS)
     ) / n  # fmt: skip
     spent = hooks + threads
-    return spent / (step_s - spent), spent * 1e6
+    return spent / (step_s - spent), spent * 1e6, step_s
 
 
 def _steps(run: Path, rank: int) -> list[dict[str, Any]]:
@@ -165,15 +179,15 @@ EVERY_STEP = {"TRAINGUARD_CHECKPOINT_MEMORY_MAX_STALL_FRACTION": "0"}
 def bench(fw: str, root: Path, repeats: int = 3, kills: bool = True) -> dict[str, Any]:
     script, steps, save, kill_at = SCRIPTS[fw]
     out: dict[str, Any] = {}
-    n = OVERHEAD_STEPS[fw]
-    base = ["--steps", str(n), "--save-steps", str(n * 10)]
+    n, size = OVERHEAD_RUNS[fw]
+    base = ["--steps", str(n), "--save-steps", str(n * 10), *size]
     variants = (
         ("without", ["--no-trainguard"], _env(TRAINGUARD_INTEGRATIONS_AUTO="false")),
         ("with", [], _env()),
         ("with_every_step", [], _env(**EVERY_STEP)),
     )
     t: dict[str, list[float]] = {name: [] for name, _, _ in variants}
-    cost: dict[str, list[tuple[float, float]]] = {"with": [], "with_every_step": []}
+    cost: dict[str, list[tuple[float, float, float]]] = {"with": [], "with_every_step": []}
     for i in range(repeats):  # in turn, so that a slow phase of the machine hits all three
         for name, extra, env in variants:
             work = root / f"{fw}-{name}-{i}"
@@ -189,12 +203,24 @@ def bench(fw: str, root: Path, repeats: int = 3, kills: bool = True) -> dict[str
     a, b = med["with"], med["without"]
     out["overhead_ab"] = round((a - b) / b, 4) if a and b else None
     for name, key in (("with", "overhead"), ("with_every_step", "overhead_every_step")):
-        out[key] = round(statistics.median(f for f, _ in cost[name]), 4) if cost[name] else None
+        out[key] = round(statistics.median(c[0] for c in cost[name]), 4) if cost[name] else None
     out["hook_us_per_step"] = (
-        round(statistics.median(us for _, us in cost["with"]), 1) if cost["with"] else None
+        round(statistics.median(c[1] for c in cost["with"]), 1) if cost["with"] else None
     )
-    out["hook_cost_runs"] = {k: [(round(f, 4), round(us, 1)) for f, us in v]
+    out["hook_cost_runs"] = {k: [(round(f, 4), round(us, 1)) for f, us, _ in v]
                              for k, v in cost.items()}  # fmt: skip
+    small = SMALL_STEPS.get(fw)
+    if small is None:
+        out["overhead_small_steps"] = out["overhead"]
+    else:
+        work = root / f"{fw}-small"
+        work.mkdir()
+        args = ["--steps", str(small), "--save-steps", str(small * 10)]
+        _launch("trainguard", work, script, args, _env(), account=True)
+        c = _hook_cost(work)
+        out["overhead_small_steps"] = round(c[0], 4) if c else None
+        out["small_step_ms"] = round(c[2] * 1000, 2) if c else None
+    out["step_ms_with"] = round(med["with"] * 1000, 2) if med["with"] else None
     if not kills:
         return out
     kill = ["--steps", str(steps), "--save-steps", str(save), "--fail-at-step", str(kill_at)]
@@ -233,7 +259,8 @@ def main() -> None:
             summary[f"{fw}_torchrun_steps_redone"] = r.get("torchrun_steps_redone")
             summary[f"{fw}_overhead"] = r.get("overhead")
         for fw in args.frameworks.split(","):
-            for key in ("overhead_every_step", "hook_us_per_step", "overhead_ab"):
+            for key in ("overhead_small_steps", "overhead_every_step", "hook_us_per_step",
+                        "step_ms_with", "overhead_ab"):  # fmt: skip
                 summary[f"{fw}_{key}"] = results[fw].get(key)
     print(json.dumps(summary), flush=True)
 

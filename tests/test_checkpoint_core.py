@@ -406,6 +406,12 @@ def test_kill_9_of_the_persister_process_fails_one_save_and_training_goes_on(
     for step in range(6):
         _torn_step(m, opt, step)
         outcomes[step + 1] = mgr.save(step + 1, {"model": m, "optim": opt}).wait(timeout=120)
+        if step + 1 == 4 and fault.get("kill_at") == "retention":
+            # the kill comes after the reply, while the persister deletes step 2: let it land
+            # before step 5 (sent to a persister about to die, step 5 would fail instead)
+            proc = mgr._pipeline.supervisor.proc
+            assert proc is not None
+            proc.proc.wait(timeout=60)
         if step + 1 == 4:  # right after the kill: latest names an exact, loadable checkpoint
             monkeypatch.delenv("TRAINGUARD_TEST_CHECKPOINT_FAULT")
             m2, opt2 = _torn_model()

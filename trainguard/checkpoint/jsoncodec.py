@@ -62,8 +62,18 @@ def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode("ascii")
 
 
-def _enc(o: Any, path: str) -> Any:
-    if o is None or isinstance(o, bool | str | int):
+def _path_text(path: Any) -> str:
+    """``a.b[2].c`` from the chain ``(((None, "a"), "b"), 2), "c")`` built while encoding."""
+    parts: list[str] = []
+    while path is not None:
+        path, key = path
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    return "".join(reversed(parts)).removeprefix(".")
+
+
+def _enc(o: Any, path: Any) -> Any:
+    tp = type(o)
+    if tp is str or tp is int or o is None or tp is bool or isinstance(o, bool | str | int):
         return o
     if isinstance(o, float):
         return o if math.isfinite(o) else {"$float": repr(o)}
@@ -73,12 +83,12 @@ def _enc(o: Any, path: str) -> Any:
         if all(type(v) is int for v in o):  # e.g. Python's RNG state: 625 ints, every snapshot
             items = list(o)
         else:
-            items = [_enc(v, f"{path}[{i}]") for i, v in enumerate(o)]
+            items = [_enc(v, (path, i)) for i, v in enumerate(o)]
         return items if isinstance(o, list) else {"$tuple": items}
     if isinstance(o, dict):
         if all(isinstance(k, str) and not k.startswith("$") for k in o):
-            return {k: _enc(v, f"{path}.{k}") for k, v in o.items()}
-        return {"$dict": [[_enc(k, path), _enc(v, f"{path}.{k}")] for k, v in o.items()]}
+            return {k: _enc(v, (path, k)) for k, v in o.items()}
+        return {"$dict": [[_enc(k, path), _enc(v, (path, k))] for k, v in o.items()]}
     for tag, (cls, to_json, _) in _REF_TYPES.items():
         if isinstance(o, cls):
             return {f"${tag}": to_json(o)}
@@ -114,7 +124,7 @@ def _enc(o: Any, path: str) -> Any:
         if isinstance(o, np.generic):
             return _enc(o.item(), path)
     raise TypeError(
-        f"checkpoint state at {path or '<root>'} holds a {type(o).__qualname__}, which trainguard "
+        f"checkpoint state at {_path_text(path) or '<root>'} holds a {type(o).__qualname__}, which trainguard "
         "does not store as metadata: put tensors, numbers, strings, bytes, lists and dicts in "
         "the state (convert other objects with their own state_dict()/to_dict())"
     )
@@ -172,7 +182,7 @@ def _dec(o: Any) -> Any:
 
 def dumps(obj: Any) -> str:
     """Encode ``obj`` as a JSON string; ``TypeError`` for types that are not supported."""
-    return json.dumps(_enc(obj, ""), separators=(",", ":"), allow_nan=False)
+    return json.dumps(_enc(obj, None), separators=(",", ":"), allow_nan=False)
 
 
 def loads(text: str | bytes) -> Any:

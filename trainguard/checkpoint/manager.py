@@ -543,12 +543,21 @@ class CheckpointManager:
             self._emit("checkpoint_interval", interval_s=round(tau, 3), stall_s=stall, mtbf_s=mtbf)
         logger.info("checkpoint interval %.1f s (stall %.3f s, MTBF %.0f s)", tau, stall, mtbf)
 
+    def record_step_overhead(self, seconds: float) -> None:
+        """trainguard's whole time on the training thread in one step, snapshot included (a
+        framework integration's hooks, reported once per step after ``maybe_save``): the
+        memory tier's cadence then keeps all of it within ``memory_max_stall_fraction``."""
+        self.memory_cadence.record_overhead(seconds)
+
     def _memory_cadence_changed(self, every: int, stall: float, step: float) -> None:
+        fixed = self.memory_cadence.fixed_s
         logger.info(
-            "memory tier every %d steps (stall %.4f s, step %.4f s, at most %g of training)",
+            "memory tier every %d steps (stall %.4f s, step %.4f s, fixed cost %s s, "
+            "at most %g of training)",
             every,
             stall,
             step,
+            "unmeasured" if fixed is None else f"{fixed:.6f}",
             self.memory_cadence.max_fraction,
         )
         if self.rank == 0:
@@ -557,6 +566,7 @@ class CheckpointManager:
                 every_steps=every,
                 stall_s=round(stall, 6),
                 step_s=round(step, 6),
+                fixed_s=None if fixed is None else round(fixed, 6),
                 max_stall_fraction=self.memory_cadence.max_fraction,
             )
 

@@ -4,10 +4,18 @@ A restart redoes the steps since the newest snapshot every rank holds, so a snap
 step bounds the loss at one step (in-process and fast restarts). A snapshot's stall is a host
 copy (plus, on a GPU, nothing the training stream waits for), usually a small fraction of a
 step; where it is not (a huge state, short steps), snapshotting every step would cost more
-than the steps it saves. :class:`MemoryCadence` measures both, the median stall of recent
-memory-only snapshots and the median wall time of a step (between ``maybe_save`` calls, the
-stall taken out), and stretches the configured ``memory_every_steps`` to the smallest
-interval whose stall stays within ``memory_max_stall_fraction`` of the training time.
+than the steps it saves. :class:`MemoryCadence` measures both, the median cost of recent
+memory-only snapshots (the training thread's stall plus the stager thread's CPU time: on a
+CPU it shares the cores with training) and the mean wall time of a step (between
+``maybe_save`` calls, the stall taken out), and stretches the configured
+``memory_every_steps`` to the smallest interval whose cost stays within
+``memory_max_stall_fraction`` of the training time.
+
+Where a caller reports trainguard's whole time on the training thread at each step
+(:meth:`MemoryCadence.record_overhead`: a framework integration times its own hooks), the
+fraction is trainguard's budget as a whole: the snapshots get what the fixed per-step cost
+(the mean over recent steps without a snapshot: heartbeat, metrics, the ranks' agreements)
+leaves of it, and never less than :data:`MIN_SNAPSHOT_SHARE` of it.
 """
 
 from __future__ import annotations
@@ -25,6 +33,23 @@ WINDOW = 32
 MIN_SAMPLES = 5
 """Measurements needed before the cadence departs from the configured interval."""
 MAX_EVERY = 10_000
+AIM = 0.9
+"""The share of the budget the cadence aims at (its measurements are medians and means of a
+noisy machine: aiming at all of it would go over about half the time)."""
+MIN_SNAPSHOT_SHARE = 0.25
+"""The share of the budget the snapshots keep however much the fixed per-step cost takes."""
+
+
+def _rung(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32... (four rungs per
+    doubling from 4 on) that is at least ``n``."""
+    if n <= 4:
+        return max(n, 1)
+    base = 1 << (n.bit_length() - 3)  # n in [4 base, 8 base)
+    for k in (4, 5, 6, 8):
+        if k * base >= n:
+            return k * base
+    return 8 * base
 
 
 class MemoryCadence:
@@ -50,6 +75,10 @@ class MemoryCadence:
         self._last_call: float | None = None
         self._stall_since_call = 0.0
         self._last_snapshot: int | None = None
+        self._overheads: deque[float] = deque(maxlen=WINDOW)
+        self._snapshot_hooks: deque[float] = deque(maxlen=WINDOW)
+        self._snapshot_outside: deque[float] = deque(maxlen=WINDOW)
+        self._snapshot_pending = False
 
     def due(self, step: int) -> bool:
         """Called once per step boundary (``maybe_save``): snapshot now?"""
@@ -86,20 +115,62 @@ class MemoryCadence:
 
     def snapshotted(self, step: int) -> None:
         self._last_snapshot = step
+        self._snapshot_pending = True
 
-    def record_stall(self, stall_s: float) -> None:
-        """The stall of one memory-only snapshot (the training time it took)."""
+    def record_overhead(self, seconds: float) -> None:
+        """trainguard's time on the training thread at one step, whatever it did (called
+        once per step, after ``maybe_save``): a step without a snapshot measures the fixed
+        cost the snapshots' budget is shared with, a step with one what the snapshot took
+        beyond it."""
+        if self._snapshot_pending:
+            self._snapshot_pending = False
+            fixed = self.fixed_s
+            if fixed is not None:
+                self._snapshot_hooks.append(max(seconds - fixed, 0.0))
+            return
+        self._overheads.append(seconds)
+        if len(self._overheads) % 8 == 0:
+            self._adapt()
+
+    @property
+    def fixed_s(self) -> float | None:
+        """The mean fixed cost per step reported through :meth:`record_overhead`."""
+        if len(self._overheads) < MIN_SAMPLES:
+            return None
+        return statistics.fmean(self._overheads)
+
+    def record_stall(
+        self, stall_s: float, *, background_s: float = 0.0, in_step_s: float = 0.0
+    ) -> None:
+        """The stall of one memory-only snapshot (the training time it took; ``in_step_s``
+        of it inside the training step, not in a call to trainguard), and the CPU time a
+        background thread spent on it (budgeted with it, not part of the step)."""
         self._stall_since_call += stall_s
-        self._stalls.append(stall_s)
+        self._stalls.append(stall_s + background_s)
+        self._snapshot_outside.append(in_step_s + background_s)
         self._adapt()
 
     @property
     def stall_s(self) -> float | None:
+        """A snapshot's cost: where the hooks' time is reported, what a snapshot step took in
+        them beyond the fixed cost, plus what it took outside them (the stall inside the
+        step, the stager's CPU); else its stall plus the stager's CPU. Medians."""
+        if self._snapshot_hooks and self._snapshot_outside:
+            return statistics.median(self._snapshot_hooks) + statistics.median(
+                self._snapshot_outside
+            )
         return statistics.median(self._stalls) if self._stalls else None
 
     @property
     def step_s(self) -> float | None:
-        return statistics.median(self._steps) if self._steps else None
+        """The mean time of a recent step, the longest eighth left out (an evaluation or a
+        persist in one step does not stretch the budget of the next ones): a mean, since
+        the budget is a share of the training time, and steps of a job can alternate
+        between two durations (a median would then take the shorter)."""
+        if not self._steps:
+            return None
+        kept = sorted(self._steps)[: len(self._steps) - len(self._steps) // 8]
+        return statistics.fmean(kept)
 
     def _adapt(self) -> None:
         if self.base <= 0 or self.max_fraction <= 0:
@@ -108,9 +179,15 @@ class MemoryCadence:
             return
         stall, step = self.stall_s, self.step_s
         assert stall is not None and step is not None
-        # stall / (every * step) <= fraction  →  every >= stall / (fraction * step)
-        need = math.ceil(stall / (self.max_fraction * max(step, 1e-9)) - 1e-9)
-        every = min(max(self.base, need), MAX_EVERY)
+        # stall / every <= share of fraction * step  →  every >= stall / share
+        budget = AIM * self.max_fraction * max(step, 1e-9)
+        share = max(budget - (self.fixed_s or 0.0), budget * MIN_SNAPSHOT_SHARE)
+        need = max(self.base, math.ceil(stall / share - 1e-9))
+        every = self.every
+        # stretched to the next rung of a ladder (steps of about 1/4), shortened only when a
+        # lower rung is clearly enough: noisy measurements do not move it back and forth
+        if need > every or (need < every and need <= every * 0.7):
+            every = min(_rung(need), MAX_EVERY) if need > self.base else self.base
         if every != self.every:
             self.every = every
             if self._on_change is not None:

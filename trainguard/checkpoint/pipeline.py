@@ -18,7 +18,6 @@ The collective decisions around it (persist now? skip?) are the manager's
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -82,6 +81,10 @@ class SaveResult:
         self.timed_out = False
         """The persist did not finish within ``persist_timeout_s``: declared failed."""
         self.stall_s = 0.0
+        self.staging_cpu_s = 0.0
+        """CPU time the stager thread spent on this save's copies and snapshot metadata."""
+        self.in_step_stall_s = 0.0
+        """The part of ``stall_s`` waited inside the training step (the optimizer's step)."""
         self.persist_s = 0.0
         self.commit_s = 0.0
         self.num_bytes = 0
@@ -104,6 +107,18 @@ class SaveResult:
             return False
         self.done.wait(timeout)
         return self.committed
+
+
+def _copy_all(pairs: CopyPairs) -> None:
+    """``dst.copy_(src)`` for every pair, in one call for the tensors of one device (a
+    snapshot holds hundreds of small tensors: a call each is mostly interpreter time, which
+    the training thread would wait for)."""
+    cpu = [(s, d) for s, d in pairs if not s.is_cuda and not d.is_cuda]
+    if cpu:
+        torch._foreach_copy_([d for _, d in cpu], [s for s, _ in cpu])
+    for src, dst in pairs:
+        if src.is_cuda or dst.is_cuda:
+            dst.copy_(src)
 
 
 class SavePipeline:
@@ -167,8 +182,7 @@ class SavePipeline:
         sd["_trainguard_step"] = step
         if self.config.capture_rng:
             sd[rng_key(self.rank)] = rng_state()
-        skeleton, tensors = flatten(sd)
-        skeleton = copy.deepcopy(skeleton)  # non-tensor leaves as of now
+        skeleton, tensors = flatten(sd, copy_leaves=True)  # non-tensor leaves as of now
         layout = Layout.of(tensors)
         slot = self._acquire_slot(layout)
         slot.invalidate()
@@ -227,8 +241,7 @@ class SavePipeline:
             # GPU: the optimizer's kernels will wait for the copy stream (no CPU block), so
             # the few CPU tensors of the optimizer (step counters) are copied right now.
             event = self._issue_cuda_copies(cuda_late)
-            for src, dst in late:
-                dst.copy_(src)
+            _copy_all(late)
             late = []
         if any(t.is_cuda for t in tensors) and event is None:
             torch.cuda.current_stream().synchronize()
@@ -256,14 +269,15 @@ class SavePipeline:
         infos: list[Any],
         t0: float,
     ) -> None:
-        for src, dst in late:
-            dst.copy_(src)
+        c0 = time.thread_time()
+        _copy_all(late)
         if event is not None:
             event.synchronize()
         self.faults.point("staged", result.step, self.rank)
         slot.publish(
             step=result.step, rank=self.rank, world_size=self.world_size, skeleton=skeleton
         )
+        result.staging_cpu_s = time.thread_time() - c0
         result._staged.set()
         if result.persist:
             self._persister.submit(self._persist_safe, result, slot, skeleton, infos, t0)
@@ -277,10 +291,11 @@ class SavePipeline:
             torch.cuda.current_stream().wait_event(self._cuda_event)
             self._cuda_event = None
             return
-        self.wait_staged()
+        self.wait_staged(in_step=True)
 
-    def wait_staged(self) -> None:
-        """Block until the last save's copy is complete."""
+    def wait_staged(self, *, in_step: bool = False) -> None:
+        """Block until the last save's copy is complete (``in_step``: inside the training
+        step, at the optimizer step, not in a call to trainguard)."""
         fut = self._staging
         if fut is None:
             return
@@ -288,7 +303,10 @@ class SavePipeline:
         fut.result()
         self._staging = None
         if self._staging_result is not None:
-            self._staging_result.stall_s += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            self._staging_result.stall_s += waited
+            if in_step:
+                self._staging_result.in_step_stall_s += waited
             self._record_stall(self._staging_result)
 
     def _record_stall(self, result: SaveResult) -> None:
@@ -296,7 +314,10 @@ class SavePipeline:
         self._metric(step=result.step, checkpoint_stall_s=result.stall_s)
         self.interval.record_stall(result.stall_s)
         if not result.persist:
-            self.memory_cadence.record_stall(result.stall_s)
+            # the stager's CPU time too: it shares the cores (and the interpreter) with training
+            self.memory_cadence.record_stall(
+                result.stall_s, background_s=result.staging_cpu_s, in_step_s=result.in_step_stall_s
+            )
 
     def discard_after(self, step: int) -> None:
         """Invalidate the snapshots of steps after ``step`` (none of them persisting)."""

@@ -15,6 +15,7 @@ so a crash at any point leaves either a complete snapshot or none in that slot.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import json
 import logging
@@ -63,8 +64,13 @@ class _DTensorInfo:
     stride: tuple[int, ...]
 
 
-def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
-    """Replace every tensor in a nest of dicts/lists/tuples by a ``_Ref``; return (skeleton, tensors)."""
+_IMMUTABLE = frozenset({int, float, str, bytes, bool, complex, type(None)})
+
+
+def flatten(obj: Any, *, copy_leaves: bool = False) -> tuple[Any, list[torch.Tensor]]:
+    """Replace every tensor in a nest of dicts/lists/tuples by a ``_Ref``; return (skeleton,
+    tensors). The skeleton's containers are new; ``copy_leaves``: so are its mutable
+    non-tensor leaves (deep copies: the skeleton keeps their values as of now)."""
     tensors: list[torch.Tensor] = []
 
     def walk(o: Any) -> Any:
@@ -77,6 +83,8 @@ def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
             return [walk(v) for v in o]
         if isinstance(o, tuple):
             return tuple(walk(v) for v in o)
+        if copy_leaves and type(o) not in _IMMUTABLE:
+            return copy.deepcopy(o)
         return o
 
     return walk(obj), tensors

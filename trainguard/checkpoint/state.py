@@ -189,11 +189,13 @@ def rng_key(rank: int) -> str:
 
 
 class _RngCache:
-    """The JSON of the Python and NumPy generator states last encoded: most training loops do
-    not draw from them between snapshots, and the memory tier snapshots every step."""
+    """The JSON of the Python, NumPy and torch CPU generator states last encoded: many
+    training loops do not draw from them between snapshots, and the memory tier snapshots
+    every step."""
 
     python: tuple[Any, str] | None = None
     numpy: tuple[Any, str] | None = None
+    torch: tuple[Any, str] | None = None
 
 
 def _encoded(kind: str, state: Any, same: Any) -> str:
@@ -215,7 +217,7 @@ def rng_state() -> bytes:
     """Every generator's state as JSON bytes (what :func:`set_rng_state` restores)."""
     parts = [
         ("python", _encoded("python", random.getstate(), lambda a, b: a == b)),
-        ("torch", jsoncodec.dumps(torch.get_rng_state())),
+        ("torch", _encoded("torch", torch.get_rng_state(), torch.equal)),
     ]
     try:
         import numpy as np

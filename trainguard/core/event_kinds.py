@@ -82,7 +82,7 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("checkpoint_restored", ("checkpoint.restore",), ("disk_steps", "duration_s", "memory_steps", "rank", "source", "step"), "The state was restored (source: memory, peer or disk)."),
     EventSpec("checkpoint_corrupt", ("checkpoint.restore",), ("error", "path", "step"), "A checkpoint failed its checks; the previous one is tried."),
     EventSpec("checkpoint_interval", ("checkpoint.manager",), ("interval_s", "mtbf_s", "stall_s"), "The automatic checkpoint interval changed (goodput planner's optimum)."),
-    EventSpec("checkpoint_memory_cadence", ("checkpoint.manager",), ("every_steps", "max_stall_fraction", "stall_s", "step_s"), "How often the memory tier is written, from the measured stall."),
+    EventSpec("checkpoint_memory_cadence", ("checkpoint.manager",), ("every_steps", "fixed_s", "max_stall_fraction", "stall_s", "step_s"), "How often the memory tier is written, from the measured stall (and the fixed per-step cost a framework integration reports)."),
     EventSpec("checkpoint_memory_tier_disabled", ("checkpoint.pipeline",), ("error", "rank"), "The memory tier could not be used on this rank."),
     EventSpec("checkpoint_memory_tier_serving", ("checkpoint.memtier.plugin",), ("host", "port"), "The node's memory-tier replication server listens."),
     EventSpec("checkpoint_memory_filled", ("checkpoint.memtier.plugin",), ("bytes", "duration_s", "rank", "snapshot_source", "source", "step", "steps"), "After a rendezvous, a rank's memory tier was filled from a peer."),

@@ -12,7 +12,14 @@ from typing import Any
 from trainguard.core.contract import METRICS
 from trainguard.worker.api import RESERVED_LOG_KEYS, TrainGuard
 
-__all__ = ["MetricMapper", "SafeTelemetry", "StepBeat", "batch_amounts", "flops_per_token"]
+__all__ = [
+    "MetricMapper",
+    "SafeTelemetry",
+    "StepBeat",
+    "batch_amounts",
+    "flops_per_token",
+    "report_overhead",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +224,18 @@ class StepBeat:
             cm.__exit__(None, None, None)
         except Exception:
             self._t.failed("the step record")
+
+
+def report_overhead(telemetry: SafeTelemetry | None, ckpt: Any, seconds: float) -> None:
+    """Tell the checkpoint manager the time one step spent in the integration's hooks (its
+    memory-tier cadence keeps the whole of it within its budget)."""
+    if ckpt is None:
+        return
+    try:
+        ckpt.record_step_overhead(seconds)
+    except Exception:
+        if telemetry is not None:
+            telemetry.failed("reporting the hooks' time")
 
 
 def _tensor_of(batch: Any, name: str) -> Any:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import time
 from typing import Any
 
 from transformers import TrainerCallback
@@ -40,6 +41,7 @@ from trainguard.integrations.common import (
     StepBeat,
     batch_amounts,
     flops_per_token,
+    report_overhead,
 )
 
 __all__ = ["TrainGuardCallback"]
@@ -86,6 +88,7 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
         self._tokens_seen: int | None = None
         self._lag_tokens: int | None = None
         self._preempted = False
+        self._spent = 0.0  # this step's time in the hooks so far
         self.resumed_step: int | None = None
         """The step restored from trainguard's snapshot at ``on_train_begin``, or None."""
 
@@ -181,6 +184,10 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self._beat is None:
             return
+        t0 = time.perf_counter()
+        if self._spent:  # the last step's hooks (on_log comes after on_step_end)
+            report_overhead(self._t, self._ckpt, self._spent)
+            self._spent = 0.0
         if self._rng is not None:
             from trainguard.checkpoint.state import set_rng_state
 
@@ -197,10 +204,19 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
             flops = self._fpt * tokens if self._fpt else None
         self._tokens_seen = getattr(state, "num_input_tokens_seen", None)
         self._beat.begin(int(state.global_step), tokens=tokens, samples=samples, flops=flops)
+        self._spent += time.perf_counter() - t0
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
         if self._beat is None:
             return None
+        t0 = time.perf_counter()
+        try:
+            return self._step_end(state, control)
+        finally:
+            self._spent += time.perf_counter() - t0
+
+    def _step_end(self, state: Any, control: Any) -> Any:
+        assert self._beat is not None
         seen = getattr(state, "num_input_tokens_seen", None)
         if seen and self._tokens_seen is not None and seen > self._tokens_seen:
             self._lag_tokens = int(seen - self._tokens_seen)  # the next step's estimate
@@ -233,12 +249,14 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
         # every rank gets the same (reduced) values: one series, from rank 0
         if self._t is None or not logs or not state.is_world_process_zero:
             return
+        t0 = time.perf_counter()
         try:
             metrics = self._mapper.map(logs)
         except Exception:
             self._t.failed("mapping metrics")
             return
         self._t.log(int(state.global_step), metrics)
+        self._spent += time.perf_counter() - t0
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self._beat is not None:

@@ -40,6 +40,7 @@ from trainguard.integrations.common import (
     StepBeat,
     batch_amounts,
     flops_per_token,
+    report_overhead,
 )
 
 __all__ = ["TrainGuardCallback", "callback_class"]
@@ -87,6 +88,7 @@ class _Mixin:
         self._state: dict[str, Any] = {}
         self._fpt: float | None = None
         self._next_log = 0.0  # monotonic time of the next metrics record
+        self._spent = 0.0  # this step's time in the hooks so far
         self.resumed_step: int | None = None
         """The step restored from trainguard's snapshot at ``on_train_start``, or None."""
 
@@ -148,6 +150,10 @@ class _Mixin:
     ) -> None:
         if self._beat is None or self._beat.open:
             return
+        t0 = time.perf_counter()
+        if self._spent:  # the last step's hooks
+            report_overhead(self._t, self._ckpt, self._spent)
+            self._spent = 0.0
         try:
             tokens, samples, seq = batch_amounts([batch])
         except Exception:
@@ -158,6 +164,7 @@ class _Mixin:
                 self._fpt = flops_per_token(pl_module, seq)
             flops = self._fpt * tokens if self._fpt else None
         self._beat.begin(int(trainer.global_step), tokens=tokens, samples=samples, flops=flops)
+        self._spent += time.perf_counter() - t0
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -168,7 +175,15 @@ class _Mixin:
         step = int(trainer.global_step)
         if step <= beat.step:  # gradient accumulation: the optimizer has not stepped yet
             return
-        beat.end()
+        t0 = time.perf_counter()
+        try:
+            self._step_end(trainer, outputs, step)
+        finally:
+            self._spent += time.perf_counter() - t0
+
+    def _step_end(self, trainer: Any, outputs: Any, step: int) -> None:
+        assert self._beat is not None
+        self._beat.end()
         self._log(trainer, outputs, step)
         if self._ckpt is None:
             return
