@@ -5,7 +5,7 @@ costs the training thread, by accounting instead of by comparing two runs (which
 
 - the CPU time (``time.thread_time``) and wall time spent inside the callback's per-step hooks
   (Lightning ``on_train_batch_start/end``; transformers ``on_step_begin/end``, ``on_log``,
-  ``on_save``), after the first ``SKIP`` steps;
+  ``on_save``), after the first ``SKIP`` steps (``$HOOK_COST_SKIP``, default 5);
 - the CPU time of trainguard's own threads in the worker (``tg-*``, ``trainguard-*``: the
   snapshot stager, the metrics flusher, the heartbeat and collectives watchers), sampled from
   ``/proc`` every 0.5 s;
@@ -30,7 +30,8 @@ import threading
 import time
 from typing import Any
 
-SKIP = 5
+SKIP = int(os.environ.get("HOOK_COST_SKIP", "5"))
+"""Steps left out first (``HOOK_COST_SKIP``; default 5)."""
 HOOKS = {
     "lightning": ("on_train_batch_start", "on_train_batch_end"),
     "hf": ("on_step_begin", "on_step_end", "on_log", "on_save"),

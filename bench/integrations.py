@@ -3,7 +3,8 @@ tiny models, 2 processes, gloo on CPU):
 
 - overhead, by accounting (``bench/hook_cost.py`` runs the example under ``trainguard run``
   and times, on rank 0, the callback's per-step hooks and the CPU of trainguard's threads in
-  the worker, after the first 5 steps): that time as a fraction of the rest of the step.
+  the worker, after the first ``SETTLE_STEPS``): that time as a fraction of the rest of the
+  step.
   ``<fw>_overhead``: with trainguard's default memory-tier cadence (its snapshots share a
   budget of 1 % of a step with the hooks' fixed cost), at batch sizes that make a step last
   75-100 ms here (``OVERHEAD_RUNS``: about a small model's step on a GPU);
@@ -33,9 +34,11 @@ Prints a table, then one JSON line: ``<fw>_steps_redone``, ``<fw>_kill_to_next_s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -54,9 +57,9 @@ SCRIPTS = {
     "lightning": ("lightning_trainer.py", 60, 20, 30),
 }
 OVERHEAD_RUNS = {
-    "hf": (120, ["--batch", "128"]),
-    "trl": (80, []),
-    "lightning": (200, ["--batch", "4096"]),
+    "hf": (200, ["--batch", "128"]),
+    "trl": (100, []),
+    "lightning": (300, ["--batch", "4096"]),
 }
 """Steps and arguments of the overhead runs: batches that make a step last 75-100 ms on
 this CPU, about as long as a small model's training step on a GPU (the kill runs use
@@ -65,6 +68,11 @@ SMALL_STEPS = {"hf": 400, "lightning": 1000}
 """Steps of the one overhead run at the examples' own batch sizes (steps of 5-20 ms), for
 ``<fw>_overhead_small_steps`` (TRL's own steps are the overhead runs' already)."""
 TIMEOUT_S = 420
+KILL_TIMEOUT_S = 240
+"""A kill run still going after this is reported as hung (they take 30-90 s when they end)."""
+SETTLE_STEPS = 40
+"""Steps left out of the accounting: the memory tier's cadence measures a window of 32 steps
+before it settles on an interval."""
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -86,6 +94,7 @@ def _launch(
     args: list[str],
     env: dict[str, str],
     account: bool = False,
+    timeout_s: float = TIMEOUT_S,
 ) -> Any:
     common = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "3"]
     if launcher == "trainguard":
@@ -103,15 +112,26 @@ def _launch(
     if account:  # the example run by bench/hook_cost.py, which times the callback's hooks
         cmd.append(str(REPO / "bench" / "hook_cost.py"))
         env = {**env, "HOOK_COST_OUT": str(work / "hook_cost.json"),
+               "HOOK_COST_SKIP": str(SETTLE_STEPS),
                "HOOK_COST_FW": "lightning" if script.startswith("lightning") else "hf"}  # fmt: skip
     cmd += [str(REPO / "examples" / script), "--output-dir", str(work / "out"), *args]
+    proc = subprocess.Popen(
+        cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
     try:
-        return subprocess.run(
-            cmd, cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+        out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        # the launcher and its workers (a hung job's workers outlive a killed launcher and
+        # hold its output open): the whole session, by its group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing of it outlives the run
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _steady_s(p: Any) -> float | None:
@@ -228,7 +248,7 @@ def bench(fw: str, root: Path, repeats: int = 3, kills: bool = True) -> dict[str
         work = root / f"{fw}-kill-{launcher}"
         work.mkdir()
         env = _env(TRAINGUARD_RUNTIME_RUN_DIR=str(work / "run"), **EVERY_STEP)
-        p = _launch(launcher, work, script, kill, env)
+        p = _launch(launcher, work, script, kill, env, timeout_s=KILL_TIMEOUT_S)
         ok = p is not None and p.returncode == 0
         run = work / "run"
         key = "" if launcher == "trainguard" else "torchrun_"

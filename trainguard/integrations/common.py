@@ -54,9 +54,14 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
+_PLAIN = frozenset({float, int, str})
+
+
 def _scalar(value: Any) -> float | int | str | None:
     """A loggable value: numbers (NaN and inf kept), strings, one-element tensors and arrays;
     None for what has no single value (None, multi-element tensors)."""
+    if type(value) in _PLAIN:
+        return value  # type: ignore[no-any-return]
     if value is None:
         return None
     if isinstance(value, bool):
@@ -129,7 +134,7 @@ class MetricMapper:
 
     def map(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
         flat: Mapping[str, Any] = metrics
-        if any(isinstance(v, Mapping) for v in metrics.values()):
+        if any(type(v) not in _PLAIN and isinstance(v, Mapping) for v in metrics.values()):
             nested: dict[str, Any] = {}
             _flatten("", metrics, nested)
             flat = nested

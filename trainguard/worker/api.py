@@ -38,6 +38,8 @@ __all__ = ["RESERVED_LOG_KEYS", "TrainGuard", "init"]
 
 logger = logging.getLogger(__name__)
 
+_PLAIN = frozenset({float, int, str})
+
 RESERVED_LOG_KEYS = frozenset({"time", "kind", "rank", "attempt"})
 """Keys of every metrics record that ``tg.log(**metrics)`` may not overwrite (``step`` is its
 own keyword argument)."""
@@ -331,7 +333,7 @@ class TrainGuard:
             "step": self.step_num if step is None else step,
         }
         for k, v in metrics.items():
-            record[k] = v.item() if hasattr(v, "item") else v
+            record[k] = v if type(v) in _PLAIN else v.item() if hasattr(v, "item") else v
         if self._rollback is not None and self._current_step is not None:
             self._rollback.observe(self._current_step, record)
         self._write_record(record)
