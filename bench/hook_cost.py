@@ -7,8 +7,8 @@ costs the training thread, by accounting instead of by comparing two runs (which
   (Lightning ``on_train_batch_start/end``; transformers ``on_step_begin/end``, ``on_log``,
   ``on_save``), after the first ``SKIP`` steps (``$HOOK_COST_SKIP``, default 5);
 - the CPU time of trainguard's own threads in the worker (``tg-*``, ``trainguard-*``: the
-  snapshot stager, the metrics flusher, the heartbeat and collectives watchers), sampled from
-  ``/proc`` every 0.5 s;
+  snapshot stager, the metrics flusher, the heartbeat and collectives watchers) over the same
+  steps, read from ``/proc`` when they begin and every 0.5 s after;
 - the training's steady wall time per step over the same steps.
 
 At exit rank 0 writes them as JSON to ``$HOOK_COST_OUT`` (with ``HOOK_COST_DETAIL=1`` also the
@@ -42,6 +42,8 @@ acc: dict[str, list[float]] = {}  # hook -> [calls, cpu s, wall s]
 detail: dict[str, list[float]] = {}
 steps = {"n": 0, "t0": 0.0, "t1": 0.0}
 threads_cpu: dict[int, tuple[str, float]] = {}
+threads_cpu0: dict[int, tuple[str, float]] = {}
+"""The threads' CPU time when the accounted steps began (subtracted: the same window)."""
 
 
 def _wrap(fw: str, cls: Any, name: str, label: str | None = None) -> None:
@@ -64,6 +66,8 @@ def _wrap(fw: str, cls: Any, name: str, label: str | None = None) -> None:
                 steps["n"] += 1
                 if steps["n"] == SKIP:
                     steps["t0"] = w1
+                    _sample_once()
+                    threads_cpu0.update(threads_cpu)
                 steps["t1"] = w1
 
     setattr(cls, name, hook)
@@ -92,26 +96,30 @@ def _patch(fw: str) -> None:
             _wrap(fw, c, name, f"{getattr(c, '__name__', c)}.{name}")
 
 
-def _sample() -> None:
+def _sample_once() -> None:
     tick = os.sysconf("SC_CLK_TCK")
+    for t in threading.enumerate():
+        if not t.name.startswith(("tg-", "trainguard")) or t.native_id is None:
+            continue
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat", encoding="ascii") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        threads_cpu[t.native_id] = (t.name, (int(fields[11]) + int(fields[12])) / tick)
+
+
+def _sample() -> None:
     while True:
-        for t in threading.enumerate():
-            if not t.name.startswith(("tg-", "trainguard")) or t.native_id is None:
-                continue
-            try:
-                with open(f"/proc/self/task/{t.native_id}/stat", encoding="ascii") as f:
-                    fields = f.read().rpartition(")")[2].split()
-            except OSError:
-                continue
-            threads_cpu[t.native_id] = (t.name, (int(fields[11]) + int(fields[12])) / tick)
+        _sample_once()
         time.sleep(0.5)
 
 
 def _report() -> None:
     n = steps["n"] - SKIP
     by_name: dict[str, float] = {}
-    for name, cpu in threads_cpu.values():
-        by_name[name] = by_name.get(name, 0.0) + cpu
+    for tid, (name, cpu) in threads_cpu.items():
+        by_name[name] = by_name.get(name, 0.0) + cpu - threads_cpu0.get(tid, (name, 0.0))[1]
     out = {
         "steps": n,
         "step_s": (steps["t1"] - steps["t0"]) / n if n > 0 else None,
