@@ -68,7 +68,7 @@ SMALL_STEPS = {"hf": 400, "lightning": 1000}
 """Steps of the one overhead run at the examples' own batch sizes (steps of 5-20 ms), for
 ``<fw>_overhead_small_steps`` (TRL's own steps are the overhead runs' already)."""
 TIMEOUT_S = 420
-KILL_TIMEOUT_S = 240
+KILL_TIMEOUT_S = 150
 """A kill run still going after this is reported as hung (they take 30-90 s when they end)."""
 SETTLE_STEPS = 40
 """Steps left out of the accounting: the memory tier's cadence measures a window of 32 steps

@@ -111,3 +111,22 @@ def test_auto_hook_patches_the_trainer_on_import() -> None:
         "from transformers import Trainer; assert Trainer.__init__._trainguard"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=300)
+
+
+def test_report_overhead_adds_the_metrics_flushers_cpu_since_the_last_report() -> None:
+    from types import SimpleNamespace
+
+    from trainguard.integrations.common import SafeTelemetry, report_overhead
+
+    reported: list[float] = []
+    ckpt = SimpleNamespace(record_step_overhead=reported.append)
+    tg = SimpleNamespace(flush_cpu_s=0.0)
+    t = SafeTelemetry(tg, "hf")  # type: ignore[arg-type]
+    report_overhead(t, ckpt, 0.001)
+    tg.flush_cpu_s = 0.0005  # the flusher wrote records since
+    report_overhead(t, ckpt, 0.001)
+    report_overhead(t, ckpt, 0.002)
+    assert reported == pytest.approx([0.001, 0.0015, 0.002])
+    ckpt = SimpleNamespace(record_step_overhead=lambda s: 1 / 0)  # never into training
+    report_overhead(t, ckpt, 0.001)
+    assert t.failures == 1

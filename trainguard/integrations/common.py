@@ -168,6 +168,7 @@ class SafeTelemetry:
         self.tg = tg
         self.framework = framework
         self.failures = 0
+        self.flush_cpu_seen = 0.0
 
     def failed(self, what: str) -> None:
         self.failures += 1
@@ -232,11 +233,16 @@ class StepBeat:
 
 
 def report_overhead(telemetry: SafeTelemetry | None, ckpt: Any, seconds: float) -> None:
-    """Tell the checkpoint manager the time one step spent in the integration's hooks (its
-    memory-tier cadence keeps the whole of it within its budget)."""
+    """Tell the checkpoint manager what one step cost: the time it spent in the integration's
+    hooks and the metrics flusher's CPU time since the last report (its memory-tier cadence
+    keeps the whole of it within its budget)."""
     if ckpt is None:
         return
     try:
+        if telemetry is not None:
+            flushed = telemetry.tg.flush_cpu_s
+            seconds += max(flushed - telemetry.flush_cpu_seen, 0.0)
+            telemetry.flush_cpu_seen = flushed
         ckpt.record_step_overhead(seconds)
     except Exception:
         if telemetry is not None:

@@ -117,6 +117,8 @@ class TrainGuard:
         self._checkpoint: Any = None
         self._metrics_lock = threading.Lock()
         self._pending: list[dict[str, Any]] = []
+        self.flush_cpu_s = 0.0
+        """CPU time the metrics flusher thread has spent writing this process's records."""
         self._metrics_fd: int | None = None
         self._flusher: threading.Thread | None = None
         self._flush_stop = threading.Event()
@@ -263,7 +265,9 @@ class TrainGuard:
                 me = ref()
                 if me is None:
                     return
+                c0 = time.thread_time()
                 me._flush_metrics()
+                me.flush_cpu_s += time.thread_time() - c0
                 del me
 
         self._flusher = threading.Thread(target=loop, name="tg-metrics-flush", daemon=True)
