@@ -122,16 +122,38 @@ def _launch(
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        # the launcher and its workers (a hung job's workers outlive a killed launcher and
-        # hold its output open): the whole session, by its group
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        # the launcher and its workers (torchrun starts them in sessions of their own; a hung
+        # job's workers outlive a killed launcher and hold its output open), by PID
+        _kill_tree(proc.pid)
         proc.communicate()
         return None
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # nothing of it outlives the run
+        _kill_tree(proc.pid)  # nothing of it outlives the run
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every descendant of ``pid`` (found through
+    ``/proc`` before any is killed: an orphan is re-parented and lost)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", encoding="ascii", errors="replace") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
 
 
 def _steady_s(p: Any) -> float | None:
