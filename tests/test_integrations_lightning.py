@@ -57,3 +57,21 @@ def test_preemption_saves_last_checkpoint_and_exits_75(tmp_path: Path) -> None:
     [pre] = events(run_dir, "integration_preempted")
     assert pre["step"] >= 6
     assert (run_dir / "lightning" / "last.ckpt").is_file()
+
+
+@pytest.mark.slow
+def test_no_code_change_attaches_and_a_stopped_rank_is_a_hang(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = job_env(
+        TRAINGUARD_CHAOS="hang:rank=1,step=6",  # SIGSTOP inside step 6 (after its heartbeat)
+        TRAINGUARD_HEALTH_HANG_TIMEOUT_S="10",
+    )
+    p = run_example(run_dir, "lightning_trainer.py", ["--steps", "12", "--no-trainguard"], env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "trainguard: attached to the lightning Trainer" in p.stderr
+    assert events(run_dir, "integration_auto_attached")
+    [hang, *_] = events(run_dir, "hang_detected")
+    assert hang["ranks"] == [1] and hang["hang_kind"] == "frozen"
+    # stopped right at the step's begin: named within the timeout + 2 s of it
+    assert hang["per_rank"]["1"]["no_progress_s"] <= 10 + 2
+    assert "loss" in logged_keys(run_dir, 0)
