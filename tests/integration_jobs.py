@@ -121,3 +121,16 @@ def logged_keys(run_dir: Path, rank: int = 0) -> set[str]:
 
 def restored_steps(run_dir: Path) -> list[tuple[str, int | None]]:
     return [(e.get("source"), e.get("step")) for e in events(run_dir, "checkpoint_restored")]
+
+
+def assert_stopped_rank_named(run_dir: Path, p: Any, framework: str, timeout_s: float) -> None:
+    """A job auto-attached to ``framework`` whose rank 1 was SIGSTOPped inside a step (chaos
+    ``hang:rank=1``) finished, and its hang was named within ``timeout_s`` + 2 s."""
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"trainguard: attached to the {framework} Trainer" in p.stderr
+    assert events(run_dir, "integration_auto_attached")
+    [hang, *_] = events(run_dir, "hang_detected")
+    assert hang["ranks"] == [1] and hang["hang_kind"] == "frozen"
+    # stopped right at the step's begin: named within the timeout + 2 s of it
+    assert hang["per_rank"]["1"]["no_progress_s"] <= timeout_s + 2
+    assert "loss" in logged_keys(run_dir, 0)

@@ -11,6 +11,7 @@ import pytest
 
 from tests.integration_jobs import (
     EndpointScraper,
+    assert_stopped_rank_named,
     events,
     job_env,
     logged_keys,
@@ -81,15 +82,8 @@ def test_no_code_change_attaches_and_a_stopped_rank_is_a_hang(tmp_path: Path) ->
         TRAINGUARD_HEALTH_HANG_TIMEOUT_S="10",
     )
     p = run_example(run_dir, "hf_trainer.py", ["--steps", "10", "--no-trainguard"], env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "trainguard: attached to the transformers Trainer" in p.stderr
-    assert events(run_dir, "integration_auto_attached")
-    [hang, *_] = events(run_dir, "hang_detected")
-    assert hang["ranks"] == [1] and hang["hang_kind"] == "frozen"
-    # stopped right at the step's begin: named within the timeout + 2 s of it
-    assert hang["per_rank"]["1"]["no_progress_s"] <= 10 + 2
+    assert_stopped_rank_named(run_dir, p, "transformers", timeout_s=10)
     assert len(events(run_dir, "hang_detected")) == 1  # training's end is not a hang
-    assert "loss" in logged_keys(run_dir, 0)
     # the restarted job resumed from the snapshot of the hung step, not from scratch
     restored = [s for src, s in restored_steps(run_dir) if s is not None]
     assert restored and restored[-1] >= 5

@@ -72,8 +72,7 @@ def _path_text(path: Any) -> str:
 
 
 def _enc(o: Any, path: Any) -> Any:
-    tp = type(o)
-    if tp is str or tp is int or o is None or tp is bool or isinstance(o, bool | str | int):
+    if o is None or isinstance(o, bool | str | int):
         return o
     if isinstance(o, float):
         return o if math.isfinite(o) else {"$float": repr(o)}
