@@ -407,6 +407,35 @@ def test_trainguard_run_writes_events_and_config(tmp_path: Path) -> None:
         assert not [k for k in added if k.startswith(sections)], added
 
 
+def test_a_survivor_torch_ends_in_the_same_second_is_never_the_root_cause(tmp_path: Path) -> None:
+    import json
+
+    # rank 1 dies by SIGKILL; rank 0, in no collective, lives until torch ends the group with a
+    # SIGTERM, nearly always within the same whole second (torch's failure timestamps)
+    script = tmp_path / "die.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    time.sleep(1.0)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(60)\n"
+    )
+    run_dir = tmp_path / "run"
+    r = launch(
+        "trainguard",
+        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--tg-run-dir",
+         str(run_dir), str(script)],
+        cwd=tmp_path,
+        env=base_env(),
+    )  # fmt: skip
+    assert r.returncode != 0, r.stderr[-3000:]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    failed = {e["rank"]: e for e in events if e["kind"] == "worker_failed"}
+    assert failed[1]["signal"] == "SIGKILL" and failed[1]["root_cause"], failed
+    assert not failed.get(0, {}).get("root_cause"), failed
+    assert "rank 1" in r.stderr and "SIGKILL" in r.stderr, r.stderr[-3000:]
+
+
 def test_subprocess_env_unchanged_by_import() -> None:
     # `import trainguard` must not pull in torch or exporter libraries.
     code = "import sys, trainguard; bad=[m for m in ('torch','opentelemetry','prometheus_client','pynvml') if m in sys.modules]; print(bad)"

@@ -101,6 +101,40 @@ def test_progress_writer_heartbeat_and_steps(tmp_path: Path) -> None:
     assert ProgressReader(tmp_path / "missing").read_all() == {}
 
 
+def test_a_closed_progress_record_stays_finishing(tmp_path: Path) -> None:
+    import threading
+
+    from trainguard.core.collectives import _Watcher
+
+    # the record's last word is "finishing" (an endless heartbeat), whatever writes after it
+    w = ProgressWriter(progress_path(tmp_path, 0), heartbeat_interval_s=0.01)
+    w.step_end(4, 0.1)
+    w.close()
+    with pytest.raises(ValueError):
+        w.step_end(5, 0.1)
+    snap = ProgressReader(tmp_path).read(0)
+    assert snap is not None and snap.step == 4 and snap.heartbeat == float("inf")
+
+    # the exit hook finishing while the watcher thread closes the same record returns only
+    # once the record is closed
+    class SlowClose(ProgressWriter):
+        def close(self) -> None:
+            time.sleep(0.3)
+            super().close()
+
+    watcher = _Watcher(0.05)
+    watcher.writer = SlowClose(progress_path(tmp_path, 1), heartbeat_interval_s=5.0)
+    t = threading.Thread(target=watcher._finish)
+    t.start()
+    deadline = time.monotonic() + 5
+    while watcher.writer is not None:  # the watcher thread holds the record now
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    watcher._finish()
+    assert ProgressReader(tmp_path).read(1).heartbeat == float("inf")
+    t.join()
+
+
 def test_cli_events_command(tmp_path: Path) -> None:
     from trainguard.core.events import EventLog
 

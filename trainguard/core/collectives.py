@@ -188,6 +188,9 @@ class _Watcher:
         self._answered: set[str] = set()
         self._next_request_check = 0.0
         self._fh_file: Any = None
+        # the watcher thread and the exit hook may both finish the record: the exit hook waits
+        # for the other's close, else the interpreter ends before "finishing" is written
+        self._finish_lock = threading.Lock()
 
     def _dist_ready(self) -> bool:
         dist = sys.modules.get("torch.distributed")
@@ -259,13 +262,14 @@ class _Watcher:
     def _finish(self) -> None:
         """The group is gone or the interpreter exits: the record says "not in a collective"
         and "finishing" (an endless heartbeat), never "stuck" nor "frozen"."""
-        writer, self.writer = self.writer, None
-        if writer is not None:
-            try:
-                writer.idle()
-            except ValueError:  # already unmapped
-                pass
-            writer.close()
+        with self._finish_lock:
+            writer, self.writer = self.writer, None
+            if writer is not None:
+                try:
+                    writer.idle()
+                except ValueError:  # already unmapped
+                    pass
+                writer.close()
 
     def _answer_requests(self) -> None:
         """Dump on request: the flight-recorder trace and every thread's stack, as files.

@@ -66,6 +66,7 @@ class ProgressWriter:
             os.close(fd)
         self._lock = threading.Lock()
         self._state = [0, 0.0, 0.0, time.time(), os.getpid(), 0, 0.0, 0]
+        self._closed = False
         self._flush()
         self._interval = heartbeat_interval_s
         self._stop = threading.Event()
@@ -73,12 +74,16 @@ class ProgressWriter:
         self._thread.start()
 
     def _flush(self) -> None:
+        if self._closed:  # the closing record ("finishing") is the last one
+            raise ValueError("progress record closed")
         self._state[7] += 1
         struct.pack_into(_FMT, self._mm, 0, *self._state)
 
     def _beat(self) -> None:
         while not self._stop.wait(self._interval):
             with self._lock:
+                if self._closed:
+                    return
                 self._state[3] = time.time()
                 self._flush()
 
@@ -117,6 +122,7 @@ class ProgressWriter:
                 self._flush()
             except ValueError:  # already unmapped
                 pass
+            self._closed = True
         try:
             self._mm.close()
         except (BufferError, ValueError):

@@ -311,6 +311,16 @@ def worker_exitcodes(pcontext: Any) -> list[int | None]:
     return []
 
 
+def running_worker_pids(pcontext: Any) -> set[int]:
+    """PIDs of a process context's workers that have not exited (script or function
+    entrypoints)."""
+    handlers = getattr(pcontext, "subprocess_handlers", None)
+    if handlers:
+        return {h.proc.pid for h in handlers.values() if h.proc.poll() is None}
+    procs = getattr(getattr(pcontext, "_pc", None), "processes", None)
+    return {p.pid for p in procs or () if p.is_alive()}
+
+
 def wrap_numa_binding(argv: tuple[str, ...], *, gpu_index: int, numa_options: Any) -> Any:
     """``argv`` wrapped the way torch binds a worker to its GPU's NUMA node."""
     from torch.numa.binding import _maybe_wrap_command_args_with_numa_binding

@@ -85,6 +85,8 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         self._collective_ranks: set[int] = set()
         self._released = False
         self._next_peer_check = 0.0
+        self._torn_down: set[int] = set()
+        """PIDs of workers still running when torch ended their group (not failures)."""
 
     @property
     def warm_pool(self) -> Any:
@@ -448,9 +450,12 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         # survivor's collective error because a peer died (its error file says so) is a
         # consequence: torch's timestamps are whole seconds, and a survivor often exits in the
         # same second as the rank whose death it reports
+        # consequence too; so is a worker still running when torch ended the group (its
+        # SIGTERM may fall in the same second as the failure it follows)
         def order(f: WorkerFailure) -> tuple[bool, int]:
             # (whatever ended it afterwards: a SIGTERM may reach it while it exits)
             consequence = bool(f.message and peer_failure_text(f.message))
+            consequence = consequence or f.pid in self._torn_down
             return consequence, result.failures[f.rank].timestamp
 
         root = min(failures, key=order).rank if failures else None
@@ -499,6 +504,11 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         def close_marking_teardown(*args: Any, **kwargs: Any) -> Any:
             if not isinstance(sys.exc_info()[1], SignalException):
                 self._mark_teardown()
+                # what torch ends now did not fail of its own: never the root cause
+                try:
+                    self._torn_down |= _torch.running_worker_pids(pcontext)
+                except Exception as e:
+                    logger.debug("cannot list the running workers: %s", e)
             return close(*args, **kwargs)
 
         pcontext.close = close_marking_teardown
