@@ -436,6 +436,54 @@ def test_a_survivor_torch_ends_in_the_same_second_is_never_the_root_cause(tmp_pa
     assert "rank 1" in r.stderr and "SIGKILL" in r.stderr, r.stderr[-3000:]
 
 
+def test_a_worker_killed_while_writing_its_error_file_is_restarted(tmp_path: Path) -> None:
+    import json
+
+    # rank 1 of the first attempt leaves half an error file (empty) and dies by SIGKILL; torch's
+    # reader raises on it, which must not end the agent: the job restarts and finishes
+    script = tmp_path / "half.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "if os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+        "    open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w').close()\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(1.0)\n"
+    )
+    run_dir = tmp_path / "run"
+    r = launch(
+        "trainguard",
+        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--tg-run-dir",
+         str(run_dir), str(script)],
+        cwd=tmp_path,
+        env=base_env(),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "JSONDecodeError" not in r.stderr, r.stderr[-3000:]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    failed = [e for e in events if e["kind"] == "worker_failed" and e["root_cause"]]
+    assert [(e["rank"], e["signal"]) for e in failed] == [(1, "SIGKILL")], failed
+
+
+def test_the_worker_error_file_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
+    import json
+
+    from trainguard.core._torch import record_error_file
+
+    path = tmp_path / "error.json"
+    os.environ["TORCHELASTIC_ERROR_FILE"] = str(path)
+    try:
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError as e:
+            record_error_file(e)
+    finally:
+        del os.environ["TORCHELASTIC_ERROR_FILE"]
+    data = json.loads(path.read_text())
+    assert data["message"]["message"] == "RuntimeError: boom"
+    assert "boom" in data["message"]["extraInfo"]["py_callstack"]
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]  # no temporary left
+
+
 def test_subprocess_env_unchanged_by_import() -> None:
     # `import trainguard` must not pull in torch or exporter libraries.
     code = "import sys, trainguard; bad=[m for m in ('torch','opentelemetry','prometheus_client','pynvml') if m in sys.modules]; print(bad)"

@@ -9,9 +9,17 @@ not import torch.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-__all__ = ["PRIVATES", "abort_backend", "dump_fr_trace_json", "fsspec_reader", "fsspec_writer"]
+__all__ = [
+    "PRIVATES",
+    "abort_backend",
+    "dump_fr_trace_json",
+    "fsspec_reader",
+    "fsspec_writer",
+    "record_error_file",
+]
 
 PRIVATES: tuple[tuple[str, str, str], ...] = (
     # (module, class or "" for the module itself, private name)
@@ -19,6 +27,7 @@ PRIVATES: tuple[tuple[str, str, str], ...] = (
     ("torch.distributed.checkpoint._fsspec_filesystem", "", "FsspecWriter"),
     ("torch.distributed", "ProcessGroup", "_get_backend"),
     ("torch._C._distributed_c10d", "", "_dump_fr_trace_json"),
+    ("torch.distributed.elastic.multiprocessing.errors", "ErrorHandler", "_get_error_file_path"),
 )
 """Every torch private the core provides: (module, class or "", name). The first two are
 public names in a private module (``_fsspec_filesystem``)."""
@@ -48,3 +57,21 @@ def dump_fr_trace_json(include_collectives: bool) -> bytes:
     from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
 
     return _dump_fr_trace_json(include_collectives, False)
+
+
+def record_error_file(exc: BaseException) -> None:
+    """torch's ``ErrorHandler.record_exception`` (call it while ``exc`` is being handled: it
+    takes that traceback), written under a temporary name and renamed into place: the agent
+    reads the error file once the worker has exited, and a worker killed while writing it
+    must leave no file rather than half of one (torch's reader fails on it)."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    class _Staged(ErrorHandler):
+        def _get_error_file_path(self) -> str | None:
+            path = super()._get_error_file_path()
+            return f"{path}.tmp" if path else None
+
+    path = ErrorHandler()._get_error_file_path()
+    _Staged().record_exception(exc)
+    if path:
+        os.replace(f"{path}.tmp", path)

@@ -43,6 +43,7 @@ __all__ = [
     "leave_rendezvous",
     "numa_options_of",
     "remove_participant_epilogue",
+    "repair_error_files",
     "terminate_process_handler",
     "worker_exitcodes",
     "wrap_numa_binding",
@@ -319,6 +320,39 @@ def running_worker_pids(pcontext: Any) -> set[int]:
         return {h.proc.pid for h in handlers.values() if h.proc.poll() is None}
     procs = getattr(getattr(pcontext, "_pc", None), "processes", None)
     return {p.pid for p in procs or () if p.is_alive()}
+
+
+def repair_error_files(pcontext: Any) -> list[int]:
+    """Rewrite the error file of every exited worker that holds no JSON (one killed while
+    writing it) as a short valid one; torch reads each exited worker's error file and its
+    reader raises on anything else, which would end the agent. The local ranks repaired."""
+    import json
+    import os
+
+    handlers = getattr(pcontext, "subprocess_handlers", None) or {}
+    files = getattr(pcontext, "error_files", None) or {}
+    repaired = []
+    for local_rank, h in handlers.items():
+        path = files.get(local_rank)
+        if not path or h.proc.poll() is None or not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+            continue
+        except (OSError, ValueError):
+            pass
+        data = {
+            "message": {
+                "message": "the worker ended while writing its error file",
+                "extraInfo": {"py_callstack": "", "timestamp": str(int(os.path.getmtime(path)))},
+            }
+        }
+        with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        os.replace(f"{path}.tmp", path)
+        repaired.append(local_rank)
+    return repaired
 
 
 def wrap_numa_binding(argv: tuple[str, ...], *, gpu_index: int, numa_options: Any) -> Any:

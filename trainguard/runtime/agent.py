@@ -317,6 +317,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         return True
 
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._repair_error_files()  # torch's poll and the in-process restart read them
         self.inprocess.check(worker_group)  # before torch's poll, which stops every worker
         result = super().monitor_workers(worker_group)
         if result.state == WorkerState.HEALTHY:
@@ -509,9 +510,24 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
                     self._torn_down |= _torch.running_worker_pids(pcontext)
                 except Exception as e:
                     logger.debug("cannot list the running workers: %s", e)
-            return close(*args, **kwargs)
+            try:
+                return close(*args, **kwargs)
+            finally:  # torch reads the error files of the workers it ended next
+                self._repair_error_files()
 
         pcontext.close = close_marking_teardown
+
+    def _repair_error_files(self) -> None:
+        try:
+            ranks = _torch.repair_error_files(self.pcontext)
+        except Exception as e:
+            logger.debug("cannot check the workers' error files: %s", e)
+            return
+        if ranks:
+            logger.warning(
+                "local rank(s) %s left an unreadable error file (ended while writing it)",
+                ",".join(map(str, ranks)),
+            )
 
     def _mark_teardown(self) -> None:
         path = getattr(self, "_teardown_file", None)

@@ -62,13 +62,13 @@ def _default_run_dir() -> Path:
 def _record_error(exc: BaseException) -> None:
     """Write ``exc`` to this worker's error file (``TORCHELASTIC_ERROR_FILE``) with torch's
     ``ErrorHandler``, which takes the traceback of the exception being handled."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    from trainguard.core._torch import record_error_file
 
     try:
         raise exc
     except BaseException as e:  # noqa: BLE001 - re-raised only to be the one being handled
         try:
-            ErrorHandler().record_exception(e)
+            record_error_file(e)
         except OSError as err:
             logger.warning("trainguard: cannot write the error file: %s", err)
 
