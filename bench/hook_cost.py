@@ -141,6 +141,10 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     fw = os.environ["HOOK_COST_FW"]
     if os.environ.get("RANK", "0") == "0":
+        if fw == "lightning":
+            # the example's import order (Lightning before trainguard's callback): importing
+            # the callback first changes which libraries load first, and the step's speed
+            import lightning.pytorch  # noqa: F401
         _patch(fw)
         threading.Thread(target=_sample, name="bench-sampler", daemon=True).start()
         atexit.register(_report)

@@ -44,6 +44,7 @@ __all__ = [
     "numa_options_of",
     "remove_participant_epilogue",
     "repair_error_files",
+    "running_worker_pids",
     "terminate_process_handler",
     "worker_exitcodes",
     "wrap_numa_binding",

@@ -447,14 +447,12 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
                 )
             )
 
-        # torch's report names the earliest failure the root cause; so do the events, but a
-        # survivor's collective error because a peer died (its error file says so) is a
-        # consequence: torch's timestamps are whole seconds, and a survivor often exits in the
-        # same second as the rank whose death it reports
-        # consequence too; so is a worker still running when torch ended the group (its
-        # SIGTERM may fall in the same second as the failure it follows)
+        # torch's report names the earliest failure the root cause; so do the events, but two
+        # kinds of failure are consequences, since torch's timestamps are whole seconds and
+        # both often fall in the same second as the failure they follow: a survivor's
+        # collective error because a peer died (its error file says so, whatever ended it
+        # afterwards), and a worker still running when torch ended the group
         def order(f: WorkerFailure) -> tuple[bool, int]:
-            # (whatever ended it afterwards: a SIGTERM may reach it while it exits)
             consequence = bool(f.message and peer_failure_text(f.message))
             consequence = consequence or f.pid in self._torn_down
             return consequence, result.failures[f.rank].timestamp
@@ -513,13 +511,13 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
             try:
                 return close(*args, **kwargs)
             finally:  # torch reads the error files of the workers it ended next
-                self._repair_error_files()
+                self._repair_error_files(pcontext)
 
         pcontext.close = close_marking_teardown
 
-    def _repair_error_files(self) -> None:
+    def _repair_error_files(self, pcontext: Any = None) -> None:
         try:
-            ranks = _torch.repair_error_files(self.pcontext)
+            ranks = _torch.repair_error_files(pcontext or self.pcontext)
         except Exception as e:
             logger.debug("cannot check the workers' error files: %s", e)
             return
