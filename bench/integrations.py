@@ -7,7 +7,7 @@ tiny models, 2 processes, gloo on CPU):
   step.
   ``<fw>_overhead``: with trainguard's default memory-tier cadence (its snapshots share a
   budget of 1 % of a step with the hooks' fixed cost), at batch sizes that make a step last
-  75-100 ms here (``OVERHEAD_RUNS``: about a small model's step on a GPU);
+  70-140 ms here (``OVERHEAD_RUNS``: about a small model's step on a GPU);
   ``<fw>_overhead_small_steps``: the same at the examples' own batch sizes (steps of
   5-20 ms, where the hooks' fixed ~100-300 us alone is 1-3 %); ``<fw>_overhead_every_step``:
   a snapshot every step (the setting the kill runs use); ``<fw>_hook_us_per_step``: the
@@ -61,7 +61,7 @@ OVERHEAD_RUNS = {
     "trl": (100, []),
     "lightning": (300, ["--batch", "4096"]),
 }
-"""Steps and arguments of the overhead runs: batches that make a step last 75-100 ms on
+"""Steps and arguments of the overhead runs: batches that make a step last 70-140 ms on
 this CPU, about as long as a small model's training step on a GPU (the kill runs use
 ``SCRIPTS``' counts, at the examples' own batch sizes)."""
 SMALL_STEPS = {"hf": 400, "lightning": 1000}
