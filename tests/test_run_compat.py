@@ -407,29 +407,39 @@ def test_trainguard_run_writes_events_and_config(tmp_path: Path) -> None:
         assert not [k for k in added if k.startswith(sections)], added
 
 
-def test_a_survivor_torch_ends_in_the_same_second_is_never_the_root_cause(tmp_path: Path) -> None:
+def _run_script(
+    tmp_path: Path, code: str, max_restarts: int
+) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """``code`` as a 2-process job under ``trainguard run``: the result and the events."""
     import json
 
+    script = tmp_path / "job.py"
+    script.write_text(code)
+    run_dir = tmp_path / "run"
+    r = launch(
+        "trainguard",
+        ["--standalone", "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
+         "--tg-run-dir", str(run_dir), str(script)],
+        cwd=tmp_path,
+        env=base_env(),
+    )  # fmt: skip
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    return r, events
+
+
+def test_a_survivor_torch_ends_in_the_same_second_is_never_the_root_cause(tmp_path: Path) -> None:
     # rank 1 dies by SIGKILL; rank 0, in no collective, lives until torch ends the group with a
     # SIGTERM, nearly always within the same whole second (torch's failure timestamps)
-    script = tmp_path / "die.py"
-    script.write_text(
+    r, events = _run_script(
+        tmp_path,
         "import os, signal, time\n"
         "if os.environ['RANK'] == '1':\n"
         "    time.sleep(1.0)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "time.sleep(60)\n"
+        "time.sleep(60)\n",
+        max_restarts=0,
     )
-    run_dir = tmp_path / "run"
-    r = launch(
-        "trainguard",
-        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--tg-run-dir",
-         str(run_dir), str(script)],
-        cwd=tmp_path,
-        env=base_env(),
-    )  # fmt: skip
     assert r.returncode != 0, r.stderr[-3000:]
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     failed = {e["rank"]: e for e in events if e["kind"] == "worker_failed"}
     assert failed[1]["signal"] == "SIGKILL" and failed[1]["root_cause"], failed
     assert not failed.get(0, {}).get("root_cause"), failed
@@ -437,29 +447,19 @@ def test_a_survivor_torch_ends_in_the_same_second_is_never_the_root_cause(tmp_pa
 
 
 def test_a_worker_killed_while_writing_its_error_file_is_restarted(tmp_path: Path) -> None:
-    import json
-
     # rank 1 of the first attempt leaves half an error file (empty) and dies by SIGKILL; torch's
     # reader raises on it, which must not end the agent: the job restarts and finishes
-    script = tmp_path / "half.py"
-    script.write_text(
+    r, events = _run_script(
+        tmp_path,
         "import os, signal, time\n"
         "if os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
         "    open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w').close()\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "time.sleep(1.0)\n"
+        "time.sleep(1.0)\n",
+        max_restarts=1,
     )
-    run_dir = tmp_path / "run"
-    r = launch(
-        "trainguard",
-        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--tg-run-dir",
-         str(run_dir), str(script)],
-        cwd=tmp_path,
-        env=base_env(),
-    )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "JSONDecodeError" not in r.stderr, r.stderr[-3000:]
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     failed = [e for e in events if e["kind"] == "worker_failed" and e["root_cause"]]
     assert [(e["rank"], e["signal"]) for e in failed] == [(1, "SIGKILL")], failed
 
