@@ -123,6 +123,22 @@ def restored_steps(run_dir: Path) -> list[tuple[str, int | None]]:
     return [(e.get("source"), e.get("step")) for e in events(run_dir, "checkpoint_restored")]
 
 
+HANG_TIMEOUT_S = 10
+
+
+def run_stopped_rank_job(run_dir: Path, script: str, steps: int, framework: str) -> Any:
+    """``script`` without its trainguard line (auto-attached to ``framework``), rank 1
+    SIGSTOPped inside step 6 (after its heartbeat): the job finished, and its hang was named
+    within the hang timeout + 2 s. The finished process."""
+    env = job_env(
+        TRAINGUARD_CHAOS="hang:rank=1,step=6",
+        TRAINGUARD_HEALTH_HANG_TIMEOUT_S=str(HANG_TIMEOUT_S),
+    )
+    p = run_example(run_dir, script, ["--steps", str(steps), "--no-trainguard"], env=env)
+    assert_stopped_rank_named(run_dir, p, framework, timeout_s=HANG_TIMEOUT_S)
+    return p
+
+
 def assert_stopped_rank_named(run_dir: Path, p: Any, framework: str, timeout_s: float) -> None:
     """A job auto-attached to ``framework`` whose rank 1 was SIGSTOPped inside a step (chaos
     ``hang:rank=1``) finished, and its hang was named within ``timeout_s`` + 2 s."""

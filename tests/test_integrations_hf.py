@@ -11,13 +11,13 @@ import pytest
 
 from tests.integration_jobs import (
     EndpointScraper,
-    assert_stopped_rank_named,
     events,
     job_env,
     logged_keys,
     records,
     restored_steps,
     run_example,
+    run_stopped_rank_job,
     scraped_env,
 )
 from tests.ports import free_port
@@ -77,12 +77,7 @@ def test_kill_after_first_checkpoint_resumes_from_the_snapshot_with_a_straight_r
 @pytest.mark.slow
 def test_no_code_change_attaches_and_a_stopped_rank_is_a_hang(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    env = job_env(
-        TRAINGUARD_CHAOS="hang:rank=1,step=6",  # SIGSTOP inside step 6 (after its heartbeat)
-        TRAINGUARD_HEALTH_HANG_TIMEOUT_S="10",
-    )
-    p = run_example(run_dir, "hf_trainer.py", ["--steps", "10", "--no-trainguard"], env=env)
-    assert_stopped_rank_named(run_dir, p, "transformers", timeout_s=10)
+    run_stopped_rank_job(run_dir, "hf_trainer.py", 10, "transformers")
     assert len(events(run_dir, "hang_detected")) == 1  # training's end is not a hang
     # the restarted job resumed from the snapshot of the hung step, not from scratch
     restored = [s for src, s in restored_steps(run_dir) if s is not None]

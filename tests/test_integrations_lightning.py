@@ -10,13 +10,13 @@ import pytest
 
 from tests.integration_jobs import (
     EndpointScraper,
-    assert_stopped_rank_named,
     events,
     job_env,
     logged_keys,
     records,
     restored_steps,
     run_example,
+    run_stopped_rank_job,
     scraped_env,
 )
 from tests.ports import free_port
@@ -63,9 +63,4 @@ def test_preemption_saves_last_checkpoint_and_exits_75(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_no_code_change_attaches_and_a_stopped_rank_is_a_hang(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    env = job_env(
-        TRAINGUARD_CHAOS="hang:rank=1,step=6",  # SIGSTOP inside step 6 (after its heartbeat)
-        TRAINGUARD_HEALTH_HANG_TIMEOUT_S="10",
-    )
-    p = run_example(run_dir, "lightning_trainer.py", ["--steps", "12", "--no-trainguard"], env=env)
-    assert_stopped_rank_named(run_dir, p, "lightning", timeout_s=10)
+    run_stopped_rank_job(run_dir, "lightning_trainer.py", 12, "lightning")
