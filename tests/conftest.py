@@ -10,6 +10,7 @@ pytest-xdist each worker is its own subreaper and cleans up its own descendants.
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import time
 from collections.abc import Iterator
@@ -22,6 +23,11 @@ from tests.procs import FIXTURE_PIDS, alive, become_subreaper, descendants, kill
 
 _LEFT: list[str] = []
 _BEFORE_CALL: dict[str, set[int]] = {}
+# CPU profile: per test, the CPU seconds of the pytest process and of every child it reaped
+# (it is a subreaper, so orphaned grandchildren count too) from setup to teardown, and the
+# wall time; the heaviest are printed at the end of the run (TG_PROFILE_TOP, default 15).
+_CPU_START: dict[str, tuple[float, float]] = {}
+_CPU: list[tuple[float, float, str]] = []
 
 
 # Tests that start (or share) one kind of service carry its marker; each marker is also an
@@ -105,6 +111,17 @@ def _close_etcd_clients(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             pass
 
 
+def _cpu_seconds() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _CPU_START[item.nodeid] = (_cpu_seconds(), time.monotonic())
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     _BEFORE_CALL[item.nodeid] = set(descendants(os.getpid()))
@@ -133,12 +150,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     left = [f"PID {pid} still running: {_cmdline(pid)}" for pid in new]
     if left:
         outcome.get_result().user_properties.append(("tg_left_processes", left))
+    start = _CPU_START.pop(item.nodeid, None)
+    if start is not None:
+        cpu, wall = _cpu_seconds() - start[0], time.monotonic() - start[1]
+        outcome.get_result().user_properties.append(("tg_cpu", [cpu, wall]))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     for key, value in report.user_properties:
         if key == "tg_left_processes":
             _LEFT.extend(f"{report.nodeid}: {line}" for line in value)
+        elif key == "tg_cpu":
+            _CPU.append((float(value[0]), float(value[1]), report.nodeid))
 
 
 def _cmdline(pid: int) -> str:
@@ -155,6 +178,16 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _CPU:
+        top = int(os.environ.get("TG_PROFILE_TOP", "15"))
+        total = sum(cpu for cpu, _, _ in _CPU)
+        terminalreporter.section(
+            f"heaviest tests by CPU (pytest + reaped children; all {len(_CPU)}: {total:.0f} CPU s)"
+        )
+        terminalreporter.line(f"{'CPU s':>8} {'wall s':>8} {'share':>6}  test")
+        for cpu, wall, nodeid in sorted(_CPU, reverse=True)[:top]:
+            share = cpu / total if total else 0.0
+            terminalreporter.line(f"{cpu:8.1f} {wall:8.1f} {share:6.1%}  {nodeid}")
     if _LEFT:
         terminalreporter.section("processes a test started and left running")
         for line in _LEFT:
