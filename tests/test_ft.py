@@ -1,7 +1,7 @@
 """torchft mode: real replica groups on gloo, real kill -9s.
 
 Two ``trainguard run --ft`` replica groups of examples/ft_ddp.py; group 1's worker is
-SIGKILLed 5 times (bench/ft.py does 30, beside torchft alone). The survivor must keep its PID
+SIGKILLed 3 times (bench/ft.py does 30, beside torchft alone). The survivor must keep its PID
 (no crash, no restart), report each pause, keep trainguard's metrics and disk checkpoints, and
 end with the same weights as the rejoined group. torchft 0.2's own DDP hook crashes the
 survivor on such kills (``assert fut._fut``); the guard must have caught at least one.
@@ -30,7 +30,7 @@ def _events(run_dir: Path, kind: str) -> list[dict]:
 
 @pytest.mark.timeout(600)
 def test_kills_of_one_replica_group_leave_the_survivor_running(tmp_path: Path) -> None:
-    kills = 5
+    kills = 3
     res = run_kills("trainguard", tmp_path, kills=kills, timeout_s=120)
 
     assert res.survivor_crashes == 0, (tmp_path / "rg0.out").read_text()[-3000:]
