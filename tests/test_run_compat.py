@@ -464,6 +464,67 @@ def test_a_worker_killed_while_writing_its_error_file_is_restarted(tmp_path: Pat
     assert [(e["rank"], e["signal"]) for e in failed] == [(1, "SIGKILL")], failed
 
 
+def test_an_error_file_torch_cannot_parse_is_replaced_and_the_job_restarts(tmp_path: Path) -> None:
+    # attempt 0: rank 0 writes JSON torch's reader raises on ({}: KeyError 'message'), rank 1
+    # JSON nested past the recursion limit, and rank 1 plants a symlink at the name the repair
+    # once used for its temporary file; both exit 1. The agent replaces both files, never
+    # writes through the symlink, restarts, and reports each failure as worker_failed
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched\n")
+    r, events = _run_script(
+        tmp_path,
+        "import os, sys, time\n"
+        "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+        "    path = os.environ['TORCHELASTIC_ERROR_FILE']\n"
+        "    if os.environ['RANK'] == '0':\n"
+        "        open(path, 'w').write('{}')\n"
+        "    else:\n"
+        f"        os.symlink({str(victim)!r}, path + '.tmp')\n"
+        "        open(path, 'w').write('{\"message\": ' + '[' * 100000 + ']' * 100000 + '}')\n"
+        "    time.sleep(0.5)\n"
+        "    sys.exit(1)\n"
+        "time.sleep(1.0)\n",
+        max_restarts=1,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "KeyError" not in r.stderr and "RecursionError" not in r.stderr, r.stderr[-3000:]
+    failed = sorted(e["rank"] for e in events if e["kind"] == "worker_failed")
+    assert failed == [0, 1], [e for e in events if e["kind"] == "worker_failed"]
+    assert "replaced" in r.stderr, r.stderr[-3000:]
+    assert victim.read_text() == "untouched\n"
+
+
+@pytest.mark.parametrize(
+    "content, accepted",
+    [
+        (
+            '{"message": {"message": "x", "extraInfo": {"py_callstack": "", "timestamp": "1"}}}',
+            True,
+        ),
+        ('{"message": "plain", "timestamp": 3}', True),
+        ("{}", False),
+        ("[]", False),
+        ('{"message": {"message": "x", "extraInfo": {}}}', False),
+        ('{"message": {"message": "x", "extraInfo": {"timestamp": "soon"}}}', False),
+        ('{"message": 5}', False),
+        ('{"message": "x", "deep": ' + "[" * 100 + "]" * 100 + "}", False),
+        ("not json", False),
+    ],
+)
+def test_error_files_torch_accepts_are_the_ones_kept(
+    tmp_path: Path, content: str, accepted: bool
+) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from trainguard.runtime._torch import error_file_accepted
+
+    path = tmp_path / "error.json"
+    path.write_text(content)
+    assert error_file_accepted(str(path)) is accepted
+    if accepted:  # torch's own reader takes it
+        ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
+
+
 def test_the_worker_error_file_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
     import json
 

@@ -78,6 +78,19 @@ preemption notice, a loss anomaly or a time-based persist waits at most this lon
 MAX_AGREE_STEPS = 1000
 
 
+def _make_private(root: str, run_dir: Path) -> None:
+    """Create a local checkpoint root with the run's ``[runtime] dir_mode`` (0700 unless the
+    group is given access): the committed checkpoints are the model's weights."""
+    from trainguard.core.atomicfile import make_dirs
+    from trainguard.core.config import worker_section_or_default
+
+    try:
+        if not Path(root).exists():
+            make_dirs(root, worker_section_or_default(run_dir, "runtime").dir_mode_bits)
+    except OSError as e:  # the first save reports it
+        logger.debug("cannot create the checkpoint directory %s: %s", root, e)
+
+
 class CheckpointManager:
     """See the module docstring. One per worker process; ``close()`` when done.
 
@@ -111,6 +124,8 @@ class CheckpointManager:
         )  # fmt: skip
         run_dir = Path(run_dir) if run_dir is not None else Path(".")
         self.root = self.config.dir or str(RunDir(run_dir).checkpoints)
+        if "://" not in self.root:
+            _make_private(self.root, run_dir)
         self.storage = storage_for(self.root)
         self._emit = events or (lambda kind, **f: None)
         self._metric = metrics or (lambda **m: None)

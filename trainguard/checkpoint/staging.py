@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from trainguard.checkpoint import jsoncodec
+from trainguard.core.atomicfile import write_atomic
 
 __all__ = [
     "Layout",
@@ -262,9 +263,7 @@ class Slot:
             "skeleton": jsoncodec.dumps(skeleton),
             "source": "memory",
         }
-        tmp = self.meta_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, self.meta_path)
+        write_atomic(self.meta_path, json.dumps(meta))
 
     def close(self) -> None:
         self.views = []

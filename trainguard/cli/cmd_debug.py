@@ -13,10 +13,12 @@ import argparse
 import json
 import os
 import re
+import secrets
 import sys
 import time
 from pathlib import Path
 
+from trainguard.core.atomicfile import owned_dir, write_atomic
 from trainguard.core.collectives import request_path
 from trainguard.core.rundir import RunDir
 from trainguard.health.hangdiag import RankDump, aggregate_stacks, analyse, read_json
@@ -48,10 +50,15 @@ def _parse_ranks(text: str | None) -> set[int] | None:
 
 def collect(run_dir: Path, ranks: list[int], timeout_s: float) -> tuple[Path, dict[int, Path]]:
     """Ask the job's workers for a dump; return the directory and the ranks that answered."""
-    d = run_dir / "debug" / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-    d.mkdir(parents=True, exist_ok=True)
+    # a fresh directory of this user's (mkdir fails on anything planted at its name), with a
+    # random part: the workers write only into request directories that are the job user's
+    d = run_dir / "debug" / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{secrets.token_hex(4)}"
+    d.parent.mkdir(parents=True, exist_ok=True)
+    if not owned_dir(d.parent):
+        raise OSError(f"{d.parent} is a symlink or not this user's directory")
+    d.mkdir()
     req = request_path(d)
-    req.write_text(json.dumps({"time": time.time()}), encoding="utf-8")
+    write_atomic(req, json.dumps({"time": time.time()}))
     deadline = time.monotonic() + timeout_s
     try:
         while True:
@@ -87,7 +94,11 @@ def main(argv: list[str], *, prog: str = "trainguard debug") -> int:
         return 2
     ranks = [r for r in ranks if wanted is None or r in wanted]
     t0 = time.monotonic()
-    d, got = collect(run_dir, ranks, args.timeout)
+    try:
+        d, got = collect(run_dir, ranks, args.timeout)
+    except OSError as e:
+        print(f"{prog}: error: cannot ask {run_dir}'s workers for a dump: {e}", file=sys.stderr)
+        return 2
     took = time.monotonic() - t0
     dumps: dict[int, RankDump] = {}
     for r, path in got.items():

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core import envvars
+from trainguard.core.atomicfile import atomic_open, open_append, owned_dir, write_atomic
 from trainguard.core.progress import ProgressWriter
 
 __all__ = [
@@ -253,7 +254,8 @@ class _Watcher:
         path = Path(self.run_dir, "stacks", f"attempt_{self.attempt}")
         try:
             path.mkdir(parents=True, exist_ok=True)
-            f = open(path / f"rank_{self.rank}.faulthandler.txt", "a", encoding="utf-8")  # noqa: SIM115
+            fd = open_append(path / f"rank_{self.rank}.faulthandler.txt")
+            f = os.fdopen(fd, "a", encoding="utf-8")
             self._fh_file = f  # kept open: faulthandler writes to its descriptor
             faulthandler.register(signal.SIGUSR2, file=f, all_threads=True, chain=False)
         except (OSError, ValueError, RuntimeError) as e:
@@ -288,16 +290,40 @@ class _Watcher:
             if key in self._answered:
                 continue
             self._answered.add(key)
+            if not request_dir_ok(self.run_dir, req.parent):
+                logger.warning(
+                    "trainguard: ignored the dump request %s: its directory is a symlink or "
+                    "not this user's",
+                    req,
+                )
+                continue
             dump_rank(req.parent, self.rank)
 
 
-def dump_rank(directory: Path, rank: int) -> None:
-    """Write this process's trace (``fr_rank_R.json``) and stacks (``stacks_rank_R.txt``)."""
+def request_dir_ok(run_dir: str | os.PathLike[str], directory: Path) -> bool:
+    """Whether a dump may be written into ``directory`` (a request's directory): it and every
+    directory between it and the run directory are real directories (no symlink) of this
+    process's user. Anyone who can write into the run directory (a group, a shared scratch
+    file system) could otherwise send this user's dumps, or a file name of theirs, anywhere."""
+    root = Path(run_dir)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with open(directory / f"stacks_rank_{rank}.txt.tmp", "w", encoding="utf-8") as f:
+        rel = directory.relative_to(root)
+    except ValueError:
+        return False
+    d = root
+    for part in rel.parts:
+        d = d / part
+        if not owned_dir(d):
+            return False
+    return True
+
+
+def dump_rank(directory: Path, rank: int) -> None:
+    """Write this process's trace (``fr_rank_R.json``) and stacks (``stacks_rank_R.txt``), each
+    through an exclusive temporary file (never through a symlink planted at either name)."""
+    try:
+        with atomic_open(directory / f"stacks_rank_{rank}.txt") as f:
             faulthandler.dump_traceback(f, all_threads=True)
-        os.replace(directory / f"stacks_rank_{rank}.txt.tmp", directory / f"stacks_rank_{rank}.txt")
         trace = dump_trace() or {}
         trace["trainguard"] = {
             "rank": rank,
@@ -305,9 +331,7 @@ def dump_rank(directory: Path, rank: int) -> None:
             "time": time.time(),
             "host": os.environ.get(envvars.NODE, ""),
         }
-        tmp = directory / f"fr_rank_{rank}.json.tmp"
-        tmp.write_text(json.dumps(trace), encoding="utf-8")
-        os.replace(tmp, directory / f"fr_rank_{rank}.json")
+        write_atomic(directory / f"fr_rank_{rank}.json", json.dumps(trace))
     except Exception as e:
         logger.warning("trainguard: cannot write the hang dump of rank %d: %s", rank, e)
 

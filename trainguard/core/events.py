@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.atomicfile import open_append
 from trainguard.core.event_kinds import LAUNCH, STRAGGLER_SCORES
 
 __all__ = [
@@ -103,7 +104,7 @@ class EventLog:
         line = (json.dumps(event, default=str, separators=(",", ":")) + "\n").encode()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = open_append(self.path)
             try:
                 os.write(fd, line)
             finally:

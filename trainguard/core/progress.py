@@ -58,7 +58,7 @@ class ProgressWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # no O_TRUNC: an agent reading the file meanwhile sees the old record or the new one,
         # never a zeroed one (pid 0, heartbeat 0: "frozen since 1970")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         try:
             os.ftruncate(fd, _SIZE)
             self._mm = mmap.mmap(fd, _SIZE)

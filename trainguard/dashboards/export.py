@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from trainguard.core.atomicfile import write_atomic
 from trainguard.dashboards.alertmanager import alertmanager_document
 from trainguard.dashboards.rule_tests import tests_document
 from trainguard.dashboards.rules import alert_rules, rules_document
@@ -85,9 +86,7 @@ def write(out_dir: str | os.PathLike[str]) -> list[Path]:
         if path.is_file() and path.read_bytes() == data:
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        write_atomic(path, data)
         changed.append(path)
     return changed
 

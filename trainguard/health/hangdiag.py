@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.atomicfile import write_atomic
 from trainguard.core.collectives import CollectiveState, parse_trace
 
 __all__ = ["Diagnosis", "RankDump", "aggregate_stacks", "analyse", "local_stacks", "main_frame"]
@@ -408,15 +409,17 @@ def collect_and_analyse(
     import os
 
     from trainguard.core import envvars
-    from trainguard.core.collectives import hang_dir, request_path
+    from trainguard.core.collectives import hang_dir, request_dir_ok, request_path
     from trainguard.health.stacks import dump_stacks
 
     deadline = time.monotonic() + timeout_s
     node = ctx.events.node
     d = hang_dir(ctx.run_dir, max(ctx.attempt, 0))
     d.mkdir(parents=True, exist_ok=True)
+    if not request_dir_ok(ctx.run_dir, d):
+        raise OSError(f"{d} is a symlink or not this user's directory; no hang dump written")
     req = request_path(d, node)
-    req.write_text(json.dumps({"node": node, "time": time.time()}), encoding="utf-8")
+    write_atomic(req, json.dumps({"node": node, "time": time.time()}))
     store = ctx.store
     if store is not None:
         try:
@@ -433,7 +436,7 @@ def collect_and_analyse(
         )
         for r, s in got.items():
             if s["method"] != "none":
-                (d / f"pyspy_rank_{r}.txt").write_text(s["stack"], encoding="utf-8")
+                write_atomic(d / f"pyspy_rank_{r}.txt", s["stack"])
     live = {r: d / f"fr_rank_{r}.json" for r in pids if r not in stopped}
     wait_for_files(live, time.monotonic() + max(0.5, (deadline - time.monotonic()) / 2))
     req.unlink(missing_ok=True)
@@ -443,9 +446,9 @@ def collect_and_analyse(
     if store is not None and world_size > len(local):
         dumps.update(_exchange(store, store_key, local, world_size, deadline))
     for r, rd in local.items():
-        (d / f"summary_rank_{r}.json").write_text(json.dumps(rd.to_json()), encoding="utf-8")
+        write_atomic(d / f"summary_rank_{r}.json", json.dumps(rd.to_json()))
     diag = analyse(dumps, world_size)
-    (d / "diagnosis.json").write_text(json.dumps(diag.to_json(), indent=1), encoding="utf-8")
+    write_atomic(d / "diagnosis.json", json.dumps(diag.to_json(), indent=1))
     return diag
 
 

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
+from trainguard.core.atomicfile import open_append
+
 __all__ = ["STACK_SIGNAL", "dump_stacks", "faulthandler_path", "register_stack_dump"]
 
 logger = logging.getLogger(__name__)
@@ -38,7 +40,7 @@ def register_stack_dump(run_dir: str | os.PathLike[str], rank: int, attempt: int
             return None
         path = faulthandler_path(run_dir, attempt, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        f = path.open("a", encoding="utf-8")
+        f = os.fdopen(open_append(path), "a", encoding="utf-8")
         faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=False)
         return f
     except (OSError, ValueError, RuntimeError) as e:

@@ -37,6 +37,7 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
+from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config.health import HealthConfig
 from trainguard.core.events import MSG_STRAGGLER_SCORES
 from trainguard.core.jsonl import JsonlTail
@@ -335,8 +336,8 @@ class StragglerDetector(AgentPlugin):
         path = Path(ctx.run_dir) / "health" / f"straggler_scores.{ctx.node}.json"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(
+            write_atomic(
+                path,
                 json.dumps(
                     {
                         "time": time.time(),
@@ -350,8 +351,7 @@ class StragglerDetector(AgentPlugin):
                             for r, m in e["medians"].items()
                         },
                     }
-                )
+                ),
             )
-            tmp.replace(path)
         except OSError as e:
             logger.debug("cannot write straggler scores: %s", e)

@@ -323,12 +323,61 @@ def running_worker_pids(pcontext: Any) -> set[int]:
     return {p.pid for p in procs or () if p.is_alive()}
 
 
-def repair_error_files(pcontext: Any) -> list[int]:
-    """Rewrite the error file of every exited worker that holds no JSON (one killed while
-    writing it) as a short valid one; torch reads each exited worker's error file and its
-    reader raises on anything else, which would end the agent. The local ranks repaired."""
+ERROR_FILE_MAX_BYTES = 16 << 20
+"""A worker's error file larger than this is replaced (torch would read all of it)."""
+_ERROR_FILE_MAX_DEPTH = 32
+
+
+def _json_depth_ok(value: Any, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > limit:
+                return False
+            items = v.values() if isinstance(v, dict) else v
+            stack.extend((x, depth + 1) for x in items)
+    return True
+
+
+def error_file_accepted(path: str) -> bool:
+    """Whether torch's own reader of a worker's error file (``ProcessFailure``: it loads the
+    JSON, logs it re-indented, reads ``message`` and its timestamp, and later formats
+    ``message.extraInfo``) takes the file without raising. Checked with torch's own parser on
+    a bounded read (size and nesting: torch would recurse on a deeply nested one)."""
     import json
     import os
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    try:
+        if os.path.getsize(path) > ERROR_FILE_MAX_BYTES:
+            return False
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or not _json_depth_ok(data, _ERROR_FILE_MAX_DEPTH):
+            return False
+        json.dumps(data, indent=2)  # torch logs it so, before it reads it
+        message, _timestamp = ProcessFailure._get_error_data(None, data)  # type: ignore[arg-type]
+        if isinstance(message, dict):
+            info = message.get("extraInfo", {})
+            return isinstance(info, dict)
+        return isinstance(message, str)
+    except Exception:  # anything torch's reader would raise on as well
+        return False
+
+
+def repair_error_files(pcontext: Any) -> list[int]:
+    """Rewrite the error file of every exited worker that torch's reader would not accept
+    (:func:`error_file_accepted`: no JSON, as of a worker killed while writing it, or JSON of
+    another shape: ``{}``, ``[]``, no timestamp, absurd nesting) as a short valid one; torch
+    reads each exited worker's error file and raises on anything else, which would end the
+    agent. Written through an exclusive temporary file, never through a symlink planted next
+    to the error file. The local ranks repaired."""
+    import json
+    import os
+
+    from trainguard.core.atomicfile import write_atomic
 
     handlers = getattr(pcontext, "subprocess_handlers", None) or {}
     files = getattr(pcontext, "error_files", None) or {}
@@ -337,21 +386,20 @@ def repair_error_files(pcontext: Any) -> list[int]:
         path = files.get(local_rank)
         if not path or h.proc.poll() is None or not os.path.isfile(path):
             continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                json.load(f)
+        if error_file_accepted(path):
             continue
-        except (OSError, ValueError):
-            pass
+        try:
+            when = int(os.path.getmtime(path))
+        except OSError:
+            when = 0
         data = {
             "message": {
-                "message": "the worker ended while writing its error file",
-                "extraInfo": {"py_callstack": "", "timestamp": str(int(os.path.getmtime(path)))},
+                "message": "the worker's error file was unreadable or not in torch's format "
+                "(killed while writing it, or written by other code); trainguard replaced it",
+                "extraInfo": {"py_callstack": "", "timestamp": str(when)},
             }
         }
-        with open(f"{path}.tmp", "w", encoding="utf-8") as f:
-            json.dump(data, f)
-        os.replace(f"{path}.tmp", path)
+        write_atomic(path, json.dumps(data))
         repaired.append(local_rank)
     return repaired
 

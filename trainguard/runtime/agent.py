@@ -523,7 +523,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
             return
         if ranks:
             logger.warning(
-                "local rank(s) %s left an unreadable error file (ended while writing it)",
+                "local rank(s) %s left an error file torch cannot read (cut short, or not in its format); replaced",
                 ",".join(map(str, ranks)),
             )
 

@@ -34,6 +34,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 
+from trainguard.core.atomicfile import make_dirs
 from trainguard.core.config import ConfigError, TrainGuardConfig, load_config, write_effective
 from trainguard.core.events import EventLog
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
@@ -532,7 +533,7 @@ def prepare(
         raise UsageError(str(e)) from None
     run_dir = _resolve_run_dir(tg_config, config.run_id)
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(run_dir, tg_config.runtime.dir_mode_bits)
     except OSError as e:
         raise UsageError(
             f"cannot create run directory {run_dir}: {e.strerror}; set --tg-run-dir"

@@ -19,6 +19,8 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from trainguard.core.atomicfile import open_append
+
 __all__ = [
     "CountingMetricExporter",
     "CountingSpanExporter",
@@ -118,7 +120,8 @@ class _JsonlFile:
             return
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a", encoding="utf-8") as f:
+            fd = open_append(self.path)
+            with os.fdopen(fd, "a", encoding="utf-8") as f:
                 f.write("".join(lines))
 
 

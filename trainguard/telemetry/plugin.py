@@ -16,6 +16,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config.telemetry import TelemetryConfig
 from trainguard.core.events import MSG_STRAGGLER_SCORES
 from trainguard.core.goodput import GoodputTracker
@@ -383,7 +384,7 @@ class TelemetryPlugin(AgentPlugin):
             "bad_records": self.recorder.num_bad_records,
         }
         try:
-            path.write_text(json.dumps(info, indent=2) + "\n")
+            write_atomic(path, json.dumps(info, indent=2) + "\n")
         except OSError as e:
             logger.warning("could not write %s: %s", path, e)
 
@@ -409,7 +410,7 @@ class TelemetryPlugin(AgentPlugin):
             info = json.loads(summary.read_text())
             with self._lock:
                 info["export_failures"] = dict(self.export_failures)
-            summary.write_text(json.dumps(info, indent=2) + "\n")
+            write_atomic(summary, json.dumps(info, indent=2) + "\n")
         except (OSError, ValueError):
             pass
 

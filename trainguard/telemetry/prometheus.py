@@ -23,6 +23,7 @@ from opentelemetry.sdk.metrics.export import (
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.metrics_core import Metric
 
+from trainguard.core.atomicfile import write_atomic
 from trainguard.core.contract import by_name, prometheus_name
 
 __all__ = ["PrometheusBridge", "PrometheusEndpoint", "endpoint_file"]
@@ -134,9 +135,7 @@ class PrometheusEndpoint:
 
     def write(self, path: Path) -> None:
         info = {"host": self.host, "port": self.port, "url": self.url, "pid": os.getpid()}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info) + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(info) + "\n")
 
     def close(self) -> None:
         self._server.shutdown()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core import svg
+from trainguard.core.atomicfile import write_atomic
 from trainguard.core.contract import LOSS_CAUSES
 from trainguard.core.events import read_events
 from trainguard.core.goodput import Goodput, compute_goodput
@@ -510,7 +511,5 @@ def write_report(
     data = load_run(run_dir, progress)
     html = render_report(data, peak_override=peak_override, progress=progress)
     path = Path(out) if out else Path(run_dir) / "report.html"
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(html, encoding="utf-8")
-    tmp.replace(path)
-    return path
+    # the run directory may be another user's: never a fixed temporary name, never a symlink
+    return write_atomic(path, html)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainguard.core import envvars
+from trainguard.core.atomicfile import open_append
 from trainguard.core.config import ConfigError, load_worker_section, worker_section_or_default
 from trainguard.core.config.telemetry import TelemetryConfig
 from trainguard.core.events import EventLog
@@ -307,7 +308,7 @@ class TrainGuard:
                 if self._metrics_fd is None:
                     path = RunDir(self.run_dir).metrics(self.rank)
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    self._metrics_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                    self._metrics_fd = open_append(path)
                 view = memoryview(data)
                 while view:
                     view = view[os.write(self._metrics_fd, view) :]

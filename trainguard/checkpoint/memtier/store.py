@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint.staging import Snapshot, list_snapshots, rank_dir
+from trainguard.core.atomicfile import write_atomic
 
 __all__ = [
     "KEEP",
@@ -49,9 +50,7 @@ def place_snapshot(directory: Path, meta: dict[str, Any], bin_file: Path) -> Pat
     meta_path = directory / f"{name}.json"
     meta_path.unlink(missing_ok=True)
     os.replace(bin_file, directory / f"{name}.bin")
-    tmp_meta = directory / f".{name}.json.tmp"
-    tmp_meta.write_text(json.dumps(meta))
-    os.replace(tmp_meta, meta_path)
+    write_atomic(meta_path, json.dumps(meta))
     return meta_path
 
 
