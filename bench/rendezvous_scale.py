@@ -188,6 +188,11 @@ def child(
     go.set()
     for t in threads:
         t.join()
+    steady_s = float(os.environ.get("RDZV_SCALE_STEADY_S") or 0)
+    round_requests = dict(_REQUESTS)
+    steady: dict[str, object] = {}
+    if steady_s > 0 and ends and not errors:
+        steady = _steady(handlers, spare_ctls, steady_s)
     out = {"ok": len(ends), "errors": errors[:3], "n_errors": len(errors)}
     out["t_end"] = max(ends) if ends else None
     t = os.times()
@@ -196,10 +201,52 @@ def child(
     out["writes"] = sum(getattr(b, "writes", 0) for b in backends)
     out["wins"] = sum(getattr(b, "wins", 0) for b in backends)
     out["batched"] = sum(getattr(getattr(h, "_state_holder", None), "batched", 0) for h in handlers)
-    out["requests"] = dict(_REQUESTS)
+    out["requests"] = round_requests
+    out["steady"] = steady
     out["ends"] = ends
     print(json.dumps(out), flush=True)
     os._exit(0)  # skip torch's interpreter teardown of a thousand handlers
+
+
+MONITOR_S = 0.25
+"""How often a simulated agent asks ``num_nodes_waiting`` (and, with spares, checks the running
+round's liveness) in the steady phase: torch's agent asks every ``monitor_interval`` (0.1 s);
+both answers are cached or watched, so the count of etcd requests does not depend on it."""
+
+
+def _steady(handlers: list, ctls: list, seconds: float) -> dict[str, object]:
+    """The steady phase of a complete round: every agent as while its workers train (torch's
+    keep-alive timer runs by itself; ``num_nodes_waiting`` and, with spares, the running round's
+    liveness check every ``MONITOR_S``) for ``seconds``; the etcd requests made meanwhile."""
+    stop = threading.Event()
+    waiting = [0]
+
+    def monitor(h: object, ctl: object | None) -> None:
+        while not stop.wait(MONITOR_S):
+            try:
+                if h.num_nodes_waiting() > 0:  # type: ignore[attr-defined]
+                    waiting[0] += 1
+                if ctl is not None:
+                    ctl.dead_participants()  # type: ignore[attr-defined]
+            except Exception as e:
+                print(f"  steady: {type(e).__name__}: {e}"[:200], file=sys.stderr, flush=True)
+
+    _REQUESTS.clear()
+    t0 = time.monotonic()
+    threads = [
+        threading.Thread(target=monitor, args=(h, c), daemon=True)
+        for h, c in zip(handlers, ctls, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    stop.wait(seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - t0
+    counted = dict(_REQUESTS)
+    counted.pop("bytes", None)
+    return {"requests": counted, "seconds": elapsed, "agents": len(handlers), "waiting": waiting[0]}
 
 
 def child_loss(endpoint: str, run_id: str, n_total: int, n_here: int, timeout: int) -> None:
@@ -347,10 +394,16 @@ def _show_progress(endpoint: str, run_id: str, t0: float, stop: threading.Event)
         )
 
 
-def _spawn_children(argv: list[str], counts: list[int], timeout: float, progress: bool) -> list:
+def _spawn_children(
+    argv: list[str],
+    counts: list[int],
+    timeout: float,
+    progress: bool,
+    env: dict[str, str] | None = None,
+) -> list:
     """One child process per entry of ``counts`` (``__file__ *argv <n> <count> <timeout>``
     follows), in sessions of their own; stderr shown only with ``--progress``."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
     return [
         subprocess.Popen(
             [sys.executable, __file__, *argv, str(c), str(int(timeout))],
@@ -366,19 +419,31 @@ def _spawn_children(argv: list[str], counts: list[int], timeout: float, progress
 
 
 def one_round(
-    backend: str, endpoint: str, n: int, procs: int, timeout: float, progress: bool = False
-) -> tuple[float | None, str]:
+    backend: str,
+    endpoint: str,
+    n: int,
+    procs: int,
+    timeout: float,
+    progress: bool = False,
+    steady_s: float = 0.0,
+) -> tuple[float | None, str, float | None]:
+    """One round of ``n`` agents: its time (None: not completed), what happened, and with
+    ``steady_s`` the etcd requests per agent and second in that long a steady phase after it."""
     run_id = f"scale-{backend}-{n}-{uuid.uuid4().hex[:8]}"
     counts = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
     counts = [c for c in counts if c]
     children = _spawn_children(
-        ["--child", backend, endpoint, run_id, str(n)], counts, timeout, progress
+        ["--child", backend, endpoint, run_id, str(n)],
+        counts,
+        timeout,
+        progress,
+        env={"RDZV_SCALE_STEADY_S": str(steady_s)},
     )
     try:
         for c in children:
             line = c.stdout.readline()  # type: ignore[union-attr]
             if line.strip() != "ready":
-                return None, f"a child did not start: {line!r}"
+                return None, f"a child did not start: {line!r}", None
         t_go = time.time()
         for c in children:
             c.stdin.write("go\n")  # type: ignore[union-attr]
@@ -389,21 +454,21 @@ def one_round(
                 target=_show_progress, args=(endpoint, run_id, t_go, stop), daemon=True
             ).start()
         results = []
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout + steady_s
         for c in children:
             left = deadline - time.monotonic()
             ready, _, _ = select.select([c.stdout], [], [], max(left, 0))
             if not ready:
-                return None, f"did not finish in {timeout:.0f} s"
+                return None, f"did not finish in {timeout:.0f} s", None
             line = c.stdout.readline()  # type: ignore[union-attr]
             if not line:
-                return None, "a child died"
+                return None, "a child died", None
             results.append(json.loads(line))
         ok = sum(r["ok"] for r in results)
         ranks = sorted(x for r in results for x in r["ranks"])
         if ok != n or ranks != list(range(n)):
             errs = [e for r in results for e in r["errors"]]
-            return None, f"{ok}/{n} agents joined; errors: {errs[:2]}"
+            return None, f"{ok}/{n} agents joined; errors: {errs[:2]}", None
         writes = sum(r["writes"] for r in results)
         wins = sum(r["wins"] for r in results)
         batched = sum(r.get("batched", 0) for r in results)
@@ -425,7 +490,21 @@ def one_round(
             stats += f"; etcd requests per agent: {sum(requests.values()) / n:.1f} ({per})"
             stats += f"; {nbytes / n / 1024:.0f} KiB per agent"
         stats += ")"
-        return max(r["t_end"] for r in results) - t_go, stats
+        rate = None
+        steady = [r["steady"] for r in results if r.get("steady")]
+        if steady and len(steady) == len(results):
+            by_kind: dict[str, float] = {}
+            for st in steady:  # requests per second of each process's window, summed
+                for k, v in st["requests"].items():
+                    by_kind[k] = by_kind.get(k, 0.0) + v / st["seconds"]
+            rate = sum(by_kind.values()) / n
+            per = ", ".join(f"{k} {v / n:.3f}" for k, v in sorted(by_kind.items()))
+            waiting = sum(st["waiting"] for st in steady)
+            stats += (
+                f"; steady {steady_s:.0f} s: {rate:.3f} etcd requests per agent per second"
+                f" ({per}){f'; num_nodes_waiting > 0 seen {waiting} times' if waiting else ''}"
+            )
+        return max(r["t_end"] for r in results) - t_go, stats, rate
     finally:
         if progress:
             stop.set()
@@ -587,6 +666,21 @@ def node_loss(
             kid.wait()
 
 
+def _tail(xs: list[float | None]) -> tuple[float | None, float | None, float | None, int]:
+    """Median, p90 (nearest rank) and max of ``xs`` and how many are None (not completed); a
+    round not completed counts as infinitely slow, so a figure it reaches is null."""
+    missed = sum(1 for x in xs if x is None)
+    vals = sorted(x if x is not None else float("inf") for x in xs)
+    if not vals:
+        return None, None, None, missed
+
+    def fig(v: float) -> float | None:
+        return None if v == float("inf") else round(v, 2)
+
+    p90 = vals[-(-len(vals) * 9 // 10) - 1]
+    return fig(statistics.median(vals)), fig(p90), fig(vals[-1]), missed
+
+
 class _External:
     """An etcd this benchmark did not start (``--etcd-endpoint``): never stopped by it."""
 
@@ -621,6 +715,14 @@ def main() -> None:
         help="node loss: seconds the complete round idles before the kill (past the 15 s "
         "keep-alive threshold: no node may take the idle ones for dead)",
     )
+    ap.add_argument(
+        "--steady",
+        type=float,
+        default=30.0,
+        help="etcd-v3: after the first round of each size, this many seconds of the complete "
+        "round running (keep-alives, num_nodes_waiting, liveness checks) counting etcd's "
+        "requests per agent per second (0: none)",
+    )
     ap.add_argument("--progress", action="store_true", help="print the etcd round's progress")
     ap.add_argument(
         "--etcd-endpoint", default=None, help="use this running etcd instead of starting one"
@@ -638,6 +740,7 @@ def main() -> None:
     names = {"etcd": "trainguard_etcd_rdzv_s", "c10d": "torch_c10d_rdzv_s"}
     backends = [args.only] if args.only else ["etcd", "c10d"]
     times: dict[tuple[str, int], list[float | None]] = {}
+    steady: dict[int, float | None] = {}
     with tempfile.TemporaryDirectory(prefix="rdzv-scale-") as d:
         etcd = _External(args.etcd_endpoint) if args.etcd_endpoint else Etcd(
             Path(d) / "etcd",
@@ -662,10 +765,13 @@ def main() -> None:
                         else:
                             endpoint = etcd.endpoint
                         etcd_cpu0 = _cpu_s(etcd.proc.pid) if etcd.proc else 0.0
-                        dt, why = one_round(
+                        steady_s = args.steady if b == "etcd" and r == 0 else 0.0
+                        dt, why, rate = one_round(
                             "c10d" if b == "c10d" else "etcd-v3", endpoint, n, args.procs,
-                            args.timeout, args.progress,
+                            args.timeout, args.progress, steady_s,
                         )  # fmt: skip
+                        if steady_s:
+                            steady[n] = None if rate is None else round(rate, 3)
                         del store
                         if b == "etcd" and etcd.proc:
                             why += f" etcd CPU {_cpu_s(etcd.proc.pid) - etcd_cpu0:.1f} s"
@@ -707,23 +813,31 @@ def main() -> None:
     for n in sizes:  # the tail: every round must complete (null when one did not)
         xs = times.get(("etcd", n), [])
         if xs and "etcd" in backends:
-            done = sorted(x for x in xs if x is not None)
-            ok = len(done) == len(xs)
-            out[f"trainguard_etcd_rdzv_p90_s_{n}"] = (
-                round(done[-(-len(done) * 9 // 10) - 1], 2) if ok else None  # nearest rank
-            )
-            out[f"trainguard_etcd_rdzv_max_s_{n}"] = round(done[-1], 2) if ok else None
+            p50, p90, top, missed = _tail(xs)
+            out[f"trainguard_etcd_rdzv_incomplete_{n}"] = missed
+            out[f"trainguard_etcd_rdzv_p90_s_{n}"] = p90
+            out[f"trainguard_etcd_rdzv_max_s_{n}"] = top
             print(
-                f"{n:>7} agents, etcd-v3: p90 {out[f'trainguard_etcd_rdzv_p90_s_{n}']} s, "
-                f"max {out[f'trainguard_etcd_rdzv_max_s_{n}']} s over {len(xs)} rounds "
-                f"({len(xs) - len(done)} did not finish)"
+                f"{n:>7} agents, etcd-v3: {missed} of {len(xs)} rounds not completed in "
+                f"{args.timeout:.0f} s; median {p50} s, p90 {p90} s, max {top} s"
+            )
+        if n in steady:
+            out[f"trainguard_etcd_steady_requests_per_agent_s_{n}"] = steady[n]
+            print(
+                f"{n:>7} agents, etcd-v3, complete round running ({args.steady:.0f} s): "
+                f"{steady[n]} etcd requests per agent per second"
             )
     for n in loss_sizes:
-        m = median(times[("loss", n)])
-        out[f"trainguard_node_loss_rdzv_s_{n}"] = m
+        xs = times[("loss", n)]
+        p50, p90, top, missed = _tail(xs)
+        out[f"trainguard_node_loss_rdzv_s_{n}"] = p50
+        out[f"trainguard_node_loss_p90_s_{n}"] = p90
+        out[f"trainguard_node_loss_max_s_{n}"] = top
+        out[f"trainguard_node_loss_incomplete_{n}"] = missed
         print(
             f"{n:>7} agents + {args.spares} spares, node loss: full-size round again in "
-            f"{'null' if m is None else f'{m:.2f}'} s (median of {args.loss_runs})"
+            f"median {p50} s, p90 {p90} s, max {top} s over {len(xs)} runs ({missed} not "
+            f"completed in {args.timeout:.0f} s)"
         )
     print(json.dumps(out))
 

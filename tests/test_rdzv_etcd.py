@@ -703,3 +703,92 @@ def test_cli_bad_etcd_options_one_line(tmp_path: Path) -> None:
         assert r.returncode == 2, r.stderr[-2000:]
         assert what in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert len([x for x in r.stderr.splitlines() if "error" in x]) == 1, r.stderr
+
+
+_FROZEN_AGENT = """
+import sys, time
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from trainguard.core.config.spares import SparesConfig
+from trainguard.runtime import etcd_v3, spares
+from trainguard.runtime.rendezvous import AttemptRendezvousHandler
+
+endpoint, run = sys.argv[1:3]
+params = RendezvousParameters(backend="etcd-v3", endpoint=endpoint, run_id=run, min_nodes=3,
+                              max_nodes=3, join_timeout="600")
+h = AttemptRendezvousHandler(etcd_v3.create_rdzv_handler(params), node="frozen")
+spares.attach(h, SparesConfig(), lambda *a, **k: None)
+print(repr(h._inner._this_node), flush=True)
+h.next_rendezvous()
+"""
+
+
+def test_a_round_that_cannot_complete_names_the_frozen_node_within_the_join_timeout(
+    etcd: Etcd,
+) -> None:
+    """3 nodes wanted; an agent joins (with the hot spares' liveness, its heartbeat lease) and
+    freezes (SIGSTOP): its lease expires, the waiting node's reaper takes it out of the round,
+    and the round can no longer complete. The waiting node's rendezvous ends at its join
+    timeout with an error naming the frozen node and the timeout, not a hang."""
+    from trainguard.core.config.spares import SparesConfig
+    from trainguard.runtime import spares
+    from trainguard.runtime.rendezvous import AttemptRendezvousHandler
+
+    run = "frozen"
+    join_timeout = 30
+    frozen = subprocess.Popen(
+        [sys.executable, "-c", _FROZEN_AGENT, etcd.endpoint, run],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=base_env(),
+        start_new_session=True,
+    )
+    client = etcd_v3.EtcdV3Client(etcd_v3.parse_endpoints(etcd.endpoint))
+
+    def participants() -> set[str]:
+        found = client.get(f"/trainguard/rdzv/{run}/state")
+        if found is None:
+            return set()
+        return {repr(n) for n in decode_state(etcd_v3._unpack(found[0])).participants}
+
+    def wait_for(cond: Any, what: str, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out: {what}"
+            time.sleep(0.2)
+
+    errors: list[BaseException] = []
+    try:
+        frozen_node = frozen.stdout.readline().strip()  # type: ignore[union-attr]
+        assert frozen_node, "the agent to freeze did not start"
+        wait_for(lambda: frozen_node in participants(), "the agent to freeze joined")
+        params = _params(etcd, run, min_nodes=3, max_nodes=3, join_timeout=str(join_timeout))
+        h = AttemptRendezvousHandler(etcd_v3.create_rdzv_handler(params), node="waiting")
+        assert spares.attach(h, SparesConfig(), lambda *a, **k: None) is not None
+        me = repr(h._inner._this_node)  # type: ignore[attr-defined]
+
+        def join() -> None:
+            try:
+                h.next_rendezvous()
+            except BaseException as e:
+                errors.append(e)
+
+        t0 = time.monotonic()
+        t = threading.Thread(target=join, daemon=True)
+        t.start()
+        wait_for(lambda: participants() == {frozen_node, me}, "2 of 3 nodes joined")
+        os.kill(frozen.pid, signal.SIGSTOP)  # joined, then frozen: no keep-alive any more
+        wait_for(lambda: participants() == {me}, "the frozen node taken out of the round")
+        t.join(join_timeout + 60)
+        elapsed = time.monotonic() - t0
+        assert not t.is_alive(), "the rendezvous hangs past its join timeout"
+        assert len(errors) == 1, errors
+        text = str(errors[0])
+        assert type(errors[0]).__name__ == "RendezvousTimeoutError", text
+        assert f"did not complete in {join_timeout} s (join_timeout)" in text, text
+        assert frozen_node in text and "missing" in text, text
+        assert "\n" not in text
+        assert elapsed >= join_timeout - 1, elapsed  # the stated timeout, not sooner
+        h.shutdown()
+    finally:
+        frozen.kill()  # SIGKILL ends a stopped process too
+        frozen.wait()

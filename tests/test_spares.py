@@ -158,21 +158,23 @@ def test_a_thousand_waiting_agents_reap_through_a_few_observers() -> None:
 
 def test_beacons_of_a_large_job_beat_slower_all_timings_by_one_factor() -> None:
     cfg = SparesConfig()
-    assert cfg.for_nodes(2) is cfg and cfg.for_nodes(500) is cfg  # 500 x 2 beats/s = the cap
-    big = cfg.for_nodes(2000)  # 4 x as many: every timing 4 x longer, 1000 writes/s in all
-    assert (big.beacon_interval_s, big.dead_after_s, big.poll_s) == (2.0, 10.0, 1.0)
-    assert 2000 / big.beacon_interval_s == cfg.beacon_writes_per_s
+    assert cfg.for_nodes(2) is cfg and cfg.for_nodes(75) is cfg  # 75 x 2 beats/s = the cap
+    big = cfg.for_nodes(300)  # 4 x as many: beats and polls 4 x slower, 150 beats/s in all
+    assert (big.beacon_interval_s, big.dead_after_s, big.poll_s) == (2.0, 6.0, 1.0)
+    assert 300 / big.beacon_interval_s == cfg.beacon_writes_per_s
+    mid = cfg.for_nodes(100)  # dead after at least three beats, never sooner than configured
+    assert mid.dead_after_s == cfg.dead_after_s and mid.beacon_interval_s * 3 <= mid.dead_after_s
     with pytest.raises(ValueError, match="beacon_writes_per_s"):
         SparesConfig(beacon_writes_per_s=0)
     # what a real agent's controller uses: its rendezvous's --nnodes maximum decides
     params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{free_port()}",
-                                  run_id="big", min_nodes=1, max_nodes=1500)  # fmt: skip
+                                  run_id="big", min_nodes=1, max_nodes=225)  # fmt: skip
     h = AttemptRendezvousHandler(rdzv_registry.get_rendezvous_handler(params), node="n0")
     ctl = spares.attach(h, SparesConfig(), lambda *a, **k: None)
     assert ctl is not None
     try:
-        assert ctl.cfg.beacon_interval_s == 1.5 and ctl.reaper._cfg.dead_after_s == 7.5
-        assert ctl.beacon._interval == 1.5
+        assert ctl.cfg.beacon_interval_s == 1.5 and ctl.reaper._cfg.dead_after_s == 4.5
+        assert ctl.beacon is not None and ctl.beacon._interval == 1.5
     finally:
         ctl.close()
         h.shutdown()

@@ -24,6 +24,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import api as _mp_api
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "handler_node",
     "handler_settings",
     "handler_state",
+    "handler_state_holder",
     "handler_state_pending",
     "handler_store",
     "leave_rendezvous",
@@ -207,7 +209,14 @@ class QuietKeepAliveHandler(_dr.DynamicRendezvousHandler):
     _joined_round: int | None = None
 
     def next_rendezvous(self) -> Any:
-        info = super().next_rendezvous()
+        try:
+            info = super().next_rendezvous()
+        except RendezvousTimeoutError:
+            # torch's error names nothing; the etcd-v3 holder says what the round lacked
+            explain = getattr(self._state_holder, "incomplete", None)
+            if explain is None:
+                raise
+            raise RendezvousTimeoutError(explain(self._settings.timeout.join)) from None
         self._joined_round = self._state_holder.state.round
         return info
 
@@ -269,6 +278,11 @@ def handler_backend(handler: Any) -> Any:
 def handler_state(handler: Any) -> Any:
     """The :data:`RendezvousState` a dynamic handler last synced (no store read)."""
     return handler._state_holder.state
+
+
+def handler_state_holder(handler: Any) -> Any:
+    """The state holder of a dynamic handler (torch's, or the etcd-v3 backend's own)."""
+    return handler._state_holder
 
 
 def handler_state_pending(handler: Any) -> bool:

@@ -229,6 +229,11 @@ class Reaper:
         shared state per pass)."""
         self._gone: set[str] = set()
         """Nodes found dead and already out of the newest state (not read for again)."""
+        self.leases = False
+        """etcd-v3: every node's liveness is its heartbeat lease (kept alive by its state
+        holder, see ``ScalableStateHolder.keep_lease_alive``), not a beacon: a node is dead
+        when its heartbeat key is gone (the lease expired) or says it left."""
+        self._mass_logged = False
 
     # -- reading -------------------------------------------------------------------------------
     def read_state(self) -> RendezvousState | None:
@@ -281,6 +286,8 @@ class Reaper:
         (``liveness_silent``) or says they exited (``left``), with how long they have been
         silent as seen from here."""
         by_key = self._watched(state)
+        if self.leases:
+            return self._dead_by_lease(by_key)
         values = self._beacons(sorted(by_key))
         now = self._clock()
         if (
@@ -303,6 +310,49 @@ class Reaper:
                 self._seen[key] = (value, now)
             elif now - last[1] >= self._cfg.dead_after_s:
                 dead[by_key[key]] = (now - last[1], "liveness_silent")
+        for key in list(self._seen):
+            if key not in by_key:
+                del self._seen[key]
+        return dead
+
+    def _dead_by_lease(self, by_key: dict[str, NodeDesc]) -> dict[NodeDesc, tuple[float, str]]:
+        """etcd-v3: the watched nodes whose heartbeat key is gone (lease expired: silent for
+        its TTL, ``dead_after_s``) on two reads in a row, or says they left. Not while more
+        than a quarter of them (and more than two) are gone at once, nor while this node's
+        own lease had trouble: an etcd too loaded to renew leases in time, not dead nodes."""
+        if not by_key:
+            return {}
+        live = self._backend.heartbeats()
+        now = self._clock()
+        ttl = self._cfg.dead_after_s
+        gone = [k for k in by_key if k not in live]
+        dead: dict[NodeDesc, tuple[float, str]] = {}
+        if len(gone) > max(2, len(by_key) // 4) or (
+            time.monotonic() - self._backend.lease_trouble < ttl
+        ):
+            if gone and not self._mass_logged:
+                self._mass_logged = True
+                logger.warning(
+                    "spares: %d of %d watched nodes' heartbeat leases gone at once, or this "
+                    "node's own lease late: taken for an overloaded etcd, no node judged",
+                    len(gone),
+                    len(by_key),
+                )
+            self._seen.clear()
+            gone = []
+        else:
+            self._mass_logged = False
+        for key, node in by_key.items():
+            if live.get(key) == LEFT:
+                dead[node] = (0.0, "left")
+            elif key in gone:
+                first = self._seen.get(key)
+                if first is None:
+                    self._seen[key] = ("gone", now)  # gone again at the next read: dead
+                else:
+                    dead[node] = (ttl + now - first[1], "liveness_silent")
+            else:
+                self._seen.pop(key, None)
         for key in list(self._seen):
             if key not in by_key:
                 del self._seen[key]
@@ -378,8 +428,11 @@ class Reaper:
             # out of the newest state (by this write or another's): not read for again
             self._gone.update(repr(n) for n in dead)
         if wrote:
+            lost = getattr(_torch.handler_state_holder(self._handler), "lost", None)
             for node, (silent, reason) in dead.items():
                 key = repr(node)
+                if lost is not None:  # named if the round cannot complete without it
+                    lost[key] = f"removed as dead ({reason}, silent {silent:.1f} s)"
                 self.removed.append(key)
                 self._seen.pop(key, None)
                 logger.warning(
@@ -476,14 +529,21 @@ class SpareController:
         prefix = f"{BEACON_PREFIX}{settings.run_id}/"
         self._prefix = prefix
         self.reaper = Reaper(handler, cfg, emit, beacon_prefix=prefix)
-        self.beacon = LivenessBeacon(
-            _torch.handler_store(handler),
-            prefix + repr(_torch.handler_node(handler)),
-            cfg.beacon_interval_s,
-        )
-        self.reaper.beacon = self.beacon
+        self._holder = _torch.handler_state_holder(handler)
+        self.beacon: LivenessBeacon | None = None
+        if self.reaper.from_handler and hasattr(self._holder, "keep_lease_alive"):
+            # etcd-v3: the node's heartbeat lease is its liveness (keep-alives, no writes)
+            self._holder.keep_lease_alive(cfg.beacon_interval_s, cfg.dead_after_s)
+            self.reaper.leases = True
+        else:
+            self.beacon = LivenessBeacon(
+                _torch.handler_store(handler),
+                prefix + repr(_torch.handler_node(handler)),
+                cfg.beacon_interval_s,
+            )
+            self.reaper.beacon = self.beacon
+            self.beacon.start()
         self._next_check = 0.0
-        self.beacon.start()
 
     def num_nodes_waiting(self, waiting: int) -> int:
         """torch's count, less the nodes no slot is free for: a complete round at
@@ -539,7 +599,8 @@ class SpareController:
             return {}
         self._next_check = now + self.cfg.poll_s
         try:
-            state = self.reaper.read_state()
+            # etcd-v3: the round this node's handler holds (no read of the state per check)
+            state = self.reaper._held() if self.reaper.leases else self.reaper.read_state()
             if state is None:
                 return {}
             dead = self.reaper.dead_nodes(state)
@@ -567,7 +628,10 @@ class SpareController:
             )
 
     def close(self, *, left: bool = True) -> None:
-        self.beacon.close(left=left)
+        if self.beacon is not None:
+            self.beacon.close(left=left)
+        else:
+            self._holder.stop_lease(left=left)
 
 
 def attach(handler: Any, cfg: SparesConfig, emit: Emit) -> SpareController | None:

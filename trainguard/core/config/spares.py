@@ -25,11 +25,14 @@ class SparesConfig:
     (torch's keep-alive expiry stays as the fallback for nodes without a beacon)."""
     poll_s: float = 0.25
     """How often an agent that waits in a rendezvous reads the state and the beacons."""
-    beacon_writes_per_s: float = 1000.0
-    """The most beacon writes a second all the job's agents make together. A job of more than
-    ``beacon_writes_per_s x beacon_interval_s`` nodes (500 at the defaults) beats less often,
-    and ``dead_after_s`` and ``poll_s`` stretch by the same factor (see :meth:`for_nodes`):
-    1000 agents beating every 0.5 s saturated a 2-core etcd and the rendezvous round with it."""
+    beacon_writes_per_s: float = 150.0
+    """The most liveness requests a second all the job's agents make together (beacon writes
+    on c10d; on etcd-v3, keep-alives of the nodes' heartbeat leases, which write nothing). A
+    job of more than ``beacon_writes_per_s x beacon_interval_s`` nodes (75 at the defaults)
+    beats less often, its ``poll_s`` stretched by the same factor and ``dead_after_s`` at
+    least three beats (see :meth:`for_nodes`): liveness costs the store the same at any size
+    (1000 agents beating every 0.5 s saturated a 2-core etcd and the rendezvous round with it;
+    at 1000 nodes: a beat every 6.7 s, dead after 20 s)."""
 
     def __post_init__(self) -> None:
         if self.beacon_interval_s <= 0 or self.poll_s <= 0 or self.beacon_writes_per_s <= 0:
@@ -41,10 +44,11 @@ class SparesConfig:
             )
 
     def for_nodes(self, nodes: int) -> SparesConfig:
-        """These settings for a job of ``nodes`` agents: beacon interval, dead-node time and
-        reaper poll stretched by one factor so that the agents together write at most
-        ``beacon_writes_per_s`` beacons a second (unchanged for a smaller job). Every agent
-        derives the same values from the job's ``--nnodes`` maximum."""
+        """These settings for a job of ``nodes`` agents: the beacon interval stretched so that
+        the agents together make at most ``beacon_writes_per_s`` liveness requests a second,
+        the reaper's poll by the same factor, ``dead_after_s`` at least three intervals
+        (unchanged for a smaller job). Every agent derives the same values from the job's
+        ``--nnodes`` maximum."""
         interval = max(self.beacon_interval_s, nodes / self.beacon_writes_per_s)
         if interval <= self.beacon_interval_s:
             return self
@@ -52,6 +56,6 @@ class SparesConfig:
         return replace(
             self,
             beacon_interval_s=interval,
-            dead_after_s=self.dead_after_s * f,
+            dead_after_s=max(self.dead_after_s, 3 * interval),
             poll_s=self.poll_s * f,
         )

@@ -29,9 +29,12 @@ from trainguard.runtime.etcd_v3.codec import decode_state
 from trainguard.runtime.etcd_v3.codec import pack as _pack
 from trainguard.runtime.etcd_v3.codec import unpack as _codec_unpack
 
-__all__ = ["STATE_REFUSED_EVENT", "EtcdV3RendezvousBackend"]
+__all__ = ["HEARTBEAT_LEFT", "STATE_REFUSED_EVENT", "EtcdV3RendezvousBackend"]
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_LEFT = "left"
+"""A node's heartbeat key once it left the rendezvous (see :meth:`heartbeat_left`)."""
 
 STATE_REFUSED_EVENT = "rdzv_state_refused"
 """The event an agent emits when it refuses the rendezvous state in etcd (key, revision,
@@ -436,6 +439,24 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         except LeaseGoneError:  # expired between its grant and the put (etcd overloaded)
             self._hb_leases.pop(node, None)
             self._client.txn([], [self._heartbeat_put(node, when)], [])
+
+    def heartbeats(self) -> dict[str, str]:
+        """Every node's heartbeat key that exists (its lease is alive) and its value, in one
+        range read: a time, or :data:`HEARTBEAT_LEFT` for a node that left."""
+        hb = self._hb_prefix
+        out = self._client.range(hb, prefix=True)
+        return {
+            _unb64(kv["key"]).decode()[len(hb) :]: _unb64(kv.get("value")).decode(errors="replace")
+            for kv in out.get("kvs") or []
+            if "key" in kv
+        }
+
+    def heartbeat_left(self, node: str) -> None:
+        """``node`` leaves: its heartbeat key says so (:data:`HEARTBEAT_LEFT`), on the run's
+        lease instead of its own (which then lapses), so that the nodes watching it remove it
+        at once instead of after its lease's TTL."""
+        self._hb_leases.pop(node, None)
+        self._client.txn([], [self._client.put_request(self._hb_prefix + node, HEARTBEAT_LEFT)], [])
 
     def put_join(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from trainguard.runtime._torch import (
     RendezvousState,
     StateHolderBase,
 )
+from trainguard.runtime.etcd_v3._common import _unb64
 from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
 from trainguard.runtime.etcd_v3.codec import cached_state, encode_state, remember
 
@@ -27,6 +29,70 @@ logger = logging.getLogger(__name__)
 
 ADMISSION_LOCK_TTL = 10.0
 """Seconds the node that admits pending join requests holds the admission lock at most."""
+
+SUMMARY_WATCH_S = 300.0
+"""How long one watch of the summary key by a participant of a complete round lasts before it
+is renewed (a read and a new watch: two requests per this many seconds)."""
+
+
+class _SummaryWatch:
+    """The summary key as a participant of a complete round sees it, kept current by one watch
+    from a thread of its own: ``num_nodes_waiting`` (asked every monitor tick by torch's agent,
+    answered by a read of the summary at most once a second) costs etcd nothing while the
+    round runs. The thread ends when the summary's head changes from the one it started with
+    (the round ended or closed): the holder then reads the state, as on any change."""
+
+    def __init__(self, backend: EtcdV3RendezvousBackend, head: bytes | None) -> None:
+        self._etcd = backend
+        self._head = head
+        self.value: bytes | None = None
+        self.live = False
+        """The watch is established and :attr:`value` is current."""
+        self.done = False
+        threading.Thread(target=self._run, name="tg-rdzv-summary", daemon=True).start()
+
+    def _run(self) -> None:
+        client = self._etcd._client
+        key = self._etcd._meta_key
+        try:
+            while not self.done:
+                found = client.get(key)
+                if found is None or _head(found[0]) != self._head:
+                    break
+                self.value = found[0]
+
+                def seen(ev: dict[str, Any]) -> bool:
+                    if ev.get("type", "PUT") != "PUT":
+                        return True
+                    value = _unb64((ev.get("kv") or {}).get("value"))
+                    if _head(value) != self._head:
+                        self.live = False  # the round moved on: the holder reads it
+                        return True
+                    self.value = value
+                    return False
+
+                def created() -> bool:
+                    self.live = True
+                    return False
+
+                t0 = time.monotonic()
+                changed = client.watch(
+                    key,
+                    timeout=SUMMARY_WATCH_S,
+                    start_revision=found[1] + 1,
+                    wanted=seen,
+                    changed=created,
+                )
+                self.live = False
+                if changed:
+                    break
+                if time.monotonic() - t0 < SUMMARY_WATCH_S / 2:
+                    time.sleep(1.0)  # the watch failed (etcd unreachable): the holder reads
+        except Exception as e:  # etcd unreachable: the holder reads the summary itself
+            logger.debug("summary watch ended: %s", e)
+        finally:
+            self.live = False
+            self.done = True
 
 
 def _meta(state: RendezvousState) -> bytes:
@@ -44,6 +110,14 @@ def _head(meta: bytes | None) -> bytes | None:
     """The summary less the participants' count: what a participant waits on (a round that
     fills changes its count with every admission, which is none of a waiting one's business)."""
     return None if meta is None else b"|".join(meta.split(b"|")[:5])
+
+
+def _count(meta: bytes | None) -> int:
+    """The participants' count in the summary ``meta`` (-1: none there)."""
+    try:
+        return int(meta.rsplit(b"|", 1)[1]) if meta else -1
+    except (IndexError, ValueError):
+        return -1
 
 
 def _add_participant(st: RendezvousState, settings: RendezvousSettings, node: NodeDesc) -> None:
@@ -140,6 +214,15 @@ class ScalableStateHolder(StateHolderBase):
         self._tls = threading.local()
         self._mass_since: float | None = None
         """When a read first found most heartbeat leases expired at once (see _mass_expiry)."""
+        self._live_period: float | None = None
+        """Seconds between this node's lease keep-alives from its own thread (None: torch's
+        keep-alive renews it; see :meth:`keep_lease_alive`)."""
+        self._live_stop = threading.Event()
+        self._live_thread: threading.Thread | None = None
+        self._summary: _SummaryWatch | None = None
+        self.lost: dict[str, str] = {}
+        """Nodes taken out of a round for their liveness (node -> what happened), for the
+        error of a round that cannot complete."""
 
     def _take_snapshot(self) -> tuple[Any, ...]:
         st = self.held
@@ -337,9 +420,12 @@ class ScalableStateHolder(StateHolderBase):
         self.dirty = False
         self.last_sync_time = time.monotonic()
         if sanitize:
-            before = len(self.held.last_heartbeats)
+            known = set(self.held.last_heartbeats)
+            before = len(known)
             self.sanitize()
             gone = before - len(self.held.last_heartbeats)
+            for node in known.difference(self.held.last_heartbeats):
+                self.lost[repr(node)] = "its heartbeat lease expired: dead or frozen"
             if gone:
                 logger.warning(
                     "rendezvous %s: %d node(s) past the keep-alive threshold (their heartbeat "
@@ -358,7 +444,7 @@ class ScalableStateHolder(StateHolderBase):
         that time is often another node's "now" (an admission, say), later than this
         node's last renewal: at torch's threshold of two intervals, a loaded node renewed too
         late and its lease expired while it was alive."""
-        if self._node not in self.held.last_heartbeats:
+        if self._node not in self.held.last_heartbeats or self._leased():
             return
         half = self.settings.keep_alive_interval.total_seconds() / 2
         if time.monotonic() - self._renewed < half:
@@ -398,6 +484,10 @@ class ScalableStateHolder(StateHolderBase):
         st = self.held
         if self.token is None or st.closed:
             return False
+        if st.complete and self._node in st.participants and self._leased():
+            # the round runs: its end is all that matters here (dead nodes are found by the
+            # nodes watching their leases), and one watch tells it
+            return _head(self._watched_summary()) == _head(self._meta_seen)
         if now - self._last_full >= self._full_every():
             return False
         if self._node not in st.participants:
@@ -414,12 +504,29 @@ class ScalableStateHolder(StateHolderBase):
         if st.complete:
             return _head(self._etcd.meta()) == _head(self._meta_seen)
         seen = _head(self._meta_seen)
-        changed, rev = self._etcd.wait_meta(
-            self._seen_rev, self._wait_budget(), lambda meta: _head(meta) != seen
-        )
+        count = _count(self._meta_seen)
+
+        def wanted(meta: bytes) -> bool:
+            # or fewer participants than seen: nodes were taken out (dead ones, or this one
+            # by a reaper that took it for dead), and a node out of the round must rejoin
+            # now, not at its next periodic read (20 s at 1000 nodes: the round waited)
+            return _head(meta) != seen or _count(meta) < count
+
+        changed, rev = self._etcd.wait_meta(self._seen_rev, self._wait_budget(), wanted)
         if not changed:
             self._seen_rev = rev  # the next watch need not replay what this one saw
         return not changed
+
+    def _watched_summary(self) -> bytes | None:
+        """The summary key, from the watch of it while that is established (no request),
+        else read (and the watch started again)."""
+        w = self._summary
+        if w is not None and w.live and w.value is not None:
+            return w.value
+        value = self._etcd.meta()
+        if (w is None or w.done) and _head(value) == _head(self._meta_seen):
+            self._summary = _SummaryWatch(self._etcd, _head(value))
+        return value
 
     def _moves(self, meta: bytes) -> bool:
         """Whether the summary ``meta`` matters to this node, waiting out the complete round
@@ -439,7 +546,7 @@ class ScalableStateHolder(StateHolderBase):
         state (another node may have admitted it already)."""
         if self._join_round is None or self._join_round != self.held.round:
             return
-        if self._node in self.held.last_heartbeats:
+        if self._node in self.held.last_heartbeats or self._leased():
             return
         now = time.time()
         if now - self._join_beat >= self.settings.keep_alive_interval.total_seconds():
@@ -621,6 +728,73 @@ class ScalableStateHolder(StateHolderBase):
             if not self._write_state():
                 self._load_full(overlay=0.5)  # another writer: again on the new state
 
+    # -- liveness ----------------------------------------------------------------------------
+    def keep_lease_alive(self, period_s: float, ttl_s: float) -> None:
+        """This node's liveness from now on: its heartbeat lease (TTL ``ttl_s``, whole seconds
+        up) kept alive every ``period_s`` from a thread of its own, whatever the rendezvous is
+        doing (the hot spares' liveness on etcd-v3, instead of a beacon written to the store).
+        A keep-alive is no write to etcd's log and no new revision, so that the nodes watching
+        others' keys see nothing while every node lives; a node is dead when its key is gone
+        (its lease expired: ``ttl_s`` without a keep-alive). torch's own keep-alive then
+        sends nothing (it would renew the same lease again)."""
+        self._etcd.heartbeat_ttl = max(2, math.ceil(ttl_s))
+        self._live_period = period_s
+        if self._live_thread is None:
+            self._renew_lease()  # the key exists before this node is listed anywhere
+            self._live_thread = threading.Thread(
+                target=self._keep_lease, name="tg-rdzv-lease", daemon=True
+            )
+            self._live_thread.start()
+
+    def _renew_lease(self) -> None:
+        try:
+            self._etcd.put_heartbeat(self._node_key, time.time())
+            self._renewed = time.monotonic()
+        except Exception as e:  # etcd unreachable: the next period tries again
+            logger.debug("heartbeat lease not renewed: %s", e)
+
+    def _keep_lease(self) -> None:
+        while self._live_period is not None and not self._live_stop.wait(self._live_period):
+            self._renew_lease()
+
+    def stop_lease(self, *, left: bool) -> None:
+        """Stop keeping this node's lease alive; ``left``: say at once that it left (its key
+        says so), else it expires after its TTL (a node that dies without a word)."""
+        if self._live_thread is None or self._live_stop.is_set():
+            return
+        self._live_stop.set()
+        self._live_thread.join(timeout=5)
+        if left:
+            try:
+                self._etcd.heartbeat_left(self._node_key)
+            except Exception as e:
+                logger.debug("heartbeat tombstone not written: %s", e)
+
+    def _leased(self) -> bool:
+        """This node's lease is kept alive by its own thread (see :meth:`keep_lease_alive`)."""
+        return self._live_thread is not None and not self._live_stop.is_set()
+
+    def incomplete(self, timeout: timedelta) -> str:
+        """Why the round this node waits in did not complete in ``timeout``: the nodes there
+        are, the ones missing, and those taken out for their liveness (one line)."""
+        st = self.held
+        s = self.settings
+        have = len(set(st.participants) | {self._node})  # this node took itself out at the end
+        text = (
+            f"rendezvous '{s.run_id}': round {st.round} did not complete in "
+            f"{timeout.total_seconds():.0f} s (join_timeout): {have} of {s.min_nodes} node(s) "
+            f"joined (min {s.min_nodes}, max {s.max_nodes})"
+        )
+        there = {repr(p) for p in st.participants}
+        gone = {n: why for n, why in self.lost.items() if n not in there}
+        missing = [f"{n} ({why})" for n, why in sorted(gone.items())]
+        never = s.min_nodes - have - len(gone)
+        if never > 0:
+            missing.append(f"{never} node(s) that never joined")
+        if missing:
+            text += "; missing: " + ", ".join(missing)
+        return text + "; start the missing agents or raise --rdzv-conf join_timeout"
+
     @contextlib.contextmanager
     def keep_alive_only(self) -> Iterator[None]:
         """While torch's periodic keep-alive runs in this thread: its syncs read nothing. The
@@ -644,8 +818,9 @@ class ScalableStateHolder(StateHolderBase):
         if self.dirty:
             if self._heartbeat_only():
                 self._beat_at = self.held.last_heartbeats[self._node]
-                self._etcd.put_heartbeat(self._node_key, self._beat_at.timestamp())
-                self._renewed = time.monotonic()
+                if not self._leased():  # else its own thread keeps the lease alive
+                    self._etcd.put_heartbeat(self._node_key, self._beat_at.timestamp())
+                    self._renewed = time.monotonic()
                 synced = self.last_sync_time
                 self._done()
                 self.last_sync_time = synced  # it read nothing: the next sync may
