@@ -176,6 +176,25 @@ def test_endpoint_falls_back_when_port_taken(tmp_path: Path) -> None:
             ep.close()
 
 
+def test_bridge_serves_scrapes_and_lets_the_provider_force_flush() -> None:
+    """The bridge keeps the SDK's MetricReader.collect (force_flush calls it with
+    timeout_millis) and serves a real scrape of a counter through the endpoint."""
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    bridge = PrometheusBridge()
+    provider = MeterProvider(metric_readers=[bridge])
+    ep = PrometheusEndpoint(bridge)
+    try:
+        provider.get_meter("t").create_counter("bridge_probe").add(3, {"node": "n0"})
+        assert provider.force_flush(timeout_millis=5_000) is True
+        with urllib.request.urlopen(ep.url, timeout=5) as r:
+            body = r.read().decode()
+        assert 'bridge_probe_total{node="n0"} 3.0' in body
+    finally:
+        ep.close()
+        provider.shutdown()
+
+
 def test_config_validation() -> None:
     for kw in ({"prometheus_port": 70000}, {"peak_flops": 0.0}, {"trace_every_n_steps": -1},
                {"poll_interval_s": 0.0}, {"flops_per_step": -1.0}, {"flush_interval_s": 0}):  # fmt: skip

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from html import escape
 
 __all__ = ["PALETTE", "bar_breakdown", "heatmap", "line_chart", "nice_ticks", "timeline"]
@@ -79,7 +79,7 @@ def _bounds(values: Sequence[float]) -> tuple[float, float]:
 
 
 def line_chart(
-    series: dict[str, Sequence[Point]],
+    series: Mapping[str, Sequence[Point]],
     *,
     title: str,
     xlabel: str,
@@ -191,7 +191,7 @@ def bar_breakdown(
 
 
 def heatmap(
-    rows: dict[str, Sequence[float | None]],
+    rows: Mapping[str, Sequence[float | None]],
     *,
     title: str,
     col_label: str,

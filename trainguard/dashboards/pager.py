@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -266,8 +266,8 @@ class Pager:
                      self.shown_url, err)  # fmt: skip
 
 
-def read_secret(cfg: AlertsConfig, env: dict[str, str] | None = None) -> str | None:
-    env = os.environ if env is None else env  # type: ignore[assignment]
+def read_secret(cfg: AlertsConfig, env: Mapping[str, str] | None = None) -> str | None:
+    env = os.environ if env is None else env
     value = env.get(cfg.routing_key_env)
     if value:
         return value.strip()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ class PushResult:
     """uid → URL path Grafana reports for it."""
 
 
-def read_token(token_file: str | None = None, env: dict[str, str] | None = None) -> str | None:
+def read_token(token_file: str | None = None, env: Mapping[str, str] | None = None) -> str | None:
     """The API token: ``token_file``'s first line, else ``$TRAINGUARD_GRAFANA_TOKEN``, else None."""
     if token_file:
         try:

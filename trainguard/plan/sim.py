@@ -112,9 +112,9 @@ def failure_stream(
         out[out >= horizon] = np.inf
         last = int(np.isfinite(out).sum(axis=1).max(initial=0))
         return np.concatenate([out[:, :last], np.full((jobs, 1), np.inf)], axis=1)
-    mean = spec.mtti_s * spec.nodes if spec.mtti_s is not None else spec.node_mtbf_s
-    assert mean is not None
-    times, owners = _weibull_stream(rng, jobs, spec.nodes, mean, spec.weibull_shape, horizon)
+    node_mean = spec.mtti_s * spec.nodes if spec.mtti_s is not None else spec.node_mtbf_s
+    assert node_mean is not None
+    times, owners = _weibull_stream(rng, jobs, spec.nodes, node_mean, spec.weibull_shape, horizon)
     order = np.argsort(owners * (2.0 * horizon) + times, kind="stable")
     times, owners = times[order], owners[order]
     counts = np.bincount(owners, minlength=jobs)

@@ -111,9 +111,8 @@ class TelemetryPlugin(AgentPlugin):
         self._scores: dict[str, Any] | None = None  # latest from the bus, not yet recorded
         ctx.events.subscribe(self._on_scores, kinds=[MSG_STRAGGLER_SCORES])
         self._round_start_ns: int | None = None
-        # what the build creates; None until it did (close() stops whatever exists)
-        self.meter_provider: Any = None
-        self.tracer: Any = None
+        # what the build creates (meter_provider, recorder, tracer) is unset until it did;
+        # close() stops whatever exists
         self.endpoint: PrometheusEndpoint | None = None
         self._builder: threading.Thread | None = None
         self._build_error: BaseException | None = None
@@ -392,7 +391,11 @@ class TelemetryPlugin(AgentPlugin):
         """Stop what the build started, all of it also after a build that failed partway."""
         self._built.wait(60.0)
         self._stop.set()
-        for part in (self.tracer, self.meter_provider):
+        parts: tuple[AgentTracer | MeterProvider | None, ...] = (
+            getattr(self, "tracer", None),
+            getattr(self, "meter_provider", None),
+        )
+        for part in parts:
             if part is None:
                 continue
             try:

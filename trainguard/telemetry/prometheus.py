@@ -45,7 +45,11 @@ def _fmt_le(bound: float) -> str:
 
 
 class PrometheusBridge(MetricReader):
-    """A pull ``MetricReader``; ``collect()`` yields prometheus_client metric families."""
+    """A pull ``MetricReader``; ``families()`` yields prometheus_client metric families.
+
+    ``MetricReader.collect`` stays the SDK's (``MeterProvider.force_flush`` calls it with
+    ``timeout_millis``); prometheus_client scrapes through ``_Collector``.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -59,13 +63,10 @@ class PrometheusBridge(MetricReader):
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         self._data = None
 
-    # prometheus_client's Collector protocol
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:  # type: ignore[override]
+    def families(self) -> Iterator[Metric]:
+        """Collect from the SDK now and yield what it gave as metric families."""
         try:
-            super().collect()
+            self.collect()
         except Exception:
             logger.exception("collecting metrics for a scrape failed")
             return
@@ -110,6 +111,19 @@ class PrometheusBridge(MetricReader):
         return fam
 
 
+class _Collector:
+    """prometheus_client's Collector protocol over a bridge."""
+
+    def __init__(self, bridge: PrometheusBridge) -> None:
+        self.bridge = bridge
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        return self.bridge.families()
+
+
 def endpoint_file(run_dir: str | os.PathLike[str], node: str) -> Path:
     """Where the agent of ``node`` writes ``{"host", "port", "url", "pid"}``."""
     return Path(run_dir) / f"prometheus_{node}.json"
@@ -120,7 +134,7 @@ class PrometheusEndpoint:
 
     def __init__(self, bridge: PrometheusBridge, *, host: str = "127.0.0.1", port: int = 0) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(bridge)  # type: ignore[arg-type]
+        self.registry.register(_Collector(bridge))
         self.host = host
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)

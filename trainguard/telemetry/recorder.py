@@ -95,18 +95,18 @@ class MetricsRecorder:
         self._hung_since: float | None = None
         self.num_bad_records = 0
         self.num_nonfinite = 0
-        node = {"node": node}
+        node_attrs = {"node": node}
         # counters start at 0 so that the first increment shows in rate()/increase()
         for kind in INCIDENT_KINDS:
-            self._inst["trainguard.health.incidents"].add(0, {**node, "kind": kind})
+            self._inst["trainguard.health.incidents"].add(0, {**node_attrs, "kind": kind})
         for cause in RESTART_CAUSES:
-            self._inst["trainguard.job.restarts"].add(0, {**node, "cause": cause})
+            self._inst["trainguard.job.restarts"].add(0, {**node_attrs, "cause": cause})
         for kind in FailureKind:
-            self._inst["trainguard.job.failures"].add(0, {**node, "cause": kind.value})
+            self._inst["trainguard.job.failures"].add(0, {**node_attrs, "cause": kind.value})
         for reason in ROLLBACK_REASONS:
-            self._inst["trainguard.job.rollbacks"].add(0, {**node, "reason": reason})
+            self._inst["trainguard.job.rollbacks"].add(0, {**node_attrs, "reason": reason})
         self._hung_label = "none"
-        self._set("trainguard.job.hung", 0, {**node, "diagnosis": self._hung_label})
+        self._set("trainguard.job.hung", 0, {**node_attrs, "diagnosis": self._hung_label})
 
     def _set_hung(self, value: float, diagnosis: str | None = None) -> None:
         """The hung gauge: one series per diagnosis; the previous one goes to 0."""
