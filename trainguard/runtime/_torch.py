@@ -323,6 +323,20 @@ def running_worker_pids(pcontext: Any) -> set[int]:
     return {p.pid for p in procs or () if p.is_alive()}
 
 
+def raised_workers(pcontext: Any) -> list[int]:
+    """Local ranks of a process context's workers that exited non-zero and left an error
+    file (an exception)."""
+    import os
+
+    handlers = getattr(pcontext, "subprocess_handlers", None) or {}
+    files = getattr(pcontext, "error_files", None) or {}
+    return [
+        lr
+        for lr, h in handlers.items()
+        if h.proc.poll() not in (None, 0) and files.get(lr) and os.path.isfile(files[lr])
+    ]
+
+
 def repair_error_files(pcontext: Any) -> list[int]:
     """Rewrite the error file of every exited worker that holds no JSON (one killed while
     writing it) as a short valid one; torch reads each exited worker's error file and its
