@@ -22,6 +22,10 @@ TEARDOWN_FILE = PREFIX + "TEARDOWN_FILE"
 of a failed job: a worker that finds it treats the SIGTERM that follows as a teardown (exit at
 once), not as a preemption notice (save at the next step boundary)."""
 
+ERROR_FILE_HOOK = PREFIX + "ERROR_FILE"
+"""Set (``1``) when the workers' start-up hook records an uncaught exception as torch's error
+file (trainguard.core.errorfile)."""
+
 CHECKPOINT_MEMORY_DIR = PREFIX + "MEMORY_DIR"
 """The node's in-memory checkpoint tier (a directory in host shared memory) owned by the agent."""
 

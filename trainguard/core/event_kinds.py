@@ -63,7 +63,7 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("job_finished", ("runtime.launcher",), ("state",), "This node's launcher ends; ``state`` is a JobState value."),
     EventSpec("rendezvous", ("runtime.agent",), ("duration_s", "group_rank", "group_world_size", "master_addr", "master_port", "members"), "A rendezvous round completed: its members and this node's rank."),
     EventSpec("workers_started", ("runtime.agent",), ("workers", "world_size"), "The local workers started (rank, local rank, pid, warm each)."),
-    EventSpec("worker_failed", ("runtime.agent",), ("cause", "exitcode", "local_rank", "message", "pid", "rank", "root_cause", "signal", "state"), "A worker died; ``root_cause`` marks the earliest failure (torch's rule), not counting a survivor's error because a peer rank died."),
+    EventSpec("worker_failed", ("runtime.agent",), ("cause", "exitcode", "local_rank", "message", "pid", "place", "rank", "root_cause", "signal", "state"), "A worker died; ``root_cause`` marks the earliest failure (torch's rule), not counting a survivor's error because a peer rank died."),
     EventSpec("peer_failed", ("runtime.agent",), ("failed_node", "how", "pids", "ranks"), "Another node's workers of this attempt failed (``how``: ``failed``, its agent said so; ``lost``, its liveness beacon went silent): this node's workers were ended at once instead of waiting in their collectives for the process-group timeout."),
     EventSpec("worker_group_unhealthy", ("runtime.agent",), ("state",), "torch found the group unhealthy without a failed worker."),
     EventSpec("restart", ("runtime.agent",), ("max_restarts", "reason", "remaining_restarts"), "The agent restarts its worker group (a failure or a membership change)."),
@@ -106,7 +106,8 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("hang_stacks", ("health.hang",), ("ranks", "stacks"), "The hung workers' Python stacks (py-spy)."),
     EventSpec("hang_killed", ("health.hang",), ("pids", "ranks"), "The hung local group was killed (the group restarts)."),
     # -- recovery, Slurm, torchft, the worker ----------------------------------------------------
-    EventSpec("recovery_decision", ("recovery.plugin",), ("action", "backoff_s", "budget", "decided_by", "failed_attempt", "job_restarts", "reason"), "The restart policy's decision after a failure."),
+    EventSpec("failure_attributed", ("recovery.plugin",), ("cause", "deterministic", "evidence", "failed_attempt", "ranks", "summary", "verdict"), "This node's attribution of a failed round: ``cause`` (user_code, out_of_memory, hardware, network, data, control_plane, transient), ``verdict`` (stop, evict, restart, rollback, retry) and the evidence (exception, place, ranks, exits, output tail, health findings)."),
+    EventSpec("recovery_decision", ("recovery.plugin",), ("action", "backoff_s", "budget", "decided_by", "failed_attempt", "job_restarts", "reason"), "The restart policy's decision after a failure (plus ``verdict`` and ``failure_cause`` of the node's attribution)."),
     EventSpec("node_evicted", ("recovery.plugin",), ("cooldown_s", "detail", "fenced", "fencer", "reason", "until"), "This node was taken out of the job for a cooldown."),
     EventSpec("node_refused", ("recovery.plugin",), ("evicted_at", "reason", "until"), "An evicted node tried to rejoin during its cooldown."),
     EventSpec("node_readmitted", ("recovery.plugin",), ("evicted_at", "reason", "until"), "An evicted node rejoined after its cooldown."),

@@ -75,6 +75,12 @@ class WorkerFailure:
     kind: FailureKind
     message: str | None = None
     pid: int | None = None
+    callstack: str | None = None
+    """The error file's traceback (``py_callstack``), when it has one."""
+    output_tail: str | None = None
+    """The last lines the worker wrote to stderr, when torch captured them to a file."""
+    torn_down: bool = False
+    """The worker was still running when its agent ended the group (a consequence)."""
 
 
 _NO_ERROR_FILE = "<NONE>"  # torch's placeholder when a worker wrote no error file
@@ -91,6 +97,15 @@ def _error_message(error_file_data: Any) -> str | None:
     return str(msg)[:2000]
 
 
+def _callstack(error_file_data: Any) -> str | None:
+    if not isinstance(error_file_data, dict):
+        return None
+    msg = error_file_data.get("message")
+    info = msg.get("extraInfo") if isinstance(msg, dict) else None
+    stack = info.get("py_callstack") if isinstance(info, dict) else None
+    return str(stack)[-8000:] if stack else None
+
+
 def classify_exit(
     *,
     rank: int,
@@ -98,6 +113,8 @@ def classify_exit(
     exitcode: int,
     error_file_data: Any = None,
     pid: int | None = None,
+    output_tail: str | None = None,
+    torn_down: bool = False,
 ) -> WorkerFailure:
     """Classify one worker exit as reported by torch's ``ProcessFailure``."""
     sig_name: str | None = None
@@ -117,7 +134,18 @@ def classify_exit(
         kind = FailureKind.EXITED
     else:
         kind = FailureKind.UNKNOWN
-    return WorkerFailure(rank, local_rank, exitcode, sig_name, kind, message, pid)
+    return WorkerFailure(
+        rank,
+        local_rank,
+        exitcode,
+        sig_name,
+        kind,
+        message,
+        pid,
+        _callstack(error_file_data),
+        output_tail,
+        torn_down,
+    )
 
 
 # What gloo and NCCL say when the rank at the other end of a collective died: on a survivor

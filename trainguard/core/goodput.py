@@ -173,20 +173,29 @@ class GoodputTracker:
                     g.lost_s["checkpoint_stall"] += float(e.get("stall_s") or 0.0)
 
         first_start = self.first_start
+        failed = failures_by_attempt(evs)
+        t_failed = {a: min(float(e["time"]) for e in fevs) for a, fevs in failed.items()}
         if first_start:
             a0 = min(first_start)
             g.lost_s["startup"] = max(0.0, first_start[a0] - t0 - rdzv.get(a0, 0.0))
+        elif t_failed:  # no step was ever done: start-up until the first failure
+            a0 = min(t_failed)
+            g.lost_s["startup"] = max(0.0, min(t_failed[a0], t_end) - t0 - rdzv.get(a0, 0.0))
 
-        failed = failures_by_attempt(evs)
         for a, fevs in sorted(failed.items()):
-            t_fail = min(float(e["time"]) for e in fevs)
+            t_fail = min(t_failed[a], t_end)
             end = self.last_end.get(a)
             prev = end if end is not None and end <= t_fail else first_start.get(a, t_fail)
             cause = "hang" if any(is_hang(e) for e in fevs) else "restart"
             g.lost_s[cause] += max(0.0, t_fail - prev)
-            later = [first_start[b] for b in first_start if b > a]
-            t_next = min(later) if later else t_end
-            rd = sum(v for b, v in rdzv.items() if b > a and first_start.get(b, t_end) <= t_next)
+            # the failure's cost ends at the next attempt's first step, else at its own failure
+            # (an attempt that failed before any step), else at the end of the job: the
+            # intervals of successive failures never overlap
+            nxt = [(first_start[b], b) for b in first_start if b > a]
+            nxt += [(t_failed[b], b) for b in t_failed if b > a and b not in first_start]
+            t_next, b_next = min(nxt) if nxt else (t_end, None)
+            t_next = min(t_next, t_end)
+            rd = sum(v for b, v in rdzv.items() if a < b and (b_next is None or b <= b_next))
             g.lost_s["restart"] += max(0.0, t_next - t_fail - rd)
 
         accounted = g.productive_s + sum(v for k, v in g.lost_s.items() if k != "other")

@@ -107,6 +107,8 @@ class AgentContext:
     round. None for the static backend. Keys here are job-wide: prefix them with the run id."""
     group_rank: int = 0
     group_world_size: int = 1
+    world_size: int = 0
+    """Worker ranks of the job in the current round (0 before its workers start)."""
     members: list[dict[str, Any]] = field(default_factory=list)
     """One entry per group rank of the current round: node, host, pid (``{"foreign": True}``
     for a rank whose agent is not trainguard's)."""

@@ -12,6 +12,7 @@ Keys (under ``trainguard/recovery/<run id>/``):
 ``ckpt_step``               the newest committed checkpoint step any agent saw (a max)
 ``progress``                crash-loop mark: checkpoint step and restart count when it last advanced
 ``blocklist/<node>``        an evicted node: reason, time, until (JSON)
+``signature/<attempt>/<n>`` node ``n``'s user-code failure signature in a failed attempt
 ==========================  =======================================================================
 
 Waits poll with ``check`` (never a blocking ``wait``/``get`` on a key that may never come): the
@@ -154,6 +155,14 @@ class JobLedger:
 
     def set_progress_mark(self, step: int, restarts: int) -> None:
         self._set("progress", json.dumps({"step": step, "restarts": restarts}))
+
+    # -- failure signatures ---------------------------------------------------------------------
+    def record_signature(self, attempt: int, node: str, signature: str) -> None:
+        self._set(f"signature/{attempt}/{node}", signature)
+
+    def signature(self, attempt: int, node: str) -> str | None:
+        """``node``'s user-code failure signature in ``attempt`` (None: none recorded)."""
+        return self._get(f"signature/{attempt}/{node}") if attempt >= 0 else None
 
     # -- blocklist -----------------------------------------------------------------------------
     def block(self, node: str, reason: str, *, now: float, cooldown_s: float) -> BlockEntry:

@@ -11,7 +11,9 @@
   becomes an eviction (the node is recorded on the blocklist and fenced); a rendezvous closed by
   a job-wide stop becomes that stop. Other exclusions (a straggler) stay exclusions (exit 1).
 
-Events: ``recovery_decision`` (action, reason, job_restarts, budget, backoff_s, decided_by),
+Events: ``failure_attributed`` (this node's cause, verdict and evidence of a failed round,
+:mod:`trainguard.recovery.attribution`), ``recovery_decision`` (action, reason, job_restarts,
+budget, backoff_s, decided_by, verdict, failure_cause),
 ``node_evicted`` (reason, until, fenced, detail), ``node_refused`` (blocklisted, until),
 ``node_readmitted`` (the cooldown passed).
 """
@@ -116,11 +118,16 @@ class RecoveryPlugin(AgentPlugin):
         self._hang_attempt: int | None = None
         self._drain = False
         self._started_at: float | None = None
+        self._health: list[dict[str, Any]] = []
         ctx.events.subscribe(self._on_hang, ["hang_killed"])
+        ctx.events.subscribe(self._on_health, ["health_unhealthy"])
         ctx.events.subscribe(self._on_excluded, ["node_excluded"])
 
     def _on_hang(self, event: dict[str, Any]) -> None:
         self._hang_attempt = event.get("attempt")
+
+    def _on_health(self, event: dict[str, Any]) -> None:
+        self._health.append(event)
 
     def _on_excluded(self, event: dict[str, Any]) -> None:
         # health's verdict for this node is drain (= status fail), not e.g. a straggler
@@ -145,6 +152,7 @@ class RecoveryPlugin(AgentPlugin):
             self._published_step = step
 
     def _emit_decision(self, ctx: AgentContext, d: Decision, **extra: Any) -> None:
+        extra = {k: v for k, v in extra.items() if v is not None}
         ctx.events.emit(
             "recovery_decision",
             action=d.action.value,
@@ -237,6 +245,7 @@ class RecoveryPlugin(AgentPlugin):
 
     def on_workers_started(self, ctx: AgentContext, group: WorkerGroup) -> None:
         self._started_at = time.monotonic()
+        self._health = []
 
     def on_monitor(self, ctx: AgentContext, group: WorkerGroup, result: RunResult) -> None:
         now = time.monotonic()
@@ -274,9 +283,30 @@ class RecoveryPlugin(AgentPlugin):
             evictable=int(max_nodes) > 1,
             hang=hang,
             ran_s=ran,
+            world_size=ctx.world_size,
+            health=list(self._health),
         )
         cause = "hang" if hang else "failure"
-        self._emit_decision(ctx, d, agent_restarts=ctx.agent_restarts, cause=cause)
+        attr = d.attribution
+        if attr:
+            ctx.events.emit(
+                "failure_attributed",
+                failed_attempt=d.attempt,
+                cause=attr["cause"],
+                verdict=attr["verdict"],
+                summary=attr["summary"],
+                deterministic=attr["deterministic"],
+                ranks=attr["ranks"],
+                evidence=attr["evidence"],
+            )
+        self._emit_decision(
+            ctx,
+            d,
+            agent_restarts=ctx.agent_restarts,
+            cause=cause,
+            verdict=attr.get("verdict"),
+            failure_cause=attr.get("cause"),
+        )
         if d.action is Action.RESTART:
             self._backoff_s = d.backoff_s
         elif d.action is Action.STOP:

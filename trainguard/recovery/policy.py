@@ -5,6 +5,9 @@ failure                                     action                  exit code
 ==========================================  ======================  ===========================
 workers saved after a preemption signal     requeue                 75
 a worker's configuration error              stop the job            93 (every agent)
+a deterministic user-code error or an       stop the job            93 (every agent)
+out-of-memory error (attribution)
+a hardware error a worker raised            evict this node         94
 job-wide restart budget spent               stop the job            93 (every agent)
 ``crash_loop_restarts`` restarts in a row   stop the job            93 (every agent)
 without checkpoint progress
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -33,6 +36,7 @@ from trainguard.core.failures import (
     WorkerFailure,
     peer_failure_text,
 )
+from trainguard.recovery.attribution import Attribution, Cause, Verdict, attribute
 from trainguard.recovery.ledger import JobLedger
 
 __all__ = ["Action", "Decision", "RecoveryPolicy", "backoff_s", "config_error", "own_failure"]
@@ -58,6 +62,8 @@ class Decision:
     """Job-wide restarts made, this one included when the action is a restart."""
     backoff_s: float = 0.0
     decided_by: str = ""
+    attribution: dict[str, Any] = field(default_factory=dict, compare=False)
+    """This node's :class:`Attribution` of the failure (cause, verdict, summary, evidence)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "action": self.action.value}
@@ -140,12 +146,60 @@ class RecoveryPolicy:
         evictable: bool = True,
         hang: bool = False,
         ran_s: float | None = None,
+        world_size: int = 0,
+        health: list[dict[str, Any]] | None = None,
     ) -> Decision:
         """The action for this node after its workers failed in ``attempt``. ``evictable``:
         the job could go on without this node (False for a single-node job); ``hang``: the
         agent killed its hung workers (every node's detector may do that for one hang: it is
         not counted against the node); ``ran_s``: how long the failed attempt's workers ran
-        (``backoff_reset_s``)."""
+        (``backoff_reset_s``); ``world_size``: the job's ranks; ``health``: the in-job health
+        findings (``health_unhealthy``) of the attempt."""
+        d = self._decide(attempt, failures, now, evictable, hang, ran_s, world_size, health)
+        return d
+
+    def attribute(
+        self,
+        attempt: int,
+        failures: list[WorkerFailure],
+        *,
+        world_size: int,
+        hang: bool,
+        health: list[dict[str, Any]] | None,
+    ) -> Attribution | None:
+        """This node's attribution of the failed ``attempt`` (None when switched off); a
+        user-code signature is recorded for the next attempt's "twice in a row"."""
+        if not self.cfg.attribution:
+            return None
+        try:
+            previous = self.ledger.signature(attempt - 1, self.node)
+        except Exception:  # the store is unreachable: no second-attempt evidence
+            previous = None
+        a = attribute(
+            failures,
+            world_size=max(world_size, 1),
+            health=health,
+            hang=hang,
+            previous_signature=previous,
+        )
+        if a.signature:
+            try:
+                self.ledger.record_signature(attempt, self.node, a.signature)
+            except Exception:
+                pass
+        return a
+
+    def _decide(
+        self,
+        attempt: int,
+        failures: list[WorkerFailure],
+        now: float | None,
+        evictable: bool,
+        hang: bool,
+        ran_s: float | None,
+        world_size: int,
+        health: list[dict[str, Any]] | None,
+    ) -> Decision:
         now = time.time() if now is None else now
         if _requeue(failures):
             return Decision(
@@ -155,17 +209,41 @@ class RecoveryPolicy:
                 self.ledger.restarts(),
                 decided_by=self.node,
             )
+        attr = self.attribute(attempt, failures, world_size=world_size, hang=hang, health=health)
+        seen = attr.to_dict() if attr is not None else {}
         stop = self.ledger.stopped()
         if stop is None:
             reason = config_error(failures, self.cfg)
+            if reason is None and attr is not None and attr.verdict is Verdict.STOP:
+                reason = f"{attr.cause.value.replace('_', ' ')}: {attr.summary}"
             if reason is not None:
                 stop = self.ledger.stop(reason, by=self.node, now=now)
         if stop is not None:
             return Decision(
-                Action.STOP, stop["reason"], attempt, self.ledger.restarts(), decided_by=stop["by"]
+                Action.STOP,
+                stop["reason"],
+                attempt,
+                self.ledger.restarts(),
+                decided_by=stop["by"],
+                attribution=seen,
             )
         own = own_failure(failures) and not hang
         job = self._job_decision(attempt, failures, ran_s)
+        hardware = (
+            attr is not None
+            and attr.cause is Cause.HARDWARE
+            and attr.verdict is Verdict.EVICT
+            and not health  # a health drain evicts on its own path
+        )
+        if job.action is Action.RESTART and evictable and hardware and attr is not None:
+            return Decision(
+                Action.EVICT,
+                f"node {self.node}: hardware: {attr.summary}",
+                attempt,
+                job.job_restarts,
+                decided_by=self.node,
+                attribution=seen,
+            )
         if job.action is Action.RESTART and own and self._count_own(now) and evictable:
             n, window = self.cfg.node_failure_limit, self.cfg.node_failure_window_s
             return Decision(
@@ -175,8 +253,9 @@ class RecoveryPolicy:
                 attempt,
                 job.job_restarts,
                 decided_by=self.node,
+                attribution=seen,
             )
-        return job
+        return replace(job, attribution=seen)
 
     def _count_own(self, now: float) -> bool:
         """Record one own failure; True when the node reached the eviction limit."""

@@ -337,6 +337,20 @@ def running_worker_pids(pcontext: Any) -> set[int]:
     return {p.pid for p in procs or () if p.is_alive()}
 
 
+def raised_workers(pcontext: Any) -> list[int]:
+    """Local ranks of a process context's workers that exited non-zero and left an error
+    file (an exception)."""
+    import os
+
+    handlers = getattr(pcontext, "subprocess_handlers", None) or {}
+    files = getattr(pcontext, "error_files", None) or {}
+    return [
+        lr
+        for lr, h in handlers.items()
+        if h.proc.poll() not in (None, 0) and files.get(lr) and os.path.isfile(files[lr])
+    ]
+
+
 ERROR_FILE_MAX_BYTES = 16 << 20
 """A worker's error file larger than this is replaced (torch would read all of it)."""
 _ERROR_FILE_MAX_DEPTH = 32

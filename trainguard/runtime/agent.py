@@ -16,6 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from trainguard.core import collectives, envvars
 from trainguard.core.config import TrainGuardConfig
+from trainguard.core.errorfile import exception_site
 from trainguard.core.events import EventLog
 from trainguard.core.failures import (
     DO_NOT_REQUEUE_EXIT_CODE,
@@ -48,6 +49,29 @@ PEER_FAILED_POLL_S = 0.25
 """How often a healthy agent looks for another node's failure."""
 PEER_FAILED_WAIT_S = 3.0
 """How long an agent that exits after its workers failed waits for the other nodes to see it."""
+
+
+def _output_tail(pcontext: Any, local_rank: int, lines: int = 12) -> str | None:
+    """The last lines a worker wrote to stderr, when torch captured it to a file
+    (``--redirects`` / ``--tee`` / ``--log-dir``)."""
+    path = (getattr(pcontext, "stderrs", None) or {}).get(local_rank)
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    tail = "\n".join(text.splitlines()[-lines:]).strip()
+    return tail or None
+
+
+def _place(f: WorkerFailure) -> str | None:
+    """``file:line`` in the user's code where a worker's exception was raised."""
+    site = exception_site(f.message, f.callstack) if f.message else None
+    return site.place if site is not None else None
 
 
 class TrainGuardAgent(_torch.ElasticAgentBase):
@@ -248,13 +272,23 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         the collective progress watcher, the framework integrations. It hands on to the user's
         own ``sitecustomize``."""
         watch = self._watch_collectives()
-        if self._integrations_auto() or watch:
+        errors = self._record_errors()
+        if self._integrations_auto() or watch or errors:
             parts = [HOOK_DIR, *filter(None, (self._user_pythonpath or "").split(os.pathsep))]
             os.environ["PYTHONPATH"] = os.pathsep.join(parts)
         elif self._user_pythonpath:
             os.environ["PYTHONPATH"] = self._user_pythonpath
         else:
             os.environ.pop("PYTHONPATH", None)
+
+    def _record_errors(self) -> bool:
+        """``[recovery] attribution``: the hook writes an uncaught exception as torch's error
+        file (trainguard.core.errorfile), the evidence failure attribution reads."""
+        if self.tg_config.recovery.attribution:
+            os.environ[envvars.ERROR_FILE_HOOK] = "1"
+        else:
+            os.environ.pop(envvars.ERROR_FILE_HOOK, None)
+        return self.tg_config.recovery.attribution
 
     def _integrations_auto(self) -> bool:
         """``[integrations] auto``: the hook attaches trainguard to transformers' / Lightning's
@@ -299,6 +333,8 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
             ],
             world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
         )
+        if worker_group.workers:
+            self.ctx.world_size = worker_group.workers[0].world_size
         self._call("on_workers_started", worker_group)
         return pids
 
@@ -437,13 +473,16 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         local = {w.global_rank: w.local_rank for w in worker_group.workers}
         failures: list[WorkerFailure] = []
         for rank, f in sorted(result.failures.items()):
+            lr = local.get(rank, f.local_rank)
             failures.append(
                 classify_exit(
                     rank=rank,
-                    local_rank=local.get(rank, f.local_rank),
+                    local_rank=lr,
                     exitcode=f.exitcode,
                     error_file_data=f.error_file_data,
                     pid=f.pid,
+                    output_tail=_output_tail(self.pcontext, lr),
+                    torn_down=f.pid in self._torn_down,
                 )
             )
 
@@ -467,6 +506,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
                 signal=f.signal,
                 cause=f.kind.value,
                 message=f.message,
+                place=_place(f),
                 pid=f.pid,
                 state=result.state.name,
                 root_cause=f.rank == root,
@@ -502,6 +542,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
 
         def close_marking_teardown(*args: Any, **kwargs: Any) -> Any:
             if not isinstance(sys.exc_info()[1], SignalException):
+                self._await_own_failures(pcontext)
                 self._mark_teardown()
                 # what torch ends now did not fail of its own: never the root cause
                 try:
@@ -514,6 +555,24 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
                 self._repair_error_files(pcontext)
 
         pcontext.close = close_marking_teardown
+
+    def _await_own_failures(self, pcontext: Any) -> None:
+        """A worker raised (its error file is there) while others still run: give them
+        ``[recovery] failure_grace_s`` to end of their own before torch's teardown SIGTERMs
+        them. The same bug raises on every rank within moments (and a survivor's collective
+        fails at once when its peer's connection closes): attribution then sees every rank's
+        exception, not one exception and a teardown."""
+        grace = self.tg_config.recovery.failure_grace_s
+        if grace <= 0:
+            return
+        try:
+            if not _torch.raised_workers(pcontext):
+                return
+            deadline = time.monotonic() + grace
+            while _torch.running_worker_pids(pcontext) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        except Exception as e:
+            logger.debug("cannot wait for the workers' own exits: %s", e)
 
     def _repair_error_files(self, pcontext: Any = None) -> None:
         try:

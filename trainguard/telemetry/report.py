@@ -460,6 +460,7 @@ def render_report(
     failures = _failure_rows(data, t0)
     rollbacks = [e for e in data.events if e.get("kind") in ("loss_rollback", "rollback_exhausted")]
     health = [e for e in data.events if _is_health_incident(e)]
+    verdicts = [e for e in data.events if e.get("kind") == "failure_attributed"]
     run_id = data.run_dir.name
 
     say("plotting training curves")
@@ -489,7 +490,8 @@ def render_report(
 {_goodput_section(g, ettr)}</div>
 <h2>Timeline</h2><div id="timeline">{_timeline(data, t0, t_end)}</div>
 <h2>Step time per rank</h2><div id="heatmap">{_heatmap(data)}</div>
-<h2>Failures</h2><div id="failures">{_table(failures, ["time", "kind", "attempt", "rank", "cause", "exitcode", "signal", "message"], t0, "tg-failure-row")}</div>
+<h2>Failures</h2><div id="failures">{_table(failures, ["time", "kind", "attempt", "rank", "cause", "exitcode", "signal", "place", "message"], t0, "tg-failure-row")}</div>
+<h2>Failure verdicts</h2><div id="verdicts">{_table(verdicts, ["time", "node", "failed_attempt", "cause", "verdict", "deterministic", "ranks", "summary"], t0, "tg-verdict-row")}</div>
 <h2>Loss rollbacks</h2><div id="rollbacks">{_table(rollbacks, ["time", "kind", "bad_step", "reason", "restored_step", "skip", "rollbacks_here", "duration_s"], t0, "tg-rollback-row")}</div>
 <h2>Health incidents</h2><div id="health">{_table(health, ["time", "kind", "node", "rank", "cause", "message"], t0, "tg-health-row")}</div>
 <h2>Hangs</h2><div id="hangs">{_hangs(data, t0)}</div>

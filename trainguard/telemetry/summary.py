@@ -46,6 +46,7 @@ def recovery_summary(run_dir: str | Path) -> list[str]:
         [(float(f["time"]), f) for f in roots] + [(float(h["time"]), h) for h in hangs],
         key=lambda x: x[0],
     )
+    verdicts = _verdicts(data.events)
     seen_attempts: set[Any] = set()
     for t, f in incidents:
         key = (f.get("attempt"), f.get("generation"))  # generation: in-process restarts
@@ -70,6 +71,8 @@ def recovery_summary(run_dir: str | Path) -> list[str]:
             redone = max(0, done - int(resumed["step"]))
             line += f"; resumed from {resumed.get('source')} at step {resumed['step']}"
             line += f" ({redone} step{'s' if redone != 1 else ''} redone)"
+        if f.get("attempt") in verdicts and f.get("kind") == "worker_failed":
+            line += "; " + verdicts.pop(f.get("attempt"))
         lines.append(line)
     n_failures = len(lines)
     for e in data.events:
@@ -85,13 +88,23 @@ def recovery_summary(run_dir: str | Path) -> list[str]:
                 f"  loss anomaly at step {e.get('bad_step')} after {e.get('rollbacks_here')} "
                 f"rollbacks there: job stopped (exit {e.get('exitcode')}, do not requeue)"
             )
+    lines.extend(f"  attempt {a}: {v}" for a, v in verdicts.items())
+    lines.extend(_stop(data.events))
     records = [r for recs in data.records.values() for r in recs]
     g = compute_goodput(data.events, records)
-    stopped = any(
-        e.get("kind") == "job_finished" and e.get("state") == "do_not_requeue" for e in data.events
-    )
+    states = {e.get("state") for e in data.events if e.get("kind") == "job_finished"}
     s = "s" if n_failures != 1 else ""
-    head = f"trainguard run: {n_failures} failure{s} " + ("seen" if stopped else "recovered")
+    if "succeeded" in states:
+        outcome = "recovered"
+    elif "do_not_requeue" in states:
+        outcome = "seen; job stopped"
+    elif "requeue" in states:
+        outcome = "seen; job requeued"
+    elif states & {"failed", "evicted", "excluded"}:
+        outcome = "seen; job failed"
+    else:
+        outcome = "seen"
+    head = f"trainguard run: {n_failures} failure{s} {outcome}"
     if not n_failures:
         head = "trainguard run: no failures"
     n_rb = sum(1 for e in data.events if e.get("kind") == "loss_rollback")
@@ -103,3 +116,24 @@ def recovery_summary(run_dir: str | Path) -> list[str]:
         if lost:
             head += f" (lost: {lost})"
     return [head, *lines]
+
+
+def _verdicts(events: list[dict[str, Any]]) -> dict[Any, str]:
+    """Each failed attempt's attribution (its first one): verdict, cause, what, where, ranks."""
+    out: dict[Any, str] = {}
+    for e in events:
+        if e.get("kind") != "failure_attributed" or e.get("failed_attempt") in out:
+            continue
+        cause, verdict = e.get("cause"), e.get("verdict")
+        text = f"verdict {verdict} ({cause}"
+        text += ")" if cause == "transient" else f": {e.get('summary')})"
+        out[e.get("failed_attempt")] = text
+    return out
+
+
+def _stop(events: list[dict[str, Any]]) -> list[str]:
+    """The job's stop, when the recovery policy stopped it."""
+    for e in events:
+        if e.get("kind") == "recovery_decision" and e.get("action") == "stop":
+            return [f"  job stopped (exit 93, do not requeue): {e.get('reason')}"]
+    return []

@@ -66,6 +66,16 @@ class RecoveryConfig:
     configuration errors: restarting cannot help, the job stops with exit code 93."""
     stop_on_exit_codes: list[int] = field(default_factory=_stop_codes)
     """Worker exit codes that mean the same (2: a command-line usage error)."""
+    attribution: bool = True
+    """Classify each failure (user code, out of memory, hardware, network, data, control
+    plane, transient) from the exit, torch's error file (the workers' start-up hook writes one
+    for an uncaught exception), the output and the health findings; a deterministic user-code
+    error (the same exception at the same place on every rank, or in two failed attempts in a
+    row) or an out-of-memory error stops the job (exit 93) without spending restarts."""
+    failure_grace_s: float = 2.0
+    """After a worker raised, how long its agent lets the other local workers end of their own
+    before ending them (they usually raise the same error, or fail their collective, at once):
+    their exceptions are evidence too. 0: end them at once."""
     decision_timeout_s: float = 30.0
     """How long an agent waits for the job-wide decision on a failed round taken by another
     node's agent before taking it itself."""
@@ -79,5 +89,7 @@ class RecoveryConfig:
             raise ValueError("crash_loop_restarts and node_failure_limit must be >= 0")
         if self.node_failure_window_s <= 0 or self.decision_timeout_s <= 0:
             raise ValueError("node_failure_window_s and decision_timeout_s must be > 0")
+        if self.failure_grace_s < 0:
+            raise ValueError("failure_grace_s must be >= 0")
         if self.eviction_cooldown_s < 0:
             raise ValueError("eviction_cooldown_s must be >= 0")

@@ -31,6 +31,7 @@ _WATCH_ENV = "TRAINGUARD_AGENT_COLLECTIVES"  # trainguard.core.collectives.WATCH
 _FR_AGENT_ENV = "TRAINGUARD_AGENT_FR_BUFFER_SIZE"  # trainguard.core.collectives
 _FR_ENV = "TORCH_FR_BUFFER_SIZE"
 _INTEGRATIONS_ENV = "TRAINGUARD_AGENT_INTEGRATIONS"  # trainguard.runtime.agent
+_ERROR_FILE_ENV = "TRAINGUARD_AGENT_ERROR_FILE"  # trainguard.core.envvars.ERROR_FILE_HOOK
 _ABORT = 111  # exit code of a zygote that never got a job (the agent ignores it)
 
 
@@ -133,6 +134,19 @@ def _watch_collectives() -> None:
         print(f"trainguard: collective progress watcher not started: {err}", file=sys.stderr)
 
 
+def _record_errors() -> None:
+    """An uncaught exception is written as torch's error file (trainguard.core.errorfile), so
+    the agent knows it without ``@record`` in the script."""
+    if not os.environ.get(_ERROR_FILE_ENV):
+        return
+    try:
+        from trainguard.core.errorfile import install_excepthook
+
+        install_excepthook()
+    except Exception as err:  # never keep the script from running
+        print(f"trainguard: uncaught exceptions not recorded: {err}", file=sys.stderr)
+
+
 def _main() -> None:
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
     fd = os.environ.pop(_FD_ENV, None)
@@ -142,6 +156,7 @@ def _main() -> None:
         except BaseException:
             os._exit(_ABORT)
     _leave_pythonpath()
+    _record_errors()
     _watch_collectives()
     _attach_integrations()
     _chain_user_sitecustomize()
