@@ -9,7 +9,15 @@ from torch.distributed import run as torchrun
 
 from trainguard.runtime.launcher import build_parser
 
-OWN = {"--config", "--tg-run-dir", "--ft", "--tg-restart-budget", "--tg-warm", "--no-tg-warm"}
+OWN = {
+    "--config",
+    "--tg-run-dir",
+    "--ft",
+    "--tg-restart-budget",
+    "--tg-warm",
+    "--no-tg-warm",
+    "--tg-role",
+}
 
 
 def _actions(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:

@@ -13,6 +13,8 @@ from trainguard.core.contract import (
     LOSS_CAUSES,
     METRICS,
     RESTART_CAUSES,
+    ROLE_STATES,
+    ROLLOUT_FAILURE_REASONS,
     by_name,
     prometheus_name,
 )
@@ -91,13 +93,63 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
          "entropy": 1.25, "clip_ratio": 0.125, "response_length": 3.5,
          "response_length_max": 6, "rollout_time_s": 0.3, "optimize_time_s": 0.1,
          "checkpoint_persist_s": 1.5, "checkpoint_stall_s": 0.25, "checkpoint_bytes": 2e6,
-         "checkpoint_interval_s": 360.0, "checkpoint_failures": 2}
+         "checkpoint_interval_s": 360.0, "checkpoint_failures": 2,
+         "rollout_failed": {"timeout": 2, "http_error": 1}, "rollout_retried": 3,
+         "rollout_latency_p50_s": 0.2, "rollout_latency_p99_s": 0.9,
+         "rollout_tokens_per_s": 120.0, "weight_sync_s": 0.4, "weight_sync_timeouts": 1,
+         "staleness": 1, "weight_version": 7}
     )  # fmt: skip
+    rec.record({"kind": "log", "rank": 1, "step": 4, "rollout_failed": {"timeout": 1}})
     for ev in events + [
         {"time": T0 + 5.0, "kind": "straggler_detected", "rank": 1},
         {"time": T0 + 5.1, "kind": "preflight", "status": "ok"},  # not an incident
         {"time": T0 + 5.2, "kind": "preflight", "status": "unhealthy"},
         {"time": T0 + 5.3, "kind": "checkpoint_committed", "step": 4},
+        {
+            "time": T0 + 5.4,
+            "kind": "role_replica_started",
+            "role": "rollout",
+            "replica": 0,
+            "restarts": 0,
+            "total": 2,
+        },
+        {
+            "time": T0 + 5.4,
+            "kind": "role_replica_state",
+            "role": "rollout",
+            "replica": 0,
+            "state": "serving",
+            "weight_version": 7,
+            "serving": 1,
+            "total": 2,
+        },
+        {
+            "time": T0 + 5.5,
+            "kind": "role_replica_state",
+            "role": "rollout",
+            "replica": 0,
+            "state": "dead",
+            "serving": 0,
+            "total": 2,
+        },
+        {
+            "time": T0 + 5.6,
+            "kind": "role_replica_started",
+            "role": "rollout",
+            "replica": 0,
+            "restarts": 1,
+            "total": 2,
+        },
+        {
+            "time": T0 + 5.7,
+            "kind": "role_replica_state",
+            "role": "rollout",
+            "replica": 0,
+            "state": "serving",
+            "weight_version": 8,
+            "serving": 1,
+            "total": 2,
+        },
     ]:
         rec.event(ev)
     rec.straggler_scores({"0": 0.0, "1": 0.5})
@@ -133,6 +185,10 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
         "trainguard.checkpoint.interval": 360.0,
         "trainguard.checkpoint.failures": 2,
         "trainguard.health.straggler_score": 0.0,
+        "trainguard.rl.rollout.tokens_per_second": 120.0,
+        "trainguard.rl.weight_sync.duration": 0.4,
+        "trainguard.rl.staleness": 1,
+        "trainguard.rl.weight_version": 7,
     }
     job_values = {
         "trainguard.job.throughput": 4000.0,
@@ -171,6 +227,24 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
         "preflight_failed": 1,
     }
     assert point(got["trainguard.health.straggler_score"][1], rank="1").value == 0.5
+    failed = {p.attributes["reason"]: p.value for p in got["trainguard.rl.rollout.failed"][1]}
+    assert failed == {r: 0 for r in ROLLOUT_FAILURE_REASONS} | {"timeout": 3, "http_error": 1}
+    assert point(got["trainguard.rl.rollout.retried"][1]).value == 3
+    assert point(got["trainguard.rl.weight_sync.timeouts"][1]).value == 1
+    lat = {p.attributes["quantile"]: p.value for p in got["trainguard.rl.rollout.latency"][1]}
+    assert lat == {"0.5": pytest.approx(0.2), "0.99": pytest.approx(0.9)}
+    fleet = {"node": "n0", "role": "rollout"}
+    assert point(got["trainguard.role.replicas.serving"][1], **fleet).value == 1
+    assert point(got["trainguard.role.replicas.total"][1], **fleet).value == 2
+    assert point(got["trainguard.role.restarts"][1], **fleet).value == 1
+    assert point(got["trainguard.role.restarts"][1], role="reward").value == 0
+    states = {
+        p.attributes["state"]: p.value
+        for p in got["trainguard.role.replica.state"][1]
+        if p.attributes["replica"] == "0"
+    }
+    assert states == {s: 0 for s in ROLE_STATES} | {"serving": 1}
+    assert point(got["trainguard.role.replica.weight_version"][1], replica="0").value == 8
     lost = {p.attributes["cause"]: p.value for p in got["trainguard.goodput.lost_time"][1]}
     assert set(lost) == set(LOSS_CAUSES)
     assert lost["rendezvous"] == pytest.approx(3.0)

@@ -278,6 +278,111 @@ METRICS: tuple[MetricSpec, ...] = (
         attributes=_R,
         log_keys=("optimize_time_s",),
     ),
+    MetricSpec(
+        name="trainguard.rl.rollout.failed",
+        unit="{rollout}",
+        kind="counter",
+        description=_RL + "rollouts (requests to an engine) that failed, by reason (see "
+        "ROLLOUT_FAILURE_REASONS, exported from 0); fed by the ``rollout_failed`` key of a "
+        "``tg.log`` record: a mapping reason → failures since the rank's previous record.",
+        attributes=("node", "reason"),
+    ),
+    MetricSpec(
+        name="trainguard.rl.rollout.retried",
+        unit="{rollout}",
+        kind="counter",
+        description=_RL + "rollouts retried on another engine after a failure; fed by the "
+        "``rollout_retried`` key (retries since the rank's previous record).",
+        attributes=("node",),
+    ),
+    MetricSpec(
+        name="trainguard.rl.rollout.latency",
+        unit="s",
+        kind="gauge",
+        description=_RL + "per-request rollout latency of the step, by quantile (``0.5``, "
+        "``0.99``); fed by the ``rollout_latency_p50_s`` and ``rollout_latency_p99_s`` keys.",
+        attributes=(*_R, "quantile"),
+    ),
+    MetricSpec(
+        name="trainguard.rl.rollout.tokens_per_second",
+        unit="{token}/s",
+        kind="gauge",
+        description=_RL + "generated tokens per second of the step's rollouts.",
+        attributes=_R,
+        log_keys=("rollout_tokens_per_s", "rollout_tokens_per_second"),
+    ),
+    MetricSpec(
+        name="trainguard.rl.weight_sync.duration",
+        unit="s",
+        kind="gauge",
+        description=_RL + "time the last weight sync (trainer → engines) took.",
+        attributes=_R,
+        log_keys=("weight_sync_s",),
+    ),
+    MetricSpec(
+        name="trainguard.rl.weight_sync.timeouts",
+        unit="{timeout}",
+        kind="counter",
+        description=_RL + "engines that did not confirm a weight sync within its timeout "
+        "(taken out and refit later); fed by the ``weight_sync_timeouts`` key (timeouts since "
+        "the rank's previous record).",
+        attributes=("node",),
+    ),
+    MetricSpec(
+        name="trainguard.rl.staleness",
+        unit="{version}",
+        kind="gauge",
+        description=_RL + "largest staleness of the step's samples (trainer weight version − "
+        "the version that generated the sample; 0 = on-policy).",
+        attributes=_R,
+        log_keys=("staleness", "staleness_max"),
+    ),
+    MetricSpec(
+        name="trainguard.rl.weight_version",
+        unit="{version}",
+        kind="gauge",
+        description=_RL + "the trainer's current weight version.",
+        attributes=_R,
+        log_keys=("weight_version",),
+    ),
+    # -- roles (engine fleets beside the trainer) ----------------------------------------------
+    MetricSpec(
+        name="trainguard.role.replicas.serving",
+        unit="{replica}",
+        kind="gauge",
+        description="Replicas of a role (rollout, reward) on this node that are serving.",
+        attributes=("node", "role"),
+    ),
+    MetricSpec(
+        name="trainguard.role.replicas.total",
+        unit="{replica}",
+        kind="gauge",
+        description="Replicas of a role on this node (whatever their state).",
+        attributes=("node", "role"),
+    ),
+    MetricSpec(
+        name="trainguard.role.replica.state",
+        unit="{state}",
+        kind="gauge",
+        description="1 for a replica's current lifecycle state (see ROLE_STATES), 0 for the "
+        "others.",
+        attributes=("node", "role", "replica", "state"),
+    ),
+    MetricSpec(
+        name="trainguard.role.replica.weight_version",
+        unit="{version}",
+        kind="gauge",
+        description="Weight version a replica reports on its health endpoint.",
+        attributes=("node", "role", "replica"),
+    ),
+    MetricSpec(
+        name="trainguard.role.restarts",
+        unit="{restart}",
+        kind="counter",
+        description="Replica restarts of a role (each role has its own budget; never the "
+        "trainer's restarts).",
+        attributes=("node", "role"),
+    ),
     # -- checkpoints, failures, restarts ------------------------------------------------------
     MetricSpec(
         name="trainguard.checkpoint.stall.duration",
@@ -467,7 +572,38 @@ ROLLBACK_REASONS = ("nan", "inf", "spike", "other")
 """Values of the ``reason`` attribute of ``trainguard.job.rollbacks`` (exported from 0;
 ``other``: the rank that saw the anomaly is not the one that counts it)."""
 
+ROLLOUT_FAILURE_REASONS = (
+    "timeout",
+    "connection",
+    "http_error",
+    "malformed",
+    "engine_dead",
+    "other",
+)
+"""Values of the ``reason`` attribute of ``trainguard.rl.rollout.failed`` (exported from 0;
+a reason outside this list is counted as it comes)."""
+
+ROLES = ("rollout", "reward")
+"""The roles a job may declare besides ``trainer`` (whose workers are the SPMD group)."""
+
+ROLE_STATES = (
+    "starting",
+    "loading",
+    "serving",
+    "suspect",
+    "dead",
+    "restarting",
+    "failed",
+    "stopped",
+)
+"""Lifecycle states of a role replica: starting → loading (weights) → serving → suspect →
+dead → restarting (→ starting); ``failed``: not restarted (the role's restart budget is spent,
+or its policy is ``never``); ``stopped``: ended with the job."""
+
 __all__ += [
+    "ROLES",
+    "ROLE_STATES",
+    "ROLLOUT_FAILURE_REASONS",
     "HUNG_MIN_HOLD_S",
     "INCIDENT_KINDS",
     "LOSS_CAUSES",

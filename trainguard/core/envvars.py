@@ -30,3 +30,22 @@ CHECKPOINT_MEMORY_DIR = PREFIX + "MEMORY_DIR"
 """The node's in-memory checkpoint tier (a directory in host shared memory) owned by the agent."""
 
 ALL = (RUN_DIR, PROGRESS_DIR, ATTEMPT, NODE, TEARDOWN_FILE)
+
+# -- roles (trainguard.roles): what the role supervisor tells its replicas and the trainer ----
+# These name no config section either (``role``, ``rollout`` and ``reward`` are not sections).
+ROLE = "TRAINGUARD_ROLE"
+"""In a role replica: its role (``rollout``, ``reward``)."""
+ROLE_REPLICA = "TRAINGUARD_ROLE_REPLICA"
+"""In a role replica: its index in the role (0-based), the same across its restarts."""
+ROLE_PORT = "TRAINGUARD_ROLE_PORT"
+"""In a role replica: the port it must serve on (127.0.0.1), the same across its restarts."""
+ROLE_RUN_DIR = "TRAINGUARD_RUN_DIR"
+"""In a role replica: the run directory (its state file: ``roles/<role>/<i>.json``)."""
+ROLLOUT_URLS = "TRAINGUARD_ROLLOUT_URLS"
+"""In the trainer's workers: the rollout engines, ``http://127.0.0.1:<port>`` comma-separated,
+replica 0 first; stable across the engines' restarts."""
+REWARD_URLS = "TRAINGUARD_REWARD_URLS"
+"""In the trainer's workers: the reward servers, as :data:`ROLLOUT_URLS`."""
+
+ROLE_URLS = {"rollout": ROLLOUT_URLS, "reward": REWARD_URLS}
+"""Role → the trainer's variable that lists its replicas' URLs."""

@@ -32,6 +32,10 @@ __all__ = [
     "NODE_EXCLUDED",
     "RENDEZVOUS",
     "RESTART",
+    "ROLE_REPLICA_FAILED",
+    "ROLE_REPLICA_STARTED",
+    "ROLE_REPLICA_STATE",
+    "ROLE_RESTART_BUDGET_EXHAUSTED",
     "ROLLBACK_EXHAUSTED",
     "SPARE_WAITING",
     "STRAGGLER_SCORES",
@@ -74,6 +78,11 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("node_dead", ("runtime.spares",), ("dead_node", "reason", "removed_by", "round", "silent_s"), "A node's liveness beacon went silent: it was removed from the rendezvous."),
     EventSpec("spare_waiting", ("runtime.spares",), ("reason", "round"), "This node waits as a spare (no slot in the round)."),
     EventSpec("spare_joined", ("runtime.spares",), ("round", "waited_s"), "A node that waited as a spare got a slot."),
+    # -- roles (engine fleets beside the trainer) -----------------------------------------------
+    EventSpec("role_replica_started", ("roles.supervisor",), ("command", "pid", "port", "replica", "restarts", "role", "role_restarts", "total", "url"), "A role replica (rollout engine, reward server) was started (``restarts``: this replica's so far; ``role_restarts``: the role's, against its budget)."),
+    EventSpec("role_replica_state", ("roles.supervisor",), ("pid", "previous", "reason", "replica", "role", "serving", "state", "total", "weight_version"), "A role replica changed state (starting, loading, serving, suspect, dead, restarting, failed, stopped) or reports another weight version; ``serving``/``total``: the role's fleet on this node."),
+    EventSpec("role_replica_failed", ("roles.supervisor",), ("exitcode", "pid", "reason", "replica", "restart_budget", "restarts", "role", "was_ready"), "A role replica died (exited, refused connections, froze, or was not ready in time after a restart); the trainer is not touched."),
+    EventSpec("role_restart_budget_exhausted", ("roles.supervisor",), ("message", "replica", "restart_budget", "restarts", "role"), "A role replica died with its role's restart budget spent (or its policy ``never``): the role failed and the job ends."),
     EventSpec("ft_lighthouse", ("runtime.registry",), ("pid", "replica_group", "started", "url"), "torchft's lighthouse this job uses (started here or found)."),
     # -- checkpoints ---------------------------------------------------------------------------
     EventSpec("checkpoint_committed", ("checkpoint.pipeline",), ("bytes", "commit_s", "path", "persist_mode", "persist_s", "stall_s", "step"), "A checkpoint is durably on disk (every rank's files checked, manifest renamed in)."),
@@ -171,3 +180,7 @@ ROLLBACK_EXHAUSTED = _kind("rollback_exhausted")
 STRAGGLER_SCORES = _kind("straggler_scores")
 SPARE_WAITING = _kind("spare_waiting")
 WARM_READY = _kind("warm_ready")
+ROLE_REPLICA_STARTED = _kind("role_replica_started")
+ROLE_REPLICA_STATE = _kind("role_replica_state")
+ROLE_REPLICA_FAILED = _kind("role_replica_failed")
+ROLE_RESTART_BUDGET_EXHAUSTED = _kind("role_restart_budget_exhausted")

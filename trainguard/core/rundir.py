@@ -8,13 +8,17 @@
     progress/attempt_<a>/rank_<r>.bin     the progress channel of one attempt
     checkpoints/                          checkpoints, unless [checkpoint] dir says otherwise
     stacks/attempt_<a>/                   stacks of hung workers
+    roles/<role>/<i>.json                 state of role replica i (rollout, reward engines)
+    roles/<role>/<i>.log                  its output (stdout and stderr, every restart)
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from trainguard.core.config import CONFIG_JSON
 from trainguard.core.events import EVENTS_FILE
@@ -81,3 +85,32 @@ class RunDir:
     def stacks(self, attempt: int) -> Path:
         """Where the stacks of ``attempt``'s hung workers go."""
         return self.root / "stacks" / f"attempt_{attempt}"
+
+    @property
+    def roles(self) -> Path:
+        """Where the role supervisor keeps its replicas' state files and logs."""
+        return self.root / "roles"
+
+    def role_state(self, role: str, replica: int) -> Path:
+        """The state of one replica (JSON: pid, port, url, state, restarts, weight_version,
+        timestamps), replaced atomically at each change."""
+        return self.roles / role / f"{replica}.json"
+
+    def role_log(self, role: str, replica: int) -> Path:
+        """The output of one replica, appended to across its restarts."""
+        return self.roles / role / f"{replica}.log"
+
+    def role_states(self) -> dict[str, list[dict[str, Any]]]:
+        """Every replica's last state, by role, replica 0 first (unreadable files skipped)."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        for path in sorted(self.roles.glob("*/*.json")):
+            try:
+                state = json.loads(path.read_text())
+                idx = int(path.stem)
+            except (OSError, ValueError):
+                continue
+            if isinstance(state, dict):
+                out.setdefault(path.parent.name, []).append({"replica": idx, **state})
+        for states in out.values():
+            states.sort(key=lambda s: s["replica"])
+        return out

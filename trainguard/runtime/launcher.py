@@ -108,7 +108,41 @@ def build_parser(prog: str = "trainguard run") -> argparse.ArgumentParser:
         "imported ([warm] enabled, on by default); --no-tg-warm starts every worker cold, as "
         "torchrun.",
     )
+    group.add_argument(
+        "--tg-role",
+        dest="tg_roles",
+        action="append",
+        default=None,
+        metavar="NAME=N[,OPT=V...]:COMMAND",
+        help="A fleet of N independent replicas beside the trainer (the workers): NAME is "
+        "rollout (generation engines) or reward (scoring servers); COMMAND, quoted, starts one "
+        "replica (it serves on $TRAINGUARD_ROLE_PORT); OPT: port (base port: replica i uses "
+        "port+i), budget (restarts of the role), policy (always, never), health (probe path, "
+        "default /health), ready (readiness timeout, s). Repeat for each role (torchrun's --role still names the workers' role); [roles.NAME] in "
+        "--config holds the same. The workers get TRAINGUARD_ROLLOUT_URLS / "
+        "TRAINGUARD_REWARD_URLS. E.g. --tg-role 'rollout=2:python -m trainguard.rl.engine'",
+    )
     return parser
+
+
+def role_overrides(flags: list[str] | None, base: Any = None) -> dict[str, Any]:
+    """``--tg-role`` flags → ``{"roles.<name>": table}`` config overrides; a flag's keys replace
+    those of the file's (or env's) table of that role (``base``: the config without the flags).
+    UsageError (one line) for a malformed flag or a role given twice."""
+    from trainguard.core.config.roles import parse_role_flag
+
+    out: dict[str, Any] = {}
+    for flag in flags or []:
+        try:
+            name, table = parse_role_flag(flag)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        key = f"roles.{name}"
+        if key in out:
+            raise UsageError(f"--tg-role {name}: given twice; one --tg-role flag per role")
+        below = dict(getattr(base.roles, name, {}) or {}) if base is not None else {}
+        out[key] = {**below, **table}
+    return out
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -517,15 +551,17 @@ def prepare(
 ) -> tuple[LaunchConfig, Callable[..., Any] | str, list[str], TrainGuardConfig, Path]:
     """Validate and resolve everything; raises UsageError/ConfigError on bad input."""
     _validate(args)
-    tg_config = load_config(
-        args.tg_config,
-        overrides={
-            "runtime.run_dir": args.tg_run_dir,
-            "ft.enabled": getattr(args, "tg_ft", None),
-            "recovery.job_restart_budget": getattr(args, "tg_restart_budget", None),
-            "warm.enabled": getattr(args, "tg_warm", None),
-        },
-    )
+    overrides = {
+        "runtime.run_dir": args.tg_run_dir,
+        "ft.enabled": getattr(args, "tg_ft", None),
+        "recovery.job_restart_budget": getattr(args, "tg_restart_budget", None),
+        "warm.enabled": getattr(args, "tg_warm", None),
+    }
+    role_flags = getattr(args, "tg_roles", None)
+    if role_flags:
+        role_overrides(role_flags)  # a malformed flag is its own line, before the file's errors
+        overrides.update(role_overrides(role_flags, load_config(args.tg_config)))
+    tg_config = load_config(args.tg_config, overrides=overrides)
     _apply_torchrun_defaults(args)
     try:
         config, cmd, cmd_args = torchrun.config_from_args(args)

@@ -39,6 +39,11 @@ def default_plugins(ctx: AgentContext) -> list[AgentPlugin]:
 
     # first: a blocklisted node refuses to join before any preflight work
     plugins: list[AgentPlugin] = [RecoveryPlugin(ctx, fencer=node_fencer(cfg))]
+    if cfg.roles.specs():
+        from trainguard.roles.plugin import RolesPlugin
+
+        # the engine fleets start before the trainer's first workers, and outlive its restarts
+        plugins.append(RolesPlugin(ctx))
     if cfg.warm.enabled:
         from trainguard.runtime.warm import WarmPlugin
 

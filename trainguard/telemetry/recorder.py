@@ -19,9 +19,13 @@ from trainguard.core.contract import (
     LOSS_CAUSES,
     METRICS,
     RESTART_CAUSES,
+    ROLE_STATES,
+    ROLES,
     ROLLBACK_REASONS,
+    ROLLOUT_FAILURE_REASONS,
     MetricSpec,
 )
+from trainguard.core.event_kinds import ROLE_REPLICA_STARTED, ROLE_REPLICA_STATE
 from trainguard.core.failures import FailureKind
 from trainguard.core.goodput import Goodput
 from trainguard.telemetry.mfu import PeakResolver
@@ -105,6 +109,12 @@ class MetricsRecorder:
             self._inst["trainguard.job.failures"].add(0, {**node_attrs, "cause": kind.value})
         for reason in ROLLBACK_REASONS:
             self._inst["trainguard.job.rollbacks"].add(0, {**node_attrs, "reason": reason})
+        for reason in ROLLOUT_FAILURE_REASONS:
+            self._inst["trainguard.rl.rollout.failed"].add(0, {**node_attrs, "reason": reason})
+        self._inst["trainguard.rl.rollout.retried"].add(0, node_attrs)
+        self._inst["trainguard.rl.weight_sync.timeouts"].add(0, node_attrs)
+        self._replica_state: dict[tuple[str, str], str] = {}
+        self._role_totals: dict[str, int] = {}
         self._hung_label = "none"
         self._set("trainguard.job.hung", 0, {**node_attrs, "diagnosis": self._hung_label})
 
@@ -214,6 +224,26 @@ class MetricsRecorder:
             if v is not None:
                 self._set(spec.name, v, attrs)
                 done.add(spec.name)
+        for key, q in (("rollout_latency_p50_s", "0.5"), ("rollout_latency_p99_s", "0.99")):
+            v = _num(rec.get(key))
+            if v is not None:
+                self._set("trainguard.rl.rollout.latency", v, {**attrs, "quantile": q})
+        node = {"node": self.node}
+        failed = rec.get("rollout_failed")
+        if isinstance(failed, Mapping):
+            for reason, n in failed.items():
+                v = _num(n)
+                if v is not None and v > 0:
+                    self._inst["trainguard.rl.rollout.failed"].add(
+                        v, {**node, "reason": str(reason)}
+                    )
+        for key, name in (
+            ("rollout_retried", "trainguard.rl.rollout.retried"),
+            ("weight_sync_timeouts", "trainguard.rl.weight_sync.timeouts"),
+        ):
+            v = _num(rec.get(key))
+            if v is not None and v > 0:
+                self._inst[name].add(v, node)
         for key, name in (
             ("checkpoint_stall_s", "trainguard.checkpoint.stall.duration"),
             ("checkpoint_persist_s", "trainguard.checkpoint.persist.duration"),
@@ -257,6 +287,8 @@ class MetricsRecorder:
                 cause = ev.get("cause") or self._pending_cause or ev.get("reason") or "unknown"
                 self._pending_cause = None
                 self._inst["trainguard.job.restarts"].add(1, {**node, "cause": str(cause)})
+            elif kind in (ROLE_REPLICA_STARTED, ROLE_REPLICA_STATE):
+                self._role_event(ev)
             elif kind in ("rendezvous", "workers_started"):
                 a = _num(ev.get("attempt"))
                 if a is not None:
@@ -267,6 +299,40 @@ class MetricsRecorder:
         except Exception:
             self.num_bad_records += 1
             logger.exception("skipping an event that could not be mapped")
+
+    def _role_event(self, ev: Mapping[str, Any]) -> None:
+        """A role replica's start or state change (trainguard.roles): the fleet gauges."""
+        role, replica = str(ev.get("role") or "?"), str(ev.get("replica"))
+        node = {"node": self.node, "role": role}
+        if ev.get("kind") == ROLE_REPLICA_STARTED:
+            if role not in self._role_totals:
+                for r in ROLES if role in ROLES else (role,):
+                    self._inst["trainguard.role.restarts"].add(0, {"node": self.node, "role": r})
+            if (_num(ev.get("restarts")) or 0) > 0:
+                self._inst["trainguard.role.restarts"].add(1, node)
+        total = _num(ev.get("total"))
+        if total is not None:
+            self._role_totals[role] = int(total)
+            self._set("trainguard.role.replicas.total", total, node)
+        serving = _num(ev.get("serving"))
+        if serving is not None:
+            self._set("trainguard.role.replicas.serving", serving, node)
+        state = ev.get("state")
+        if isinstance(state, str):
+            rep = {**node, "replica": replica}
+            previous = self._replica_state.get((role, replica))
+            if previous is None:
+                for s in ROLE_STATES:
+                    self._set("trainguard.role.replica.state", 0, {**rep, "state": s})
+            elif previous != state:
+                self._set("trainguard.role.replica.state", 0, {**rep, "state": previous})
+            self._replica_state[(role, replica)] = state
+            self._set("trainguard.role.replica.state", 1, {**rep, "state": state})
+        version = _num(ev.get("weight_version"))
+        if version is not None:
+            self._set(
+                "trainguard.role.replica.weight_version", version, {**node, "replica": replica}
+            )
 
     def straggler_scores(self, scores: Mapping[str, Any]) -> None:
         """``{rank: score}`` as the health component writes them."""

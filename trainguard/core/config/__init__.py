@@ -37,6 +37,7 @@ from trainguard.core.config.inprocess import InProcessConfig
 from trainguard.core.config.integrations import IntegrationsConfig
 from trainguard.core.config.recovery import RecoveryConfig
 from trainguard.core.config.rendezvous import RendezvousConfig
+from trainguard.core.config.roles import RolesConfig
 from trainguard.core.config.rollback import RollbackConfig
 from trainguard.core.config.runtime import RuntimeConfig
 from trainguard.core.config.slurm import SlurmConfig
@@ -98,6 +99,7 @@ class TrainGuardConfig:
     spares: SparesConfig = field(default_factory=SparesConfig)
     integrations: IntegrationsConfig = field(default_factory=IntegrationsConfig)
     warm: WarmConfig = field(default_factory=WarmConfig)
+    roles: RolesConfig = field(default_factory=RolesConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

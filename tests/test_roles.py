@@ -1,0 +1,383 @@
+"""Roles in one job: engine fleets beside the trainer, with real processes.
+
+The replicas are tests/workers/role_replica.py (a real HTTP server process), the trainer is
+tests/workers/role_trainer.py under ``trainguard run``. Faults are real: kill -9, SIGSTOP, a
+command that exits at once, one that never becomes ready.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.launch_utils import REPO, WORKERS, base_env, popen
+from tests.procs import alive, kill_tree
+from trainguard.cli.cmd_run import run_job
+from trainguard.core.config import ConfigError, load_config
+from trainguard.core.config.roles import RolesConfig, RoleSpec, parse_role_flag
+from trainguard.core.events import EventLog, read_events
+from trainguard.core.rundir import RunDir
+from trainguard.roles.supervisor import RoleSupervisor, probe_health
+
+REPLICA = [sys.executable, str(WORKERS / "role_replica.py")]
+TRAINER = str(WORKERS / "role_trainer.py")
+FAST = {"probe_interval_s": 0.25, "probe_timeout_s": 1.0, "stop_timeout_s": 3.0}
+
+
+def wait_for(what: str, cond: Callable[[], Any], timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def kinds(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in read_events(run_dir) if e["kind"] == kind]
+
+
+@pytest.fixture
+def supervisor(tmp_path: Path) -> Iterator[Callable[..., RoleSupervisor]]:
+    made: list[RoleSupervisor] = []
+
+    def make(table: dict[str, Any], **settings: Any) -> RoleSupervisor:
+        cfg = RolesConfig(rollout=table, **{**FAST, **settings})
+        sup = RoleSupervisor(cfg, tmp_path, EventLog(tmp_path), env=base_env())
+        made.append(sup)
+        sup.start()
+        return sup
+
+    yield make
+    for sup in made:
+        sup.stop()
+
+
+def serving_pids(sup: RoleSupervisor) -> list[int] | None:
+    reps = sup.replicas["rollout"]
+    if all(r.state == "serving" for r in reps):
+        return [r.pid for r in reps if r.pid is not None]
+    return None
+
+
+# -- the spec: file, flag, bad input ----------------------------------------------------------
+def test_role_flag_and_table_give_the_same_spec(tmp_path: Path) -> None:
+    name, table = parse_role_flag(
+        "rollout=2,port=8100,budget=3,policy=never,ready=30:python -m eng --model 'a b'"
+    )
+    assert name == "rollout"
+    spec = RoleSpec.from_mapping(name, table, "flag")
+    assert spec.command == ("python", "-m", "eng", "--model", "a b")
+    assert (spec.replicas, spec.port, spec.restart_budget) == (2, 8100, 3)
+    assert (spec.restart_policy, spec.readiness_timeout_s, spec.health_path) == (
+        "never",
+        30.0,
+        "/health",
+    )
+    toml = tmp_path / "tg.toml"
+    toml.write_text(
+        '[roles.rollout]\ncommand = ["python", "-m", "eng", "--model", "a b"]\nreplicas = 2\n'
+        'port = 8100\nrestart_budget = 3\nrestart_policy = "never"\nreadiness_timeout_s = 30\n'
+    )
+    assert load_config(str(toml), env={}).roles.specs() == [spec]
+    env = {"TRAINGUARD_ROLES_REWARD": json.dumps({"command": "srv", "replicas": 1})}
+    assert [s.name for s in load_config(env=env).roles.specs()] == ["reward"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [
+        ("rollout", "malformed role"),
+        ("rollout=2", "malformed role"),
+        ("rollout=:python x", "replica count is missing"),
+        ("rollout=two:python x", "'two' is not a number"),
+        ("rollout=0:python x", "has 0 replicas"),
+        ("rollout=2:", "command is missing"),
+        ("rollout=2,colour=red:python x", "unknown option 'colour=red'"),
+        ("engines=2:python x", "unknown role 'engines'"),
+        ("rollout=2,port=65535:python x", "go past 65535"),
+        ("rollout=1,policy=sometimes:python x", "restart_policy 'sometimes'"),
+        ("rollout=1:python 'unclosed", "No closing quotation"),
+    ],
+)
+def test_bad_role_flag_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, says: str
+) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as e:
+        run_job(["--tg-role", flag, "--tg-run-dir", str(tmp_path / "run"), str(script)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("trainguard run: error: --tg-role") and says in err, err
+
+
+def test_bad_role_table_is_one_config_error(tmp_path: Path) -> None:
+    toml = tmp_path / "tg.toml"
+    for body, says in [
+        ('[roles.rollout]\ncommand = "x"\nreplicas = 0\n', "has 0 replicas"),
+        ("[roles.rollout]\nreplicas = 2\n", "has no command"),
+        ('[roles.rollout]\ncommand = "x"\nweights = 1\n', "unknown key 'weights'"),
+        ("[roles]\nprobe_timeout_s = 9\ndead_after_s = 3\n", "must be >= probe_timeout_s"),
+    ]:
+        toml.write_text(body)
+        with pytest.raises(ConfigError, match=says):
+            load_config(str(toml), env={})
+
+
+# -- the supervisor alone: lifecycle with real replica processes --------------------------------
+def test_killed_replica_restarts_alone_on_its_port(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
+) -> None:
+    sup = supervisor({"command": REPLICA + ["--loading-s", "0.5"], "replicas": 2})
+    pids = wait_for("both replicas serving", lambda: serving_pids(sup))
+    ports = [r.port for r in sup.replicas["rollout"]]
+    # what each replica was told
+    who = [json.loads(_get(p, "/whoami")) for p in ports]
+    assert [w["replica"] for w in who] == ["0", "1"] and {w["role"] for w in who} == {"rollout"}
+    assert who[0]["pid"] == pids[0] and who[0]["run_dir"] == str(tmp_path)
+    assert sup.trainer_env() == {
+        "TRAINGUARD_ROLLOUT_URLS": ",".join(f"http://127.0.0.1:{p}" for p in ports)
+    }
+
+    os.kill(pids[0], signal.SIGKILL)
+    new = wait_for(
+        "replica 0 replaced and serving",
+        lambda: (p := serving_pids(sup)) and p[0] != pids[0] and p,
+    )
+    assert new[1] == pids[1]  # the other replica was not touched
+    assert [r.port for r in sup.replicas["rollout"]] == ports  # same port, same URL
+    assert json.loads(_get(ports[0], "/whoami"))["pid"] == new[0]
+    assert sup.restarts["rollout"] == 1 and sup.failure is None
+    failed = kinds(tmp_path, "role_replica_failed")
+    assert [(e["replica"], e["pid"], e["reason"]) for e in failed] == [
+        (0, pids[0], "was killed by signal 9")
+    ]
+    states = [e["state"] for e in kinds(tmp_path, "role_replica_state") if e["replica"] == 0]
+    assert states[:3] == ["starting", "loading", "serving"]
+    assert states[3:] == ["dead", "restarting", "starting", "loading", "serving"]
+    state = json.loads(RunDir(tmp_path).role_state("rollout", 0).read_text())
+    assert state["pid"] == new[0] and state["restarts"] == 1 and state["state"] == "serving"
+    assert state["port"] == ports[0] and state["weight_version"] == 0
+
+    sup.stop()
+    assert not alive(new[0]) and not alive(new[1])
+    assert {s["state"] for s in RunDir(tmp_path).role_states()["rollout"]} == {"stopped"}
+
+
+def test_frozen_replica_is_declared_dead_within_10s_and_replaced(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
+) -> None:
+    # the default health settings (probe every 1 s, 2 s timeout, dead after 6 s)
+    sup = supervisor({"command": REPLICA, "replicas": 1}, probe_interval_s=1.0, probe_timeout_s=2.0)
+    (pid,) = wait_for("the replica serving", lambda: serving_pids(sup))
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        dead = wait_for(
+            "the frozen replica declared dead",
+            lambda: [e for e in kinds(tmp_path, "role_replica_state") if e["state"] == "dead"],
+            timeout=30,
+        )
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGCONT)
+    assert dead[0]["time"] - stopped_at <= 10.0, dead[0]
+    assert "no good health answer" in dead[0]["reason"]
+    suspect = [e for e in kinds(tmp_path, "role_replica_state") if e["state"] == "suspect"]
+    assert suspect and suspect[0]["time"] <= dead[0]["time"]
+    (new,) = wait_for(
+        "the replacement serving", lambda: (p := serving_pids(sup)) and p != [pid] and p
+    )
+    assert not alive(pid)  # killed by PID although stopped
+    assert sup.restarts["rollout"] == 1
+
+
+def test_command_that_exits_at_once_spends_the_budget_then_fails_the_role(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
+) -> None:
+    sup = supervisor(
+        {"command": REPLICA + ["--exit-at-once", "3"], "replicas": 2, "restart_budget": 2}
+    )
+    failure = wait_for("the role failure", lambda: sup.failure, timeout=60)
+    assert failure.startswith("role rollout failed: replica ")
+    assert "exited with code 3 before it was ever ready; restart budget 2 spent" in failure
+    assert "role_replica.py --exit-at-once 3" in failure and "\n" not in failure
+    assert sup.restarts["rollout"] == 2  # the role's budget, both replicas together
+    (ev,) = kinds(tmp_path, "role_restart_budget_exhausted")
+    assert ev["restart_budget"] == 2 and ev["message"] == failure
+    assert len(kinds(tmp_path, "role_replica_failed")) >= 3
+    assert "role_replica: exiting at once" in RunDir(tmp_path).role_log("rollout", 0).read_text()
+
+
+def test_replica_that_never_becomes_ready_is_named(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
+) -> None:
+    sup = supervisor(
+        {"command": REPLICA + ["--never-ready"], "replicas": 1}, readiness_timeout_s=3.0
+    )
+    failure = wait_for("the readiness failure", lambda: sup.failure, timeout=60)
+    assert failure.startswith("role rollout failed: replica 0 (")
+    assert "never became ready" in failure and "within 3 s (readiness_timeout_s)" in failure
+    pid = sup.replicas["rollout"][0].pid
+    assert pid is not None and not alive(pid)
+    assert sup.replicas["rollout"][0].state == "failed"
+
+
+def test_probe_outcomes_of_a_real_server(tmp_path: Path) -> None:
+    from tests.ports import free_port
+
+    port = free_port()
+    assert probe_health(port, "/health", 1.0).outcome == "refused"
+    env = base_env(TRAINGUARD_ROLE_PORT=str(port))
+    proc = subprocess.Popen(REPLICA + ["--weight-version", "7"], env=env)
+    try:
+        p = wait_for(
+            "the server", lambda: (r := probe_health(port, "/health", 1.0)).outcome == "ok" and r
+        )
+        assert (p.status, p.weight_version) == ("serving", 7)
+        assert probe_health(port, "/missing", 1.0).outcome == "http_error"
+        assert probe_health(port, "/whoami", 1.0).outcome == "malformed"  # no "status"
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert probe_health(port, "/health", 0.5).outcome == "timeout"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _get(port: int, path: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+        return r.read().decode()
+
+
+# -- in a job: isolation both ways ----------------------------------------------------------------
+def _job_env(**extra: str) -> dict[str, str]:
+    return base_env(
+        TRAINGUARD_HEALTH_ENABLED="0",
+        TRAINGUARD_ROLES_PROBE_INTERVAL_S="0.25",
+        TRAINGUARD_ROLES_PROBE_TIMEOUT_S="1.0",
+        **extra,
+    )
+
+
+def _records(out: Path) -> list[dict[str, Any]]:
+    recs = []
+    for f in sorted(out.glob("rank_*.jsonl")):
+        for line in f.read_text().splitlines():
+            try:
+                recs.append({"rank": int(f.stem.split("_")[1]), **json.loads(line)})
+            except ValueError:
+                continue
+    return recs
+
+
+def _engine_pids(run_dir: Path) -> list[int] | None:
+    states = RunDir(run_dir).role_states().get("rollout", [])
+    if len(states) == 2 and all(s["state"] == "serving" for s in states):
+        return [s["pid"] for s in states]
+    return None
+
+
+def test_engine_and_trainer_fail_apart_in_one_job(tmp_path: Path) -> None:
+    """An engine killed -9 restarts alone (the trainer keeps its attempt and PIDs); a trainer
+    rank killed -9 restarts the trainer group (the engines keep their PIDs)."""
+    out, run = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    role = f"rollout=2:{' '.join(REPLICA)}"
+    args = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+            "--monitor-interval", "0.1", "--no-tg-warm", "--tg-run-dir", str(run),
+            "--tg-role", role, TRAINER]  # fmt: skip
+    job = popen("trainguard", args, cwd=tmp_path, env=_job_env(OUT_DIR=str(out)))
+    try:
+        engines = wait_for("both engines serving", lambda: _engine_pids(run), timeout=90)
+
+        def attempt0_sees(pids: list[int]) -> dict[int, int] | None:
+            recs = [r for r in _records(out) if r["engines"] == pids]
+            ranks = {r["rank"]: r["pid"] for r in recs}
+            return ranks if len(ranks) == 2 else None
+
+        workers = wait_for("both ranks reach both engines", lambda: attempt0_sees(engines), 90)
+        first = _records(out)[0]
+        ports = [s["port"] for s in RunDir(run).role_states()["rollout"]]
+        assert first["urls"] == [f"http://127.0.0.1:{p}" for p in ports]
+        assert first["role_env"] is None  # a trainer worker is not a replica
+
+        # 1. an engine dies: it alone restarts
+        os.kill(engines[0], signal.SIGKILL)
+        engines2 = wait_for(
+            "engine 0 replaced",
+            lambda: (p := _engine_pids(run)) and p[0] != engines[0] and p,
+            timeout=60,
+        )
+        assert engines2[1] == engines[1]
+        after = wait_for("the ranks reach the new engine", lambda: attempt0_sees(engines2), 60)
+        assert after == workers  # same worker PIDs
+        assert {r["restart"] for r in _records(out)} == {0}
+        assert kinds(run, "restart") == [] and kinds(run, "worker_failed") == []
+
+        # 2. a trainer rank dies: the group restarts, the engines do not
+        os.kill(workers[1], signal.SIGKILL)
+        wait_for(
+            "the restarted trainer group reaches the engines",
+            lambda: (
+                len(
+                    {
+                        r["rank"]
+                        for r in _records(out)
+                        if r["restart"] == 1 and r["engines"] == engines2
+                    }
+                )
+                == 2
+            ),
+            timeout=90,
+        )
+        assert _engine_pids(run) == engines2
+        assert len(kinds(run, "role_replica_started")) == 3  # two starts and one replacement
+        (out / "stop").touch()
+        _, err = job.communicate(timeout=90)
+        assert job.returncode == 0, err[-3000:]
+    finally:
+        kill_tree(job.pid)
+        job.wait()
+    assert not any(alive(p) for p in engines2)  # stopped with the job
+    (restart,) = kinds(run, "restart")
+    failed = kinds(run, "role_replica_failed")
+    assert [e["pid"] for e in failed] == [engines[0]]
+    assert {s["state"] for s in RunDir(run).role_states()["rollout"]} == {"stopped"}
+
+
+def test_role_failure_ends_the_job_with_one_line(tmp_path: Path) -> None:
+    out, run = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    role = f"rollout=1,budget=1:{' '.join(REPLICA)} --exit-at-once 3"
+    args = ["--standalone", "--nproc-per-node", "1", "--no-tg-warm", "--tg-run-dir", str(run),
+            "--tg-role", role, TRAINER]  # fmt: skip
+    job = popen("trainguard", args, cwd=tmp_path, env=_job_env(OUT_DIR=str(out)))
+    try:
+        _, err = job.communicate(timeout=120)
+    finally:
+        kill_tree(job.pid)
+        job.wait()
+    assert job.returncode == 2, err[-3000:]
+    lines = [ln for ln in err.splitlines() if "role rollout failed" in ln]
+    assert len(lines) >= 1 and lines[-1].startswith(
+        "trainguard run: role rollout failed: replica 0"
+    )
+    assert "exited with code 3 before it was ever ready; restart budget 1 spent" in lines[-1]
+    trainer_pids = {r["pid"] for r in _records(out)}
+    assert not any(alive(p) for p in trainer_pids)
+    assert kinds(run, "job_finished")[-1]["state"] == "failed"
+    assert REPO.exists()

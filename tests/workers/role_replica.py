@@ -1,0 +1,73 @@
+"""A tiny real HTTP server: the role replica of the role-supervisor tests (a real process).
+
+It serves ``GET /health`` on 127.0.0.1:$TRAINGUARD_ROLE_PORT with the engine contract's
+answer, ``{"status": ..., "weight_version": ...}``, and ``GET /whoami`` with its pid, role and
+replica. Behaviour knobs (argv):
+
+--exit-at-once CODE   exit with CODE before serving (a command that exits at once)
+--never-ready         listen and answer ``starting`` forever
+--loading-s S         answer ``loading`` for S seconds, then ``serving``
+--weight-version V    the version it reports (default 0)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--exit-at-once", type=int, default=None)
+    p.add_argument("--never-ready", action="store_true")
+    p.add_argument("--loading-s", type=float, default=0.0)
+    p.add_argument("--weight-version", type=int, default=0)
+    args = p.parse_args()
+    if args.exit_at_once is not None:
+        print("role_replica: exiting at once", flush=True)
+        sys.exit(args.exit_at_once)
+    port = int(os.environ["TRAINGUARD_ROLE_PORT"])
+    started = time.monotonic()
+    ident = {
+        "pid": os.getpid(),
+        "role": os.environ.get("TRAINGUARD_ROLE"),
+        "replica": os.environ.get("TRAINGUARD_ROLE_REPLICA"),
+        "run_dir": os.environ.get("TRAINGUARD_RUN_DIR"),
+    }
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path == "/health":
+                if args.never_ready:
+                    status = "starting"
+                elif time.monotonic() - started < args.loading_s:
+                    status = "loading"
+                else:
+                    status = "serving"
+                body = {"status": status, "weight_version": args.weight_version}
+            elif self.path == "/whoami":
+                body = ident
+            else:
+                self.send_error(404)
+                return
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    print(f"role_replica: serving on {port} pid {os.getpid()}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Roles of a job besides the trainer (section [roles], env TRAINGUARD_ROLES_*, ``--tg-role``).
+
+The trainer is the SPMD group of ``trainguard run``'s workers, exactly as without roles. A
+``rollout`` role (generation engines) and a ``reward`` role (scoring servers) are fleets of
+independent replicas the node agent starts beside it, each with its own command, count,
+restart budget and health check. Example::
+
+    [roles.rollout]
+    command = "python -m trainguard.rl.engine --model gpt2-tiny"
+    replicas = 2
+    port = 8100              # replica i listens on 8100 + i; 0: a free port per replica
+    restart_budget = 5
+
+    [roles]
+    readiness_timeout_s = 300.0
+
+On the command line (one flag per role; it replaces that role's table of the file, keys it
+does not name keep the file's values)::
+
+    trainguard run --nproc-per-node 2 \\
+        --tg-role "rollout=2:python -m trainguard.rl.engine --model gpt2-tiny" \\
+        --tg-role "reward=1,port=8200,budget=3:python reward_server.py" train.py
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ROLE_NAMES",
+    "RoleSpec",
+    "RolesConfig",
+    "parse_role_flag",
+]
+
+ROLE_NAMES = ("rollout", "reward")
+"""Roles a job may declare besides ``trainer``."""
+
+RESTART_POLICIES = ("always", "never")
+
+_KEYS = {
+    # flag key → RoleSpec field
+    "port": "port",
+    "budget": "restart_budget",
+    "restart_budget": "restart_budget",
+    "policy": "restart_policy",
+    "restart_policy": "restart_policy",
+    "health": "health_path",
+    "health_path": "health_path",
+    "ready": "readiness_timeout_s",
+    "readiness_timeout_s": "readiness_timeout_s",
+}
+
+_FLAG_FORM = "NAME=REPLICAS[,port=P,budget=N,policy=always|never,health=/PATH,ready=S]:COMMAND"
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSpec:
+    """One role, validated (built from a ``[roles.<name>]`` table or a ``--tg-role`` flag)."""
+
+    name: str
+    command: tuple[str, ...]
+    """The replica's command line (a string in the file is split like a shell does)."""
+    replicas: int = 1
+    port: int = 0
+    """Base port: replica ``i`` listens on ``port + i`` across its restarts; 0: a free port is
+    chosen for each replica once, and kept across its restarts."""
+    health_path: str = "/health"
+    """HTTP GET path of the health probe (200 + JSON ``{"status": ..., "weight_version": ...}``)."""
+    restart_budget: int = 5
+    """Restarts of this role's replicas (all together) before the role fails and ends the job.
+    The trainer's restarts (``--max-restarts``) are counted apart."""
+    restart_policy: str = "always"
+    """``always``: a replica that exits or dies is restarted (within the budget); ``never``: a
+    dead replica ends the role."""
+    readiness_timeout_s: float | None = None
+    """Seconds a started replica has to answer its health probe with ``loading`` or ``serving``
+    (None: ``[roles] readiness_timeout_s``)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Extra environment of the replicas."""
+
+    def url(self, port: int) -> str:
+        return f"http://127.0.0.1:{port}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "command": list(self.command),
+            "replicas": self.replicas,
+            "port": self.port,
+            "health_path": self.health_path,
+            "restart_budget": self.restart_budget,
+            "restart_policy": self.restart_policy,
+            "readiness_timeout_s": self.readiness_timeout_s,
+            "env": dict(self.env),
+        }
+
+    @classmethod
+    def from_mapping(cls, name: str, table: dict[str, Any], where: str) -> RoleSpec:
+        """Validate one role's table; ValueError (one line: what, where, how to fix)."""
+        if name not in ROLE_NAMES:
+            raise ValueError(
+                f"{where}: unknown role {name!r}; roles: trainer (the workers), "
+                f"{', '.join(ROLE_NAMES)}"
+            )
+        known = {
+            "command",
+            "replicas",
+            "port",
+            "health_path",
+            "restart_budget",
+            "restart_policy",
+            "readiness_timeout_s",
+            "env",
+        }
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown key {unknown[0]!r} of role {name!r}; known keys: "
+                + ", ".join(sorted(known))
+            )
+        raw_cmd = table.get("command")
+        if isinstance(raw_cmd, str):
+            try:
+                command = tuple(shlex.split(raw_cmd))
+            except ValueError as e:
+                raise ValueError(f"{where}: role {name!r}: command {raw_cmd!r}: {e}") from None
+        elif isinstance(raw_cmd, list | tuple) and all(isinstance(c, str) for c in raw_cmd):
+            command = tuple(raw_cmd)
+        else:
+            command = ()
+        if not command:
+            raise ValueError(
+                f'{where}: role {name!r} has no command: set command = "python -m ..."'
+            )
+
+        def integer(key: str, default: int, lo: int, hi: int | None = None) -> int:
+            v = table.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int | str):
+                raise ValueError(f"{where}: role {name!r}: {key} {v!r} is not an integer")
+            try:
+                n = int(v)
+            except ValueError:
+                raise ValueError(f"{where}: role {name!r}: {key} {v!r} is not an integer") from None
+            if n < lo or (hi is not None and n > hi):
+                rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+                raise ValueError(f"{where}: role {name!r}: {key} {n} must be {rng}")
+            return n
+
+        replicas = integer("replicas", 1, 0)
+        if replicas == 0:
+            raise ValueError(
+                f"{where}: role {name!r} has 0 replicas: give at least 1, or leave the role out"
+            )
+        port = integer("port", 0, 0, 65535)
+        if port and port + replicas - 1 > 65535:
+            raise ValueError(
+                f"{where}: role {name!r}: ports {port}..{port + replicas - 1} go past 65535"
+            )
+        budget = integer("restart_budget", 5, 0)
+        policy = str(table.get("restart_policy", "always"))
+        if policy not in RESTART_POLICIES:
+            raise ValueError(
+                f"{where}: role {name!r}: restart_policy {policy!r} is not one of "
+                f"{', '.join(RESTART_POLICIES)}"
+            )
+        health = str(table.get("health_path", "/health"))
+        if not health.startswith("/"):
+            raise ValueError(f"{where}: role {name!r}: health_path {health!r} must start with '/'")
+        ready = table.get("readiness_timeout_s")
+        if ready is not None:
+            try:
+                ready = float(ready)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"{where}: role {name!r}: readiness_timeout_s {ready!r} is not a number"
+                ) from None
+            if ready <= 0:
+                raise ValueError(f"{where}: role {name!r}: readiness_timeout_s must be > 0")
+        env = table.get("env") or {}
+        if not isinstance(env, dict):
+            raise ValueError(f"{where}: role {name!r}: env must be a table of strings")
+        return cls(
+            name=name,
+            command=command,
+            replicas=replicas,
+            port=port,
+            health_path=health,
+            restart_budget=budget,
+            restart_policy=policy,
+            readiness_timeout_s=ready,
+            env=tuple(sorted((str(k), str(v)) for k, v in env.items())),
+        )
+
+
+_FLAG_RE = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_-]*)=(?P<opts>[^:]*):(?P<cmd>.*)$", re.S)
+
+
+def parse_role_flag(value: str) -> tuple[str, dict[str, Any]]:
+    """``--tg-role rollout=2,port=8100:python -m engine`` → ``("rollout", {table})``;
+    ValueError (one line) for a malformed one."""
+    where = f"--tg-role {value!r}"
+    m = _FLAG_RE.match(value.strip())
+    if not m:
+        raise ValueError(f"{where}: malformed role; use {_FLAG_FORM}")
+    name = m["name"]
+    opts = [o.strip() for o in m["opts"].split(",")]
+    if not opts or not opts[0]:
+        raise ValueError(f"{where}: the replica count is missing; use {_FLAG_FORM}")
+    table: dict[str, Any] = {"replicas": opts[0]}
+    if not opts[0].isdigit():
+        raise ValueError(f"{where}: replica count {opts[0]!r} is not a number; use {_FLAG_FORM}")
+    for opt in opts[1:]:
+        key, eq, val = opt.partition("=")
+        if not eq or key.strip() not in _KEYS:
+            raise ValueError(
+                f"{where}: unknown option {opt!r}; options: port, budget, policy, health, ready"
+            )
+        table[_KEYS[key.strip()]] = val.strip()
+    cmd = m["cmd"].strip()
+    if not cmd:
+        raise ValueError(f"{where}: the command is missing after ':'; use {_FLAG_FORM}")
+    table["command"] = cmd
+    # validated here so that a bad flag is one line before anything starts
+    RoleSpec.from_mapping(name, table, where)
+    return name, table
+
+
+@dataclass(kw_only=True, slots=True)
+class RolesConfig:
+    rollout: dict[str, Any] = field(default_factory=dict)
+    """``[roles.rollout]``: the generation engines (empty: no such role)."""
+    reward: dict[str, Any] = field(default_factory=dict)
+    """``[roles.reward]``: the scoring servers (empty: no such role)."""
+    readiness_timeout_s: float = 300.0
+    """Seconds a started replica has to answer its health probe with ``loading`` or
+    ``serving``; a replica that never did is a role failure naming it (one line)."""
+    probe_interval_s: float = 1.0
+    """How often each replica's health endpoint is probed."""
+    probe_timeout_s: float = 2.0
+    """A probe without an answer this long failed: the replica is ``suspect``."""
+    dead_after_s: float = 6.0
+    """A replica without a good probe this long (a frozen process) is ``dead``: killed by PID
+    and restarted. A process that exits or refuses connections is dead at once."""
+    stop_timeout_s: float = 5.0
+    """At the end of the job: seconds between SIGTERM and SIGKILL of a replica's process group."""
+
+    def __post_init__(self) -> None:
+        for key in ("readiness_timeout_s", "probe_interval_s", "probe_timeout_s", "dead_after_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be > 0")
+        if self.stop_timeout_s < 0:
+            raise ValueError("stop_timeout_s must be >= 0")
+        if self.dead_after_s < self.probe_timeout_s:
+            raise ValueError(
+                f"dead_after_s ({self.dead_after_s}) must be >= probe_timeout_s "
+                f"({self.probe_timeout_s})"
+            )
+        self.specs()  # every role's table is checked when the config is built
+
+    def specs(self) -> list[RoleSpec]:
+        """The declared roles, validated, ``rollout`` first."""
+        out = []
+        for name in ROLE_NAMES:
+            table = getattr(self, name)
+            if table:
+                out.append(RoleSpec.from_mapping(name, dict(table), f"[roles.{name}]"))
+        return out
+
+    def readiness_timeout(self, spec: RoleSpec) -> float:
+        return spec.readiness_timeout_s or self.readiness_timeout_s

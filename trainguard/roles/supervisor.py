@@ -1,0 +1,511 @@
+"""The role supervisor: a job's engine fleets (``rollout``, ``reward``) beside its trainer.
+
+Each replica is an independent process (its own session: its process group is its PID) that
+the supervisor starts, probes and restarts on its own, from one thread per replica:
+
+    starting → loading → serving → suspect → dead → restarting → starting ...
+
+- ``starting``: the process runs, its health endpoint has not answered yet (or says so);
+- ``loading`` / ``serving``: what ``GET <health_path>`` answers (200, JSON ``status``);
+- ``suspect``: a probe failed (timeout, error, HTTP status, malformed JSON) after it answered;
+- ``dead``: the process exited, refused a connection after it had answered (at once), or has
+  been without a good probe for ``dead_after_s`` (a frozen process: SIGSTOP); the process
+  group is killed by PID;
+- ``restarting``: counted against the role's restart budget, then started again with the same
+  replica index and port (so the trainer's URLs stay valid);
+- ``failed``: not restarted (budget spent, policy ``never``, or never ready): the role fails
+  and the node agent ends the job with one line naming the replica.
+
+The trainer's workers are not the supervisor's business: an engine's death never touches a
+rank, and the agent restarting its workers never touches an engine. Every change is an event
+(``role_replica_*``) and the replica's state file (``roles/<role>/<i>.json``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import http.client
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainguard.core import envvars
+from trainguard.core.atomicfile import write_atomic
+from trainguard.core.config.roles import RolesConfig, RoleSpec
+from trainguard.core.event_kinds import (
+    ROLE_REPLICA_FAILED,
+    ROLE_REPLICA_STARTED,
+    ROLE_REPLICA_STATE,
+    ROLE_RESTART_BUDGET_EXHAUSTED,
+)
+from trainguard.core.events import EventLog
+from trainguard.core.rundir import RunDir
+
+__all__ = ["Probe", "ReplicaState", "RoleSupervisor", "probe_health"]
+
+logger = logging.getLogger(__name__)
+
+READY_STATUSES = ("loading", "serving")
+"""Health statuses that count as ready (the process is up; ``loading`` waits for weights)."""
+_POLL_S = 0.05
+_MAX_BACKOFF_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One health probe's outcome."""
+
+    outcome: str
+    """``ok``, ``refused``, ``timeout``, ``http_error``, ``malformed``, ``error``."""
+    status: str | None = None
+    weight_version: int | None = None
+    detail: str = ""
+
+
+def probe_health(port: int, path: str, timeout: float) -> Probe:
+    """``GET http://127.0.0.1:<port><path>``; never raises."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        body = resp.read(65536)
+    except ConnectionRefusedError:
+        return Probe("refused", detail="connection refused")
+    except TimeoutError:
+        return Probe("timeout", detail=f"no answer in {timeout:g} s")
+    except (OSError, http.client.HTTPException) as e:
+        return Probe("error", detail=f"{type(e).__name__}: {e}")
+    finally:
+        conn.close()
+    if resp.status != 200:
+        return Probe("http_error", detail=f"HTTP {resp.status}")
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return Probe("malformed", detail="health answer is not JSON")
+    if not isinstance(data, dict) or not isinstance(data.get("status"), str):
+        return Probe("malformed", detail='health answer has no "status"')
+    version = data.get("weight_version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        version = None
+    return Probe("ok", status=data["status"], weight_version=version)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """The replica is SIGKILLed if the thread that started it (the supervisor's, in the
+    node agent) goes away: an agent killed -9 leaves no orphan engine holding its port."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+    except OSError:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+class ReplicaState:
+    """What the supervisor knows of one replica (written to its state file)."""
+
+    def __init__(self, spec: RoleSpec, index: int, port: int) -> None:
+        self.role = spec.name
+        self.index = index
+        self.port = port
+        self.url = spec.url(port)
+        self.state = "starting"
+        self.pid: int | None = None
+        self.restarts = 0
+        self.weight_version: int | None = None
+        self.ever_ready = False
+        self.started_at: float | None = None
+        self.ready_at: float | None = None
+        self.changed_at = time.time()
+        self.last_ok: float | None = None
+        self.exitcode: int | None = None
+        self.reason = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "replica": self.index,
+            "pid": self.pid,
+            "port": self.port,
+            "url": self.url,
+            "state": self.state,
+            "restarts": self.restarts,
+            "weight_version": self.weight_version,
+            "started_at": self.started_at,
+            "ready_at": self.ready_at,
+            "changed_at": self.changed_at,
+            "last_ok": self.last_ok,
+            "exitcode": self.exitcode,
+            "reason": self.reason,
+        }
+
+
+class RoleSupervisor:
+    """Starts, probes and restarts the replicas of every declared role (one thread each)."""
+
+    def __init__(
+        self,
+        cfg: RolesConfig,
+        run_dir: Path,
+        events: EventLog,
+        *,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.specs = cfg.specs()
+        self.rundir = RunDir(run_dir)
+        self.events = events
+        self._env = dict(os.environ if env is None else env)
+        """The environment the replicas start from: the agent's before it prepared its workers'
+        (never the workers' hooks or ``TRAINGUARD_AGENT_*``)."""
+        for var in list(self._env):
+            if var.startswith(envvars.PREFIX):
+                del self._env[var]
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._procs: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
+        self.replicas: dict[str, list[ReplicaState]] = {}
+        self.restarts: dict[str, int] = {}
+        self.failure: str | None = None
+        """The first role failure (one line), None while every role runs."""
+        for spec in self.specs:
+            self.replicas[spec.name] = [
+                ReplicaState(spec, i, spec.port + i if spec.port else _free_port())
+                for i in range(spec.replicas)
+            ]
+            self.restarts[spec.name] = 0
+        self.started = False
+
+    # -- what the trainer is told -------------------------------------------------------------
+    def urls(self, role: str) -> list[str]:
+        return [r.url for r in self.replicas.get(role, [])]
+
+    def trainer_env(self) -> dict[str, str]:
+        """``TRAINGUARD_ROLLOUT_URLS`` / ``TRAINGUARD_REWARD_URLS`` for the trainer's workers."""
+        return {envvars.ROLE_URLS[name]: ",".join(self.urls(name)) for name in self.replicas}
+
+    def pids(self, role: str) -> list[int | None]:
+        return [r.pid for r in self.replicas.get(role, [])]
+
+    def serving(self, role: str) -> int:
+        return sum(r.state == "serving" for r in self.replicas.get(role, []))
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start every replica's thread (idempotent)."""
+        if self.started:
+            return
+        self.started = True
+        for spec in self.specs:
+            for rep in self.replicas[spec.name]:
+                t = threading.Thread(
+                    target=self._run_replica,
+                    args=(spec, rep),
+                    name=f"trainguard-role-{spec.name}-{rep.index}",
+                    daemon=True,
+                )
+                self._threads.append(t)
+                t.start()
+
+    def stop(self) -> None:
+        """End every replica: SIGTERM to its process group, SIGKILL after ``stop_timeout_s``."""
+        self._stop.set()
+        with self._lock:
+            procs = dict(self._procs)
+        for proc in procs.values():
+            if proc.poll() is None:
+                _kill_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.stop_timeout_s
+        for proc in procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            if proc.poll() is None:
+                _kill_group(proc.pid, signal.SIGKILL)
+                try:
+                    proc.wait(5.0)
+                except subprocess.TimeoutExpired:
+                    logger.warning("role replica pid %d did not end after SIGKILL", proc.pid)
+            else:  # the leader is gone; its group may not be
+                _kill_group(proc.pid, signal.SIGKILL)
+        for t in self._threads:
+            t.join(timeout=5.0)
+        for spec in self.specs:
+            for rep in self.replicas[spec.name]:
+                if rep.state not in ("failed", "stopped"):
+                    self._set_state(rep, "stopped", reason="the job ended")
+
+    # -- one replica --------------------------------------------------------------------------
+    def _spawn(self, spec: RoleSpec, rep: ReplicaState) -> subprocess.Popen[bytes] | None:
+        env = dict(self._env)
+        env.update(dict(spec.env))
+        env[envvars.ROLE] = spec.name
+        env[envvars.ROLE_REPLICA] = str(rep.index)
+        env[envvars.ROLE_PORT] = str(rep.port)
+        env[envvars.ROLE_RUN_DIR] = str(self.rundir.root)
+        log_path = self.rundir.role_log(spec.name, rep.index)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(log_path, "ab") as log:
+                log.write(f"--- trainguard: start {rep.restarts} at {time.ctime()}\n".encode())
+                log.flush()
+                proc = subprocess.Popen(
+                    list(spec.command),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+        except OSError as e:
+            rep.exitcode = None
+            rep.reason = f"cannot start {spec.command[0]!r}: {e.strerror or e}"
+            return None
+        with self._lock:
+            self._procs[(spec.name, rep.index)] = proc
+        rep.pid = proc.pid
+        rep.exitcode = None
+        rep.started_at = time.time()
+        rep.ready_at = None
+        rep.last_ok = None
+        rep.weight_version = None
+        rep.reason = ""
+        self.events.emit(
+            ROLE_REPLICA_STARTED,
+            role=spec.name,
+            replica=rep.index,
+            pid=proc.pid,
+            port=rep.port,
+            url=rep.url,
+            restarts=rep.restarts,
+            role_restarts=self.restarts[spec.name],
+            command=list(spec.command),
+            total=spec.replicas,
+        )
+        self._set_state(rep, "starting", force=True)
+        return proc
+
+    def _run_replica(self, spec: RoleSpec, rep: ReplicaState) -> None:
+        try:
+            self._supervise(spec, rep)
+        except Exception as e:  # never silent: the role fails with the reason
+            logger.exception("role %s replica %d: supervisor error", spec.name, rep.index)
+            self._fail(spec, rep, f"supervisor error: {type(e).__name__}: {e}")
+
+    def _supervise(self, spec: RoleSpec, rep: ReplicaState) -> None:
+        cfg = self.cfg
+        ready_timeout = cfg.readiness_timeout(spec)
+        unready_failures = 0
+        while not self._stop.is_set():
+            proc = self._spawn(spec, rep)
+            reason: str | None
+            if proc is None:
+                reason = rep.reason
+            else:
+                reason = self._watch(spec, rep, proc, ready_timeout)
+            if self._stop.is_set():
+                return
+            if reason is None:  # never ready within the timeout: not worth another try
+                self._fail(
+                    spec,
+                    rep,
+                    f"replica {rep.index} ({' '.join(spec.command)}) never became ready: no "
+                    f"'loading' or 'serving' answer on {rep.url}{spec.health_path} within "
+                    f"{ready_timeout:g} s (readiness_timeout_s); see "
+                    f"{self.rundir.role_log(spec.name, rep.index)}",
+                )
+                return
+            was_ready = rep.ready_at is not None
+            unready_failures = 0 if was_ready else unready_failures + 1
+            self.events.emit(
+                ROLE_REPLICA_FAILED,
+                role=spec.name,
+                replica=rep.index,
+                pid=rep.pid,
+                exitcode=rep.exitcode,
+                reason=reason,
+                was_ready=was_ready,
+                restarts=self.restarts[spec.name],
+                restart_budget=spec.restart_budget,
+            )
+            with self._lock:
+                allowed = spec.restart_policy == "always" and (
+                    self.restarts[spec.name] < spec.restart_budget
+                )
+                if allowed:
+                    self.restarts[spec.name] += 1
+            if not allowed:
+                why = (
+                    f"restart budget {spec.restart_budget} spent"
+                    if spec.restart_policy == "always"
+                    else "restart_policy is never"
+                )
+                at_once = "" if was_ready else " before it was ever ready"
+                self._fail(
+                    spec,
+                    rep,
+                    f"replica {rep.index} ({' '.join(spec.command)}) {reason}{at_once}; "
+                    f"{why}; see {self.rundir.role_log(spec.name, rep.index)}",
+                    budget=True,
+                )
+                return
+            rep.restarts += 1
+            self._set_state(rep, "restarting", reason=reason)
+            backoff = 0.0 if was_ready else min(_MAX_BACKOFF_S, 0.25 * 2 ** (unready_failures - 1))
+            if self._stop.wait(backoff):
+                return
+
+    def _watch(
+        self, spec: RoleSpec, rep: ReplicaState, proc: subprocess.Popen[bytes], ready_timeout: float
+    ) -> str | None:
+        """Follow one incarnation until it is dead; returns why (None: never ready in time).
+        The process group is gone when this returns."""
+        cfg = self.cfg
+        started = time.monotonic()
+        next_probe = started
+        last_ok: float | None = None
+        answered = False
+        while True:
+            if self._stop.is_set():
+                return "stopped"
+            rc = proc.poll()
+            if rc is not None:
+                rep.exitcode = rc
+                _kill_group(proc.pid, signal.SIGKILL)  # what it left in its group
+                how = f"exited with code {rc}" if rc >= 0 else f"was killed by signal {-rc}"
+                self._set_state(rep, "dead", reason=how)
+                return how
+            now = time.monotonic()
+            if now >= next_probe:
+                p = probe_health(rep.port, spec.health_path, cfg.probe_timeout_s)
+                now = time.monotonic()
+                next_probe = now + cfg.probe_interval_s
+                dead = None
+                if p.outcome == "ok":
+                    answered = True
+                    last_ok = now
+                    rep.last_ok = time.time()
+                    status = p.status if p.status in ("starting", "loading", "serving") else None
+                    if status is None:
+                        self._set_state(rep, "suspect", reason=f"unknown status {p.status!r}")
+                    else:
+                        if status in READY_STATUSES and rep.ready_at is None:
+                            rep.ready_at = time.time()
+                            rep.ever_ready = True
+                        self._set_state(rep, status, weight_version=p.weight_version)
+                elif p.outcome == "refused" and answered:
+                    dead = "refused connections"
+                elif answered:
+                    self._set_state(rep, "suspect", reason=p.detail)
+                    if last_ok is not None and now - last_ok >= cfg.dead_after_s:
+                        dead = f"no good health answer for {now - last_ok:.1f} s ({p.detail})"
+                if dead is None and rep.ready_at is None and now - started >= ready_timeout:
+                    if rep.ever_ready:  # a replacement that does not come up: a failure
+                        dead = f"was not ready {ready_timeout:g} s after its restart"
+                    else:
+                        self._kill(proc)
+                        rep.exitcode = proc.returncode
+                        self._set_state(rep, "dead", reason="never ready")
+                        return None
+                if dead is not None:
+                    self._kill(proc)
+                    rep.exitcode = proc.returncode
+                    self._set_state(rep, "dead", reason=dead)
+                    return dead
+            self._stop.wait(_POLL_S)
+
+    def _kill(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGKILL the replica's process group (a stopped process too) and reap it."""
+        _kill_group(proc.pid, signal.SIGKILL)
+        try:
+            proc.wait(10.0)
+        except subprocess.TimeoutExpired:
+            logger.warning("role replica pid %d survives SIGKILL", proc.pid)
+
+    def _fail(self, spec: RoleSpec, rep: ReplicaState, message: str, budget: bool = False) -> None:
+        line = f"role {spec.name} failed: {message}"
+        with self._lock:
+            if self.failure is None:
+                self.failure = line
+        if budget:
+            self.events.emit(
+                ROLE_RESTART_BUDGET_EXHAUSTED,
+                role=spec.name,
+                replica=rep.index,
+                restarts=self.restarts[spec.name],
+                restart_budget=spec.restart_budget,
+                message=line,
+            )
+        self._set_state(rep, "failed", reason=message)
+        logger.debug("%s", line)  # the agent ends the job with this line
+
+    # -- state ----------------------------------------------------------------------------------
+    def _set_state(
+        self,
+        rep: ReplicaState,
+        state: str,
+        *,
+        reason: str = "",
+        weight_version: int | None = None,
+        force: bool = False,
+    ) -> None:
+        version_changed = weight_version is not None and weight_version != rep.weight_version
+        if state == rep.state and not version_changed and not force:
+            return
+        previous = rep.state
+        if weight_version is not None:
+            rep.weight_version = weight_version
+        rep.state = state
+        rep.changed_at = time.time()
+        if reason:
+            rep.reason = reason
+        self._write(rep)
+        self.events.emit(
+            ROLE_REPLICA_STATE,
+            role=rep.role,
+            replica=rep.index,
+            state=state,
+            previous=previous,
+            reason=reason,
+            pid=rep.pid,
+            weight_version=rep.weight_version,
+            serving=self.serving(rep.role),
+            total=len(self.replicas[rep.role]),
+        )
+
+    def _write(self, rep: ReplicaState) -> None:
+        path = self.rundir.role_state(rep.role, rep.index)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps(rep.to_json(), indent=1) + "\n")
+        except OSError as e:
+            logger.warning("cannot write %s: %s", path, e)
