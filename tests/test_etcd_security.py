@@ -450,9 +450,11 @@ def _doc(**over: Any) -> bytes:
         ({"nodes": [["a", 1 << 64, 0], ["b", 2, 0]]}, "node ['a'"),
         ({"beats": [[0, float("nan")], [1, 1.7e9]]}, "time nan"),
         ({"complete": 1}, "complete/closed"),
+        ({"beats": [[0, 1.7e9]] * 100_000}, "entries in beats"),
+        ({"wait": [0, 0]}, "listed twice in the wait"),
     ],
     ids=["table", "dup-rank", "neg-rank", "neg-index", "bad-index", "neg-round", "dup-node",
-         "huge-pid", "nan-time", "complete-int"],
+         "huge-pid", "nan-time", "complete-int", "long-list", "dup-wait"],
 )  # fmt: skip
 def test_invalid_states_are_refused_by_the_codec(
     etcd: Etcd, over: dict[str, Any], reason: str, caplog: pytest.LogCaptureFixture

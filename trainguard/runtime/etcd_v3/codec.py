@@ -180,6 +180,9 @@ def _from_doc(doc: Any) -> RendezvousState:
     refs = sum(len(v) for v in lists.values())
     if len(table) > refs:
         raise _bad(f"{len(table)} nodes in its table, {refs} references")
+    for name, v in lists.items():  # each lists a node at most once: none is longer than the table
+        if len(v) > len(table):
+            raise _bad(f"{len(v)} entries in {name}, {len(table)} nodes")
     nodes: list[NodeDesc] = []
     for e in table:
         if type(e) is not list or len(e) != 3:
@@ -221,6 +224,8 @@ def _from_doc(doc: Any) -> RendezvousState:
     st.participants = participants
     wait = [_index(i, n) for i in lists["wait"]]
     redundancy = [_index(i, n) for i in lists["redundancy"]]
+    if len(set(wait)) != len(wait) or len(set(redundancy)) != len(redundancy):
+        raise _bad("a node listed twice in the wait or redundancy list")
     used.update(wait, redundancy)
     st.wait_list = {nodes[i] for i in wait}
     st.redundancy_list = {nodes[i] for i in redundancy}
@@ -231,6 +236,8 @@ def _from_doc(doc: Any) -> RendezvousState:
         i = _index(e[0], n)
         used.add(i)
         beats[nodes[i]] = _time(e[1])
+    if len(beats) != len(lists["beats"]):
+        raise _bad("a keep-alive listed twice")
     st.last_heartbeats = beats
     if len(used) != n:
         raise _bad(f"{n - len(used)} node(s) of its table referenced nowhere")
