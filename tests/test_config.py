@@ -74,3 +74,11 @@ def test_warm_section_and_its_deprecated_settings(
     f.write_text('[spares]\nwarm_workers = "sometimes"\n')
     with pytest.raises(ConfigError, match=r"warm_workers.*use on, auto or off.*\[warm\] enabled"):
         load_config(str(f), env={})
+
+
+def test_dir_mode_is_an_octal_mode_with_the_owners_bits() -> None:
+    assert load_config(env={}).runtime.dir_mode_bits == 0o700
+    assert load_config(env={"TRAINGUARD_RUNTIME_DIR_MODE": "0750"}).runtime.dir_mode_bits == 0o750
+    for bad in ("0644", "rwx", "1777"):
+        with pytest.raises((ConfigError, ValueError), match="dir_mode"):
+            load_config(env={"TRAINGUARD_RUNTIME_DIR_MODE": bad})

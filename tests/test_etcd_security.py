@@ -311,3 +311,188 @@ def test_a_compare_and_swap_that_always_loses_ends_at_the_store_timeout(etcd: Et
         _within(lambda: store._cas_loop("counter", racing), 30)
     assert 1.4 < time.monotonic() - t0 < 10 and n[0] > 1
     assert store.add("counter2", 5) == 5  # an uncontended one lands at once
+
+
+# -- round 2: every entry under the prefix is hostile ----------------------------------------------
+def _raw_put(backend: Any, key: bytes, value: bytes) -> None:
+    """A put as any writer of the prefix makes it: any bytes, no lease."""
+    from trainguard.runtime.etcd_v3._common import _b64
+
+    backend._client.call("kv/put", {"key": _b64(key), "value": _b64(value)})
+
+
+def _rendezvous(etcd: Etcd, run_id: str, n: int, timeout_s: float = 120, **conf: str) -> list:
+    """``n`` real handlers (one per thread) of one rendezvous; their RendezvousInfo."""
+    params = RendezvousParameters(
+        backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, min_nodes=n, max_nodes=n,
+        join_timeout="90", **conf,
+    )  # fmt: skip
+    handlers = [etcd_v3.create_rdzv_handler(params) for _ in range(n)]
+    out: list[Any] = [None] * n
+    err: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = handlers[i].next_rendezvous()
+        except BaseException as e:  # reported below
+            err.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s)
+        assert not any(t.is_alive() for t in threads), f"no rendezvous in {timeout_s} s"
+        if err:
+            raise err[0]
+        return out
+    finally:
+        for h in handlers:
+            h._stop_heartbeats()  # type: ignore[attr-defined]
+
+
+def test_hostile_keys_and_values_under_the_prefix_never_end_a_rendezvous(
+    etcd: Etcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Non-UTF-8 keys under heartbeat/ and join/, a join request nested past the recursion
+    limit and one of the wrong types, and a lease key naming no lease of this run: the
+    rendezvous completes, the monitor's reads skip them, the lease key is written over."""
+    run = "hostile-keys"
+    backend, _ = etcd_v3.create_backend(_params(etcd, run))
+    base = f"/trainguard/rdzv/{run}/".encode()
+    _raw_put(backend, base + b"heartbeat/\xff\xfe", b"1")
+    _raw_put(backend, base + b"join/0/\xff", b"{}")
+    _raw_put(backend, base + b"join/0/deep", b'{"addr":' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    _raw_put(backend, base + b"join/0/types", b'{"addr": 1, "pid": -1, "local_id": 0, "t": 1e999}')
+    _raw_put(backend, base + b"join/x/y", b"{}")
+    _raw_put(backend, base + b"lease", b"not-a-lease")
+    caplog.set_level(logging.WARNING)
+    infos = _within(lambda: _rendezvous(etcd, run, 2), 150)
+    assert sorted(i.rank for i in infos) == [0, 1]
+    # what the monitor tick and the admitting node read, with the hostile keys still there
+    assert "\ufffd" not in "".join(backend.live_nodes())
+    assert backend.live_nodes()  # the two nodes' own keys
+    assert backend.join_requests() == []  # none of the hostile ones is a request
+    from trainguard.runtime.etcd_v3.codec import parse_lease
+
+    value, _rev = backend._client.get(f"/trainguard/rdzv/{run}/lease")  # type: ignore[misc]
+    assert parse_lease(value) == backend._client._run_lease_id()
+    assert any("not this run's" in r.getMessage() for r in caplog.records)
+
+
+def test_a_lease_value_that_is_no_integer_is_never_adopted(etcd: Etcd) -> None:
+    run = "hostile-lease"
+    backend, _ = etcd_v3.create_backend(_params(etcd, run))
+    c = backend._client
+    # another (live) lease of someone else's, named at the run's lease key
+    theirs = int(c.call("lease/grant", {"TTL": "60"})["ID"])
+    _raw_put(backend, f"/trainguard/rdzv/{run}/lease".encode(), str(theirs).encode())
+    backend.load()  # reads the lease key with the state: not adopted
+    assert c.lease_known() is None
+    assert c.lease_id() == c._run_lease_id() != theirs
+
+
+def test_an_expired_admission_lock_is_taken_over_at_the_default_keep_alive(
+    etcd: Etcd,
+) -> None:
+    """A crashed holder's lock (expired) stalls no round: two nodes at torch's default 5 s
+    keep-alive complete the rendezvous long before the join timeout."""
+    run = "stale-lock"
+    backend, _ = etcd_v3.create_backend(_params(etcd, run))
+    lock = json.dumps({"owner": "crashed", "until": time.time() - 1}).encode()
+    _raw_put(backend, f"/trainguard/rdzv/{run}/admit".encode(), lock)
+    t0 = time.monotonic()
+    infos = _within(lambda: _rendezvous(etcd, run, 2, timeout_s=85), 90)
+    assert sorted(i.rank for i in infos) == [0, 1]
+    assert time.monotonic() - t0 < 85  # the join timeout is 90 s
+
+
+def test_an_admission_lock_held_forever_is_capped(
+    etcd: Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainguard.runtime.etcd_v3 import backend as backend_mod
+
+    monkeypatch.setattr(backend_mod, "MAX_LOCK_HOLD_S", 1.0)
+    run = "forever-lock"
+    backend, _ = etcd_v3.create_backend(_params(etcd, run))
+    for until in (b"1e308", b"Infinity", b'"soon"', b"[" * 50_000):
+        value = b'{"owner": "x", "until": ' + until + b"}"
+        _raw_put(backend, f"/trainguard/rdzv/{run}/admit".encode(), value)
+        deadline = time.monotonic() + 30
+        while (rev := backend.try_lock_admission("me", 0.5)) is None:
+            assert time.monotonic() < deadline, f"lock with until {until[:20]!r} never expired"
+            time.sleep(0.2)
+        backend.unlock_admission(rev)
+
+
+def _doc(**over: Any) -> bytes:
+    doc: dict[str, Any] = {
+        "round": 3, "complete": True, "closed": False, "deadline": None,
+        "participants": [[0, 0], [1, 1]], "wait": [], "redundancy": [],
+        "beats": [[0, 1.7e9], [1, 1.7e9]], "nodes": [["a", 1, 0], ["b", 2, 0]],
+    }  # fmt: skip
+    doc.update(over)
+    return b"TGJ1" + json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize(
+    "over, reason",
+    [
+        ({"nodes": [["a", 1, 0], ["b", 2, 0]] + [["c", i, 0] for i in range(3, 5000)]},
+         "nodes in its table"),
+        ({"participants": [[0, 0], [1, 0]]}, "ranks are not distinct"),
+        ({"participants": [[0, -1], [1, 0]]}, "rank -1"),
+        ({"participants": [[0, 0], [-1, 1]]}, "node index -1"),
+        ({"wait": [7]}, "node index 7"),
+        ({"round": -1}, "round -1"),
+        ({"nodes": [["a", 1, 0], ["a", 1, 0]]}, "listed twice"),
+        ({"nodes": [["a", 1 << 64, 0], ["b", 2, 0]]}, "node ['a'"),
+        ({"beats": [[0, float("nan")], [1, 1.7e9]]}, "time nan"),
+        ({"complete": 1}, "complete/closed"),
+        ({"beats": [[0, 1.7e9]] * 100_000}, "entries in beats"),
+        ({"wait": [0, 0]}, "listed twice in the wait"),
+    ],
+    ids=["table", "dup-rank", "neg-rank", "neg-index", "bad-index", "neg-round", "dup-node",
+         "huge-pid", "nan-time", "complete-int", "long-list", "dup-wait"],
+)  # fmt: skip
+def test_invalid_states_are_refused_by_the_codec(
+    etcd: Etcd, over: dict[str, Any], reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend, _ = etcd_v3.create_backend(_params(etcd, "invalid-state"))
+    backend._client.put(backend.key, etcd_v3._pack(_doc(**over)))
+    got = backend.get_state_since(None)
+    assert got is not None
+    caplog.set_level(logging.WARNING)
+    assert backend.decode(*got) is None
+    lines = _refusals(caplog)
+    assert len(lines) == 1 and reason in lines[0], lines
+
+
+def test_valid_states_with_gaps_in_a_complete_round_are_kept(etcd: Etcd) -> None:
+    """torch keeps a round complete when a participant leaves it: ranks 0 and 2 of 3 left."""
+    backend, _ = etcd_v3.create_backend(_params(etcd, "gap-state"))
+    value = _doc(participants=[[0, 0], [1, 2]])
+    backend._client.put(backend.key, etcd_v3._pack(value))
+    got = backend.get_state_since(None)
+    assert got is not None
+    st = backend.decode(*got)
+    assert st is not None and sorted(st.participants.values()) == [0, 2]
+
+
+def test_a_state_built_to_collide_in_hash_tables_is_refused_at_once(etcd: Etcd) -> None:
+    """pids equal modulo 2**61 - 1 hash alike: a table of them made every agent spend tens of
+    seconds per revision; pids are bounded, the table must be distinct and referenced."""
+    m = (1 << 61) - 1
+    nodes = [["h", 1 + k * m, 0] for k in range(20_000)]
+    value = _doc(nodes=nodes, participants=[[i, 0] for i in range(20_000)], beats=[],
+                 complete=False)  # fmt: skip
+    backend, _ = etcd_v3.create_backend(_params(etcd, "collide-state"))
+    stored = etcd_v3._pack(value)
+    assert len(stored) < 1 << 20
+    backend._client.put(backend.key, stored)
+    got = backend.get_state_since(None)
+    assert got is not None
+    t0 = time.monotonic()
+    assert backend.decode(*got) is None
+    assert time.monotonic() - t0 < 10  # generous: a loaded 2-core box; was ~37 s

@@ -79,9 +79,10 @@ class FlipProxy:
                 self._threads.append(t)
 
     def _pump(self, src: socket.socket, dst: socket.socket, way: str) -> None:
-        # the payload starts after the challenge (down only) and the first frame of that way
+        # the payload starts after the challenge (down), the client's nonce and proof (up),
+        # and the first frame of that way
         buf = bytearray()
-        skip = len(MAGIC) + NONCE_LEN if way == "down" else 0
+        skip = len(MAGIC) + NONCE_LEN if way == "down" else NONCE_LEN + wire.MAC_LEN
         target: int | None = None
         pos = 0
         try:

@@ -280,3 +280,190 @@ def test_route_ip() -> None:
     assert route_ip("localhost:29500") == "127.0.0.1"
     assert route_ip("127.0.0.1:29500") == "127.0.0.1"
     assert route_ip("[::1]:29500") == "127.0.0.1"
+
+
+# -- replay, the returned step, pre-auth exhaustion ----------------------------------------------
+class _RecordingProxy:
+    """A man in the middle on loopback: in ``record`` mode it forwards both ways and keeps what
+    the server sent; in ``replay`` mode it answers a new client with those bytes (ignoring
+    whatever the client sends), as an on-path attacker replays a recorded answer."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        import threading
+
+        self.upstream = upstream
+        self.recorded = b""
+        self.mode = "record"
+        self.lst = socket.socket()
+        self.lst.bind(("127.0.0.1", 0))
+        self.lst.listen()
+        self.port = self.lst.getsockname()[1]
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        import threading
+
+        while not self._stop:
+            try:
+                conn, _ = self.lst.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        import threading
+
+        with conn:
+            if self.mode == "replay":
+                try:
+                    conn.sendall(self.recorded)
+                    time.sleep(2.0)  # open while the client reads, finds the MACs wrong
+                except OSError:
+                    pass  # the client hung up
+                return
+            with socket.create_connection(self.upstream, timeout=10) as up:
+
+                def pump_up() -> None:
+                    try:
+                        while data := conn.recv(65536):
+                            up.sendall(data)
+                    except OSError:
+                        pass
+
+                threading.Thread(target=pump_up, daemon=True).start()
+                got = b""
+                while data := up.recv(65536):
+                    got += data
+                    conn.sendall(data)
+                self.recorded = got
+
+    def close(self) -> None:
+        self._stop = True
+        self.lst.close()
+
+
+def test_a_recorded_answer_replayed_later_is_refused(served, tmp_path: Path) -> None:
+    """A fetch recorded on the way (step 5), replayed when the peer holds step 9: the client's
+    own nonce is in every MAC, so the stale answer never verifies."""
+    srv, store = served
+    write_snapshot(rank_dir(store.local, 0), _meta(5, 4096), os.urandom(4096))
+    proxy = _RecordingProxy(("127.0.0.1", srv.port))
+    try:
+        kw = dict(secret=SECRET, rank=0, world_size=2, max_bytes=1 << 20)
+        meta = fetch_snapshot(("127.0.0.1", proxy.port), dest=tmp_path / "a.bin", **kw)
+        assert meta is not None and meta["step"] == 5
+        _wait(lambda: len(proxy.recorded) > 4096)
+        write_snapshot(rank_dir(store.local, 0), _meta(9, 4096), os.urandom(4096))
+        proxy.mode = "replay"
+        with pytest.raises(ProtocolError, match="authentication|MAC"):
+            fetch_snapshot(("127.0.0.1", proxy.port), dest=tmp_path / "b.bin", **kw)
+        assert not (tmp_path / "b.bin").exists()
+        # straight to the peer: its newest
+        meta = fetch_snapshot(("127.0.0.1", srv.port), dest=tmp_path / "c.bin", **kw)
+        assert meta is not None and meta["step"] == 9
+    finally:
+        proxy.close()
+
+
+def test_a_step_not_below_the_one_asked_for_is_refused(tmp_path: Path) -> None:
+    """A peer that knows the secret but answers a snapshot at or above ``below`` (a newer one
+    than the rollback asked for): refused, nothing written."""
+    import threading
+
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen()
+    src = tmp_path / "snap.bin"
+    src.write_bytes(os.urandom(4096))
+
+    def serve() -> None:
+        conn, _ = lst.accept()
+        with conn:
+            conn.settimeout(10)
+            ch = Channel(conn, SECRET, server=True)
+            req = ch.recv()
+            assert req["below"] == 5
+            try:
+                ch.send({"found": True, "meta": _meta(9, 4096), "nbytes": 4096})
+                ch.send_file(src, 4096, lambda: True)
+            except OSError:
+                pass  # the client hung up at the header, as it should
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(ProtocolError, match="below 5, got step 9"):
+            fetch_snapshot(
+                ("127.0.0.1", lst.getsockname()[1]), secret=SECRET, rank=0, world_size=2,
+                dest=tmp_path / "got.bin", below=5, max_bytes=1 << 20,
+            )  # fmt: skip
+        assert not (tmp_path / "got.bin").exists()
+    finally:
+        t.join(10)
+        lst.close()
+
+
+def test_a_large_header_announced_before_authentication_is_never_read(served) -> None:
+    """The client's first bytes are a fixed-size proof of the secret: a 4 MiB length there is
+    refused at once (no wait for, no buffer of, the announced header)."""
+    srv, _store = served
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        s.settimeout(10)
+        assert s.recv(len(MAGIC) + NONCE_LEN, socket.MSG_WAITALL)[: len(MAGIC)] == MAGIC
+        s.sendall(struct.pack(">I", 4 << 20) + os.urandom(60))
+        t0 = time.monotonic()
+        assert s.recv(1) == b""  # closed, not waiting for 4 MiB
+        assert time.monotonic() - t0 < 5
+    _wait(lambda: srv.counts["refused_auth"] == 1)
+
+
+def test_reconnecting_sockets_without_the_secret_do_not_keep_fetches_out(
+    served, tmp_path: Path
+) -> None:
+    """128 sockets from another address that connect, stay silent and reconnect as soon as
+    they are dropped (twice the pending limit): every fetch of the job's own still succeeds
+    (oldest-first eviction, a per-address cap, a short authentication deadline)."""
+    import threading
+
+    srv, store = served
+    write_snapshot(rank_dir(store.local, 0), _meta(3, 4096), os.urandom(4096))
+    stop = threading.Event()
+
+    def hog() -> None:
+        while not stop.is_set():
+            try:
+                s = socket.create_connection(
+                    ("127.0.0.1", srv.port), timeout=5, source_address=("127.0.0.2", 0)
+                )
+            except OSError:
+                time.sleep(0.01)
+                continue
+            with s:
+                try:
+                    s.settimeout(10)
+                    while not stop.is_set() and s.recv(4096):
+                        pass  # never answers; reconnects once dropped
+                except OSError:
+                    pass
+
+    hogs = [threading.Thread(target=hog, daemon=True) for _ in range(128)]
+    for t in hogs:
+        t.start()
+    try:
+        _wait(lambda: srv.counts["evicted_pending"] > 100, timeout=60)
+        ok = 0
+        for i in range(10):
+            meta = fetch_snapshot(
+                ("127.0.0.1", srv.port), secret=SECRET, rank=0, world_size=2,
+                dest=tmp_path / f"f{i}.bin", max_bytes=1 << 20,
+                deadline=time.monotonic() + 20,
+            )  # fmt: skip
+            ok += meta is not None and meta["step"] == 3
+        assert ok == 10
+        assert len(srv._pending) <= srv.max_pending
+    finally:
+        stop.set()
+        for t in hogs:
+            t.join(15)

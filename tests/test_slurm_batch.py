@@ -48,10 +48,13 @@ trap 'echo "trainguard: SIGUSR1 (preemption notice)" >&2' USR1
 RUN_ID="${TRAINGUARD_SBATCH_CHAIN_ID:-$SLURM_JOB_ID}"
 export TRAINGUARD_SBATCH_CHAIN_ID="$RUN_ID"
 # a rendezvous of its own per allocation (a requeue, a resubmission): the etcd
-# rendezvous of an earlier one may have been closed when its agents ended
-RDZV_ID="$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"
+# rendezvous of an earlier one may have been closed when its agents ended; the
+# cluster's name (clusters sharing one etcd prefix) and a random part made here
+# (a job id is predictable: nobody joins or blocks a rendezvous named in advance)
+RDZV_ID="${SLURM_CLUSTER_NAME:-slurm}.$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}.$(od -An -N8 -tx1 /dev/urandom | tr -d ' \\n')"
 export TRAINGUARD_SBATCH_RESUBMITS="${TRAINGUARD_SBATCH_RESUBMITS:-0}"
 RUN_DIR=trainguard-runs/"slurm-$RUN_ID"
+[ -d "$RUN_DIR" ] || mkdir -p -m 0700 "$RUN_DIR"
 mkdir -p "$RUN_DIR/logs"
 [ -e "$RUN_DIR/job.sbatch" ] || cp "$0" "$RUN_DIR/job.sbatch"
 ln -sfn "slurm-$RUN_ID" trainguard-runs/"job-$SLURM_JOB_ID"
@@ -265,7 +268,10 @@ def test_hostile_arguments_stay_inert(tmp_path: Path) -> None:
     assert tail[tail.index("--tg-run-dir") + 1] == run_dir
     assert tail[tail.index("--config") + 1] == str(work / "tg;$(touch PWNED_cfg).toml")
     assert tail[tail.index("--rdzv-endpoint") + 1] == "10.1.2.3:29400"
-    assert tail[tail.index("--rdzv-id") + 1] == "42.0"  # job 42, not requeued
+    # cluster (none set: "slurm"), job 42, not requeued, 64 random bits made by the script
+    rdzv_id = tail[tail.index("--rdzv-id") + 1]
+    assert re.fullmatch(r"slurm\.42\.0\.[0-9a-f]{16}", rdzv_id), rdzv_id
+    assert (work / run_dir).stat().st_mode & 0o777 == 0o700  # private by default
     (fin,) = [f for f in rec.glob("python.*")]
     fargv = fin.read_bytes().decode().split("\0")[:-1]
     assert fargv[:4] == ["-m", "trainguard", "slurm", "finish"]

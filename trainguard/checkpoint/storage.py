@@ -23,6 +23,8 @@ from typing import Any, Protocol
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
+from trainguard.core.atomicfile import atomic_open
+
 __all__ = [
     "ChecksummingFileSystem",
     "ChecksummingWriter",
@@ -91,12 +93,10 @@ class LocalStorage:
 
     def write_atomic(self, path: str, data: bytes) -> None:
         p = Path(path)
-        tmp = p.with_name(f".{p.name}.tmp.{os.getpid()}.{threading.get_ident()}")
-        with open(tmp, "wb") as f:
+        with atomic_open(p, binary=True) as f:  # exclusive, random name, no symlink followed
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, p)
         fsync_dir(p.parent)
 
     def list_dir(self, path: str) -> list[str]:

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainguard.core.atomicfile import write_atomic
 from trainguard.core.rundir import RunDir
 from trainguard.testing import chaos, chaos_ops, procs
 from trainguard.testing.dcgm import DcgmExporter
@@ -158,9 +159,7 @@ def _run(args: argparse.Namespace, prog: str) -> int:
             hostname=args.hostname, after_s=args.after, trigger_file=args.trigger_file,
         )  # fmt: skip
         if args.port_file:
-            tmp = f"{args.port_file}.tmp"
-            Path(tmp).write_text(str(srv.port))
-            os.replace(tmp, args.port_file)
+            write_atomic(args.port_file, str(srv.port))
         when = []
         if args.after is not None:
             when.append(f"after {args.after:g} s")

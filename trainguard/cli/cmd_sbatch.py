@@ -181,6 +181,7 @@ def main(argv: list[str], *, prog: str = "trainguard sbatch") -> int:
             run_args=run_opts,
             config_file=os.path.abspath(args.config) if args.config else None,
             slurm=cfg.slurm,
+            dir_mode=cfg.runtime.dir_mode,
             python=cfg.slurm.python or sys.executable,
         )
         if args.dry_run:

@@ -303,17 +303,21 @@ class _Watcher:
 def request_dir_ok(run_dir: str | os.PathLike[str], directory: Path) -> bool:
     """Whether a dump may be written into ``directory`` (a request's directory): it and every
     directory between it and the run directory are real directories (no symlink) of this
-    process's user. Anyone who can write into the run directory (a group, a shared scratch
-    file system) could otherwise send this user's dumps, or a file name of theirs, anywhere."""
+    process's user (or of the run directory's owner). Anyone who can write into the run
+    directory (a group, a shared scratch file system) could otherwise send this user's dumps,
+    or a file name of theirs, anywhere."""
     root = Path(run_dir)
     try:
         rel = directory.relative_to(root)
-    except ValueError:
+        # the job's user, or the run directory's owner (the same, but for a user mapped to
+        # another uid on a shared file system, as root is under root_squash)
+        owners = {os.getuid(), os.stat(root).st_uid}
+    except (ValueError, OSError):
         return False
     d = root
     for part in rel.parts:
         d = d / part
-        if not owned_dir(d):
+        if not any(owned_dir(d, uid) for uid in owners):
             return False
     return True
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from trainguard.core.atomicfile import open_append
 from trainguard.core.config.ft import FTConfig
 
 __all__ = ["FTUnavailable", "Lighthouse", "ensure_lighthouse", "reachable", "torchft_error"]
@@ -234,7 +235,7 @@ def _find_or_start(
         "--quorum_tick_ms",
         str(cfg.quorum_tick_ms),
     ]
-    with open(log, "ab") as out:
+    with os.fdopen(open_append(log), "ab") as out:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
         )

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
-from trainguard.core.atomicfile import open_append
+from trainguard.core.atomicfile import open_append, write_atomic
 
 __all__ = ["STACK_SIGNAL", "dump_stacks", "faulthandler_path", "register_stack_dump"]
 
@@ -119,7 +119,7 @@ def dump_stacks(
             stack, method = "(no stack: py-spy unavailable and no faulthandler response)", "none"
         path = out_dir / f"rank_{rank}.txt"
         try:
-            path.write_text(f"# rank {rank} pid {pid} via {method}\n{stack}", encoding="utf-8")
+            write_atomic(path, f"# rank {rank} pid {pid} via {method}\n{stack}")
         except OSError as e:
             logger.warning("cannot write %s: %s", path, e)
         return rank, {"method": method, "path": str(path), "stack": stack}

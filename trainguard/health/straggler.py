@@ -296,7 +296,7 @@ class StragglerDetector(AgentPlugin):
                     entry = json.loads(raw)
                     entry["medians"] = {int(r): float(m) for r, m in entry["medians"].items()}
                     self.remote_nodes[g] = entry
-                except (ValueError, KeyError, TypeError, AttributeError) as e:
+                except Exception as e:  # anything a writer of the store put there
                     self._store_error("decode an entry of", e)
                     self.remote_nodes.pop(g, None)
             elif now - prev[1] > self.remote_stale_s:

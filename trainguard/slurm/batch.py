@@ -111,6 +111,8 @@ class BatchRequest:
     """trainguard.toml handed to the agents (``--config``); its [slurm] section is ``slurm``."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     python: str = field(default_factory=lambda: sys.executable)
+    dir_mode: str = "0700"
+    """Mode of the run directory the script creates (``[runtime] dir_mode``)."""
     workdir: str | None = None
     """Directory the job runs in (``--chdir``); default: where ``sbatch`` was run."""
 
@@ -208,10 +210,14 @@ class BatchRequest:
             f'RUN_ID="${{{CHAIN_ENV}:-$SLURM_JOB_ID}}"',
             f'export {CHAIN_ENV}="$RUN_ID"',
             "# a rendezvous of its own per allocation (a requeue, a resubmission): the etcd",
-            "# rendezvous of an earlier one may have been closed when its agents ended",
-            'RDZV_ID="$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"',
+            "# rendezvous of an earlier one may have been closed when its agents ended; the",
+            "# cluster's name (clusters sharing one etcd prefix) and a random part made here",
+            "# (a job id is predictable: nobody joins or blocks a rendezvous named in advance)",
+            'RDZV_ID="${SLURM_CLUSTER_NAME:-slurm}.$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}'
+            ".$(od -An -N8 -tx1 /dev/urandom | tr -d ' \\n')\"",
             f'export {RESUBMITS_ENV}="${{{RESUBMITS_ENV}:-0}}"',
             f'RUN_DIR={runs_root}/"slurm-$RUN_ID"',
+            f'[ -d "$RUN_DIR" ] || mkdir -p -m {_q(self.dir_mode)} "$RUN_DIR"',
             'mkdir -p "$RUN_DIR/logs"',
             '[ -e "$RUN_DIR/job.sbatch" ] || cp "$0" "$RUN_DIR/job.sbatch"',
             f'ln -sfn "slurm-$RUN_ID" {runs_root}/"job-$SLURM_JOB_ID"',

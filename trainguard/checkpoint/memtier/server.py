@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import logging
+import socket
 import socketserver
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import TypeGuard
 
 from trainguard.checkpoint.memtier.store import TierStore
@@ -26,11 +27,16 @@ logger = logging.getLogger(__name__)
 MAX_CONNECTIONS = 16
 """Authenticated requests served at once; more are refused (each holds a thread)."""
 MAX_PENDING = 64
-"""Connections not yet authenticated held at once; more are closed at once."""
-AUTH_TIMEOUT_S = 5.0
-"""A new connection must authenticate (its first frame verified) within this many seconds;
-only then may it take one of the :data:`MAX_CONNECTIONS` slots, so slow or idle connections
-without the secret cannot keep the job's own fetches out."""
+"""Connections not yet authenticated held at once; a new one beyond it evicts the oldest."""
+MAX_PENDING_PER_SOURCE = 8
+"""Connections not yet authenticated held at once from one address; a new one beyond it evicts
+that address's oldest, so one host cannot fill :data:`MAX_PENDING`."""
+AUTH_TIMEOUT_S = 2.0
+"""A new connection must authenticate (a fixed-size answer to the challenge, then its first
+frame) within this many seconds; only then may it take one of the :data:`MAX_CONNECTIONS`
+slots. Together with oldest-first eviction, connections without the secret (idle, slow, or
+reconnecting in a loop) cannot keep the job's own fetches out: a peer that knows the secret
+answers in one round trip, long before it is the oldest pending connection."""
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -42,9 +48,7 @@ class _Handler(socketserver.BaseRequestHandler):
         if secret is None:
             srv.count("refused_no_secret")
             return  # no job secret yet (before the first rendezvous)
-        if not srv._pending.acquire(blocking=False):
-            srv.count("refused_pending")
-            return
+        srv._enter_pending(self.request, self.client_address[0])
         ch: Channel | None = None
         slot = False
         try:
@@ -59,7 +63,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 )
                 header = ch.recv()  # verified: the peer knows the secret
             finally:
-                srv._pending.release()
+                srv._leave_pending(self.request)
             if not srv._slots.acquire(blocking=False):
                 srv.count("refused_busy")
                 self._try_send(ch, {"ok": False, "error": "server busy"})
@@ -177,8 +181,35 @@ class TierServer(socketserver.ThreadingTCPServer):
         self._reserved = 0
         self.entitled: tuple[frozenset[int], int] = (frozenset(), 0)
         """Ranks and world size a peer may push (:meth:`set_entitled`); none before that."""
-        self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        self._pending: OrderedDict[socket.socket, str] = OrderedDict()
+        self.max_pending = MAX_PENDING
+        self.max_pending_per_source = MAX_PENDING_PER_SOURCE
         super().__init__(addr, _Handler)
+
+    def _enter_pending(self, sock: socket.socket, source: str) -> None:
+        """Hold ``sock`` as not yet authenticated; evict the oldest pending connection of
+        ``source`` when it has :attr:`max_pending_per_source`, else the oldest of all when
+        there are :attr:`max_pending` (its handler's read ends at once)."""
+        with self._counts_lock:
+            same = [s for s, src in self._pending.items() if src == source]
+            victim = None
+            if len(same) >= self.max_pending_per_source:
+                victim = same[0]
+            elif len(self._pending) >= self.max_pending:
+                victim = next(iter(self._pending))
+            if victim is not None:
+                del self._pending[victim]
+                self.counts["evicted_pending"] += 1
+            self._pending[sock] = source
+        if victim is not None:
+            try:
+                victim.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _leave_pending(self, sock: socket.socket) -> None:
+        with self._counts_lock:
+            self._pending.pop(sock, None)
 
     @property
     def host(self) -> str:

@@ -1,12 +1,18 @@
 """The memory tier's wire protocol between agents: authenticated, bounded, streamed.
 
-Every connection starts with the server's challenge, ``MAGIC`` + a random 32-byte nonce. Every
+Every connection starts with the server's challenge, ``MAGIC`` + a random 32-byte nonce, and
+the client's answer, a random 32-byte nonce of its own and ``HMAC-SHA256(secret, b"auth" ||
+server nonce || client nonce)``: fixed sizes, so the server reads nothing larger and allocates
+nothing before the client has proved it knows the secret. The connection's ``nonce`` is both
+(server's || client's): every MAC after that covers both, so neither side can be answered with
+frames recorded from another connection (a recorded answer fails the client's fresh nonce,
+also when the secret stays the same across attempts, as with ``memory_secret_file``). Every
 message after it (both ways) is a *frame*: a 4-byte big-endian length (at most the receiver's
 ``max_header``), a JSON header, and ``HMAC-SHA256(secret, direction || nonce || seq || header)``
 (``direction`` is ``b"req"`` or ``b"resp"``, ``seq`` the frame's 8-byte number in that
-direction, so a frame cannot be replayed or reordered). The secret is the job's (see
-:mod:`.plugin`); a frame whose MAC does not verify ends the connection before anything is read
-from or written to the tier.
+direction, so a frame cannot be replayed or reordered within the connection either). The secret
+is the job's (see :mod:`.plugin`); an answer or a frame whose MAC does not verify ends the
+connection before anything is read from or written to the tier.
 
 Requests:
 
@@ -16,7 +22,8 @@ Requests:
   (``intact``: the file did not change while sent; ``mac``: the bytes' MAC, :class:`FileMac`,
   keyed with the secret and bound to the connection's nonce), and the server answers ``{"ok": true}`` once the replica is in place.
 - ``{"op": "get", "rank", "world_size", "below"}``: answered ``{"found": false}`` or
-  ``{"found": true, "meta", "nbytes"}`` + the bytes + the trailer frame.
+  ``{"found": true, "meta", "nbytes"}`` + the bytes + the trailer frame; the client refuses a
+  snapshot of another rank or world size, or of a step not below the ``below`` it asked for.
 
 The metadata travels in an authenticated frame, the bytes under the trailer's MAC, the trailer
 in an authenticated frame: a bit changed on the way anywhere is refused. A receiver writes the
@@ -59,7 +66,7 @@ TIMEOUT_S = 30.0
 """Connect and socket timeout of the client side (and of each server-side read)."""
 MAX_HEADER = 4 << 20
 """Largest header (JSON: the snapshot's metadata, its skeleton included) a side accepts."""
-MAGIC = b"TGM2"
+MAGIC = b"TGM3"
 NONCE_LEN = 32
 MAC_LEN = 32
 CHUNK = 1 << 20
@@ -79,6 +86,10 @@ def _mac(secret: bytes, direction: bytes, nonce: bytes, seq: int, header: bytes)
     return hmac.new(
         secret, direction + nonce + seq.to_bytes(8, "big") + header, hashlib.sha256
     ).digest()
+
+
+def _auth_mac(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(secret, b"auth" + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
 SEGMENT = 32 << 20
@@ -184,13 +195,21 @@ class Channel:
         self._tx_seq = 0
         self._rx_seq = 0
         if server:
-            self.nonce = secrets.token_bytes(NONCE_LEN)
-            sock.sendall(MAGIC + self.nonce)
+            mine = secrets.token_bytes(NONCE_LEN)
+            sock.sendall(MAGIC + mine)
+            answer = bytes(recv_exact(sock, NONCE_LEN + MAC_LEN, deadline))
+            theirs, proof = answer[:NONCE_LEN], answer[NONCE_LEN:]
+            if not hmac.compare_digest(proof, _auth_mac(secret, mine, theirs)):
+                raise AuthError("peer failed authentication (no or wrong job secret)")
+            self.nonce = mine + theirs
         else:
             hello = recv_exact(sock, len(MAGIC) + NONCE_LEN, deadline)
             if bytes(hello[: len(MAGIC)]) != MAGIC:
-                raise ProtocolError("not a trainguard memory tier server")
-            self.nonce = bytes(hello[len(MAGIC) :])
+                raise ProtocolError("not a trainguard memory tier server (or another version)")
+            server_nonce = bytes(hello[len(MAGIC) :])
+            mine = secrets.token_bytes(NONCE_LEN)
+            sock.sendall(mine + _auth_mac(secret, server_nonce, mine))
+            self.nonce = server_nonce + mine
 
     def send(self, header: dict[str, Any]) -> None:
         h = json.dumps(header).encode()
@@ -372,6 +391,8 @@ def fetch_snapshot(
         meta = validate_meta(header.get("meta"), max_bytes=max_bytes)
         if meta["rank"] != rank or meta["world_size"] != world_size:
             raise ProtocolError(f"asked for rank {rank}, got rank {meta['rank']}")
+        if below is not None and meta["step"] >= below:
+            raise ProtocolError(f"asked for a step below {below}, got step {meta['step']}")
         if not ch.recv_file(dest, meta["nbytes"]):
             raise ProtocolError("the snapshot changed on the peer while it was sent")
     return meta

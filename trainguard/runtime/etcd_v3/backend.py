@@ -25,7 +25,14 @@ from trainguard.runtime.etcd_v3._common import (
     _unb64,
 )
 from trainguard.runtime.etcd_v3.client import EtcdV3Client
-from trainguard.runtime.etcd_v3.codec import decode_state
+from trainguard.runtime.etcd_v3.codec import (
+    MAX_LOCK_HOLD_S,
+    decode_state,
+    key_suffix,
+    lock_until,
+    parse_join,
+    parse_lease,
+)
 from trainguard.runtime.etcd_v3.codec import pack as _pack
 from trainguard.runtime.etcd_v3.codec import unpack as _codec_unpack
 
@@ -95,6 +102,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         torch's dead-node threshold: keep_alive_interval x keep_alive_max_attempt)."""
         self._hb_leases: dict[str, int] = {}
         self.lease_trouble = -float("inf")
+        self._lock_seen: tuple[int, float] = (0, 0.0)
         """Monotonic time a heartbeat lease of this backend last failed to renew (etcd
         overloaded or unreachable, or the lease expired meanwhile)."""
 
@@ -234,8 +242,9 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         responses = (out.get("responses") or []) + [{}, {}, {}]
         if len(ops) == 3:
             lkvs = (responses[2].get("response_range") or {}).get("kvs") or []
-            if lkvs:
-                c.adopt_lease(int(_unb64(lkvs[0].get("value"))))
+            lease = parse_lease(_unb64(lkvs[0].get("value"))) if lkvs else None
+            if lease is not None and c.is_run_lease(lease):
+                c.adopt_lease(lease)  # anything else: the client's own read refuses it
         kvs = (responses[0].get("response_range") or {}).get("kvs") or []
         if not kvs:
             return None
@@ -262,11 +271,16 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self.joins_read_rev = int(out.get("header", {}).get("revision", 0))
         found: list[tuple[int, dict[str, Any]]] = []
         for kv in out.get("kvs") or []:
-            try:
-                rnd = int(_unb64(kv["key"]).decode()[len(jp) :].split("/", 1)[0])
-                found.append((rnd, json.loads(_unb64(kv.get("value")))))
-            except (KeyError, ValueError):
+            # anyone who can write the prefix can put anything here: a request that is not
+            # one (key or value) is skipped, whatever it is
+            rest = key_suffix(_unb64(kv.get("key")), jp)
+            head = rest.split("/", 1)[0] if rest is not None else ""
+            join = parse_join(_unb64(kv.get("value"))) if head.isdigit() else None
+            if join is None or len(head) > 19:
                 continue
+            (node, t) = join
+            value = {"addr": node.addr, "pid": node.pid, "local_id": node.local_id, "t": t}
+            found.append((int(head), value))
         return found
 
     @property
@@ -289,10 +303,15 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             return int(out["header"]["revision"])
         for r in out.get("responses") or []:
             for kv in (r.get("response_range") or {}).get("kvs") or []:
-                try:
-                    until = float(json.loads(_unb64(kv.get("value")))["until"])
-                except (KeyError, TypeError, ValueError):
-                    until = 0.0
+                # held until its ``until``, but never longer than ttl + MAX_LOCK_HOLD_S past
+                # the moment this node first saw that revision of it (a holder extends it
+                # every few seconds, each time a new revision): an ``until`` of 1e308 or one
+                # far ahead on a skewed clock does not hold every round forever
+                rev = int(kv.get("mod_revision", 0) or 0)
+                if self._lock_seen[0] != rev:
+                    self._lock_seen = (rev, time.time())
+                cap = self._lock_seen[1] + ttl + MAX_LOCK_HOLD_S
+                until = min(lock_until(_unb64(kv.get("value"))), cap)
                 if until >= time.time():
                     return None
                 took = c.txn(
@@ -365,7 +384,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         """The nodes whose heartbeat key exists: their lease is alive (one keys-only read)."""
         hb = self._hb_prefix
         out = self._client.range(hb, prefix=True, keys_only=True)
-        return {_unb64(kv["key"]).decode()[len(hb) :] for kv in out.get("kvs") or [] if "key" in kv}
+        found = (key_suffix(_unb64(kv.get("key")), hb) for kv in out.get("kvs") or [])
+        return {k for k in found if k is not None}  # a key that is not UTF-8 is nobody's
 
     def wait_meta(
         self, after: int, timeout: float, wanted: Callable[[bytes], bool]

@@ -30,6 +30,7 @@ from trainguard.runtime.etcd_v3._common import (
     _text,
     _unb64,
 )
+from trainguard.runtime.etcd_v3.codec import parse_lease
 
 __all__ = ["MAX_RESPONSE_BYTES", "EtcdV3Client"]
 
@@ -469,6 +470,11 @@ class EtcdV3Client:
             )
             self._keeper.start()
 
+    def is_run_lease(self, lease: int) -> bool:
+        """Whether ``lease`` is the one this run's agents grant (:meth:`_run_lease_id`): a
+        lease key naming another (put by any writer of the prefix) is not adopted."""
+        return self._lease_key is not None and lease == self._run_lease_id()
+
     def _run_lease_id(self) -> int:
         """The lease id this run grants: derived from the run's lease key, so that agents that
         start together all grant the same lease (etcd answers "already exists" to all but one)
@@ -487,23 +493,36 @@ class EtcdV3Client:
         mine = self._run_lease_id()
         while True:
             found = self.get(self._lease_key)
+            compare = {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
             if found is not None:
-                return int(found[0])
+                if parse_lease(found[0]) == mine:
+                    return mine
+                # not this run's lease (any writer of the prefix can put one: adopting it
+                # would tie the run's keys to a lease someone else revokes): written over
+                logger.warning(
+                    "etcd-v3: the run's lease key %s names a lease %r that is not this run's; "
+                    "this agent writes the run's own lease over it",
+                    self._lease_key,
+                    found[0][:32],
+                )
+                compare = {
+                    "key": key,
+                    "result": "EQUAL",
+                    "target": "MOD",
+                    "mod_revision": str(found[1]),
+                }
             try:
                 self.call("lease/grant", {"TTL": str(self._lease_ttl), "ID": str(mine)})
             except RendezvousConnectionError as e:
                 if "already exists" not in str(e):
                     raise
             out = self.txn(
-                [{"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}],
+                [compare],
                 [{"request_put": {"key": key, "value": _b64(str(mine)), "lease": str(mine)}}],
-                [{"request_range": {"key": key}}],
+                [],
             )
             if out.get("succeeded"):
                 return mine
-            for r in out.get("responses") or []:
-                for kv in (r.get("response_range") or {}).get("kvs") or []:
-                    return int(_unb64(kv.get("value")))
 
     def _keep_lease(self) -> None:
         interval = max(self._lease_ttl / 3.0, 0.5)

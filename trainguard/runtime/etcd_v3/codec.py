@@ -20,6 +20,7 @@ reader gets its own copy of the containers, since torch's handler edits the stat
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import threading
 import zlib
@@ -32,7 +33,15 @@ from torch.distributed.elastic.rendezvous import RendezvousStateError
 from trainguard.runtime._torch import NodeDesc, RendezvousState
 
 __all__ = [
+    "MAX_JSON_STATE_BYTES",
     "MAX_STATE_BYTES",
+    "MAX_ENTRY_BYTES",
+    "MAX_LOCK_HOLD_S",
+    "key_suffix",
+    "lock_until",
+    "parse_join",
+    "parse_json",
+    "parse_lease",
     "PICKLE_OPTION",
     "cached_state",
     "copy_state",
@@ -44,6 +53,11 @@ _MAGIC = b"TGJ1"
 _PACKED = b"TGZ1"
 MAX_STATE_BYTES = 64 << 20
 """The largest state (inflated) a reader accepts: a 10,000-node pickled state is ~10 MiB."""
+MAX_JSON_STATE_BYTES = 16 << 20
+"""The largest state in trainguard's JSON form a reader decodes: ~200,000 nodes (a 10,000-node
+state is ~0.7 MiB)."""
+MAX_NODE_RANK = 1 << 20
+"""No node rank of a complete round is this large (a job of a million nodes)."""
 PICKLE_OPTION = "accept_pickle_state"
 """The ``--rdzv-conf`` key that lets a reader unpickle a state in torch's own format."""
 _CACHE_SIZE = 4
@@ -120,33 +134,118 @@ def _decode(value: bytes, accept_pickle: bool) -> tuple[RendezvousState, bool]:
         if not isinstance(st, RendezvousState):
             raise RendezvousStateError(f"it unpickles to a {type(st).__name__}")
         return st, False
+    if len(bits) > MAX_JSON_STATE_BYTES:
+        raise RendezvousStateError(f"its JSON form is over {MAX_JSON_STATE_BYTES} bytes")
     try:
-        doc = json.loads(bits[len(_MAGIC) :])
-        nodes = [NodeDesc(str(a), int(p), int(i)) for a, p, i in doc["nodes"]]
-        st = RendezvousState()
-        st.round = int(doc["round"])
-        st.complete = bool(doc["complete"])
-        st.closed = bool(doc["closed"])
-        d = doc["deadline"]
-        st.deadline = datetime.fromtimestamp(d, timezone.utc) if d is not None else None
-        st.participants = {nodes[i]: int(r) for i, r in doc["participants"]}
-        st.wait_list = {nodes[i] for i in doc["wait"]}
-        st.redundancy_list = {nodes[i] for i in doc["redundancy"]}
-        fromts = datetime.fromtimestamp
-        utc = timezone.utc
-        st.last_heartbeats = {nodes[i]: fromts(t, utc) for i, t in doc["beats"]}
-    except (
-        ValueError,
-        KeyError,
-        TypeError,
-        IndexError,
-        OverflowError,
-        OSError,
-        RecursionError,
-    ) as e:
+        st = _from_doc(json.loads(bits[len(_MAGIC) :]))
+    except RendezvousStateError:
+        raise
+    except Exception as e:  # whatever a hostile document makes the parser raise
         # OverflowError/OSError: a timestamp out of range; RecursionError: absurd nesting
         raise RendezvousStateError(f"it is corrupt JSON ({type(e).__name__}: {e})") from None
     return st, True
+
+
+def _bad(what: str) -> RendezvousStateError:
+    return RendezvousStateError(f"it is not a valid state ({what})")
+
+
+def _index(i: Any, n: int) -> int:
+    if type(i) is not int or not 0 <= i < n:
+        raise _bad(f"node index {i!r} outside 0..{n - 1}")
+    return i
+
+
+def _time(t: Any) -> datetime:
+    if type(t) not in (int, float) or not math.isfinite(t):
+        raise _bad(f"time {t!r}")
+    return datetime.fromtimestamp(t, timezone.utc)
+
+
+def _from_doc(doc: Any) -> RendezvousState:
+    """The state of a decoded JSON document, checked: every value of the expected type and
+    range (node ids, pids, indices, the round: non-negative integers below 2**63), a node
+    table of distinct nodes that are all referenced (no table larger than the state that uses
+    it: its size is what decoding costs), and in a complete round the ranks 0..n-1, each once.
+    Raises RendezvousStateError."""
+    if type(doc) is not dict:
+        raise _bad("not an object")
+    # A complete round's ranks are those torch assigned, 0..n-1 each once, but torch keeps a
+    # round complete when a participant leaves it (a dead node dropped): gaps are legitimate,
+    # duplicates and absurd ranks are not.
+    table = doc["nodes"]
+    lists = {k: doc[k] for k in ("participants", "wait", "redundancy", "beats")}
+    if type(table) is not list or any(type(v) is not list for v in lists.values()):
+        raise _bad("a table that is not a list")
+    refs = sum(len(v) for v in lists.values())
+    if len(table) > refs:
+        raise _bad(f"{len(table)} nodes in its table, {refs} references")
+    for name, v in lists.items():  # each lists a node at most once: none is longer than the table
+        if len(v) > len(table):
+            raise _bad(f"{len(v)} entries in {name}, {len(table)} nodes")
+    nodes: list[NodeDesc] = []
+    for e in table:
+        if type(e) is not list or len(e) != 3:
+            raise _bad("a node that is not [addr, pid, local_id]")
+        a, p, i = e
+        if type(a) is not str or len(a) > 1024 or not all(_uint(x) for x in (p, i)):
+            raise _bad(f"node {e!r}")
+        nodes.append(NodeDesc(a, p, i))
+    if len(set(nodes)) != len(nodes):
+        raise _bad("a node listed twice in its table")
+    n = len(nodes)
+    used: set[int] = set()
+    st = RendezvousState()
+    rnd = doc["round"]
+    if not _uint(rnd):
+        raise _bad(f"round {rnd!r}")
+    st.round = rnd
+    if type(doc["complete"]) is not bool or type(doc["closed"]) is not bool:
+        raise _bad("complete/closed not true or false")
+    st.complete = doc["complete"]
+    st.closed = doc["closed"]
+    d = doc["deadline"]
+    st.deadline = _time(d) if d is not None else None
+    participants: dict[NodeDesc, int] = {}
+    for e in lists["participants"]:
+        if type(e) is not list or len(e) != 2:
+            raise _bad("a participant that is not [node, rank]")
+        i, r = _index(e[0], n), e[1]
+        if not _uint(r):
+            raise _bad(f"rank {r!r}")
+        used.add(i)
+        participants[nodes[i]] = r
+    if len(participants) != len(lists["participants"]):
+        raise _bad("a participant listed twice")
+    if st.complete:
+        ranks = sorted(participants.values())
+        if len(set(ranks)) != len(ranks) or (ranks and ranks[-1] >= MAX_NODE_RANK):
+            raise _bad(f"a complete round whose ranks are not distinct below {MAX_NODE_RANK}")
+    st.participants = participants
+    wait = [_index(i, n) for i in lists["wait"]]
+    redundancy = [_index(i, n) for i in lists["redundancy"]]
+    if len(set(wait)) != len(wait) or len(set(redundancy)) != len(redundancy):
+        raise _bad("a node listed twice in the wait or redundancy list")
+    used.update(wait, redundancy)
+    st.wait_list = {nodes[i] for i in wait}
+    st.redundancy_list = {nodes[i] for i in redundancy}
+    beats: dict[NodeDesc, datetime] = {}
+    for e in lists["beats"]:
+        if type(e) is not list or len(e) != 2:
+            raise _bad("a keep-alive that is not [node, time]")
+        i = _index(e[0], n)
+        used.add(i)
+        beats[nodes[i]] = _time(e[1])
+    if len(beats) != len(lists["beats"]):
+        raise _bad("a keep-alive listed twice")
+    st.last_heartbeats = beats
+    if len(used) != n:
+        raise _bad(f"{n - len(used)} node(s) of its table referenced nowhere")
+    return st
+
+
+def _uint(x: Any) -> bool:
+    return type(x) is int and 0 <= x < 1 << 63
 
 
 def copy_state(st: RendezvousState) -> RendezvousState:
@@ -203,3 +302,66 @@ def remember(st: RendezvousState, *, key: str, revision: int) -> None:
         _cache[(key, revision)] = copy_state(st)
         while len(_cache) > _CACHE_SIZE:
             _cache.popitem(last=False)
+
+
+# -- the small values read under the run's prefix, as hostile as the state ------------------------
+MAX_ENTRY_BYTES = 64 << 10
+"""The largest join request or admission lock a reader parses (either is under 200 bytes)."""
+MAX_LOCK_HOLD_S = 60.0
+"""The longest an admission lock counts as held past the moment a reader first saw it, whatever
+its ``until`` says (its holder extends it every few seconds, which makes a new revision)."""
+
+
+def parse_json(raw: bytes, *, max_bytes: int = MAX_ENTRY_BYTES) -> Any:
+    """A small JSON value read from etcd, or None for anything else: over ``max_bytes``, not
+    UTF-8, not JSON, nested past the parser's limit: every exception the parser may raise ends
+    here, so that one put under the prefix never ends an agent."""
+    if len(raw) > max_bytes:
+        return None
+    try:
+        return json.loads(raw)
+    except Exception:  # ValueError, UnicodeDecodeError, RecursionError, MemoryError...
+        return None
+
+
+def key_suffix(raw_key: bytes, prefix: str) -> str | None:
+    """The part of a key read under ``prefix`` after it, or None for a key that is not UTF-8
+    or not under ``prefix`` (skipped: anyone who can write the prefix can put such a key)."""
+    try:
+        key = raw_key.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return key[len(prefix) :] if key.startswith(prefix) else None
+
+
+def parse_join(raw: bytes) -> tuple[NodeDesc, float] | None:
+    """The node and time of a join request (``{"addr", "pid", "local_id", "t"}``), or None
+    when it is not one."""
+    j = parse_json(raw)
+    if type(j) is not dict:
+        return None
+    a, p, i, t = j.get("addr"), j.get("pid"), j.get("local_id"), j.get("t")
+    if type(a) is not str or len(a) > 1024 or not _uint(p) or not _uint(i):
+        return None
+    if type(t) not in (int, float) or not math.isfinite(t):
+        return None
+    return NodeDesc(a, p, i), float(t)
+
+
+def parse_lease(raw: bytes) -> int | None:
+    """A lease id as the run's lease key holds it (decimal digits), or None: only a positive
+    integer below 2**63 is one."""
+    if not 0 < len(raw) <= 19 or not raw.isdigit():
+        return None
+    v = int(raw)
+    return v if 0 < v < 1 << 63 else None
+
+
+def lock_until(raw: bytes) -> float:
+    """The ``until`` of an admission lock's value; 0.0 (expired) for anything that is not a
+    finite time, so that a garbage lock is taken over instead of holding every round."""
+    j = parse_json(raw)
+    until = j.get("until") if type(j) is dict else None
+    if type(until) not in (int, float) or not math.isfinite(until):
+        return 0.0
+    return float(until)

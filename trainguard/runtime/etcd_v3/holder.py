@@ -565,6 +565,8 @@ class ScalableStateHolder(StateHolderBase):
         instead of hundreds of nodes racing for the same key with the whole state each."""
         s = self.settings
         rnd = self.held.round
+        # waited once already in this round without being admitted: the writer may be gone
+        waited = self._join_round == rnd and self._join_waits > 0
         if (
             self._join_round != rnd
             or time.time() - self._join_beat >= s.keep_alive_interval.total_seconds()
@@ -575,11 +577,13 @@ class ScalableStateHolder(StateHolderBase):
                 lock_ttl=ADMISSION_LOCK_TTL,
             )  # fmt: skip
             self._renewed = time.monotonic()
-            self._join_rev, self._join_round, self._join_waits = rev, rnd, 0
+            self._join_rev, self._join_round = rev, rnd
+            self._join_waits = self._join_waits if waited else 0
             if locked:
                 self._lock_rev = rev
-        elif self._join_waits > 0:
-            # waited once already without being admitted: the writer may be gone
+        if waited and not self._lock_rev:
+            # an expired lock (its holder died) is taken over; also when the request was just
+            # renewed, as it is after every wait at a keep-alive of 5 s or less
             lock = self._etcd.try_lock_admission(self._node_key, ADMISSION_LOCK_TTL)
             if lock is not None:
                 self._lock_rev = lock

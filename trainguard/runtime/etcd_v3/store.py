@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from trainguard.runtime.etcd_v3._common import _b64, _unb64
 from trainguard.runtime.etcd_v3.client import EtcdV3Client
+from trainguard.runtime.etcd_v3.codec import key_suffix
 
 __all__ = ["EtcdV3Store"]
 
@@ -232,12 +233,12 @@ class EtcdV3Store(dist.Store):
         """Every key of the store that starts with ``prefix`` and its value, in one read (a
         range: for many keys several times cheaper for etcd than reading each)."""
         out = self._client.range(self._k(prefix), prefix=True)
-        skip = len(self._prefix)
-        return {
-            _unb64(kv["key"]).decode()[skip:]: _unb64(kv.get("value"))
-            for kv in out.get("kvs") or []
-            if "key" in kv
-        }
+        found: dict[str, bytes] = {}
+        for kv in out.get("kvs") or []:
+            key = key_suffix(_unb64(kv.get("key")), self._prefix)
+            if key is not None:  # a key that is not UTF-8 is no key of the store's users
+                found[key] = _unb64(kv.get("value"))
+        return found
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         ops = [
