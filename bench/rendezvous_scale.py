@@ -214,10 +214,15 @@ round's liveness) in the steady phase: torch's agent asks every ``monitor_interv
 both answers are cached or watched, so the count of etcd requests does not depend on it."""
 
 
+STEADY_SETTLE_S = 10.0
+"""Seconds of the steady phase not counted: the round's last writes, the watches starting."""
+
+
 def _steady(handlers: list, ctls: list, seconds: float) -> dict[str, object]:
     """The steady phase of a complete round: every agent as while its workers train (torch's
     keep-alive timer runs by itself; ``num_nodes_waiting`` and, with spares, the running round's
-    liveness check every ``MONITOR_S``) for ``seconds``; the etcd requests made meanwhile."""
+    liveness check every ``MONITOR_S``); the etcd requests made in ``seconds`` of it, after
+    ``STEADY_SETTLE_S``."""
     stop = threading.Event()
     waiting = [0]
 
@@ -231,14 +236,15 @@ def _steady(handlers: list, ctls: list, seconds: float) -> dict[str, object]:
             except Exception as e:
                 print(f"  steady: {type(e).__name__}: {e}"[:200], file=sys.stderr, flush=True)
 
-    _REQUESTS.clear()
-    t0 = time.monotonic()
     threads = [
         threading.Thread(target=monitor, args=(h, c), daemon=True)
         for h, c in zip(handlers, ctls, strict=True)
     ]
     for t in threads:
         t.start()
+    time.sleep(STEADY_SETTLE_S)  # the round's last writes land, the agents' watches start
+    _REQUESTS.clear()
+    t0 = time.monotonic()
     stop.wait(seconds)
     stop.set()
     for t in threads:
@@ -454,7 +460,7 @@ def one_round(
                 target=_show_progress, args=(endpoint, run_id, t_go, stop), daemon=True
             ).start()
         results = []
-        deadline = time.monotonic() + timeout + steady_s
+        deadline = time.monotonic() + timeout + (steady_s + STEADY_SETTLE_S if steady_s else 0)
         for c in children:
             left = deadline - time.monotonic()
             ready, _, _ = select.select([c.stdout], [], [], max(left, 0))

@@ -322,7 +322,8 @@ class Reaper:
         own lease had trouble: an etcd too loaded to renew leases in time, not dead nodes."""
         if not by_key:
             return {}
-        live = self._backend.heartbeats()
+        # a spare of a large job watches every node: one range; a share of a few: those keys
+        live = self._backend.heartbeats(None if len(by_key) > UNDER_FROM else sorted(by_key))
         now = self._clock()
         ttl = self._cfg.dead_after_s
         gone = [k for k in by_key if k not in live]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -754,8 +755,13 @@ class ScalableStateHolder(StateHolderBase):
             logger.debug("heartbeat lease not renewed: %s", e)
 
     def _keep_lease(self) -> None:
-        while self._live_period is not None and not self._live_stop.wait(self._live_period):
+        # the first wait at random within a period: agents that started together (a job's
+        # launch, a thousand at once) keep their leases alive spread over the period, not in
+        # bursts of a thousand requests
+        wait = random.uniform(0.0, self._live_period or 0.0)
+        while self._live_period is not None and not self._live_stop.wait(wait):
             self._renew_lease()
+            wait = self._live_period
 
     def stop_lease(self, *, left: bool) -> None:
         """Stop keeping this node's lease alive; ``left``: say at once that it left (its key
