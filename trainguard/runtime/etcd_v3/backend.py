@@ -440,6 +440,12 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             self._hb_leases.pop(node, None)
             self._client.txn([], [self._heartbeat_put(node, when)], [])
 
+    def trouble_at(self) -> float:
+        """Monotonic time this node last had trouble with etcd: a request retried, or its
+        heartbeat lease late or lost. Leases that expired around then prove nothing (an etcd
+        too loaded to renew them: "waiting for the applied index took too long")."""
+        return max(self.lease_trouble, getattr(self._client, "trouble_at", -float("inf")))
+
     def heartbeats(self, nodes: list[str] | None = None) -> dict[str, str]:
         """The heartbeat keys that exist (their lease is alive) of ``nodes`` (None: every
         node's, in one range read; else reads of those keys, 100 to a transaction) and their
