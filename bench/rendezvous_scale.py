@@ -535,6 +535,8 @@ def node_loss(
     """N agents in a complete round and ``spares_k`` spares (all with the spares' beacons and
     reapers); one active agent's process is SIGKILLed, the others rejoin at once. The time
     from the kill until etcd holds a complete round of N nodes without the dead one."""
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
     from trainguard.runtime.etcd_v3 import EtcdV3Client, _unpack, parse_endpoints
     from trainguard.runtime.etcd_v3.codec import decode_state
 
@@ -551,7 +553,10 @@ def node_loss(
     key = f"/trainguard/rdzv/{run_id}/state"
 
     def state():  # type: ignore[no-untyped-def]
-        found = client.get(key)
+        try:
+            found = client.get(key)
+        except RendezvousConnectionError:  # an overloaded etcd: not known yet, read again
+            return None
         return None if found is None else decode_state(_unpack(found[0]))
 
     def say(kid: subprocess.Popen, line: str) -> None:  # type: ignore[type-arg]
