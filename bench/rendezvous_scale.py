@@ -214,10 +214,15 @@ round's liveness) in the steady phase: torch's agent asks every ``monitor_interv
 both answers are cached or watched, so the count of etcd requests does not depend on it."""
 
 
+STEADY_SETTLE_S = 10.0
+"""Seconds of the steady phase not counted: the round's last writes, the watches starting."""
+
+
 def _steady(handlers: list, ctls: list, seconds: float) -> dict[str, object]:
     """The steady phase of a complete round: every agent as while its workers train (torch's
     keep-alive timer runs by itself; ``num_nodes_waiting`` and, with spares, the running round's
-    liveness check every ``MONITOR_S``) for ``seconds``; the etcd requests made meanwhile."""
+    liveness check every ``MONITOR_S``); the etcd requests made in ``seconds`` of it, after
+    ``STEADY_SETTLE_S``."""
     stop = threading.Event()
     waiting = [0]
 
@@ -231,14 +236,15 @@ def _steady(handlers: list, ctls: list, seconds: float) -> dict[str, object]:
             except Exception as e:
                 print(f"  steady: {type(e).__name__}: {e}"[:200], file=sys.stderr, flush=True)
 
-    _REQUESTS.clear()
-    t0 = time.monotonic()
     threads = [
         threading.Thread(target=monitor, args=(h, c), daemon=True)
         for h, c in zip(handlers, ctls, strict=True)
     ]
     for t in threads:
         t.start()
+    time.sleep(STEADY_SETTLE_S)  # the round's last writes land, the agents' watches start
+    _REQUESTS.clear()
+    t0 = time.monotonic()
     stop.wait(seconds)
     stop.set()
     for t in threads:
@@ -454,7 +460,7 @@ def one_round(
                 target=_show_progress, args=(endpoint, run_id, t_go, stop), daemon=True
             ).start()
         results = []
-        deadline = time.monotonic() + timeout + steady_s
+        deadline = time.monotonic() + timeout + (steady_s + STEADY_SETTLE_S if steady_s else 0)
         for c in children:
             left = deadline - time.monotonic()
             ready, _, _ = select.select([c.stdout], [], [], max(left, 0))
@@ -529,6 +535,8 @@ def node_loss(
     """N agents in a complete round and ``spares_k`` spares (all with the spares' beacons and
     reapers); one active agent's process is SIGKILLed, the others rejoin at once. The time
     from the kill until etcd holds a complete round of N nodes without the dead one."""
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
     from trainguard.runtime.etcd_v3 import EtcdV3Client, _unpack, parse_endpoints
     from trainguard.runtime.etcd_v3.codec import decode_state
 
@@ -545,7 +553,10 @@ def node_loss(
     key = f"/trainguard/rdzv/{run_id}/state"
 
     def state():  # type: ignore[no-untyped-def]
-        found = client.get(key)
+        try:
+            found = client.get(key)
+        except RendezvousConnectionError:  # an overloaded etcd: not known yet, read again
+            return None
         return None if found is None else decode_state(_unpack(found[0]))
 
     def say(kid: subprocess.Popen, line: str) -> None:  # type: ignore[type-arg]
@@ -723,6 +734,13 @@ def main() -> None:
         "round running (keep-alives, num_nodes_waiting, liveness checks) counting etcd's "
         "requests per agent per second (0: none)",
     )
+    ap.add_argument(
+        "--etcd-nice",
+        type=int,
+        default=None,
+        help="the niceness of the etcd this bench starts (default: this process's): on a "
+        "machine shared with other work, the store as the dedicated service it is in a job",
+    )
     ap.add_argument("--progress", action="store_true", help="print the etcd round's progress")
     ap.add_argument(
         "--etcd-endpoint", default=None, help="use this running etcd instead of starting one"
@@ -749,6 +767,15 @@ def main() -> None:
                 "--quota-backend-bytes", str(8 * 1024**3),
             ],
         )  # fmt: skip
+        if args.etcd_nice is not None and etcd.proc is not None:
+            os.setpriority(os.PRIO_PROCESS, etcd.proc.pid, args.etcd_nice)
+        print(
+            f"machine: {os.cpu_count()} cores, load average "
+            f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; this bench at nice "
+            f"{os.nice(0)}, etcd at nice "
+            f"{os.getpriority(os.PRIO_PROCESS, etcd.proc.pid) if etcd.proc else '?'}",
+            flush=True,
+        )
         try:
             for n in sizes:
                 runs = args.runs if n <= 100 or args.runs_large is None else args.runs_large
@@ -839,6 +866,7 @@ def main() -> None:
             f"median {p50} s, p90 {p90} s, max {top} s over {len(xs)} runs ({missed} not "
             f"completed in {args.timeout:.0f} s)"
         )
+    print(f"machine at the end: load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(json.dumps(out))
 
 

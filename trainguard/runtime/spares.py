@@ -318,17 +318,19 @@ class Reaper:
     def _dead_by_lease(self, by_key: dict[str, NodeDesc]) -> dict[NodeDesc, tuple[float, str]]:
         """etcd-v3: the watched nodes whose heartbeat key is gone (lease expired: silent for
         its TTL, ``dead_after_s``) on two reads in a row, or says they left. Not while more
-        than a quarter of them (and more than two) are gone at once, nor while this node's
-        own lease had trouble: an etcd too loaded to renew leases in time, not dead nodes."""
+        than a twentieth of them (and more than two) are gone at once, nor within a TTL of
+        this node's own trouble with etcd (a request retried, its lease late): an etcd too
+        loaded to renew leases in time, not dead nodes."""
         if not by_key:
             return {}
-        live = self._backend.heartbeats()
+        # a spare of a large job watches every node: one range; a share of a few: those keys
+        live = self._backend.heartbeats(None if len(by_key) > UNDER_FROM else sorted(by_key))
         now = self._clock()
         ttl = self._cfg.dead_after_s
         gone = [k for k in by_key if k not in live]
         dead: dict[NodeDesc, tuple[float, str]] = {}
-        if len(gone) > max(2, len(by_key) // 4) or (
-            time.monotonic() - self._backend.lease_trouble < ttl
+        if len(gone) > max(2, len(by_key) // 20) or (
+            time.monotonic() - self._backend.trouble_at() < ttl
         ):
             if gone and not self._mass_logged:
                 self._mass_logged = True

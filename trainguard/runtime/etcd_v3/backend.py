@@ -460,14 +460,27 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             self._hb_leases.pop(node, None)
             self._client.txn([], [self._heartbeat_put(node, when)], [])
 
-    def heartbeats(self) -> dict[str, str]:
-        """Every node's heartbeat key that exists (its lease is alive) and its value, in one
-        range read: a time, or :data:`HEARTBEAT_LEFT` for a node that left."""
+    def trouble_at(self) -> float:
+        """Monotonic time this node last had trouble with etcd: a request retried, or its
+        heartbeat lease late or lost. Leases that expired around then prove nothing (an etcd
+        too loaded to renew them: "waiting for the applied index took too long")."""
+        return max(self.lease_trouble, getattr(self._client, "trouble_at", -float("inf")))
+
+    def heartbeats(self, nodes: list[str] | None = None) -> dict[str, str]:
+        """The heartbeat keys that exist (their lease is alive) of ``nodes`` (None: every
+        node's, in one range read; else reads of those keys, 100 to a transaction) and their
+        values: a time, or :data:`HEARTBEAT_LEFT` for a node that left."""
         hb = self._hb_prefix
-        out = self._client.range(hb, prefix=True)
+        found: list[dict[str, Any]] = []
+        if nodes is None:
+            found = self._client.range(hb, prefix=True).get("kvs") or []
+        for i in range(0, len(nodes or []), 100):
+            ops = [{"request_range": {"key": _b64(hb + n)}} for n in (nodes or [])[i : i + 100]]
+            for r in self._client.txn([], ops, []).get("responses") or []:
+                found.extend((r.get("response_range") or {}).get("kvs") or [])
         return {
             _unb64(kv["key"]).decode()[len(hb) :]: _unb64(kv.get("value")).decode(errors="replace")
-            for kv in out.get("kvs") or []
+            for kv in found
             if "key" in kv
         }
 

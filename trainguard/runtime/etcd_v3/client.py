@@ -244,6 +244,9 @@ class EtcdV3Client:
         self._lease_ttl = max(int(lease_ttl), 2)
         self._lease_id: int | None = None
         self._lease_lock = threading.Lock()
+        self.trouble_at = -float("inf")
+        """Monotonic time a request last failed and was retried (etcd overloaded or
+        unreachable): liveness judged on leases meanwhile proves nothing."""
         self._keeper: threading.Thread | None = None
         self._closed = threading.Event()
 
@@ -327,6 +330,7 @@ class EtcdV3Client:
                 err = e
             except (OSError, http.client.HTTPException, _Transient, ValueError) as e:
                 err = e  # refused, reset, timed out, a restarting member, a torn answer
+                self.trouble_at = time.monotonic()
             attempt += 1
             now = time.monotonic()
             if now >= deadline:
