@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -377,7 +377,9 @@ class SubprocessHandlerBase(SubprocessHandler):
         """Start the worker process (torch's own ``Popen`` unless overridden)."""
         return super()._popen(args, env)
 
-    def open_logs(self, stdout: str | None, stderr: str | None, mode: str = "w") -> None:
+    def open_logs(
+        self, stdout: str | None, stderr: str | None, mode: Literal["w", "a"] = "w"
+    ) -> None:
         """Open the log files torch's ``close`` closes (what its ``__init__`` does)."""
         self._stdout = open(stdout, mode) if stdout else None  # noqa: SIM115
         self._stderr = open(stderr, mode) if stderr else None  # noqa: SIM115

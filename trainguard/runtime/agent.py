@@ -385,8 +385,8 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         except Exception as e:
             logger.debug("cannot read the rendezvous store: %s", e)
             return None
-        node = node.decode() if isinstance(node, bytes) else str(node)
-        return None if node == self.events.node or self._released else node
+        name = node.decode() if isinstance(node, bytes) else str(node)
+        return None if name == self.events.node or self._released else name
 
     def _peer_lost(self) -> str | None:
         """A node of the running round whose liveness beacon went silent (lost node, frozen
@@ -411,8 +411,10 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         surface as the group's FAILED state on the next tick: torch's restart path."""
         self._released = True
         try:
-            if how == "failed":  # the failed node may wait for every node to see it
-                self.ctx.store.add(f"{self._failure_key()}/seen", 1)
+            store = self.ctx.store
+            # the failed node may wait for every node to see it
+            if how == "failed" and store is not None:
+                store.add(f"{self._failure_key()}/seen", 1)
         except Exception as e:
             logger.debug("cannot acknowledge the failure in the rendezvous store: %s", e)
         pids = self.worker_pids()
@@ -436,14 +438,14 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         do-not-requeue decisions, and the plugins' ``on_failure``."""
         local = {w.global_rank: w.local_rank for w in worker_group.workers}
         failures: list[WorkerFailure] = []
-        for rank, f in sorted(result.failures.items()):
+        for rank, pf in sorted(result.failures.items()):
             failures.append(
                 classify_exit(
                     rank=rank,
-                    local_rank=local.get(rank, f.local_rank),
-                    exitcode=f.exitcode,
-                    error_file_data=f.error_file_data,
-                    pid=f.pid,
+                    local_rank=local.get(rank, pf.local_rank),
+                    exitcode=pf.exitcode,
+                    error_file_data=pf.error_file_data,
+                    pid=pf.pid,
                 )
             )
 

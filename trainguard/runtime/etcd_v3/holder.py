@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Literal
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSettings
@@ -486,7 +486,7 @@ class ScalableStateHolder(StateHolderBase):
         self._reload()
         return True
 
-    def _reload(self, got: tuple[bytes, Any] | None | bool = False) -> None:
+    def _reload(self, got: tuple[bytes, Any] | None | Literal[False] = False) -> None:
         """Read the state again, as :meth:`_load_full` without the keep-alive overlay, but in
         one compare-and-read: a state still at the held revision is not sent again (a node
         whose request the writer has not come to yet, one of a thousand after a node loss,
