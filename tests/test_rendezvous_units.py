@@ -128,6 +128,22 @@ def test_a_node_waiting_out_a_complete_round_wakes_for_its_end_or_a_free_slot() 
     assert not holder._moves(summary())
 
 
+def test_round_summary_round_trips_and_refuses_what_is_not_one() -> None:
+    """The summary key's six ``|``-joined fields, as written with every state write."""
+    from trainguard.runtime.etcd_v3.holder import RoundSummary
+
+    st = RendezvousState()
+    st.round, st.complete = 5, True
+    st.deadline = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    st.participants = {NodeDesc("h", 1, i): i for i in range(3)}
+    st.wait_list = {NodeDesc("h", 2, 0)}
+    got = RoundSummary.parse(_meta(st))
+    assert got == RoundSummary(5, True, False, "2026-01-02T03:04:05+00:00", 1, 3)
+    assert _meta(st) == b"5|1|0|2026-01-02T03:04:05+00:00|1|3"
+    for bad in (b"", b"garbage", b"5|1|0||1", b"5|2|0||1|3", b"x|1|0||1|3", b"5|1|0||1|3|9"):
+        assert RoundSummary.parse(bad) is None, bad
+
+
 class _NoEtcd:
     """A backend that fails any use but the holder's setting of its heartbeat TTL."""
 

@@ -83,14 +83,14 @@ def main(argv: list[str], *, prog: str = "trainguard health") -> int:
         try:
             c = gemm_probe(max(cfg.preflight_compute_s, 0.2))
             res.details.update(c.to_dict())
-            frac = c.fraction_of_peak
-            if frac is not None and frac < cfg.min_compute_fraction:
+            frac, peak = c.fraction_of_peak, c.peak_flops_per_s
+            if frac is not None and peak is not None and frac < cfg.min_compute_fraction:
                 policy = Policy.from_overrides(cfg.xid_policy, cfg.counter_policy)
                 res.add(
                     policy.finding(
                         "compute_slow",
                         f"GEMM {c.flops_per_s / 1e12:.1f} TFLOP/s is {frac:.0%} of the "
-                        f"{c.peak_flops_per_s / 1e12:.0f} TFLOP/s peak",
+                        f"{peak / 1e12:.0f} TFLOP/s peak",
                     )
                 )
         except Exception as e:

@@ -15,8 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING, NoReturn
 
 from trainguard.core.config import ConfigError, load_config
+
+if TYPE_CHECKING:
+    from trainguard.slurm.batch import BatchRequest
+    from trainguard.slurm.cli import SlurmCli
 
 __all__ = ["main"]
 
@@ -111,14 +116,15 @@ def _split(argv: list[str], own: argparse.ArgumentParser, run: argparse.Argument
 
 
 def _check_run_options(run: argparse.ArgumentParser, run_opts: list[str], script: str) -> None:
-    def error(message: str) -> None:
+    def error(message: str) -> NoReturn:
         raise _BadInput(f"trainguard run option: {message}")
 
+    # argparse has no hook for its error exit but this method: replaced on this parser only
     run.error = error  # type: ignore[method-assign]
     run.parse_args([*run_opts, script])
 
 
-def _check_slurm(req, slurm) -> None:  # type: ignore[no-untyped-def]
+def _check_slurm(req: BatchRequest, slurm: SlurmCli) -> None:
     from trainguard.slurm.cli import SlurmError
 
     try:

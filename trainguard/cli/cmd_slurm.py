@@ -18,10 +18,14 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from trainguard.core.config import ConfigError, load_config
 from trainguard.core.procs import exit_now
 from trainguard.testing.chaos import CHAOS_ENV
+
+if TYPE_CHECKING:
+    from trainguard.slurm.batchhost import BatchBeaconWatch
 
 __all__ = ["main"]
 
@@ -86,7 +90,7 @@ def _agent(argv: list[str], prog: str) -> int:
     exit_now(code)  # as `trainguard run` leaves: without the interpreter's teardown
 
 
-def _watch_batch_host(env: dict[str, str], node: str, prog: str):  # type: ignore[no-untyped-def]
+def _watch_batch_host(env: dict[str, str], node: str, prog: str) -> BatchBeaconWatch | None:
     """On a node other than the batch host: watch the batch beacon; when it stands still, take
     over what the batch script would do (resubmit without the batch host, cancel this job)."""
     from trainguard.slurm.batch import BATCH_HOST_ENV, BEACON_ENV, CONFIG_ENV, RUN_DIR_ENV

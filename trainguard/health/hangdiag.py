@@ -141,7 +141,7 @@ def analyse(dumps: dict[int, RankDump], world_size: int | None = None) -> Diagno
         }
         for (op, entered, completed), rs in sorted(groups_by.items(), key=lambda kv: kv[1][0])
     ]
-    base = {
+    base: dict[str, Any] = {
         "pg": pg,
         "groups": groups,
         "frames": frames,

@@ -183,7 +183,7 @@ class HealthMonitor(AgentPlugin):
         foreign = set(ctx.foreign_ranks)
         if world - len(foreign) < 2 or store is None or not self.cfg.preflight:
             return
-        value = {"node": ctx.events.node}
+        value: dict[str, Any] = {"node": ctx.events.node}
         if self.compute is not None:
             value["flops_per_s"] = self.compute.flops_per_s
         try:

@@ -61,7 +61,7 @@ def _scalar(value: Any) -> float | int | str | None:
     """A loggable value: numbers (NaN and inf kept), strings, one-element tensors and arrays;
     None for what has no single value (None, multi-element tensors)."""
     if type(value) in _PLAIN:
-        return value  # type: ignore[no-any-return]
+        return value
     if value is None:
         return None
     if isinstance(value, bool):
@@ -72,7 +72,7 @@ def _scalar(value: Any) -> float | int | str | None:
     try:
         n = numel() if callable(numel) else numel
         if n == 1 and hasattr(value, "item"):
-            return value.item()  # type: ignore[no-any-return]
+            return value.item()
     except Exception:
         return None
     return None

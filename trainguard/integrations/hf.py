@@ -68,7 +68,7 @@ def _inner(obj: Any, attr: str) -> Any:
     return getattr(obj, attr, obj) if obj is not None else None
 
 
-class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
+class TrainGuardCallback(TrainerCallback):
     """See the module docstring. ``resume=False``: heartbeats, metrics and preemption only
     (no per-step snapshots, no restore)."""
 

@@ -55,14 +55,17 @@ each access, a tensor's ``.item()``) costs tens of microseconds, a share of a sh
 
 def _lightning() -> Any:
     if "pytorch_lightning" in sys.modules and "lightning.pytorch" not in sys.modules:
-        import pytorch_lightning as pl
+        import pytorch_lightning
 
-        return pl
+        return pytorch_lightning
     try:
-        import lightning.pytorch as pl
+        import lightning.pytorch
+
+        return lightning.pytorch
     except ImportError:
-        import pytorch_lightning as pl
-    return pl
+        import pytorch_lightning
+
+        return pytorch_lightning
 
 
 def _bump(progress: Any, n: int) -> None:

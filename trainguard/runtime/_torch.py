@@ -18,14 +18,26 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, Literal, cast, overload
 
+from torch.distributed import Store
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import PContext
 from torch.distributed.elastic.multiprocessing import api as _mp_api
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousSettings,
+    Token,
+)
+
+if TYPE_CHECKING:
+    from torch.numa.binding import NumaOptions  # torch >= 2.9
 
 __all__ = [
     "PRIVATES",
@@ -191,7 +203,7 @@ terminate_process_handler = _mp_api._terminate_process_handler
 """The handler torch installs for the signals it handles (raises ``SignalException``)."""
 
 
-def remove_participant_epilogue(state: Any, settings: Any) -> None:
+def remove_participant_epilogue(state: RendezvousState, settings: RendezvousSettings) -> None:
     """torch's bookkeeping after participants leave ``state`` (closes or reopens the round)."""
     _dr._remove_participant_epilogue(state, settings)
 
@@ -208,7 +220,7 @@ class QuietKeepAliveHandler(_dr.DynamicRendezvousHandler):
 
     _joined_round: int | None = None
 
-    def next_rendezvous(self) -> Any:
+    def next_rendezvous(self) -> RendezvousInfo:
         try:
             info = super().next_rendezvous()
         except RendezvousTimeoutError:
@@ -254,28 +266,44 @@ def cheap_rendezvous_event_names() -> None:
         _dr.get_method_name = _method_name
 
 
-def handler_node(handler: Any) -> Any:
+# torch's dynamic handler has these (every torch trainguard supports: PRIVATES), so for one
+# the accessors return them; for any other handler, None.
+@overload
+def handler_node(handler: DynamicRendezvousHandler) -> NodeDesc: ...
+@overload
+def handler_node(handler: object) -> NodeDesc | None: ...
+def handler_node(handler: object) -> NodeDesc | None:
     """This agent's :data:`NodeDesc` in torch's dynamic handler; None for another handler."""
     return getattr(handler, "_this_node", None)
 
 
-def handler_settings(handler: Any) -> Any:
+@overload
+def handler_settings(handler: DynamicRendezvousHandler) -> RendezvousSettings: ...
+@overload
+def handler_settings(handler: object) -> RendezvousSettings | None: ...
+def handler_settings(handler: object) -> RendezvousSettings | None:
     """torch's ``RendezvousSettings`` of a dynamic handler (run id, min/max nodes, timeouts);
     None for another handler."""
     return getattr(handler, "_settings", None)
 
 
-def handler_store(handler: Any) -> Any:
+@overload
+def handler_store(handler: DynamicRendezvousHandler) -> Store: ...
+@overload
+def handler_store(handler: object) -> Store | None: ...
+def handler_store(handler: object) -> Store | None:
     """The backend's store a dynamic handler keeps (outlives the rounds); None for another."""
     return getattr(handler, "_store", None)
 
 
-def handler_backend(handler: Any) -> Any:
-    """The ``RendezvousBackend`` behind a dynamic handler's state holder."""
-    return handler._state_holder._backend
+def handler_backend(handler: DynamicRendezvousHandler) -> RendezvousBackend:
+    """The ``RendezvousBackend`` behind a dynamic handler's state holder (raises
+    ``AttributeError`` for another handler)."""
+    # torch's handler declares the protocol, its holder is the backend one
+    return cast("_dr._BackendRendezvousStateHolder", handler._state_holder)._backend
 
 
-def handler_state(handler: Any) -> Any:
+def handler_state(handler: DynamicRendezvousHandler) -> RendezvousState:
     """The :data:`RendezvousState` a dynamic handler last synced (no store read)."""
     return handler._state_holder.state
 
@@ -285,37 +313,40 @@ def handler_state_holder(handler: Any) -> Any:
     return handler._state_holder
 
 
-def handler_state_pending(handler: Any) -> bool:
+def handler_state_pending(handler: DynamicRendezvousHandler) -> bool:
     """Whether the state a dynamic handler holds has changes of its own not written yet
     (torch's op changed it in place and its write or the wait for it is under way)."""
     return bool(getattr(handler._state_holder, "dirty", False))
 
 
-def sync_handler_state(handler: Any) -> Any:
+def sync_handler_state(handler: DynamicRendezvousHandler) -> RendezvousState:
     """Read the rendezvous state from the store and return it."""
     handler._state_holder.sync()
     return handler._state_holder.state
 
 
-def stop_heartbeats(handler: Any) -> None:
+def stop_heartbeats(handler: DynamicRendezvousHandler) -> None:
     """Stop a dynamic handler's keep-alive thread."""
     handler._stop_heartbeats()
 
 
-def leave_rendezvous(handler: Any, deadline: float) -> None:
+def leave_rendezvous(handler: RendezvousHandler, deadline: float) -> None:
     """Take this node out of the rendezvous now (torch's exit operation), by ``deadline``
-    (monotonic); raises what torch raises."""
+    (monotonic); raises what torch raises, ``TypeError`` for a handler other than torch's
+    dynamic one (the static backend's)."""
+    if not isinstance(handler, DynamicRendezvousHandler):
+        raise TypeError(f"{type(handler).__name__} is not torch's dynamic rendezvous handler")
     handler._stop_heartbeats()
     handler._op_executor.run(_dr._RendezvousExitOp(), deadline)
 
 
 # -- process contexts --------------------------------------------------------------------------
-def numa_options_of(pcontext: Any) -> Any:
+def numa_options_of(pcontext: object) -> NumaOptions | None:
     """The NUMA options a ``SubprocessContext`` starts its workers with (None: none)."""
     return getattr(pcontext, "_numa_options", None)
 
 
-def worker_exitcodes(pcontext: Any) -> list[int | None]:
+def worker_exitcodes(pcontext: object) -> list[int | None]:
     """Exit codes of a process context's workers (script or function entrypoints); empty
     when none were started."""
     handlers = getattr(pcontext, "subprocess_handlers", None)
@@ -327,7 +358,7 @@ def worker_exitcodes(pcontext: Any) -> list[int | None]:
     return []
 
 
-def running_worker_pids(pcontext: Any) -> set[int]:
+def running_worker_pids(pcontext: object) -> set[int]:
     """PIDs of a process context's workers that have not exited (script or function
     entrypoints)."""
     handlers = getattr(pcontext, "subprocess_handlers", None)
@@ -432,7 +463,9 @@ def repair_error_files(pcontext: Any) -> list[int]:
     return repaired
 
 
-def wrap_numa_binding(argv: tuple[str, ...], *, gpu_index: int, numa_options: Any) -> Any:
+def wrap_numa_binding(
+    argv: tuple[str, ...], *, gpu_index: int, numa_options: NumaOptions | None
+) -> tuple[str, ...]:
     """``argv`` wrapped the way torch binds a worker to its GPU's NUMA node."""
     from torch.numa.binding import _maybe_wrap_command_args_with_numa_binding
 
@@ -453,7 +486,9 @@ class SubprocessHandlerBase(SubprocessHandler):
         """Start the worker process (torch's own ``Popen`` unless overridden)."""
         return super()._popen(args, env)
 
-    def open_logs(self, stdout: str | None, stderr: str | None, mode: str = "w") -> None:
+    def open_logs(
+        self, stdout: str | None, stderr: str | None, mode: Literal["w", "a"] = "w"
+    ) -> None:
         """Open the log files torch's ``close`` closes (what its ``__init__`` does)."""
         self._stdout = open(stdout, mode) if stdout else None  # noqa: SIM115
         self._stderr = open(stderr, mode) if stderr else None  # noqa: SIM115
@@ -467,7 +502,7 @@ class SubprocessHandlerBase(SubprocessHandler):
         return getattr(self, "_stderr", None)
 
 
-def close_logs(handler: Any) -> None:
+def close_logs(handler: object) -> None:
     """Close the log files of any torch ``SubprocessHandler`` (not its process)."""
     for f in (getattr(handler, "_stdout", None), getattr(handler, "_stderr", None)):
         if f is not None:
@@ -487,7 +522,7 @@ class ElasticAgentBase(LocalElasticAgent):
         return self._worker_group
 
     @property
-    def pcontext(self) -> Any:
+    def pcontext(self) -> PContext | None:
         """torch's process context of the current workers (None before the first start)."""
         return getattr(self, "_pcontext", None)
 
@@ -531,21 +566,21 @@ class StateHolderBase(_dr._BackendRendezvousStateHolder):
     under public names, for a holder that replaces how it syncs (the etcd-v3 one)."""
 
     @property
-    def held(self) -> Any:
+    def held(self) -> RendezvousState:
         """The :data:`RendezvousState` held (torch's ``state`` property, settable)."""
         return self._state
 
     @held.setter
-    def held(self, state: Any) -> None:
+    def held(self, state: RendezvousState) -> None:
         self._state = state
 
     @property
-    def token(self) -> Any:
-        """The backend's fencing token of :attr:`held`."""
+    def token(self) -> Token:
+        """The backend's fencing token of :attr:`held` (torch's ``Token``: any value)."""
         return self._token
 
     @token.setter
-    def token(self, token: Any) -> None:
+    def token(self, token: Token) -> None:
         self._token = token
 
     @property
@@ -570,7 +605,7 @@ class StateHolderBase(_dr._BackendRendezvousStateHolder):
         return self._cache_duration
 
     @property
-    def settings(self) -> Any:
+    def settings(self) -> RendezvousSettings:
         return self._settings
 
     def sanitize(self) -> None:

@@ -421,8 +421,8 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         except Exception as e:
             logger.debug("cannot read the rendezvous store: %s", e)
             return None
-        node = node.decode() if isinstance(node, bytes) else str(node)
-        return None if node == self.events.node or self._released else node
+        name = node.decode() if isinstance(node, bytes) else str(node)
+        return None if name == self.events.node or self._released else name
 
     def _peer_lost(self) -> str | None:
         """A node of the running round whose liveness beacon went silent (lost node, frozen
@@ -447,8 +447,10 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         surface as the group's FAILED state on the next tick: torch's restart path."""
         self._released = True
         try:
-            if how == "failed":  # the failed node may wait for every node to see it
-                self.ctx.store.add(f"{self._failure_key()}/seen", 1)
+            store = self.ctx.store
+            # the failed node may wait for every node to see it
+            if how == "failed" and store is not None:
+                store.add(f"{self._failure_key()}/seen", 1)
         except Exception as e:
             logger.debug("cannot acknowledge the failure in the rendezvous store: %s", e)
         pids = self.worker_pids()
@@ -472,17 +474,17 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         do-not-requeue decisions, and the plugins' ``on_failure``."""
         local = {w.global_rank: w.local_rank for w in worker_group.workers}
         failures: list[WorkerFailure] = []
-        for rank, f in sorted(result.failures.items()):
-            lr = local.get(rank, f.local_rank)
+        for rank, pf in sorted(result.failures.items()):
+            lr = local.get(rank, pf.local_rank)
             failures.append(
                 classify_exit(
                     rank=rank,
                     local_rank=lr,
-                    exitcode=f.exitcode,
-                    error_file_data=f.error_file_data,
-                    pid=f.pid,
+                    exitcode=pf.exitcode,
+                    error_file_data=pf.error_file_data,
+                    pid=pf.pid,
                     output_tail=_output_tail(self.pcontext, lr),
-                    torn_down=f.pid in self._torn_down,
+                    torn_down=pf.pid in self._torn_down,
                 )
             )
 

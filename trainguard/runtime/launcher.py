@@ -520,8 +520,10 @@ def launch(
     outcome = Outcome(JobState.FAILED)
     try:
         outcome = _exit_hooks(plugins, ctx, _run_agent(agent, config, name))
+        handler = spec.rdzv_handler
         if outcome.state is JobState.EVICTED and agent.attempt >= 0:
-            spec.rdzv_handler.leave()  # the others go on at once, without this node
+            assert isinstance(handler, AttemptRendezvousHandler)  # what _worker_spec builds
+            handler.leave()  # the others go on at once, without this node
     finally:
         events.emit("job_finished", state=outcome.state.value)
         _finish_plugins(plugins, ctx, outcome.state)
@@ -574,7 +576,7 @@ def prepare(
         raise UsageError(
             f"cannot create run directory {run_dir}: {e.strerror}; set --tg-run-dir"
         ) from None
-    effective = {
+    effective: dict[str, Any] = {
         "trainguard": tg_config.to_dict(),
         "torchrun": {k: v for k, v in vars(args).items() if not k.startswith("tg_")},
         "run_dir": str(run_dir),

@@ -207,7 +207,8 @@ class Reaper:
         self._handler = handler
         self._me: NodeDesc = _torch.handler_node(handler)
         self._settings = _torch.handler_settings(handler)
-        self._backend = _torch.handler_backend(handler)
+        # torch's backend or etcd-v3's (compact state, summary): told apart by _etcd_v3()
+        self._backend: Any = _torch.handler_backend(handler)
         self._store = _torch.handler_store(handler)
         self._cfg = cfg
         self._emit = emit

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from trainguard.core.events import EventLog
 from trainguard.core.fencing import NodeFencer
 from trainguard.core.plugin import AgentContext, AgentPlugin
 
 if TYPE_CHECKING:
+    from torch.distributed import Store
     from torch.distributed.elastic.agent.server.api import WorkerGroup
 
 __all__ = ["SlurmDrainPlugin", "lost_members"]
@@ -45,9 +46,11 @@ class SlurmDrainPlugin(AgentPlugin):
         current = {str(m.get("node")) for m in ctx.members if not m.get("foreign")}
         lost = lost_members(self._previous, current) if self._previous else []
         self._previous = current
+        # torch declares WorkerGroup.store as None (it is set by the rendezvous)
+        store = cast("Store | None", group.store)
         for node in lost:
             try:
-                first = group.store.add(f"trainguard/slurm/drain/{node}", 1) == 1
+                first = store is None or store.add(f"trainguard/slurm/drain/{node}", 1) == 1
             except Exception:
                 first = True
             if first:

@@ -140,14 +140,17 @@ class TrainGuard:
         self._rollback = self._make_rollback()
         self._progress: ProgressWriter | None = None
         if self.under_agent:
-            interval = load_worker_section(self.run_dir, "runtime").heartbeat_interval_s
-            self._progress = ProgressWriter(
-                progress_path(env[envvars.PROGRESS_DIR], self.rank),
-                heartbeat_interval_s=interval,
-            )
-            from trainguard.health.stacks import register_stack_dump
+            self._report_to_agent(env[envvars.PROGRESS_DIR])
 
-            self._stack_file = register_stack_dump(self.run_dir, self.rank, self.attempt)
+    def _report_to_agent(self, progress_dir: str) -> None:
+        """The progress file the agent watches, and the stack dump it can ask for."""
+        interval = load_worker_section(self.run_dir, "runtime").heartbeat_interval_s
+        self._progress = ProgressWriter(
+            progress_path(progress_dir, self.rank), heartbeat_interval_s=interval
+        )
+        from trainguard.health.stacks import register_stack_dump
+
+        self._stack_file = register_stack_dump(self.run_dir, self.rank, self.attempt)
 
     def _make_rollback(self) -> LossGuard | None:
         cfg = load_worker_section(self.run_dir, "rollback")
@@ -395,28 +398,40 @@ class TrainGuard:
             self.step_num = num + 1
             if self._rollback is not None:  # the next data position: past a skipped window
                 self.step_num = self._rollback.ledger.next_step(num + 1)
-            record: dict[str, Any] = {
-                "time": time.time(),
-                "kind": "step",
-                "rank": self.rank,
-                "attempt": self.attempt,
-                "step": num,
-                "step_time_s": dt,
-            }
-            if tokens is not None:
-                record["tokens"] = tokens
-            if samples is not None:
-                record["samples"] = samples
-            if flops is not None:
-                record["flops"] = flops
-            if failed:
-                record["failed"] = True
-            spans = self._spans.take_durations()
-            if spans:
-                record["spans"] = spans
-            self._add_device_info(record)
-            self._write_record(record)
+            self._write_record(self._step_record(num, dt, tokens, samples, flops, failed))
             self._spans.end_step(num, span_id, span_start, failed=failed)
+
+    def _step_record(
+        self,
+        num: int,
+        dt: float,
+        tokens: int | None,
+        samples: int | None,
+        flops: float | None,
+        failed: bool,
+    ) -> dict[str, Any]:
+        """The ``step`` record of step ``num`` (``dt`` seconds; the amounts given)."""
+        record: dict[str, Any] = {
+            "time": time.time(),
+            "kind": "step",
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "step": num,
+            "step_time_s": dt,
+        }
+        if tokens is not None:
+            record["tokens"] = tokens
+        if samples is not None:
+            record["samples"] = samples
+        if flops is not None:
+            record["flops"] = flops
+        if failed:
+            record["failed"] = True
+        spans = self._spans.take_durations()
+        if spans:
+            record["spans"] = spans
+        self._add_device_info(record)
+        return record
 
     def span(self, name: str, **attributes: Any) -> Any:
         """``with tg.span("rollout"):`` times a block; a child span of the current step

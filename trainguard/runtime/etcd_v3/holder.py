@@ -9,8 +9,9 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Literal
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSettings
@@ -21,6 +22,7 @@ from trainguard.runtime._torch import (
     StateHolderBase,
 )
 from trainguard.runtime.etcd_v3._common import _unb64
+from trainguard.runtime.etcd_v3.admission import ADMISSION_LOCK_TTL, Admission
 from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
 from trainguard.runtime.etcd_v3.codec import cached_state, encode_state, remember
 
@@ -28,8 +30,50 @@ __all__ = ["ADMISSION_LOCK_TTL", "ScalableStateHolder"]
 
 logger = logging.getLogger(__name__)
 
-ADMISSION_LOCK_TTL = 10.0
-"""Seconds the node that admits pending join requests holds the admission lock at most."""
+
+@dataclass(frozen=True, slots=True)
+class RoundSummary:
+    """The summary key's content, written with every state write: what a node waiting for a
+    round to fill must not miss (round, completion, closing, the last-call deadline, whether
+    nodes wait for the next round) and the participants' count (a spare waits for a free
+    slot). On the wire: the six fields joined by ``|`` (``round|complete|closed|deadline|
+    waiting|participants``, booleans as 0/1, the deadline in ISO format or empty)."""
+
+    round: int
+    complete: bool
+    closed: bool
+    deadline: str
+    waiting: int
+    participants: int
+
+    @classmethod
+    def of(cls, state: RendezvousState) -> RoundSummary:
+        deadline = state.deadline.isoformat() if state.deadline else ""
+        return cls(
+            state.round,
+            state.complete,
+            state.closed,
+            deadline,
+            len(state.wait_list),
+            len(state.participants),
+        )
+
+    def encode(self) -> bytes:
+        return (
+            f"{self.round}|{int(self.complete)}|{int(self.closed)}|{self.deadline}|"
+            f"{self.waiting}|{self.participants}"
+        ).encode()
+
+    @classmethod
+    def parse(cls, meta: bytes) -> RoundSummary | None:
+        """The summary in ``meta``; None when it is not one (another writer's bytes)."""
+        f = meta.decode(errors="replace").split("|")
+        if len(f) != 6 or f[1] not in ("0", "1") or f[2] not in ("0", "1"):
+            return None
+        try:
+            return cls(int(f[0]), f[1] == "1", f[2] == "1", f[3], int(f[4]), int(f[5]))
+        except ValueError:
+            return None
 
 SUMMARY_WATCH_S = 300.0
 """How long one watch of the summary key by a participant of a complete round lasts before it
@@ -97,14 +141,8 @@ class _SummaryWatch:
 
 
 def _meta(state: RendezvousState) -> bytes:
-    """What a node waiting for a round to fill must not miss: round, completion, closing, the
-    last-call deadline, and whether nodes wait for the next round; and the participants'
-    count (a spare waits for a free slot)."""
-    deadline = state.deadline.isoformat() if state.deadline else ""
-    return (
-        f"{state.round}|{int(state.complete)}|{int(state.closed)}|{deadline}|"
-        f"{len(state.wait_list)}|{len(state.participants)}"
-    ).encode()
+    """The encoded :class:`RoundSummary` of ``state``."""
+    return RoundSummary.of(state).encode()
 
 
 def _head(meta: bytes | None) -> bytes | None:
@@ -121,20 +159,33 @@ def _count(meta: bytes | None) -> int:
         return -1
 
 
-def _add_participant(st: RendezvousState, settings: RendezvousSettings, node: NodeDesc) -> None:
-    """Add ``node`` to the participants of the open round ``st`` as it would add itself
-    (torch's ``_add_to_participants``: last-call deadline at ``min_nodes``, complete with
-    ranks at ``max_nodes``), its keep-alive time now."""
-    st.wait_list.discard(node)
-    st.participants[node] = 0
-    st.last_heartbeats[node] = datetime.now(timezone.utc)
-    if len(st.participants) == settings.min_nodes:
-        st.deadline = datetime.now(timezone.utc) + settings.timeout.last_call
-    if len(st.participants) == settings.max_nodes:
-        st.complete = True
-        st.deadline = None
-        for rank, member in enumerate(sorted(st.participants)):
-            st.participants[member] = rank
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    """What this node last held of the state, compared field by field to what it holds now
+    (a write that changes none of it but this node's keep-alive time is a lease renewal)."""
+
+    round: int
+    complete: bool
+    closed: bool
+    deadline: datetime | None
+    participants: dict[NodeDesc, int]
+    wait_list: set[NodeDesc]
+    redundancy_list: set[NodeDesc]
+    heartbeats: set[NodeDesc]
+
+    @classmethod
+    def of(cls, st: RendezvousState) -> _Snapshot:
+        return cls(
+            st.round,
+            st.complete,
+            st.closed,
+            st.deadline,
+            dict(st.participants),
+            set(st.wait_list),
+            set(st.redundancy_list),
+            set(st.last_heartbeats),
+        )
 
 
 class ScalableStateHolder(StateHolderBase):
@@ -198,14 +249,7 @@ class ScalableStateHolder(StateHolderBase):
         self._seen_rev = 0
         """etcd's revision when this node last read or wrote the state: a watch from the next
         revision misses nothing."""
-        self._join_rev = 0
-        self._lock_rev = 0
-        self._join_waits = 0
-        self._snapshot: tuple[Any, ...] | None = None
-        self._joins: dict[NodeDesc, float] = {}
-        self._join_round: int | None = None
-        self._join_beat = 0.0
-        self._admitted: list[NodeDesc] = []
+        self._snapshot: _Snapshot | None = None
         self._beat_at: datetime | None = None
         """When this node last kept its heartbeat lease alive (torch's keep-alive time)."""
         self._renewed = -float("inf")
@@ -224,19 +268,10 @@ class ScalableStateHolder(StateHolderBase):
         self.lost: dict[str, str] = {}
         """Nodes taken out of a round for their liveness (node -> what happened), for the
         error of a round that cannot complete."""
+        self._admission = Admission(self)
 
-    def _take_snapshot(self) -> tuple[Any, ...]:
-        st = self.held
-        return (
-            st.round,
-            st.complete,
-            st.closed,
-            st.deadline,
-            dict(st.participants),
-            set(st.wait_list),
-            set(st.redundancy_list),
-            set(st.last_heartbeats),
-        )
+    def _take_snapshot(self) -> _Snapshot:
+        return _Snapshot.of(self.held)
 
     def _heartbeat_only(self) -> bool:
         return (
@@ -252,7 +287,7 @@ class ScalableStateHolder(StateHolderBase):
         st = self.held
         return (
             snap is not None
-            and self._node not in snap[4]
+            and self._node not in snap.participants
             and self._node in st.participants
             and not st.closed
         )
@@ -263,8 +298,8 @@ class ScalableStateHolder(StateHolderBase):
         snap = self._snapshot
         return (
             snap is not None
-            and bool(snap[1])
-            and self._node in snap[4]
+            and snap.complete
+            and self._node in snap.participants
             and self._node not in self.held.participants
             and not self.held.closed
         )
@@ -282,7 +317,7 @@ class ScalableStateHolder(StateHolderBase):
         it: the others find themselves out of it (torch's exit op then has nothing to do) and
         join the next round, in batches; the wait and redundancy lists stay."""
         snap = self._snapshot
-        if snap is None or st.round != snap[0] or st.closed:
+        if snap is None or st.round != snap.round or st.closed:
             return  # it was the last participant: torch opened the next round itself
         for node in st.participants:
             st.last_heartbeats.pop(node, None)
@@ -290,29 +325,6 @@ class ScalableStateHolder(StateHolderBase):
         st.complete = False
         st.deadline = None
         st.round += 1
-
-    def _add_requested_joins(self, st: RendezvousState) -> int:
-        """Add the nodes that asked to join this round, as each would add itself (torch's
-        ``_add_to_participants``: last-call deadline at ``min_nodes``, ranks at ``max_nodes``),
-        so one write admits many nodes instead of each racing for its own."""
-        settings = self.settings
-        fresh = (
-            time.time()
-            - (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
-        )
-        added = 0
-        self._admitted = []
-        for node, t in sorted(self._joins.items(), key=lambda kv: kv[1]):
-            if st.complete or len(st.participants) >= settings.max_nodes:
-                break
-            if node in st.participants or node in st.redundancy_list or t < fresh:
-                continue
-            # its keep-alive time as of now: the node learns of its admission at its next
-            # read and keeps its heartbeat key fresh meanwhile
-            _add_participant(st, settings, node)
-            self._admitted.append(node)
-            added += 1
-        return added
 
     # -- reads -------------------------------------------------------------------------------
     def _load_full(self, overlay: float | None = 1.0) -> None:
@@ -400,17 +412,6 @@ class ScalableStateHolder(StateHolderBase):
                 threshold,
             )
         return now - self._mass_since < threshold
-
-    def _read_joins(self) -> None:
-        """The requests to join the held round."""
-        self._joins = {}
-        for rnd, j in self._etcd.join_requests():
-            if rnd == self.held.round:
-                try:
-                    node = NodeDesc(str(j["addr"]), int(j["pid"]), int(j["local_id"]))
-                    self._joins[node] = float(j["t"])
-                except (KeyError, TypeError, ValueError):
-                    continue
 
     def _done(self, sanitize: bool = False) -> None:
         """The held state is in sync. torch's dead-node check (``sanitize``) runs only on a
@@ -535,71 +536,13 @@ class ScalableStateHolder(StateHolderBase):
         it holds (in the wait list or as a spare): the round ended or closed, or has a slot
         free for a spare."""
         st = self.held
-        f = meta.decode(errors="replace").split("|")
-        try:
-            if int(f[0]) != st.round or f[1] != "1" or f[2] != "0":
-                return True
-            return self._node in st.redundancy_list and int(f[5]) < self.settings.max_nodes
-        except (ValueError, IndexError):
+        got = RoundSummary.parse(meta)
+        if got is None or got.round != st.round or not got.complete or got.closed:
             return True
-
-    def _refresh_pending_join(self) -> None:
-        """A node that asked to join keeps its heartbeat key fresh until it sees itself in the
-        state (another node may have admitted it already)."""
-        if self._join_round is None or self._join_round != self.held.round:
-            return
-        if self._node in self.held.last_heartbeats or self._leased():
-            return
-        now = time.time()
-        if now - self._join_beat >= self.settings.keep_alive_interval.total_seconds():
-            self._etcd.put_heartbeat(self._node_key, now)
-            self._renewed = time.monotonic()
-            self._join_beat = now
+        return self._node in st.redundancy_list and got.participants < self.settings.max_nodes
 
     # -- writes ------------------------------------------------------------------------------
-    def _ask_to_join(self) -> bool:
-        """Put this node's join request; in the same transaction, become the admission
-        writer if nobody is (False: write now, holding the lock). Otherwise wait until the
-        writer admits this node, which deletes its request (a watch on that one key: each
-        waiting node is woken once), then read the state (True: torch decides again).
-
-        One writer at a time admits every node that asked so far, in one write per batch,
-        instead of hundreds of nodes racing for the same key with the whole state each."""
-        s = self.settings
-        rnd = self.held.round
-        # waited once already in this round without being admitted: the writer may be gone
-        waited = self._join_round == rnd and self._join_waits > 0
-        if (
-            self._join_round != rnd
-            or time.time() - self._join_beat >= s.keep_alive_interval.total_seconds()
-        ):
-            self._join_beat = time.time()
-            rev, locked = self._etcd.put_join(
-                rnd, self._node, self._join_beat, lock_owner=self._node_key,
-                lock_ttl=ADMISSION_LOCK_TTL,
-            )  # fmt: skip
-            self._renewed = time.monotonic()
-            self._join_rev, self._join_round = rev, rnd
-            self._join_waits = self._join_waits if waited else 0
-            if locked:
-                self._lock_rev = rev
-        if waited and not self._lock_rev:
-            # an expired lock (its holder died) is taken over; also when the request was just
-            # renewed, as it is after every wait at a keep-alive of 5 s or less
-            lock = self._etcd.try_lock_admission(self._node_key, ADMISSION_LOCK_TTL)
-            if lock is not None:
-                self._lock_rev = lock
-        if self._lock_rev:
-            # the newest state under the lock, with fresh keep-alive times for everyone
-            self._load_full(overlay=0.5)
-            return False
-        self._join_waits += 1
-        wait = min(s.keep_alive_interval.total_seconds(), 5.0)
-        self._etcd.wait_join_admitted(rnd, self._node, self._join_rev, wait)
-        self._reload()
-        return True
-
-    def _reload(self, got: tuple[bytes, Any] | None | bool = False) -> None:
+    def _reload(self, got: tuple[bytes, Any] | None | Literal[False] = False) -> None:
         """Read the state again, as :meth:`_load_full` without the keep-alive overlay, but in
         one compare-and-read: a state still at the held revision is not sent again (a node
         whose request the writer has not come to yet, one of a thousand after a node loss,
@@ -623,23 +566,16 @@ class ScalableStateHolder(StateHolderBase):
         self._meta_seen = _meta(state)
         self._done()
 
-    def _unlock(self) -> None:
-        if self._lock_rev:
-            rev, self._lock_rev = self._lock_rev, 0
-            try:
-                self._etcd.unlock_admission(rev)
-            except RendezvousConnectionError:
-                pass  # it expires
-
     def _write_state(self) -> bool:
         """Compare-and-swap this node's state, with every pending join request it may admit
         (when it holds the admission lock); True when it won."""
-        was_complete = self._snapshot is not None and bool(self._snapshot[1])
-        was_round = self._snapshot[0] if self._snapshot is not None else None
+        was_complete = self._snapshot is not None and self._snapshot.complete
+        was_round = self._snapshot.round if self._snapshot is not None else None
         added = 0
-        if self._lock_rev:
-            self._read_joins()
-            added = self._add_requested_joins(self.held)
+        admission = self._admission
+        if admission.lock_rev:
+            admission.read_joins()
+            added = admission.add_requested_joins(self.held)
         meta = _meta(self.held)
         out = self._etcd.set_state(encode_state(self.held), self.token, meta=meta, fetch=False)
         if out is None or not out[2]:
@@ -653,7 +589,7 @@ class ScalableStateHolder(StateHolderBase):
             if self.held.complete and (not was_complete or self.held.round != was_round):
                 self._etcd.forget_joins(self.held.round)  # wakes every admitted node
             elif added:
-                self._etcd.forget_join_requests(self.held.round, self._admitted)
+                self._etcd.forget_join_requests(self.held.round, admission.admitted)
         except RendezvousConnectionError:
             pass  # they expire with the run's lease
         self._done()
@@ -682,7 +618,7 @@ class ScalableStateHolder(StateHolderBase):
             self._etcd.wait_meta(self._seen_rev, 2.0, lambda meta: not meta.startswith(prefix))
             self._reload()
             return False
-        self._lock_rev = lock  # given up by sync() once written
+        self._admission.lock_rev = lock  # given up by sync() once written
         ended, left = self.held.round, len(self.held.participants)
         self._end_round(self.held)
         if self._write_state():
@@ -695,44 +631,6 @@ class ScalableStateHolder(StateHolderBase):
             return True
         self._reload()
         return False
-
-    def _admit_batches(self) -> None:
-        """Holding the admission lock: keep admitting the join requests that come in, one
-        write per batch, until none came for a second (or the round is complete), so that
-        the waiting nodes never need to contend for the lock themselves. The lock is given
-        up only when no request came after the last read of them (in the same transaction):
-        a node whose request met the lock held is admitted by its holder, never left waiting
-        for its watch to time out."""
-        start = last = time.monotonic()
-        while not self.held.closed and not self.held.complete:
-            now = time.monotonic()
-            if now - last > 1.0 or now - start > ADMISSION_LOCK_TTL - 2.0:
-                released = self._etcd.unlock_admission_if_idle(
-                    self._lock_rev, self.held.round, self._etcd.joins_read_rev
-                )
-                if released is not False:
-                    self._lock_rev = 0
-                    return
-                if now - start > ADMISSION_LOCK_TTL - 2.0:
-                    rev = self._etcd.extend_admission(
-                        self._lock_rev, self._node_key, ADMISSION_LOCK_TTL
-                    )
-                    if rev is None:
-                        self._lock_rev = 0
-                        return
-                    self._lock_rev, start = rev, now
-                last = now
-            time.sleep(0.2)
-            self._read_joins()
-            st = self.held
-            pending = any(
-                n not in st.participants and n not in st.redundancy_list for n in self._joins
-            )
-            if not pending:
-                continue
-            last = time.monotonic()
-            if not self._write_state():
-                self._load_full(overlay=0.5)  # another writer: again on the new state
 
     # -- liveness ----------------------------------------------------------------------------
     def keep_lease_alive(self, period_s: float, ttl_s: float) -> None:
@@ -824,7 +722,8 @@ class ScalableStateHolder(StateHolderBase):
     def sync(self) -> bool | None:
         if not self.dirty and self.token is not None and getattr(self._tls, "keep_alive", False):
             return None
-        self._refresh_pending_join()
+        admission = self._admission
+        admission.refresh_pending_join()
         now = time.monotonic()
         if self.dirty:
             if self._heartbeat_only():
@@ -837,17 +736,17 @@ class ScalableStateHolder(StateHolderBase):
                 self.last_sync_time = synced  # it read nothing: the next sync may
                 return True
             try:
-                if self._joining() and self._ask_to_join():
+                if self._joining() and admission.ask_to_join():
                     return False
                 if self._leaving():
                     return self._leave()
                 ok = self._write_state()
-                if not ok and self._lock_rev:
-                    self._join_waits = 1  # lost a race holding the lock: take it again at once
-                if ok and self._lock_rev:
-                    self._admit_batches()  # the admission writer admits who comes next too
+                if not ok and admission.lock_rev:
+                    admission.waits = 1  # lost a race holding the lock: take it again at once
+                if ok and admission.lock_rev:
+                    admission.admit_batches()  # the admission writer admits who comes next too
             finally:
-                self._unlock()
+                admission.unlock()
             if ok:
                 return True
             self._load_full()

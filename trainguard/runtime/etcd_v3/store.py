@@ -25,6 +25,9 @@ class EtcdV3Store(dist.Store):
     with a backoff from 10 ms to 250 ms; a timeout raises ``torch.distributed.DistStoreError``.
     """
 
+    timeout: timedelta
+    """torch's ``Store.timeout`` property (``set_timeout`` sets it; torch's stub omits it)."""
+
     def __init__(
         self, client: EtcdV3Client, prefix: str, timeout: timedelta = timedelta(seconds=300)
     ) -> None:
@@ -164,7 +167,7 @@ class EtcdV3Store(dist.Store):
                     missing.append(k)
         return missing, revision
 
-    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         """Block until every key exists: one check, then a watch on the store's keys (woken
         by the first write of a missing key), no polling."""
         limit = (timeout if timeout is not None else self.timeout).total_seconds()

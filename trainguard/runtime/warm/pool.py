@@ -46,7 +46,7 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
@@ -430,7 +430,7 @@ class PooledSubprocessHandler(_torch.SubprocessHandlerBase):
         local_rank_id: int,
         *,
         pool: WarmPool | None = None,
-        mode: str = "w",
+        mode: Literal["w", "a"] = "w",
         numa_options: Any = None,
     ) -> None:
         # what SubprocessHandler.__init__ does, with the pool's process
