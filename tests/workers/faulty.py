@@ -11,7 +11,7 @@ for failure attribution tests and bench/fleet.py.
   ``FloatingPointError`` (a non-finite loss) in the first attempt only; ``none``: trains.
 
 Each step is one all-reduce and ``--step-s`` of sleep. Ranks write their pid to
-``pids/rank_<R>``.
+``pids/rank_<R>``; rank 0 appends a line to ``starts`` each time it starts (restarts = lines - 1).
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ def main() -> None:
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     Path("pids").mkdir(exist_ok=True)
     Path(f"pids/rank_{rank}").write_text(str(os.getpid()))
+    if rank == 0:
+        with open("starts", "a") as f:
+            f.write(f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n")
     t = torch.ones(4)
     for i in range(a.steps):
         if i == a.at_step:

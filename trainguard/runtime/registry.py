@@ -39,6 +39,10 @@ def default_plugins(ctx: AgentContext) -> list[AgentPlugin]:
 
     # first: a blocklisted node refuses to join before any preflight work
     plugins: list[AgentPlugin] = [RecoveryPlugin(ctx, fencer=node_fencer(cfg))]
+    if cfg.fleet.enabled:
+        from trainguard.fleet.plugin import FleetPlugin
+
+        plugins.append(FleetPlugin(ctx))  # then: a lemon node refuses to join
     if cfg.warm.enabled:
         from trainguard.runtime.warm import WarmPlugin
 
