@@ -4,6 +4,9 @@
     trainguard fleet lemons             only the lemons (refused by every new job)
     trainguard fleet history NODE       a node's records
     trainguard fleet release NODE       an operator's release: its count starts again
+    trainguard fleet release NODE --slurm   ... and, once this node's health check passes,
+                                            resume it in Slurm if trainguard drained it
+                                            (run it on the node: srun -w NODE ...)
 
 The database is ``[fleet] url`` (``--config``, ``TRAINGUARD_FLEET_URL``), else
 ``<runs_root>/fleet.db``. Exit code 0; 2 on a bad setting or an unusable database (one line).
@@ -33,7 +36,41 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     r = sub.add_parser("release", help="release a node (after its repair)")
     r.add_argument("node")
     r.add_argument("--reason", default="released by an operator")
+    r.add_argument(
+        "--slurm",
+        action="store_true",
+        help="run this node's health check, then resume NODE in Slurm (scontrol, operator rights)",
+    )
+    r.add_argument("--force", action="store_true", help="resume a node drained by someone else")
     return p
+
+
+def _health_check(full: object) -> tuple[bool, str]:
+    """This node's health check (``trainguard health``'s probes): passed, and one line."""
+    from trainguard.health.node import NodeProbe, build_sources
+    from trainguard.health.result import Status
+
+    cfg = full.health  # type: ignore[attr-defined]
+    report = NodeProbe(build_sources(cfg)).probe()
+    passed = report.status is not Status.FAIL
+    why = "; ".join(report.reasons) if getattr(report, "reasons", None) else report.status.value
+    return passed, why
+
+
+def _resume(node: str, full: object, force: bool) -> int:
+    from trainguard.slurm.cli import SlurmError, make_slurm
+    from trainguard.slurm.fencer import resume_node
+
+    passed, why = _health_check(full)
+    if not passed:
+        print(f"node {node} not resumed in Slurm: its health check failed: {why}", file=sys.stderr)
+        return 1
+    try:
+        print(resume_node(make_slurm(), node, force=force))
+    except (SlurmError, OSError) as e:
+        print(f"node {node} not resumed in Slurm: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _when(t: float) -> str:
@@ -62,7 +99,7 @@ def main(argv: list[str], *, prog: str = "trainguard fleet") -> int:
                     f"node {node} released ({before.incidents} incident(s) in the window before; "
                     f"{'was' if before.is_lemon else 'was not'} a lemon)"
                 )
-                return 0
+                return _resume(node, full, args.force) if args.slurm else 0
             if args.what == "history":
                 node, _ = safe_node_name(args.node)
                 recs = db.history(node)

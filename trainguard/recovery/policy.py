@@ -185,6 +185,16 @@ class RecoveryPolicy:
         if a.signature:
             try:
                 self.ledger.record_signature(attempt, self.node, a.signature)
+                if a.cause is Cause.USER_CODE and not a.deterministic and a.evidence.get("alone"):
+                    # every node's ranks count: the same place on every rank of the job, on
+                    # whichever nodes they run, is deterministic too (the node that completes
+                    # the count stops the job; the others learn the stop before restarting)
+                    total = self.ledger.count_signature_ranks(attempt, a.signature, len(a.ranks))
+                    if total >= world_size > len(a.ranks):
+                        why = f"on all {world_size} rank(s) of the job"
+                        a.verdict, a.deterministic = Verdict.STOP, True
+                        a.summary = a.summary.rsplit(" (", 1)[0] + f" ({why})"
+                        a.evidence["decided"] = why
             except Exception:
                 pass
         return a

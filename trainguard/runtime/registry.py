@@ -68,9 +68,14 @@ def default_plugins(ctx: AgentContext) -> list[AgentPlugin]:
         if pager is not None:
             plugins.append(pager)
     if _in_trainguard_sbatch_job():
+        from trainguard.slurm.cli import make_slurm
         from trainguard.slurm.plugin import SlurmDrainPlugin
 
-        plugins.append(SlurmDrainPlugin(node_fencer(cfg), ctx.events, os.environ["SLURM_JOB_ID"]))
+        plugins.append(
+            SlurmDrainPlugin(
+                node_fencer(cfg), ctx.events, os.environ["SLURM_JOB_ID"], slurm=make_slurm()
+            )
+        )
     return plugins
 
 
