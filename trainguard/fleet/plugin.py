@@ -5,7 +5,8 @@
   An unreachable database admits the node (one warning): the gate never stops a job for it;
 - during the job: every ``failure_attributed``, ``node_evicted``, ``health_unhealthy`` and
   straggler ``node_excluded`` event becomes a record (queued: a write never blocks training);
-- at the end: waiting records get ``[fleet] flush_timeout_s`` to land.
+- when the agent ends (before ``job_finished``): waiting records get ``[fleet]
+  flush_timeout_s`` to land.
 
 Events: ``fleet_records`` (at the end: written, waiting, dropped, the last error).
 """
@@ -163,7 +164,11 @@ class FleetPlugin(AgentPlugin):
         raise NodeEvictedError(f"node {self.node} refused by job {self.job}: {reason} (exit 94)")
 
     # -- end -----------------------------------------------------------------------------------
-    def on_finish(self, ctx: AgentContext, state: Any) -> None:
+    def on_exit(
+        self, ctx: AgentContext, state: str, error: BaseException | None
+    ) -> BaseException | None:
+        """Flush before ``job_finished`` (the last event of the agent); the other plugins'
+        exit records (an eviction) are already queued: this plugin comes after recovery's."""
         left = self._close()
         ctx.events.emit(
             "fleet_records",
@@ -173,6 +178,7 @@ class FleetPlugin(AgentPlugin):
             warnings=self.warnings,
             error=self.writer.last_error,
         )
+        return None
 
     def close(self) -> None:
         self._close()
