@@ -3,13 +3,15 @@
 :meth:`FleetWriter.put` only appends to a bounded in-memory queue; a daemon thread connects,
 writes everything waiting in one batch, and disconnects (a thousand agents do not hold a
 thousand connections). While the database is unreachable the records wait and the thread tries
-again every ``retry_s``; past ``queue_max`` the oldest are dropped, counted, with one warning.
+again after ``retry_s``, doubling up to ten times that, with jitter (a thousand agents that lost
+their database do not come back in step); past ``queue_max`` the oldest are dropped, counted, with one warning.
 :meth:`close` waits up to ``flush_timeout_s`` for the rest.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -44,6 +46,7 @@ class FleetWriter:
         self.errors = 0
         self.last_error: str | None = None
         self._warned_down = False
+        self._failures_in_row = 0
         self._thread = threading.Thread(target=self._run, name="trainguard-fleet", daemon=True)
         self._thread.start()
 
@@ -96,6 +99,7 @@ class FleetWriter:
                     self.written += len(records)
                     self._busy = False
                     idle = not self._queue
+                self._failures_in_row = 0
                 if self._warned_down:
                     logger.warning("fleet database reachable again: waiting records written")
                     self._warned_down = False
@@ -109,11 +113,12 @@ class FleetWriter:
                 )
                 if not self._warned_down:
                     logger.warning(
-                        "fleet database: records wait (%s); trying again every %.0f s",
+                        "fleet database: records wait (%s); trying again from %g s on",
                         self.last_error,
                         self.retry_s,
                     )
                     self._warned_down = True
+                self._failures_in_row += 1
                 if db is not None:
                     db.close()
                     db = None
@@ -121,9 +126,13 @@ class FleetWriter:
                 with self._cv:
                     if self._closing:
                         break
-                    self._cv.wait(self.retry_s)
+                    self._cv.wait(self._backoff())
         if db is not None:
             db.close()
+
+    def _backoff(self) -> float:
+        base = self.retry_s * 2 ** min(self._failures_in_row - 1, 10)
+        return min(base, 10 * self.retry_s) * random.uniform(0.5, 1.5)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued record is written (True) or ``timeout_s`` passed."""
