@@ -239,7 +239,7 @@ def attribute(
             if everywhere
             else "in two failed attempts in a row"
             if again
-            else f"on rank(s) {_ranks(ranks)} of {world_size} once (a restart decides)"
+            else f"on rank(s) {_ranks(ranks)} of {world_size} once: a restart decides"
         )
         evidence.update(
             exception=site.type,
