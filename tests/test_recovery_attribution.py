@@ -161,3 +161,38 @@ def test_goodput_of_a_job_that_never_stepped_adds_up() -> None:
     assert g.lost_s["rendezvous"] == 4.0
     assert g.lost_s["restart"] == 3 * 11.0 + 4.0  # gaps less the rendezvous; last → end
     assert g.lost_s["other"] == 0.0
+
+
+def test_two_nodes_same_user_error_stop_with_a_real_store() -> None:
+    """Each agent sees its own rank (one of two): the node that completes the count in the
+    job's store (a real TCPStore, two clients) stops the job; a peer's error alone does not."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from trainguard.core.config.recovery import RecoveryConfig
+    from trainguard.recovery.ledger import JobLedger
+    from trainguard.recovery.policy import Action, RecoveryPolicy
+
+    server = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
+    client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+    cfg = RecoveryConfig(backoff_base_s=0.0)
+    a = RecoveryPolicy(cfg, JobLedger(server, "job"), node="a")
+    b = RecoveryPolicy(cfg, JobLedger(client, "job"), node="b")
+    da = a.decide(0, [exc(0, SHAPE, _tb())], world_size=2, evictable=False)
+    assert da.action is Action.RESTART and da.attribution["verdict"] == "restart"
+    db = b.decide(0, [exc(1, SHAPE, _tb())], world_size=2, evictable=False)
+    assert db.action is Action.STOP and "on all 2 rank(s) of the job" in db.reason
+    # the other agent learns the stop before its next rendezvous
+    assert JobLedger(server, "job").stopped() is not None
+    # another job: one node's user error, the other node's ranks lost their peer: restart
+    c = RecoveryPolicy(cfg, JobLedger(server, "job2"), node="a")
+    d = RecoveryPolicy(cfg, JobLedger(client, "job2"), node="b")
+    peer = exc(1, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:2345")
+    assert (
+        c.decide(0, [exc(0, SHAPE, _tb())], world_size=2, evictable=False).action is Action.RESTART
+    )
+    assert d.decide(0, [peer], world_size=2, evictable=False).action is Action.RESTART
+    del client, server

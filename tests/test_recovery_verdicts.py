@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.launch_utils import base_env, launch
@@ -98,3 +100,48 @@ def test_transient_faults_are_restarted(tmp_path: Path) -> None:
             assert attrs[0]["cause"] == "user_code" and not attrs[0]["deterministic"]
         else:
             assert attrs[0]["cause"] in ("transient", "network"), attrs[0]
+
+
+def test_two_nodes_same_user_error_stop_without_restarts(tmp_path: Path) -> None:
+    """Two agents (c10d rendezvous), one rank each: neither sees every rank; the ranks counted
+    in the job's store complete it and the job stops on both nodes without a restart."""
+    from tests.launch_utils import free_port, wait_listening
+    from tests.procs import kill_tree
+
+    port, run_dir = free_port(), tmp_path / "two"
+    env = base_env(
+        TRAINGUARD_TELEMETRY_ENABLED="false",
+        TRAINGUARD_CHECKPOINT_MEMORY_TIER="false",
+        TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S="0",
+        TRAINGUARD_HEALTH_MIN_FREE_DISK_GIB="0",
+        TRAINGUARD_HEALTH_MIN_FREE_MEMORY_GIB="0",
+        TRAINGUARD_RECOVERY_BACKOFF_BASE_S="0",
+        # how long the first node waits for the other's count: generous on a loaded CI box
+        TRAINGUARD_RECOVERY_FAILURE_GRACE_S="10",
+    )
+    procs = {}
+    try:
+        for node in ("n0", "n1"):
+            procs[node] = subprocess.Popen(
+                [sys.executable, "-m", "trainguard", "run", "--nnodes", "2", "--nproc-per-node",
+                 "1", "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                 f"127.0.0.1:{port}", "--rdzv-id", "two", "--tg-run-dir", str(run_dir),
+                 str(FAULTY), "--fault", "shape"],
+                cwd=tmp_path, env={**env, "SLURMD_NODENAME": node}, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                start_new_session=True,
+            )  # fmt: skip
+            if node == "n0":
+                wait_listening(port)
+        codes = {n: p.wait(timeout=300) for n, p in procs.items()}
+        errs = {n: p.stderr.read() if p.stderr else "" for n, p in procs.items()}
+    finally:
+        for p in procs.values():
+            kill_tree(p)
+    assert codes == {"n0": DO_NOT_REQUEUE_EXIT_CODE, "n1": DO_NOT_REQUEUE_EXIT_CODE}, errs
+    evs = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    # no worker restarted (an agent may have begun its restart before it learned the stop)
+    assert len(kinds(evs, "workers_started")) == 2, kinds(evs, "workers_started")
+    attrs = kinds(evs, "failure_attributed")
+    assert {a["node"] for a in attrs} == {"n0", "n1"}
+    assert any(a["verdict"] == "stop" and "of the job" in a["summary"] for a in attrs), attrs

@@ -11,7 +11,7 @@ for failure attribution tests and bench/fleet.py.
   ``FloatingPointError`` (a non-finite loss) in the first attempt only; ``none``: trains.
 
 Each step is one all-reduce and ``--step-s`` of sleep. Ranks write their pid to
-``pids/rank_<R>``.
+``pids/rank_<R>``; rank 0 appends a line to ``starts`` each time it starts (restarts = lines - 1).
 """
 
 from __future__ import annotations
@@ -52,8 +52,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--at-step", type=int, default=0)
     p.add_argument("--step-s", type=float, default=0.05)
+    p.add_argument("--pg-timeout-s", type=float, default=90.0)
     a = p.parse_args()
-    dist.init_process_group("gloo")
+    from datetime import timedelta
+
+    if os.environ.get("RANK", "0") == "0":  # every start counts, before anything can fail
+        with open("starts", "a") as f:
+            f.write(f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n")
+
+    # bounded: torchrun's restarted workers were seen waiting in gloo's init here for its
+    # default 30 min (the same script and timeout run under both launchers)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=a.pg_timeout_s))
     rank = dist.get_rank()
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     Path("pids").mkdir(exist_ok=True)

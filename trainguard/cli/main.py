@@ -28,6 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "live view of a running job: every rank's stacks or collectives",
     ),
     "chaos": ("trainguard.cli.cmd_chaos", "inject faults: kill/hang ranks, agents, etcd, XIDs"),
+    "fleet": ("trainguard.cli.cmd_fleet", "node history across jobs: nodes, lemons, release"),
 }
 
 

@@ -229,6 +229,9 @@ def attribute(
             if f.kind in (FailureKind.KILLED, FailureKind.CRASHED) and not f.torn_down
         ]
         everywhere = len(sigs) == 1 and n >= world_size and not killed
+        # this node's ranks all agree and nothing else failed here: other nodes' ranks may
+        # complete "every rank of the job" (counted in the job ledger)
+        alone = len(sigs) == 1 and not killed
         again = previous_signature == sig
         deterministic = everywhere or again
         why = (
@@ -236,7 +239,7 @@ def attribute(
             if everywhere
             else "in two failed attempts in a row"
             if again
-            else f"on rank(s) {_ranks(ranks)} of {world_size} once (a restart decides)"
+            else f"on rank(s) {_ranks(ranks)} of {world_size} once: a restart decides"
         )
         evidence.update(
             exception=site.type,
@@ -246,6 +249,7 @@ def attribute(
             raised_in=site.raised_in,
             ranks=ranks,
             decided=why,
+            alone=alone,
         )
         return Attribution(
             Cause.USER_CODE,

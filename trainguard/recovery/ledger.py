@@ -13,6 +13,7 @@ Keys (under ``trainguard/recovery/<run id>/``):
 ``progress``                crash-loop mark: checkpoint step and restart count when it last advanced
 ``blocklist/<node>``        an evicted node: reason, time, until (JSON)
 ``signature/<attempt>/<n>`` node ``n``'s user-code failure signature in a failed attempt
+``sigranks/<attempt>/<h>``  ranks of every node that failed in the attempt with signature hash h
 ==========================  =======================================================================
 
 Waits poll with ``check`` (never a blocking ``wait``/``get`` on a key that may never come): the
@@ -21,6 +22,7 @@ store client is shared with torch's rendezvous keep-alive.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -159,6 +161,11 @@ class JobLedger:
     # -- failure signatures ---------------------------------------------------------------------
     def record_signature(self, attempt: int, node: str, signature: str) -> None:
         self._set(f"signature/{attempt}/{node}", signature)
+
+    def count_signature_ranks(self, attempt: int, signature: str, ranks: int) -> int:
+        """Add ``ranks`` that failed with ``signature`` in ``attempt``; the job's total so far."""
+        h = hashlib.sha1(signature.encode()).hexdigest()[:16]
+        return int(self.store.add(self._k(f"sigranks/{attempt}/{h}"), ranks))
 
     def signature(self, attempt: int, node: str) -> str | None:
         """``node``'s user-code failure signature in ``attempt`` (None: none recorded)."""

@@ -185,6 +185,21 @@ class RecoveryPolicy:
         if a.signature:
             try:
                 self.ledger.record_signature(attempt, self.node, a.signature)
+                if a.cause is Cause.USER_CODE and not a.deterministic and a.evidence.get("alone"):
+                    # every node's ranks count: the same place on every rank of the job, on
+                    # whichever nodes they run, is deterministic too (the node that completes
+                    # the count stops the job; the others learn the stop before restarting)
+                    total = self.ledger.count_signature_ranks(attempt, a.signature, len(a.ranks))
+                    # the other nodes' ranks raise within moments: wait for them (bounded)
+                    deadline = time.monotonic() + self.cfg.failure_grace_s
+                    while total < world_size and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                        total = self.ledger.count_signature_ranks(attempt, a.signature, 0)
+                    if total >= world_size > len(a.ranks):
+                        why = f"on all {world_size} rank(s) of the job"
+                        a.verdict, a.deterministic = Verdict.STOP, True
+                        a.summary = a.summary.rsplit(" (", 1)[0] + f" ({why})"
+                        a.evidence["decided"] = why
             except Exception:
                 pass
         return a

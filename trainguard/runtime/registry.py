@@ -39,6 +39,10 @@ def default_plugins(ctx: AgentContext) -> list[AgentPlugin]:
 
     # first: a blocklisted node refuses to join before any preflight work
     plugins: list[AgentPlugin] = [RecoveryPlugin(ctx, fencer=node_fencer(cfg))]
+    if cfg.fleet.enabled:
+        from trainguard.fleet.plugin import FleetPlugin
+
+        plugins.append(FleetPlugin(ctx))  # then: a lemon node refuses to join
     if cfg.roles.specs():
         from trainguard.roles.plugin import RolesPlugin
 
@@ -69,9 +73,14 @@ def default_plugins(ctx: AgentContext) -> list[AgentPlugin]:
         if pager is not None:
             plugins.append(pager)
     if _in_trainguard_sbatch_job():
+        from trainguard.slurm.cli import make_slurm
         from trainguard.slurm.plugin import SlurmDrainPlugin
 
-        plugins.append(SlurmDrainPlugin(node_fencer(cfg), ctx.events, os.environ["SLURM_JOB_ID"]))
+        plugins.append(
+            SlurmDrainPlugin(
+                node_fencer(cfg), ctx.events, os.environ["SLURM_JOB_ID"], slurm=make_slurm()
+            )
+        )
     return plugins
 
 

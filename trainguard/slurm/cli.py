@@ -79,6 +79,11 @@ class SlurmCli(Protocol):
         """``scontrol update nodename=NODE state=drain reason=REASON``; raises SlurmError."""
         ...
 
+    def resume(self, node: str) -> None:
+        """``scontrol update nodename=NODE state=resume``: a drained node takes jobs again;
+        raises SlurmError."""
+        ...
+
     def requeue(self, job_id: str) -> None:
         """``scontrol requeue JOB``; raises SlurmError. Slurm lets the job start again after
         ``AuthInfo`` ``cred_expire`` + 1 s (default 121 s)."""
@@ -212,6 +217,9 @@ class CommandSlurm:
 
     def drain(self, node: str, reason: str) -> None:
         self._run(["scontrol", "update", f"nodename={node}", "state=drain", f"reason={reason}"])
+
+    def resume(self, node: str) -> None:
+        self._run(["scontrol", "update", f"nodename={node}", "state=resume"])
 
     def requeue(self, job_id: str) -> None:
         self._run(["scontrol", "requeue", str(job_id)])

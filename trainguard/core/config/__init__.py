@@ -31,6 +31,7 @@ from trainguard.core import envvars
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config.alerts import AlertsConfig
 from trainguard.core.config.checkpoint import CheckpointConfig
+from trainguard.core.config.fleet import FleetConfig
 from trainguard.core.config.ft import FTConfig
 from trainguard.core.config.health import HealthConfig
 from trainguard.core.config.inprocess import InProcessConfig
@@ -100,6 +101,7 @@ class TrainGuardConfig:
     integrations: IntegrationsConfig = field(default_factory=IntegrationsConfig)
     warm: WarmConfig = field(default_factory=WarmConfig)
     roles: RolesConfig = field(default_factory=RolesConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -360,4 +362,7 @@ def _redacted(effective: dict[str, Any]) -> dict[str, Any]:
     alerts = (out.get("trainguard") or {}).get("alerts") or {}
     if alerts.get("webhook_url"):
         alerts["webhook_url"] = redact_url(alerts["webhook_url"])
+    fleet = (out.get("trainguard") or {}).get("fleet") or {}
+    if fleet.get("url"):
+        fleet["url"] = redact_url(fleet["url"])
     return out

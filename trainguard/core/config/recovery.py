@@ -75,7 +75,9 @@ class RecoveryConfig:
     failure_grace_s: float = 2.0
     """After a worker raised, how long its agent lets the other local workers end of their own
     before ending them (they usually raise the same error, or fail their collective, at once):
-    their exceptions are evidence too. 0: end them at once."""
+    their exceptions are evidence too; in a multi-node job, how long an agent whose ranks all
+    raised the same user-code error waits for the other nodes' ranks to count theirs in the job
+    ledger. 0: end them at once."""
     decision_timeout_s: float = 30.0
     """How long an agent waits for the job-wide decision on a failed round taken by another
     node's agent before taking it itself."""

@@ -1,0 +1,58 @@
+"""Configuration of trainguard.fleet (section [fleet] of trainguard.toml, env TRAINGUARD_FLEET_*).
+
+Example::
+
+    [fleet]
+    url = "postgresql://trainguard@db.cluster:5432/fleet"   # default: SQLite under the runs root
+    lemon_failures = 3          # a node with 3 ...
+    lemon_window_days = 14      # ... hardware-class failures in 14 days is a lemon
+    lemon_causes = ["hardware"]
+
+The database password is best left out of the URL: libpq's ``PGPASSWORD`` / ``~/.pgpass`` are
+read as usual (the URL is redacted in the run's config.json either way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _lemon_causes() -> list[str]:
+    return ["hardware"]
+
+
+@dataclass(kw_only=True, slots=True)
+class FleetConfig:
+    """The ``[fleet]`` section: the node history shared by every job, and lemon nodes."""
+
+    enabled: bool = True
+    """Record every node's health verdicts, evictions and attributed failures, and refuse
+    lemon nodes at the preflight gate."""
+    url: str = ""
+    """``postgresql://...`` (psycopg 3: ``pip install trainguard[fleet]``) for a cluster, or
+    ``sqlite:///path/fleet.db``; empty: ``<runs_root>/fleet.db`` (SQLite, WAL)."""
+    lemon_failures: int = 3
+    """A node with this many failures of ``lemon_causes`` within ``lemon_window_days`` (since
+    an operator last released it) is refused by every later job. 0: never."""
+    lemon_window_days: float = 14.0
+    lemon_causes: list[str] = field(default_factory=_lemon_causes)
+    """Failure causes that count towards a lemon (``hardware``; ``network``, ``transient`` ...)."""
+    queue_max: int = 10000
+    """Records waiting for an unreachable database; past it the oldest are dropped (counted,
+    with a warning). Writes never block training."""
+    retry_s: float = 2.0
+    """Wait between attempts to reach the database while records wait."""
+    flush_timeout_s: float = 5.0
+    """At the end of a job, how long the agent waits for waiting records to be written."""
+    connect_timeout_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.lemon_failures < 0 or self.lemon_window_days <= 0:
+            raise ValueError("lemon_failures must be >= 0 and lemon_window_days > 0")
+        if self.queue_max < 1 or self.retry_s <= 0 or self.flush_timeout_s < 0:
+            raise ValueError("queue_max must be >= 1, retry_s > 0 and flush_timeout_s >= 0")
+        if self.url and not self.url.startswith(("postgresql://", "postgres://", "sqlite:///")):
+            raise ValueError(
+                "url must be postgresql://user@host:port/db or sqlite:///path "
+                "(empty: SQLite under the runs root)"
+            )

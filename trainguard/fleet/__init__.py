@@ -1,0 +1,1 @@
+"""trainguard.fleet: node history across jobs (SQLite or PostgreSQL) and lemon nodes."""

@@ -1,0 +1,199 @@
+"""The fleet agent plugin: this node's history into the fleet database, and the lemon gate.
+
+- before the first rendezvous: a lemon node (:mod:`trainguard.fleet.lemons`) refuses to join
+  (event ``node_refused`` with ``lemon`` and its history, exit 94; a spare takes its place).
+  An unreachable database admits the node (one warning): the gate never stops a job for it;
+- during the job: every ``failure_attributed``, ``node_evicted``, ``health_unhealthy`` and
+  straggler ``node_excluded`` event becomes a record (queued: a write never blocks training);
+- when the agent ends (before ``job_finished``): waiting records get ``[fleet]
+  flush_timeout_s`` to land.
+
+Events: ``fleet_records`` (at the end: written, waiting, dropped, the last error).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from trainguard.core.config.fleet import FleetConfig
+from trainguard.core.plugin import AgentContext, AgentPlugin, NodeEvictedError
+from trainguard.fleet.db import FleetDB, FleetDBError, Record, open_db, safe_node_name
+from trainguard.fleet.lemons import lemon_status
+from trainguard.fleet.writer import FleetWriter
+
+__all__ = ["FleetPlugin", "fleet_db"]
+
+logger = logging.getLogger(__name__)
+
+_WATCHED = ["failure_attributed", "node_evicted", "health_unhealthy", "node_excluded"]
+
+
+def fleet_db(cfg: FleetConfig, runs_root: str) -> FleetDB:
+    return open_db(cfg.url, runs_root=runs_root, connect_timeout_s=cfg.connect_timeout_s)
+
+
+def _eviction_cause(reason: str) -> str:
+    r = reason.lower()
+    return "hardware" if r.startswith("health") or "hardware" in r else "repeated_failures"
+
+
+class FleetPlugin(AgentPlugin):
+    name = "fleet"
+
+    def __init__(self, ctx: AgentContext) -> None:
+        self.cfg = ctx.config.fleet
+        self.runs_root = ctx.config.runtime.runs_root
+        node, changed = safe_node_name(ctx.node)
+        self.node = node
+        self.warnings = 0
+        if changed:
+            self.warnings += 1
+            logger.warning("fleet database: node name %r recorded as %r", ctx.node, node)
+        self.job = ctx.run_id
+        self.writer = FleetWriter(
+            lambda: fleet_db(self.cfg, self.runs_root),
+            queue_max=self.cfg.queue_max,
+            retry_s=self.cfg.retry_s,
+        )
+        self._gated = False
+        self._closed = False
+        ctx.events.subscribe(self._on_event, _WATCHED)
+
+    # -- records -------------------------------------------------------------------------------
+    def _record(self, kind: str, event: dict[str, Any], **fields: Any) -> None:
+        attempt = event.get("failed_attempt", event.get("attempt", -1))
+        self.writer.put(
+            Record(
+                node=self.node,
+                kind=kind,
+                job=self.job,
+                attempt=int(attempt) if isinstance(attempt, int) else -1,
+                time=float(event.get("time") or time.time()),
+                **fields,
+            )
+        )
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        try:
+            kind = event.get("kind")
+            if kind == "failure_attributed":
+                ev = event.get("evidence") or {}
+                self._record(
+                    "failure",
+                    event,
+                    cause=str(event.get("cause") or ""),
+                    verdict=str(event.get("verdict") or ""),
+                    detail={
+                        "summary": event.get("summary"),
+                        "ranks": event.get("ranks"),
+                        "deterministic": event.get("deterministic"),
+                        **{k: ev[k] for k in ("exception", "place", "figure", "health") if k in ev},
+                    },
+                )
+            elif kind == "node_evicted":
+                reason = str(event.get("reason") or "")
+                self._record(
+                    "eviction",
+                    event,
+                    cause=_eviction_cause(reason),
+                    verdict="evict",
+                    detail={"reason": reason, "until": event.get("until")},
+                )
+            elif kind == "health_unhealthy":
+                reasons = event.get("reasons") or []
+                self._record(
+                    "health",
+                    event,
+                    cause="hardware",
+                    verdict=str(event.get("action") or ""),
+                    detail={"summary": "; ".join(map(str, reasons))[:1000], "reasons": reasons},
+                )
+            elif kind == "node_excluded" and event.get("action") != "drain":
+                self._record(
+                    "straggler" if event.get("scores") or "slow" in str(event) else "excluded",
+                    event,
+                    cause="straggler",
+                    verdict="exclude",
+                    detail={"reason": event.get("reason"), "reasons": event.get("reasons")},
+                )
+        except Exception as e:  # never raised into the agent
+            self.warnings += 1
+            logger.warning("fleet database: event %s not recorded: %s", event.get("kind"), e)
+
+    # -- the lemon gate ------------------------------------------------------------------------
+    def before_rendezvous(self, ctx: AgentContext) -> None:
+        if self._gated:
+            return
+        self._gated = True
+        if self.cfg.lemon_failures <= 0:
+            return
+        try:
+            with fleet_db(self.cfg, self.runs_root) as db:
+                status = lemon_status(db, self.node, self.cfg)
+        except FleetDBError as e:
+            self.warnings += 1
+            logger.warning("fleet database: lemon check skipped, node admitted: %s", e)
+            return
+        except Exception as e:
+            self.warnings += 1
+            logger.warning("fleet database: lemon check skipped, node admitted: %s", e)
+            return
+        if not status.is_lemon:
+            return
+        reason = status.reason()
+        ctx.events.emit(
+            "node_refused",
+            reason=reason,
+            lemon=True,
+            incidents=status.incidents,
+            threshold=status.threshold,
+            history=status.history,
+        )
+        self.writer.put(
+            Record(
+                node=self.node,
+                kind="refused",
+                cause="lemon",
+                verdict="refuse",
+                job=self.job,
+                detail={"reason": reason, "incidents": status.incidents},
+            )
+        )
+        raise NodeEvictedError(f"node {self.node} refused by job {self.job}: {reason} (exit 94)")
+
+    # -- end -----------------------------------------------------------------------------------
+    def on_exit(
+        self, ctx: AgentContext, state: str, error: BaseException | None
+    ) -> BaseException | None:
+        """Flush before ``job_finished`` (the last event of the agent); the other plugins'
+        exit records (an eviction) are already queued: this plugin comes after recovery's."""
+        left = self._close()
+        ctx.events.emit(
+            "fleet_records",
+            written=self.writer.written,
+            waiting=left,
+            dropped=self.writer.dropped,
+            warnings=self.warnings,
+            error=self.writer.last_error,
+        )
+        return None
+
+    def close(self) -> None:
+        self._close()
+
+    def _close(self) -> int:
+        if self._closed:
+            return self.writer.pending
+        self._closed = True
+        left = self.writer.close(self.cfg.flush_timeout_s)
+        if left or self.writer.dropped or self.writer.errors:
+            logger.warning(
+                "fleet database: %d record(s) written, %d not written, %d dropped (%s)",
+                self.writer.written,
+                left,
+                self.writer.dropped,
+                self.writer.last_error,
+            )
+        return left
