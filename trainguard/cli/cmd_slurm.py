@@ -19,9 +19,9 @@ import json
 import os
 import sys
 
+from trainguard.chaos.faults import CHAOS_ENV
 from trainguard.core.config import ConfigError, load_config
 from trainguard.core.procs import exit_now
-from trainguard.testing.chaos import CHAOS_ENV
 
 __all__ = ["main"]
 

@@ -34,6 +34,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 
+from trainguard.chaos import faults as chaos
 from trainguard.core.config import ConfigError, TrainGuardConfig, load_config, write_effective
 from trainguard.core.events import EventLog
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
@@ -45,7 +46,6 @@ from trainguard.runtime import etcd_v3, spares
 from trainguard.runtime._torch import cheap_rendezvous_event_names
 from trainguard.runtime.agent import TrainGuardAgent
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
-from trainguard.testing import chaos
 
 __all__ = ["UsageError", "build_parser", "launch", "run"]
 
