@@ -24,12 +24,14 @@ __all__ = [
     "CHECKPOINT_RESTORED",
     "HANG_DETECTED",
     "HANG_KILLED",
+    "HEALTH_PROBE",
     "HEALTH_UNHEALTHY",
     "JOB_FINISHED",
     "LAUNCH",
     "LOSS_ROLLBACK",
     "NODE_DRAINED",
     "NODE_EXCLUDED",
+    "PREFLIGHT",
     "RENDEZVOUS",
     "RESTART",
     "ROLLBACK_EXHAUSTED",
@@ -60,7 +62,7 @@ class EventSpec:
 EVENTS: tuple[EventSpec, ...] = (
     # -- the launcher and the agent (runtime) --------------------------------------------------
     EventSpec("launch", ("runtime.launcher",), ("args", "entrypoint", "max_nodes", "max_restarts", "min_nodes", "nproc_per_node", "pid", "process_start", "rdzv_backend", "run_id"), "The launcher started (its process start: the job's wall time includes imports)."),
-    EventSpec("job_finished", ("runtime.launcher",), ("state",), "This node's launcher ends; ``state`` is a JobState value."),
+    EventSpec("job_finished", ("runtime.launcher",), ("restarts", "state"), "This node's launcher ends; ``state`` is a JobState value, ``restarts`` the job-wide worker-group restarts before it ended."),
     EventSpec("rendezvous", ("runtime.agent",), ("duration_s", "group_rank", "group_world_size", "master_addr", "master_port", "members"), "A rendezvous round completed: its members and this node's rank."),
     EventSpec("workers_started", ("runtime.agent",), ("workers", "world_size"), "The local workers started (rank, local rank, pid, warm each)."),
     EventSpec("worker_failed", ("runtime.agent",), ("cause", "exitcode", "local_rank", "message", "pid", "rank", "root_cause", "signal", "state"), "A worker died; ``root_cause`` marks the earliest failure (torch's rule), not counting a survivor's error because a peer rank died."),
@@ -94,9 +96,9 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("checkpoint_preempted", ("checkpoint.manager",), ("signal", "step"), "A preemption signal arrived: save at the next step boundary."),
     EventSpec("checkpoint_preempt_saved", ("checkpoint.manager",), ("committed", "error", "step"), "The preemption save finished (committed or not)."),
     # -- health --------------------------------------------------------------------------------
-    EventSpec("preflight", ("health.monitor",), ("compute", "duration_s", "note"), "The node's checks before the first rendezvous (plus the report's summary)."),
+    EventSpec("preflight", ("health.monitor",), ("action", "compute", "duration_s", "note", "reasons", "sources", "status"), "The node's checks before the first rendezvous (status, action, reasons, sources: the report's summary)."),
     EventSpec("preflight_compare", ("health.monitor",), ("nodes",), "The nodes' compute and clock checks compared after a rendezvous."),
-    EventSpec("health_probe", ("health.monitor",), ("previous",), "The in-job health verdict changed (plus the report's summary)."),
+    EventSpec("health_probe", ("health.monitor",), ("action", "previous", "reasons", "sources", "status"), "The in-job health verdict changed (status, action, reasons, sources: the report's summary)."),
     EventSpec("health_unhealthy", ("health.monitor",), ("action", "ranks", "reasons"), "An in-job finding with action restart or drain: the local group is killed."),
     EventSpec("allreduce_probe", ("health.monitor",), ("action", "nodes", "status"), "The allreduce probe's verdict on slow or failing nodes."),
     EventSpec("node_excluded", ("health.monitor", "health.straggler"), ("action", "ranks", "reason", "reasons", "scores"), "This node leaves the job (unhealthy or a straggler under the exclude policy)."),
@@ -170,3 +172,5 @@ ROLLBACK_EXHAUSTED = _kind("rollback_exhausted")
 STRAGGLER_SCORES = _kind("straggler_scores")
 SPARE_WAITING = _kind("spare_waiting")
 WARM_READY = _kind("warm_ready")
+PREFLIGHT = _kind("preflight")
+HEALTH_PROBE = _kind("health_probe")

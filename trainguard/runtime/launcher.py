@@ -488,7 +488,8 @@ def launch(
         if outcome.state is JobState.EVICTED and agent.attempt >= 0:
             spec.rdzv_handler.leave()  # the others go on at once, without this node
     finally:
-        events.emit("job_finished", state=outcome.state.value)
+        # restarts: the job-wide worker-group restarts so far (the attempt of the last round)
+        events.emit("job_finished", state=outcome.state.value, restarts=max(agent.attempt, 0))
         _finish_plugins(plugins, ctx, outcome.state)
         if spare_ctl is not None:
             spare_ctl.close()  # a tombstone: the others remove this node at once
