@@ -35,6 +35,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from trainguard.core.failures import REQUEUE_EXIT_CODE
+from trainguard.integrations._frameworks import check_version, guarded
 from trainguard.integrations.common import (
     MetricMapper,
     SafeTelemetry,
@@ -100,18 +101,27 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
         self._t = SafeTelemetry(tg, "hf")
         self._beat = StepBeat(self._t)
         self._model = kw.get("model")
+        check_version("transformers")
+        resume = self.resume
         trainer = _find_trainer()
         if trainer is not None:
-            self._wrap_batches(trainer)
+            wrapped, _ = guarded(tg, "transformers", "wrapping get_batch_samples",
+                                 lambda: self._wrap_batches(trainer))  # fmt: skip
+            resume = resume and wrapped
         self._ckpt = tg.checkpoint
         optimizer = kw.get("optimizer")
-        if self.resume and self._model is not None and optimizer is not None:
+        restored = False
+        if resume and self._model is not None and optimizer is not None:
             self._state = {"model": self._model, "optim": _inner(optimizer, "optimizer")}
             sched = _inner(kw.get("lr_scheduler"), "scheduler")
             if sched is not None and hasattr(sched, "state_dict"):
                 self._state["sched"] = sched
-            self._restore(args, state, kw.get("train_dataloader"), trainer is not None)
-        else:
+            loader = kw.get("train_dataloader")
+            restored, _ = guarded(tg, "transformers", "restoring trainguard's snapshot",
+                                  lambda: self._restore(args, state, loader, trainer is not None))  # fmt: skip
+            if not restored:
+                self._resume_off()
+        if not restored:
             self._ckpt.setup()  # the preemption handlers (collective: every rank is here)
         if tg.rank == 0:
             tg.events.emit(
@@ -120,6 +130,14 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
                 resume=bool(self._state),
                 resumed_step=self.resumed_step,
             )
+
+    def _resume_off(self) -> None:
+        """No snapshots, no restore, no batch skipping from here on (heartbeats, metrics and
+        preemption go on)."""
+        self._state = {}
+        self._skip = 0
+        self._rng = None
+        self.resumed_step = None
 
     def _restore(self, args: Any, state: Any, loader: Any, can_skip: bool) -> None:
         """The newest trainguard snapshot newer than the step HF resumed from, in the same
@@ -167,9 +185,16 @@ class TrainGuardCallback(TrainerCallback):  # type: ignore[misc]
         def get_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
             if me._skip:
                 skip, me._skip = me._skip, 0
-                for _ in range(skip):
-                    if next(epoch_iterator, None) is None:
-                        break
+
+                def skip_batches() -> None:
+                    for _ in range(skip):
+                        if next(epoch_iterator, None) is None:
+                            break
+
+                ok, _ = guarded(me._tg, "transformers", "skipping restored steps' batches",
+                                skip_batches)  # fmt: skip
+                if not ok:
+                    me._resume_off()
             batches, n = original(trainer, epoch_iterator, num_batches, device)
             try:
                 me._amounts = batch_amounts(batches)

@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from trainguard.core.failures import REQUEUE_EXIT_CODE
+from trainguard.integrations._frameworks import check_version, guarded
 from trainguard.integrations.common import (
     MetricMapper,
     SafeTelemetry,
@@ -99,14 +100,20 @@ class _Mixin:
         self._t = SafeTelemetry(tg, "lightning")
         self._beat = StepBeat(self._t)
         self._ckpt = tg.checkpoint
+        check_version("lightning")
         opts = list(trainer.optimizers)
+        restored = False
         if self.resume and len(opts) == 1 and pl_module.automatic_optimization:
             self._state = {"model": pl_module, "optim": opts[0]}
             scheds = [c.scheduler for c in trainer.lr_scheduler_configs]
             if len(scheds) == 1:
                 self._state["sched"] = scheds[0]
-            self._restore(trainer)
-        else:
+            restored, _ = guarded(tg, "lightning", "restoring trainguard's snapshot",
+                                  lambda: self._restore(trainer))  # fmt: skip
+            if not restored:  # resume off: no snapshots from here on
+                self._state = {}
+                self.resumed_step = None
+        if not restored:
             self._ckpt.setup()  # the preemption handlers (collective: every rank is here)
         if tg.rank == 0:
             tg.events.emit(
