@@ -128,10 +128,10 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("chaos_armed", ("runtime.launcher", "worker.api"), ("faults", "spec"), "Faults from TRAINGUARD_CHAOS are armed in this agent (spec and faults) or worker (faults)."),
     EventSpec("collective_progress", ("runtime.agent",), ("rank",), "This rank writes no tg.step() progress: its collectives (torch's flight recorder) are its progress for hang detection."),
     EventSpec("hang_diagnosis", ("health.hang",), ("diagnosis", "frames", "groups", "message", "missing_dumps", "op", "pg", "seq", "stack_groups", "suspect_hosts", "suspect_ranks"), "Where a hung job is stuck: the collective (process group, op, sequence id), the ranks missing from it or in another one, their hosts, and the ranks' stacks grouped."),
-    EventSpec("integration_attached", ("integrations.hf", "integrations.lightning"), ("framework", "resume", "resumed_step"), "trainguard's callback is attached to a framework's trainer (and, with resume, restored its newest snapshot)."),
+    EventSpec("integration_attached", ("integrations.adapter",), ("framework", "resume", "resumed_step"), "trainguard's callback is attached to a framework's trainer (and, with resume, restored its newest snapshot)."),
     EventSpec("integration_degraded", ("integrations._frameworks",), ("error", "framework", "version", "what"), "A framework internal the integration uses failed (a renamed attribute, a changed signature): one warning, and training goes on with resume off."),
     EventSpec("integration_auto_attached", ("integrations.auto",), ("framework", "resume"), "The start-up hook attached trainguard to a framework's trainer without a code change."),
-    EventSpec("integration_preempted", ("integrations.hf", "integrations.lightning"), ("framework", "step"), "A preemption notice reached the framework's loop: it saves at this step and the worker exits for a requeue."),
+    EventSpec("integration_preempted", ("integrations.adapter",), ("framework", "step"), "A preemption notice reached the framework's loop: it saves at this step and the worker exits for a requeue."),
 )  # fmt: skip
 
 _BY_NAME = {s.name: s for s in EVENTS}
