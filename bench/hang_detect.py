@@ -307,8 +307,8 @@ def _gone(pid: int) -> bool:
 
 FR_CODE = r"""
 import os, sys, time, torch, torch.distributed as dist
-from trainguard.core.collectives import start_from_env
-start_from_env()  # what trainguard's start-up hook runs first in a worker (when asked to)
+from trainguard.core.collectives import start_in_worker
+start_in_worker()  # what trainguard's start-up hook runs first in a worker (when asked to)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 t = torch.ones(1024)
@@ -376,7 +376,6 @@ def fr_overhead(base: Path, steps: int, rounds: int) -> dict[str, object]:
     import random
 
     from trainguard.core import collectives, envvars
-    from trainguard.core.config.health import HealthConfig
 
     script = base / "fr_step.py"
     script.write_text(FR_CODE)
@@ -385,13 +384,14 @@ def fr_overhead(base: Path, steps: int, rounds: int) -> dict[str, object]:
     res: dict[str, object] = {}
     run_dir = base / "fr-run"
     (run_dir / "progress").mkdir(parents=True, exist_ok=True)
+    # the watcher reads its cadence from the run's config.json (the defaults here)
+    (run_dir / "config.json").write_text(json.dumps({"trainguard": {"health": {}, "runtime": {}}}))
     try:
         for mode in ("off", "on"):
             env = base_env()
             env.pop("TORCH_FR_BUFFER_SIZE", None)
             if mode == "on":
                 env.update({
-                    collectives.WATCH_ENV: str(HealthConfig().collective_poll_interval_s),
                     collectives.FR_BUFFER_ENV: str(collectives.FR_BUFFER_DEFAULT),
                     envvars.RUN_DIR: str(run_dir),
                     envvars.PROGRESS_DIR: str(run_dir / "progress"),

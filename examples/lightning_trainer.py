@@ -61,7 +61,9 @@ def main() -> None:
     p.add_argument("--no-trainguard", action="store_true", help="leave the callback out")
     args = p.parse_args()
 
-    run_dir = os.environ.get("TRAINGUARD_AGENT_RUN_DIR")
+    from trainguard.core import envvars  # what `trainguard run` tells its workers
+
+    run_dir = os.environ.get(envvars.RUN_DIR)
     out_dir = args.output_dir or (os.path.join(run_dir, "lightning") if run_dir else "pl-out")
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(1234)

@@ -1,9 +1,9 @@
 """The suite's process bookkeeping; the process-tree helpers are
-:mod:`trainguard.testing.procs` (re-exported here for the tests)."""
+:mod:`trainguard.chaos.procs` (re-exported here for the tests)."""
 
 from __future__ import annotations
 
-from trainguard.testing.procs import alive, become_subreaper, descendants, kill_tree, reap
+from trainguard.chaos.procs import alive, become_subreaper, descendants, kill_tree, reap
 
 __all__ = ["FIXTURE_PIDS", "alive", "become_subreaper", "descendants", "kill_tree", "reap"]
 

@@ -23,8 +23,8 @@ import pytest
 from tests.health_fixtures.jobs import events
 from tests.launch_utils import REPO, base_env, steps_done
 from tests.procs import alive, kill_tree
+from trainguard.chaos import faults as chaos
 from trainguard.core.config.health import HealthConfig
-from trainguard.testing import chaos
 
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 CHAOS = [sys.executable, "-m", "trainguard", "chaos"]
@@ -192,7 +192,7 @@ def test_pause_by_port_and_kill_agent_tree(tmp_path: Path) -> None:
         start_new_session=True,
     )  # fmt: skip
     try:
-        from trainguard.testing.chaos_ops import listening_pids
+        from trainguard.chaos.ops import listening_pids
 
         deadline = time.monotonic() + 30
         while server.pid not in listening_pids(port):

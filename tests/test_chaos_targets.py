@@ -125,7 +125,7 @@ def _state(pid: int) -> str:
 def test_pause_endpoint_honours_the_host(procs: list[subprocess.Popen[bytes]]) -> None:
     port = free_port()
     server = _start(procs, sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.2")
-    from trainguard.testing.chaos_ops import listening_pids
+    from trainguard.chaos.ops import listening_pids
 
     deadline = time.monotonic() + 60
     while server.pid not in listening_pids(port):

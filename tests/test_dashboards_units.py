@@ -377,6 +377,42 @@ def test_pager_plugin_pages_hang_resolve_eviction_and_stop_to_a_real_webhook(
         rx.close()
 
 
+def test_a_job_that_fails_after_its_restarts_pages_the_restart_count(tmp_path: Path) -> None:
+    """A real ``trainguard run`` job whose worker fails every attempt (``--max-restarts 2``):
+    its ``job_finished`` event carries the restarts and the stop page annotates them."""
+    from tests.launch_utils import WORKERS, launch
+
+    rx = Receiver()
+    try:
+        run_dir = tmp_path / "run"
+        env = base_env(
+            DUMP_DIR=str(tmp_path / "dump"),
+            EXIT_CODE="1",
+            TRAINGUARD_ALERTS_WEBHOOK_URL=rx.url,
+            TRAINGUARD_HEALTH_ENABLED="false",
+            TRAINGUARD_TELEMETRY_ENABLED="false",
+        )
+        r = launch(
+            "trainguard",
+            ["--standalone", "--nproc-per-node", "1", "--max-restarts", "2",
+             "--tg-run-dir", str(run_dir), str(WORKERS / "dump_env.py")],
+            cwd=tmp_path, env=env, timeout=300,
+        )  # fmt: skip
+        assert r.returncode != 0
+        events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+        finished = [e for e in events if e["kind"] == "job_finished"]
+        assert [(e["state"], e["restarts"]) for e in finished] == [("failed", 2)]
+        stops = [
+            b for _, b in rx.got if b["alerts"][0]["labels"]["alertname"] == "TrainGuardJobStopped"
+        ]
+        assert len(stops) == 1, rx.got
+        details = json.loads(stops[0]["alerts"][0]["annotations"]["details"])
+        assert details == {"restarts": 2}
+        assert "(2 restart(s))" in stops[0]["alerts"][0]["annotations"]["summary"]
+    finally:
+        rx.close()
+
+
 def test_pager_is_registered_only_when_configured(tmp_path: Path) -> None:
     from trainguard.core.config import load_config
     from trainguard.core.plugin import AgentContext

@@ -3,6 +3,7 @@ one rank on another code path or stopped; the verdict names the collective and t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -391,15 +392,15 @@ def test_watcher_records_collective_progress_and_the_timeout_follows_its_cadence
     tmp_path: Path,
 ) -> None:
     from trainguard.core import envvars
-    from trainguard.core.collectives import FR_BUFFER_ENV, WATCH_ENV, collective_progress_path
+    from trainguard.core.collectives import FR_BUFFER_ENV, collective_progress_path
     from trainguard.core.config.health import HealthConfig
     from trainguard.core.progress import ProgressReader
     from trainguard.health.hang import HangTracker
 
     code = (
         "import time, torch, torch.distributed as dist\n"
-        "from trainguard.core.collectives import start_from_env\n"
-        "start_from_env()\n"
+        "from trainguard.core.collectives import start_in_worker\n"
+        "start_in_worker()\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0,"
         " world_size=1)\n"
         "t = torch.ones(4)\n"
@@ -410,8 +411,11 @@ def test_watcher_records_collective_progress_and_the_timeout_follows_its_cadence
         "        import os, signal; os.kill(os.getpid(), signal.SIGUSR2)\n"
         "dist.destroy_process_group()\n"
     )
+    # the watcher's cadence comes from the run's config.json, as the agent writes it
+    sections = {"health": {"collective_poll_interval_s": 0.05}, "runtime": {}}
+    (tmp_path / "config.json").write_text(json.dumps({"trainguard": sections}))
     env = job_env()
-    env.update({WATCH_ENV: "0.05", FR_BUFFER_ENV: "100", "RANK": "0",
+    env.update({FR_BUFFER_ENV: "100", "RANK": "0",
                 envvars.PROGRESS_DIR: str(tmp_path), envvars.RUN_DIR: str(tmp_path)})  # fmt: skip
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120)  # fmt: skip

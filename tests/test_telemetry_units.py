@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -211,7 +210,6 @@ def test_plugin_end_to_end_in_process(tmp_path: Path, monkeypatch: pytest.Monkey
     from trainguard.core.events import EventLog
 
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
-    monkeypatch.setenv(TRACEPARENT_ENV, "")  # restored by monkeypatch after the plugin sets it
     cfg = TelemetryConfig(prometheus_port=0, peak_flops=1e9, export_interval_s=0.2)
     events = EventLog(tmp_path, node="n1")
     ctx = AgentContext(config=TrainGuardConfig(telemetry=cfg), run_dir=tmp_path, events=events)
@@ -223,7 +221,7 @@ def test_plugin_end_to_end_in_process(tmp_path: Path, monkeypatch: pytest.Monkey
         ctx.attempt = 0
         events.emit("rendezvous", attempt=0, duration_s=0.1, agent_restarts=0)
         plugin.after_rendezvous(ctx, group)
-        tp = parse_traceparent(os.environ[TRACEPARENT_ENV])
+        tp = parse_traceparent(plugin.worker_env(ctx)[TRACEPARENT_ENV])  # the workers' context
         assert tp is not None
         metrics = tmp_path / "metrics"
         metrics.mkdir()

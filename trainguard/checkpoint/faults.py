@@ -9,7 +9,7 @@
 Points, in save order: ``staged``, ``persist_start``, ``written`` (this rank's files fsynced),
 ``before_manifest`` / ``committed`` (rank 0), ``retention`` (between removing a victim's
 manifest and its files). ``step`` restricts the fault to saves of that step; ``rank`` to one rank;
-``attempt`` to one attempt of a ``trainguard run`` job (``TRAINGUARD_AGENT_ATTEMPT``).
+``attempt`` to one attempt of a ``trainguard run`` job (``envvars.ATTEMPT``).
 """
 
 from __future__ import annotations

@@ -150,6 +150,9 @@ class CheckpointManager:
         )
         self.preemption = Preemption(self.config.preemption_signals)
         self._preempting = False
+        self.preempted = False
+        """The preemption save ran (``maybe_save(exit_on_preemption=False)`` returned instead of
+        exiting): the caller stops its loop and exits with the requeue code."""
         self._ahead: Agreement | None = None  # maybe_save(overlap=True)'s next agreement
         self._next_agreement: int | None = None  # ... and the boundary it is for
         self._writer = Writer(
@@ -290,7 +293,12 @@ class CheckpointManager:
         return self._pipeline.save(step, state, persist=persist)
 
     def maybe_save(
-        self, step: int, state: MutableMapping[str, Any], *, overlap: bool = False
+        self,
+        step: int,
+        state: MutableMapping[str, Any],
+        *,
+        overlap: bool = False,
+        exit_on_preemption: bool = True,
     ) -> SaveResult | None:
         """Call once per step boundary on every rank. Saves to memory / disk as configured,
         and on a preemption signal saves, waits for the commit and exits with the requeue code.
@@ -303,15 +311,22 @@ class CheckpointManager:
         cadence (those save at the same steps as without it) and at least every
         :data:`AGREE_EVERY_S` of training, each agreement started one step ahead and run in
         the background; a preemption notice, a loss anomaly, a finished persist or a
-        time-based persist interval is acted on at the next agreement."""
+        time-based persist interval is acted on at the next agreement.
+
+        ``exit_on_preemption=False`` is for a caller that stops its own loop (a framework
+        integration): after the preemption save it returns None with :attr:`preempted` set
+        instead of exiting."""
         if not self.config.enabled:
             return None
         self.setup()
+        leave = exit_on_preemption
         if overlap:
-            return self._overlapped(step, lambda flags, bad: self._act(step, state, flags, bad))
+            return self._overlapped(
+                step, lambda flags, bad: self._act(step, state, flags, bad, exit_process=leave)
+            )
         self.settle_agreement()
         flags, bad = self._agree(step)
-        return self._act(step, state, flags, bad)
+        return self._act(step, state, flags, bad, exit_process=leave)
 
     def _local_flags(self, step: int, *, tick: bool = True) -> list[bool]:
         """This rank's view of the boundary ``step``: preempted, persist due, a persist in
@@ -384,7 +399,13 @@ class CheckpointManager:
         )
 
     def _act(
-        self, step: int, state: MutableMapping[str, Any], flags: list[bool], bad: int | None
+        self,
+        step: int,
+        state: MutableMapping[str, Any],
+        flags: list[bool],
+        bad: int | None,
+        *,
+        exit_process: bool = True,
     ) -> SaveResult | None:
         """``maybe_save``'s decision once the ranks agreed on ``flags`` and ``bad``."""
         preempt, due, busy, broken, mem = flags
@@ -396,7 +417,8 @@ class CheckpointManager:
             self._check_persister()
             busy = False
         if preempt:
-            self._preempt_exit(step, state)
+            self._preempt_exit(step, state, exit_process=exit_process)
+            return None
         if due and busy and self.config.in_flight_policy == "skip":
             if self.rank == 0:
                 self._emit("checkpoint_skipped", step=step, reason="persist in flight")
@@ -585,7 +607,9 @@ class CheckpointManager:
                 max_stall_fraction=self.memory_cadence.max_fraction,
             )
 
-    def _preempt_exit(self, step: int, state: Mapping[str, Any]) -> None:
+    def _preempt_exit(
+        self, step: int, state: Mapping[str, Any], *, exit_process: bool = True
+    ) -> None:
         self._preempting = True
         if self.rank == 0:
             self._emit("checkpoint_preempted", step=step, signal=self.preemption.name)
@@ -595,7 +619,9 @@ class CheckpointManager:
         if self.rank == 0:
             self._emit("checkpoint_preempt_saved", step=step, committed=ok, error=result.error)
         self.close()
-        raise SystemExit(REQUEUE_EXIT_CODE)
+        self.preempted = True
+        if exit_process:
+            raise SystemExit(REQUEUE_EXIT_CODE)
 
 
 def _td(seconds: float) -> Any:

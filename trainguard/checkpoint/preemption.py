@@ -7,7 +7,7 @@ already committed (the state is safe), else by the signal's default action.
 
 A SIGTERM is not always a preemption notice: torch's agent tears a failed group down with
 SIGTERM before a restart. trainguard's agent creates a teardown file first
-(``TRAINGUARD_AGENT_TEARDOWN_FILE``); a worker that finds it stops at once, as it would without
+(``envvars.TEARDOWN_FILE``); a worker that finds it stops at once, as it would without
 trainguard's handlers, so a restart never waits for the shutdown timeout.
 """
 

@@ -21,9 +21,11 @@ import time
 from pathlib import Path
 
 from trainguard.core.atomicfile import write_atomic
+from trainguard.chaos import faults as chaos
+from trainguard.chaos import ops as chaos_ops
+from trainguard.chaos import procs
+from trainguard.chaos.dcgm import DcgmExporter
 from trainguard.core.rundir import RunDir
-from trainguard.testing import chaos, chaos_ops, procs
-from trainguard.testing.dcgm import DcgmExporter
 
 __all__ = ["main"]
 

@@ -8,11 +8,11 @@ from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from trainguard.chaos.faults import check_env as check_chaos_env
 from trainguard.core.config import ConfigError
 from trainguard.core.plugin import AgentExit
 from trainguard.core.procs import exit_now
 from trainguard.runtime import launcher
-from trainguard.testing.chaos import check_env as check_chaos_env
 
 __all__ = ["main", "run_job", "tgrun_main"]
 

@@ -20,9 +20,9 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from trainguard.chaos.faults import CHAOS_ENV
 from trainguard.core.config import ConfigError, load_config
 from trainguard.core.procs import exit_now
-from trainguard.testing.chaos import CHAOS_ENV
 
 if TYPE_CHECKING:
     from trainguard.slurm.batchhost import BatchBeaconWatch

@@ -6,8 +6,8 @@ when ``TORCH_FR_BUFFER_SIZE`` is set before the group is created. Per process gr
 recorder keeps the sequence id of the last collective *enqueued* and the last *completed*;
 reading that status costs a few microseconds.
 
-In the worker, :func:`start_from_env` (run by trainguard's start-up hook before the user's
-script, when the agent asks for it through :data:`WATCH_ENV`) starts a daemon thread that waits
+In the worker, :func:`start_in_worker` (a worker start-up hook entry the agent's hang detector
+declares, run before the user's script) starts a daemon thread that waits
 for the default process group, then every ``interval`` writes the newest completed collective
 of the default group into the rank's *collective progress record* (same layout as the
 ``tg.step()`` record, :mod:`trainguard.core.progress`): ``step`` = last completed sequence id,
@@ -38,14 +38,14 @@ from trainguard.core.progress import ProgressWriter
 
 __all__ = [
     "FR_BUFFER_ENV",
-    "WATCH_ENV",
+    "WORKER_HOOK",
     "CollectiveState",
     "collective_progress_path",
     "dump_trace",
     "hang_dir",
     "parse_trace",
     "request_path",
-    "start_from_env",
+    "start_in_worker",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,16 +53,15 @@ logger = logging.getLogger(__name__)
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 """torch's switch for its flight recorder (entries kept per process)."""
 FR_BUFFER_DEFAULT = 2000
-FR_BUFFER_AGENT_ENV = envvars.PREFIX + "FR_BUFFER_SIZE"
-"""Set by the agent (unless the user set :data:`FR_BUFFER_ENV`): the hook puts the recorder's
-buffer size into the worker's C environment only (``os.putenv``), where torch reads it, so the
-script's ``os.environ`` stays exactly what torchrun would give it."""
+"""The watcher puts it (unless the user set it) into the worker's C environment only
+(``os.putenv``), where torch reads it, so the script's ``os.environ`` stays exactly what
+torchrun would give it."""
 REQUEST_POLL_S = 0.5
 """How often a worker looks for a dump request."""
 HISTORY = 16
 """Collectives per process group a rank's summary keeps (:attr:`CollectiveState.history`)."""
-WATCH_ENV = envvars.PREFIX + "COLLECTIVES"
-"""Set by the agent: seconds between collective progress reads (the watcher runs when set)."""
+WORKER_HOOK = "trainguard.core.collectives:start_in_worker"
+"""The worker start-up hook entry that starts the watcher (:func:`start_in_worker`)."""
 
 
 def collective_progress_path(progress_dir: str | os.PathLike[str], rank: int) -> Path:
@@ -178,9 +177,23 @@ def parse_trace(trace: dict[str, Any]) -> dict[str, CollectiveState]:
 
 
 # -- the in-worker watcher --------------------------------------------------------------------
+def _fr_on_by_default() -> bool:
+    """Whether the installed torch records collectives without :data:`FR_BUFFER_ENV` (its
+    default buffer is 2000 entries from torch 2.11 on; 0, off, before). Read from the package
+    metadata: torch is not imported here."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(x) for x in version("torch").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (2, 11)
+
+
 class _Watcher:
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, *, unset_fr: bool = False) -> None:
         self.interval_s = interval_s
+        self.unset_fr = unset_fr
         self.rank = int(os.environ.get("RANK", "0"))
         self.run_dir = os.environ.get(envvars.RUN_DIR)
         self.progress_dir = os.environ.get(envvars.PROGRESS_DIR)
@@ -205,6 +218,12 @@ class _Watcher:
             self._answer_requests()
             time.sleep(self.interval_s)
         self._register_stack_signal()
+        if self.unset_fr:  # the script's children never inherit the size set for torch:
+            try:  # a dump creates torch's recorder (reading the size) if the group did not
+                _dump_json(False)
+            except Exception as e:
+                logger.debug("no flight recorder: %s", e)
+            os.unsetenv(FR_BUFFER_ENV)
         from trainguard.core.config import worker_section_or_default
 
         # settings reach a worker one way, the run's config.json; never stops the worker
@@ -340,17 +359,24 @@ def dump_rank(directory: Path, rank: int) -> None:
         logger.warning("trainguard: cannot write the hang dump of rank %d: %s", rank, e)
 
 
-def start_from_env() -> threading.Thread | None:
-    """Start the watcher when the agent asked for it (:data:`WATCH_ENV`); the variable is
-    removed so that the worker's own child processes do not start one."""
-    value = os.environ.pop(WATCH_ENV, None)
-    if not value:
+def start_in_worker() -> threading.Thread | None:
+    """The worker start-up hook entry (:data:`WORKER_HOOK`, declared by the agent's hang
+    detector): switch torch's flight recorder on (in the C environment only, unless the user
+    set its size) and start the watcher thread, reading every
+    ``[health] collective_poll_interval_s`` from the run's ``config.json``. Outside
+    ``trainguard run`` (no run directory) it does nothing."""
+    if not os.environ.get(envvars.PROGRESS_DIR):
         return None
-    try:
-        interval = float(value)
-    except ValueError:
-        return None
-    watcher = _Watcher(interval)
+    # torch's getenv sees it, os.environ does not; removed again once the recorder exists
+    set_fr = FR_BUFFER_ENV not in os.environ and not _fr_on_by_default()
+    if set_fr:
+        os.putenv(FR_BUFFER_ENV, str(FR_BUFFER_DEFAULT))
+    from trainguard.core.config import worker_section_or_default
+
+    interval = worker_section_or_default(
+        os.environ.get(envvars.RUN_DIR), "health"
+    ).collective_poll_interval_s
+    watcher = _Watcher(float(interval), unset_fr=set_fr)
     t = threading.Thread(target=watcher.run, name="trainguard-collectives", daemon=True)
     t.start()
     return t

@@ -4,6 +4,11 @@ They live in their own namespace, ``TRAINGUARD_AGENT_*``, which the config loade
 as settings: ``TRAINGUARD_<SECTION>_<FIELD>`` variables are the user's settings, these are
 facts the agent hands its workers. Settings reach a worker one way only: the run's
 ``config.json`` (``trainguard.core.config.load_worker_section``).
+
+This module is the one place that spells these names: every agent→worker variable is a
+constant here and in :data:`ALL` (a worker's environment is torchrun's plus these), and the
+warm-start variables a pre-started process gets before it becomes a worker are in
+:data:`ZYGOTE` (taken out of its environment before the script runs).
 """
 
 PREFIX = "TRAINGUARD_AGENT_"
@@ -21,15 +26,17 @@ TEARDOWN_FILE = PREFIX + "TEARDOWN_FILE"
 """A file the agent creates before it stops this attempt's workers for a restart or at the end
 of a failed job: a worker that finds it treats the SIGTERM that follows as a teardown (exit at
 once), not as a preemption notice (save at the next step boundary)."""
-
-ERROR_FILE_HOOK = PREFIX + "ERROR_FILE"
-"""Set (``1``) when the workers' start-up hook records an uncaught exception as torch's error
-file (trainguard.core.errorfile)."""
-
 CHECKPOINT_MEMORY_DIR = PREFIX + "MEMORY_DIR"
 """The node's in-memory checkpoint tier (a directory in host shared memory) owned by the agent."""
-
-ALL = (RUN_DIR, PROGRESS_DIR, ATTEMPT, NODE, TEARDOWN_FILE)
+INPROCESS_GENERATION = PREFIX + "INPROCESS_GENERATION"
+"""Set for a worker that replaces a dead one in place: the in-process generation it joins."""
+WORKER_HOOKS = PREFIX + "WORKER_HOOKS"
+"""``module:function`` entries (comma-separated) the worker start-up hook calls before the
+script runs, in order: what the agent's plugins declared their workers need
+(:meth:`trainguard.core.plugin.AgentPlugin.worker_hooks`). Removed from the environment by the
+hook, so the script and its children never see it."""
+TRACEPARENT = "TRAINGUARD_TRACEPARENT"
+"""The W3C ``traceparent`` of the job's trace (telemetry): the workers' spans join it."""
 
 # -- roles (trainguard.roles): what the role supervisor tells its replicas and the trainer ----
 # These name no config section either (``role``, ``rollout`` and ``reward`` are not sections).
@@ -49,3 +56,27 @@ REWARD_URLS = "TRAINGUARD_REWARD_URLS"
 
 ROLE_URLS = {"rollout": ROLLOUT_URLS, "reward": REWARD_URLS}
 """Role → the trainer's variable that lists its replicas' URLs."""
+
+ALL = (
+    RUN_DIR,
+    PROGRESS_DIR,
+    ATTEMPT,
+    NODE,
+    TEARDOWN_FILE,
+    CHECKPOINT_MEMORY_DIR,
+    INPROCESS_GENERATION,
+    WORKER_HOOKS,
+    TRACEPARENT,
+    ROLLOUT_URLS,
+    REWARD_URLS,
+)
+"""Every variable the agent may add to a worker's environment (documented in the README's
+torchrun table); :data:`WORKER_HOOKS` is removed again before the script runs."""
+
+ZYGOTE_FD = "TRAINGUARD_ZYGOTE_FD"
+"""A pre-started worker process (warm start): the descriptor of its socket to the agent."""
+ZYGOTE_PRELOAD = "TRAINGUARD_ZYGOTE_PRELOAD"
+"""A pre-started worker process: the modules it imports while it waits (comma-separated)."""
+ZYGOTE = (ZYGOTE_FD, ZYGOTE_PRELOAD)
+"""The warm-start variables: in a pre-started process's initial environment only, never in the
+environment its script sees."""

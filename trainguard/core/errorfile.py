@@ -45,10 +45,9 @@ def _write(path: str, exc_type: type[BaseException], exc: BaseException, tb: Any
             },
         }
     }
-    tmp = f"{path}.tg.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    from trainguard.core.atomicfile import write_atomic
+
+    write_atomic(path, json.dumps(data))  # no planted symlink followed
 
 
 def record_uncaught(

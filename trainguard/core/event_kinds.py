@@ -24,12 +24,14 @@ __all__ = [
     "CHECKPOINT_RESTORED",
     "HANG_DETECTED",
     "HANG_KILLED",
+    "HEALTH_PROBE",
     "HEALTH_UNHEALTHY",
     "JOB_FINISHED",
     "LAUNCH",
     "LOSS_ROLLBACK",
     "NODE_DRAINED",
     "NODE_EXCLUDED",
+    "PREFLIGHT",
     "RENDEZVOUS",
     "RESTART",
     "ROLE_REPLICA_FAILED",
@@ -64,7 +66,7 @@ class EventSpec:
 EVENTS: tuple[EventSpec, ...] = (
     # -- the launcher and the agent (runtime) --------------------------------------------------
     EventSpec("launch", ("runtime.launcher",), ("args", "entrypoint", "max_nodes", "max_restarts", "min_nodes", "nproc_per_node", "pid", "process_start", "rdzv_backend", "run_id"), "The launcher started (its process start: the job's wall time includes imports)."),
-    EventSpec("job_finished", ("runtime.launcher",), ("state",), "This node's launcher ends; ``state`` is a JobState value."),
+    EventSpec("job_finished", ("runtime.launcher",), ("restarts", "state"), "This node's launcher ends; ``state`` is a JobState value, ``restarts`` the job-wide worker-group restarts before it ended."),
     EventSpec("rendezvous", ("runtime.agent",), ("duration_s", "group_rank", "group_world_size", "master_addr", "master_port", "members"), "A rendezvous round completed: its members and this node's rank."),
     EventSpec("workers_started", ("runtime.agent",), ("workers", "world_size"), "The local workers started (rank, local rank, pid, warm each)."),
     EventSpec("worker_failed", ("runtime.agent",), ("cause", "exitcode", "local_rank", "message", "pid", "place", "rank", "root_cause", "signal", "state"), "A worker died; ``root_cause`` marks the earliest failure (torch's rule), not counting a survivor's error because a peer rank died."),
@@ -103,9 +105,9 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("checkpoint_preempted", ("checkpoint.manager",), ("signal", "step"), "A preemption signal arrived: save at the next step boundary."),
     EventSpec("checkpoint_preempt_saved", ("checkpoint.manager",), ("committed", "error", "step"), "The preemption save finished (committed or not)."),
     # -- health --------------------------------------------------------------------------------
-    EventSpec("preflight", ("health.monitor",), ("compute", "duration_s", "note"), "The node's checks before the first rendezvous (plus the report's summary)."),
+    EventSpec("preflight", ("health.monitor",), ("action", "compute", "duration_s", "note", "reasons", "sources", "status"), "The node's checks before the first rendezvous (status, action, reasons, sources: the report's summary)."),
     EventSpec("preflight_compare", ("health.monitor",), ("nodes",), "The nodes' compute and clock checks compared after a rendezvous."),
-    EventSpec("health_probe", ("health.monitor",), ("previous",), "The in-job health verdict changed (plus the report's summary)."),
+    EventSpec("health_probe", ("health.monitor",), ("action", "previous", "reasons", "sources", "status"), "The in-job health verdict changed (status, action, reasons, sources: the report's summary)."),
     EventSpec("health_unhealthy", ("health.monitor",), ("action", "ranks", "reasons"), "An in-job finding with action restart or drain: the local group is killed."),
     EventSpec("allreduce_probe", ("health.monitor",), ("action", "nodes", "status"), "The allreduce probe's verdict on slow or failing nodes."),
     EventSpec("node_excluded", ("health.monitor", "health.straggler"), ("action", "ranks", "reason", "reasons", "scores"), "This node leaves the job (unhealthy or a straggler under the exclude policy)."),
@@ -137,9 +139,10 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("chaos_armed", ("runtime.launcher", "worker.api"), ("faults", "spec"), "Faults from TRAINGUARD_CHAOS are armed in this agent (spec and faults) or worker (faults)."),
     EventSpec("collective_progress", ("runtime.agent",), ("rank",), "This rank writes no tg.step() progress: its collectives (torch's flight recorder) are its progress for hang detection."),
     EventSpec("hang_diagnosis", ("health.hang",), ("diagnosis", "frames", "groups", "message", "missing_dumps", "op", "pg", "seq", "stack_groups", "suspect_hosts", "suspect_ranks"), "Where a hung job is stuck: the collective (process group, op, sequence id), the ranks missing from it or in another one, their hosts, and the ranks' stacks grouped."),
-    EventSpec("integration_attached", ("integrations.hf", "integrations.lightning"), ("framework", "resume", "resumed_step"), "trainguard's callback is attached to a framework's trainer (and, with resume, restored its newest snapshot)."),
+    EventSpec("integration_attached", ("integrations.adapter",), ("framework", "resume", "resumed_step"), "trainguard's callback is attached to a framework's trainer (and, with resume, restored its newest snapshot)."),
+    EventSpec("integration_degraded", ("integrations._frameworks",), ("error", "framework", "version", "what"), "A framework internal the integration uses failed (a renamed attribute, a changed signature): one warning, and training goes on with resume off."),
     EventSpec("integration_auto_attached", ("integrations.auto",), ("framework", "resume"), "The start-up hook attached trainguard to a framework's trainer without a code change."),
-    EventSpec("integration_preempted", ("integrations.hf", "integrations.lightning"), ("framework", "step"), "A preemption notice reached the framework's loop: it saves at this step and the worker exits for a requeue."),
+    EventSpec("integration_preempted", ("integrations.adapter",), ("framework", "step"), "A preemption notice reached the framework's loop: it saves at this step and the worker exits for a requeue."),
 )  # fmt: skip
 
 _BY_NAME = {s.name: s for s in EVENTS}
@@ -185,3 +188,5 @@ ROLE_REPLICA_STARTED = _kind("role_replica_started")
 ROLE_REPLICA_STATE = _kind("role_replica_state")
 ROLE_REPLICA_FAILED = _kind("role_replica_failed")
 ROLE_RESTART_BUDGET_EXHAUSTED = _kind("role_restart_budget_exhausted")
+PREFLIGHT = _kind("preflight")
+HEALTH_PROBE = _kind("health_probe")

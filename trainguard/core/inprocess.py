@@ -19,6 +19,8 @@ normal way.
 
 from __future__ import annotations
 
+from trainguard.core import envvars
+
 __all__ = [
     "FALLBACK_EXIT_CODE",
     "GENERATION_ENV",
@@ -32,7 +34,7 @@ KEY_PREFIX = "trainguard/inproc/"
 GEN_KEY = KEY_PREFIX + "gen"
 """Counter of in-process generations (``store.add(GEN_KEY, 0)`` reads it; 0 when absent)."""
 
-GENERATION_ENV = "TRAINGUARD_AGENT_INPROCESS_GENERATION"
+GENERATION_ENV = envvars.INPROCESS_GENERATION
 """Set by the agent for a replacement worker: the generation it joins."""
 
 FALLBACK_EXIT_CODE = 76

@@ -15,7 +15,7 @@ one exception is :class:`AgentExit` (:class:`NodeUnhealthyError`, :class:`NodeEv
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +40,7 @@ __all__ = [
     "JobStopError",
     "NodeEvictedError",
     "NodeUnhealthyError",
+    "WorkerHooksPlugin",
 ]
 
 
@@ -161,6 +162,21 @@ class AgentPlugin:
     def on_workers_started(self, ctx: AgentContext, group: WorkerGroup) -> None:
         """Right after this node's workers were spawned."""
 
+    def worker_env(self, ctx: AgentContext) -> Mapping[str, str]:
+        """Variables this plugin's feature needs in every local worker's environment, asked
+        before each start of the workers: names from :mod:`trainguard.core.envvars` only (a
+        worker's environment is torchrun's plus those). A name declared for one start and not
+        the next is removed."""
+        return {}
+
+    def worker_hooks(self, ctx: AgentContext) -> Sequence[str]:
+        """``module:function`` entries each local worker calls at start-up, before the script
+        (:mod:`trainguard.runtime.workerhook`), asked before each start of the workers. They run
+        in workers started as ``python script.py`` / ``python -m module`` (not ``--no-python``
+        programs): a feature that needs them degrades without them. An entry must be quick and
+        must not raise (one that does is reported in one line and skipped)."""
+        return ()
+
     def on_monitor(
         self, ctx: AgentContext, group: WorkerGroup, result: RunResult
     ) -> RunResult | None:
@@ -186,3 +202,15 @@ class AgentPlugin:
 
     def close(self) -> None:
         """Release resources; called once at the end, also on errors."""
+
+
+class WorkerHooksPlugin(AgentPlugin):
+    """A plugin whose feature lives in the workers only: it declares their start-up hook
+    entries (e.g. ``[integrations] auto``) and does nothing in the agent."""
+
+    def __init__(self, name: str, *entries: str) -> None:
+        self.name = name
+        self.entries = tuple(entries)
+
+    def worker_hooks(self, ctx: AgentContext) -> Sequence[str]:
+        return self.entries

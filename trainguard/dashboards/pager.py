@@ -29,6 +29,7 @@ from typing import Any
 from trainguard.core.config.alerts import AlertsConfig
 from trainguard.core.event_kinds import HANG_DETECTED, JOB_FINISHED, NODE_EXCLUDED, WORKERS_STARTED
 from trainguard.core.events import EventLog
+from trainguard.core.jobstate import JobState
 from trainguard.core.plugin import AgentPlugin
 from trainguard.core.rundir import RunDir
 from trainguard.core.urls import redact_url
@@ -339,12 +340,13 @@ class PagerPlugin(AgentPlugin):
                 self._labels("node"), {"reasons": reasons, "action": ev.get("action")},
                 starts_at=t,
             ))  # fmt: skip
-        if kind == JOB_FINISHED and ev.get("state") == "failed" and "job_stopped" in want:
+        if kind == JOB_FINISHED and ev.get("state") == JobState.FAILED and "job_stopped" in want:
+            restarts = ev.get("restarts")
             self.pager.submit(Page(
                 self._key("stopped"), "TrainGuardJobStopped", "firing",
                 f"training job {self.job_id} stopped on node {self.node}: it failed with no "
-                "restarts left",
-                self._labels("job"), {"restart_count": ev.get("restart_count")}, starts_at=t,
+                f"restarts left ({restarts} restart(s))",
+                self._labels("job"), {"restarts": restarts}, starts_at=t,
             ))  # fmt: skip
 
     def close(self) -> None:

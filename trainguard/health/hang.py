@@ -22,12 +22,13 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
+from trainguard.core import collectives
 from trainguard.core.config.health import HealthConfig
 from trainguard.core.plugin import AgentContext, AgentPlugin
 from trainguard.core.procs import kill_ranks
@@ -222,6 +223,11 @@ class HangDetector(AgentPlugin):
         self.num_hangs = 0
         self._next_peer_check = 0.0
         self.last_diagnosis: Any = None
+
+    def worker_hooks(self, ctx: AgentContext) -> Sequence[str]:
+        """Every worker reads its collective progress from torch's flight recorder (scripts
+        that never call ``tg.step()`` are judged by it) and answers dump requests."""
+        return (collectives.WORKER_HOOK,)
 
     def on_workers_started(self, ctx: AgentContext, group: WorkerGroup) -> None:
         self.tracker.reset(self._clock())

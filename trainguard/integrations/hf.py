@@ -34,11 +34,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from trainguard.core.failures import REQUEUE_EXIT_CODE
+from trainguard.integrations.adapter import FrameworkAdapter
 from trainguard.integrations.common import (
     MetricMapper,
-    SafeTelemetry,
-    StepBeat,
     batch_amounts,
     flops_per_token,
     report_overhead,
@@ -73,13 +71,8 @@ class TrainGuardCallback(TrainerCallback):
     (no per-step snapshots, no restore)."""
 
     def __init__(self, *, resume: bool = True) -> None:
-        self.resume = resume
-        self._tg: Any = None
-        self._t: SafeTelemetry | None = None
-        self._beat: StepBeat | None = None
+        self._a = FrameworkAdapter("transformers", "hf", resume=resume)
         self._mapper = MetricMapper()
-        self._ckpt: Any = None
-        self._state: dict[str, Any] = {}
         self._skip = 0
         self._rng: Any = None
         self._amounts: tuple[int | None, int | None, int | None] = (None, None, None)
@@ -87,44 +80,41 @@ class TrainGuardCallback(TrainerCallback):
         self._model: Any = None
         self._tokens_seen: int | None = None
         self._lag_tokens: int | None = None
-        self._preempted = False
         self._spent = 0.0  # this step's time in the hooks so far
-        self.resumed_step: int | None = None
+
+    @property
+    def resume(self) -> bool:
+        return self._a.resume
+
+    @property
+    def resumed_step(self) -> int | None:
         """The step restored from trainguard's snapshot at ``on_train_begin``, or None."""
+        return self._a.resumed_step
 
     # -- start ----------------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        import trainguard
-
-        self._tg = tg = trainguard.init()
-        self._t = SafeTelemetry(tg, "hf")
-        self._beat = StepBeat(self._t)
+        a = self._a
+        a.start()
         self._model = kw.get("model")
         trainer = _find_trainer()
         if trainer is not None:
-            self._wrap_batches(trainer)
-        self._ckpt = tg.checkpoint
+            a.guard("wrapping get_batch_samples", lambda: self._wrap_batches(trainer))
         optimizer = kw.get("optimizer")
-        if self.resume and self._model is not None and optimizer is not None:
-            self._state = {"model": self._model, "optim": _inner(optimizer, "optimizer")}
+        snapshot: dict[str, Any] = {}
+        if self._model is not None and optimizer is not None:
+            snapshot = {"model": self._model, "optim": _inner(optimizer, "optimizer")}
             sched = _inner(kw.get("lr_scheduler"), "scheduler")
             if sched is not None and hasattr(sched, "state_dict"):
-                self._state["sched"] = sched
-            self._restore(args, state, kw.get("train_dataloader"), trainer is not None)
-        else:
-            self._ckpt.setup()  # the preemption handlers (collective: every rank is here)
-        if tg.rank == 0:
-            tg.events.emit(
-                "integration_attached",
-                framework="transformers",
-                resume=bool(self._state),
-                resumed_step=self.resumed_step,
-            )
+                snapshot["sched"] = sched
+        loader = kw.get("train_dataloader")
+        a.restore(snapshot, lambda: self._restore(args, state, loader, trainer is not None))
 
-    def _restore(self, args: Any, state: Any, loader: Any, can_skip: bool) -> None:
+    def _restore(
+        self, args: Any, state: Any, loader: Any, can_skip: bool
+    ) -> tuple[int, int] | None:
         """The newest trainguard snapshot newer than the step HF resumed from, in the same
         epoch (HF moves its data loader by epochs, trainguard by the steps in between)."""
-        tg, ckpt = self._tg, self._ckpt
+        ckpt = self._a.ckpt
         done = int(state.global_step)
         ga = max(1, int(args.gradient_accumulation_steps))
         per_epoch = None
@@ -137,9 +127,9 @@ class TrainGuardCallback(TrainerCallback):
             newest = state.max_steps if newest is None else min(newest, state.max_steps)
         if not can_skip:  # cannot move the data loader: the framework's own resume only
             newest = done
-        step = ckpt.restore(self._state, min_step=done + 1, max_step=newest)
+        step = ckpt.restore(self._a.state, min_step=done + 1, max_step=newest)
         if step is None or step <= done:
-            return
+            return None
         from trainguard.checkpoint.state import rng_state
 
         self._rng = rng_state()  # HF restores its own RNG state at the first batch: redo ours
@@ -147,14 +137,7 @@ class TrainGuardCallback(TrainerCallback):
         state.global_step = step
         if per_epoch:
             state.epoch = step / per_epoch
-        self.resumed_step = step
-        if tg.rank == 0:
-            print(
-                f"trainguard: resumed at step {step} from its snapshot "
-                f"(the framework's checkpoint had step {done})",
-                file=sys.stderr,
-                flush=True,
-            )
+        return step, done
 
     def _wrap_batches(self, trainer: Any) -> None:
         """Wrap this trainer's ``get_batch_samples`` (one call per optimizer step): skip the
@@ -167,9 +150,14 @@ class TrainGuardCallback(TrainerCallback):
         def get_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
             if me._skip:
                 skip, me._skip = me._skip, 0
-                for _ in range(skip):
-                    if next(epoch_iterator, None) is None:
-                        break
+
+                def skip_batches() -> None:
+                    for _ in range(skip):
+                        if next(epoch_iterator, None) is None:
+                            break
+
+                if not me._a.guard("skipping restored steps' batches", skip_batches):
+                    me._skip, me._rng = 0, None
             batches, n = original(trainer, epoch_iterator, num_batches, device)
             try:
                 me._amounts = batch_amounts(batches)
@@ -182,11 +170,11 @@ class TrainGuardCallback(TrainerCallback):
 
     # -- steps ----------------------------------------------------------------------------------
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if self._beat is None:
+        if self._a.beat is None:
             return
         t0 = time.perf_counter()
         if self._spent:  # the last step's hooks (on_log comes after on_step_end)
-            report_overhead(self._t, self._ckpt, self._spent)
+            report_overhead(self._a.telemetry, self._a.ckpt, self._spent)
             self._spent = 0.0
         if self._rng is not None:
             from trainguard.checkpoint.state import set_rng_state
@@ -203,11 +191,11 @@ class TrainGuardCallback(TrainerCallback):
                 self._fpt = flops_per_token(self._model, seq)
             flops = self._fpt * tokens if self._fpt else None
         self._tokens_seen = getattr(state, "num_input_tokens_seen", None)
-        self._beat.begin(int(state.global_step), tokens=tokens, samples=samples, flops=flops)
+        self._a.beat.begin(int(state.global_step), tokens=tokens, samples=samples, flops=flops)
         self._spent += time.perf_counter() - t0
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
-        if self._beat is None:
+        if self._a.beat is None:
             return None
         t0 = time.perf_counter()
         try:
@@ -216,66 +204,37 @@ class TrainGuardCallback(TrainerCallback):
             self._spent += time.perf_counter() - t0
 
     def _step_end(self, state: Any, control: Any) -> Any:
-        assert self._beat is not None
+        assert self._a.beat is not None
         seen = getattr(state, "num_input_tokens_seen", None)
         if seen and self._tokens_seen is not None and seen > self._tokens_seen:
             self._lag_tokens = int(seen - self._tokens_seen)  # the next step's estimate
-        self._beat.end()
-        if self._ckpt is None or self._preempted:
-            return None
-        try:
-            step = int(state.global_step)
-            if self._state:  # the ranks' agreement for the next step runs during it
-                self._ckpt.maybe_save(step, self._state, overlap=True)
-            elif self._ckpt.preemption_agreed(step):
-                raise SystemExit(REQUEUE_EXIT_CODE)
-        except SystemExit as e:
-            if e.code != REQUEUE_EXIT_CODE:
-                raise
-            self._preempted = True  # trainguard's state is saved; now the framework's own
+        self._a.beat.end()
+        if self._a.step_boundary(int(state.global_step)):
+            # trainguard's state is saved (or nothing to save); now the framework's own
             control.should_save = True
             control.should_training_stop = True
-            if self._tg.rank == 0:
-                self._tg.events.emit(
-                    "integration_preempted", framework="transformers", step=int(state.global_step)
-                )
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if self._preempted:
-            self._exit()
+        if self._a.preempted:
+            self._a.finish()
+            self._a.exit_preempted()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
         # every rank gets the same (reduced) values: one series, from rank 0
-        if self._t is None or not logs or not state.is_world_process_zero:
+        telemetry = self._a.telemetry
+        if telemetry is None or not logs or not state.is_world_process_zero:
             return
         t0 = time.perf_counter()
         try:
             metrics = self._mapper.map(logs)
         except Exception:
-            self._t.failed("mapping metrics")
+            telemetry.failed("mapping metrics")
             return
-        self._t.log(int(state.global_step), metrics)
+        telemetry.log(int(state.global_step), metrics)
         self._spent += time.perf_counter() - t0
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if self._beat is not None:
-            self._beat.end()
-            self._tg.training_done()  # a final save or a slow exit is not a hang
-        if self._preempted:
-            self._exit()
-        if self._ckpt is not None:
-            try:
-                self._ckpt.settle_agreement()
-                self._ckpt.wait()
-            except Exception:
-                logger.exception("trainguard snapshot in flight failed")
-
-    def _exit(self) -> None:
-        print(
-            "trainguard: preempted; the framework saved its checkpoint, exiting with "
-            f"{REQUEUE_EXIT_CODE} (requeue)",
-            file=sys.stderr,
-            flush=True,
-        )
-        raise SystemExit(REQUEUE_EXIT_CODE)
+        self._a.finish()
+        if self._a.preempted:
+            self._a.exit_preempted()

@@ -33,11 +33,9 @@ import sys
 import time
 from typing import Any
 
-from trainguard.core.failures import REQUEUE_EXIT_CODE
+from trainguard.integrations.adapter import FrameworkAdapter
 from trainguard.integrations.common import (
     MetricMapper,
-    SafeTelemetry,
-    StepBeat,
     batch_amounts,
     flops_per_token,
     report_overhead,
@@ -82,44 +80,34 @@ class _Mixin:
     """The callback's body; :func:`callback_class` puts it on a Lightning ``Callback``."""
 
     def __init__(self, *, resume: bool = True) -> None:
-        self.resume = resume
-        self._tg: Any = None
-        self._t: SafeTelemetry | None = None
-        self._beat: StepBeat | None = None
+        self._a = FrameworkAdapter("lightning", "lightning", resume=resume)
         self._mapper = MetricMapper(strip_prefixes=True)
-        self._ckpt: Any = None
-        self._state: dict[str, Any] = {}
         self._fpt: float | None = None
         self._next_log = 0.0  # monotonic time of the next metrics record
         self._spent = 0.0  # this step's time in the hooks so far
-        self.resumed_step: int | None = None
+
+    @property
+    def resume(self) -> bool:
+        return self._a.resume
+
+    @property
+    def resumed_step(self) -> int | None:
         """The step restored from trainguard's snapshot at ``on_train_start``, or None."""
+        return self._a.resumed_step
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        import trainguard
-
-        self._tg = tg = trainguard.init()
-        self._t = SafeTelemetry(tg, "lightning")
-        self._beat = StepBeat(self._t)
-        self._ckpt = tg.checkpoint
+        a = self._a
+        a.start()
         opts = list(trainer.optimizers)
-        if self.resume and len(opts) == 1 and pl_module.automatic_optimization:
-            self._state = {"model": pl_module, "optim": opts[0]}
+        snapshot: dict[str, Any] = {}
+        if len(opts) == 1 and pl_module.automatic_optimization:
+            snapshot = {"model": pl_module, "optim": opts[0]}
             scheds = [c.scheduler for c in trainer.lr_scheduler_configs]
             if len(scheds) == 1:
-                self._state["sched"] = scheds[0]
-            self._restore(trainer)
-        else:
-            self._ckpt.setup()  # the preemption handlers (collective: every rank is here)
-        if tg.rank == 0:
-            tg.events.emit(
-                "integration_attached",
-                framework="lightning",
-                resume=bool(self._state),
-                resumed_step=self.resumed_step,
-            )
+                snapshot["sched"] = scheds[0]
+        a.restore(snapshot, lambda: self._restore(trainer))
 
-    def _restore(self, trainer: Any) -> None:
+    def _restore(self, trainer: Any) -> tuple[int, int] | None:
         done = int(trainer.global_step)
         accum = max(1, int(trainer.accumulate_grad_batches))
         per_epoch = None
@@ -129,9 +117,9 @@ class _Mixin:
         newest = None if per_epoch is None else (done // per_epoch + 1) * per_epoch - 1
         if trainer.max_steps and trainer.max_steps > 0:
             newest = trainer.max_steps if newest is None else min(newest, trainer.max_steps)
-        step = self._ckpt.restore(self._state, min_step=done + 1, max_step=newest)
+        step = self._a.ckpt.restore(self._a.state, min_step=done + 1, max_step=newest)
         if step is None or step <= done:
-            return
+            return None
         delta = step - done
         loop = trainer.fit_loop.epoch_loop
         _bump(loop.batch_progress, delta * accum)
@@ -139,23 +127,17 @@ class _Mixin:
         _bump(loop.automatic_optimization.optim_progress.optimizer.zero_grad, delta)
         _bump(loop.scheduler_progress, delta)
         loop._batches_that_stepped += delta
-        self.resumed_step = step
-        if self._tg.rank == 0:
-            print(
-                f"trainguard: resumed at step {step} from its snapshot "
-                f"(the framework's checkpoint had step {done})",
-                file=sys.stderr,
-                flush=True,
-            )
+        return step, done
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._beat is None or self._beat.open:
+        beat = self._a.beat
+        if beat is None or beat.open:
             return
         t0 = time.perf_counter()
         if self._spent:  # the last step's hooks
-            report_overhead(self._t, self._ckpt, self._spent)
+            report_overhead(self._a.telemetry, self._a.ckpt, self._spent)
             self._spent = 0.0
         try:
             tokens, samples, seq = batch_amounts([batch])
@@ -166,13 +148,13 @@ class _Mixin:
             if self._fpt is None:
                 self._fpt = flops_per_token(pl_module, seq)
             flops = self._fpt * tokens if self._fpt else None
-        self._beat.begin(int(trainer.global_step), tokens=tokens, samples=samples, flops=flops)
+        beat.begin(int(trainer.global_step), tokens=tokens, samples=samples, flops=flops)
         self._spent += time.perf_counter() - t0
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        beat = self._beat
+        beat = self._a.beat
         if beat is None or not beat.open or beat.step is None:
             return
         step = int(trainer.global_step)
@@ -185,23 +167,15 @@ class _Mixin:
             self._spent += time.perf_counter() - t0
 
     def _step_end(self, trainer: Any, outputs: Any, step: int) -> None:
-        assert self._beat is not None
-        self._beat.end()
+        assert self._a.beat is not None
+        self._a.beat.end()
         self._log(trainer, outputs, step)
-        if self._ckpt is None:
-            return
-        try:
-            if self._state:  # the ranks' agreement for the next step runs during it
-                self._ckpt.maybe_save(step, self._state, overlap=True)
-            elif self._ckpt.preemption_agreed(step):
-                raise SystemExit(REQUEUE_EXIT_CODE)
-        except SystemExit as e:
-            if e.code != REQUEUE_EXIT_CODE:
-                raise
-            self._preempt(trainer, step)
+        if self._a.step_boundary(step):
+            self._preempt(trainer)
 
     def _log(self, trainer: Any, outputs: Any, step: int) -> None:
-        assert self._t is not None
+        telemetry = self._a.telemetry
+        assert telemetry is not None
         now = time.monotonic()
         if now < self._next_log:
             return
@@ -219,40 +193,26 @@ class _Mixin:
                     values["lr"] = opts[0].param_groups[0]["lr"]
             metrics = self._mapper.map(values)
         except Exception:
-            self._t.failed("mapping metrics")
+            telemetry.failed("mapping metrics")
             return
-        self._t.log(step, metrics)
+        telemetry.log(step, metrics)
 
-    def _preempt(self, trainer: Any, step: int) -> None:
+    def _preempt(self, trainer: Any) -> None:
+        """trainguard's preemption save ran: Lightning saves its last checkpoint (every rank:
+        collective), and the process exits for a requeue."""
         trainer.should_stop = True
-        tg = self._tg
-        if tg.rank == 0:
-            tg.events.emit("integration_preempted", framework="lightning", step=step)
         cb = getattr(trainer, "checkpoint_callback", None)
         dirpath = getattr(cb, "dirpath", None)
         if dirpath:
             name = getattr(cb, "CHECKPOINT_NAME_LAST", "last") + getattr(
                 cb, "FILE_EXTENSION", ".ckpt"
             )
-            trainer.save_checkpoint(os.path.join(dirpath, name))  # every rank (collective)
-        print(
-            "trainguard: preempted; the framework saved its checkpoint, exiting with "
-            f"{REQUEUE_EXIT_CODE} (requeue)",
-            file=sys.stderr,
-            flush=True,
-        )
-        raise SystemExit(REQUEUE_EXIT_CODE)
+            trainer.save_checkpoint(os.path.join(dirpath, name))
+        self._a.finish()
+        self._a.exit_preempted()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._beat is not None:
-            self._beat.end()
-            self._tg.training_done()  # a final save or a slow exit is not a hang
-        if self._ckpt is not None:
-            try:
-                self._ckpt.settle_agreement()
-                self._ckpt.wait()
-            except Exception:
-                logger.exception("trainguard snapshot in flight failed")
+        self._a.finish()
 
 
 _classes: dict[Any, type] = {}

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 __all__ = ["RecoveryPlugin"]
 
 logger = logging.getLogger(__name__)
+
+ERROR_FILE_HOOK = "trainguard.core.errorfile:install_excepthook"
+"""The worker start-up hook entry that records an uncaught exception as torch's error file."""
 
 POLL_S = 1.0
 """How often a running agent looks for a job-wide stop and new checkpoints."""
@@ -228,6 +231,11 @@ class RecoveryPlugin(AgentPlugin):
         )
 
     # -- hooks ---------------------------------------------------------------------------------
+    def worker_hooks(self, ctx: AgentContext) -> Sequence[str]:
+        # [recovery] attribution: an uncaught exception is written as torch's error file in
+        # the worker (the evidence failure attribution reads, without @record in the script)
+        return (ERROR_FILE_HOOK,) if self.cfg.attribution else ()
+
     def before_rendezvous(self, ctx: AgentContext) -> None:
         ledger = self.ledger(ctx)
         if ledger is None:

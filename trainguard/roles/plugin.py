@@ -10,7 +10,7 @@ code is otherwise the trainer's.
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import Mapping
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
@@ -37,9 +37,11 @@ class RolesPlugin(AgentPlugin):
 
     def __init__(self, ctx: AgentContext) -> None:
         self.supervisor = RoleSupervisor(ctx.config.roles, ctx.run_dir, ctx.events)
-        # the trainer's workers inherit the agent's environment: the engines' URLs, fixed
-        # for the whole job (a replica keeps its port across restarts)
-        os.environ.update(self.supervisor.trainer_env())
+
+    def worker_env(self, ctx: AgentContext) -> Mapping[str, str]:
+        # the engines' URLs in the trainer's workers, fixed for the whole job (a replica
+        # keeps its port across restarts)
+        return self.supervisor.trainer_env()
 
     def _check(self) -> None:
         failure = self.supervisor.failure

@@ -30,7 +30,7 @@ from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin, NodeUnh
 from trainguard.core.procs import kill_ranks
 from trainguard.core.progress import ProgressReader, ProgressSnapshot
 from trainguard.core.rundir import RunDir
-from trainguard.runtime import _torch
+from trainguard.runtime import _torch, workerhook
 from trainguard.runtime.inprocess import InProcessRestarter
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
 
@@ -38,11 +38,8 @@ __all__ = ["NodeUnhealthyError", "TrainGuardAgent"]
 
 logger = logging.getLogger(__name__)
 
-INTEGRATIONS_ENV = "TRAINGUARD_AGENT_INTEGRATIONS"
-"""Set in the workers' environment when ``[integrations] auto`` is on (read by runtime/_zygote)."""
-HOOK_DIR = str(Path(__file__).resolve().parent / "_zygote")
-"""The workers' start-up hook (``sitecustomize.py``: warm starts, collective watcher, framework
-integrations)."""
+HOOK_DIR = workerhook.HOOK_DIR
+"""The workers' start-up hook (``sitecustomize.py`` → :mod:`trainguard.runtime.workerhook`)."""
 PEER_FAILED_KEY = "trainguard/failed"
 """Rendezvous-store key (``/<attempt>``) where an agent whose workers failed names its node."""
 PEER_FAILED_POLL_S = 0.25
@@ -106,6 +103,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         self.inprocess = InProcessRestarter(self)
         """Replaces a dead worker in place when the workers run in ``trainguard.run``."""
         self._user_pythonpath = os.environ.get("PYTHONPATH")
+        self._declared_env: set[str] = set()
         self._collective_ranks: set[int] = set()
         self._released = False
         self._next_peer_check = 0.0
@@ -267,38 +265,43 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         self._call("after_rendezvous", worker_group)
 
     def _install_worker_hooks(self) -> None:
-        """trainguard's start-up hook (runtime/_zygote), first on the workers' PYTHONPATH (a
-        path, not an import: the agent never imports the worker side), when it has work there:
-        the collective progress watcher, the framework integrations. It hands on to the user's
-        own ``sitecustomize``."""
-        watch = self._watch_collectives()
-        errors = self._record_errors()
-        if self._integrations_auto() or watch or errors:
-            parts = [HOOK_DIR, *filter(None, (self._user_pythonpath or "").split(os.pathsep))]
-            os.environ["PYTHONPATH"] = os.pathsep.join(parts)
-        elif self._user_pythonpath:
-            os.environ["PYTHONPATH"] = self._user_pythonpath
+        """What the plugins declared their workers need: variables (``worker_env``, names from
+        :mod:`trainguard.core.envvars`) and start-up hook entries (``worker_hooks``). The
+        entries reach a worker started as ``python ...`` through trainguard's start-up hook,
+        first on its ``PYTHONPATH`` (:mod:`trainguard.runtime.workerhook`, which takes itself off
+        again): a ``--no-python`` program gets neither the hook nor the entries, so its
+        environment (and that of every Python it starts) is torchrun's plus ``envvars.ALL``."""
+        env: dict[str, str] = {}
+        entries: list[str] = []
+        for p in self.plugins:
+            try:
+                declared = dict(p.worker_env(self.ctx))
+                unknown = sorted(set(declared) - set(envvars.ALL))
+                if unknown:
+                    raise ValueError(f"worker_env names {unknown} not in trainguard.core.envvars")
+                hooks = [workerhook.check_entry(e) for e in p.worker_hooks(self.ctx)]
+            except Exception:
+                self.num_plugin_errors += 1
+                logger.exception("plugin %s failed declaring its workers' needs", p.name)
+                continue
+            env.update(declared)
+            entries.extend(e for e in hooks if e not in entries)
+        for name in self._declared_env - env.keys():
+            os.environ.pop(name, None)
+        os.environ.update(env)
+        self._declared_env = set(env)
+        argv = self.ctx.worker_argv
+        python_worker = bool(argv) and argv[0] == sys.executable
+        user = workerhook.without_hook_dir(self._user_pythonpath)
+        if entries and python_worker:
+            os.environ[envvars.WORKER_HOOKS] = ",".join(entries)
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [workerhook.HOOK_DIR, user]))
         else:
-            os.environ.pop("PYTHONPATH", None)
-
-    def _record_errors(self) -> bool:
-        """``[recovery] attribution``: the hook writes an uncaught exception as torch's error
-        file (trainguard.core.errorfile), the evidence failure attribution reads."""
-        if self.tg_config.recovery.attribution:
-            os.environ[envvars.ERROR_FILE_HOOK] = "1"
-        else:
-            os.environ.pop(envvars.ERROR_FILE_HOOK, None)
-        return self.tg_config.recovery.attribution
-
-    def _integrations_auto(self) -> bool:
-        """``[integrations] auto``: the hook attaches trainguard to transformers' / Lightning's
-        Trainer (trainguard.integrations.auto)."""
-        cfg = self.tg_config.integrations
-        if cfg.auto:
-            os.environ[INTEGRATIONS_ENV] = "1"
-        else:
-            os.environ.pop(INTEGRATIONS_ENV, None)
-        return cfg.auto
+            os.environ.pop(envvars.WORKER_HOOKS, None)
+            if self._user_pythonpath is not None:
+                os.environ["PYTHONPATH"] = self._user_pythonpath
+            else:
+                os.environ.pop("PYTHONPATH", None)
 
     def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         progress_dir = RunDir(self.run_dir).progress(self.attempt)
@@ -337,20 +340,6 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
             self.ctx.world_size = worker_group.workers[0].world_size
         self._call("on_workers_started", worker_group)
         return pids
-
-    def _watch_collectives(self) -> bool:
-        """Whether workers start trainguard's hook (runtime/_zygote) before the script: it reads
-        their collective progress from torch's flight recorder (switched on here unless the user
-        set its buffer size)."""
-        health = self.tg_config.health
-        if not (health.enabled and health.hang_detection):
-            os.environ.pop(collectives.WATCH_ENV, None)
-            os.environ.pop(collectives.FR_BUFFER_AGENT_ENV, None)
-            return False
-        if collectives.FR_BUFFER_ENV not in os.environ:  # the hook sets it in the C environment
-            os.environ[collectives.FR_BUFFER_AGENT_ENV] = str(collectives.FR_BUFFER_DEFAULT)
-        os.environ[collectives.WATCH_ENV] = str(health.collective_poll_interval_s)
-        return True
 
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._repair_error_files()  # torch's poll and the in-process restart read them

@@ -35,6 +35,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 
 from trainguard.core.atomicfile import make_dirs
+from trainguard.chaos import faults as chaos
 from trainguard.core.config import ConfigError, TrainGuardConfig, load_config, write_effective
 from trainguard.core.events import EventLog
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
@@ -46,7 +47,6 @@ from trainguard.runtime import etcd_v3, spares
 from trainguard.runtime._torch import cheap_rendezvous_event_names
 from trainguard.runtime.agent import TrainGuardAgent
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
-from trainguard.testing import chaos
 
 __all__ = ["UsageError", "build_parser", "launch", "run"]
 
@@ -525,7 +525,8 @@ def launch(
             assert isinstance(handler, AttemptRendezvousHandler)  # what _worker_spec builds
             handler.leave()  # the others go on at once, without this node
     finally:
-        events.emit("job_finished", state=outcome.state.value)
+        # restarts: the job-wide worker-group restarts so far (the attempt of the last round)
+        events.emit("job_finished", state=outcome.state.value, restarts=max(agent.attempt, 0))
         _finish_plugins(plugins, ctx, outcome.state)
         if spare_ctl is not None:
             spare_ctl.close()  # a tombstone: the others remove this node at once

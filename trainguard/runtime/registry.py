@@ -10,10 +10,13 @@ from typing import Any
 from trainguard.core.config import TrainGuardConfig
 from trainguard.core.events import EventLog
 from trainguard.core.fencing import NodeFencer, RecordOnlyFencer
-from trainguard.core.plugin import AgentContext, AgentPlugin
+from trainguard.core.plugin import AgentContext, AgentPlugin, WorkerHooksPlugin
 
 __all__ = ["default_plugins", "node_fencer", "recovery_summary", "start_ft"]
 
+INTEGRATIONS_HOOK = "trainguard.integrations.auto:install"
+"""The worker start-up hook entry of ``[integrations] auto`` (a name: the agent never imports
+the worker side)."""
 _SBATCH_CHAIN_ENV = "TRAINGUARD_SBATCH_CHAIN_ID"  # trainguard.slurm.batch.CHAIN_ENV
 
 
@@ -72,6 +75,9 @@ def default_plugins(ctx: AgentContext) -> list[AgentPlugin]:
         pager = create_pager_plugin(cfg.alerts, ctx.run_dir, ctx.events)
         if pager is not None:
             plugins.append(pager)
+    if cfg.integrations.auto:
+        # trainguard attaches itself to transformers' / Lightning's Trainer in the workers
+        plugins.append(WorkerHooksPlugin("integrations", INTEGRATIONS_HOOK))
     if _in_trainguard_sbatch_job():
         from trainguard.slurm.cli import make_slurm
         from trainguard.slurm.plugin import SlurmDrainPlugin

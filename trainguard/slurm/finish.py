@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from trainguard.chaos.faults import CHAOS_ENV
 from trainguard.core.config.slurm import SlurmConfig
 from trainguard.core.event_kinds import JOB_FINISHED, NODE_DRAINED
 from trainguard.core.events import EventLog, read_events
@@ -34,7 +35,6 @@ from trainguard.core.jobstate import JobState
 from trainguard.slurm.batch import CHAIN_ENV, RESUBMITS_ENV
 from trainguard.slurm.cli import SlurmCli, SlurmError
 from trainguard.slurm.fencer import SlurmFencer
-from trainguard.testing.chaos import CHAOS_ENV
 
 __all__ = ["Action", "Decision", "decide", "finish", "node_states", "take_over"]
 

@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from trainguard.core.atomicfile import write_atomic
+from trainguard.core import envvars
 from trainguard.core.config.telemetry import TelemetryConfig
 from trainguard.core.events import MSG_STRAGGLER_SCORES
 from trainguard.core.goodput import GoodputTracker
@@ -95,6 +96,7 @@ class TelemetryPlugin(AgentPlugin):
         rendezvous, so telemetry adds nothing to launch-to-first-step; hooks wait for it."""
         self.ctx = ctx
         self.cfg: TelemetryConfig = ctx.config.telemetry
+        self._traceparent: str | None = None
         self.run_dir = ctx.run_dir
         self.node = ctx.node
         self.export_failures: dict[str, int] = {}
@@ -315,6 +317,10 @@ class TelemetryPlugin(AgentPlugin):
                 logger.exception("telemetry poll failed")
 
     # -- hooks -------------------------------------------------------------------------------
+    def worker_env(self, ctx: AgentContext) -> dict[str, str]:
+        """The attempt's trace context: the workers' spans join it."""
+        return {envvars.TRACEPARENT: self._traceparent} if self._traceparent else {}
+
     def before_rendezvous(self, ctx: AgentContext) -> None:
         if not self._built.is_set():  # still building: open the round span when it is done
             self._round_start_ns = time.time_ns()
@@ -325,8 +331,6 @@ class TelemetryPlugin(AgentPlugin):
             self.tracer.begin_round()
 
     def after_rendezvous(self, ctx: AgentContext, group: WorkerGroup) -> None:
-        from trainguard.telemetry.spans import TRACEPARENT_ENV
-
         if not self._ready():
             return
         if self._round_start_ns is not None:
@@ -343,7 +347,7 @@ class TelemetryPlugin(AgentPlugin):
             tp = self.tracer.begin_attempt(
                 ctx.attempt, group_rank=group.group_rank or 0, world_size=world
             )
-        os.environ[TRACEPARENT_ENV] = tp
+        self._traceparent = tp  # the workers' spans join the attempt's (worker_env)
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="tg-telemetry", daemon=True)
             self._thread.start()

@@ -284,7 +284,7 @@ class MetricsRecorder:
                 if t is not None:
                     self._set("trainguard.checkpoint.last_commit.time", t, node)
             elif kind == "restart":
-                cause = ev.get("cause") or self._pending_cause or ev.get("reason") or "unknown"
+                cause = self._pending_cause or ev.get("reason") or "unknown"
                 self._pending_cause = None
                 self._inst["trainguard.job.restarts"].add(1, {**node, "cause": str(cause)})
             elif kind in (ROLE_REPLICA_STARTED, ROLE_REPLICA_STATE):

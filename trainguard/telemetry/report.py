@@ -20,6 +20,7 @@ from typing import Any
 from trainguard.core import svg
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.contract import LOSS_CAUSES
+from trainguard.core.event_kinds import HEALTH_PROBE, PREFLIGHT
 from trainguard.core.events import read_events
 from trainguard.core.goodput import Goodput, compute_goodput
 from trainguard.core.rundir import RunDir
@@ -48,7 +49,7 @@ def _is_health_incident(e: dict[str, Any]) -> bool:
     kind = str(e.get("kind"))
     if any(w in kind for w in HEALTH_WORDS) or e.get("cause") == "hang":
         return True
-    return kind in ("preflight", "probe", "health_probe") and e.get("status") not in (None, "ok")
+    return kind in (PREFLIGHT, HEALTH_PROBE) and e.get("status") not in (None, "ok")
 
 
 @dataclass

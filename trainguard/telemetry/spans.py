@@ -16,9 +16,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from trainguard.core import envvars
+
 __all__ = ["TRACEPARENT_ENV", "SpanRecorder", "format_traceparent", "parse_traceparent"]
 
-TRACEPARENT_ENV = "TRAINGUARD_TRACEPARENT"
+TRACEPARENT_ENV = envvars.TRACEPARENT
 
 
 def parse_traceparent(value: str | None) -> tuple[str, str] | None:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from trainguard.chaos.faults import WorkerChaos
 from trainguard.core import envvars
 from trainguard.core.atomicfile import open_append
 from trainguard.core.config import ConfigError, load_worker_section, worker_section_or_default
@@ -29,7 +30,6 @@ from trainguard.core.procs import exit_now
 from trainguard.core.progress import ProgressWriter, progress_path
 from trainguard.core.rundir import RunDir
 from trainguard.telemetry.spans import TRACEPARENT_ENV, SpanRecorder
-from trainguard.testing.chaos import WorkerChaos
 
 if TYPE_CHECKING:
     from trainguard.checkpoint.manager import CheckpointManager
@@ -107,7 +107,7 @@ class TrainGuard:
         """The training runs in ``trainguard.run`` with in-process restarts."""
         self._step_guard: Callable[[], None] | None = None  # trainguard.run's restart check
         self._chaos = WorkerChaos.from_env(rank=self.rank, attempt=self.attempt, node=self.node)
-        """Injected faults (``TRAINGUARD_CHAOS``, trainguard.testing.chaos); None when unset."""
+        """Injected faults (``TRAINGUARD_CHAOS``, trainguard.chaos.faults); None when unset."""
         if self._chaos is not None:
             armed = [f.describe() for f in self._chaos.faults]
             logger.warning("rank %d: injected faults armed: %s", self.rank, "; ".join(armed))

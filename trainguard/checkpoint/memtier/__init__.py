@@ -1,7 +1,7 @@
 """The node's in-memory checkpoint tier, owned by the agent, replicated to one peer agent.
 
 The agent plugin creates a directory in shared memory (``/dev/shm``) and exports it to its
-workers (``TRAINGUARD_AGENT_MEMORY_DIR``). Workers stage their snapshots into files there
+workers (``envvars.CHECKPOINT_MEMORY_DIR``). Workers stage their snapshots into files there
 (see :mod:`trainguard.checkpoint.staging`), so a worker crash does not lose them: the agent
 owns the directory and removes it only when it exits.
 

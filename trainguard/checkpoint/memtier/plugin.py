@@ -48,7 +48,6 @@ class MemoryTierPlugin(AgentPlugin):
         self.store = TierStore(self.dir)
         self.local = self.store.local
         self.replica = self.store.replica
-        os.environ[MEMORY_DIR_ENV] = str(self.local)
         self.group_rank = 0
         self.peers: Peers = {}
         self._server: TierServer | None = None
@@ -80,6 +79,10 @@ class MemoryTierPlugin(AgentPlugin):
             self._replicator.start()
 
     # -- hooks -----------------------------------------------------------------------------------
+    def worker_env(self, ctx: AgentContext) -> dict[str, str]:
+        """The workers stage their snapshots into this node's tier directory."""
+        return {MEMORY_DIR_ENV: str(self.local)}
+
     def before_rendezvous(self, ctx: AgentContext) -> None:
         if self._server is not None and not self._announced:
             self._announced = True
@@ -209,8 +212,6 @@ class MemoryTierPlugin(AgentPlugin):
         if self._owner_fd is not None:
             os.close(self._owner_fd)
             self._owner_fd = None
-        if os.environ.get(MEMORY_DIR_ENV) == str(self.local):
-            del os.environ[MEMORY_DIR_ENV]
 
 
 def route_ip(endpoint: str) -> str:

@@ -256,7 +256,7 @@ def load_config(
     layer: dict[str, dict[str, tuple[Any, str]]] = {name: {} for name in sections}
     for var, raw in env.items():
         if not var.startswith(ENV_PREFIX) or var.startswith(envvars.PREFIX):
-            continue  # TRAINGUARD_AGENT_*: what the agent tells its workers, not settings
+            continue  # envvars.PREFIX: what the agent tells its workers, not settings
         rest = var[len(ENV_PREFIX) :].lower()
         for name in sections:
             if rest.startswith(name + "_"):

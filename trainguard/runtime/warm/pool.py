@@ -6,7 +6,8 @@ constructor imports) on the critical path: after every restart, and when a spare
 node's slot. The :class:`WarmPool` keeps one pre-started process ("zygote") per key (the agent
 uses the local rank): a fresh ``python`` started with exactly the worker's command line
 (``python -u script.py args...`` or ``python -u -m module args...``) whose start-up hook
-(``runtime/_zygote/sitecustomize.py``, first on ``PYTHONPATH``) imports the preload modules
+(``runtime/_zygote/sitecustomize.py`` → :mod:`trainguard.runtime.workerhook`, first on
+``PYTHONPATH``) imports the preload modules
 and then blocks on a unix socket. :meth:`WarmPool.spawn` hands a zygote the worker's full
 environment, working directory and stdout/stderr descriptors; the hook puts them in place and
 returns, and the interpreter runs the script itself, as it would have in a fresh process: same
@@ -50,7 +51,9 @@ from typing import IO, Any, Literal
 
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
+from trainguard.core import envvars
 from trainguard.runtime import _torch
+from trainguard.runtime.workerhook import HOOK_DIR, without_hook_dir
 
 __all__ = [
     "DYNAMIC_ENV",
@@ -65,9 +68,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-HOOK_DIR = str(Path(__file__).resolve().parent.parent / "_zygote")
-FD_ENV = "TRAINGUARD_ZYGOTE_FD"
-PRELOAD_ENV = "TRAINGUARD_ZYGOTE_PRELOAD"
+FD_ENV = envvars.ZYGOTE_FD
+PRELOAD_ENV = envvars.ZYGOTE_PRELOAD
 
 DYNAMIC_ENV = frozenset(
     {
@@ -138,8 +140,7 @@ def _value(env: Mapping[str, str], key: str) -> str | None:
 def _without_hook(pythonpath: str | None) -> str | None:
     """``PYTHONPATH`` without trainguard's hook directory (the agent puts it first for the
     worker start-up hook; the hook takes it off again): None when nothing else is left."""
-    kept = [p for p in (pythonpath or "").split(os.pathsep) if p and os.path.abspath(p) != HOOK_DIR]
-    return os.pathsep.join(kept) or None
+    return without_hook_dir(pythonpath)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Faults injected from outside a job (``trainguard chaos ...``): find a run's processes and the
 processes behind a port, pause a service, corrupt a checkpoint. Standard library only (killing
-process trees: :mod:`trainguard.testing.procs`; the failing dcgm-exporter endpoint:
-:mod:`trainguard.testing.dcgm`).
+process trees: :mod:`trainguard.chaos.procs`; the failing dcgm-exporter endpoint:
+:mod:`trainguard.chaos.dcgm`).
 
 Every function takes explicit targets (pids, ports, directories) and never acts on anything it
 was not pointed at; the CLI (``trainguard.cli.cmd_chaos``) resolves a run directory's ranks,
@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from trainguard.chaos.procs import alive, descendants
 from trainguard.core.events import node_name
 from trainguard.core.proctime import process_start_time
 from trainguard.core.rundir import RunDir
-from trainguard.testing.procs import alive, descendants
 
 __all__ = [
     "ChaosTargetError",

@@ -1,0 +1,98 @@
+"""A framework release that renames an internal the integration uses, simulated in a real
+job: the job finishes, with one warning, an ``integration_degraded`` event and resume off
+(never an exception into training). Real ``trainguard run`` jobs of the examples (2 ranks,
+gloo); the rename is a user ``sitecustomize`` in the workers (chained by trainguard's hook)
+that hides the name from trainguard's code only, so the framework itself keeps working."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.integration_jobs import events, job_env, run_example
+
+# A descriptor on the framework class: the framework reads and writes the attribute as
+# before; from a trainguard module it is gone, as after a rename.
+RENAME = """
+import os, sys
+
+def _hidden(owner, name, value_key):
+    err = f"{owner.__name__!r} object has no attribute {name!r}"
+
+    def from_trainguard():
+        return sys._getframe(2).f_globals.get("__name__", "").startswith("trainguard.")
+
+    class Renamed:
+        def __get__(self, obj, cls=None):
+            if from_trainguard():
+                raise AttributeError(err)
+            return value_key(obj, cls)
+
+        def __set__(self, obj, value):
+            obj.__dict__["_renamed_" + name] = value
+
+    setattr(owner, name, Renamed())
+
+if os.environ.get("RANK") is not None and os.environ.get("RENAME") == "lightning":
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+    _hidden(_TrainingEpochLoop, "_batches_that_stepped",
+            lambda obj, cls: obj.__dict__["_renamed__batches_that_stepped"])
+if os.environ.get("RANK") is not None and os.environ.get("RENAME") == "transformers":
+    from transformers import Trainer
+    original = Trainer.__dict__["get_batch_samples"]
+    _hidden(Trainer, "get_batch_samples", lambda obj, cls: original.__get__(obj, cls))
+"""
+
+
+def _env(tmp_path: Path, framework: str) -> dict[str, str]:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(RENAME)
+    env = job_env(RENAME=framework)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
+    return env
+
+
+def _assert_degraded(run_dir: Path, stderr: str, framework: str, what: str) -> None:
+    [ev] = events(run_dir, "integration_degraded")
+    assert ev["framework"] == framework and ev["what"] == what
+    assert "has no attribute" in ev["error"]
+    assert f"trainguard: {framework} integration: {what} failed" in stderr
+    assert "training goes on with resume off" in stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.slow
+def test_lightning_renamed_loop_counter_finishes_the_job_with_resume_off(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    p = run_example(
+        run_dir,
+        "lightning_trainer.py",
+        ["--steps", "24", "--save-steps", "10", "--fail-at-step", "15"],
+        env=_env(tmp_path, "lightning"),
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    # the restart's restore moved the loop counters: the renamed one failed there
+    _assert_degraded(run_dir, p.stderr, "lightning", "restoring trainguard's snapshot")
+    attached = events(run_dir, "integration_attached")
+    assert [a["attempt"] for a in attached] == [0, 1]
+    assert attached[0]["resume"] is True and attached[1]["resume"] is False
+    assert events(run_dir, "job_finished")[-1]["state"] == "succeeded"
+
+
+@pytest.mark.slow
+def test_hf_renamed_batch_fetch_finishes_the_job_with_resume_off(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    p = run_example(
+        run_dir,
+        "hf_trainer.py",
+        ["--steps", "6", "--save-steps", "100"],
+        env=_env(tmp_path, "transformers"),
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    _assert_degraded(run_dir, p.stderr, "transformers", "wrapping get_batch_samples")
+    [attached] = events(run_dir, "integration_attached")
+    assert attached["resume"] is False
+    assert events(run_dir, "job_finished")[-1]["state"] == "succeeded"
