@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.launch_utils import REPO, WORKERS, base_env, popen
+from tests.launch_utils import WORKERS, base_env, popen
 from tests.procs import alive, kill_tree
 from trainguard.cli.cmd_run import run_job
 from trainguard.core.config import ConfigError, load_config
@@ -27,6 +27,7 @@ from trainguard.core.config.roles import RolesConfig, RoleSpec, parse_role_flag
 from trainguard.core.events import EventLog, read_events
 from trainguard.core.rundir import RunDir
 from trainguard.roles.supervisor import RoleSupervisor, probe_health
+from trainguard.telemetry.report import write_report
 
 REPLICA = [sys.executable, str(WORKERS / "role_replica.py")]
 TRAINER = str(WORKERS / "role_trainer.py")
@@ -357,6 +358,15 @@ def test_engine_and_trainer_fail_apart_in_one_job(tmp_path: Path) -> None:
     failed = kinds(run, "role_replica_failed")
     assert [e["pid"] for e in failed] == [engines[0]]
     assert {s["state"] for s in RunDir(run).role_states()["rollout"]} == {"stopped"}
+    assert "rollout: 1 replica failure (replica 0), restarted alone" in err
+    # the report's engine-fleet timeline: the trainer's two attempts beside each replica
+    html = write_report(run).read_text()
+    fleet = html.split('<div id="fleet">', 1)[1].split("</div>", 1)[0]
+    lanes = fleet.split('class="tg-ytick">')[1:]
+    assert [ln.split("<", 1)[0] for ln in lanes] == ["trainer", "rollout 0", "rollout 1"]
+    assert lanes[0].count('class="tg-attempt"') == 2
+    assert 'class="tg-role-dead"' in lanes[1] and 'class="tg-role-dead"' not in lanes[2]
+    assert lanes[1].count('class="tg-role-serving"') == 2 and 'class="tg-role-serving"' in lanes[2]
 
 
 def test_role_failure_ends_the_job_with_one_line(tmp_path: Path) -> None:
@@ -380,4 +390,4 @@ def test_role_failure_ends_the_job_with_one_line(tmp_path: Path) -> None:
     trainer_pids = {r["pid"] for r in _records(out)}
     assert not any(alive(p) for p in trainer_pids)
     assert kinds(run, "job_finished")[-1]["state"] == "failed"
-    assert REPO.exists()
+    assert "role rollout failed: replica 0" in write_report(run).read_text()

@@ -313,6 +313,48 @@ def job_dashboard() -> dm.Dashboard:
         (_j(tg("trainguard.rl.optimize.duration", r)), "optimize rank {{rank}}"),
     ], unit="s")  # fmt: skip
 
+    d.row("Rollout fleet (engines beside the trainer)")
+    serving = tg("trainguard.role.replicas.serving", NODE)
+    total = tg("trainguard.role.replicas.total", NODE)
+    d.timeseries("Engines serving / total", [
+        (_j(f"sum by (instance, role) ({serving})"), "serving {{role}}"),
+        (_j(f"sum by (instance, role) ({total})"), "total {{role}}"),
+    ], description="Replicas of each role (rollout engines, reward servers) that serve, "
+       "against those declared.")  # fmt: skip
+    d.timeseries("Engine restarts", [(_j(
+        f'sum by (instance, role) (increase({tg("trainguard.role.restarts", NODE)}[1h]))'),
+        "{{role}}")], stacked=True,
+        description="Replica restarts in the last hour, per role (never the trainer's).")  # fmt: skip
+    d.timeseries("Engine states", [(_j(
+        f'sum by (instance, role, state) ({tg("trainguard.role.replica.state", NODE)})'),
+        "{{role}} {{state}}")], stacked=True,
+        description="Replicas in each lifecycle state: starting, loading, serving, suspect, "
+        "dead, restarting, failed.")  # fmt: skip
+    d.timeseries("Rollout failures by reason", [(_j(
+        f'sum by (instance, reason) (rate({tg("trainguard.rl.rollout.failed", NODE)}[{RI}]))'),
+        "{{reason}}"), (_j(
+        f'sum by (instance) (rate({tg("trainguard.rl.rollout.retried", NODE)}[{RI}]))'),
+        "retried")], unit="reqps", stacked=True,
+        description="Failed rollout requests per second by reason, and retries on another "
+        "engine; a failed rollout is retried or its batch fails, never replaced by a made-up "
+        "sample.")  # fmt: skip
+    d.timeseries("Rollout latency p50 / p99", [
+        (_j(tg("trainguard.rl.rollout.latency", r)), "p{{quantile}} rank {{rank}}"),
+    ], unit="s")  # fmt: skip
+    d.timeseries("Rollout tokens/s",
+                 [(_j(tg("trainguard.rl.rollout.tokens_per_second", r)), "rank {{rank}}")])  # fmt: skip
+    d.timeseries("Weight sync", [
+        (_j(tg("trainguard.rl.weight_sync.duration", r)), "duration rank {{rank}}"),
+        (_j(f'sum by (instance) (increase({tg("trainguard.rl.weight_sync.timeouts", NODE)}[1h]))'),
+         "timeouts (1 h)"),
+    ], unit="s")  # fmt: skip
+    d.timeseries("Staleness and weight versions", [
+        (_j(tg("trainguard.rl.staleness", r)), "staleness rank {{rank}}"),
+        (_j(tg("trainguard.rl.weight_version", r)), "trainer version rank {{rank}}"),
+        (_j(tg("trainguard.role.replica.weight_version", NODE)), "{{role}} {{replica}} version"),
+    ], description="Trainer version minus the version that generated a sample; the engines' "
+       "versions catch up after each weight sync.")  # fmt: skip
+
     d.row("Checkpoints")
     for name, title in (
         ("trainguard.checkpoint.stall.duration", "Checkpoint stall (training blocked)"),
