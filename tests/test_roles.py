@@ -205,6 +205,25 @@ def test_frozen_replica_is_declared_dead_within_10s_and_replaced(
     assert sup.restarts["rollout"] == 1
 
 
+@pytest.mark.parametrize("bad", ["malformed", "500"])
+def test_replica_with_bad_health_answers_is_suspect_then_replaced(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor], bad: str
+) -> None:
+    cmd = REPLICA + ["--bad-health-after", "2", "--bad-health", bad]
+    sup = supervisor({"command": cmd, "replicas": 1}, dead_after_s=2.0)
+    (pid,) = wait_for("the replica serving", lambda: serving_pids(sup))
+    dead = wait_for(
+        "the replica declared dead",
+        lambda: [e for e in kinds(tmp_path, "role_replica_state") if e["state"] == "dead"],
+    )
+    suspect = [e for e in kinds(tmp_path, "role_replica_state") if e["state"] == "suspect"]
+    detail = "health answer is not JSON" if bad == "malformed" else "HTTP 500"
+    assert suspect and detail in suspect[0]["reason"], suspect
+    assert dead[0]["pid"] == pid and "no good health answer" in dead[0]["reason"]
+    wait_for("the replacement started", lambda: (p := sup.replicas["rollout"][0].pid) != pid and p)
+    assert not alive(pid) and sup.restarts["rollout"] >= 1
+
+
 def test_command_that_exits_at_once_spends_the_budget_then_fails_the_role(
     tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
 ) -> None:

@@ -8,6 +8,8 @@ replica. Behaviour knobs (argv):
 --never-ready         listen and answer ``starting`` forever
 --loading-s S         answer ``loading`` for S seconds, then ``serving``
 --weight-version V    the version it reports (default 0)
+--bad-health-after S  after S seconds, answer /health with BAD (below) instead
+--bad-health KIND     ``malformed`` (200, not JSON) or ``500`` (HTTP 500)
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ def main() -> None:
     p.add_argument("--never-ready", action="store_true")
     p.add_argument("--loading-s", type=float, default=0.0)
     p.add_argument("--weight-version", type=int, default=0)
+    p.add_argument("--bad-health-after", type=float, default=None)
+    p.add_argument("--bad-health", choices=("malformed", "500"), default="malformed")
     args = p.parse_args()
     if args.exit_at_once is not None:
         print("role_replica: exiting at once", flush=True)
@@ -41,6 +45,19 @@ def main() -> None:
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            bad = args.bad_health_after is not None and (
+                time.monotonic() - started >= args.bad_health_after
+            )
+            if self.path == "/health" and bad and args.bad_health == "500":
+                self.send_error(500)
+                return
+            if self.path == "/health" and bad:
+                data = b'{"status": "serving", "weight_version'
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             if self.path == "/health":
                 if args.never_ready:
                     status = "starting"

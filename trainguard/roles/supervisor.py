@@ -130,7 +130,8 @@ def _kill_group(pid: int, sig: int) -> None:
 class ReplicaState:
     """What the supervisor knows of one replica (written to its state file)."""
 
-    def __init__(self, spec: RoleSpec, index: int, port: int) -> None:
+    def __init__(self, spec: RoleSpec, index: int, port: int, node: str = "") -> None:
+        self.node = node
         self.role = spec.name
         self.index = index
         self.port = port
@@ -151,6 +152,7 @@ class ReplicaState:
         return {
             "role": self.role,
             "replica": self.index,
+            "node": self.node,
             "pid": self.pid,
             "port": self.port,
             "url": self.url,
@@ -197,7 +199,7 @@ class RoleSupervisor:
         """The first role failure (one line), None while every role runs."""
         for spec in self.specs:
             self.replicas[spec.name] = [
-                ReplicaState(spec, i, spec.port + i if spec.port else _free_port())
+                ReplicaState(spec, i, spec.port + i if spec.port else _free_port(), events.node)
                 for i in range(spec.replicas)
             ]
             self.restarts[spec.name] = 0
