@@ -177,6 +177,44 @@ def test_killed_replica_restarts_alone_on_its_port(
     assert {s["state"] for s in RunDir(tmp_path).role_states()["rollout"]} == {"stopped"}
 
 
+def test_each_role_has_its_own_budget_and_urls(tmp_path: Path) -> None:
+    """The reward role spends its budget and fails; the rollout role's replica, killed once,
+    is restarted from its own budget and counted apart."""
+    cfg = RolesConfig(
+        rollout={"command": REPLICA, "replicas": 1, "restart_budget": 1},
+        reward={"command": REPLICA + ["--exit-at-once", "4"], "replicas": 1, "restart_budget": 2},
+        **FAST,
+    )
+    sup = RoleSupervisor(cfg, tmp_path, EventLog(tmp_path), env=base_env())
+    try:
+        env = sup.trainer_env()
+        assert set(env) == {"TRAINGUARD_ROLLOUT_URLS", "TRAINGUARD_REWARD_URLS"}
+        assert env["TRAINGUARD_REWARD_URLS"] == sup.replicas["reward"][0].url
+        sup.start()
+        failure = wait_for("the reward role failure", lambda: sup.failure)
+        assert failure.startswith("role reward failed: replica 0") and "budget 2 spent" in failure
+        (pid,) = wait_for("the rollout replica serving", lambda: serving_pids(sup))
+        os.kill(pid, signal.SIGKILL)
+        wait_for("the rollout replacement", lambda: (p := serving_pids(sup)) and p != [pid])
+        assert sup.restarts == {"rollout": 1, "reward": 2}
+        (spent,) = kinds(tmp_path, "role_restart_budget_exhausted")
+        assert spent["role"] == "reward"
+        assert {e["role"] for e in kinds(tmp_path, "role_replica_failed")} == {"rollout", "reward"}
+    finally:
+        sup.stop()
+
+
+def test_policy_never_fails_the_role_on_the_first_death(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
+) -> None:
+    sup = supervisor({"command": REPLICA, "replicas": 1, "restart_policy": "never"})
+    (pid,) = wait_for("the replica serving", lambda: serving_pids(sup))
+    os.kill(pid, signal.SIGKILL)
+    failure = wait_for("the role failure", lambda: sup.failure)
+    assert "was killed by signal 9; restart_policy is never" in failure
+    assert sup.restarts["rollout"] == 0 and len(kinds(tmp_path, "role_replica_started")) == 1
+
+
 def test_frozen_replica_is_declared_dead_within_10s_and_replaced(
     tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
 ) -> None:
