@@ -20,6 +20,7 @@ from trainguard.core.contract import (
     METRICS,
     RESTART_CAUSES,
     ROLLBACK_REASONS,
+    ROLLOUT_FAILURE_REASONS,
     MetricSpec,
 )
 from trainguard.core.failures import FailureKind
@@ -105,6 +106,8 @@ class MetricsRecorder:
             self._inst["trainguard.job.failures"].add(0, {**node, "cause": kind.value})
         for reason in ROLLBACK_REASONS:
             self._inst["trainguard.job.rollbacks"].add(0, {**node, "reason": reason})
+        for reason in ROLLOUT_FAILURE_REASONS:
+            self._inst["trainguard.rl.rollout.failed"].add(0, {**node, "reason": reason})
         self._hung_label = "none"
         self._set("trainguard.job.hung", 0, {**node, "diagnosis": self._hung_label})
 
@@ -234,6 +237,9 @@ class MetricsRecorder:
                 self._inst["trainguard.job.failures"].add(1, {**node, "cause": cause})
                 if self._pending_cause is None and cause != "terminated":
                     self._pending_cause = cause
+            elif kind == "rollout_failed":
+                reason = str(ev.get("reason") or "other")
+                self._inst["trainguard.rl.rollout.failed"].add(1, {**node, "reason": reason})
             elif kind == "loss_rollback":
                 reason = str(ev.get("reason") or "other")
                 self._inst["trainguard.job.rollbacks"].add(1, {**node, "reason": reason})
