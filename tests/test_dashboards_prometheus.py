@@ -134,11 +134,14 @@ def test_alertmanager_routes_by_severity_and_node_down_inhibits_gpu_alerts(tmp_p
 GPU_ONLY = {"trainguard_gpu_memory_used_bytes", "trainguard_gpu_memory_peak_bytes"}
 """Logged only by CUDA workers: empty on a CPU machine (each has its panel to itself)."""
 FLEET_TRAINER_ONLY = {
-    "trainguard_rl_rollout_latency_seconds",
-    "trainguard_rl_rollout_tokens_per_second",
+    "trainguard_rl_rollout_retries",
+    "trainguard_rl_rollout_latency_p50_seconds",
+    "trainguard_rl_rollout_latency_p99_seconds",
+    "trainguard_rl_rollout_throughput_per_second",
+    "trainguard_rl_rollout_engines_routable",
     "trainguard_rl_weight_sync_duration_seconds",
-    "trainguard_rl_staleness",
-    "trainguard_rl_weight_version",
+    "trainguard_rl_weight_sync_timeout_seconds",
+    "trainguard_rl_staleness_max",
 }
 """Logged only by a trainer that generates through the rollout fleet (trainguard.rl's client,
 examples/rl_fleet.py), not by grpo_toy's in-process generation; the fleet's own series (the

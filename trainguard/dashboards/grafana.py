@@ -332,28 +332,30 @@ def job_dashboard() -> dm.Dashboard:
         "dead, restarting, failed.")  # fmt: skip
     d.timeseries("Rollout failures by reason", [(_j(
         f'sum by (instance, reason) (rate({tg("trainguard.rl.rollout.failed", NODE)}[{RI}]))'),
-        "{{reason}}"), (_j(
-        f'sum by (instance) (rate({tg("trainguard.rl.rollout.retried", NODE)}[{RI}]))'),
-        "retried")], unit="reqps", stacked=True,
-        description="Failed rollout requests per second by reason, and retries on another "
-        "engine; a failed rollout is retried or its batch fails, never replaced by a made-up "
-        "sample.")  # fmt: skip
+        "{{reason}}")], unit="reqps", stacked=True,
+        description="Failed rollout requests per second by reason; each is retried on another "
+        "engine or fails its batch, never replaced by a made-up sample.")  # fmt: skip
+    d.timeseries("Rollout retries and routable engines", [
+        (_j(tg("trainguard.rl.rollout.retries", r)), "retries rank {{rank}}"),
+        (_j(tg("trainguard.rl.rollout.engines_routable", r)), "routable rank {{rank}}"),
+    ], description="Requests retried on another engine in the step, and the engines each "
+       "rank's client routes to (serving, within the staleness bound).")  # fmt: skip
     d.timeseries("Rollout latency p50 / p99", [
-        (_j(tg("trainguard.rl.rollout.latency", r)), "p{{quantile}} rank {{rank}}"),
+        (_j(tg("trainguard.rl.rollout.latency.p50", r)), "p50 rank {{rank}}"),
+        (_j(tg("trainguard.rl.rollout.latency.p99", r)), "p99 rank {{rank}}"),
     ], unit="s")  # fmt: skip
     d.timeseries("Rollout tokens/s",
-                 [(_j(tg("trainguard.rl.rollout.tokens_per_second", r)), "rank {{rank}}")])  # fmt: skip
+                 [(_j(tg("trainguard.rl.rollout.throughput", r)), "rank {{rank}}")])  # fmt: skip
     d.timeseries("Weight sync", [
         (_j(tg("trainguard.rl.weight_sync.duration", r)), "duration rank {{rank}}"),
-        (_j(f'sum by (instance) (increase({tg("trainguard.rl.weight_sync.timeouts", NODE)}[1h]))'),
-         "timeouts (1 h)"),
-    ], unit="s")  # fmt: skip
-    d.timeseries("Staleness and weight versions", [
-        (_j(tg("trainguard.rl.staleness", r)), "staleness rank {{rank}}"),
-        (_j(tg("trainguard.rl.weight_version", r)), "trainer version rank {{rank}}"),
+        (_j(tg("trainguard.rl.weight_sync.timeout", r)), "timeout rank {{rank}}"),
+    ], unit="s", description="Time to push a weight version to the engines, against the "
+       "timeout in force (derived from measured syncs).")  # fmt: skip
+    d.timeseries("Staleness and engine weight versions", [
+        (_j(tg("trainguard.rl.staleness.max", r)), "staleness rank {{rank}}"),
         (_j(tg("trainguard.role.replica.weight_version", NODE)), "{{role}} {{replica}} version"),
-    ], description="Trainer version minus the version that generated a sample; the engines' "
-       "versions catch up after each weight sync.")  # fmt: skip
+    ], description="Trainer version minus the version that generated a sample (largest of the "
+       "step); the engines' versions catch up after each weight sync.")  # fmt: skip
 
     d.row("Checkpoints")
     for name, title in (

@@ -399,16 +399,17 @@ def _job_rules(p: RuleParams) -> list[AlertRule]:
         AlertRule(
             name="TrainGuardWeightSyncTimeout",
             expr=_with_job(
-                _by_agent("sum", f"increase({tg('trainguard.rl.weight_sync.timeouts')}[15m])")
-                + " > 0"
+                _by_agent("max", tg("trainguard.rl.weight_sync.duration"))
+                + "\n>= on(instance, node) "
+                + _by_agent("max", tg("trainguard.rl.weight_sync.timeout"))
             ),
             severity="warning",
             component="job",
             recovered_by_trainguard=True,
-            summary=f"An engine missed its weight sync timeout ({where})",
-            description="An engine did not confirm the trainer's new weights in time in the "
-            "last 15 minutes: it was taken out of routing and is refit later; the update did "
-            "not wait for it.",
+            summary=f"A weight sync ran into its timeout ({where})",
+            description="The last weight sync took as long as its timeout: an engine did not "
+            "confirm the trainer's new weights in time; it was taken out of routing and is "
+            "refit later, the update did not wait for it.",
             runbook="Repeated timeouts on one engine point at it (its log, its host); on every "
             "engine at the weight-sync panel: the transport is slow for the model size.",
         ),
