@@ -321,6 +321,39 @@ def _get(port: int, path: str) -> str:
         return r.read().decode()
 
 
+@pytest.mark.slow  # two engine starts: torch, transformers and the tiny model each
+def test_the_real_engine_as_a_rollout_replica(tmp_path: Path) -> None:
+    """trainguard.rl's engine under the supervisor: loading until the trainer publishes a
+    weight version, then serving it; killed -9, it is replaced on its port and the
+    replacement serves the current version again."""
+    from trainguard.rl import WeightStore
+    from trainguard.rl.tiny import tiny_gpt2
+
+    engine = [sys.executable, "-m", "trainguard.rl.engine", "--poll-interval-s", "0.2"]
+    cfg = RolesConfig(rollout={"command": engine, "replicas": 1}, **FAST)
+    sup = RoleSupervisor(cfg, tmp_path, EventLog(tmp_path), env=base_env())
+    rep = sup.replicas["rollout"][0]
+    try:
+        sup.start()
+        wait_for("the engine loading", lambda: rep.state == "loading", timeout=120)
+        assert rep.weight_version is None and rep.ready_at is not None
+        WeightStore(tmp_path / "rl" / "weights").publish(3, tiny_gpt2(seed=1).state_dict())
+        (pid,) = wait_for("the engine serving", lambda: serving_pids(sup), timeout=60)
+        assert rep.weight_version == 3
+        os.kill(pid, signal.SIGKILL)
+        new = wait_for(
+            "the replacement serving", lambda: (p := serving_pids(sup)) and p != [pid] and p, 120
+        )
+        state = json.loads(RunDir(tmp_path).role_state("rollout", 0).read_text())
+        assert state["pid"] == new[0] and state["weight_version"] == 3 and state["restarts"] == 1
+        assert state["url"] == rep.url and sup.failure is None
+        serving = [e for e in kinds(tmp_path, "role_replica_state") if e["state"] == "serving"]
+        # each incarnation served the published version from its first answer on
+        assert [(e["pid"], e["weight_version"]) for e in serving] == [(pid, 3), (new[0], 3)]
+    finally:
+        sup.stop()
+
+
 # -- in a job: isolation both ways ----------------------------------------------------------------
 def _job_env(**extra: str) -> dict[str, str]:
     return base_env(
