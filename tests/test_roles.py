@@ -459,6 +459,28 @@ def test_engine_and_trainer_fail_apart_in_one_job(tmp_path: Path) -> None:
     assert lanes[1].count('class="tg-role-serving"') == 2 and 'class="tg-role-serving"' in lanes[2]
 
 
+def test_engines_die_with_an_agent_killed_9(tmp_path: Path) -> None:
+    """No orphan engine holds its port after the node agent itself is killed -9."""
+    out, run = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    args = ["--standalone", "--nproc-per-node", "1", "--no-tg-warm", "--tg-run-dir", str(run),
+            "--tg-role", f"rollout=2:{' '.join(REPLICA)}", TRAINER]  # fmt: skip
+    job = popen("trainguard", args, cwd=tmp_path, env=_job_env(OUT_DIR=str(out)))
+    workers: set[int] = set()
+    try:
+        engines = wait_for("both engines serving", lambda: _engine_pids(run), timeout=90)
+        workers = wait_for("the trainer", lambda: {r["pid"] for r in _records(out)}, 90)
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait()
+        wait_for("the engines gone", lambda: not any(alive(p) for p in engines), timeout=30)
+    finally:
+        kill_tree(job.pid)
+        for pid in workers:  # torch's workers are not ours to save from an agent's kill -9
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        job.communicate()
+
+
 def test_role_failure_ends_the_job_with_one_line(tmp_path: Path) -> None:
     out, run = tmp_path / "out", tmp_path / "run"
     out.mkdir()

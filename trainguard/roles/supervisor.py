@@ -106,13 +106,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _resolve_prctl() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_PRCTL = _resolve_prctl()
+"""Resolved here, in the parent: the child between fork and exec only calls it (a dlopen
+there could block on a loader lock another thread held at the fork)."""
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """The replica is SIGKILLed if the thread that started it (the supervisor's, in the
     node agent) goes away: an agent killed -9 leaves no orphan engine holding its port."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _kill_group(pid: int, sig: int) -> None:
