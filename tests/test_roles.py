@@ -262,6 +262,23 @@ def test_replica_with_bad_health_answers_is_suspect_then_replaced(
     assert not alive(pid) and sup.restarts["rollout"] >= 1
 
 
+def test_replica_that_refuses_connections_is_dead_at_once(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
+) -> None:
+    # dead_after_s is long: only the refused connection can end this replica in time
+    cmd = REPLICA + ["--close-after", "2"]
+    sup = supervisor({"command": cmd, "replicas": 1}, dead_after_s=600.0)
+    (pid,) = wait_for("the replica serving", lambda: serving_pids(sup))
+    dead = wait_for(
+        "the replica declared dead",
+        lambda: [e for e in kinds(tmp_path, "role_replica_state") if e["state"] == "dead"],
+        timeout=60,
+    )
+    assert dead[0]["pid"] == pid and dead[0]["reason"] == "refused connections"
+    wait_for("the replacement started", lambda: (p := sup.replicas["rollout"][0].pid) != pid and p)
+    assert not alive(pid)  # the process was still running: killed by PID
+
+
 def test_command_that_exits_at_once_spends_the_budget_then_fails_the_role(
     tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
 ) -> None:

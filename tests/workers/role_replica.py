@@ -10,6 +10,7 @@ replica. Behaviour knobs (argv):
 --weight-version V    the version it reports (default 0)
 --bad-health-after S  after S seconds, answer /health with BAD (below) instead
 --bad-health KIND     ``malformed`` (200, not JSON) or ``500`` (HTTP 500)
+--close-after S       after S seconds, close the listening socket and stay alive (refuses)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -30,6 +32,7 @@ def main() -> None:
     p.add_argument("--weight-version", type=int, default=0)
     p.add_argument("--bad-health-after", type=float, default=None)
     p.add_argument("--bad-health", choices=("malformed", "500"), default="malformed")
+    p.add_argument("--close-after", type=float, default=None)
     args = p.parse_args()
     if args.exit_at_once is not None:
         print("role_replica: exiting at once", flush=True)
@@ -83,7 +86,16 @@ def main() -> None:
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     print(f"role_replica: serving on {port} pid {os.getpid()}", flush=True)
-    server.serve_forever()
+    if args.close_after is None:
+        server.serve_forever()
+        return
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    time.sleep(args.close_after)
+    server.shutdown()
+    server.server_close()
+    print("role_replica: port closed, still running", flush=True)
+    while True:
+        time.sleep(60)
 
 
 if __name__ == "__main__":
