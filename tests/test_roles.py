@@ -124,6 +124,20 @@ def test_bad_role_flag_is_one_line_and_exit_2(
     assert err.startswith("trainguard run: error: --tg-role") and says in err, err
 
 
+def test_role_command_not_found_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as e:
+        run_job(["--tg-role", "reward=1:./no-such-server --port 1",
+                 "--tg-run-dir", str(tmp_path / "run"), str(script)])  # fmt: skip
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "role reward: command './no-such-server' not found" in err
+
+
 def test_bad_role_table_is_one_config_error(tmp_path: Path) -> None:
     toml = tmp_path / "tg.toml"
     for body, says in [
