@@ -9,6 +9,7 @@ import dataclasses
 import json
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +43,7 @@ def _packages() -> None:
 
 def test_promtool_checks_and_unit_tests_every_rule(tmp_path: Path) -> None:
     p = _run(["promtool", "check", "rules", str(RULES)])
-    assert p.returncode == 0 and "SUCCESS: 23 rules found" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 0 and "SUCCESS: 26 rules found" in p.stdout, p.stdout + p.stderr
     p = _run(["promtool", "test", "rules", export.RULE_TESTS_FILE.split("/")[1]], RULES.parent)
     assert p.returncode == 0 and "SUCCESS" in p.stdout, p.stdout + p.stderr
     # every case can fail: flip each expectation and promtool must report every one of them
@@ -132,6 +133,19 @@ def test_alertmanager_routes_by_severity_and_node_down_inhibits_gpu_alerts(tmp_p
 # -- every dashboard query returns data from real runs and exporters ------------------------------
 GPU_ONLY = {"trainguard_gpu_memory_used_bytes", "trainguard_gpu_memory_peak_bytes"}
 """Logged only by CUDA workers: empty on a CPU machine (each has its panel to itself)."""
+FLEET_TRAINER_ONLY = {
+    "trainguard_rl_rollout_retries",
+    "trainguard_rl_rollout_latency_p50_seconds",
+    "trainguard_rl_rollout_latency_p99_seconds",
+    "trainguard_rl_rollout_throughput_per_second",
+    "trainguard_rl_rollout_engines_routable",
+    "trainguard_rl_weight_sync_duration_seconds",
+    "trainguard_rl_weight_sync_timeout_seconds",
+    "trainguard_rl_staleness_max",
+}
+"""Logged only by a trainer that generates through the rollout fleet (trainguard.rl's client,
+examples/rl_fleet.py), not by grpo_toy's in-process generation; the fleet's own series (the
+role gauges, the failure and timeout counters exported from 0) come from the run below."""
 
 
 @pytest.fixture
@@ -152,7 +166,9 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     start = time.time()
     runs = []
     jobs = [
-        [str(REPO / "examples" / "grpo_toy.py"), "--steps", "100000", "--step-sleep", "0.05",
+        # with a rollout fleet beside it: two real replica processes (the role gauges)
+        ["--tg-role", f"rollout=2:{sys.executable} {REPO / 'tests' / 'workers' / 'role_replica.py'}",
+         str(REPO / "examples" / "grpo_toy.py"), "--steps", "100000", "--step-sleep", "0.05",
          "--fail-at-step", "100", "--fail-rank", "1"],
         [str(REPO / "examples" / "train_mlp.py"), "--steps", "100000", "--step-sleep", "0.05",
          "--ckpt-every", "5"],
@@ -220,7 +236,9 @@ def test_every_panel_query_returns_data_from_real_runs_and_dcgm(scraped: dict[st
         now = time.time()
         missing = []
         for panel, ref, expr in targets:
-            if metric_names(expr) & GPU_ONLY:
+            if metric_names(expr) & GPU_ONLY or metric_names(expr) <= FLEET_TRAINER_ONLY | {
+                "trainguard_run_info"
+            }:
                 continue
             if not prom.query_range(_substitute(expr), scraped["start"], now, 1.0):
                 missing.append(f"{panel} [{ref}]")

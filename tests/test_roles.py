@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.launch_utils import REPO, WORKERS, base_env, popen
+from tests.launch_utils import WORKERS, base_env, popen
 from tests.procs import alive, kill_tree
 from trainguard.cli.cmd_run import run_job
 from trainguard.core.config import ConfigError, load_config
@@ -27,6 +27,7 @@ from trainguard.core.config.roles import RolesConfig, RoleSpec, parse_role_flag
 from trainguard.core.events import EventLog, read_events
 from trainguard.core.rundir import RunDir
 from trainguard.roles.supervisor import RoleSupervisor, probe_health
+from trainguard.telemetry.report import write_report
 
 REPLICA = [sys.executable, str(WORKERS / "role_replica.py")]
 TRAINER = str(WORKERS / "role_trainer.py")
@@ -123,6 +124,20 @@ def test_bad_role_flag_is_one_line_and_exit_2(
     assert err.startswith("trainguard run: error: --tg-role") and says in err, err
 
 
+def test_role_command_not_found_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as e:
+        run_job(["--tg-role", "reward=1:./no-such-server --port 1",
+                 "--tg-run-dir", str(tmp_path / "run"), str(script)])  # fmt: skip
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "role reward: command './no-such-server' not found" in err
+
+
 def test_bad_role_table_is_one_config_error(tmp_path: Path) -> None:
     toml = tmp_path / "tg.toml"
     for body, says in [
@@ -176,6 +191,44 @@ def test_killed_replica_restarts_alone_on_its_port(
     assert {s["state"] for s in RunDir(tmp_path).role_states()["rollout"]} == {"stopped"}
 
 
+def test_each_role_has_its_own_budget_and_urls(tmp_path: Path) -> None:
+    """The reward role spends its budget and fails; the rollout role's replica, killed once,
+    is restarted from its own budget and counted apart."""
+    cfg = RolesConfig(
+        rollout={"command": REPLICA, "replicas": 1, "restart_budget": 1},
+        reward={"command": REPLICA + ["--exit-at-once", "4"], "replicas": 1, "restart_budget": 2},
+        **FAST,
+    )
+    sup = RoleSupervisor(cfg, tmp_path, EventLog(tmp_path), env=base_env())
+    try:
+        env = sup.trainer_env()
+        assert set(env) == {"TRAINGUARD_ROLLOUT_URLS", "TRAINGUARD_REWARD_URLS"}
+        assert env["TRAINGUARD_REWARD_URLS"] == sup.replicas["reward"][0].url
+        sup.start()
+        failure = wait_for("the reward role failure", lambda: sup.failure)
+        assert failure.startswith("role reward failed: replica 0") and "budget 2 spent" in failure
+        (pid,) = wait_for("the rollout replica serving", lambda: serving_pids(sup))
+        os.kill(pid, signal.SIGKILL)
+        wait_for("the rollout replacement", lambda: (p := serving_pids(sup)) and p != [pid])
+        assert sup.restarts == {"rollout": 1, "reward": 2}
+        (spent,) = kinds(tmp_path, "role_restart_budget_exhausted")
+        assert spent["role"] == "reward"
+        assert {e["role"] for e in kinds(tmp_path, "role_replica_failed")} == {"rollout", "reward"}
+    finally:
+        sup.stop()
+
+
+def test_policy_never_fails_the_role_on_the_first_death(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
+) -> None:
+    sup = supervisor({"command": REPLICA, "replicas": 1, "restart_policy": "never"})
+    (pid,) = wait_for("the replica serving", lambda: serving_pids(sup))
+    os.kill(pid, signal.SIGKILL)
+    failure = wait_for("the role failure", lambda: sup.failure)
+    assert "was killed by signal 9; restart_policy is never" in failure
+    assert sup.restarts["rollout"] == 0 and len(kinds(tmp_path, "role_replica_started")) == 1
+
+
 def test_frozen_replica_is_declared_dead_within_10s_and_replaced(
     tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
 ) -> None:
@@ -202,6 +255,42 @@ def test_frozen_replica_is_declared_dead_within_10s_and_replaced(
     )
     assert not alive(pid)  # killed by PID although stopped
     assert sup.restarts["rollout"] == 1
+
+
+@pytest.mark.parametrize("bad", ["malformed", "500"])
+def test_replica_with_bad_health_answers_is_suspect_then_replaced(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor], bad: str
+) -> None:
+    cmd = REPLICA + ["--bad-health-after", "2", "--bad-health", bad]
+    sup = supervisor({"command": cmd, "replicas": 1}, dead_after_s=2.0)
+    (pid,) = wait_for("the replica serving", lambda: serving_pids(sup))
+    dead = wait_for(
+        "the replica declared dead",
+        lambda: [e for e in kinds(tmp_path, "role_replica_state") if e["state"] == "dead"],
+    )
+    suspect = [e for e in kinds(tmp_path, "role_replica_state") if e["state"] == "suspect"]
+    detail = "health answer is not JSON" if bad == "malformed" else "HTTP 500"
+    assert suspect and detail in suspect[0]["reason"], suspect
+    assert dead[0]["pid"] == pid and "no good health answer" in dead[0]["reason"]
+    wait_for("the replacement started", lambda: (p := sup.replicas["rollout"][0].pid) != pid and p)
+    assert not alive(pid) and sup.restarts["rollout"] >= 1
+
+
+def test_replica_that_refuses_connections_is_dead_at_once(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
+) -> None:
+    # dead_after_s is long: only the refused connection can end this replica in time
+    cmd = REPLICA + ["--close-after", "2"]
+    sup = supervisor({"command": cmd, "replicas": 1}, dead_after_s=600.0)
+    (pid,) = wait_for("the replica serving", lambda: serving_pids(sup))
+    dead = wait_for(
+        "the replica declared dead",
+        lambda: [e for e in kinds(tmp_path, "role_replica_state") if e["state"] == "dead"],
+        timeout=60,
+    )
+    assert dead[0]["pid"] == pid and dead[0]["reason"] == "refused connections"
+    wait_for("the replacement started", lambda: (p := sup.replicas["rollout"][0].pid) != pid and p)
+    assert not alive(pid)  # the process was still running: killed by PID
 
 
 def test_command_that_exits_at_once_spends_the_budget_then_fails_the_role(
@@ -261,6 +350,39 @@ def _get(port: int, path: str) -> str:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
         return r.read().decode()
+
+
+@pytest.mark.slow  # two engine starts: torch, transformers and the tiny model each
+def test_the_real_engine_as_a_rollout_replica(tmp_path: Path) -> None:
+    """trainguard.rl's engine under the supervisor: loading until the trainer publishes a
+    weight version, then serving it; killed -9, it is replaced on its port and the
+    replacement serves the current version again."""
+    from trainguard.rl import WeightStore
+    from trainguard.rl.tiny import tiny_gpt2
+
+    engine = [sys.executable, "-m", "trainguard.rl.engine", "--poll-interval-s", "0.2"]
+    cfg = RolesConfig(rollout={"command": engine, "replicas": 1}, **FAST)
+    sup = RoleSupervisor(cfg, tmp_path, EventLog(tmp_path), env=base_env())
+    rep = sup.replicas["rollout"][0]
+    try:
+        sup.start()
+        wait_for("the engine loading", lambda: rep.state == "loading", timeout=120)
+        assert rep.weight_version is None and rep.ready_at is not None
+        WeightStore(tmp_path / "rl" / "weights").publish(3, tiny_gpt2(seed=1).state_dict())
+        (pid,) = wait_for("the engine serving", lambda: serving_pids(sup), timeout=60)
+        assert rep.weight_version == 3
+        os.kill(pid, signal.SIGKILL)
+        new = wait_for(
+            "the replacement serving", lambda: (p := serving_pids(sup)) and p != [pid] and p, 120
+        )
+        state = json.loads(RunDir(tmp_path).role_state("rollout", 0).read_text())
+        assert state["pid"] == new[0] and state["weight_version"] == 3 and state["restarts"] == 1
+        assert state["url"] == rep.url and sup.failure is None
+        serving = [e for e in kinds(tmp_path, "role_replica_state") if e["state"] == "serving"]
+        # each incarnation served the published version from its first answer on
+        assert [(e["pid"], e["weight_version"]) for e in serving] == [(pid, 3), (new[0], 3)]
+    finally:
+        sup.stop()
 
 
 # -- in a job: isolation both ways ----------------------------------------------------------------
@@ -357,6 +479,37 @@ def test_engine_and_trainer_fail_apart_in_one_job(tmp_path: Path) -> None:
     failed = kinds(run, "role_replica_failed")
     assert [e["pid"] for e in failed] == [engines[0]]
     assert {s["state"] for s in RunDir(run).role_states()["rollout"]} == {"stopped"}
+    assert "rollout: 1 replica failure (replica 0), restarted alone" in err
+    # the report's engine-fleet timeline: the trainer's two attempts beside each replica
+    html = write_report(run).read_text()
+    fleet = html.split('<div id="fleet">', 1)[1].split("</div>", 1)[0]
+    lanes = fleet.split('class="tg-ytick">')[1:]
+    assert [ln.split("<", 1)[0] for ln in lanes] == ["trainer", "rollout 0", "rollout 1"]
+    assert lanes[0].count('class="tg-attempt"') == 2
+    assert 'class="tg-role-dead"' in lanes[1] and 'class="tg-role-dead"' not in lanes[2]
+    assert lanes[1].count('class="tg-role-serving"') == 2 and 'class="tg-role-serving"' in lanes[2]
+
+
+def test_engines_die_with_an_agent_killed_9(tmp_path: Path) -> None:
+    """No orphan engine holds its port after the node agent itself is killed -9."""
+    out, run = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    args = ["--standalone", "--nproc-per-node", "1", "--no-tg-warm", "--tg-run-dir", str(run),
+            "--tg-role", f"rollout=2:{' '.join(REPLICA)}", TRAINER]  # fmt: skip
+    job = popen("trainguard", args, cwd=tmp_path, env=_job_env(OUT_DIR=str(out)))
+    workers: set[int] = set()
+    try:
+        engines = wait_for("both engines serving", lambda: _engine_pids(run), timeout=90)
+        workers = wait_for("the trainer", lambda: {r["pid"] for r in _records(out)}, 90)
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait()
+        wait_for("the engines gone", lambda: not any(alive(p) for p in engines), timeout=30)
+    finally:
+        kill_tree(job.pid)
+        for pid in workers:  # torch's workers are not ours to save from an agent's kill -9
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        job.communicate()
 
 
 def test_role_failure_ends_the_job_with_one_line(tmp_path: Path) -> None:
@@ -380,4 +533,4 @@ def test_role_failure_ends_the_job_with_one_line(tmp_path: Path) -> None:
     trainer_pids = {r["pid"] for r in _records(out)}
     assert not any(alive(p) for p in trainer_pids)
     assert kinds(run, "job_finished")[-1]["state"] == "failed"
-    assert REPO.exists()
+    assert "role rollout failed: replica 0" in write_report(run).read_text()

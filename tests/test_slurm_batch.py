@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import stat
 import subprocess
 import time
@@ -474,9 +475,27 @@ def test_cli_dry_run_and_option_split(tmp_path: Path, capsys, monkeypatch) -> No
     assert "--nproc-per-node 2 \\\n    train.py --steps 5 --nodes x\n" in out
 
 
+def test_cli_carries_the_roles_into_the_batch_script(tmp_path: Path, capsys, monkeypatch) -> None:
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    role = "rollout=2,port=8100:python -m trainguard.rl.engine --model 'tiny gpt2'; rm -rf /"
+    rc, out, err = _sbatch_cli(
+        "--nodes", "2", "--tg-role", role, "--tg-role=reward=1:python rm.py", "--dry-run",
+        "train.py", cwd=tmp_path, capsys=capsys, monkeypatch=monkeypatch,
+    )  # fmt: skip
+    assert rc == 0, err
+    # what bash hands the agent on each node is each flag as given, never run by the shell
+    srun = next(c for c in out.replace(" \\\n", " ").splitlines() if "slurm agent" in c)
+    words = shlex.split(srun)
+    i = words.index("--tg-role")
+    assert words[i + 1] == role and "--tg-role=reward=1:python rm.py" in words
+    assert words[-1] == "train.py"
+
+
 @pytest.mark.parametrize(
     "args, fragment",
     [
+        (["--nodes", "2", "--tg-role", "rollout=0:python e.py", "train.py"], "has 0 replicas"),
+        (["--nodes", "2", "--tg-role", "rollout:python e.py", "train.py"], "malformed role"),
         (["--nodes", "2", "missing.py"], "training script 'missing.py' not found"),
         (["--nodes", "2", "--time", "soon", "train.py"], "not a Slurm time limit"),
         (["--nodes", "2", "--nnodes", "4", "train.py"], "--nnodes is set by trainguard sbatch"),

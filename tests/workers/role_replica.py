@@ -8,6 +8,9 @@ replica. Behaviour knobs (argv):
 --never-ready         listen and answer ``starting`` forever
 --loading-s S         answer ``loading`` for S seconds, then ``serving``
 --weight-version V    the version it reports (default 0)
+--bad-health-after S  after S seconds, answer /health with BAD (below) instead
+--bad-health KIND     ``malformed`` (200, not JSON) or ``500`` (HTTP 500)
+--close-after S       after S seconds, close the listening socket and stay alive (refuses)
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -26,6 +30,9 @@ def main() -> None:
     p.add_argument("--never-ready", action="store_true")
     p.add_argument("--loading-s", type=float, default=0.0)
     p.add_argument("--weight-version", type=int, default=0)
+    p.add_argument("--bad-health-after", type=float, default=None)
+    p.add_argument("--bad-health", choices=("malformed", "500"), default="malformed")
+    p.add_argument("--close-after", type=float, default=None)
     args = p.parse_args()
     if args.exit_at_once is not None:
         print("role_replica: exiting at once", flush=True)
@@ -41,6 +48,19 @@ def main() -> None:
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            bad = args.bad_health_after is not None and (
+                time.monotonic() - started >= args.bad_health_after
+            )
+            if self.path == "/health" and bad and args.bad_health == "500":
+                self.send_error(500)
+                return
+            if self.path == "/health" and bad:
+                data = b'{"status": "serving", "weight_version'
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             if self.path == "/health":
                 if args.never_ready:
                     status = "starting"
@@ -66,7 +86,16 @@ def main() -> None:
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     print(f"role_replica: serving on {port} pid {os.getpid()}", flush=True)
-    server.serve_forever()
+    if args.close_after is None:
+        server.serve_forever()
+        return
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    time.sleep(args.close_after)
+    server.shutdown()
+    server.server_close()
+    print("role_replica: port closed, still running", flush=True)
+    while True:
+        time.sleep(60)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
         [--account A] [--job-name NAME] [--sbatch-arg --name=value ...] [--config TOML]
         [--dry-run] [trainguard run options] script.py [script args]
 
-N nodes train, K more wait as hot spares. ``--dry-run`` prints the script; otherwise it is
+N nodes train, K more wait as hot spares. Roles (``--tg-role rollout=2:COMMAND``, or
+``[roles.*]`` in the config file) are started by every node's agent beside its workers. ``--dry-run`` prints the script; otherwise it is
 checked (``sinfo``, ``sbatch --test-only``), submitted with ``sbatch --parsable`` and the job id
 printed. The [slurm] section of the config file sets the preemption grace time, resubmissions,
 blocklist, drain mode and rendezvous (see trainguard/core/config/slurm.py).
@@ -121,7 +122,15 @@ def _check_run_options(run: argparse.ArgumentParser, run_opts: list[str], script
 
     # argparse has no hook for its error exit but this method: replaced on this parser only
     run.error = error  # type: ignore[method-assign]
-    run.parse_args([*run_opts, script])
+    parsed = run.parse_args([*run_opts, script])
+    if getattr(parsed, "tg_roles", None):
+        # a role spec is checked here, not on the nodes after the job waited in the queue
+        from trainguard.runtime.launcher import UsageError, role_overrides
+
+        try:
+            role_overrides(parsed.tg_roles)
+        except UsageError as e:
+            raise _BadInput(str(e)) from None
 
 
 def _check_slurm(req: BatchRequest, slurm: SlurmCli) -> None:

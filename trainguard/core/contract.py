@@ -278,110 +278,81 @@ METRICS: tuple[MetricSpec, ...] = (
         attributes=_R,
         log_keys=("optimize_time_s",),
     ),
+    # -- reinforcement learning: the rollout fleet as the trainer sees it (trainguard.rl) -----
     MetricSpec(
         name="trainguard.rl.rollout.failed",
-        unit="{rollout}",
+        unit="{request}",
         kind="counter",
-        description=_RL + "rollouts (requests to an engine) that failed, by reason (see "
-        "ROLLOUT_FAILURE_REASONS, exported from 0); fed by the ``rollout_failed`` key of a "
-        "``tg.log`` record: a mapping reason → failures since the rank's previous record.",
+        description=_RL + "rollout requests that failed, by reason (ROLLOUT_FAILURE_REASONS; "
+        "each was retried on another engine or failed its batch, never replaced by a made-up "
+        "sample).",
         attributes=("node", "reason"),
     ),
     MetricSpec(
-        name="trainguard.rl.rollout.retried",
-        unit="{rollout}",
-        kind="counter",
-        description=_RL + "rollouts retried on another engine after a failure; fed by the "
-        "``rollout_retried`` key (retries since the rank's previous record).",
-        attributes=("node",),
+        name="trainguard.rl.rollout.retries",
+        unit="{request}",
+        kind="gauge",
+        description=_RL + "rollout requests retried on another engine in the step.",
+        attributes=_R,
+        log_keys=("rollout_retries",),
     ),
     MetricSpec(
-        name="trainguard.rl.rollout.latency",
+        name="trainguard.rl.rollout.latency.p50",
         unit="s",
         kind="gauge",
-        description=_RL + "per-request rollout latency of the step, by quantile (``0.5``, "
-        "``0.99``); fed by the ``rollout_latency_p50_s`` and ``rollout_latency_p99_s`` keys.",
-        attributes=(*_R, "quantile"),
+        description=_RL + "median latency of the step's rollout requests.",
+        attributes=_R,
+        log_keys=("rollout_latency_p50_s",),
     ),
     MetricSpec(
-        name="trainguard.rl.rollout.tokens_per_second",
+        name="trainguard.rl.rollout.latency.p99",
+        unit="s",
+        kind="gauge",
+        description=_RL + "99th-percentile latency of the step's rollout requests.",
+        attributes=_R,
+        log_keys=("rollout_latency_p99_s",),
+    ),
+    MetricSpec(
+        name="trainguard.rl.rollout.throughput",
         unit="{token}/s",
         kind="gauge",
-        description=_RL + "generated tokens per second of the step's rollouts.",
+        description=_RL + "generated tokens per second of the step's rollout batches.",
         attributes=_R,
-        log_keys=("rollout_tokens_per_s", "rollout_tokens_per_second"),
+        log_keys=("rollout_tokens_per_s",),
+    ),
+    MetricSpec(
+        name="trainguard.rl.rollout.engines_routable",
+        unit="{engine}",
+        kind="gauge",
+        description=_RL + "engines the rank's rollout client routes to (serving, healthy, "
+        "weight version within the staleness bound).",
+        attributes=_R,
+        log_keys=("engines_serving",),
     ),
     MetricSpec(
         name="trainguard.rl.weight_sync.duration",
         unit="s",
         kind="gauge",
-        description=_RL + "time the last weight sync (trainer → engines) took.",
+        description=_RL + "time to push the step's weight version to the engines.",
         attributes=_R,
         log_keys=("weight_sync_s",),
     ),
     MetricSpec(
-        name="trainguard.rl.weight_sync.timeouts",
-        unit="{timeout}",
-        kind="counter",
-        description=_RL + "engines that did not confirm a weight sync within its timeout "
-        "(taken out and refit later); fed by the ``weight_sync_timeouts`` key (timeouts since "
-        "the rank's previous record).",
-        attributes=("node",),
-    ),
-    MetricSpec(
-        name="trainguard.rl.staleness",
-        unit="{version}",
+        name="trainguard.rl.weight_sync.timeout",
+        unit="s",
         kind="gauge",
-        description=_RL + "largest staleness of the step's samples (trainer weight version − "
-        "the version that generated the sample; 0 = on-policy).",
+        description=_RL + "the weight-sync timeout in force (derived from measured syncs).",
         attributes=_R,
-        log_keys=("staleness", "staleness_max"),
+        log_keys=("weight_sync_timeout_s",),
     ),
     MetricSpec(
-        name="trainguard.rl.weight_version",
+        name="trainguard.rl.staleness.max",
         unit="{version}",
         kind="gauge",
-        description=_RL + "the trainer's current weight version.",
+        description=_RL + "largest staleness (trainer version - generating version) of the "
+        "step's samples.",
         attributes=_R,
-        log_keys=("weight_version",),
-    ),
-    # -- roles (engine fleets beside the trainer) ----------------------------------------------
-    MetricSpec(
-        name="trainguard.role.replicas.serving",
-        unit="{replica}",
-        kind="gauge",
-        description="Replicas of a role (rollout, reward) on this node that are serving.",
-        attributes=("node", "role"),
-    ),
-    MetricSpec(
-        name="trainguard.role.replicas.total",
-        unit="{replica}",
-        kind="gauge",
-        description="Replicas of a role on this node (whatever their state).",
-        attributes=("node", "role"),
-    ),
-    MetricSpec(
-        name="trainguard.role.replica.state",
-        unit="{state}",
-        kind="gauge",
-        description="1 for a replica's current lifecycle state (see ROLE_STATES), 0 for the "
-        "others.",
-        attributes=("node", "role", "replica", "state"),
-    ),
-    MetricSpec(
-        name="trainguard.role.replica.weight_version",
-        unit="{version}",
-        kind="gauge",
-        description="Weight version a replica reports on its health endpoint.",
-        attributes=("node", "role", "replica"),
-    ),
-    MetricSpec(
-        name="trainguard.role.restarts",
-        unit="{restart}",
-        kind="counter",
-        description="Replica restarts of a role (each role has its own budget; never the "
-        "trainer's restarts).",
-        attributes=("node", "role"),
+        log_keys=("staleness_max",),
     ),
     # -- checkpoints, failures, restarts ------------------------------------------------------
     MetricSpec(
@@ -490,6 +461,44 @@ METRICS: tuple[MetricSpec, ...] = (
         description="Current job-wide worker-group attempt (0-based).",
         attributes=("node",),
     ),
+    # -- roles: the engine fleets beside the trainer (trainguard.roles) --------------------------
+    MetricSpec(
+        name="trainguard.role.replicas.serving",
+        unit="{replica}",
+        kind="gauge",
+        description="Replicas of a role (rollout, reward) on this node that are serving.",
+        attributes=("node", "role"),
+    ),
+    MetricSpec(
+        name="trainguard.role.replicas.total",
+        unit="{replica}",
+        kind="gauge",
+        description="Replicas of a role on this node (whatever their state).",
+        attributes=("node", "role"),
+    ),
+    MetricSpec(
+        name="trainguard.role.replica.state",
+        unit="{state}",
+        kind="gauge",
+        description="1 for a replica's current lifecycle state (see ROLE_STATES), 0 for the "
+        "others.",
+        attributes=("node", "role", "replica", "state"),
+    ),
+    MetricSpec(
+        name="trainguard.role.replica.weight_version",
+        unit="{version}",
+        kind="gauge",
+        description="Weight version a replica reports on its health endpoint.",
+        attributes=("node", "role", "replica"),
+    ),
+    MetricSpec(
+        name="trainguard.role.restarts",
+        unit="{restart}",
+        kind="counter",
+        description="Replica restarts of a role (each role has its own budget; never the "
+        "trainer's restarts).",
+        attributes=("node", "role"),
+    ),
     # -- goodput ------------------------------------------------------------------------------
     MetricSpec(
         name="trainguard.goodput.productive_time",
@@ -573,15 +582,35 @@ ROLLBACK_REASONS = ("nan", "inf", "spike", "other")
 ``other``: the rank that saw the anomaly is not the one that counts it)."""
 
 ROLLOUT_FAILURE_REASONS = (
-    "timeout",
+    "refused",
     "connection",
-    "http_error",
-    "malformed",
+    "timeout",
     "engine_dead",
-    "other",
+    "http_5xx",
+    "http_4xx",
+    "not_serving",
+    "malformed",
+    "stale",
 )
-"""Values of the ``reason`` attribute of ``trainguard.rl.rollout.failed`` (exported from 0;
-a reason outside this list is counted as it comes)."""
+"""Values of the ``reason`` attribute of ``trainguard.rl.rollout.failed`` (exported from 0):
+connection refused; reset or closed; no answer in time; the engine declared dead with the
+request in flight; HTTP 5xx; HTTP 4xx; 503 (loading); not JSON or an incomplete answer;
+generated by a weight version outside the staleness bound."""
+
+__all__ += [
+    "HUNG_MIN_HOLD_S",
+    "ROLLOUT_FAILURE_REASONS",
+    "INCIDENT_KINDS",
+    "LOSS_CAUSES",
+    "RESTART_CAUSES",
+    "ROLLBACK_REASONS",
+]
+
+
+def by_name(name: str) -> MetricSpec:
+    """The contract entry for an OpenTelemetry name; KeyError if it is not in the contract."""
+    return _BY_NAME[name]
+
 
 ROLES = ("rollout", "reward")
 """The roles a job may declare besides ``trainer`` (whose workers are the SPMD group)."""
@@ -600,18 +629,4 @@ ROLE_STATES = (
 dead → restarting (→ starting); ``failed``: not restarted (the role's restart budget is spent,
 or its policy is ``never``); ``stopped``: ended with the job."""
 
-__all__ += [
-    "ROLES",
-    "ROLE_STATES",
-    "ROLLOUT_FAILURE_REASONS",
-    "HUNG_MIN_HOLD_S",
-    "INCIDENT_KINDS",
-    "LOSS_CAUSES",
-    "RESTART_CAUSES",
-    "ROLLBACK_REASONS",
-]
-
-
-def by_name(name: str) -> MetricSpec:
-    """The contract entry for an OpenTelemetry name; KeyError if it is not in the contract."""
-    return _BY_NAME[name]
+__all__ += ["ROLES", "ROLE_STATES"]

@@ -143,6 +143,8 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("integration_degraded", ("integrations._frameworks",), ("error", "framework", "version", "what"), "A framework internal the integration uses failed (a renamed attribute, a changed signature): one warning, and training goes on with resume off."),
     EventSpec("integration_auto_attached", ("integrations.auto",), ("framework", "resume"), "The start-up hook attached trainguard to a framework's trainer without a code change."),
     EventSpec("integration_preempted", ("integrations.adapter",), ("framework", "step"), "A preemption notice reached the framework's loop: it saves at this step and the worker exits for a requeue."),
+    # -- reinforcement learning (trainguard.rl) --------------------------------------------------
+    EventSpec("rollout_failed", ("rl.client",), ("detail", "engine", "reason"), "A rollout request to an engine failed (``reason``: one of ROLLOUT_FAILURE_REASONS in the metric contract); it is retried on another engine, or its batch fails after the cap. Never replaced by a made-up sample."),
 )  # fmt: skip
 
 _BY_NAME = {s.name: s for s in EVENTS}

@@ -6,7 +6,15 @@ import math
 from collections.abc import Mapping, Sequence
 from html import escape
 
-__all__ = ["PALETTE", "bar_breakdown", "heatmap", "line_chart", "nice_ticks", "timeline"]
+__all__ = [
+    "PALETTE",
+    "bar_breakdown",
+    "heatmap",
+    "line_chart",
+    "nice_ticks",
+    "state_lanes",
+    "timeline",
+]
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f")
 MAX_POINTS = 1500
@@ -282,6 +290,48 @@ def timeline(
             f'<text x="{sx(t):.1f}" y="{y}" class="tg-glyph {escape(cls)}" '
             f'data-t="{t:.3f}">{escape(glyph)}<title>{escape(label)}</title></text>'
         )
+    step = nice_step(t1, 5)
+    for t in nice_ticks(0.0, t1, step=step):
+        label = _tick_label(t, step)
+        out.append(f'<text x="{sx(t):.1f}" y="{h - 14}" class="tg-xtick">{label} s</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def state_lanes(
+    lanes: Sequence[tuple[str, Sequence[tuple[float, float, str, str]]]],
+    *,
+    title: str,
+    t_end: float,
+    width: int = 960,
+) -> str:
+    """One lane per process (the trainer's attempts, each engine replica): spans ``(start,
+    end, css class, label)`` on a time axis in seconds since launch, e.g. a replica's states."""
+    left, top, lane_h = 110, 28, 20
+    h = top + lane_h * max(len(lanes), 1) + 34
+    pw = width - left - 12
+    t1 = max(t_end, 1e-9)
+
+    def sx(t: float) -> float:
+        return left + max(0.0, min(t, t1)) / t1 * pw
+
+    out = [
+        f'<svg class="tg-chart tg-lanes" xmlns="http://www.w3.org/2000/svg" width="{width}" '
+        f'height="{h}" viewBox="0 0 {width} {h}" role="img"><title>{escape(title)}</title>',
+        f'<text x="{left}" y="18" class="tg-title">{escape(title)}</text>',
+    ]
+    for i, (name, spans) in enumerate(lanes):
+        y = top + i * lane_h
+        out.append(f'<text x="{left - 4}" y="{y + 14}" class="tg-ytick">{escape(name)}</text>')
+        out.append(
+            f'<line x1="{left}" x2="{left + pw}" y1="{y + lane_h}" y2="{y + lane_h}" class="tg-grid"/>'
+        )
+        for s, e, cls, label in spans:
+            out.append(
+                f'<rect x="{sx(s):.1f}" y="{y + 3}" width="{max(sx(e) - sx(s), 1):.1f}" '
+                f'height="{lane_h - 6}" class="{escape(cls)}" data-t="{s:.3f}">'
+                f"<title>{escape(label)}</title></rect>"
+            )
     step = nice_step(t1, 5)
     for t in nice_ticks(0.0, t1, step=step):
         label = _tick_label(t, step)

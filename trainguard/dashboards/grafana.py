@@ -313,6 +313,50 @@ def job_dashboard() -> dm.Dashboard:
         (_j(tg("trainguard.rl.optimize.duration", r)), "optimize rank {{rank}}"),
     ], unit="s")  # fmt: skip
 
+    d.row("Rollout fleet (engines beside the trainer)")
+    serving = tg("trainguard.role.replicas.serving", NODE)
+    total = tg("trainguard.role.replicas.total", NODE)
+    d.timeseries("Engines serving / total", [
+        (_j(f"sum by (instance, role) ({serving})"), "serving {{role}}"),
+        (_j(f"sum by (instance, role) ({total})"), "total {{role}}"),
+    ], description="Replicas of each role (rollout engines, reward servers) that serve, "
+       "against those declared.")  # fmt: skip
+    d.timeseries("Engine restarts", [(_j(
+        f'sum by (instance, role) (increase({tg("trainguard.role.restarts", NODE)}[1h]))'),
+        "{{role}}")], stacked=True,
+        description="Replica restarts in the last hour, per role (never the trainer's).")  # fmt: skip
+    d.timeseries("Engine states", [(_j(
+        f'sum by (instance, role, state) ({tg("trainguard.role.replica.state", NODE)})'),
+        "{{role}} {{state}}")], stacked=True,
+        description="Replicas in each lifecycle state: starting, loading, serving, suspect, "
+        "dead, restarting, failed.")  # fmt: skip
+    d.timeseries("Rollout failures by reason", [(_j(
+        f'sum by (instance, reason) (rate({tg("trainguard.rl.rollout.failed", NODE)}[{RI}]))'),
+        "{{reason}}")], unit="reqps", stacked=True,
+        description="Failed rollout requests per second by reason; each is retried on another "
+        "engine or fails its batch, never replaced by a made-up sample.")  # fmt: skip
+    d.timeseries("Rollout retries and routable engines", [
+        (_j(tg("trainguard.rl.rollout.retries", r)), "retries rank {{rank}}"),
+        (_j(tg("trainguard.rl.rollout.engines_routable", r)), "routable rank {{rank}}"),
+    ], description="Requests retried on another engine in the step, and the engines each "
+       "rank's client routes to (serving, within the staleness bound).")  # fmt: skip
+    d.timeseries("Rollout latency p50 / p99", [
+        (_j(tg("trainguard.rl.rollout.latency.p50", r)), "p50 rank {{rank}}"),
+        (_j(tg("trainguard.rl.rollout.latency.p99", r)), "p99 rank {{rank}}"),
+    ], unit="s")  # fmt: skip
+    d.timeseries("Rollout tokens/s",
+                 [(_j(tg("trainguard.rl.rollout.throughput", r)), "rank {{rank}}")])  # fmt: skip
+    d.timeseries("Weight sync", [
+        (_j(tg("trainguard.rl.weight_sync.duration", r)), "duration rank {{rank}}"),
+        (_j(tg("trainguard.rl.weight_sync.timeout", r)), "timeout rank {{rank}}"),
+    ], unit="s", description="Time to push a weight version to the engines, against the "
+       "timeout in force (derived from measured syncs).")  # fmt: skip
+    d.timeseries("Staleness and engine weight versions", [
+        (_j(tg("trainguard.rl.staleness.max", r)), "staleness rank {{rank}}"),
+        (_j(tg("trainguard.role.replica.weight_version", NODE)), "{{role}} {{replica}} version"),
+    ], description="Trainer version minus the version that generated a sample (largest of the "
+       "step); the engines' versions catch up after each weight sync.")  # fmt: skip
+
     d.row("Checkpoints")
     for name, title in (
         ("trainguard.checkpoint.stall.duration", "Checkpoint stall (training blocked)"),

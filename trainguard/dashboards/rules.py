@@ -51,6 +51,11 @@ class RuleParams:
     """A KL blow-up must also exceed this absolute value."""
     stale_fallback_s: int = 7200
     """Checkpoint stale after this long when the job reports no checkpoint interval."""
+    fleet_serving_fraction: float = 0.5
+    """A role (rollout engines, reward servers) with fewer serving replicas than this fraction
+    of its declared ones for 5 minutes: fleet degraded."""
+    rollout_failure_rate: float = 0.05
+    """Failed rollout requests per second (10-minute rate) above this: rollouts failing."""
     critical_xids: tuple[int, ...] = (46, 48, 64, 74, 79, 95, 119, 120)
     """XIDs that mean drain the node (NVIDIA's Xid catalog, docs.nvidia.com/deploy/xid-errors)."""
     warning_xids: tuple[int, ...] = (13, 31, 43, 45, 63, 92, 94)
@@ -352,6 +357,61 @@ def _job_rules(p: RuleParams) -> list[AlertRule]:
             "level, or every rollout got the same reward for 15 minutes (no learning signal).",
             runbook="Check the reward model or verifier, the response length (collapse to "
             "empty answers) and entropy; roll back to a checkpoint before the drop.",
+        ),
+        AlertRule(
+            name="TrainGuardRolloutFleetDegraded",
+            expr=_with_job(
+                f"sum by (instance, node, role) ({tg('trainguard.role.replicas.serving')})\n< "
+                f"{p.fleet_serving_fraction} * "
+                f"sum by (instance, node, role) ({tg('trainguard.role.replicas.total')})"
+            ),
+            for_="5m",
+            severity="warning",
+            component="job",
+            recovered_by_trainguard=True,
+            summary=f"Fewer than {p.fleet_serving_fraction:.0%} of the {{{{ $labels.role }}}} "
+            f"replicas serve ({where})",
+            description="The role's replicas are restarting, loading weights or dead for 5 "
+            "minutes: rollouts run on what is left, slower (trainguard restarts each replica "
+            "within its role's budget).",
+            runbook="Read the role_replica_failed events (trainguard events RUN_DIR) and the "
+            "replicas' logs (RUN_DIR/roles/<role>/<i>.log): an engine that crashes on start, "
+            "runs out of memory or never gets the trainer's weights. The engine-fleet timeline "
+            "of the HTML report shows each replica's states.",
+        ),
+        AlertRule(
+            name="TrainGuardRolloutFailures",
+            expr=_with_job(
+                _by_agent("sum", f"rate({tg('trainguard.rl.rollout.failed')}[10m])")
+                + f" > {p.rollout_failure_rate}"
+            ),
+            for_="10m",
+            severity="warning",
+            component="job",
+            summary=f"Rollouts failing at over {p.rollout_failure_rate} per second ({where})",
+            description="Generation requests to the engines keep failing (timeouts, refused "
+            "connections, HTTP errors, malformed answers); each is retried on another engine "
+            "or fails its batch, never replaced by a made-up sample.",
+            runbook="The rollout-failures-by-reason panel names the reason: timeouts (engines "
+            "overloaded or frozen), connection (engines restarting), http_error / malformed "
+            "(an engine bug or version mismatch); check the engines' logs.",
+        ),
+        AlertRule(
+            name="TrainGuardWeightSyncTimeout",
+            expr=_with_job(
+                _by_agent("max", tg("trainguard.rl.weight_sync.duration"))
+                + "\n>= on(instance, node) "
+                + _by_agent("max", tg("trainguard.rl.weight_sync.timeout"))
+            ),
+            severity="warning",
+            component="job",
+            recovered_by_trainguard=True,
+            summary=f"A weight sync ran into its timeout ({where})",
+            description="The last weight sync took as long as its timeout: an engine did not "
+            "confirm the trainer's new weights in time; it was taken out of routing and is "
+            "refit later, the update did not wait for it.",
+            runbook="Repeated timeouts on one engine point at it (its log, its host); on every "
+            "engine at the weight-sync panel: the transport is slow for the model size.",
         ),
         AlertRule(
             name="TrainGuardCheckpointStale",

@@ -106,13 +106,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _resolve_prctl() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_PRCTL = _resolve_prctl()
+"""Resolved here, in the parent: the child between fork and exec only calls it (a dlopen
+there could block on a loader lock another thread held at the fork)."""
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """The replica is SIGKILLed if the thread that started it (the supervisor's, in the
     node agent) goes away: an agent killed -9 leaves no orphan engine holding its port."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _kill_group(pid: int, sig: int) -> None:
@@ -130,7 +140,8 @@ def _kill_group(pid: int, sig: int) -> None:
 class ReplicaState:
     """What the supervisor knows of one replica (written to its state file)."""
 
-    def __init__(self, spec: RoleSpec, index: int, port: int) -> None:
+    def __init__(self, spec: RoleSpec, index: int, port: int, node: str = "") -> None:
+        self.node = node
         self.role = spec.name
         self.index = index
         self.port = port
@@ -151,6 +162,7 @@ class ReplicaState:
         return {
             "role": self.role,
             "replica": self.index,
+            "node": self.node,
             "pid": self.pid,
             "port": self.port,
             "url": self.url,
@@ -197,7 +209,7 @@ class RoleSupervisor:
         """The first role failure (one line), None while every role runs."""
         for spec in self.specs:
             self.replicas[spec.name] = [
-                ReplicaState(spec, i, spec.port + i if spec.port else _free_port())
+                ReplicaState(spec, i, spec.port + i if spec.port else _free_port(), events.node)
                 for i in range(spec.replicas)
             ]
             self.restarts[spec.name] = 0

@@ -565,6 +565,13 @@ def prepare(
         role_overrides(role_flags)  # a malformed flag is its own line, before the file's errors
         overrides.update(role_overrides(role_flags, load_config(args.tg_config)))
     tg_config = load_config(args.tg_config, overrides=overrides)
+    for spec in tg_config.roles.specs():
+        exe = spec.command[0]
+        if not (shutil.which(exe) or (os.sep in exe and os.path.isfile(exe))):
+            raise UsageError(
+                f"role {spec.name}: command {exe!r} not found (working directory "
+                f"{os.getcwd()}): check the path or PATH of --tg-role / [roles.{spec.name}]"
+            )
     _apply_torchrun_defaults(args)
     try:
         config, cmd, cmd_args = torchrun.config_from_args(args)

@@ -111,10 +111,8 @@ class MetricsRecorder:
             self._inst["trainguard.job.rollbacks"].add(0, {**node_attrs, "reason": reason})
         for reason in ROLLOUT_FAILURE_REASONS:
             self._inst["trainguard.rl.rollout.failed"].add(0, {**node_attrs, "reason": reason})
-        self._inst["trainguard.rl.rollout.retried"].add(0, node_attrs)
-        self._inst["trainguard.rl.weight_sync.timeouts"].add(0, node_attrs)
         self._replica_state: dict[tuple[str, str], str] = {}
-        self._role_totals: dict[str, int] = {}
+        self._roles_seen: set[str] = set()
         self._hung_label = "none"
         self._set("trainguard.job.hung", 0, {**node_attrs, "diagnosis": self._hung_label})
 
@@ -224,26 +222,6 @@ class MetricsRecorder:
             if v is not None:
                 self._set(spec.name, v, attrs)
                 done.add(spec.name)
-        for key, q in (("rollout_latency_p50_s", "0.5"), ("rollout_latency_p99_s", "0.99")):
-            v = _num(rec.get(key))
-            if v is not None:
-                self._set("trainguard.rl.rollout.latency", v, {**attrs, "quantile": q})
-        node = {"node": self.node}
-        failed = rec.get("rollout_failed")
-        if isinstance(failed, Mapping):
-            for reason, n in failed.items():
-                v = _num(n)
-                if v is not None and v > 0:
-                    self._inst["trainguard.rl.rollout.failed"].add(
-                        v, {**node, "reason": str(reason)}
-                    )
-        for key, name in (
-            ("rollout_retried", "trainguard.rl.rollout.retried"),
-            ("weight_sync_timeouts", "trainguard.rl.weight_sync.timeouts"),
-        ):
-            v = _num(rec.get(key))
-            if v is not None and v > 0:
-                self._inst[name].add(v, node)
         for key, name in (
             ("checkpoint_stall_s", "trainguard.checkpoint.stall.duration"),
             ("checkpoint_persist_s", "trainguard.checkpoint.persist.duration"),
@@ -264,6 +242,9 @@ class MetricsRecorder:
                 self._inst["trainguard.job.failures"].add(1, {**node, "cause": cause})
                 if self._pending_cause is None and cause != "terminated":
                     self._pending_cause = cause
+            elif kind == "rollout_failed":
+                reason = str(ev.get("reason") or "other")
+                self._inst["trainguard.rl.rollout.failed"].add(1, {**node, "reason": reason})
             elif kind == "loss_rollback":
                 reason = str(ev.get("reason") or "other")
                 self._inst["trainguard.job.rollbacks"].add(1, {**node, "reason": reason})
@@ -305,14 +286,14 @@ class MetricsRecorder:
         role, replica = str(ev.get("role") or "?"), str(ev.get("replica"))
         node = {"node": self.node, "role": role}
         if ev.get("kind") == ROLE_REPLICA_STARTED:
-            if role not in self._role_totals:
-                for r in ROLES if role in ROLES else (role,):
+            if not self._roles_seen:  # exported from 0 once a fleet exists
+                for r in (*ROLES, role) if role not in ROLES else ROLES:
                     self._inst["trainguard.role.restarts"].add(0, {"node": self.node, "role": r})
+            self._roles_seen.add(role)
             if (_num(ev.get("restarts")) or 0) > 0:
                 self._inst["trainguard.role.restarts"].add(1, node)
         total = _num(ev.get("total"))
         if total is not None:
-            self._role_totals[role] = int(total)
             self._set("trainguard.role.replicas.total", total, node)
         serving = _num(ev.get("serving"))
         if serving is not None:

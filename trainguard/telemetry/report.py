@@ -20,7 +20,17 @@ from typing import Any
 from trainguard.core import svg
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.contract import LOSS_CAUSES
-from trainguard.core.event_kinds import HEALTH_PROBE, PREFLIGHT
+from trainguard.core.event_kinds import (
+    HEALTH_PROBE,
+    JOB_FINISHED,
+    PREFLIGHT,
+    ROLE_REPLICA_FAILED,
+    ROLE_REPLICA_STATE,
+    ROLE_RESTART_BUDGET_EXHAUSTED,
+    WORKER_FAILED,
+    WORKER_GROUP_UNHEALTHY,
+    WORKERS_STARTED,
+)
 from trainguard.core.events import read_events
 from trainguard.core.goodput import Goodput, compute_goodput
 from trainguard.core.rundir import RunDir
@@ -217,6 +227,48 @@ def _timeline(data: RunData, t0: float, t_end: float) -> str:
     )
 
 
+def _fleet(data: RunData, t0: float, t_end: float) -> str:
+    """The engine fleet beside the trainer: one lane for the trainer's attempts, one per role
+    replica coloured by its lifecycle state (starting, loading, serving, suspect, dead,
+    restarting, failed), from the ``role_replica_state`` events; empty without roles."""
+    changes: dict[tuple[str, int], list[tuple[float, str, str]]] = {}
+    for e in data.events:
+        if e.get("kind") != ROLE_REPLICA_STATE:
+            continue
+        key = (str(e.get("role")), int(e.get("replica", 0)))
+        label = f"{key[0]} {key[1]}: {e.get('state')} at {float(e['time']) - t0:.2f} s"
+        extra = {
+            k: e.get(k) for k in ("pid", "weight_version", "reason") if e.get(k) not in (None, "")
+        }
+        if extra:
+            label += " (" + ", ".join(f"{k}={v}" for k, v in extra.items()) + ")"
+        changes.setdefault(key, []).append((float(e["time"]) - t0, str(e.get("state")), label))
+    if not changes:
+        return '<p class="tg-empty">No engine fleet (the job declared no roles).</p>'
+    trainer: list[tuple[float, float, str, str]] = []
+    starts: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    for e in data.events:
+        a, t = int(e.get("attempt", 0)), float(e["time"]) - t0
+        if e.get("kind") == WORKERS_STARTED:
+            starts.setdefault(a, t)
+        if e.get("kind") in (WORKER_FAILED, WORKER_GROUP_UNHEALTHY, JOB_FINISHED):
+            ends[a] = min(ends.get(a, t), t)
+    for a, s in sorted(starts.items()):
+        trainer.append((s, ends.get(a, t_end), "tg-attempt", f"trainer attempt {a}"))
+    lanes: list[tuple[str, list[tuple[float, float, str, str]]]] = [("trainer", trainer)]
+    for (role, idx), seq in sorted(changes.items()):
+        spans = []
+        for i, (t, state, label) in enumerate(seq):
+            end = seq[i + 1][0] if i + 1 < len(seq) else t_end
+            if state != "stopped":
+                spans.append((t, end, f"tg-role-{state}", label))
+        lanes.append((f"{role} {idx}", spans))
+    return svg.state_lanes(
+        lanes, title="Engine fleet: trainer attempts and replica states", t_end=t_end
+    )
+
+
 def _heatmap(data: RunData) -> str:
     rows_raw = {r: {int(s["step"]): float(s["step_time_s"]) for s in _steps(recs)}
                 for r, recs in sorted(data.records.items())}  # fmt: skip
@@ -328,6 +380,9 @@ h1{font-size:20px}h2{font-size:16px;margin-top:28px;border-bottom:1px solid #ddd
 .tg-xlabel-left,.tg-legend,.tg-ylabel{font-size:11px}.tg-ylabel{text-anchor:middle}
 .tg-marker{stroke-dasharray:4 3;stroke-width:1.2}.tg-marker.tg-restart{stroke:#d62728}
 .tg-attempt{fill:#98df8a}.tg-attempt-failed{fill:#ff9896}
+.tg-role-starting{fill:#c7c7c7}.tg-role-loading{fill:#aec7e8}.tg-role-serving{fill:#2ca02c}
+.tg-role-suspect{fill:#ffbb78}.tg-role-dead{fill:#d62728}.tg-role-restarting{fill:#ff7f0e}
+.tg-role-failed{fill:#7f0000}
 .tg-glyph{font-size:14px;text-anchor:middle}.tg-failure{fill:#d62728}.tg-hang{fill:#9467bd}
 .tg-restart{fill:#ff7f0e}.tg-rendezvous{fill:#7f7f7f}.tg-checkpoint,.tg-restore{fill:#1f77b4}
 .tg-health{fill:#9467bd}.tg-rollback{fill:#e377c2}.tg-seglabel{font-size:11px;fill:#fff}.tg-empty{fill:#999}
@@ -462,6 +517,11 @@ def render_report(
     rollbacks = [e for e in data.events if e.get("kind") in ("loss_rollback", "rollback_exhausted")]
     health = [e for e in data.events if _is_health_incident(e)]
     verdicts = [e for e in data.events if e.get("kind") == "failure_attributed"]
+    fleet_failures = [
+        e
+        for e in data.events
+        if e.get("kind") in (ROLE_REPLICA_FAILED, ROLE_RESTART_BUDGET_EXHAUSTED)
+    ]
     run_id = data.run_dir.name
 
     say("plotting training curves")
@@ -490,6 +550,8 @@ def render_report(
 <h2>Goodput</h2><div id="goodput">
 {_goodput_section(g, ettr)}</div>
 <h2>Timeline</h2><div id="timeline">{_timeline(data, t0, t_end)}</div>
+<h2>Engine fleet</h2><div id="fleet">{_fleet(data, t0, t_end)}
+{_table(fleet_failures, ["time", "kind", "role", "replica", "pid", "exitcode", "reason", "message"], t0, "tg-failure-row") if fleet_failures else ""}</div>
 <h2>Step time per rank</h2><div id="heatmap">{_heatmap(data)}</div>
 <h2>Failures</h2><div id="failures">{_table(failures, ["time", "kind", "attempt", "rank", "cause", "exitcode", "signal", "place", "message"], t0, "tg-failure-row")}</div>
 <h2>Failure verdicts</h2><div id="verdicts">{_table(verdicts, ["time", "node", "failed_attempt", "cause", "verdict", "deterministic", "ranks", "summary"], t0, "tg-verdict-row")}</div>

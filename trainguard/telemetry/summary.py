@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.event_kinds import ROLE_REPLICA_FAILED, ROLE_RESTART_BUDGET_EXHAUSTED
 from trainguard.core.goodput import compute_goodput
 from trainguard.telemetry.report import RunData, _root_causes, load_run
 
@@ -88,6 +89,18 @@ def recovery_summary(run_dir: str | Path) -> list[str]:
                 f"  loss anomaly at step {e.get('bad_step')} after {e.get('rollbacks_here')} "
                 f"rollbacks there: job stopped (exit {e.get('exitcode')}, do not requeue)"
             )
+    role_failed = [e for e in data.events if e.get("kind") == ROLE_REPLICA_FAILED]
+    for role in sorted({str(e.get("role")) for e in role_failed}):
+        mine = [e for e in role_failed if str(e.get("role")) == role]
+        reps = sorted({int(e.get("replica", 0)) for e in mine})
+        lines.append(
+            f"  {role}: {len(mine)} replica failure{'s' if len(mine) != 1 else ''} (replica"
+            f"{'s' if len(reps) != 1 else ''} {','.join(map(str, reps))}), restarted alone; "
+            "the trainer kept running"
+        )
+    for e in data.events:
+        if e.get("kind") == ROLE_RESTART_BUDGET_EXHAUSTED:
+            lines.append(f"  {e.get('message')}")
     lines.extend(f"  attempt {a}: {v}" for a, v in verdicts.items())
     lines.extend(_stop(data.events))
     records = [r for recs in data.records.values() for r in recs]

@@ -6,7 +6,7 @@ independent replicas the node agent starts beside it, each with its own command,
 restart budget and health check. Example::
 
     [roles.rollout]
-    command = "python -m trainguard.rl.engine --model gpt2-tiny"
+    command = "python -m trainguard.rl.engine --model tiny-gpt2"
     replicas = 2
     port = 8100              # replica i listens on 8100 + i; 0: a free port per replica
     restart_budget = 5
@@ -18,7 +18,7 @@ On the command line (one flag per role; it replaces that role's table of the fil
 does not name keep the file's values)::
 
     trainguard run --nproc-per-node 2 \\
-        --tg-role "rollout=2:python -m trainguard.rl.engine --model gpt2-tiny" \\
+        --tg-role "rollout=2:python -m trainguard.rl.engine --model tiny-gpt2" \\
         --tg-role "reward=1,port=8200,budget=3:python reward_server.py" train.py
 """
 

@@ -1,0 +1,129 @@
+"""Engine replicas as local processes, started the way ``trainguard run``'s ``rollout`` role
+starts them (same command, same environment contract), for tests and benchmarks that drive
+the fleet themselves: kill one, restart it on its port, wait for it to serve.
+
+Each replica gets ``TRAINGUARD_ROLE=rollout``, ``TRAINGUARD_ROLE_REPLICA=<i>``,
+``TRAINGUARD_ROLE_PORT=<port>`` (kept across restarts) and ``TRAINGUARD_RUN_DIR``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["LocalEngines", "engine_health"]
+
+
+def engine_health(port: int, timeout: float = 2.0) -> dict[str, Any] | None:
+    """``GET /health`` of the engine on ``127.0.0.1:port``; None when it does not answer."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        data = json.loads(resp.read())
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
+class LocalEngines:
+    def __init__(
+        self,
+        ports: Sequence[int],
+        *,
+        run_dir: str | os.PathLike[str],
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.ports = list(ports)
+        self.run_dir = Path(run_dir)
+        self.args = list(args)
+        self.env = env or {}
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(self.ports)
+        self.restarts = [0] * len(self.ports)
+        self._logs: list[IO[bytes] | None] = [None] * len(self.ports)
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+    def start(self, i: int | None = None) -> None:
+        for k in range(len(self.ports)) if i is None else [i]:
+            env = {
+                **os.environ,
+                **self.env,
+                "TRAINGUARD_ROLE": "rollout",
+                "TRAINGUARD_ROLE_REPLICA": str(k),
+                "TRAINGUARD_ROLE_PORT": str(self.ports[k]),
+                "TRAINGUARD_RUN_DIR": str(self.run_dir),
+                "OMP_NUM_THREADS": "1",
+            }
+            logs = self.run_dir / "roles"
+            logs.mkdir(parents=True, exist_ok=True)
+            if self._logs[k] is not None:
+                self._logs[k].close()  # type: ignore[union-attr]
+            log = open(logs / f"rollout_{k}.log", "ab")  # noqa: SIM115 - closed in close()
+            self._logs[k] = log
+            self.procs[k] = subprocess.Popen(
+                [sys.executable, "-m", "trainguard.rl.engine", *self.args],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def pid(self, i: int) -> int:
+        p = self.procs[i]
+        assert p is not None
+        return p.pid
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        p = self.procs[i]
+        if p is not None and p.poll() is None:
+            os.kill(p.pid, sig)
+            if sig == signal.SIGKILL:
+                p.wait()
+
+    def restart(self, i: int) -> None:
+        self.kill(i)
+        self.restarts[i] += 1
+        self.start(i)
+
+    def wait_serving(
+        self, i: int | None = None, *, version: int | None = None, timeout: float = 120.0
+    ) -> None:
+        """Until replica ``i`` (default: all) reports ``serving`` (with ``version``)."""
+        deadline = time.monotonic() + timeout
+        for k in range(len(self.ports)) if i is None else [i]:
+            while True:
+                h = engine_health(self.ports[k])
+                if h and h.get("status") == "serving":
+                    if version is None or h.get("weight_version") == version:
+                        break
+                p = self.procs[k]
+                if p is not None and p.poll() is not None:
+                    raise RuntimeError(
+                        f"engine {k} exited with {p.returncode}; see {self.run_dir}/roles"
+                    )
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"engine {k} not serving after {timeout:.0f} s: {h}")
+                time.sleep(0.1)
+
+    def close(self) -> None:
+        for k, p in enumerate(self.procs):
+            if p is not None and p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)  # a stopped process must be able to die
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+            log = self._logs[k]
+            if log is not None:
+                log.close()
