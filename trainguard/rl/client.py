@@ -130,7 +130,8 @@ class Completion:
     finish_reason: str
     weight_version: int
     staleness: int
-    """Trainer's policy version at submission − the version that generated it."""
+    """The trainer's policy version when the answer arrived − the version that generated it
+    (within ``0..max_staleness``)."""
     engine: str
 
 
@@ -486,11 +487,11 @@ class RolloutClient:
                         self._lock.wait(0.2)  # no routable engine: wait for the health probes
                 with self._lock:
                     for fut in done:
-                        chunk, eng, _, t0, pv = inflight.pop(fut)
+                        chunk, eng, _, t0, _ = inflight.pop(fut)
                         eng.inflight -= 1
                         try:
                             answer = fut.result()
-                            got = self._accept(answer, chunk, eng, n, pv)
+                            got = self._accept(answer, chunk, eng, n, self.policy_version)
                         except _Failure as f:
                             retry(chunk, eng, f.reason, str(f))
                             continue

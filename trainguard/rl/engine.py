@@ -22,7 +22,8 @@ an adapter in front of vLLM or SGLang):
     OpenAI-compatible: ``prompt`` (a string or a list of strings), ``max_tokens``,
     ``temperature``, ``top_p``, ``n``, ``seed``, ``logprobs`` (``stream`` is refused). The
     answer holds ``choices`` (``index`` = prompt index × n + j, ``text``, ``finish_reason``,
-    and the extensions ``token_ids`` and, with ``logprobs``, ``logprobs.token_logprobs``) and
+    and the extensions ``token_ids``, with the EOS token when it stopped there, and, with
+    ``logprobs``, ``logprobs.token_logprobs``, one per token id) and
     ``weight_version``, the version of the weights that generated every choice (a weight
     update waits for the batch in progress). 503 while not serving; 4xx with
     ``{"error": {"message": ...}}`` for bad input.
@@ -318,11 +319,11 @@ class Engine:
         for i in range(new.shape[0]):
             ids = new[i].tolist()
             lps = scores[i].tolist()
-            finish = "length"
-            if tok.eos_token_id in ids:
-                cut = ids.index(tok.eos_token_id)
-                ids, lps, finish = ids[:cut], lps[:cut], "stop"
-            text = tok.decode(ids, skip_special_tokens=True)
+            finish, end = "length", len(ids)
+            if tok.eos_token_id in ids:  # kept in token_ids (as vLLM does), not in the text
+                end = ids.index(tok.eos_token_id)
+                ids, lps, finish = ids[: end + 1], lps[: end + 1], "stop"
+            text = tok.decode(ids[:end], skip_special_tokens=True)
             rows.append((text, ids, lps, finish))
         self.num_generated += len(rows)
         at = 0

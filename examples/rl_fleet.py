@@ -1,0 +1,240 @@
+"""GRPO with a rollout fleet: trainer ranks under gloo, generation on separate engine processes.
+
+    # the engines: a rollout role under `trainguard run` (TRAINGUARD_ROLLOUT_URLS is set for the
+    # trainer), or started by hand, one per port:
+    TRAINGUARD_RUN_DIR=runs/rl python -m trainguard.rl.engine --port 8101 &
+    TRAINGUARD_RUN_DIR=runs/rl python -m trainguard.rl.engine --port 8102 &
+    TRAINGUARD_ROLLOUT_URLS=http://127.0.0.1:8101,http://127.0.0.1:8102 \\
+        trainguard run --standalone --nproc-per-node 2 --run-dir runs/rl examples/rl_fleet.py
+
+The policy is the tiny random-weight GPT-2 of ``examples/trl_grpo.py`` (built in code, nothing
+downloaded). Prompt ``i`` reads ``please write A B now``; the verifiable reward is the share of
+the completion's words equal to the digit A. Each step every rank takes the same global batch
+of prompt positions from the :class:`trainguard.rl.PromptLedger`, generates ``--group``
+completions for its share through the :class:`trainguard.rl.RolloutClient` (retries on
+another engine; a batch is complete or the step raises, never a made-up sample), computes
+group-relative advantages, and takes one policy-gradient step with a k3 KL penalty to the
+frozen initial policy. Rank 0 then publishes weight version ``step + 1`` to the weight store
+and pushes it to the engines (on-policy: ``--max-staleness 0``).
+
+Resume is lossless: the ledger (prompt position, pending prompts) and the weight version are
+in the ``tg.checkpoint`` state saved every step (memory tier); rank 0 appends each committed
+step's prompts to ``RUN_DIR/rl/consumed.jsonl`` (the audit trail of exactly-once training).
+A restarted trainer reattaches to the running engines, refits them to its restored version
+when theirs differs, and goes on.
+
+TRL: ``GRPOTrainer`` (trl 1.16) generates through vLLM in server mode with TRL's own
+``VLLMClient`` (``/generate/``, ``/init_communicator/``, ``/update_named_param/`` of
+``trl vllm-serve``, weights over an NCCL group) or through a ``rollout_func``. Its server mode
+needs those TRL endpoints (not this engine contract) and NCCL; a ``rollout_func`` can call
+:meth:`RolloutClient.generate`, but the trainer's weights then reach the engines only through
+the weight store (TRL has no hook after its optimizer step other than a callback), and TRL
+retries nothing: this example drives the loop itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+import trainguard
+from trainguard.rl import ConsumedLog, PromptLedger, RolloutClient, RolloutConfig, WeightStore
+from trainguard.rl.tiny import tiny_gpt2, tiny_tokenizer
+
+
+def prompt_text(i: int) -> str:
+    return f"please write {i % 10} {(i // 10) % 10} now"
+
+
+def reward(prompt_id: int, text: str) -> float:
+    words = text.split()
+    return sum(w == str(prompt_id % 10) for w in words) / max(1, len(words))
+
+
+def seq_logprobs(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, start: int
+) -> torch.Tensor:
+    """Per-token log-probabilities of ids[:, start:] (completion tokens) → [B, L]; positions
+    count from each row's first real token, as the engine's generate does."""
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, start - 1 : -1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, ids[:, start:, None]).squeeze(-1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prompts", type=int, default=64, help="prompts in the data set")
+    p.add_argument("--batch", type=int, default=8, help="prompts per step (all ranks)")
+    p.add_argument("--group", type=int, default=4, help="completions per prompt")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--beta", type=float, default=0.04)
+    p.add_argument("--max-staleness", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=30.0)
+    p.add_argument("--urls", default=None, help="default: $TRAINGUARD_ROLLOUT_URLS")
+    p.add_argument("--fail-at-step", type=int, default=-1)
+    p.add_argument("--fail-rank", type=int, default=1)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    args = p.parse_args()
+
+    tg = trainguard.init()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    tok = tiny_tokenizer()
+    policy = tiny_gpt2(seed=0)
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    opt = torch.optim.Adam(policy.parameters(), lr=args.lr)
+    ledger = PromptLedger(args.prompts, seed=0)
+    state = {"model": policy, "optim": opt, "ledger": ledger}
+    ckpt = tg.checkpoint
+    resumed = ckpt.restore_or_init(state)  # sets tg.step_num; the weight version = steps done
+    version = tg.step_num
+
+    store = WeightStore(tg.run_dir / "rl" / "weights")
+    urls = args.urls.split(",") if args.urls else None
+    client = RolloutClient(
+        urls,
+        config=RolloutConfig(
+            max_staleness=args.max_staleness, request_timeout_s=args.request_timeout
+        ),
+        events=tg.events.emit,
+    )
+    consumed = ConsumedLog(tg.run_dir / "rl" / "consumed.jsonl")
+
+    def publish(v: int, *, reattach: bool = False) -> dict[str, float]:
+        """Rank 0 publishes and pushes version v; every rank learns who confirmed. On
+        ``reattach`` (a (re)start), the running engines keep their weights when they and
+        the store already hold v."""
+        info: list[object] = [None]
+        if tg.rank == 0:
+            t0 = time.perf_counter()
+            cur = store.current()
+            versions = {e["version"] for e in client.engines().values() if e["state"] != "dead"}
+            if reattach and cur is not None and cur.version == v and versions == {v}:
+                client.set_policy_version(v)
+                info = [{"confirmed": client.urls_at(v), "publish_s": 0.0, "sync_s": 0.0,
+                         "missed": 0, "timeout_s": 0.0, "refit": False}]  # fmt: skip
+            else:
+                store.publish(v, policy.state_dict())
+                pub = time.perf_counter() - t0
+                res = client.sync_weights(v)
+                info = [{"confirmed": res.confirmed, "publish_s": pub, "sync_s": res.duration_s,
+                         "missed": len(res.missed), "timeout_s": res.timeout_s, "refit": True}]  # fmt: skip
+        if world > 1:
+            dist.broadcast_object_list(info, src=0)
+        got = info[0]
+        assert isinstance(got, dict)
+        if tg.rank != 0:
+            client.assume_version(got["confirmed"], v)
+        return {"weight_publish_s": got["publish_s"], "weight_sync_s": got["sync_s"],
+                "weight_sync_missed": got["missed"], "weight_sync_timeout_s": got["timeout_s"],
+                "weight_refit": int(got["refit"])}  # fmt: skip
+
+    # reattach: the engines keep running through a trainer restart; refit them to our version
+    # only when theirs (or the store's) differs
+    before = {u: e["version"] for u, e in client.engines().items() if e["state"] != "dead"}
+    attach = publish(version, reattach=True)
+    tg.events.emit("rl_trainer_attached", version=version, resumed_step=resumed,
+                   refit=bool(attach["weight_refit"]), engines_before=before)  # fmt: skip
+    client.wait_serving(1, timeout=300)
+
+    while tg.step_num < args.steps:
+        if tg.step_num == args.fail_at_step and tg.rank == args.fail_rank and tg.attempt == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        positions = ledger.take(args.batch)
+        mine = positions[tg.rank :: world]
+        ids = [ledger.prompt_id(g) for g in mine]
+        with tg.step(samples=len(mine) * args.group) as step:
+            with tg.span("rollout"):
+                comps = client.generate([prompt_text(i) for i in ids], n=args.group,
+                                        max_tokens=args.max_tokens, temperature=1.0)  # fmt: skip
+            with tg.span("reward"):
+                rewards = torch.tensor(
+                    [
+                        [reward(i, c.text) for c in group]
+                        for i, group in zip(ids, comps, strict=False)
+                    ]
+                )
+                adv = (rewards - rewards.mean(1, keepdim=True)) / (
+                    rewards.std(1, keepdim=True) + 1e-4
+                )
+            with tg.span("optimize"):
+                rows, advs = [], []
+                start = max(len(tok(prompt_text(i))["input_ids"]) for i in ids)
+                for i, group, a in zip(ids, comps, adv, strict=False):
+                    prompt_ids = tok(prompt_text(i))["input_ids"]
+                    for c, ai in zip(group, a, strict=False):
+                        out = c.token_ids + (
+                            [tok.eos_token_id] if c.finish_reason == "stop" else []
+                        )
+                        rows.append((start - len(prompt_ids), prompt_ids, out))
+                        advs.append(float(ai))
+                length = max(len(o) for _, _, o in rows) or 1
+                ids_t = torch.full((len(rows), start + length), tok.pad_token_id)
+                attn = torch.zeros_like(ids_t)
+                resp = torch.zeros((len(rows), length))
+                for r, (pad, pr, out) in enumerate(rows):  # left-padded prompt, then completion
+                    ids_t[r, pad:start] = torch.tensor(pr)
+                    attn[r, pad : start + len(out)] = 1
+                    if out:
+                        ids_t[r, start : start + len(out)] = torch.tensor(out)
+                        resp[r, : len(out)] = 1
+                lp = seq_logprobs(policy, ids_t, attn, start)
+                with torch.no_grad():
+                    ref_lp = seq_logprobs(reference, ids_t, attn, start)
+                d = ref_lp - lp
+                kl_tok = torch.exp(d) - d - 1
+                a_t = torch.tensor(advs)[:, None]
+                denom = resp.sum().clamp_min(1)
+                loss = ((-a_t * lp + args.beta * kl_tok) * resp).sum() / denom
+                opt.zero_grad()
+                loss.backward()
+                if world > 1:
+                    for prm in policy.parameters():
+                        if prm.grad is not None:
+                            dist.all_reduce(prm.grad, op=dist.ReduceOp.AVG)
+                opt.step()
+                kl = (kl_tok * resp).sum() / denom
+            version = step + 1
+            sync = publish(version)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+        ledger.commit(positions)
+        flat = [c for group in comps for c in group]
+        # a trained sample is a real generation: an engine's answer, with a version in the bound
+        real = sum(bool(c.engine) and 0 <= c.staleness <= args.max_staleness for c in flat)
+        stale = [c.staleness for c in flat]
+        lengths = [len(c.token_ids) for c in flat]
+        tg.log(step=step, reward=rewards.mean().item(), reward_std=rewards.std().item(),
+               kl=kl.item(), loss=loss.item(), response_length=sum(lengths) / len(lengths),
+               response_length_max=max(lengths), staleness_mean=sum(stale) / len(stale),
+               staleness_max=max(stale), weight_version=version, samples_trained=len(rows),
+               samples_real=real, **sync, **client.take_metrics())  # fmt: skip
+        if tg.rank == 0:
+            consumed.append(step, positions, [ledger.prompt_id(g) for g in positions],
+                            attempt=tg.attempt, version=version, staleness_max=max(stale))  # fmt: skip
+        ckpt.maybe_save(tg.step_num, state)
+
+    if tg.rank == 0:
+        print(
+            f"done: {args.steps} steps, weight version {version}, run dir {tg.run_dir}", flush=True
+        )
+    ckpt.close()
+    client.close()
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    tg.close()
+
+
+if __name__ == "__main__":
+    main()

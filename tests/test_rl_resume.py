@@ -1,0 +1,106 @@
+"""examples/rl_fleet.py under ``trainguard run`` with two real engines: every prompt is trained
+on exactly once, in the fault-free order, through kill -9 of a trainer rank (twice) and of an
+engine; a trainer restart keeps the engines (same PIDs) and reattaches without a refit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.launch_utils import REPO, base_env, popen
+from tests.ports import free_port
+from trainguard.rl import ConsumedLog, PromptLedger, audit
+from trainguard.rl.local import LocalEngines
+
+RL_FLEET = str(REPO / "examples" / "rl_fleet.py")
+STEPS, PROMPTS, BATCH = 10, 16, 4
+
+
+def events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if ev.get("kind") == kind:
+            out.append(ev)
+    return out
+
+
+def wait_for(cond: Any, what: str, p: subprocess.Popen[str], timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if p.poll() is not None:
+            raise AssertionError(
+                f"the job ended ({p.returncode}) before {what}: {p.stderr.read()[-3000:] if p.stderr else ''}"
+            )
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_exactly_once_prompts_through_trainer_and_engine_kills(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    engines = LocalEngines(
+        [free_port(), free_port()], run_dir=run_dir, args=["--poll-interval-s", "0.3"]
+    )
+    engines.start()
+    log = ConsumedLog(run_dir / "rl" / "consumed.jsonl")
+    env = base_env(TRAINGUARD_ROLLOUT_URLS=",".join(engines.urls), OMP_NUM_THREADS="1")
+    p = popen(
+        "trainguard",
+        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "4", "--tg-run-dir",
+         str(run_dir), RL_FLEET, "--steps", str(STEPS), "--prompts", str(PROMPTS), "--batch",
+         str(BATCH), "--fail-at-step", "3", "--fail-rank", "1", "--request-timeout", "20"],
+        cwd=tmp_path, env=env,
+    )  # fmt: skip
+    try:
+        pid1 = engines.pid(1)
+        # attempt 0: rank 1 kills itself (SIGKILL) as step 3 begins; attempt 1 resumes at 3
+        wait_for(
+            lambda: (
+                len(events(run_dir, "workers_started")) >= 2
+                and max(log.effective(), default=-1) >= 4
+            ),
+            "step 4 after the restart",
+            p,
+        )
+        engines.restart(0)  # kill -9 mid-run; its replacement rejoins on the same port
+        wait_for(lambda: max(log.effective(), default=-1) >= 6, "step 6", p)
+        started = events(run_dir, "workers_started")[-1]
+        rank0 = next(w["pid"] for w in started["workers"] if w["rank"] == 0)
+        os.kill(rank0, signal.SIGKILL)  # a second trainer kill, from outside, mid-step
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-4000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        engines.close()
+    result = audit(log, PROMPTS)
+    assert (result.steps, result.skipped, result.duplicated) == (STEPS, 0, 0)
+    ledger = PromptLedger(PROMPTS, seed=0)
+    assert result.sequence == [
+        ledger.prompt_id(g) for g in range(STEPS * BATCH)
+    ]  # fault-free order
+    assert engines.restarts == [1, 0] and engines.pid(1) == pid1  # trainer restarts kept them
+    attached = [e for e in events(run_dir, "rl_trainer_attached") if e["rank"] == 0]
+    assert [e["attempt"] for e in attached] == [0, 1, 2]
+    for e in attached[1:]:  # a restarted trainer refits the running engines iff they differ
+        differ = any(v != e["version"] for v in e["engines_before"].values())
+        assert e["refit"] == differ, e
+    recs = [json.loads(x) for x in (run_dir / "metrics" / "rank_0.jsonl").read_text().splitlines()]
+    logs = [r for r in recs if r.get("kind") == "log" and "reward" in r]
+    assert all(r["staleness_max"] == 0 for r in logs)  # on-policy: every sample of its version
+    assert all(r["rollout_failed"] >= 0 and r["engines_total"] == 2 for r in logs)
