@@ -20,11 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard.core.atomicfile import write_atomic
 from trainguard.chaos import faults as chaos
 from trainguard.chaos import ops as chaos_ops
 from trainguard.chaos import procs
 from trainguard.chaos.dcgm import DcgmExporter
+from trainguard.core.atomicfile import write_atomic
 from trainguard.core.rundir import RunDir
 
 __all__ = ["main"]

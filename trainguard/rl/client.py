@@ -393,7 +393,7 @@ class RolloutClient:
             except Exception:  # telemetry never stops the rollout
                 logger.exception("could not record a %s event", kind)
 
-    def generate(
+    def generate(  # noqa: PLR0915
         self,
         prompts: Sequence[str],
         *,

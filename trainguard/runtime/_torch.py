@@ -26,8 +26,11 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import PContext
 from torch.distributed.elastic.multiprocessing import api as _mp_api
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
-from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousTimeoutError,
+)
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,

@@ -16,8 +16,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from trainguard.core.atomicfile import write_atomic
 from trainguard.core import envvars
+from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config.telemetry import TelemetryConfig
 from trainguard.core.events import MSG_STRAGGLER_SCORES
 from trainguard.core.goodput import GoodputTracker

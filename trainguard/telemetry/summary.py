@@ -76,33 +76,14 @@ def recovery_summary(run_dir: str | Path) -> list[str]:
             line += "; " + verdicts.pop(f.get("attempt"))
         lines.append(line)
     n_failures = len(lines)
-    for e in data.events:
-        if e.get("kind") == "loss_rollback":
-            a, b = (e.get("skip") or [None, None])[:2]
-            lines.append(
-                f"  loss {e.get('reason') or 'anomaly'} at step {e.get('bad_step')}: rolled back to step "
-                f"{e.get('restored_step')} in {float(e.get('duration_s') or 0):.2f} s, "
-                f"skipped steps {a}-{b}"
-            )
-        elif e.get("kind") == "rollback_exhausted":
-            lines.append(
-                f"  loss anomaly at step {e.get('bad_step')} after {e.get('rollbacks_here')} "
-                f"rollbacks there: job stopped (exit {e.get('exitcode')}, do not requeue)"
-            )
-    role_failed = [e for e in data.events if e.get("kind") == ROLE_REPLICA_FAILED]
-    for role in sorted({str(e.get("role")) for e in role_failed}):
-        mine = [e for e in role_failed if str(e.get("role")) == role]
-        reps = sorted({int(e.get("replica", 0)) for e in mine})
-        lines.append(
-            f"  {role}: {len(mine)} replica failure{'s' if len(mine) != 1 else ''} (replica"
-            f"{'s' if len(reps) != 1 else ''} {','.join(map(str, reps))}), restarted alone; "
-            "the trainer kept running"
-        )
-    for e in data.events:
-        if e.get("kind") == ROLE_RESTART_BUDGET_EXHAUSTED:
-            lines.append(f"  {e.get('message')}")
+    lines.extend(_other_incidents(data.events))
     lines.extend(f"  attempt {a}: {v}" for a, v in verdicts.items())
     lines.extend(_stop(data.events))
+    return [_headline(data, n_failures), *lines]
+
+
+def _headline(data: Any, n_failures: int) -> str:
+    """The summary's first line: failures, the job's outcome, rollbacks, goodput."""
     records = [r for recs in data.records.values() for r in recs]
     g = compute_goodput(data.events, records)
     states = {e.get("state") for e in data.events if e.get("kind") == "job_finished"}
@@ -128,7 +109,38 @@ def recovery_summary(run_dir: str | Path) -> list[str]:
         head += f"; goodput {100 * g.ettr:.1f} % of {g.total_s:.1f} s"
         if lost:
             head += f" (lost: {lost})"
-    return [head, *lines]
+    return head
+
+
+def _other_incidents(events: list[dict[str, Any]]) -> list[str]:
+    """Lines for the loss rollbacks and the role replicas' failures."""
+    lines = []
+    for e in events:
+        if e.get("kind") == "loss_rollback":
+            a, b = (e.get("skip") or [None, None])[:2]
+            lines.append(
+                f"  loss {e.get('reason') or 'anomaly'} at step {e.get('bad_step')}: rolled back to step "
+                f"{e.get('restored_step')} in {float(e.get('duration_s') or 0):.2f} s, "
+                f"skipped steps {a}-{b}"
+            )
+        elif e.get("kind") == "rollback_exhausted":
+            lines.append(
+                f"  loss anomaly at step {e.get('bad_step')} after {e.get('rollbacks_here')} "
+                f"rollbacks there: job stopped (exit {e.get('exitcode')}, do not requeue)"
+            )
+    role_failed = [e for e in events if e.get("kind") == ROLE_REPLICA_FAILED]
+    for role in sorted({str(e.get("role")) for e in role_failed}):
+        mine = [e for e in role_failed if str(e.get("role")) == role]
+        reps = sorted({int(e.get("replica", 0)) for e in mine})
+        lines.append(
+            f"  {role}: {len(mine)} replica failure{'s' if len(mine) != 1 else ''} (replica"
+            f"{'s' if len(reps) != 1 else ''} {','.join(map(str, reps))}), restarted alone; "
+            "the trainer kept running"
+        )
+    for e in events:
+        if e.get("kind") == ROLE_RESTART_BUDGET_EXHAUSTED:
+            lines.append(f"  {e.get('message')}")
+    return lines
 
 
 def _verdicts(events: list[dict[str, Any]]) -> dict[Any, str]:

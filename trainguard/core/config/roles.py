@@ -98,7 +98,7 @@ class RoleSpec:
         }
 
     @classmethod
-    def from_mapping(cls, name: str, table: dict[str, Any], where: str) -> RoleSpec:
+    def from_mapping(cls, name: str, table: dict[str, Any], where: str) -> RoleSpec:  # noqa: PLR0915
         """Validate one role's table; ValueError (one line: what, where, how to fix)."""
         if name not in ROLE_NAMES:
             raise ValueError(

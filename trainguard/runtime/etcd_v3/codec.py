@@ -162,7 +162,7 @@ def _time(t: Any) -> datetime:
     return datetime.fromtimestamp(t, timezone.utc)
 
 
-def _from_doc(doc: Any) -> RendezvousState:
+def _from_doc(doc: Any) -> RendezvousState:  # noqa: PLR0915
     """The state of a decoded JSON document, checked: every value of the expected type and
     range (node ids, pids, indices, the round: non-negative integers below 2**63), a node
     table of distinct nodes that are all referenced (no table larger than the state that uses
@@ -340,7 +340,10 @@ def parse_join(raw: bytes) -> tuple[NodeDesc, float] | None:
     j = parse_json(raw)
     if type(j) is not dict:
         return None
-    a, p, i, t = j.get("addr"), j.get("pid"), j.get("local_id"), j.get("t")
+    a: Any = j.get("addr")
+    p: Any = j.get("pid")
+    i: Any = j.get("local_id")
+    t: Any = j.get("t")
     if type(a) is not str or len(a) > 1024 or not _uint(p) or not _uint(i):
         return None
     if type(t) not in (int, float) or not math.isfinite(t):
@@ -361,7 +364,7 @@ def lock_until(raw: bytes) -> float:
     """The ``until`` of an admission lock's value; 0.0 (expired) for anything that is not a
     finite time, so that a garbage lock is taken over instead of holding every round."""
     j = parse_json(raw)
-    until = j.get("until") if type(j) is dict else None
+    until: Any = j.get("until") if type(j) is dict else None
     if type(until) not in (int, float) or not math.isfinite(until):
         return 0.0
     return float(until)

@@ -75,6 +75,7 @@ class RoundSummary:
         except ValueError:
             return None
 
+
 SUMMARY_WATCH_S = 300.0
 """How long one watch of the summary key by a participant of a complete round lasts before it
 is renewed (a read and a new watch: two requests per this many seconds)."""
@@ -157,7 +158,6 @@ def _count(meta: bytes | None) -> int:
         return int(meta.rsplit(b"|", 1)[1]) if meta else -1
     except (IndexError, ValueError):
         return -1
-
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,7 +46,6 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Any, Literal
 
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
