@@ -23,6 +23,17 @@ def _gen() -> ModuleType:
     return mod
 
 
+def test_readme_is_a_front_page_whose_links_resolve() -> None:
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    assert "make demo" in text and "make test" in text
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if "://" not in link]
+    assert local, "the README links into docs/"
+    missing = [link for link in local if not (REPO / link).exists()]
+    assert not missing, missing
+
+
 def test_config_reference_has_every_setting_with_its_env_name() -> None:
     gen = _gen()
     page = gen.config_reference()

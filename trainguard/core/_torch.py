@@ -1,7 +1,7 @@
 """torch private internals the layers below the runtime use (checkpoint, worker).
 
 The runtime's are in ``trainguard.runtime._torch``; this module holds the few that the
-checkpoint feature and the worker need, because the layering (README "Layout") lets them
+checkpoint feature and the worker need, because the layering (docs/architecture.md) lets them
 import the core but not the runtime. Each name is listed in :data:`PRIVATES`, and a test
 asserts it exists on the installed torch. torch is imported lazily: importing the core does
 not import torch.
