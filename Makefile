@@ -4,14 +4,14 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 DEMO   := trainguard-runs/demo
 
-.PHONY: demo test test-checks test-services test-soak lint bench clean
+.PHONY: demo test test-checks test-services test-soak test-torch-latest lint docs bench clean
 
 # The venv sees system site-packages so a torch the user already has is kept; where no torch
 # is importable, the CPU build torch==2.13.0 is installed (a bare `torch` pulls CUDA, GBs).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,docs]'
 	touch $@
 
 demo: $(VENV)/.installed
@@ -43,12 +43,21 @@ test:
 	$(PY) -m compileall -q trainguard tests examples bench
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(TESTS)
 
-# Lint, format and type checks; the Debian packages and the rotel receiver are installed
-# meanwhile (stdlib only: no venv needed).
+# Lint, format and type checks, and the documentation: the generated reference pages match
+# the code, and the site builds with warnings as errors (broken links and anchors included).
+# The Debian packages and the rotel receiver are installed meanwhile (stdlib only: no venv needed).
 test-checks: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(PY) docs/gen.py --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict  # not -q: it hides the warnings from --strict
+
+# The documentation site (mkdocs.yml, docs/) into build/site/, the reference pages regenerated.
+docs: $(VENV)/.installed
+	$(PY) docs/gen.py --write
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+	@echo "Documentation: build/site/index.html"
 
 test-services:
 	PYTHONPATH=. $(PYTHON) -c "from tests.services.telemetry_services import apt_ensure, rotel_binary; apt_ensure(*'$(TEST_DEBS)'.split()); rotel_binary()"
@@ -56,8 +65,28 @@ test-services:
 test-soak: $(VENV)/.installed
 	$(PY) -m pytest -q -m soak $(TESTS)
 
+# The newest torch, on demand (not in `make test`: the PyPI build is CUDA's, ~3 GB to download):
+# its own venv without system site-packages, then the tests that touch torch internals,
+# launching, restarts, warm pool, spares, etcd-v3 and checkpoints. See docs/testing.md.
+TORCH_LATEST       ?= 2.15.0
+TORCH_LATEST_VENV  ?= .venv-torch-latest
+TORCH_LATEST_TESTS ?= tests/test_torch_privates.py tests/test_run_compat.py \
+    tests/test_run_restarts.py tests/test_warm_pool.py tests/test_spares.py tests/test_rdzv_etcd.py \
+    $(wildcard tests/test_checkpoint_*.py)
+
+$(TORCH_LATEST_VENV)/.installed-$(TORCH_LATEST): pyproject.toml
+	$(PYTHON) -m venv $(TORCH_LATEST_VENV)
+	$(TORCH_LATEST_VENV)/bin/python -m pip install -q 'torch==$(TORCH_LATEST)'
+	$(TORCH_LATEST_VENV)/bin/python -m pip install -q -e '.[test]'
+	rm -f $(TORCH_LATEST_VENV)/.installed-*
+	touch $@
+
+test-torch-latest: $(TORCH_LATEST_VENV)/.installed-$(TORCH_LATEST) test-services
+	$(TORCH_LATEST_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(TORCH_LATEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(TORCH_LATEST_TESTS)
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) trainguard-runs
+	rm -rf $(VENV) $(TORCH_LATEST_VENV) trainguard-runs build/site

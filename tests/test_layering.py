@@ -1,4 +1,4 @@
-"""The layering of the package (README "Layout"), checked by import-linter and grimp."""
+"""The layering of the package (docs/architecture.md), checked by import-linter and grimp."""
 
 from __future__ import annotations
 

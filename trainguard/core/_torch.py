@@ -1,7 +1,7 @@
 """torch private internals the layers below the runtime use (checkpoint, worker).
 
 The runtime's are in ``trainguard.runtime._torch``; this module holds the few that the
-checkpoint feature and the worker need, because the layering (README "Layout") lets them
+checkpoint feature and the worker need, because the layering (docs/architecture.md) lets them
 import the core but not the runtime. Each name is listed in :data:`PRIVATES`, and a test
 asserts it exists on the installed torch. torch is imported lazily: importing the core does
 not import torch.
@@ -9,6 +9,7 @@ not import torch.
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -30,21 +31,26 @@ PRIVATES: tuple[tuple[str, str, str], ...] = (
     ("torch.distributed.elastic.multiprocessing.errors", "ErrorHandler", "_get_error_file_path"),
 )
 """Every torch private the core provides: (module, class or "", name). The first two are
-public names in a private module (``_fsspec_filesystem``)."""
+public names in a private module (``_fsspec_filesystem``), used where torch has no public
+``fsspec_filesystem`` module (torch 2.15 has it and deprecates the private one)."""
+
+
+def _fsspec_filesystem() -> Any:
+    """torch's DCP fsspec module: the public one where it exists, else the private one."""
+    try:
+        return importlib.import_module("torch.distributed.checkpoint.fsspec_filesystem")
+    except ImportError:
+        return importlib.import_module("torch.distributed.checkpoint._fsspec_filesystem")
 
 
 def fsspec_writer(path: str, *, sync_files: bool) -> Any:
     """torch's DCP ``FsspecWriter`` for ``path`` (an fsspec URL)."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    return FsspecWriter(path, sync_files=sync_files)
+    return _fsspec_filesystem().FsspecWriter(path, sync_files=sync_files)
 
 
 def fsspec_reader(path: str) -> Any:
     """torch's DCP ``FsspecReader`` for ``path`` (an fsspec URL)."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    return FsspecReader(path)
+    return _fsspec_filesystem().FsspecReader(path)
 
 
 def abort_backend(group: Any, device: Any) -> None:

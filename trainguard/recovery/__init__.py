@@ -1,5 +1,5 @@
 """trainguard.recovery: the failure → action policy, the job-wide restart budget and eviction
-with a blocklist (see the README's "What happens when something fails")."""
+with a blocklist (see docs/recovery.md)."""
 
 from trainguard.recovery.ledger import BlockEntry, JobLedger
 from trainguard.recovery.policy import Action, Decision, RecoveryPolicy, backoff_s

@@ -5,7 +5,7 @@
 Why the commands and not a binding: their output formats (``-o``, ``--parsable``, ``scontrol
 show -o``) are stable across Slurm versions, they need no compiler or ``libslurm`` headers at
 install time, and they work wherever the user can type ``sbatch``. ``pyslurm`` has no release
-for Slurm 22.05 on PyPI, and its 25.11 release refuses to build against 22.05 (see the README).
+for Slurm 22.05 on PyPI, and its 25.11 release refuses to build against 22.05 (see docs/slurm.md).
 """
 
 from __future__ import annotations
@@ -233,5 +233,5 @@ class CommandSlurm:
 
 def make_slurm() -> SlurmCli:
     """The way to Slurm: its commands. (pyslurm has no release for Slurm 22.05 on PyPI; 25.11
-    refuses to build against it: see the README.)"""
+    refuses to build against it: see docs/slurm.md.)"""
     return CommandSlurm()
