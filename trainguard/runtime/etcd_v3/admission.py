@@ -6,15 +6,36 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSettings
 
 from trainguard.runtime._torch import NodeDesc, RendezvousState
+from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
 
-if TYPE_CHECKING:
-    from trainguard.runtime.etcd_v3.holder import ScalableStateHolder
+
+class _Holder(Protocol):
+    """What the admission uses of its state holder (``holder.ScalableStateHolder``; a
+    protocol, so that the holder imports this module and not the other way round)."""
+
+    _etcd: EtcdV3RendezvousBackend
+    _node: NodeDesc
+    _node_key: str
+    _renewed: float
+    held: RendezvousState
+
+    @property
+    def settings(self) -> RendezvousSettings: ...
+
+    def _load_full(self, overlay: float | None = 1.0) -> None: ...
+
+    def _reload(self) -> None: ...
+
+    def _write_state(self) -> bool: ...
+
+    def _leased(self) -> bool: ...
+
 
 __all__ = ["ADMISSION_LOCK_TTL", "Admission", "add_participant"]
 
@@ -43,7 +64,7 @@ class Admission:
     it, and the requests it read. The holder calls it from ``sync``; it reads and writes the
     state through the holder (``_load_full``, ``_reload``, ``_write_state``)."""
 
-    def __init__(self, holder: ScalableStateHolder) -> None:
+    def __init__(self, holder: _Holder) -> None:
         self._holder = holder
         self._etcd = holder._etcd
         self._node = holder._node
