@@ -373,6 +373,9 @@ def test_hostile_keys_and_values_under_the_prefix_never_end_a_rendezvous(
     # what the monitor tick and the admitting node read, with the hostile keys still there
     assert "\ufffd" not in "".join(backend.live_nodes())
     assert backend.live_nodes()  # the two nodes' own keys
+    # the spares' liveness read (one range over heartbeat/ when they watch many nodes)
+    assert "\ufffd" not in "".join(backend.heartbeats())
+    assert set(backend.heartbeats()) == backend.live_nodes()
     assert backend.join_requests() == []  # none of the hostile ones is a request
     from trainguard.runtime.etcd_v3.codec import parse_lease
 

@@ -72,7 +72,9 @@ def atomic_open(
         raise
 
 
-def write_atomic(path: str | os.PathLike[str], data: str | bytes, *, mode: int = 0o666) -> Path:
+def write_atomic(
+    path: str | os.PathLike[str], data: str | bytes | bytearray, *, mode: int = 0o666
+) -> Path:
     """Write ``data`` to ``path`` through :func:`atomic_open`; returns ``path``."""
     path = Path(path)
     raw = data.encode() if isinstance(data, str) else data
