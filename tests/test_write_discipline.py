@@ -3,7 +3,8 @@
 - Every file trainguard creates or writes goes through trainguard.core.atomicfile
   (write_atomic / atomic_open: an exclusive random temporary opened without following a
   symlink, then a rename; open_append: O_NOFOLLOW): no plain ``open(..., "w"/"a"/"x")``, no
-  ``Path.write_text`` / ``write_bytes`` / ``open("w")``, no ``json.dump`` to a file, no
+  ``Path.write_text`` / ``write_bytes`` / ``touch`` / ``open("w")``, no ``json.dump`` to a
+  file, no
   ``os.open`` that creates a file following a symlink, no library writer that opens a path
   itself (safetensors' ``save_file``, ``torch.save`` to a path, ``sqlite3.connect``), unless
   listed below with the reason it is safe.
@@ -87,7 +88,7 @@ def _unsafe_write(call: ast.Call) -> str | None:
     if name.endswith(".open") and name not in ("os.open",) and "fdopen" not in name:
         mode = _mode(call, 0)
         return f"{name}({mode!r})" if mode and _WRITE_MODES & set(mode) else None
-    if last in ("write_text", "write_bytes"):
+    if last in ("write_text", "write_bytes", "touch") and name != "touch":
         return name
     if name == "json.dump":
         return "json.dump to a file"
@@ -145,7 +146,7 @@ def test_the_scan_sees_what_it_must_refuse() -> None:
     """The scan itself: each refused form is caught, the helpers' forms are not."""
     bad = [
         'open(p, "w")', 'open(p, mode="ab")', 'p.open("w")', "p.write_text(s)",
-        "p.write_bytes(b)", "json.dump(d, f)", "os.open(p, os.O_WRONLY | os.O_CREAT)",
+        "p.write_bytes(b)", "p.touch()", "json.dump(d, f)", "os.open(p, os.O_WRONLY | os.O_CREAT)",
         "save_file(t, p)", "sqlite3.connect(p)", "torch.save(obj, path / 'x')",
     ]  # fmt: skip
     good = [
