@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from trainguard.core.atomicfile import open_append
+
 __all__ = ["LocalEngines", "engine_health"]
 
 
@@ -72,7 +74,7 @@ class LocalEngines:
             logs.mkdir(parents=True, exist_ok=True)
             if self._logs[k] is not None:
                 self._logs[k].close()  # type: ignore[union-attr]
-            log = open(logs / f"rollout_{k}.log", "ab")  # noqa: SIM115 - closed in close()
+            log = os.fdopen(open_append(logs / f"rollout_{k}.log"), "ab")  # closed in close()
             self._logs[k] = log
             self.procs[k] = subprocess.Popen(
                 [sys.executable, "-m", "trainguard.rl.engine", *self.args],

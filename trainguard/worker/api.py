@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from trainguard.chaos.faults import WorkerChaos
 from trainguard.core import envvars
-from trainguard.core.atomicfile import open_append
+from trainguard.core.atomicfile import make_dirs, open_append
 from trainguard.core.config import ConfigError, load_worker_section, worker_section_or_default
 from trainguard.core.config.telemetry import TelemetryConfig
 from trainguard.core.events import EventLog
@@ -95,7 +95,7 @@ class TrainGuard:
         self.node = env.get(envvars.NODE) or env.get("SLURMD_NODENAME") or socket.gethostname()
         self.under_agent = envvars.PROGRESS_DIR in env
         self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.run_dir)  # private (0700) when this worker is the first to make it
         if self.under_agent:  # the agent's resolved config must be readable (ConfigError)
             load_worker_section(self.run_dir, "runtime")
         if self.world_size > 1:
