@@ -123,4 +123,4 @@ def test_a_failing_hook_entry_is_one_line_and_the_script_runs(tmp_path: Path) ->
     assert "tg_test_missing:f failed (ModuleNotFoundError" in lines[0]
     assert "tg_test_hooks:bad failed (RuntimeError: boom)" in lines[1]
     with pytest.raises(ValueError, match="not a 'module:function' name"):
-        check_entry("trainguard.core.collectives")
+        check_entry("trainguard.core.flight_recorder")
