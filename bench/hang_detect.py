@@ -307,7 +307,7 @@ def _gone(pid: int) -> bool:
 
 FR_CODE = r"""
 import os, sys, time, torch, torch.distributed as dist
-from trainguard.core.collectives import start_in_worker
+from trainguard.core.flight_recorder import start_in_worker
 start_in_worker()  # what trainguard's start-up hook runs first in a worker (when asked to)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -375,7 +375,7 @@ def fr_overhead(base: Path, steps: int, rounds: int) -> dict[str, object]:
     interval of that median; wall time and CPU time (both ranks, all threads) per step."""
     import random
 
-    from trainguard.core import collectives, envvars
+    from trainguard.core import envvars, flight_recorder
 
     script = base / "fr_step.py"
     script.write_text(FR_CODE)
@@ -392,7 +392,7 @@ def fr_overhead(base: Path, steps: int, rounds: int) -> dict[str, object]:
             env.pop("TORCH_FR_BUFFER_SIZE", None)
             if mode == "on":
                 env.update({
-                    collectives.FR_BUFFER_ENV: str(collectives.FR_BUFFER_DEFAULT),
+                    flight_recorder.FR_BUFFER_ENV: str(flight_recorder.FR_BUFFER_DEFAULT),
                     envvars.RUN_DIR: str(run_dir),
                     envvars.PROGRESS_DIR: str(run_dir / "progress"),
                 })  # fmt: skip
@@ -469,7 +469,7 @@ def fr_overhead(base: Path, steps: int, rounds: int) -> dict[str, object]:
 
 FR_COST_CODE = r"""
 import json, os, sys, time, torch, torch.distributed as dist
-from trainguard.core.collectives import _default_pg_status
+from trainguard.core.flight_recorder import _default_pg_status
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 t = torch.ones(16)
 def per_call(n):

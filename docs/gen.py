@@ -1,5 +1,6 @@
 """The generated reference pages: configuration (from the config dataclasses in
-``trainguard/core/config/``) and events (from ``trainguard/core/event_kinds.py``).
+``trainguard/core/config/``), events (from ``trainguard/core/event_kinds.py``) and the worker
+environment (from ``trainguard/core/envvars.py``).
 
     python docs/gen.py --write   # regenerate docs/reference/*.md (make docs runs it)
     python docs/gen.py --check   # exit 1 when they differ from the code (make test runs it)
@@ -22,15 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core import config as config_pkg
-from trainguard.core import event_kinds
+from trainguard.core import envvars, event_kinds
 
 CONFIG_PAGE = "reference/configuration.md"
 EVENTS_PAGE = "reference/events.md"
+ENV_PAGE = "reference/environment.md"
 
 
 def _md(text: str) -> str:
-    """reST literals (``x``) as Markdown code; one line (a table cell)."""
+    """reST literals (``x``) and cross-references (:data:`x`) as Markdown code; one line (a
+    table cell)."""
     text = re.sub(r"``([^`]+)``", r"`\1`", text)
+    text = re.sub(r":(?:attr|class|data|func|meth|mod):`~?([^`]+)`", r"`\1`", text)
     return " ".join(text.split()).replace("|", "\\|")
 
 
@@ -176,7 +180,58 @@ def events_reference() -> str:
     return "\n".join(out) + "\n"
 
 
-PAGES = {CONFIG_PAGE: config_reference, EVENTS_PAGE: events_reference}
+def module_docs(module: types.ModuleType) -> dict[str, str]:
+    """The docstrings of a module's constants (the string literal after each assignment)."""
+    body = ast.parse(inspect.getsource(module)).body
+    docs: dict[str, str] = {}
+    for prev, node in zip(body, body[1:], strict=False):
+        if (
+            isinstance(prev, ast.Assign)
+            and isinstance(prev.targets[0], ast.Name)
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            docs[prev.targets[0].id] = inspect.cleandoc(node.value.value)
+    return docs
+
+
+def environment_reference() -> str:
+    docs = module_docs(envvars)
+    by_value = {v: k for k, v in vars(envvars).items() if k.isupper() and isinstance(v, str)}
+    out = [
+        "# Worker environment reference",
+        "",
+        "Generated from `trainguard/core/envvars.py` at every docs build.",
+        "",
+        "A worker started by `trainguard run` sees exactly the environment `torchrun` would give",
+        "it, plus the names below (`TRAINGUARD_AGENT_*` are facts the agent hands its workers,",
+        "never settings; settings reach a worker through the run's `config.json`). This holds for",
+        "every start method and for `--no-python` programs, and for every Python they start.",
+        "",
+        "| variable | meaning |",
+        "| --- | --- |",
+    ]
+    for value in envvars.ALL:
+        out.append(f"| `{value}` | {_md(docs.get(by_value[value], ''))} |")
+    roles = (envvars.ROLE, envvars.ROLE_REPLICA, envvars.ROLE_PORT, envvars.ROLE_RUN_DIR)
+    out += [
+        "",
+        "A role replica (a rollout engine or reward server started by `[roles]`) gets these:",
+        "",
+        "| variable | meaning |",
+        "| --- | --- |",
+    ]
+    for value in roles:
+        out.append(f"| `{value}` | {_md(docs.get(by_value[value], ''))} |")
+    return "\n".join(out) + "\n"
+
+
+PAGES = {
+    CONFIG_PAGE: config_reference,
+    EVENTS_PAGE: events_reference,
+    ENV_PAGE: environment_reference,
+}
 
 
 DOCS = Path(__file__).resolve().parent

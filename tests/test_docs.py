@@ -53,6 +53,16 @@ def test_event_reference_has_every_kind_and_field() -> None:
             assert f"`{field}`" in rows[spec.name], (spec.name, field)
 
 
+def test_environment_reference_has_every_name_a_worker_may_get() -> None:
+    from trainguard.core import envvars
+
+    page = _gen().environment_reference()
+    rows = set(re.findall(r"^\| `(TRAINGUARD_\w+)` \|", page, re.M))
+    roles = {envvars.ROLE, envvars.ROLE_REPLICA, envvars.ROLE_PORT, envvars.ROLE_RUN_DIR}
+    assert rows == set(envvars.ALL) | roles
+    assert "| `TRAINGUARD_ROLLOUT_URLS` | In the trainer's workers" in page
+
+
 def test_checked_in_reference_pages_match_the_code() -> None:
     gen = _gen()
     for rel, render in gen.PAGES.items():

@@ -1,7 +1,8 @@
 """The event contract on the consumer side: every event kind the source compares anything
 with (report, pager, summary, goodput, recorder, ...) is registered in
 trainguard/core/event_kinds.py, and so is every field read from an event inside a branch that
-matched one kind. (tests/test_event_kinds.py holds the emitters to it.)"""
+matched one kind; a consumer in another package than the kind's emitters compares with the
+kind's constant, never a literal. (tests/test_event_kinds.py holds the emitters to it.)"""
 
 from __future__ import annotations
 
@@ -116,6 +117,36 @@ def _field_reads(nodes: list[ast.stmt] | ast.AST) -> list[tuple[str, int]]:
             ):
                 out.append((node.slice.value, node.lineno))
     return out
+
+
+def _foreign_literals(tree: ast.AST, package: str) -> list[tuple[str, int]]:
+    """Kinds compared as a string literal in ``package`` that no module of ``package`` emits."""
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        for _, cmp in _compared_kinds(node):
+            for lit in ast.walk(cmp):
+                if not (isinstance(lit, ast.Constant) and lit.value in KINDS):
+                    continue
+                if package not in {e.split(".")[0] for e in by_name(lit.value).emitters}:
+                    out.append((lit.value, lit.lineno))
+    return out
+
+
+def test_consumers_in_other_packages_compare_with_the_constants() -> None:
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        if rel == "trainguard/core/event_kinds.py" or rel in OTHER_KINDS:
+            continue
+        package = rel.split("/")[1].removesuffix(".py")
+        for kind, line in _foreign_literals(ast.parse(path.read_text()), package):
+            bad.append(f"{rel}:{line}: {kind!r} (use event_kinds.{kind.upper()})")
+    assert bad == [], "a literal kind another package emits: " + "; ".join(bad)
+    code = "def f(e):\n    return e.get('kind') == 'worker_failed'\n"
+    assert _foreign_literals(ast.parse(code), "telemetry") == [("worker_failed", 2)]
+    assert _foreign_literals(ast.parse(code), "runtime") == []  # the emitter's own package
 
 
 def _scan() -> tuple[list[str], list[str], int, int]:

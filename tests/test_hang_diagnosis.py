@@ -17,8 +17,9 @@ import pytest
 from tests.health_fixtures.jobs import events, job_env, wait_for_event
 from tests.launch_utils import free_port
 from tests.procs import kill_tree
-from trainguard.core.collectives import CollectiveState, parse_trace
-from trainguard.health.hangdiag import RankDump, aggregate_stacks, analyse, main_frame
+from trainguard.core.flight_recorder import CollectiveState, parse_trace
+from trainguard.health.hangdiag import RankDump, analyse
+from trainguard.health.stacktext import aggregate_stacks, main_frame
 
 pytestmark = pytest.mark.xdist_group("hang")
 
@@ -308,7 +309,7 @@ def test_sixty_four_ranks_one_stopped_few_stack_groups(tmp_path: Path) -> None:
 
 
 def _completed_seq(run_dir: Path, rank: int) -> int:
-    from trainguard.core.collectives import collective_progress_path
+    from trainguard.core.flight_recorder import collective_progress_path
     from trainguard.core.progress import ProgressReader
 
     path = collective_progress_path(run_dir / "progress" / "attempt_0", rank)
@@ -401,14 +402,14 @@ def test_watcher_records_collective_progress_and_the_timeout_follows_its_cadence
     tmp_path: Path,
 ) -> None:
     from trainguard.core import envvars
-    from trainguard.core.collectives import FR_BUFFER_ENV, collective_progress_path
     from trainguard.core.config.health import HealthConfig
+    from trainguard.core.flight_recorder import FR_BUFFER_ENV, collective_progress_path
     from trainguard.core.progress import ProgressReader
     from trainguard.health.hang import HangTracker
 
     code = (
         "import time, torch, torch.distributed as dist\n"
-        "from trainguard.core.collectives import start_in_worker\n"
+        "from trainguard.core.flight_recorder import start_in_worker\n"
         "start_in_worker()\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0,"
         " world_size=1)\n"
@@ -439,3 +440,37 @@ def test_watcher_records_collective_progress_and_the_timeout_follows_its_cadence
     tracker = HangTracker(HealthConfig(hang_min_timeout_s=0.1, hang_warmup_steps=0))
     tracker._learn({0: snap})
     assert tracker.step_timeout() == pytest.approx(5 * snap.last_step_s)
+
+
+def test_the_hang_dump_layout_is_spelled_once_and_the_analysis_is_pure() -> None:
+    """RunDir / DumpDir spell every hang and debug path; the watcher, the agent's collection
+    and ``trainguard debug`` ask them. The analysis modules read no file, store or process."""
+    import ast
+
+    from trainguard.core.rundir import RunDir
+
+    pkg = Path(__file__).resolve().parents[1] / "trainguard"
+    names = ("fr_rank_", "stacks_rank_", "pyspy_rank_", "summary_rank_", "faulthandler.txt")
+    spelled = [
+        f"{p.relative_to(pkg)}: {n}"
+        for p in pkg.rglob("*.py")
+        if p.name != "rundir.py"
+        for n in names
+        if n in p.read_text()
+    ]
+    assert spelled == []
+    for mod in ("health/hangdiag.py", "health/stacktext.py"):
+        imported = {
+            alias.name if isinstance(node, ast.Import) else str(node.module)
+            for node in ast.walk(ast.parse((pkg / mod).read_text()))
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for alias in node.names
+        }
+        io = {"os", "time", "json", "trainguard.core.atomicfile", "trainguard.core.rundir"}
+        assert not imported & io, (mod, imported & io)
+    rd = RunDir("/r")
+    hang, debug = rd.hang(3), rd.debug("x")
+    assert hang.path == Path("/r/hangs/3") and debug.path == Path("/r/debug/x")
+    assert hang.request("n1").name == "request.n1" and debug.request().name == "request"
+    assert [m for _, m in hang.stack_files(2)] == ["faulthandler", "py-spy"]
+    assert rd.signal_stacks(0, 1).parent == rd.stacks(0) == rd.hung_stack(0, 1).parent

@@ -13,7 +13,7 @@ from trainguard.cli import cmd_health
 from trainguard.core.config.health import HealthConfig
 from trainguard.health.dcgm_exporter import DcgmExporterSource, parse_exposition
 from trainguard.health.policy import Policy
-from trainguard.health.result import Action, Status
+from trainguard.health.result import HealthAction, Status
 from trainguard.testing.dcgm import ExporterServer, h100_node
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,28 +66,28 @@ def test_both_host_labels(label: str) -> None:
 @pytest.mark.parametrize(
     ("faults", "check", "action", "status", "code"),
     [
-        ({3: {"DCGM_FI_DEV_XID_ERRORS": 79}}, "xid.79", Action.DRAIN, Status.FAIL, 2),
-        ({5: {"DCGM_FI_DEV_XID_ERRORS": 48}}, "xid.48", Action.DRAIN, Status.FAIL, 2),
+        ({3: {"DCGM_FI_DEV_XID_ERRORS": 79}}, "xid.79", HealthAction.DRAIN, Status.FAIL, 2),
+        ({5: {"DCGM_FI_DEV_XID_ERRORS": 48}}, "xid.48", HealthAction.DRAIN, Status.FAIL, 2),
         (
             {1: {"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": 2}},
             "ecc_dbe_volatile",
-            Action.DRAIN,
+            HealthAction.DRAIN,
             Status.FAIL,
             2,
         ),
         (
             {6: {"DCGM_FI_DEV_ROW_REMAP_FAILURE": 1}},
             "row_remap_failure",
-            Action.DRAIN,
+            HealthAction.DRAIN,
             Status.FAIL,
             2,
         ),
-        ({2: {"DCGM_FI_DEV_XID_ERRORS": 13}}, "xid.13", Action.RESTART, Status.WARN, 1),
-        ({2: {"DCGM_FI_DEV_XID_ERRORS": 94}}, "xid.94", Action.RESTART, Status.WARN, 1),
+        ({2: {"DCGM_FI_DEV_XID_ERRORS": 13}}, "xid.13", HealthAction.RESTART, Status.WARN, 1),
+        ({2: {"DCGM_FI_DEV_XID_ERRORS": 94}}, "xid.94", HealthAction.RESTART, Status.WARN, 1),
         (
             {4: {"DCGM_FI_DEV_CLOCKS_EVENT_REASONS": 0x40, "DCGM_FI_DEV_GPU_TEMP": 91}},
             "thermal_sustained",
-            Action.WARN,
+            HealthAction.WARN,
             Status.WARN,
             1,
         ),
@@ -96,7 +96,7 @@ def test_both_host_labels(label: str) -> None:
 def test_faults(
     faults: dict[int, dict[str, float]],
     check: str,
-    action: Action,
+    action: HealthAction,
     status: Status,
     code: int,
     cfg_file: Path,
@@ -106,7 +106,7 @@ def test_faults(
     res = probe(h100_node(faults=faults))
     assert res.status is status, res.to_dict()
     assert res.action is action
-    [finding] = [f for f in res.findings if f.action is not Action.IGNORE]
+    [finding] = [f for f in res.findings if f.action is not HealthAction.IGNORE]
     assert finding.check == check and finding.gpu == gpu
     assert f"GPU {gpu}" in finding.reason
 
@@ -128,7 +128,7 @@ def test_xid_message_is_reported() -> None:
 
 def test_missing_gpu(cfg_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     res = probe(h100_node(missing={7}), expect_gpus=8)
-    assert res.status is Status.FAIL and res.action is Action.DRAIN
+    assert res.status is Status.FAIL and res.action is HealthAction.DRAIN
     assert res.findings[0].check == "gpu_missing"
     assert "7 GPUs visible, 8 expected" in res.reasons[0]
     rc, out = run_cli(h100_node(missing={7}), cfg_file, capsys, "--expect-gpus", "8")
@@ -177,12 +177,12 @@ def test_malformed_text_is_unknown(
 def test_policy_override() -> None:
     text = h100_node(faults={3: {"DCGM_FI_DEV_XID_ERRORS": 79}})
     res = probe(text, xid_policy={"79": "warn"})
-    assert res.status is Status.WARN and res.action is Action.WARN
+    assert res.status is Status.WARN and res.action is HealthAction.WARN
     res = probe(
         h100_node(faults={1: {"DCGM_FI_DEV_ECC_DBE_AGG_TOTAL": 1}}),
         counter_policy={"ecc_dbe_aggregate": "drain"},
     )
-    assert res.action is Action.DRAIN
+    assert res.action is HealthAction.DRAIN
 
 
 def test_bad_policy_is_a_value_error() -> None:
@@ -229,11 +229,14 @@ def test_cli_subprocess_table_and_exit_code(cfg_file: Path) -> None:
 
 def test_repeated_application_xids_escalate_to_drain() -> None:
     once = probe(h100_node(xid_counts={2: {13: 1}}))
-    assert once.action is Action.RESTART and "1 occurrence" in once.reasons[0]
+    assert once.action is HealthAction.RESTART and "1 occurrence" in once.reasons[0]
     many = probe(h100_node(xid_counts={2: {13: 4, 31: 1}}))
-    assert many.action is Action.DRAIN and many.status is Status.FAIL
+    assert many.action is HealthAction.DRAIN and many.status is Status.FAIL
     [x13] = [f for f in many.findings if f.check == "xid.13"]
-    assert x13.action is Action.DRAIN and "escalated: 4 >= 3" in x13.reason
+    assert x13.action is HealthAction.DRAIN and "escalated: 4 >= 3" in x13.reason
     [x31] = [f for f in many.findings if f.check == "xid.31"]
-    assert x31.action is Action.RESTART
-    assert probe(h100_node(xid_counts={2: {13: 4}}), xid_escalate_after=0).action is Action.RESTART
+    assert x31.action is HealthAction.RESTART
+    assert (
+        probe(h100_node(xid_counts={2: {13: 4}}), xid_escalate_after=0).action
+        is HealthAction.RESTART
+    )

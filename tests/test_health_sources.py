@@ -14,7 +14,7 @@ from trainguard.health.host import HostSource, parse_endpoint
 from trainguard.health.node import NodeProbe, build_sources
 from trainguard.health.nvml import NvmlSource
 from trainguard.health.policy import Policy
-from trainguard.health.result import Action, ProbeResult, Status
+from trainguard.health.result import HealthAction, ProbeResult, Status
 
 
 class NVMLError(Exception):
@@ -83,16 +83,16 @@ def test_nvml_healthy() -> None:
 @pytest.mark.parametrize(
     ("gpu", "check", "action"),
     [
-        ({"dbe": 1}, "ecc_dbe_volatile", Action.DRAIN),
-        ({"remap": (0, 2, 0, 1)}, "row_remap_failure", Action.DRAIN),
-        ({"remap": (0, 0, 1, 0)}, "row_remap_pending", Action.WARN),
-        ({"width": 8}, "pcie_link_degraded", Action.WARN),
-        ({"nvlink": 500}, "nvlink_errors", Action.WARN),
-        ({"replay": 1000}, "pcie_replay", Action.WARN),
-        ({"reasons": 0x40, "temp": 92}, "thermal_sustained", Action.WARN),
+        ({"dbe": 1}, "ecc_dbe_volatile", HealthAction.DRAIN),
+        ({"remap": (0, 2, 0, 1)}, "row_remap_failure", HealthAction.DRAIN),
+        ({"remap": (0, 0, 1, 0)}, "row_remap_pending", HealthAction.WARN),
+        ({"width": 8}, "pcie_link_degraded", HealthAction.WARN),
+        ({"nvlink": 500}, "nvlink_errors", HealthAction.WARN),
+        ({"replay": 1000}, "pcie_replay", HealthAction.WARN),
+        ({"reasons": 0x40, "temp": 92}, "thermal_sustained", HealthAction.WARN),
     ],
 )
-def test_nvml_counters(gpu: dict[str, Any], check: str, action: Action) -> None:
+def test_nvml_counters(gpu: dict[str, Any], check: str, action: HealthAction) -> None:
     res = nvml_probe([{}, gpu])
     assert res.action is action, res.to_dict()
     assert any(f.check == check and f.gpu == "1" for f in res.findings)
@@ -102,7 +102,7 @@ def test_nvml_xid_events_and_missing_gpu() -> None:
     res = nvml_probe([{}, {}, {}], HealthConfig(expect_gpus=4), xid_events=[(2, 79)])
     assert res.status is Status.FAIL
     checks = {f.check: f for f in res.findings}
-    assert checks["xid.79"].gpu == "2" and checks["gpu_missing"].action is Action.DRAIN
+    assert checks["xid.79"].gpu == "2" and checks["gpu_missing"].action is HealthAction.DRAIN
 
 
 class GpuIsLost(NVMLError):
@@ -124,7 +124,7 @@ def test_nvml_gpu_is_lost_is_a_drain_not_unsupported(where: str) -> None:
     else:
         nvml.nvmlDeviceGetCount = _lost
     res = NvmlSource(HealthConfig(), Policy(), nvml_loader=lambda: nvml).probe()
-    assert res.status is Status.FAIL and res.action is Action.DRAIN, res.to_dict()
+    assert res.status is Status.FAIL and res.action is HealthAction.DRAIN, res.to_dict()
     lost = [f for f in res.findings if f.check == "gpu_lost"]
     assert lost and "GPU is lost" in lost[0].reason
     if where != "count":
@@ -222,7 +222,7 @@ def test_dcgm_diag_through_a_dcgmi_on_path(
     res = run_diag(1, timeout_s=30)
     assert res.status is status
     if status is Status.FAIL:
-        assert res.action is Action.DRAIN and "dcgmi diag -r 1" in res.reasons[0]
+        assert res.action is HealthAction.DRAIN and "dcgmi diag -r 1" in res.reasons[0]
 
 
 def test_dcgm_sources_absent_here() -> None:

@@ -11,7 +11,7 @@ from trainguard.core.config.slurm import SlurmConfig
 from trainguard.core.jobstate import JobState
 from trainguard.core.plugin import AgentExit, JobStopError, NodeEvictedError, NodeUnhealthyError
 from trainguard.runtime.launcher import Outcome
-from trainguard.slurm.finish import Action, decide
+from trainguard.slurm.finish import FinishAction, decide
 
 
 def test_a_state_is_its_string() -> None:
@@ -42,13 +42,15 @@ def test_outcome_takes_a_string_state_and_refuses_an_unknown_one() -> None:
 @pytest.mark.parametrize(
     ("state", "action"),
     [
-        (JobState.SUCCEEDED, Action.DONE),
-        (JobState.DO_NOT_REQUEUE, Action.STOP),
-        (JobState.REQUEUE, Action.REQUEUE),
-        (JobState.FAILED, Action.FAIL),
+        (JobState.SUCCEEDED, FinishAction.DONE),
+        (JobState.DO_NOT_REQUEUE, FinishAction.STOP),
+        (JobState.REQUEUE, FinishAction.REQUEUE),
+        (JobState.FAILED, FinishAction.FAIL),
     ],
 )
-def test_slurm_decides_on_the_states_the_agents_wrote(state: JobState, action: Action) -> None:
+def test_slurm_decides_on_the_states_the_agents_wrote(
+    state: JobState, action: FinishAction
+) -> None:
     # the states come back from events.jsonl as plain strings
     states = {"n1": json.loads(json.dumps(state))}
     got = decide(rc=1, states=states, allocation=["n1"], cfg=SlurmConfig(), resubmits=0)

@@ -87,7 +87,7 @@ def test_report_of_another_users_run_dir_never_writes_through_its_symlinks(tmp_p
 
 
 def _collective_seq(run_dir: Path) -> int:
-    from trainguard.core.collectives import collective_progress_path
+    from trainguard.core.flight_recorder import collective_progress_path
     from trainguard.core.progress import ProgressReader
 
     path = collective_progress_path(run_dir / "progress" / "attempt_0", 0)

@@ -172,7 +172,7 @@ def test_two_nodes_same_user_error_stop_with_a_real_store() -> None:
 
     from trainguard.core.config.recovery import RecoveryConfig
     from trainguard.recovery.ledger import JobLedger
-    from trainguard.recovery.policy import Action, RecoveryPolicy
+    from trainguard.recovery.policy import RecoveryAction, RecoveryPolicy
 
     server = TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
@@ -182,9 +182,9 @@ def test_two_nodes_same_user_error_stop_with_a_real_store() -> None:
     a = RecoveryPolicy(cfg, JobLedger(server, "job"), node="a")
     b = RecoveryPolicy(cfg, JobLedger(client, "job"), node="b")
     da = a.decide(0, [exc(0, SHAPE, _tb())], world_size=2, evictable=False)
-    assert da.action is Action.RESTART and da.attribution["verdict"] == "restart"
+    assert da.action is RecoveryAction.RESTART and da.attribution["verdict"] == "restart"
     db = b.decide(0, [exc(1, SHAPE, _tb())], world_size=2, evictable=False)
-    assert db.action is Action.STOP and "on all 2 rank(s) of the job" in db.reason
+    assert db.action is RecoveryAction.STOP and "on all 2 rank(s) of the job" in db.reason
     # the other agent learns the stop before its next rendezvous
     assert JobLedger(server, "job").stopped() is not None
     # another job: one node's user error, the other node's ranks lost their peer: restart
@@ -192,7 +192,8 @@ def test_two_nodes_same_user_error_stop_with_a_real_store() -> None:
     d = RecoveryPolicy(cfg, JobLedger(client, "job2"), node="b")
     peer = exc(1, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:2345")
     assert (
-        c.decide(0, [exc(0, SHAPE, _tb())], world_size=2, evictable=False).action is Action.RESTART
+        c.decide(0, [exc(0, SHAPE, _tb())], world_size=2, evictable=False).action
+        is RecoveryAction.RESTART
     )
-    assert d.decide(0, [peer], world_size=2, evictable=False).action is Action.RESTART
+    assert d.decide(0, [peer], world_size=2, evictable=False).action is RecoveryAction.RESTART
     del client, server

@@ -12,7 +12,7 @@ from torch.distributed import TCPStore
 
 from trainguard.core.config.recovery import RecoveryConfig
 from trainguard.core.failures import WorkerFailure, classify_exit
-from trainguard.recovery import Action, JobLedger, RecoveryPolicy, backoff_s
+from trainguard.recovery import JobLedger, RecoveryAction, RecoveryPolicy, backoff_s
 from trainguard.recovery.policy import config_error, own_failure
 
 
@@ -114,16 +114,16 @@ def test_budget_is_job_wide_one_decision_per_failed_round(stores: tuple) -> None
         assert da == db  # the same decision on both nodes
         seen.append((da.action, da.job_restarts, da.backoff_s))
     assert seen == [
-        (Action.RESTART, 1, 0.0),
-        (Action.RESTART, 2, 1.0),
-        (Action.STOP, 2, 0.0),
+        (RecoveryAction.RESTART, 1, 0.0),
+        (RecoveryAction.RESTART, 2, 1.0),
+        (RecoveryAction.STOP, 2, 0.0),
     ]
     stop = JobLedger(stores[1], "job").stopped()
     assert stop is not None and stop["reason"].startswith("job restart budget spent: 2 of 2")
     # a later failure anywhere reads the stop; another run id is not affected
-    assert a.decide(7, [crash(0)]).action is Action.STOP
+    assert a.decide(7, [crash(0)]).action is RecoveryAction.STOP
     other = RecoveryPolicy(cfg(job_restart_budget=2), JobLedger(stores[0], "other"), node="a")
-    assert other.decide(0, [crash(0)]).action is Action.RESTART
+    assert other.decide(0, [crash(0)]).action is RecoveryAction.RESTART
 
 
 def test_concurrent_agents_take_one_decision(stores: tuple) -> None:
@@ -148,16 +148,18 @@ def test_crash_loop_without_checkpoint_progress_stops_early(stores: tuple) -> No
     led = JobLedger(stores[0], "loop")
     p = RecoveryPolicy(cfg(crash_loop_restarts=2, job_restart_budget=10), led, node="a")
     # no checkpoint ever committed: not armed
-    assert p.decide(0, [crash(0)], evictable=False).action is Action.RESTART
+    assert p.decide(0, [crash(0)], evictable=False).action is RecoveryAction.RESTART
     assert led.record_checkpoint(4) == 4
     assert JobLedger(stores[1], "loop").record_checkpoint(2) == 4  # a max, from any agent
-    assert p.decide(1, [crash(0)], evictable=False).action is Action.RESTART  # progress
-    assert p.decide(2, [crash(0)], evictable=False).action is Action.RESTART  # 1 without
+    assert p.decide(1, [crash(0)], evictable=False).action is RecoveryAction.RESTART  # progress
+    assert p.decide(2, [crash(0)], evictable=False).action is RecoveryAction.RESTART  # 1 without
     led.record_checkpoint(6)
-    assert p.decide(3, [crash(0)], evictable=False).action is Action.RESTART  # progress again
-    assert p.decide(4, [crash(0)], evictable=False).action is Action.RESTART
+    assert (
+        p.decide(3, [crash(0)], evictable=False).action is RecoveryAction.RESTART
+    )  # progress again
+    assert p.decide(4, [crash(0)], evictable=False).action is RecoveryAction.RESTART
     d = p.decide(5, [crash(0)], evictable=False)
-    assert d.action is Action.STOP
+    assert d.action is RecoveryAction.STOP
     assert d.reason.startswith("crash loop: 2 restarts without checkpoint progress")
     assert "newest committed step 6" in d.reason
 
@@ -166,8 +168,8 @@ def test_config_error_stops_at_once_and_the_other_node_learns_it(stores: tuple) 
     a = RecoveryPolicy(cfg(), JobLedger(stores[0], "cfg"), node="a")
     b = RecoveryPolicy(cfg(), JobLedger(stores[1], "cfg"), node="b")
     d = a.decide(0, [crash(0, 1, "ModuleNotFoundError: No module named 'tokenizers'")])
-    assert d.action is Action.STOP and "tokenizers" in d.reason
-    assert b.decide(0, [crash(1, 1, PEER)]).action is Action.STOP
+    assert d.action is RecoveryAction.STOP and "tokenizers" in d.reason
+    assert b.decide(0, [crash(1, 1, PEER)]).action is RecoveryAction.STOP
     assert JobLedger(stores[1], "cfg").restarts() == 0
 
 
@@ -175,21 +177,21 @@ def test_node_failing_n_times_in_the_window_is_evicted(stores: tuple) -> None:
     c = cfg(node_failure_limit=2, node_failure_window_s=60.0)
     a = RecoveryPolicy(c, JobLedger(stores[0], "ev"), node="a")
     b = RecoveryPolicy(c, JobLedger(stores[1], "ev"), node="b")
-    assert a.decide(0, [crash(0)], now=0.0).action is Action.RESTART
-    assert b.decide(0, [crash(1, 1, PEER)], now=0.0).action is Action.RESTART
-    assert a.decide(1, [crash(0)], now=100.0).action is Action.RESTART  # first one expired
+    assert a.decide(0, [crash(0)], now=0.0).action is RecoveryAction.RESTART
+    assert b.decide(0, [crash(1, 1, PEER)], now=0.0).action is RecoveryAction.RESTART
+    assert a.decide(1, [crash(0)], now=100.0).action is RecoveryAction.RESTART  # first one expired
     d = a.decide(2, [crash(0)], now=130.0)
-    assert d.action is Action.EVICT and "node a failed 2 times within 60 s" in d.reason
+    assert d.action is RecoveryAction.EVICT and "node a failed 2 times within 60 s" in d.reason
     # the survivor's view of the same round: a restart (without a)
-    assert b.decide(2, [crash(1, 1, PEER)], now=130.0).action is Action.RESTART
-    assert b.decide(3, [crash(1, 1, PEER)], now=131.0).action is Action.RESTART
+    assert b.decide(2, [crash(1, 1, PEER)], now=130.0).action is RecoveryAction.RESTART
+    assert b.decide(3, [crash(1, 1, PEER)], now=131.0).action is RecoveryAction.RESTART
 
 
 def test_preemption_requeues_without_counting(stores: tuple) -> None:
     led = JobLedger(stores[0], "pre")
     p = RecoveryPolicy(cfg(job_restart_budget=0), led, node="a")
     d = p.decide(0, [crash(0, 75), crash(1, -15)])
-    assert d.action is Action.REQUEUE and led.restarts() == 0
+    assert d.action is RecoveryAction.REQUEUE and led.restarts() == 0
 
 
 def test_blocklist_entry_and_cooldown(stores: tuple) -> None:
@@ -207,15 +209,15 @@ def test_decision_taken_over_when_the_deciding_agent_is_gone(stores: tuple) -> N
     assert led.claim(0)  # an agent claimed the round and died before deciding
     p = RecoveryPolicy(cfg(decision_timeout_s=0.3), JobLedger(stores[1], "gone"), node="b")
     d = p.decide(0, [crash(1, 1, PEER)])
-    assert d.action is Action.RESTART and d.decided_by == "b" and d.job_restarts == 1
+    assert d.action is RecoveryAction.RESTART and d.decided_by == "b" and d.job_restarts == 1
 
 
 def test_a_hang_or_a_single_node_job_never_evicts() -> None:
     c = cfg(node_failure_limit=1)
     p = RecoveryPolicy(c, JobLedger(FakeStore(), "h"), node="a")
-    assert p.decide(0, [crash(0)], hang=True).action is Action.RESTART
-    assert p.decide(1, [crash(0)], evictable=False).action is Action.RESTART
-    assert p.decide(2, [crash(0)]).action is Action.EVICT
+    assert p.decide(0, [crash(0)], hang=True).action is RecoveryAction.RESTART
+    assert p.decide(1, [crash(0)], evictable=False).action is RecoveryAction.RESTART
+    assert p.decide(2, [crash(0)]).action is RecoveryAction.EVICT
 
 
 # -- the agent plugin, on a fake store ------------------------------------------------------------

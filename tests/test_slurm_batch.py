@@ -26,7 +26,7 @@ from trainguard.slurm.batch import BatchRequest, valid_time
 from trainguard.slurm.batchhost import BatchBeaconWatch
 from trainguard.slurm.cli import NodeInfo, SlurmError, parse_scontrol_record
 from trainguard.slurm.fencer import SlurmFencer
-from trainguard.slurm.finish import Action, decide, finish, take_over
+from trainguard.slurm.finish import FinishAction, decide, finish, take_over
 from trainguard.slurm.status import collect
 
 PY = "/opt/py/bin/python"
@@ -293,22 +293,22 @@ def _d(rc: int, states: dict[str, str], **kw):
 
 def test_decide() -> None:
     ok = {"n1": "succeeded", "n2": "succeeded", "n3": "spare_released"}
-    assert _d(0, ok).action is Action.DONE and _d(0, ok).lost == []
+    assert _d(0, ok).action is FinishAction.DONE and _d(0, ok).lost == []
     took_over = {"n1": "succeeded", "n3": "succeeded"}
     d = _d(1, took_over)  # srun reports the lost node's task; the training finished
-    assert (d.action, d.exit_code, d.lost) == (Action.DONE, 0, ["n2"])
-    assert _d(REQUEUE_EXIT_CODE, {"n1": "requeue"}).action is Action.REQUEUE
+    assert (d.action, d.exit_code, d.lost) == (FinishAction.DONE, 0, ["n2"])
+    assert _d(REQUEUE_EXIT_CODE, {"n1": "requeue"}).action is FinishAction.REQUEUE
     stop = _d(DO_NOT_REQUEUE_EXIT_CODE, {"n1": "failed", "n2": "failed", "n3": "failed"})
-    assert (stop.action, stop.exit_code) == (Action.STOP, DO_NOT_REQUEUE_EXIT_CODE)
+    assert (stop.action, stop.exit_code) == (FinishAction.STOP, DO_NOT_REQUEUE_EXIT_CODE)
     crash = _d(1, {"n1": "failed", "n2": "failed", "n3": "spare_released"})
-    assert (crash.action, crash.exit_code) == (Action.FAIL, 1)  # nothing lost: no resubmit
+    assert (crash.action, crash.exit_code) == (FinishAction.FAIL, 1)  # nothing lost: no resubmit
     lost = _d(1, {"n1": "failed", "n3": "failed"}, drained_before=["n9"])
-    assert lost.action is Action.RESUBMIT
+    assert lost.action is FinishAction.RESUBMIT
     assert lost.exclude == ["n2", "n9"]
     cfg = SlurmConfig(max_resubmits=2, blocklist=["bad1"])
     assert _d(1, {"n1": "failed"}, cfg=cfg, unusable=["n3"]).exclude == ["bad1", "n2", "n3"]
     spent = _d(1, {"n1": "failed", "n3": "failed"}, resubmits=2)
-    assert spent.action is Action.FAIL and "no resubmission left" in spent.message
+    assert spent.action is FinishAction.FAIL and "no resubmission left" in spent.message
 
 
 class FakeSlurm:

@@ -104,7 +104,7 @@ def test_progress_writer_heartbeat_and_steps(tmp_path: Path) -> None:
 def test_a_closed_progress_record_stays_finishing(tmp_path: Path) -> None:
     import threading
 
-    from trainguard.core.collectives import _Watcher
+    from trainguard.core.flight_recorder import _Watcher
 
     # the record's last word is "finishing" (an endless heartbeat), whatever writes after it
     w = ProgressWriter(progress_path(tmp_path, 0), heartbeat_interval_s=0.01)

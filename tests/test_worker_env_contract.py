@@ -1,7 +1,9 @@
 """A worker's environment under ``trainguard run`` is torchrun's plus documented
-``TRAINGUARD_*`` names (:data:`trainguard.core.envvars.ALL`), for every way torch starts a worker
-(``--start-method spawn`` / ``fork``, a ``--no-python`` program): trainguard's start-up hook
-leaves nothing behind, in the script nor in any Python it starts. Real launchers, side by side.
+``TRAINGUARD_*`` names (:data:`trainguard.core.envvars.ALL`, listed in
+docs/reference/environment.md; a plugin's ``worker_env`` may declare no other), for every way
+torch starts a worker (``--start-method spawn`` / ``fork``, a ``--no-python`` program):
+trainguard's start-up hook leaves nothing behind, in the script nor in any Python it starts.
+Real launchers, side by side.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.launch_utils import WORKERS, base_env, launch
-from trainguard.core import envvars
+from trainguard.core import envvars, flight_recorder
+from trainguard.recovery.plugin import ERROR_FILE_HOOK
 from trainguard.runtime.workerhook import HOOK_DIR
 
 TREE = str(WORKERS / "env_tree.py")
@@ -86,10 +89,12 @@ def test_worker_environment_is_torchruns_plus_documented_names(tmp_path: Path, m
             assert HOOK_DIR not in tg["initial"].get("PYTHONPATH", "")
             assert envvars.WORKER_HOOKS not in tg["initial"]
         else:
-            # the hook did run in the Python worker (hang detection's watcher is on by default)
-            # and took itself off again before the script
+            # the hook did run in the Python worker (by default hang detection declares its
+            # flight-recorder watcher, recovery its error-file excepthook) and took itself off
+            # again before the script
             assert tg["initial"]["PYTHONPATH"].split(os.pathsep)[0] == HOOK_DIR
-            assert envvars.WORKER_HOOKS in tg["initial"]
+            entries = set(tg["initial"][envvars.WORKER_HOOKS].split(","))
+            assert {flight_recorder.WORKER_HOOK, ERROR_FILE_HOOK} <= entries, entries
 
 
 def test_a_failing_hook_entry_is_one_line_and_the_script_runs(tmp_path: Path) -> None:
@@ -123,4 +128,4 @@ def test_a_failing_hook_entry_is_one_line_and_the_script_runs(tmp_path: Path) ->
     assert "tg_test_missing:f failed (ModuleNotFoundError" in lines[0]
     assert "tg_test_hooks:bad failed (RuntimeError: boom)" in lines[1]
     with pytest.raises(ValueError, match="not a 'module:function' name"):
-        check_entry("trainguard.core.collectives")
+        check_entry("trainguard.core.flight_recorder")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.chaos.procs import alive, descendants
+from trainguard.core.event_kinds import LAUNCH, RENDEZVOUS, WORKERS_STARTED
 from trainguard.core.events import node_name
 from trainguard.core.proctime import process_start_time
 from trainguard.core.rundir import RunDir
@@ -168,7 +169,7 @@ def _agents(events: list[dict[str, Any]], node: str | None = None) -> list[int]:
     out: list[int] = []
     for ev in reversed(events):
         pid = _pid(ev.get("pid"))
-        if ev.get("kind") != "launch" or pid is None or pid in out:
+        if ev.get("kind") != LAUNCH or pid is None or pid in out:
             continue
         if node is not None and ev.get("node") != node:
             continue
@@ -197,7 +198,7 @@ def worker_pid(run_dir: Path, rank: int) -> int:
     names it), if it is a descendant of a verified agent of this job on this machine."""
     events = _events(run_dir)
     for ev in reversed(events):
-        if ev.get("kind") != "workers_started":
+        if ev.get("kind") != WORKERS_STARTED:
             continue
         for w in ev.get("workers") or []:
             if w.get("rank") != rank:
@@ -217,7 +218,7 @@ def agent_pid(run_dir: Path, *, group_rank: int | None = None, node: str | None 
     events = _events(run_dir)
     if group_rank is not None:
         for ev in reversed(events):
-            members = ev.get("members") if ev.get("kind") == "rendezvous" else None
+            members = ev.get("members") if ev.get("kind") == RENDEZVOUS else None
             if not members or group_rank >= len(members):
                 continue
             member = members[group_rank] or {}

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainguard.core.event_kinds import LAUNCH, WORKER_FAILED
+
 if TYPE_CHECKING:
     from trainguard.core.config.checkpoint import CheckpointConfig
 
@@ -102,9 +104,9 @@ def observed_mtbf_s(run_dir: Path) -> float | None:
     start: float | None = None
     failed_attempts: set[int] = set()
     for e in read_events(run_dir):
-        if e.get("kind") == "launch" and start is None:
+        if e.get("kind") == LAUNCH and start is None:
             start = float(e["time"])
-        elif e.get("kind") == "worker_failed":
+        elif e.get("kind") == WORKER_FAILED:
             failed_attempts.add(int(e.get("attempt", 0)))
     if start is None or not failed_attempts:
         return None

@@ -18,10 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard.core.atomicfile import owned_dir, write_atomic
-from trainguard.core.collectives import request_path
-from trainguard.core.rundir import RunDir
-from trainguard.health.hangdiag import RankDump, aggregate_stacks, analyse, read_json
+from trainguard.core.atomicfile import make_dirs, owned_dir, write_atomic
+from trainguard.core.rundir import DumpDir, RunDir
+from trainguard.health.hangcollect import read_json, wait_for_files
+from trainguard.health.hangdiag import RankDump, analyse
+from trainguard.health.stacktext import aggregate_stacks
 
 
 def _current_ranks(run_dir: Path) -> tuple[int, list[int]]:
@@ -48,24 +49,20 @@ def _parse_ranks(text: str | None) -> set[int] | None:
     return out
 
 
-def collect(run_dir: Path, ranks: list[int], timeout_s: float) -> tuple[Path, dict[int, Path]]:
+def collect(run_dir: Path, ranks: list[int], timeout_s: float) -> tuple[DumpDir, dict[int, Path]]:
     """Ask the job's workers for a dump; return the directory and the ranks that answered."""
     # a fresh directory of this user's (mkdir fails on anything planted at its name), with a
     # random part: the workers write only into request directories that are the job user's
-    d = run_dir / "debug" / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{secrets.token_hex(4)}"
-    d.parent.mkdir(parents=True, exist_ok=True)
-    if not owned_dir(d.parent):
-        raise OSError(f"{d.parent} is a symlink or not this user's directory")
-    d.mkdir()
-    req = request_path(d)
+    rd = RunDir(run_dir)
+    d = rd.debug(f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{secrets.token_hex(4)}")
+    make_dirs(rd.debug_root)
+    if not owned_dir(rd.debug_root):
+        raise OSError(f"{rd.debug_root} is a symlink or not this user's directory")
+    d.path.mkdir(mode=0o700)
+    req = d.request()
     write_atomic(req, json.dumps({"time": time.time()}))
-    deadline = time.monotonic() + timeout_s
     try:
-        while True:
-            got = {r: d / f"fr_rank_{r}.json" for r in ranks if (d / f"fr_rank_{r}.json").exists()}
-            if len(got) == len(ranks) or time.monotonic() >= deadline:
-                return d, got
-            time.sleep(0.05)
+        return d, wait_for_files({r: d.fr_trace(r) for r in ranks}, time.monotonic() + timeout_s)
     finally:
         req.unlink(missing_ok=True)  # a later worker must not answer a finished request
 
@@ -104,7 +101,7 @@ def main(argv: list[str], *, prog: str = "trainguard debug") -> int:
     for r, path in got.items():
         trace = read_json(path) or {}
         try:
-            stack = (d / f"stacks_rank_{r}.txt").read_text(encoding="utf-8")
+            stack = d.stacks(r).read_text(encoding="utf-8")
         except OSError:
             stack = ""
         dumps[r] = RankDump.from_trace(r, trace.get("trainguard", {}).get("host", "?"), trace,

@@ -70,8 +70,8 @@ ALL = (
     ROLLOUT_URLS,
     REWARD_URLS,
 )
-"""Every variable the agent may add to a worker's environment (documented in the README's
-torchrun table); :data:`WORKER_HOOKS` is removed again before the script runs."""
+"""Every variable the agent may add to a worker's environment (documented in the generated
+docs/reference/environment.md); :data:`WORKER_HOOKS` is removed again before the script runs."""
 
 ZYGOTE_FD = "TRAINGUARD_ZYGOTE_FD"
 """A pre-started worker process (warm start): the descriptor of its socket to the agent."""

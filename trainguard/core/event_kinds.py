@@ -22,7 +22,9 @@ __all__ = [
     "by_name",
     "CHECKPOINT_COMMITTED",
     "CHECKPOINT_RESTORED",
+    "FAILURE_ATTRIBUTED",
     "HANG_DETECTED",
+    "HANG_DIAGNOSIS",
     "HANG_KILLED",
     "HEALTH_PROBE",
     "HEALTH_UNHEALTHY",
@@ -30,8 +32,10 @@ __all__ = [
     "LAUNCH",
     "LOSS_ROLLBACK",
     "NODE_DRAINED",
+    "NODE_EVICTED",
     "NODE_EXCLUDED",
     "PREFLIGHT",
+    "RECOVERY_DECISION",
     "RENDEZVOUS",
     "RESTART",
     "ROLE_REPLICA_FAILED",
@@ -39,6 +43,7 @@ __all__ = [
     "ROLE_REPLICA_STATE",
     "ROLE_RESTART_BUDGET_EXHAUSTED",
     "ROLLBACK_EXHAUSTED",
+    "ROLLOUT_FAILED",
     "SPARE_WAITING",
     "STRAGGLER_SCORES",
     "WARM_READY",
@@ -192,3 +197,8 @@ ROLE_REPLICA_FAILED = _kind("role_replica_failed")
 ROLE_RESTART_BUDGET_EXHAUSTED = _kind("role_restart_budget_exhausted")
 PREFLIGHT = _kind("preflight")
 HEALTH_PROBE = _kind("health_probe")
+FAILURE_ATTRIBUTED = _kind("failure_attributed")
+NODE_EVICTED = _kind("node_evicted")
+ROLLOUT_FAILED = _kind("rollout_failed")
+HANG_DIAGNOSIS = _kind("hang_diagnosis")
+RECOVERY_DECISION = _kind("recovery_decision")

@@ -30,7 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.core.contract import LOSS_CAUSES
-from trainguard.core.event_kinds import WORKER_FAILED, WORKER_GROUP_UNHEALTHY
+from trainguard.core.event_kinds import (
+    JOB_FINISHED,
+    RENDEZVOUS,
+    WORKER_FAILED,
+    WORKER_GROUP_UNHEALTHY,
+)
 from trainguard.core.events import launch_time
 
 __all__ = ["Goodput", "GoodputTracker", "compute_goodput", "failures_by_attempt", "is_hang"]
@@ -148,7 +153,7 @@ class GoodputTracker:
             t0 = self.first_step_start
         else:
             t0 = float(evs[0]["time"])
-        finished = [float(e["time"]) for e in evs if e.get("kind") == "job_finished"]
+        finished = [float(e["time"]) for e in evs if e.get("kind") == JOB_FINISHED]
         last = max([float(e["time"]) for e in evs] + [self.last_time or t0, t0])
         t_end = max(finished) if finished else (now if now is not None else last)
         g.total_s = max(0.0, t_end - t0)
@@ -159,7 +164,7 @@ class GoodputTracker:
 
         rdzv: dict[int, float] = {}
         for e in evs:
-            if e.get("kind") == "rendezvous":
+            if e.get("kind") == RENDEZVOUS:
                 a = int(e.get("attempt", 0))
                 rdzv[a] = rdzv.get(a, 0.0) + float(e.get("duration_s") or 0.0)
         g.lost_s["rendezvous"] = sum(rdzv.values())

@@ -7,9 +7,27 @@
     metrics/rank_<r>.jsonl                each worker's step and log records
     progress/attempt_<a>/rank_<r>.bin     the progress channel of one attempt
     checkpoints/                          checkpoints, unless [checkpoint] dir says otherwise
-    stacks/attempt_<a>/                   stacks of hung workers
+    stacks/attempt_<a>/rank_<r>.txt       a hung worker's stacks, as the agent took them
+    stacks/attempt_<a>/rank_<r>.faulthandler.txt
+                                          a worker's stacks on the stack signal (appended)
+    hangs/<a>/                            the diagnosis of a hang of attempt <a> (a DumpDir)
+    debug/<id>/                           one ``trainguard debug`` look at a running job (a DumpDir)
     roles/<role>/<i>.json                 state of role replica i (rollout, reward engines)
     roles/<role>/<i>.log                  its output (stdout and stderr, every restart)
+
+A dump directory (:class:`DumpDir`, the hang-dump protocol):
+
+::
+
+    request[.<node>]                      a dump request (an agent's, or ``trainguard debug``'s)
+    fr_rank_<r>.json                      rank r's flight-recorder trace (the worker's answer)
+    stacks_rank_<r>.txt                   rank r's Python stacks, faulthandler (the worker's answer)
+    pyspy_rank_<r>.txt                    a stopped rank's stacks, taken by the agent with py-spy
+    summary_rank_<r>.json                 rank r's position, as the agent read it
+    diagnosis.json                        the agent's verdict on the hang
+
+A worker writes into a dump directory only when it and every directory above it up to the run
+directory are real directories of the job's user (:meth:`RunDir.dump_dir_ok`).
 """
 
 from __future__ import annotations
@@ -20,10 +38,50 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.atomicfile import owned_dir
 from trainguard.core.config import CONFIG_JSON
 from trainguard.core.events import EVENTS_FILE
 
-__all__ = ["RunDir"]
+__all__ = ["DumpDir", "RunDir"]
+
+
+@dataclass(frozen=True, slots=True)
+class DumpDir:
+    """One dump directory (``hangs/<a>/`` or ``debug/<id>/``): who writes what is in the
+    module docstring. Paths only; nothing is created here."""
+
+    path: Path
+
+    def request(self, node: str = "") -> Path:
+        """The file an agent (one per node: ``node``) or ``trainguard debug`` creates to ask
+        the workers for a dump; removed once answered."""
+        return self.path / (f"request.{node}" if node else "request")
+
+    def requests(self) -> list[Path]:
+        """The open dump requests."""
+        return sorted(self.path.glob("request*"))
+
+    def fr_trace(self, rank: int) -> Path:
+        return self.path / f"fr_rank_{rank}.json"
+
+    def stacks(self, rank: int) -> Path:
+        """The worker's own faulthandler dump of its threads."""
+        return self.path / f"stacks_rank_{rank}.txt"
+
+    def pyspy_stacks(self, rank: int) -> Path:
+        """A stopped worker's stacks, read by the agent with py-spy."""
+        return self.path / f"pyspy_rank_{rank}.txt"
+
+    def stack_files(self, rank: int) -> list[tuple[Path, str]]:
+        """Where rank ``rank``'s stacks may be, best first, with the method that took them."""
+        return [(self.stacks(rank), "faulthandler"), (self.pyspy_stacks(rank), "py-spy")]
+
+    def summary(self, rank: int) -> Path:
+        return self.path / f"summary_rank_{rank}.json"
+
+    @property
+    def diagnosis(self) -> Path:
+        return self.path / "diagnosis.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +143,51 @@ class RunDir:
     def stacks(self, attempt: int) -> Path:
         """Where the stacks of ``attempt``'s hung workers go."""
         return self.root / "stacks" / f"attempt_{attempt}"
+
+    def hung_stack(self, attempt: int, rank: int) -> Path:
+        """One hung worker's stack, as the agent took it (py-spy or the stack signal)."""
+        return self.stacks(attempt) / f"rank_{rank}.txt"
+
+    def signal_stacks(self, attempt: int, rank: int) -> Path:
+        """The file a worker's faulthandler appends its stacks to on the stack signal."""
+        return self.stacks(attempt) / f"rank_{rank}.faulthandler.txt"
+
+    def hang(self, attempt: int) -> DumpDir:
+        """Where the diagnosis of a hang of ``attempt`` lives: dumps, stacks, the verdict."""
+        return DumpDir(self.root / "hangs" / str(attempt))
+
+    @property
+    def debug_root(self) -> Path:
+        return self.root / "debug"
+
+    def debug(self, name: str) -> DumpDir:
+        """One ``trainguard debug`` look (``name``: its time stamp and pid)."""
+        return DumpDir(self.debug_root / name)
+
+    def dump_requests(self, attempt: int) -> list[Path]:
+        """Every open dump request a worker of ``attempt`` answers: its attempt's hang (a
+        restarted worker never overwrites an earlier verdict's evidence) and every debug look."""
+        return self.hang(attempt).requests() + sorted(self.debug_root.glob("*/request*"))
+
+    def dump_dir_ok(self, directory: Path) -> bool:
+        """Whether a dump may be written into ``directory`` (a request's directory): it and
+        every directory between it and the run directory are real directories (no symlink) of
+        this process's user (or of the run directory's owner). Anyone who can write into the
+        run directory (a group, a shared scratch file system) could otherwise send this user's
+        dumps, or a file name of theirs, anywhere."""
+        try:
+            rel = directory.relative_to(self.root)
+            # the job's user, or the run directory's owner (the same, but for a user mapped to
+            # another uid on a shared file system, as root is under root_squash)
+            owners = {os.getuid(), os.stat(self.root).st_uid}
+        except (ValueError, OSError):
+            return False
+        d = self.root
+        for part in rel.parts:
+            d = d / part
+            if not any(owned_dir(d, uid) for uid in owners):
+                return False
+        return True
 
     @property
     def roles(self) -> Path:

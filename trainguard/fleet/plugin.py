@@ -17,7 +17,14 @@ import logging
 import time
 from typing import Any
 
+from trainguard.core.actions import HealthAction
 from trainguard.core.config.fleet import FleetConfig
+from trainguard.core.event_kinds import (
+    FAILURE_ATTRIBUTED,
+    HEALTH_UNHEALTHY,
+    NODE_EVICTED,
+    NODE_EXCLUDED,
+)
 from trainguard.core.plugin import AgentContext, AgentPlugin, NodeEvictedError
 from trainguard.fleet.db import FleetDB, FleetDBError, Record, open_db, safe_node_name
 from trainguard.fleet.lemons import lemon_status
@@ -78,7 +85,7 @@ class FleetPlugin(AgentPlugin):
     def _on_event(self, event: dict[str, Any]) -> None:
         try:
             kind = event.get("kind")
-            if kind == "failure_attributed":
+            if kind == FAILURE_ATTRIBUTED:
                 ev = event.get("evidence") or {}
                 self._record(
                     "failure",
@@ -92,7 +99,7 @@ class FleetPlugin(AgentPlugin):
                         **{k: ev[k] for k in ("exception", "place", "figure", "health") if k in ev},
                     },
                 )
-            elif kind == "node_evicted":
+            elif kind == NODE_EVICTED:
                 reason = str(event.get("reason") or "")
                 self._record(
                     "eviction",
@@ -101,7 +108,7 @@ class FleetPlugin(AgentPlugin):
                     verdict="evict",
                     detail={"reason": reason, "until": event.get("until")},
                 )
-            elif kind == "health_unhealthy":
+            elif kind == HEALTH_UNHEALTHY:
                 reasons = event.get("reasons") or []
                 self._record(
                     "health",
@@ -110,7 +117,7 @@ class FleetPlugin(AgentPlugin):
                     verdict=str(event.get("action") or ""),
                     detail={"summary": "; ".join(map(str, reasons))[:1000], "reasons": reasons},
                 )
-            elif kind == "node_excluded" and event.get("action") != "drain":
+            elif kind == NODE_EXCLUDED and event.get("action") != HealthAction.DRAIN:
                 self._record(
                     "straggler" if event.get("scores") or "slow" in str(event) else "excluded",
                     event,

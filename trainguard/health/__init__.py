@@ -5,6 +5,6 @@ Importing this package is cheap: GPU libraries load only when a source is probed
 """
 
 from trainguard.core.config.health import HealthConfig
-from trainguard.health.result import Action, Finding, ProbeResult, Status
+from trainguard.health.result import Finding, HealthAction, ProbeResult, Status
 
-__all__ = ["Action", "Finding", "HealthConfig", "ProbeResult", "Status"]
+__all__ = ["HealthAction", "Finding", "HealthConfig", "ProbeResult", "Status"]

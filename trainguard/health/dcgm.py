@@ -17,7 +17,7 @@ from typing import Any
 
 from trainguard.core.config.health import HealthConfig
 from trainguard.health.policy import Policy
-from trainguard.health.result import Action, Finding, ProbeResult
+from trainguard.health.result import Finding, HealthAction, ProbeResult
 
 __all__ = ["DcgmSource", "run_diag"]
 
@@ -78,7 +78,7 @@ class DcgmSource:
                 msg = getattr(getattr(inc, "error", None), "msg", "") or "DCGM health incident"
                 msg = msg.decode() if isinstance(msg, bytes) else str(msg)
                 if int(getattr(inc, "health", 0)) >= _HEALTH_FAIL:
-                    result.add(Finding("dcgm_health", Action.DRAIN, f"GPU {gpu}: {msg}", gpu))
+                    result.add(Finding("dcgm_health", HealthAction.DRAIN, f"GPU {gpu}: {msg}", gpu))
                 else:
                     result.add(self.policy.finding("dcgm_health", msg, gpu=gpu))
             if overall >= _HEALTH_WARN and not result.findings:
@@ -114,5 +114,7 @@ def run_diag(level: int = 1, *, timeout_s: float = 600.0) -> ProbeResult:
         )
     result.details["diag"] = data
     if proc.returncode != 0 or '"Fail"' in proc.stdout:
-        result.add(Finding("dcgm_diag", Action.DRAIN, f"dcgmi diag -r {level} reported a failure"))
+        result.add(
+            Finding("dcgm_diag", HealthAction.DRAIN, f"dcgmi diag -r {level} reported a failure")
+        )
     return result

@@ -16,7 +16,7 @@ from typing import Any
 
 from trainguard.core.config.health import HealthConfig
 from trainguard.health.policy import Policy
-from trainguard.health.result import Action, Finding, ProbeResult
+from trainguard.health.result import Finding, HealthAction, ProbeResult
 
 __all__ = ["THERMAL_REASONS", "ThermalTracker", "evaluate_gpus"]
 
@@ -157,11 +157,11 @@ def _xids(
         if (
             cfg.xid_escalate_after
             and n >= cfg.xid_escalate_after
-            and finding.action in (Action.WARN, Action.RESTART)
+            and finding.action in (HealthAction.WARN, HealthAction.RESTART)
         ):
             finding = Finding(
                 check=finding.check,
-                action=Action.DRAIN,
+                action=HealthAction.DRAIN,
                 reason=f"{finding.reason} (escalated: {n} >= {cfg.xid_escalate_after})",
                 gpu=gpu,
             )

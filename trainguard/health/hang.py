@@ -11,7 +11,7 @@ group's FAILED state, so the agent's restart path and failure report take over.
 
 A rank that never calls ``tg.step()`` is judged by its collective progress record (the agent
 hands it over as the rank's progress). Before the kill, the diagnosis
-(:mod:`trainguard.health.hangdiag`) collects every rank's flight-recorder trace and stacks, on
+(:mod:`trainguard.health.hangcollect`) collects every rank's flight-recorder trace and stacks, on
 every node (the first agent to find the hang announces it in the rendezvous store; the others
 join within half a second), and names the collective the job is stuck in.
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
-from trainguard.core import collectives
+from trainguard.core import flight_recorder
 from trainguard.core.config.health import HealthConfig
 from trainguard.core.plugin import AgentContext, AgentPlugin
 from trainguard.core.procs import kill_ranks
@@ -227,7 +227,7 @@ class HangDetector(AgentPlugin):
     def worker_hooks(self, ctx: AgentContext) -> Sequence[str]:
         """Every worker reads its collective progress from torch's flight recorder (scripts
         that never call ``tg.step()`` are judged by it) and answers dump requests."""
-        return (collectives.WORKER_HOOK,)
+        return (flight_recorder.WORKER_HOOK,)
 
     def on_workers_started(self, ctx: AgentContext, group: WorkerGroup) -> None:
         self.tracker.reset(self._clock())
@@ -269,12 +269,12 @@ class HangDetector(AgentPlugin):
         pids = local_worker_pids(ctx, group)
         stacks: dict[int, dict[str, str]] = {}
         if self.cfg.hang_diagnosis:
-            from trainguard.core.collectives import hang_dir
-            from trainguard.health.hangdiag import local_stacks
+            from trainguard.core.rundir import RunDir
+            from trainguard.health.hangcollect import local_stacks
 
             self._diagnose(ctx, group, pids, frozen=set(v.ranks) if v.kind == "frozen" else set())
             # the diagnosis took every rank's stack it could: taken once
-            stacks = local_stacks(hang_dir(ctx.run_dir, max(ctx.attempt, 0)), sorted(pids))
+            stacks = local_stacks(RunDir(ctx.run_dir).hang(max(ctx.attempt, 0)), sorted(pids))
         if self.cfg.stack_dump and pids:
             from trainguard.health.stacks import dump_stacks
 
@@ -303,7 +303,7 @@ class HangDetector(AgentPlugin):
         killed = kill_workers(pids)
         ctx.events.emit("hang_killed", ranks=killed, pids={str(r): pids[r] for r in killed})
 
-    # -- diagnosis across nodes (trainguard.health.hangdiag) -----------------------------------
+    # -- diagnosis across nodes (trainguard.health.hangcollect) -------------------------------
     def _peer_announced(self, ctx: AgentContext) -> bool:
         """Another node's agent found a hang of this attempt (checked every 0.5 s)."""
         now = time.monotonic()
@@ -326,7 +326,7 @@ class HangDetector(AgentPlugin):
     def _diagnose(
         self, ctx: AgentContext, group: WorkerGroup, pids: dict[int, int], *, frozen: set[int]
     ) -> None:
-        from trainguard.health.hangdiag import collect_and_analyse
+        from trainguard.health.hangcollect import collect_and_analyse
 
         try:
             world = group.workers[0].world_size if group.workers else len(pids)

@@ -1,35 +1,20 @@
 """Where a hung job is stuck: every rank's last collective and Python stacks, analysed.
 
-On a hang verdict (or when another node's agent announces one in the rendezvous store) the
-agent asks its live workers for a dump through a request file the workers' collective watcher
-polls (:mod:`trainguard.core.collectives`): each writes its flight-recorder trace and all
-threads' stacks into ``<run_dir>/hangs/<attempt>/``. Frozen (stopped) ranks cannot answer: their
-stacks come from py-spy and their position from their last collective progress record. Each
-agent publishes a compact summary per local rank in the rendezvous store; every agent waits (a
-bounded time) for all ranks' summaries, then analyses them (:func:`analyse`) before anything is
-killed. Nothing goes through the stuck collectives.
+Pure analysis of what :mod:`trainguard.health.hangcollect` (the agent) or ``trainguard debug``
+collected: one :class:`RankDump` per rank in, one :class:`Diagnosis` out (:func:`analyse`).
+Nothing here reads a file, the store or a process.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import re
-import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from trainguard.core.atomicfile import write_atomic
-from trainguard.core.collectives import CollectiveState, parse_trace
+from trainguard.core.flight_recorder import CollectiveState, parse_trace
+from trainguard.health.stacktext import aggregate_stacks, main_frame
 
-__all__ = ["Diagnosis", "RankDump", "aggregate_stacks", "analyse", "local_stacks", "main_frame"]
-
-logger = logging.getLogger(__name__)
-
-STORE_PREFIX = "trainguard/hang"
+__all__ = ["Diagnosis", "RankDump", "analyse"]
 
 
 @dataclass(slots=True)
@@ -254,66 +239,6 @@ def _split_point(states: dict[int, CollectiveState]) -> tuple[int, dict[str, lis
     return None
 
 
-# -- stacks -----------------------------------------------------------------------------------
-_HEX = re.compile(r"0x[0-9a-fA-F]+")
-_PYSPY_HEADER = re.compile(r"^(Process \d+:|Python v|# rank )")
-_THREAD_ID = re.compile(r"^(Thread) \d+(?= )")
-
-
-def _normalise(stack: str) -> str:
-    lines = []
-    for line in stack.splitlines():
-        if _PYSPY_HEADER.match(line) or not line.strip():
-            continue
-        line = _THREAD_ID.sub(r"\1", _HEX.sub("0x?", line))
-        lines.append(line.rstrip())
-    return "\n".join(lines)
-
-
-def aggregate_stacks(stacks: dict[int, str]) -> list[dict[str, Any]]:
-    """Identical stacks (thread ids and addresses aside) → one entry with the rank list,
-    largest group first."""
-    groups: dict[str, list[int]] = defaultdict(list)
-    for r, s in stacks.items():
-        groups[_normalise(s)].append(r)
-    return [
-        {"ranks": sorted(rs), "stack": text}
-        for text, rs in sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
-    ]
-
-
-_FH_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
-_PYSPY_FRAME = re.compile(r"^\s+(?P<func>\S+) \((?P<file>[^:()]+):(?P<line>\d+)\)")
-
-
-_LIBRARY = re.compile(r"[/\\](torch|trainguard|threading\.py)([/\\]|$)|threading\.py$")
-
-
-def main_frame(stack: str) -> str | None:
-    """Innermost frame of the main thread (faulthandler or py-spy text) outside torch and
-    trainguard, as ``func (file:line)``: where the user's code called in."""
-    lines = stack.splitlines()
-    for i, line in enumerate(lines):
-        is_main = ("MainThread" in line) or (
-            line.startswith(("Thread 0x", "Current thread 0x")) and i == _last_thread_header(lines)
-        )
-        if not is_main:
-            continue
-        for frame in lines[i + 1 :]:
-            m = _FH_FRAME.match(frame) or _PYSPY_FRAME.match(frame)
-            if m and not _LIBRARY.search(m["file"]):
-                return f"{m['func']} ({Path(m['file']).name}:{m['line']})"
-            if not frame.strip():
-                break
-    return None
-
-
-def _last_thread_header(lines: list[str]) -> int:
-    """faulthandler lists the main thread last."""
-    idx = [i for i, ln in enumerate(lines) if ln.startswith(("Thread 0x", "Current thread 0x"))]
-    return idx[-1] if idx else -1
-
-
 def _frame_groups(dumps: dict[int, RankDump]) -> list[dict[str, Any]]:
     groups: dict[str, list[int]] = defaultdict(list)
     for r, d in dumps.items():
@@ -323,155 +248,3 @@ def _frame_groups(dumps: dict[int, RankDump]) -> list[dict[str, Any]]:
         {"frame": f, "ranks": sorted(rs)}
         for f, rs in sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
     ]
-
-
-# -- collection (agent side) ------------------------------------------------------------------
-def wait_for_files(paths: dict[int, Path], deadline: float) -> dict[int, Path]:
-    """The files of ``paths`` that exist by ``deadline`` (monotonic)."""
-    while True:
-        got = {r: p for r, p in paths.items() if p.exists()}
-        if len(got) == len(paths) or time.monotonic() >= deadline:
-            return got
-        time.sleep(0.05)
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        logger.warning("cannot read %s: %s", path, e)
-        return None
-
-
-def _local_dump(
-    rank: int, host: str, d: Path, pstate: str | None, progress_dir: str | None
-) -> RankDump:
-    """This node's rank: its answer to the dump request, else its collective progress record."""
-    from trainguard.core.collectives import collective_progress_path
-    from trainguard.core.progress import ProgressReader
-
-    trace = read_json(d / f"fr_rank_{rank}.json") if (d / f"fr_rank_{rank}.json").exists() else None
-    stack = ""
-    for name in (f"stacks_rank_{rank}.txt", f"pyspy_rank_{rank}.txt"):
-        try:
-            stack = (d / name).read_text(encoding="utf-8")
-            break
-        except OSError:
-            continue
-    if trace is not None:
-        return RankDump.from_trace(rank, host, trace, stack=stack, process_state=pstate)
-    snap = None
-    if progress_dir:
-        snap = ProgressReader(progress_dir).read_path(collective_progress_path(progress_dir, rank))
-    if snap is None:
-        return RankDump(rank, host, "none", stack=stack, process_state=pstate)
-    entered = snap.step + 1 if snap.in_step else snap.step
-    pg = "0:default_pg"
-    state = CollectiveState(pg, entered, snap.step)
-    return RankDump(rank, host, "progress", {pg: state.to_json()}, stack, pstate)
-
-
-def local_stacks(directory: Path, ranks: list[int]) -> dict[int, dict[str, str]]:
-    """The stacks the diagnosis took of this node's ranks (the worker's own faulthandler dump,
-    py-spy for a stopped one), in :func:`trainguard.health.stacks.dump_stacks`'s layout."""
-    out: dict[int, dict[str, str]] = {}
-    for r in ranks:
-        for name, method in (
-            (f"stacks_rank_{r}.txt", "faulthandler"),
-            (f"pyspy_rank_{r}.txt", "py-spy"),
-        ):
-            path = directory / name
-            try:
-                out[r] = {
-                    "method": method,
-                    "path": str(path),
-                    "stack": path.read_text(encoding="utf-8"),
-                }
-                break
-            except OSError:
-                continue
-    return out
-
-
-def collect_and_analyse(
-    ctx: Any,
-    pids: dict[int, int],
-    *,
-    frozen: set[int],
-    world_size: int,
-    timeout_s: float,
-    store_key: str,
-    process_state: Callable[[int], str | None],
-) -> Diagnosis:
-    """Ask this node's live ranks for a dump (request file), take frozen ranks' stacks with
-    py-spy, publish every local rank's summary in the rendezvous store, wait (bounded) for every
-    rank of the job, analyse and write ``diagnosis.json``. ``ctx`` is the AgentContext."""
-    import os
-
-    from trainguard.core import envvars
-    from trainguard.core.collectives import hang_dir, request_dir_ok, request_path
-    from trainguard.health.stacks import dump_stacks
-
-    deadline = time.monotonic() + timeout_s
-    node = ctx.events.node
-    d = hang_dir(ctx.run_dir, max(ctx.attempt, 0))
-    d.mkdir(parents=True, exist_ok=True)
-    if not request_dir_ok(ctx.run_dir, d):
-        raise OSError(f"{d} is a symlink or not this user's directory; no hang dump written")
-    req = request_path(d, node)
-    write_atomic(req, json.dumps({"node": node, "time": time.time()}))
-    store = ctx.store
-    if store is not None:
-        try:
-            store.set(store_key, node)
-        except Exception as e:
-            logger.warning("cannot announce the hang in the rendezvous store: %s", e)
-    stopped = {r for r, p in pids.items() if r in frozen or process_state(p) == "T"}
-    if stopped:  # py-spy reads a stopped process without continuing it
-        got = dump_stacks(
-            {r: pids[r] for r in stopped},
-            run_dir=ctx.run_dir,
-            attempt=max(ctx.attempt, 0),
-            timeout_s=max(0.5, min(3.0, deadline - time.monotonic())),
-        )
-        for r, s in got.items():
-            if s["method"] != "none":
-                write_atomic(d / f"pyspy_rank_{r}.txt", s["stack"])
-    live = {r: d / f"fr_rank_{r}.json" for r in pids if r not in stopped}
-    wait_for_files(live, time.monotonic() + max(0.5, (deadline - time.monotonic()) / 2))
-    req.unlink(missing_ok=True)
-    progress_dir = os.environ.get(envvars.PROGRESS_DIR)
-    local = {r: _local_dump(r, node, d, process_state(pids[r]), progress_dir) for r in pids}
-    dumps = dict(local)
-    if store is not None and world_size > len(local):
-        dumps.update(_exchange(store, store_key, local, world_size, deadline))
-    for r, rd in local.items():
-        write_atomic(d / f"summary_rank_{r}.json", json.dumps(rd.to_json()))
-    diag = analyse(dumps, world_size)
-    write_atomic(d / "diagnosis.json", json.dumps(diag.to_json(), indent=1))
-    return diag
-
-
-def _exchange(
-    store: Any, key: str, local: dict[int, RankDump], world_size: int, deadline: float
-) -> dict[int, RankDump]:
-    for r, rd in local.items():
-        try:
-            store.set(f"{key}/rank/{r}", json.dumps(rd.to_json()))
-        except Exception as e:
-            logger.warning("cannot publish rank %d's hang summary: %s", r, e)
-    out: dict[int, RankDump] = {}
-    todo = [r for r in range(world_size) if r not in local]
-    while todo:
-        for r in list(todo):
-            k = f"{key}/rank/{r}"
-            try:
-                if store.check([k]):
-                    out[r] = RankDump.from_json(json.loads(store.get(k)))
-                    todo.remove(r)
-            except Exception as e:
-                logger.debug("rank %d's hang summary unreadable: %s", r, e)
-        if not todo or time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)
-    return out

@@ -34,7 +34,7 @@ from trainguard.core.storeutil import gather
 from trainguard.health.compute import ComputeResult
 from trainguard.health.node import NodeProbe, NodeReport, build_sources
 from trainguard.health.policy import Policy
-from trainguard.health.result import Action, ProbeResult, Status
+from trainguard.health.result import HealthAction, ProbeResult, Status
 
 if TYPE_CHECKING:
     from trainguard.health.compute import ComputeResult
@@ -117,7 +117,7 @@ class HealthMonitor(AgentPlugin):
         self.latest: NodeReport | None = None
         self.num_probes = 0
         self._acted: set[tuple[str, str | None]] = set()
-        self._pending: tuple[Action, list[str]] | None = None
+        self._pending: tuple[HealthAction, list[str]] | None = None
         self._last_status: Status | None = None
         self._events: Any = None
         self._stop = threading.Event()
@@ -267,7 +267,8 @@ class HealthMonitor(AgentPlugin):
             f
             for r in report.counted
             for f in r.findings
-            if f.action in (Action.RESTART, Action.DRAIN) and (f.check, f.gpu) not in self._acted
+            if f.action in (HealthAction.RESTART, HealthAction.DRAIN)
+            and (f.check, f.gpu) not in self._acted
         ]
         if fresh:
             self._acted.update((f.check, f.gpu) for f in fresh)
@@ -289,7 +290,7 @@ class HealthMonitor(AgentPlugin):
             "health_unhealthy", action=action.value, reasons=reasons, ranks=sorted(pids)
         )
         kill_workers(pids)
-        if action is Action.DRAIN:
+        if action is HealthAction.DRAIN:
             # A node to drain must not run the job again: it leaves (the launcher keeps the
             # rendezvous open for the others; a spare, or the recovery policy, takes over).
             ctx.events.emit("node_excluded", reason="health", action=action.value, reasons=reasons)

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from trainguard.core.config.health import HealthConfig
 from trainguard.health.policy import Policy
 from trainguard.health.result import (
-    Action,
+    HealthAction,
     ProbeResult,
     Status,
     worst_action,
@@ -51,7 +51,7 @@ class NodeReport:
         return worst_status([r.status for r in self.counted])
 
     @property
-    def action(self) -> Action:
+    def action(self) -> HealthAction:
         return worst_action([r.action for r in self.counted])
 
     @property

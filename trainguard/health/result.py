@@ -7,7 +7,17 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["Action", "Finding", "ProbeResult", "Status", "worst_action", "worst_status"]
+from trainguard.core.actions import HealthAction
+
+__all__ = [
+    "Finding",
+    "HealthAction",
+    "ProbeResult",
+    "Status",
+    "action_status",
+    "worst_action",
+    "worst_status",
+]
 
 
 class Status(str, Enum):
@@ -30,41 +40,25 @@ class Status(str, Enum):
 _STATUS_SEVERITY = {Status.OK: 0, Status.UNKNOWN: 1, Status.WARN: 2, Status.FAIL: 3}
 
 
-class Action(str, Enum):
-    """What to do about a finding, least to most severe.
-
-    ``IGNORE`` nothing; ``WARN`` report; ``RESTART`` restart the job's processes on this node;
-    ``DRAIN`` take the node out of the job (a spare replaces it) and out of the scheduler.
-    """
-
-    IGNORE = "ignore"
-    WARN = "warn"
-    RESTART = "restart"
-    DRAIN = "drain"
-
-    @property
-    def severity(self) -> int:
-        return _ACTION_ORDER.index(self)
-
-    @property
-    def status(self) -> Status:
-        """Node status implied by this action: drain → fail, restart/warn → warn."""
-        if self is Action.DRAIN:
-            return Status.FAIL
-        if self is Action.IGNORE:
-            return Status.OK
-        return Status.WARN
+_ACTION_STATUS = {
+    HealthAction.IGNORE: Status.OK,
+    HealthAction.WARN: Status.WARN,
+    HealthAction.RESTART: Status.WARN,
+    HealthAction.DRAIN: Status.FAIL,
+}
 
 
-_ACTION_ORDER = [Action.IGNORE, Action.WARN, Action.RESTART, Action.DRAIN]
+def action_status(action: HealthAction) -> Status:
+    """Node status implied by an action: drain → fail, restart/warn → warn, ignore → ok."""
+    return _ACTION_STATUS[action]
 
 
 def worst_status(statuses: list[Status]) -> Status:
     return max(statuses, key=lambda s: s.severity, default=Status.OK)
 
 
-def worst_action(actions: list[Action]) -> Action:
-    return max(actions, key=lambda a: a.severity, default=Action.IGNORE)
+def worst_action(actions: list[HealthAction]) -> HealthAction:
+    return max(actions, key=lambda a: a.severity, default=HealthAction.IGNORE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +67,7 @@ class Finding:
     ``ecc_dbe_volatile``, ``host_disk_low``...), ``gpu`` the GPU index or None for the host."""
 
     check: str
-    action: Action
+    action: HealthAction
     reason: str
     gpu: str | None = None
 
@@ -99,19 +93,19 @@ class ProbeResult:
     duration_s: float = 0.0
 
     @property
-    def action(self) -> Action:
+    def action(self) -> HealthAction:
         return worst_action([f.action for f in self.findings])
 
     @property
     def reasons(self) -> list[str]:
-        out = [f.reason for f in self.findings if f.action is not Action.IGNORE]
+        out = [f.reason for f in self.findings if f.action is not HealthAction.IGNORE]
         if self.error:
             out.append(self.error)
         return out
 
     def add(self, finding: Finding) -> None:
         self.findings.append(finding)
-        self.status = worst_status([self.status, finding.action.status])
+        self.status = worst_status([self.status, action_status(finding.action)])
 
     @classmethod
     def unknown(cls, source: str, error: str, *, present: bool = True) -> ProbeResult:

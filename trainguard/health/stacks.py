@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
-from trainguard.core.atomicfile import open_append, write_atomic
+from trainguard.core.atomicfile import make_dirs, open_append, write_atomic
+from trainguard.core.rundir import RunDir
 
 __all__ = ["STACK_SIGNAL", "dump_stacks", "faulthandler_path", "register_stack_dump"]
 
@@ -29,7 +30,7 @@ STACK_SIGNAL = signal.SIGUSR2
 
 
 def faulthandler_path(run_dir: str | os.PathLike[str], attempt: int, rank: int) -> Path:
-    return Path(run_dir) / "stacks" / f"attempt_{attempt}" / f"rank_{rank}.faulthandler.txt"
+    return RunDir(run_dir).signal_stacks(attempt, rank)
 
 
 def register_stack_dump(run_dir: str | os.PathLike[str], rank: int, attempt: int) -> IO[str] | None:
@@ -39,7 +40,7 @@ def register_stack_dump(run_dir: str | os.PathLike[str], rank: int, attempt: int
         if signal.getsignal(STACK_SIGNAL) not in (signal.SIG_DFL, None):
             return None
         path = faulthandler_path(run_dir, attempt, rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(path.parent)
         f = os.fdopen(open_append(path), "a", encoding="utf-8")
         faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=False)
         return f
@@ -104,8 +105,8 @@ def dump_stacks(
 ) -> dict[int, dict[str, str]]:
     """Stacks of ``pids`` (rank → pid), concurrently. Returns rank → {"method", "path",
     "stack"}; a rank whose stack could not be taken gets method "none"."""
-    out_dir = Path(run_dir) / "stacks" / f"attempt_{attempt}"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    rd = RunDir(run_dir)
+    make_dirs(rd.stacks(attempt))
     exe = _py_spy() if use_py_spy else None
 
     def one(rank: int, pid: int) -> tuple[int, dict[str, str]]:
@@ -117,7 +118,7 @@ def dump_stacks(
             stack, method = _faulthandler_dump(fh, pid, min(timeout_s, 3.0)), "faulthandler"
         if stack is None:
             stack, method = "(no stack: py-spy unavailable and no faulthandler response)", "none"
-        path = out_dir / f"rank_{rank}.txt"
+        path = rd.hung_stack(attempt, rank)
         try:
             write_atomic(path, f"# rank {rank} pid {pid} via {method}\n{stack}")
         except OSError as e:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.event_kinds import CHECKPOINT_COMMITTED, CHECKPOINT_RESTORED, JOB_FINISHED
 from trainguard.core.events import launch_time, read_events
 from trainguard.core.goodput import GoodputTracker, failures_by_attempt
 from trainguard.core.rundir import RunDir
@@ -132,7 +133,7 @@ def _restore_times(events: list[dict[str, Any]]) -> tuple[float | None, float | 
     """Median restore time from the memory tier and from disk (rank 0; None: none seen)."""
     restores: dict[str, list[float]] = {"memory": [], "disk": []}
     for e in events:
-        if e.get("kind") == "checkpoint_restored" and e.get("rank", 0) == 0:
+        if e.get("kind") == CHECKPOINT_RESTORED and e.get("rank", 0) == 0:
             src = str(e.get("source", ""))
             key = "memory" if "memory" in src else "disk" if src not in ("none", "") else None
             if key:
@@ -167,7 +168,7 @@ def read_run(run_dir: str | Path) -> RunCosts:
     t0 = launch_time(events)  # the same start as trainguard's goodput (launcher start-up in)
     if t0 is None:
         t0 = min(att.first_start.values())
-    finished = [float(e["time"]) for e in events if e.get("kind") == "job_finished"]
+    finished = [float(e["time"]) for e in events if e.get("kind") == JOB_FINISHED]
     t_end = max(finished) if finished else max(att.last_end.values())
     a_first, a_last = min(att.first_start), max(att.last_end)
     startup = (att.first_start[a_first] - t0) + max(0.0, t_end - att.last_end[a_last])
@@ -179,7 +180,7 @@ def read_run(run_dir: str | Path) -> RunCosts:
     mem_restore, disk_restore = _restore_times(events)
     detects, restarts = _detect_and_restart(failed, att)
     restore_used = mem_restore if mem_restore is not None else (disk_restore or 0.0)
-    commits = [e for e in events if e.get("kind") == "checkpoint_committed"]
+    commits = [e for e in events if e.get("kind") == CHECKPOINT_COMMITTED]
     committed_steps = sorted({int(e["step"]) for e in commits if e.get("step") is not None})
     gaps = [b - a for a, b in zip(committed_steps, committed_steps[1:], strict=False)]
     steps_done = att.max_step + 1

@@ -2,6 +2,13 @@
 with a blocklist (see docs/recovery.md)."""
 
 from trainguard.recovery.ledger import BlockEntry, JobLedger
-from trainguard.recovery.policy import Action, Decision, RecoveryPolicy, backoff_s
+from trainguard.recovery.policy import RecoveryAction, RecoveryDecision, RecoveryPolicy, backoff_s
 
-__all__ = ["Action", "BlockEntry", "Decision", "JobLedger", "RecoveryPolicy", "backoff_s"]
+__all__ = [
+    "BlockEntry",
+    "JobLedger",
+    "RecoveryAction",
+    "RecoveryDecision",
+    "RecoveryPolicy",
+    "backoff_s",
+]

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
+from trainguard.core.actions import HealthAction
 from trainguard.core.errorfile import ExceptionSite, exception_site
 from trainguard.core.failures import FailureKind, WorkerFailure, peer_failure_text
 
@@ -174,7 +175,7 @@ def attribute(
     A worker the agent ended itself (``torn_down``) is a consequence, not evidence."""
     if health:
         reasons = [str(r) for h in health for r in h.get("reasons") or []]
-        drain = any(h.get("action") == "drain" for h in health)
+        drain = any(h.get("action") == HealthAction.DRAIN for h in health)
         return Attribution(
             Cause.HARDWARE,
             Verdict.EVICT if drain else Verdict.RESTART,

@@ -28,8 +28,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainguard.core.actions import HealthAction
 from trainguard.core.events import EVENTS_FILE
 from trainguard.core.fencing import NodeFencer, RecordOnlyFencer
+from trainguard.core.jobstate import JobState
 from trainguard.core.plugin import (
     AgentContext,
     AgentPlugin,
@@ -38,7 +40,7 @@ from trainguard.core.plugin import (
     NodeUnhealthyError,
 )
 from trainguard.recovery.ledger import JobLedger
-from trainguard.recovery.policy import Action, Decision, RecoveryPolicy
+from trainguard.recovery.policy import RecoveryAction, RecoveryDecision, RecoveryPolicy
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
@@ -134,7 +136,7 @@ class RecoveryPlugin(AgentPlugin):
 
     def _on_excluded(self, event: dict[str, Any]) -> None:
         # health's verdict for this node is drain (= status fail), not e.g. a straggler
-        self._drain = event.get("action") == "drain"
+        self._drain = event.get("action") == HealthAction.DRAIN
 
     # -- plumbing ------------------------------------------------------------------------------
     def ledger(self, ctx: AgentContext) -> JobLedger | None:
@@ -154,7 +156,7 @@ class RecoveryPlugin(AgentPlugin):
             ledger.record_checkpoint(step)
             self._published_step = step
 
-    def _emit_decision(self, ctx: AgentContext, d: Decision, **extra: Any) -> None:
+    def _emit_decision(self, ctx: AgentContext, d: RecoveryDecision, **extra: Any) -> None:
         extra = {k: v for k, v in extra.items() if v is not None}
         ctx.events.emit(
             "recovery_decision",
@@ -179,7 +181,9 @@ class RecoveryPlugin(AgentPlugin):
         stop = ledger.stopped()
         if stop is None:
             return None
-        d = Decision(Action.STOP, stop["reason"], ctx.attempt, ledger.restarts(), 0.0, stop["by"])
+        d = RecoveryDecision(
+            RecoveryAction.STOP, stop["reason"], ctx.attempt, ledger.restarts(), 0.0, stop["by"]
+        )
         self._emit_decision(ctx, d, learned=True)
         return self._stop_error(ctx, stop)
 
@@ -315,13 +319,13 @@ class RecoveryPlugin(AgentPlugin):
             verdict=attr.get("verdict"),
             failure_cause=attr.get("cause"),
         )
-        if d.action is Action.RESTART:
+        if d.action is RecoveryAction.RESTART:
             self._backoff_s = d.backoff_s
-        elif d.action is Action.STOP:
+        elif d.action is RecoveryAction.STOP:
             raise self._stop_error(
                 ctx, ledger.stopped() or {"reason": d.reason, "by": d.decided_by}
             )
-        elif d.action is Action.EVICT:
+        elif d.action is RecoveryAction.EVICT:
             raise self.evict(ctx, d.reason)
 
     def on_exit(
@@ -335,10 +339,10 @@ class RecoveryPlugin(AgentPlugin):
                 # straggler): it leaves (exit 1) but is not evicted
                 return None
             reason = f"health: {error}"
-            d = Decision(Action.EVICT, reason, ctx.attempt, -1, decided_by=ctx.node)
+            d = RecoveryDecision(RecoveryAction.EVICT, reason, ctx.attempt, -1, decided_by=ctx.node)
             self._emit_decision(ctx, d)
             return self.evict(ctx, reason)
-        if state in ("succeeded", "requeue") or self._ledger is None:
+        if state in (JobState.SUCCEEDED, JobState.REQUEUE) or self._ledger is None:
             return None
         try:  # e.g. the rendezvous was closed because the job stopped elsewhere
             stop = self._learned_stop(ctx, self._ledger)

@@ -26,9 +26,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
-from enum import Enum
 from typing import Any
 
+from trainguard.core.actions import RecoveryAction
 from trainguard.core.config.recovery import RecoveryConfig
 from trainguard.core.failures import (
     DO_NOT_REQUEUE_EXIT_CODE,
@@ -39,23 +39,19 @@ from trainguard.core.failures import (
 from trainguard.recovery.attribution import Attribution, Cause, Verdict, attribute
 from trainguard.recovery.ledger import JobLedger
 
-__all__ = ["Action", "Decision", "RecoveryPolicy", "backoff_s", "config_error", "own_failure"]
-
-
-class Action(str, Enum):
-    RESTART = "restart"
-    """Restart every node's worker group in place (torch's restart), after ``backoff_s``."""
-    EVICT = "evict"
-    """This node leaves the job and is blocklisted; the others restart without it."""
-    STOP = "stop"
-    """The whole job stops with the "do not requeue" exit code (93)."""
-    REQUEUE = "requeue"
-    """The workers saved a preemption checkpoint: exit 75 so the scheduler requeues."""
+__all__ = [
+    "RecoveryAction",
+    "RecoveryDecision",
+    "RecoveryPolicy",
+    "backoff_s",
+    "config_error",
+    "own_failure",
+]
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
-    action: Action
+class RecoveryDecision:
+    action: RecoveryAction
     reason: str
     attempt: int
     job_restarts: int
@@ -69,8 +65,8 @@ class Decision:
         return {**asdict(self), "action": self.action.value}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Decision:
-        return cls(**{**d, "action": Action(d["action"])})
+    def from_dict(cls, d: dict[str, Any]) -> RecoveryDecision:
+        return cls(**{**d, "action": RecoveryAction(d["action"])})
 
 
 def backoff_s(restart: int, *, base_s: float, cap_s: float) -> float:
@@ -148,7 +144,7 @@ class RecoveryPolicy:
         ran_s: float | None = None,
         world_size: int = 0,
         health: list[dict[str, Any]] | None = None,
-    ) -> Decision:
+    ) -> RecoveryDecision:
         """The action for this node after its workers failed in ``attempt``. ``evictable``:
         the job could go on without this node (False for a single-node job); ``hang``: the
         agent killed its hung workers (every node's detector may do that for one hang: it is
@@ -214,11 +210,11 @@ class RecoveryPolicy:
         ran_s: float | None,
         world_size: int,
         health: list[dict[str, Any]] | None,
-    ) -> Decision:
+    ) -> RecoveryDecision:
         now = time.time() if now is None else now
         if _requeue(failures):
-            return Decision(
-                Action.REQUEUE,
+            return RecoveryDecision(
+                RecoveryAction.REQUEUE,
                 "the workers saved a preemption checkpoint and asked to be requeued",
                 attempt,
                 self.ledger.restarts(),
@@ -234,8 +230,8 @@ class RecoveryPolicy:
             if reason is not None:
                 stop = self.ledger.stop(reason, by=self.node, now=now)
         if stop is not None:
-            return Decision(
-                Action.STOP,
+            return RecoveryDecision(
+                RecoveryAction.STOP,
                 stop["reason"],
                 attempt,
                 self.ledger.restarts(),
@@ -250,19 +246,19 @@ class RecoveryPolicy:
             and attr.verdict is Verdict.EVICT
             and not health  # a health drain evicts on its own path
         )
-        if job.action is Action.RESTART and evictable and hardware and attr is not None:
-            return Decision(
-                Action.EVICT,
+        if job.action is RecoveryAction.RESTART and evictable and hardware and attr is not None:
+            return RecoveryDecision(
+                RecoveryAction.EVICT,
                 f"node {self.node}: hardware: {attr.summary}",
                 attempt,
                 job.job_restarts,
                 decided_by=self.node,
                 attribution=seen,
             )
-        if job.action is Action.RESTART and own and self._count_own(now) and evictable:
+        if job.action is RecoveryAction.RESTART and own and self._count_own(now) and evictable:
             n, window = self.cfg.node_failure_limit, self.cfg.node_failure_window_s
-            return Decision(
-                Action.EVICT,
+            return RecoveryDecision(
+                RecoveryAction.EVICT,
                 f"node {self.node} failed {n} times within {window:g} s "
                 f"(this time: {_describe(failures)})",
                 attempt,
@@ -282,19 +278,21 @@ class RecoveryPolicy:
 
     def _job_decision(
         self, attempt: int, failures: list[WorkerFailure], ran_s: float | None = None
-    ) -> Decision:
+    ) -> RecoveryDecision:
         """The job-wide decision for the failed ``attempt``: taken here or read."""
         if self.ledger.claim(attempt):
             return self._publish(attempt, self._decide_job(attempt, failures, ran_s=ran_s))
         got = self.ledger.decision(attempt, timeout_s=self.cfg.decision_timeout_s)
         if got is not None:
-            return Decision.from_dict(got)
+            return RecoveryDecision.from_dict(got)
         # The deciding agent is gone (its node died): decide here, without counting again.
         return self._publish(attempt, self._decide_job(attempt, failures, count=False, ran_s=ran_s))
 
-    def _publish(self, attempt: int, decision: Decision) -> Decision:
-        final = Decision.from_dict(self.ledger.publish_decision(attempt, decision.to_dict()))
-        if final.action is Action.STOP:
+    def _publish(self, attempt: int, decision: RecoveryDecision) -> RecoveryDecision:
+        final = RecoveryDecision.from_dict(
+            self.ledger.publish_decision(attempt, decision.to_dict())
+        )
+        if final.action is RecoveryAction.STOP:
             self.ledger.stop(final.reason, by=final.decided_by)
         return final
 
@@ -305,13 +303,15 @@ class RecoveryPolicy:
         *,
         count: bool = True,
         ran_s: float | None = None,
-    ) -> Decision:
+    ) -> RecoveryDecision:
         cfg, ledger = self.cfg, self.ledger
         made = ledger.restarts()
         what = _describe(failures)
 
-        def stop(reason: str) -> Decision:
-            return Decision(Action.STOP, reason, attempt, made, decided_by=self.node)
+        def stop(reason: str) -> RecoveryDecision:
+            return RecoveryDecision(
+                RecoveryAction.STOP, reason, attempt, made, decided_by=self.node
+            )
 
         budget = cfg.job_restart_budget
         if budget is not None and made >= budget:
@@ -339,8 +339,8 @@ class RecoveryPolicy:
             1 if ran_long else idle + 1, base_s=cfg.backoff_base_s, cap_s=cfg.backoff_cap_s
         )
         limit = f" of {budget}" if budget is not None else ""
-        return Decision(
-            Action.RESTART,
+        return RecoveryDecision(
+            RecoveryAction.RESTART,
             f"job-wide restart {n}{limit} after: {what}",
             attempt,
             n,

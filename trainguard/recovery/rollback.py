@@ -28,8 +28,8 @@ __all__ = [
     "LEDGER_FILE",
     "Anomaly",
     "LossMonitor",
-    "Plan",
     "RollbackLedger",
+    "RollbackPlan",
 ]
 
 LEDGER_FILE = "rollback.json"
@@ -85,7 +85,7 @@ class LossMonitor:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class RollbackPlan:
     """What one rollback does, decided before the restore."""
 
     bad_step: int
@@ -119,13 +119,13 @@ class RollbackLedger:
     total: int = 0
 
     # -- decisions -------------------------------------------------------------------------------
-    def plan(self, bad_step: int) -> Plan:
+    def plan(self, bad_step: int) -> RollbackPlan:
         cfg, last = self.config, self.last
         same = last is not None and last.restored <= bad_step <= last.last + cfg.place_steps
         if same:
             assert last is not None
             count = last.count + 1
-            return Plan(
+            return RollbackPlan(
                 bad_step=bad_step,
                 count=count,
                 stop=count > cfg.max_rollbacks,
@@ -134,7 +134,7 @@ class RollbackLedger:
                 last=max(last.last, bad_step + cfg.skip_after),
             )
         first = max(0, bad_step - cfg.skip_before)
-        return Plan(
+        return RollbackPlan(
             bad_step=bad_step,
             count=1,
             stop=cfg.max_rollbacks < 1,
@@ -143,7 +143,7 @@ class RollbackLedger:
             last=bad_step + cfg.skip_after,
         )
 
-    def commit(self, plan: Plan, restored_step: int) -> tuple[int, int]:
+    def commit(self, plan: RollbackPlan, restored_step: int) -> tuple[int, int]:
         """Record a rollback that restored ``restored_step``; returns the skipped window."""
         first = restored_step if plan.first is None else plan.first
         window = (first, plan.last)

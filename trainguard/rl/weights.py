@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainguard.core import envvars
 from trainguard.core.atomicfile import atomic_open, write_atomic
 
 __all__ = ["POINTER", "PublishedVersion", "WeightStore", "default_weight_dir"]
@@ -35,12 +36,9 @@ POINTER = "current.json"
 
 def default_weight_dir(run_dir: str | os.PathLike[str] | None = None) -> Path:
     """``RUN_DIR/rl/weights``: ``run_dir``, else ``TRAINGUARD_RUN_DIR`` (set for roles), else
-    ``TRAINGUARD_AGENT_RUN_DIR`` (set for trainer workers). ValueError when none is known."""
-    root = (
-        run_dir
-        or os.environ.get("TRAINGUARD_RUN_DIR")
-        or os.environ.get("TRAINGUARD_AGENT_RUN_DIR")
-    )
+    the agent's run directory (:data:`trainguard.core.envvars.RUN_DIR`, set for trainer
+    workers). ValueError when none is known."""
+    root = run_dir or os.environ.get(envvars.ROLE_RUN_DIR) or os.environ.get(envvars.RUN_DIR)
     if not root:
         raise ValueError(
             "no weight store: pass a weights directory (--weights-dir) or run under "

@@ -195,7 +195,7 @@ class RoleSupervisor:
         self.events = events
         self._env = dict(os.environ if env is None else env)
         """The environment the replicas start from: the agent's before it prepared its workers'
-        (never the workers' hooks or ``TRAINGUARD_AGENT_*``)."""
+        (never the workers' hooks or the agent→worker names of :mod:`trainguard.core.envvars`)."""
         for var in list(self._env):
             if var.startswith(envvars.PREFIX):
                 del self._env[var]

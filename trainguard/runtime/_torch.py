@@ -322,17 +322,6 @@ def handler_state_pending(handler: DynamicRendezvousHandler) -> bool:
     return bool(getattr(handler._state_holder, "dirty", False))
 
 
-def sync_handler_state(handler: DynamicRendezvousHandler) -> RendezvousState:
-    """Read the rendezvous state from the store and return it."""
-    handler._state_holder.sync()
-    return handler._state_holder.state
-
-
-def stop_heartbeats(handler: DynamicRendezvousHandler) -> None:
-    """Stop a dynamic handler's keep-alive thread."""
-    handler._stop_heartbeats()
-
-
 def leave_rendezvous(handler: RendezvousHandler, deadline: float) -> None:
     """Take this node out of the rendezvous now (torch's exit operation), by ``deadline``
     (monotonic); raises what torch raises, ``TypeError`` for a handler other than torch's

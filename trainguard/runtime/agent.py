@@ -14,7 +14,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from trainguard.core import collectives, envvars
+from trainguard.core import envvars, flight_recorder
 from trainguard.core.atomicfile import open_append
 from trainguard.core.config import TrainGuardConfig
 from trainguard.core.errorfile import exception_site
@@ -183,7 +183,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
             snap = self.progress.read(r)
             if snap is None or (snap.num_steps == 0 and not snap.in_step):
                 coll = self.progress.read_path(
-                    collectives.collective_progress_path(self.progress.dir, r)
+                    flight_recorder.collective_progress_path(self.progress.dir, r)
                 )
                 if coll is not None:
                     if snap is None:  # a script without tg.step(), not one before its first step

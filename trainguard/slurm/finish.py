@@ -1,7 +1,7 @@
 """What the batch script does once the agents' ``srun`` step has ended.
 
 :func:`decide` is pure: from the step's exit code, the agents' ``job_finished`` events of this
-run of the job and the allocation, it picks one :class:`Action`:
+run of the job and the allocation, it picks one :class:`FinishAction`:
 
 ==========  ===================================================================================
 DONE        an agent finished the training (nodes whose agent was lost are drained; the job
@@ -36,20 +36,27 @@ from trainguard.slurm.batch import CHAIN_ENV, RESUBMITS_ENV
 from trainguard.slurm.cli import SlurmCli, SlurmError
 from trainguard.slurm.fencer import SlurmFencer
 
-__all__ = ["Action", "Decision", "decide", "finish", "node_states", "take_over"]
+__all__ = ["FinishAction", "FinishDecision", "decide", "finish", "node_states", "take_over"]
 
 
-class Action(str, Enum):
+class FinishAction(str, Enum):
+    """What the batch script does once ``trainguard run`` returned (:func:`decide`)."""
+
     DONE = "done"
+    """Every node succeeded: exit 0."""
     STOP = "stop"
+    """A node asked not to be requeued: exit 93."""
     REQUEUE = "requeue"
+    """The workers saved on preemption: exit 75 for the scheduler's requeue."""
     RESUBMIT = "resubmit"
+    """Nodes were lost: a new job without them continues from the last checkpoint."""
     FAIL = "fail"
+    """The job failed: its exit code."""
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
-    action: Action
+class FinishDecision:
+    action: FinishAction
     exit_code: int
     lost: list[str] = field(default_factory=list)
     """Nodes of the allocation whose agent never reported the end of its run (killed, crashed,
@@ -84,22 +91,22 @@ def decide(
     resubmits: int,
     unusable: Sequence[str] = (),
     drained_before: Sequence[str] = (),
-) -> Decision:
+) -> FinishDecision:
     """The action after the step (see the module doc); ``unusable``: allocated nodes Slurm
     reports down/drained now; ``drained_before``: nodes trainguard drained earlier in the run."""
     lost = sorted({n for n in allocation if n not in states} | set(unusable))
     if any(s == JobState.SUCCEEDED for s in states.values()):
-        return Decision(Action.DONE, 0, lost, message="training finished")
+        return FinishDecision(FinishAction.DONE, 0, lost, message="training finished")
     if rc == DO_NOT_REQUEUE_EXIT_CODE or any(s == JobState.DO_NOT_REQUEUE for s in states.values()):
-        return Decision(
-            Action.STOP,
+        return FinishDecision(
+            FinishAction.STOP,
             DO_NOT_REQUEUE_EXIT_CODE,
             lost,
             message=f"exit code {DO_NOT_REQUEUE_EXIT_CODE}: not requeued",
         )
     if rc == REQUEUE_EXIT_CODE or any(s == JobState.REQUEUE for s in states.values()):
-        return Decision(
-            Action.REQUEUE,
+        return FinishDecision(
+            FinishAction.REQUEUE,
             REQUEUE_EXIT_CODE,
             lost,
             # the job keeps its id, priority and place; Slurm's wait is the price
@@ -108,18 +115,20 @@ def decide(
         )
     code = rc if rc != 0 else 1
     if not lost:
-        return Decision(Action.FAIL, code, message=f"the training failed (exit code {rc})")
+        return FinishDecision(
+            FinishAction.FAIL, code, message=f"the training failed (exit code {rc})"
+        )
     if resubmits >= cfg.max_resubmits:
-        return Decision(
-            Action.FAIL,
+        return FinishDecision(
+            FinishAction.FAIL,
             code,
             lost,
             message=f"lost node(s) {','.join(lost)} and no resubmission left "
             f"({resubmits} of [slurm] max_resubmits = {cfg.max_resubmits} used)",
         )
     exclude = sorted(set(lost) | set(drained_before) | set(cfg.blocklist))
-    return Decision(
-        Action.RESUBMIT,
+    return FinishDecision(
+        FinishAction.RESUBMIT,
         code,
         lost,
         exclude,
@@ -168,12 +177,12 @@ def finish(
         log.emit("node_drained", node_name=n, fenced=res.fenced, detail=res.detail, job_id=job_id)
         say(f"trainguard: {res.detail}")
     log.emit("slurm_finish", action=d.action.value, rc=rc, job_id=job_id, message=d.message)
-    if d.action is Action.REQUEUE:
+    if d.action is FinishAction.REQUEUE:
         try:
             slurm.requeue(job_id)
         except SlurmError as e:
             say(f"trainguard: scontrol requeue {job_id} failed: {e}")
-    elif d.action is Action.RESUBMIT:
+    elif d.action is FinishAction.RESUBMIT:
         _resubmit(slurm, log, env, script, d.exclude, resubmits, job_id, say)
     return d.exit_code
 
@@ -248,13 +257,13 @@ def take_over(
     resubmits = int(env.get(RESUBMITS_ENV, "0") or 0)
     exclude = sorted({batch_host} | set(drained_by_trainguard(events)) | set(cfg.blocklist))
     if resubmits < cfg.max_resubmits:
-        action = Action.RESUBMIT
+        action = FinishAction.RESUBMIT
         message = (
             f"batch host {batch_host} lost: resubmitting without {','.join(exclude)} "
             f"({resubmits + 1} of {cfg.max_resubmits})"
         )
     else:
-        action = Action.FAIL
+        action = FinishAction.FAIL
         message = (
             f"batch host {batch_host} lost and no resubmission left ({resubmits} of "
             f"[slurm] max_resubmits = {cfg.max_resubmits} used)"
@@ -276,7 +285,7 @@ def take_over(
     log.emit("node_drained", node_name=batch_host, fenced=fenced, detail=detail, job_id=job_id)
     say(f"trainguard: {detail}")
     log.emit("slurm_finish", action=action.value, rc=None, job_id=job_id, message=message)
-    if action is Action.RESUBMIT:
+    if action is FinishAction.RESUBMIT:
         _resubmit(slurm, log, env, script, exclude, resubmits, job_id, say)
     try:  # this agent ends with it
         slurm.cancel(job_id)

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.event_kinds import CHECKPOINT_COMMITTED, LAUNCH, RENDEZVOUS, RESTART
 from trainguard.core.events import read_events
 from trainguard.slurm.cli import SlurmCli, SlurmError
 from trainguard.slurm.fencer import REASON_PREFIX
@@ -78,13 +79,13 @@ def _from_events(st: JobStatus, events: Iterable[dict[str, Any]]) -> None:
     attempts: set[int] = set()
     for ev in events:
         kind = ev.get("kind")
-        if kind == "launch":
+        if kind == LAUNCH:
             members = []
-        elif kind == "rendezvous" and ev.get("members"):
+        elif kind == RENDEZVOUS and ev.get("members"):
             members = [str(m.get("node")) for m in ev["members"]]
-        elif kind == "restart":
+        elif kind == RESTART:
             attempts.add(int(ev.get("attempt", 0)))
-        elif kind == "checkpoint_committed":
+        elif kind == CHECKPOINT_COMMITTED:
             st.last_checkpoint_step = int(ev.get("step", 0))
             st.last_checkpoint_time = float(ev.get("time", 0))
         elif kind == "node_drained":

@@ -25,7 +25,21 @@ from trainguard.core.contract import (
     ROLLOUT_FAILURE_REASONS,
     MetricSpec,
 )
-from trainguard.core.event_kinds import ROLE_REPLICA_STARTED, ROLE_REPLICA_STATE
+from trainguard.core.event_kinds import (
+    CHECKPOINT_COMMITTED,
+    HANG_DETECTED,
+    HANG_DIAGNOSIS,
+    JOB_FINISHED,
+    LOSS_ROLLBACK,
+    PREFLIGHT,
+    RENDEZVOUS,
+    RESTART,
+    ROLE_REPLICA_STARTED,
+    ROLE_REPLICA_STATE,
+    ROLLOUT_FAILED,
+    WORKER_FAILED,
+    WORKERS_STARTED,
+)
 from trainguard.core.failures import FailureKind
 from trainguard.core.goodput import Goodput
 from trainguard.telemetry.mfu import PeakResolver
@@ -66,7 +80,7 @@ def _incident_kind(ev: Mapping[str, Any]) -> str | None:
     kind = str(ev.get("kind"))
     if kind in _INCIDENTS:
         return kind
-    if kind == "preflight" and ev.get("status") not in (None, "ok"):
+    if kind == PREFLIGHT and ev.get("status") not in (None, "ok"):
         return "preflight_failed"
     return None
 
@@ -237,40 +251,40 @@ class MetricsRecorder:
         try:
             kind = ev.get("kind")
             node = {"node": self.node}
-            if kind == "worker_failed":
+            if kind == WORKER_FAILED:
                 cause = str(ev.get("cause") or "unknown")
                 self._inst["trainguard.job.failures"].add(1, {**node, "cause": cause})
                 if self._pending_cause is None and cause != "terminated":
                     self._pending_cause = cause
-            elif kind == "rollout_failed":
+            elif kind == ROLLOUT_FAILED:
                 reason = str(ev.get("reason") or "other")
                 self._inst["trainguard.rl.rollout.failed"].add(1, {**node, "reason": reason})
-            elif kind == "loss_rollback":
+            elif kind == LOSS_ROLLBACK:
                 reason = str(ev.get("reason") or "other")
                 self._inst["trainguard.job.rollbacks"].add(1, {**node, "reason": reason})
-            elif kind == "hang_detected":
+            elif kind == HANG_DETECTED:
                 self._pending_cause = "hang"
                 self._hung_since = _num(ev.get("time")) or 0.0
                 self._set_hung(1, "pending")
-            elif kind == "hang_diagnosis":
+            elif kind == HANG_DIAGNOSIS:
                 if self._hung_since is None:  # another node's agent found the hang
                     self._pending_cause = "hang"
                     self._hung_since = _num(ev.get("time")) or 0.0
                 self._set_hung(1, str(ev.get("diagnosis") or "unknown"))
-            elif kind == "job_finished":
+            elif kind == JOB_FINISHED:
                 self._hung_since = None
                 self._set_hung(0)
-            elif kind == "checkpoint_committed":
+            elif kind == CHECKPOINT_COMMITTED:
                 t = _num(ev.get("time"))
                 if t is not None:
                     self._set("trainguard.checkpoint.last_commit.time", t, node)
-            elif kind == "restart":
+            elif kind == RESTART:
                 cause = self._pending_cause or ev.get("reason") or "unknown"
                 self._pending_cause = None
                 self._inst["trainguard.job.restarts"].add(1, {**node, "cause": str(cause)})
             elif kind in (ROLE_REPLICA_STARTED, ROLE_REPLICA_STATE):
                 self._role_event(ev)
-            elif kind in ("rendezvous", "workers_started"):
+            elif kind in (RENDEZVOUS, WORKERS_STARTED):
                 a = _num(ev.get("attempt"))
                 if a is not None:
                     self._set("trainguard.job.attempt", a, node)

@@ -21,12 +21,18 @@ from trainguard.core import svg
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.contract import LOSS_CAUSES
 from trainguard.core.event_kinds import (
+    FAILURE_ATTRIBUTED,
+    HANG_DIAGNOSIS,
     HEALTH_PROBE,
     JOB_FINISHED,
+    LOSS_ROLLBACK,
     PREFLIGHT,
+    RENDEZVOUS,
+    RESTART,
     ROLE_REPLICA_FAILED,
     ROLE_REPLICA_STATE,
     ROLE_RESTART_BUDGET_EXHAUSTED,
+    ROLLBACK_EXHAUSTED,
     WORKER_FAILED,
     WORKER_GROUP_UNHEALTHY,
     WORKERS_STARTED,
@@ -91,9 +97,8 @@ def load_run(run_dir: str | Path, progress: Progress | None = None) -> RunData:
     except (OSError, ValueError):
         data.config = {}
     for path in RunDir(run_dir).metrics_files():
-        try:
-            rank = int(path.stem.split("_", 1)[1])
-        except ValueError:
+        rank = RunDir.metrics_rank(path)
+        if rank is None:
             continue
         recs = []
         with path.open(encoding="utf-8", errors="replace") as f:
@@ -179,7 +184,7 @@ def _root_causes(failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _failure_rows(data: RunData, t0: float) -> list[dict[str, Any]]:
-    return [e for e in data.events if e.get("kind") in ("worker_failed", "worker_group_unhealthy")]
+    return [e for e in data.events if e.get("kind") in (WORKER_FAILED, WORKER_GROUP_UNHEALTHY)]
 
 
 def _timeline(data: RunData, t0: float, t_end: float) -> str:
@@ -189,13 +194,13 @@ def _timeline(data: RunData, t0: float, t_end: float) -> str:
     for e in data.events:
         a = int(e.get("attempt", 0))
         t = float(e["time"]) - t0
-        if e.get("kind") == "workers_started":
+        if e.get("kind") == WORKERS_STARTED:
             starts.setdefault(a, t)
-        if e.get("kind") in ("worker_failed", "worker_group_unhealthy", "job_finished"):
+        if e.get("kind") in (WORKER_FAILED, WORKER_GROUP_UNHEALTHY, JOB_FINISHED):
             ends[a] = min(ends.get(a, t), t)
     for a, s in sorted(starts.items()):
         failed = any(
-            e.get("kind") in ("worker_failed", "worker_group_unhealthy") and e.get("attempt") == a
+            e.get("kind") in (WORKER_FAILED, WORKER_GROUP_UNHEALTHY) and e.get("attempt") == a
             for e in data.events
         )
         cls = "tg-attempt tg-attempt-failed" if failed else "tg-attempt"
@@ -207,15 +212,15 @@ def _timeline(data: RunData, t0: float, t_end: float) -> str:
         desc = f"{kind} at {t:.2f} s: " + ", ".join(
             f"{k}={v}" for k, v in e.items() if k not in ("time", "kind", "node") and v is not None
         )
-        if kind == "worker_failed":
+        if kind == WORKER_FAILED:
             markers.append((t, desc, "tg-failure", "✖"))
         elif "hang" in kind:
             markers.append((t, desc, "tg-hang", "⌛"))
-        elif kind == "restart":
+        elif kind == RESTART:
             markers.append((t, desc, "tg-restart", "↻"))
-        elif kind in ("loss_rollback", "rollback_exhausted"):
+        elif kind in (LOSS_ROLLBACK, ROLLBACK_EXHAUSTED):
             markers.append((t, desc, "tg-rollback", "↶"))
-        elif kind == "rendezvous":
+        elif kind == RENDEZVOUS:
             markers.append((t, desc, "tg-rendezvous", "◆"))
         elif kind.startswith("checkpoint"):
             cls = "tg-restore" if "restor" in kind else "tg-checkpoint"
@@ -308,7 +313,7 @@ def _table(rows: list[dict[str, Any]], cols: list[str], t0: float, cls: str) -> 
 
 def _hangs(data: RunData, t0: float) -> str:
     """Each hang diagnosis: the verdict, the rank groups and the aggregated stacks."""
-    diags = [e for e in data.events if e.get("kind") == "hang_diagnosis"]
+    diags = [e for e in data.events if e.get("kind") == HANG_DIAGNOSIS]
     if not diags:
         return '<p class="tg-none">none recorded</p>'
     out = []
@@ -473,7 +478,7 @@ def _summary(
 ) -> dict[str, Any]:
     """The key-value table at the top of the report."""
     t0 = data.t0
-    finished = [e for e in data.events if e.get("kind") == "job_finished"]
+    finished = [e for e in data.events if e.get("kind") == JOB_FINISHED]
     attempts = sorted({int(e.get("attempt", 0)) for e in data.events} | {0})
     ref = min(data.records) if data.records else None
     ref_recs = data.records.get(ref, []) if ref is not None else []
@@ -488,9 +493,9 @@ def _summary(
         "worker failures": len(roots),
         "loss rollbacks": len(rollbacks),
         "ranks stopped by the recovery": len(
-            [f for f in failures if f.get("kind") == "worker_failed"]
+            [f for f in failures if f.get("kind") == WORKER_FAILED]
         )
-        - len([f for f in roots if f.get("kind") == "worker_failed"]),
+        - len([f for f in roots if f.get("kind") == WORKER_FAILED]),
         "ranks": len(data.records),
         "steps (lowest rank)": len(_steps(ref_recs)),
         "ETTR": ettr,
@@ -514,9 +519,9 @@ def render_report(
     all_recs = [r for recs in data.records.values() for r in recs]
     g: Goodput = compute_goodput(data.events, all_recs)
     failures = _failure_rows(data, t0)
-    rollbacks = [e for e in data.events if e.get("kind") in ("loss_rollback", "rollback_exhausted")]
+    rollbacks = [e for e in data.events if e.get("kind") in (LOSS_ROLLBACK, ROLLBACK_EXHAUSTED)]
     health = [e for e in data.events if _is_health_incident(e)]
-    verdicts = [e for e in data.events if e.get("kind") == "failure_attributed"]
+    verdicts = [e for e in data.events if e.get("kind") == FAILURE_ATTRIBUTED]
     fleet_failures = [
         e
         for e in data.events

@@ -7,8 +7,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainguard.core.event_kinds import ROLE_REPLICA_FAILED, ROLE_RESTART_BUDGET_EXHAUSTED
+from trainguard.core.actions import RecoveryAction
+from trainguard.core.event_kinds import (
+    CHECKPOINT_RESTORED,
+    FAILURE_ATTRIBUTED,
+    HANG_DETECTED,
+    JOB_FINISHED,
+    LOSS_ROLLBACK,
+    RECOVERY_DECISION,
+    ROLE_REPLICA_FAILED,
+    ROLE_RESTART_BUDGET_EXHAUSTED,
+    ROLLBACK_EXHAUSTED,
+    WORKER_FAILED,
+)
 from trainguard.core.goodput import compute_goodput
+from trainguard.core.jobstate import JobState
 from trainguard.telemetry.report import RunData, _root_causes, load_run
 
 __all__ = ["recovery_summary"]
@@ -37,11 +50,11 @@ def _cause(f: dict[str, Any]) -> str:
 def recovery_summary(run_dir: str | Path) -> list[str]:
     """Lines for the console (empty when the run directory has nothing to say)."""
     data = load_run(run_dir)
-    failures = [e for e in data.events if e.get("kind") in ("worker_failed", "hang_detected")]
-    roots = _root_causes([e for e in failures if e.get("kind") == "worker_failed"])
-    hangs = [e for e in failures if e.get("kind") == "hang_detected"]
+    failures = [e for e in data.events if e.get("kind") in (WORKER_FAILED, HANG_DETECTED)]
+    roots = _root_causes([e for e in failures if e.get("kind") == WORKER_FAILED])
+    hangs = [e for e in failures if e.get("kind") == HANG_DETECTED]
     steps = _steps(data)
-    restored = [e for e in data.events if e.get("kind") == "checkpoint_restored" and e.get("step")]
+    restored = [e for e in data.events if e.get("kind") == CHECKPOINT_RESTORED and e.get("step")]
     lines = []
     incidents = sorted(
         [(float(f["time"]), f) for f in roots] + [(float(h["time"]), h) for h in hangs],
@@ -51,7 +64,7 @@ def recovery_summary(run_dir: str | Path) -> list[str]:
     seen_attempts: set[Any] = set()
     for t, f in incidents:
         key = (f.get("attempt"), f.get("generation"))  # generation: in-process restarts
-        if key in seen_attempts and f.get("kind") == "worker_failed":
+        if key in seen_attempts and f.get("kind") == WORKER_FAILED:
             continue  # one line per failed attempt: its first root cause
         seen_attempts.add(key)
         # the ranks step in lockstep; the failed rank's own last records may never have been
@@ -62,7 +75,7 @@ def recovery_summary(run_dir: str | Path) -> list[str]:
         resumed = next((e for e in restored if float(e["time"]) > t), None)
         what = (
             f"rank {f.get('rank')} {_cause(f)}"
-            if f.get("kind") == "worker_failed"
+            if f.get("kind") == WORKER_FAILED
             else f"hang of rank(s) {f.get('ranks') or f.get('rank')}"
         )
         line = f"  {what} after {done} step{'s' if done != 1 else ''}"
@@ -72,7 +85,7 @@ def recovery_summary(run_dir: str | Path) -> list[str]:
             redone = max(0, done - int(resumed["step"]))
             line += f"; resumed from {resumed.get('source')} at step {resumed['step']}"
             line += f" ({redone} step{'s' if redone != 1 else ''} redone)"
-        if f.get("attempt") in verdicts and f.get("kind") == "worker_failed":
+        if f.get("attempt") in verdicts and f.get("kind") == WORKER_FAILED:
             line += "; " + verdicts.pop(f.get("attempt"))
         lines.append(line)
     n_failures = len(lines)
@@ -86,22 +99,22 @@ def _headline(data: Any, n_failures: int) -> str:
     """The summary's first line: failures, the job's outcome, rollbacks, goodput."""
     records = [r for recs in data.records.values() for r in recs]
     g = compute_goodput(data.events, records)
-    states = {e.get("state") for e in data.events if e.get("kind") == "job_finished"}
+    states = {e.get("state") for e in data.events if e.get("kind") == JOB_FINISHED}
     s = "s" if n_failures != 1 else ""
-    if "succeeded" in states:
+    if JobState.SUCCEEDED in states:
         outcome = "recovered"
-    elif "do_not_requeue" in states:
+    elif JobState.DO_NOT_REQUEUE in states:
         outcome = "seen; job stopped"
-    elif "requeue" in states:
+    elif JobState.REQUEUE in states:
         outcome = "seen; job requeued"
-    elif states & {"failed", "evicted", "excluded"}:
+    elif states & {JobState.FAILED, JobState.EVICTED, JobState.EXCLUDED}:
         outcome = "seen; job failed"
     else:
         outcome = "seen"
     head = f"trainguard run: {n_failures} failure{s} {outcome}"
     if not n_failures:
         head = "trainguard run: no failures"
-    n_rb = sum(1 for e in data.events if e.get("kind") == "loss_rollback")
+    n_rb = sum(1 for e in data.events if e.get("kind") == LOSS_ROLLBACK)
     if n_rb:
         head += f", {n_rb} loss rollback{'s' if n_rb != 1 else ''}"
     if g.ettr is not None:
@@ -116,14 +129,14 @@ def _other_incidents(events: list[dict[str, Any]]) -> list[str]:
     """Lines for the loss rollbacks and the role replicas' failures."""
     lines = []
     for e in events:
-        if e.get("kind") == "loss_rollback":
+        if e.get("kind") == LOSS_ROLLBACK:
             a, b = (e.get("skip") or [None, None])[:2]
             lines.append(
                 f"  loss {e.get('reason') or 'anomaly'} at step {e.get('bad_step')}: rolled back to step "
                 f"{e.get('restored_step')} in {float(e.get('duration_s') or 0):.2f} s, "
                 f"skipped steps {a}-{b}"
             )
-        elif e.get("kind") == "rollback_exhausted":
+        elif e.get("kind") == ROLLBACK_EXHAUSTED:
             lines.append(
                 f"  loss anomaly at step {e.get('bad_step')} after {e.get('rollbacks_here')} "
                 f"rollbacks there: job stopped (exit {e.get('exitcode')}, do not requeue)"
@@ -147,7 +160,7 @@ def _verdicts(events: list[dict[str, Any]]) -> dict[Any, str]:
     """Each failed attempt's attribution (its first one): verdict, cause, what, where, ranks."""
     out: dict[Any, str] = {}
     for e in events:
-        if e.get("kind") != "failure_attributed" or e.get("failed_attempt") in out:
+        if e.get("kind") != FAILURE_ATTRIBUTED or e.get("failed_attempt") in out:
             continue
         cause, verdict = e.get("cause"), e.get("verdict")
         text = f"verdict {verdict} ({cause}"
@@ -159,6 +172,6 @@ def _verdicts(events: list[dict[str, Any]]) -> dict[Any, str]:
 def _stop(events: list[dict[str, Any]]) -> list[str]:
     """The job's stop, when the recovery policy stopped it."""
     for e in events:
-        if e.get("kind") == "recovery_decision" and e.get("action") == "stop":
+        if e.get("kind") == RECOVERY_DECISION and e.get("action") == RecoveryAction.STOP:
             return [f"  job stopped (exit 93, do not requeue): {e.get('reason')}"]
     return []

@@ -20,6 +20,8 @@ from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from trainguard.core.event_kinds import CHECKPOINT_COMMITTED, RESTART, WORKER_GROUP_UNHEALTHY
+from trainguard.core.jobstate import JobState
 from trainguard.telemetry.spans import format_traceparent
 
 __all__ = ["AgentTracer", "job_ids"]
@@ -163,15 +165,15 @@ class AgentTracer:
         """Recoveries and other lifecycle events become events on the job span; a committed
         checkpoint becomes ``checkpoint.stage`` + ``checkpoint.persist`` spans of the attempt."""
         kind = str(ev.get("kind"))
-        if kind == "checkpoint_committed" and self.attempt is not None:
+        if kind == CHECKPOINT_COMMITTED and self.attempt is not None:
             self._checkpoint_spans(ev)
         if (
-            kind in ("restart", "worker_group_unhealthy")
+            kind in (RESTART, WORKER_GROUP_UNHEALTHY)
             or "hang" in kind
             or kind.startswith(("checkpoint", "health", "node_"))
         ):
             fields = {k: v for k, v in ev.items() if k not in ("time", "kind")}
-            target = self.round if kind == "restart" and self.round is not None else self.job
+            target = self.round if kind == RESTART and self.round is not None else self.job
             target.add_event(kind, _attrs(fields), timestamp=int(float(ev["time"]) * 1e9))
 
     def _checkpoint_spans(self, ev: Mapping[str, Any]) -> None:
@@ -192,12 +194,12 @@ class AgentTracer:
             span.end(end_time=int(t1 * 1e9))
 
     def finish(self, state: str) -> None:
-        self.end_attempt(error=None if state == "succeeded" else state)
+        self.end_attempt(error=None if state == JobState.SUCCEEDED else state)
         if self.round is not None:
             self.round.end()
             self.round = None
         self.job.set_attribute("trainguard.state", state)
-        if state != "succeeded":
+        if state != JobState.SUCCEEDED:
             self.job.set_status(Status(StatusCode.ERROR, state))
         if self.group_rank == 0:
             self.job.end()

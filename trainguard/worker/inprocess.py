@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import logging
 import os
 import sys
@@ -345,13 +344,3 @@ def _abort_device_communicators() -> None:
             abort_backend(dist.group.WORLD, torch.device("cuda"))
     except Exception as e:  # best effort: the collective's own error follows
         logger.debug("aborting the NCCL communicators failed: %s", e)
-
-
-def announcement(store: Any, gen: int) -> dict[str, Any] | None:
-    """The agent's announcement of generation ``gen`` (tests, tools), or None."""
-    try:
-        if not store.check([announce_key(gen)]):
-            return None
-        return dict(json.loads(store.get(announce_key(gen))))
-    except Exception:
-        return None

@@ -21,7 +21,7 @@ from typing import Any
 from trainguard.core.config.rollback import RollbackConfig
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE
 from trainguard.core.handles import WorkerHandle
-from trainguard.recovery.rollback import Anomaly, LossMonitor, Plan, RollbackLedger
+from trainguard.recovery.rollback import Anomaly, LossMonitor, RollbackLedger, RollbackPlan
 
 __all__ = ["LossGuard"]
 
@@ -107,7 +107,7 @@ class LossGuard:
         # the goodput accounting reads it from the metrics stream (kind "log")
         tg.log(step=bad_step, rollbacks=self.ledger.total, rollback_s=dt, rollback_to=restored)
 
-    def _stop(self, plan: Plan, why: str) -> None:
+    def _stop(self, plan: RollbackPlan, why: str) -> None:
         """Every rank: record, flush, leave together with the "do not requeue" code."""
         tg = self.tg
         line = (

@@ -125,15 +125,6 @@ class TierStore:
         with self._lock:
             return place_snapshot(rank_dir(base, int(meta["rank"])), meta, bin_file)
 
-    def store_replica(self, meta: dict[str, Any], data: bytes | bytearray) -> None:
-        """Keep a snapshot given as bytes as a replica."""
-        with self._lock:
-            write_snapshot(rank_dir(self.replica, int(meta["rank"])), meta, data)
-
-    def store_local(self, meta: dict[str, Any], data: bytes | bytearray) -> None:
-        """Give a local rank a snapshot this node did not stage itself (a fill)."""
-        write_snapshot(rank_dir(self.local, int(meta["rank"])), meta, data)
-
     def has_local(self, rank: int, world_size: int) -> bool:
         return any(s.world_size == world_size for s in list_snapshots(rank_dir(self.local, rank)))
 

@@ -21,8 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-ACTIONS = ("ignore", "warn", "restart", "drain")
-"""Values of trainguard.health.result.Action, least to most severe."""
+from trainguard.core.actions import HealthAction
 
 COUNTER_CHECKS = (
     "gpu_missing",
@@ -50,14 +49,6 @@ COUNTER_CHECKS = (
 its default action)."""
 
 
-def check_action(value: object, where: str) -> str:
-    """The action name ``value`` stands for; ValueError naming ``where`` if it is none."""
-    action = str(value).lower()
-    if action not in ACTIONS:
-        raise ValueError(f"{where}: {value!r} is not an action; use one of " + ", ".join(ACTIONS))
-    return action
-
-
 def validate_policy_overrides(xid: Mapping[str, str], counters: Mapping[str, str]) -> None:
     """Raise ValueError naming the bad key or value."""
     for key, value in xid.items():
@@ -65,13 +56,13 @@ def validate_policy_overrides(xid: Mapping[str, str], counters: Mapping[str, str
             int(str(key))
         except ValueError:
             raise ValueError(f"xid_policy: key {key!r} is not an XID number") from None
-        check_action(value, f"xid_policy[{key}]")
+        HealthAction.parse(value, f"xid_policy[{key}]")
     for key, value in counters.items():
         if key not in COUNTER_CHECKS:
             raise ValueError(
                 f"counter_policy: unknown check {key!r}; known: {', '.join(COUNTER_CHECKS)}"
             )
-        check_action(value, f"counter_policy[{key}]")
+        HealthAction.parse(value, f"counter_policy[{key}]")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -211,8 +202,7 @@ class HealthConfig:
             raise ValueError("straggler_policy must be 'report' or 'exclude'")
         if not 0.0 <= self.min_compute_fraction <= 1.0:
             raise ValueError("min_compute_fraction must be in [0, 1]")
-        if self.unknown_xid_action not in ACTIONS:
-            raise ValueError(f"unknown_xid_action must be one of {', '.join(ACTIONS)}")
+        HealthAction.parse(self.unknown_xid_action, "unknown_xid_action")
         if self.preflight_policy not in ("report", "exclude"):
             raise ValueError("preflight_policy must be 'report' or 'exclude'")
         unknown = set(self.sources) - {"dcgm_exporter", "dcgm", "nvml", "host"}

@@ -1,5 +1,6 @@
-"""Collective progress of a worker, read from torch's flight recorder (the one place trainguard
-reads it; torch is imported lazily, inside the worker).
+"""The flight-recorder watcher: a worker's collective progress, read from torch's flight recorder
+(the one place trainguard reads it; torch is imported lazily, inside the worker), and its
+answers to hang-dump requests.
 
 torch records every collective a process group issues (gloo and NCCL alike) in a ring buffer
 when ``TORCH_FR_BUFFER_SIZE`` is set before the group is created. Per process group the
@@ -13,8 +14,9 @@ of the default group into the rank's *collective progress record* (same layout a
 ``tg.step()`` record, :mod:`trainguard.core.progress`): ``step`` = last completed sequence id,
 "in step" = a collective is in flight (enqueued, not completed), ``last_step_s`` = time between
 completions. The agent judges a rank that never calls ``tg.step()`` by this record. The same
-thread answers the agent's dump requests (a file, :func:`request_path`): it writes the full
-flight-recorder trace and all threads' Python stacks of its process into the hang directory,
+thread answers the agent's dump requests (a file, :meth:`trainguard.core.rundir.DumpDir.request`):
+it writes the full flight-recorder trace and all threads' Python stacks of its process into the
+dump directory (``RunDir.hang`` or ``RunDir.debug``),
 never touching the (possibly stuck) collectives.
 """
 
@@ -33,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core import envvars
-from trainguard.core.atomicfile import atomic_open, open_append, owned_dir, write_atomic
+from trainguard.core.atomicfile import atomic_open, make_dirs, open_append, write_atomic
 from trainguard.core.progress import ProgressWriter
+from trainguard.core.rundir import DumpDir, RunDir
 
 __all__ = [
     "FR_BUFFER_ENV",
@@ -42,9 +45,7 @@ __all__ = [
     "CollectiveState",
     "collective_progress_path",
     "dump_trace",
-    "hang_dir",
     "parse_trace",
-    "request_path",
     "start_in_worker",
 ]
 
@@ -60,23 +61,12 @@ REQUEST_POLL_S = 0.5
 """How often a worker looks for a dump request."""
 HISTORY = 16
 """Collectives per process group a rank's summary keeps (:attr:`CollectiveState.history`)."""
-WORKER_HOOK = "trainguard.core.collectives:start_in_worker"
+WORKER_HOOK = "trainguard.core.flight_recorder:start_in_worker"
 """The worker start-up hook entry that starts the watcher (:func:`start_in_worker`)."""
 
 
 def collective_progress_path(progress_dir: str | os.PathLike[str], rank: int) -> Path:
     return Path(progress_dir) / f"collectives_rank_{rank}.bin"
-
-
-def hang_dir(run_dir: str | os.PathLike[str], attempt: int) -> Path:
-    """Where the diagnosis of a hang of ``attempt`` lives: dumps, stacks, the verdict."""
-    return Path(run_dir) / "hangs" / str(attempt)
-
-
-def request_path(directory: str | os.PathLike[str], node: str = "") -> Path:
-    """The file an agent (one per node: ``node``) or ``trainguard debug`` creates in a dump
-    directory to ask the workers for a dump; removed once answered."""
-    return Path(directory) / (f"request.{node}" if node else "request")
 
 
 # -- reading torch's flight recorder (the only torch-private access of trainguard's FR use) --
@@ -270,10 +260,10 @@ class _Watcher:
 
         if not self.run_dir or signal.getsignal(signal.SIGUSR2) not in (signal.SIG_DFL, None):
             return
-        path = Path(self.run_dir, "stacks", f"attempt_{self.attempt}")
+        path = RunDir(self.run_dir).signal_stacks(self.attempt, self.rank)
         try:
-            path.mkdir(parents=True, exist_ok=True)
-            fd = open_append(path / f"rank_{self.rank}.faulthandler.txt")
+            make_dirs(path.parent)
+            fd = open_append(path)
             f = os.fdopen(fd, "a", encoding="utf-8")
             self._fh_file = f  # kept open: faulthandler writes to its descriptor
             faulthandler.register(signal.SIGUSR2, file=f, all_threads=True, chain=False)
@@ -300,16 +290,13 @@ class _Watcher:
         if not self.run_dir or now < self._next_request_check:
             return
         self._next_request_check = now + REQUEST_POLL_S
-        # a hang of this attempt only: a restarted worker never overwrites an earlier verdict's
-        # evidence
-        reqs = [*hang_dir(self.run_dir, self.attempt).glob("request*")]
-        reqs += Path(self.run_dir, "debug").glob("*/request*")
-        for req in reqs:
+        run_dir = RunDir(self.run_dir)
+        for req in run_dir.dump_requests(self.attempt):
             key = str(req)
             if key in self._answered:
                 continue
             self._answered.add(key)
-            if not request_dir_ok(self.run_dir, req.parent):
+            if not run_dir.dump_dir_ok(req.parent):
                 logger.warning(
                     "trainguard: ignored the dump request %s: its directory is a symlink or "
                     "not this user's",
@@ -319,33 +306,13 @@ class _Watcher:
             dump_rank(req.parent, self.rank)
 
 
-def request_dir_ok(run_dir: str | os.PathLike[str], directory: Path) -> bool:
-    """Whether a dump may be written into ``directory`` (a request's directory): it and every
-    directory between it and the run directory are real directories (no symlink) of this
-    process's user (or of the run directory's owner). Anyone who can write into the run
-    directory (a group, a shared scratch file system) could otherwise send this user's dumps,
-    or a file name of theirs, anywhere."""
-    root = Path(run_dir)
-    try:
-        rel = directory.relative_to(root)
-        # the job's user, or the run directory's owner (the same, but for a user mapped to
-        # another uid on a shared file system, as root is under root_squash)
-        owners = {os.getuid(), os.stat(root).st_uid}
-    except (ValueError, OSError):
-        return False
-    d = root
-    for part in rel.parts:
-        d = d / part
-        if not any(owned_dir(d, uid) for uid in owners):
-            return False
-    return True
-
-
 def dump_rank(directory: Path, rank: int) -> None:
-    """Write this process's trace (``fr_rank_R.json``) and stacks (``stacks_rank_R.txt``), each
+    """Answer a dump request in ``directory`` (a :class:`~trainguard.core.rundir.DumpDir`):
+    this process's stacks, then its flight-recorder trace (the file the asker waits for), each
     through an exclusive temporary file (never through a symlink planted at either name)."""
+    d = DumpDir(directory)
     try:
-        with atomic_open(directory / f"stacks_rank_{rank}.txt") as f:
+        with atomic_open(d.stacks(rank)) as f:
             faulthandler.dump_traceback(f, all_threads=True)
         trace = dump_trace() or {}
         trace["trainguard"] = {
@@ -354,7 +321,7 @@ def dump_rank(directory: Path, rank: int) -> None:
             "time": time.time(),
             "host": os.environ.get(envvars.NODE, ""),
         }
-        write_atomic(directory / f"fr_rank_{rank}.json", json.dumps(trace))
+        write_atomic(d.fr_trace(rank), json.dumps(trace))
     except Exception as e:
         logger.warning("trainguard: cannot write the hang dump of rank %d: %s", rank, e)
 
