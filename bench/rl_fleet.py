@@ -21,8 +21,9 @@ logs), ``prompts_skipped``/``prompts_duplicated`` (the consumed-prompt audit of 
 ``engine_rejoin_s`` (kill → replacement serving the current weight version),
 ``engine_restarts_on_trainer_kill``, ``trainer_kill_to_next_update_s`` (kill → the next
 completed step), ``weight_sync_s`` (median push time, fault-free run), ``rl_ettr_failures`` /
-``rl_ettr_fault_free`` (steps kept × the fault-free median step / ``--ettr-s``, the wall time
-of the run counted from its first completed step). Ends with one JSON line.
+``rl_ettr_fault_free`` (steps kept at the end of the window × the fault-free median step /
+``--ettr-s``, the window counted from the run's first completed step). The trainer's warm
+processes preload transformers (``[warm] preload``). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -45,11 +46,21 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.ports import free_port  # noqa: E402
+from trainguard.core.config.warm import WarmConfig  # noqa: E402
 from trainguard.rl import ConsumedLog, PromptLedger, WeightStore, audit  # noqa: E402
 from trainguard.rl.local import LocalEngines, engine_health  # noqa: E402
 
 KINDS = ("engine_kill", "engine_freeze", "engine_500", "trainer_rank_kill", "trainer_group_kill")
 PROMPTS, BATCH = 64, 16
+WARM_PRELOAD = [
+    *WarmConfig().preload,
+    "transformers",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.tokenization_utils_fast",
+    "trainguard.rl",
+]
+"""A restarted trainer rank starts from a warm process that already imported what the example
+uses (``[warm] preload``): transformers' GPT-2 is most of a cold worker's start-up."""
 
 
 class Supervisor:
@@ -155,6 +166,7 @@ class Run:
         }
         env.update(
             TRAINGUARD_ROLLOUT_URLS=",".join(self.sup.engines.urls),
+            TRAINGUARD_WARM_PRELOAD=",".join(WARM_PRELOAD),
             TRAINGUARD_CHECKPOINT_MEMORY_MAX_STALL_FRACTION="0",
             OMP_NUM_THREADS="1",
             PYTHONPATH=str(REPO),
@@ -331,8 +343,8 @@ def ettr_run(root: Path, name: str, duration_s: float, mtbf_s: float | None, see
             run.inject(kinds.pop(), rng)
             nxt = time.time() + rng.expovariate(1 / mtbf_s) if mtbf_s else t_end * 2
         time.sleep(0.2)
+    run.window_steps = run.step() + 1 - start_steps  # kept at the end of the window
     run.stop()
-    run.window_steps = audit(run.log, PROMPTS).steps - start_steps
     return run
 
 

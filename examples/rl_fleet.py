@@ -86,6 +86,7 @@ def main() -> None:
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--max-staleness", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=30.0)
+    p.add_argument("--max-attempts", type=int, default=6, help="per rollout request")
     p.add_argument("--urls", default=None, help="default: $TRAINGUARD_ROLLOUT_URLS")
     p.add_argument("--fail-at-step", type=int, default=-1)
     p.add_argument("--fail-rank", type=int, default=1)
@@ -112,7 +113,9 @@ def main() -> None:
     client = RolloutClient(
         urls,
         config=RolloutConfig(
-            max_staleness=args.max_staleness, request_timeout_s=args.request_timeout
+            max_staleness=args.max_staleness,
+            request_timeout_s=args.request_timeout,
+            max_attempts=args.max_attempts,
         ),
         events=tg.events.emit,
     )
