@@ -240,3 +240,34 @@ def test_engine_without_a_published_version_stays_loading(tmp_path: Path) -> Non
         engines.wait_serving(0, version=5, timeout=60)
     finally:
         engines.close()
+
+
+def test_warm_standby_takes_the_port_of_a_killed_replica(tmp_path: Path) -> None:
+    WeightStore(tmp_path / "rl" / "weights").publish(3, tiny_gpt2(seed=0).state_dict())
+    engines = LocalEngines([free_port()], run_dir=tmp_path, standby=True)
+    engines.start()
+    try:
+        engines.wait_serving(0, version=3, timeout=180)
+        spare = engines.spares[0]
+        assert spare is not None
+        deadline = time.monotonic() + 180  # the standby has built its model: it waits for the port
+        log = tmp_path / "roles" / "rollout_0.log"
+        while (
+            f"engine[{spare.pid}]" not in log.read_text()
+            or "standby for port" not in log.read_text()
+        ):
+            assert time.monotonic() < deadline and spare.poll() is None
+            time.sleep(0.2)
+        old = engines.pid(0)
+        engines.restart(0)  # kill -9 the replica; the standby is promoted
+        assert engines.pid(0) == spare.pid != old
+        engines.wait_serving(0, version=3, timeout=60)
+        h = engine_health(engines.ports[0])
+        assert h is not None and h["pid"] == spare.pid
+        code, out = post(
+            engines.ports[0], "/v1/completions", {"prompt": "write 7", "max_tokens": 3}
+        )
+        assert code == 200 and out["weight_version"] == 3
+        assert engines.spares[0] is not None and engines.spares[0].pid != spare.pid  # a new one
+    finally:
+        engines.close()
