@@ -153,6 +153,19 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
     ]:
         rec.event(ev)
     rec.straggler_scores({"0": 0.0, "1": 0.5})
+    # fleet health: this node's attributed failure and sniff flag, another node's lemon refusal
+    # (read from the run's shared event log), the sniff results
+    for ev in (
+        {"time": T0 + 6.0, "kind": "workers_started", "node": "n0", "attempt": 1},
+        {"time": T0 + 6.1, "kind": "failure_attributed", "node": "n0", "cause": "hardware"},
+        {"time": T0 + 6.2, "kind": "sniff_degraded", "node": "n0", "rank": 1},
+    ):
+        rec.event(ev)
+    rec.fleet_event({"time": T0 + 6.3, "kind": "node_refused", "node": "n9", "lemon": True})
+    rec.fleet_event({"time": T0 + 6.4, "kind": "node_refused", "node": "n8", "until": 1.0})
+    rec.record({"kind": "sniff", "rank": 0, "step": 9, "gemm_s": 0.01, "allreduce_s": 0.002,
+                "overhead": 0.004})  # fmt: skip
+    rec.sniff_slowdowns({"0": {"ratio": 1.25}, "1": {"gemm_s": 0.02}})
     rec.run_info(run_id="r1", job_id="j1")
     rec.goodput(compute_goodput(events, records))
     rec.export_failure("otlp_traces", 3)
@@ -193,6 +206,10 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
         "trainguard.rl.weight_sync.duration": 0.05,
         "trainguard.rl.weight_sync.timeout": 3.0,
         "trainguard.rl.staleness.max": 1,
+        "trainguard.sniff.gemm_time": 0.01,
+        "trainguard.sniff.allreduce_time": 0.002,
+        "trainguard.sniff.overhead": 0.004,
+        "trainguard.sniff.slowdown": 1.25,
     }
     job_values = {
         "trainguard.job.throughput": 4000.0,
@@ -203,6 +220,15 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
         "trainguard.checkpoint.last_commit.time": T0 + 5.3,
         "trainguard.job.hung": 0,
     }
+    fleet = got["trainguard.fleet.failures"][1]
+    assert point(fleet, node="n0", cause="hardware").value == 1
+    assert point(fleet, node="n0", cause="user_code").value == 0  # every cause from 0
+    state = got["trainguard.fleet.node.state"][1]
+    assert point(state, node="n0", state="degraded").value == 1
+    assert point(state, node="n0", state="ok").value == 0
+    assert point(state, node="n9", state="lemon").value == 1
+    assert [p.attributes["node"] for p in got["trainguard.fleet.lemon.refused_time"][1]] == ["n9"]
+    assert point(got["trainguard.fleet.lemon.refused_time"][1], node="n9").value == T0 + 6.3
     seen = set()
     for spec in METRICS:
         assert spec.name in got, f"{spec.name} has no data"

@@ -45,6 +45,7 @@ __all__ = [
     "ROLLBACK_EXHAUSTED",
     "ROLLOUT_FAILED",
     "SPARE_WAITING",
+    "SNIFF_RESULTS",
     "STRAGGLER_SCORES",
     "WARM_READY",
     "WORKERS_STARTED",
@@ -115,7 +116,7 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("health_probe", ("health.monitor",), ("action", "previous", "reasons", "sources", "status"), "The in-job health verdict changed (status, action, reasons, sources: the report's summary)."),
     EventSpec("health_unhealthy", ("health.monitor",), ("action", "ranks", "reasons"), "An in-job finding with action restart or drain: the local group is killed."),
     EventSpec("allreduce_probe", ("health.monitor",), ("action", "nodes", "status"), "The allreduce probe's verdict on slow or failing nodes."),
-    EventSpec("node_excluded", ("health.monitor", "health.straggler"), ("action", "ranks", "reason", "reasons", "scores"), "This node leaves the job (unhealthy or a straggler under the exclude policy)."),
+    EventSpec("node_excluded", ("health.monitor", "health.straggler", "fleet.plugin"), ("action", "ranks", "reason", "reasons", "scores"), "This node leaves the job (unhealthy, or under the exclude policy a straggler or, reason ``sniff``, a rank its sniff tests flagged)."),
     EventSpec("straggler_detected", ("health.straggler",), ("message",), "A rank is persistently slower than the others' median (plus its scores)."),
     EventSpec("straggler_scores", ("health.straggler",), ("scores", "stragglers"), "Bus message health → telemetry: rank → score, and the stragglers.", logged=False),
     EventSpec("hang_detected", ("health.hang",), ("hang_kind", "median_step_s", "message", "per_rank", "ranks", "timeout_s", "waiting_ranks"), "Workers made no progress within the hang timeout."),
@@ -126,6 +127,8 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("recovery_decision", ("recovery.plugin",), ("action", "backoff_s", "budget", "decided_by", "failed_attempt", "job_restarts", "reason"), "The restart policy's decision after a failure (plus ``verdict`` and ``failure_cause`` of the node's attribution)."),
     EventSpec("node_evicted", ("recovery.plugin",), ("cooldown_s", "detail", "fenced", "fencer", "reason", "until"), "This node was taken out of the job for a cooldown."),
     EventSpec("node_refused", ("recovery.plugin", "fleet.plugin", "slurm.plugin"), ("evicted_at", "history", "incidents", "lemon", "reason", "slurm_state", "threshold", "until"), "A node kept out before a rendezvous: evicted and still in its cooldown; a lemon (``lemon``: its fleet history crossed the threshold, ``history`` the incidents); or DRAIN / DOWN / FAIL in Slurm (``slurm_state``)."),
+    EventSpec("sniff_degraded", ("fleet.plugin",), ("device_model", "gemm_s", "gemm_size", "message", "policy", "rank", "ratio", "reference", "reference_s", "sniffs", "step"), "A rank became slow: its sniff GEMM took ``ratio`` times its reference (the node's other ranks at the same sniff, or the fleet's history for the device model) in ``sniffs`` sniffs in a row; handled by ``[health] straggler_policy``."),
+    EventSpec("sniff_results", ("fleet.plugin",), ("flagged", "results"), "Bus message fleet → telemetry: each local rank's latest sniff results (gemm_s, allreduce_s, overhead, ratio) and the flagged ranks.", logged=False),
     EventSpec("fleet_records", ("fleet.plugin",), ("dropped", "error", "waiting", "warnings", "written"), "At the end of the agent: its records in the fleet database (written, still waiting, dropped past the queue bound)."),
     EventSpec("node_readmitted", ("recovery.plugin",), ("evicted_at", "reason", "until"), "An evicted node rejoined after its cooldown."),
     EventSpec("node_drained", ("slurm.finish", "slurm.plugin"), ("detail", "fenced", "job_id", "node_name"), "A node was drained in Slurm, or set down (a lost batch host) (``fenced``: by trainguard)."),
@@ -189,6 +192,7 @@ HANG_KILLED = _kind("hang_killed")
 LOSS_ROLLBACK = _kind("loss_rollback")
 ROLLBACK_EXHAUSTED = _kind("rollback_exhausted")
 STRAGGLER_SCORES = _kind("straggler_scores")
+SNIFF_RESULTS = _kind("sniff_results")
 SPARE_WAITING = _kind("spare_waiting")
 WARM_READY = _kind("warm_ready")
 ROLE_REPLICA_STARTED = _kind("role_replica_started")

@@ -219,7 +219,29 @@ def _gpu_cases() -> list[Case]:
     ]  # fmt: skip
 
 
-CASES: list[Case] = _job_cases() + _gpu_cases()
+def _fleet_cases() -> list[Case]:
+    f = "trainguard.fleet.failures"
+    refused = tg("trainguard.fleet.lemon.refused_time")
+    other = {"job": "trainguard", "instance": "n2:9464", "node": "n7"}
+    return [
+        Case("TrainGuardNodeFailureRate", True, "60m",
+             [_tg(f, "0x10 1x10 2x10 3x40", cause="hardware"),
+              _tg(f, "0x70", cause="user_code")], {"node": "n1"}),
+        Case("TrainGuardNodeFailureRate", True, "60m",
+             [_tg(f, "0x10 1x60", cause="hardware"),
+              (_sel(tg(f), {**AGENT, "instance": "n1:9465", "cause": "network"}), "0x20 2x50")],
+             {"node": "n1"}, note="two jobs' agents on the node"),
+        Case("TrainGuardNodeFailureRate", False, "60m",
+             [_tg(f, "0x10 1x10 2x50", cause="hardware"),
+              _tg(f, "0x10 5x60", cause="user_code")], note="user errors are not the node's"),
+        Case("TrainGuardLemonRefused", True, "10m",
+             [(_sel(refused, other), "_x5 300x10")], {"node": "n7"}),
+        Case("TrainGuardLemonRefused", False, "40m",
+             [(_sel(refused, other), "60x45")], note="refused more than 30 minutes ago"),
+    ]  # fmt: skip
+
+
+CASES: list[Case] = _job_cases() + _gpu_cases() + _fleet_cases()
 
 
 def _expected(rule: AlertRule, case: Case) -> dict[str, object]:
