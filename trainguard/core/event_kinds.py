@@ -34,6 +34,7 @@ __all__ = [
     "NODE_DRAINED",
     "NODE_EVICTED",
     "NODE_EXCLUDED",
+    "NODE_REFUSED",
     "PREFLIGHT",
     "RECOVERY_DECISION",
     "RENDEZVOUS",
@@ -203,6 +204,7 @@ PREFLIGHT = _kind("preflight")
 HEALTH_PROBE = _kind("health_probe")
 FAILURE_ATTRIBUTED = _kind("failure_attributed")
 NODE_EVICTED = _kind("node_evicted")
+NODE_REFUSED = _kind("node_refused")
 ROLLOUT_FAILED = _kind("rollout_failed")
 HANG_DIAGNOSIS = _kind("hang_diagnosis")
 RECOVERY_DECISION = _kind("recovery_decision")

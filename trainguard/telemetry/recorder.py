@@ -29,10 +29,12 @@ from trainguard.core.contract import (
 )
 from trainguard.core.event_kinds import (
     CHECKPOINT_COMMITTED,
+    FAILURE_ATTRIBUTED,
     HANG_DETECTED,
     HANG_DIAGNOSIS,
     JOB_FINISHED,
     LOSS_ROLLBACK,
+    NODE_REFUSED,
     PREFLIGHT,
     RENDEZVOUS,
     RESTART,
@@ -216,10 +218,10 @@ class MetricsRecorder:
     def _fleet_own_event(self, ev: Mapping[str, Any]) -> None:
         """This node's events in the fleet panels: attributed failures, its state."""
         kind = str(ev.get("kind"))
-        if kind == "failure_attributed":
+        if kind == FAILURE_ATTRIBUTED:
             cause = str(ev.get("cause") or "transient")
             self._inst["trainguard.fleet.failures"].add(1, {"node": self.node, "cause": cause})
-        elif kind == "node_refused":
+        elif kind == NODE_REFUSED:
             self.fleet_event(ev)
         elif kind in self._STATE_OF:
             self.node_state(self.node, self._STATE_OF[kind])
@@ -228,7 +230,7 @@ class MetricsRecorder:
         """An event of any node in the run's log that the fleet panels show for that node
         (a lemon refused at a job's start: its own agent exits before a scrape)."""
         node = ev.get("node")
-        if ev.get("kind") == "node_refused" and ev.get("lemon") and isinstance(node, str):
+        if ev.get("kind") == NODE_REFUSED and ev.get("lemon") and isinstance(node, str):
             t = _num(ev.get("time"))
             if t is not None:
                 self._set("trainguard.fleet.lemon.refused_time", t, {"node": node})
