@@ -96,7 +96,7 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
          "checkpoint_interval_s": 360.0, "checkpoint_failures": 2, "rollout_retries": 3,
          "rollout_latency_p50_s": 0.2, "rollout_latency_p99_s": 0.9, "rollout_tokens_per_s": 640.0,
          "engines_serving": 2, "weight_sync_s": 0.05, "weight_sync_timeout_s": 3.0,
-         "staleness_max": 1}
+         "staleness_max": 1, "engines_total": 3, "staleness_mean": 0.5}
     )  # fmt: skip
     for ev in events + [
         {"time": T0 + 5.0, "kind": "straggler_detected", "rank": 1},
@@ -190,6 +190,8 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
         "trainguard.rl.rollout.latency.p99": 0.9,
         "trainguard.rl.rollout.throughput": 640.0,
         "trainguard.rl.rollout.engines_routable": 2,
+        "trainguard.rl.rollout.engines_declared": 3,
+        "trainguard.rl.staleness.mean": 0.5,
         "trainguard.rl.weight_sync.duration": 0.05,
         "trainguard.rl.weight_sync.timeout": 3.0,
         "trainguard.rl.staleness.max": 1,
