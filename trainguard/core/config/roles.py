@@ -171,6 +171,8 @@ class _Checker:
                 raise self._error(f"command {raw!r}: {e}") from None
         elif isinstance(raw, list | tuple) and all(isinstance(c, str) for c in raw):
             command = tuple(raw)
+        elif raw is not None:
+            raise self._error(f"command {raw!r} must be a string or a list of strings")
         else:
             command = ()
         if not command:
