@@ -402,8 +402,9 @@ def _job_rules(p: RuleParams) -> list[AlertRule]:
             name="TrainGuardWeightSyncTimeout",
             expr=_with_job(
                 _by_agent("max", tg("trainguard.rl.weight_sync.duration"))
-                + "\n>= on(instance, node) "
+                + "\n>= on(instance, node) ("
                 + _by_agent("max", tg("trainguard.rl.weight_sync.timeout"))
+                + " > 0)"
             ),
             severity="warning",
             component="job",
