@@ -196,6 +196,8 @@ def main() -> None:
                 a_t = torch.tensor(advs)[:, None]
                 denom = resp.sum().clamp_min(1)
                 loss = ((-a_t * lp + args.beta * kl_tok) * resp).sum() / denom
+                # sampled at temperature 1 from these weights: -E[log p] estimates the entropy
+                entropy = -(lp.detach() * resp).sum() / denom
                 opt.zero_grad()
                 loss.backward()
                 if world > 1:
@@ -215,9 +217,10 @@ def main() -> None:
         stale = [c.staleness for c in flat]
         lengths = [len(c.token_ids) for c in flat]
         tg.log(step=step, reward=rewards.mean().item(), reward_std=rewards.std().item(),
-               kl=kl.item(), loss=loss.item(), response_length=sum(lengths) / len(lengths),
-               response_length_max=max(lengths), staleness_mean=sum(stale) / len(stale),
-               staleness_max=max(stale), weight_version=version, samples_trained=len(rows),
+               kl=kl.item(), entropy=entropy.item(), loss=loss.item(),
+               response_length=sum(lengths) / len(lengths), response_length_max=max(lengths),
+               staleness_mean=sum(stale) / len(stale), staleness_max=max(stale),
+               weight_version=version, samples_trained=len(rows),
                samples_real=real, **sync, **client.take_metrics())  # fmt: skip
         if tg.rank == 0:
             consumed.append(step, positions, [ledger.prompt_id(g) for g in positions],
