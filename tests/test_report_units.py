@@ -147,7 +147,7 @@ def test_engine_fleet_section_draws_the_rollout_figures_and_failures(tmp_path: P
         {"time": T0 + 2.2, "kind": "rollout_failed", "node": "n", "rank": 1, "reason": "refused",
          "engine": "http://127.0.0.1:8101"},
         {"time": T0 + 2.3, "kind": "rollout_failed", "node": "n", "rank": 1, "reason": "timeout",
-         "engine": "http://127.0.0.1:8102"},
+         "engine": "http://127.0.0.1:8102", "retried": False},
         {"time": T0 + 4, "kind": "job_finished", "node": "n", "attempt": 0, "state": "succeeded"},
     ]  # fmt: skip
     records: dict[int, list[dict]] = {0: [], 1: []}
@@ -188,9 +188,11 @@ def test_engine_fleet_section_draws_the_rollout_figures_and_failures(tmp_path: P
     assert "routable rank 1" in rollout and "total rank 0" in rollout
     assert "failed: refused" in rollout and "retried" in rollout
     table = fleet.split('<table class="tg-rollout-failures">', 1)[1].split("</table>", 1)[0]
-    rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>(\d+)</td></tr>", table)
-    assert rows == [("refused", "http://127.0.0.1:8101", "2"),
-                    ("timeout", "http://127.0.0.1:8102", "1")]  # fmt: skip
+    rows = re.findall(
+        r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>(\d+)</td><td>(\d+)</td></tr>", table
+    )
+    assert rows == [("refused", "http://127.0.0.1:8101", "2", "2"),
+                    ("timeout", "http://127.0.0.1:8102", "1", "0")]  # fmt: skip
     training = html.split('<div class="charts" id="training">', 1)[1].split("</div>", 1)[0]
     assert "Reward std" in training and "Response length" in training
 

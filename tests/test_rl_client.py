@@ -156,7 +156,7 @@ def test_a_bad_answer_is_a_counted_failure_retried_on_another_engine(
         assert bad.requests >= 1  # it did get requests: they failed and moved to the other
         assert client.failures == {reason: bad.requests}
         assert client.retries == bad.requests
-        assert [e["reason"] for e in events] == [reason] * bad.requests
+        assert [(e["reason"], e["retried"]) for e in events] == [(reason, True)] * bad.requests
         assert {e["kind"] for e in events} == {"rollout_failed"}
         assert {e["engine"] for e in events} == {bad.url}
         # every completion is the good engine's real answer, none made up for the failed ones
@@ -174,22 +174,26 @@ def test_when_every_engine_answers_badly_the_batch_fails_after_its_cap(
     stubs: Callable[..., Stub],
 ) -> None:
     a, b = stubs("not_json"), stubs("no_choices")
-    with client_for(a, b, failure_cooldown_s=0.0, max_attempts=3) as client:
+    events: list[dict[str, Any]] = []
+    with client_for(a, b, events=events, failure_cooldown_s=0.0, max_attempts=3) as client:
         client.wait_serving(2, timeout=10)
         with pytest.raises(RolloutError, match="no real generation after 3 attempts") as e:
             client.generate(PROMPTS[:1], n=2)
         assert "\n" not in str(e.value) and "malformed" in str(e.value)
         assert client.failures["malformed"] == 3 == a.requests + b.requests
         assert client.retries == 2  # the third failure ends the batch instead
+        assert [e["retried"] for e in events] == [True, True, False]
 
 
 def test_an_invalid_request_fails_at_once_without_retries(stubs: Callable[..., Stub]) -> None:
     bad = stubs("http_400")
-    with client_for(bad, failure_cooldown_s=0.0) as client:
+    events: list[dict[str, Any]] = []
+    with client_for(bad, events=events, failure_cooldown_s=0.0) as client:
         client.wait_serving(1, timeout=10)
         with pytest.raises(RolloutError, match="refused the request as invalid.*'prompt' must"):
             client.generate(PROMPTS[:1])
         assert client.failures == {"http_4xx": 1} and client.retries == 0 and bad.requests == 1
+        assert [(e["reason"], e["retried"]) for e in events] == [("http_4xx", False)]
 
 
 def test_an_engine_that_never_becomes_ready_gets_no_request(stubs: Callable[..., Stub]) -> None:

@@ -186,10 +186,9 @@ def test_rl_fleet_job_with_engines_as_a_role(tmp_path: Path) -> None:
     assert value("trainguard.role.replicas.total", role="rollout") == 2
     assert value("trainguard.role.restarts", role="rollout") == 1
     assert value("trainguard.role.replica.weight_version", role="rollout", replica="0") >= now
-    failed_series = {
-        lab["reason"] for lab, _ in metrics[by_name("trainguard.rl.rollout.failed").prometheus]
-    }
-    assert {"refused", "engine_dead", "malformed", "timeout"} <= failed_series  # from 0
+    for counter in ("trainguard.rl.rollout.failed", "trainguard.rl.rollout.retried"):
+        reasons = {lab["reason"] for lab, _ in metrics[by_name(counter).prometheus]}
+        assert {"refused", "engine_dead", "malformed", "timeout"} <= reasons  # from 0
 
     # the report: the trainer's attempt beside each engine's states, and the rollout charts
     html = write_report(run).read_text()

@@ -104,7 +104,20 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
         {"time": T0 + 5.2, "kind": "preflight", "status": "unhealthy"},
         {"time": T0 + 5.3, "kind": "checkpoint_committed", "step": 4},
         {"time": T0 + 5.4, "kind": "rollout_failed", "reason": "refused", "engine": "e0"},
-        {"time": T0 + 5.5, "kind": "rollout_failed", "reason": "refused", "engine": "e1"},
+        {
+            "time": T0 + 5.5,
+            "kind": "rollout_failed",
+            "reason": "refused",
+            "engine": "e1",
+            "retried": True,
+        },
+        {
+            "time": T0 + 5.6,
+            "kind": "rollout_failed",
+            "reason": "timeout",
+            "engine": "e1",
+            "retried": False,
+        },
         {
             "time": T0 + 5.4,
             "kind": "role_replica_started",
@@ -234,7 +247,9 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
     }
     assert point(got["trainguard.health.straggler_score"][1], rank="1").value == 0.5
     failed = {p.attributes["reason"]: p.value for p in got["trainguard.rl.rollout.failed"][1]}
-    assert failed == {r: 0 for r in ROLLOUT_FAILURE_REASONS} | {"refused": 2}
+    assert failed == {r: 0 for r in ROLLOUT_FAILURE_REASONS} | {"refused": 2, "timeout": 1}
+    retried = {p.attributes["reason"]: p.value for p in got["trainguard.rl.rollout.retried"][1]}
+    assert retried == {r: 0 for r in ROLLOUT_FAILURE_REASONS} | {"refused": 2}
     fleet = {"node": "n0", "role": "rollout"}
     assert point(got["trainguard.role.replicas.serving"][1], **fleet).value == 1
     assert point(got["trainguard.role.replicas.total"][1], **fleet).value == 2

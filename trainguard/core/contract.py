@@ -289,6 +289,15 @@ METRICS: tuple[MetricSpec, ...] = (
         attributes=("node", "reason"),
     ),
     MetricSpec(
+        name="trainguard.rl.rollout.retried",
+        unit="{request}",
+        kind="counter",
+        description=_RL + "failed rollout requests sent again to another engine, by the reason "
+        "of the failure (ROLLOUT_FAILURE_REASONS, exported from 0); failed minus retried ended "
+        "their batch.",
+        attributes=("node", "reason"),
+    ),
+    MetricSpec(
         name="trainguard.rl.rollout.retries",
         unit="{request}",
         kind="gauge",

@@ -330,11 +330,15 @@ def job_dashboard() -> dm.Dashboard:
         "{{role}} {{state}}")], stacked=True,
         description="Replicas in each lifecycle state: starting, loading, serving, suspect, "
         "dead, restarting, failed.")  # fmt: skip
-    d.timeseries("Rollout failures by reason", [(_j(
-        f'sum by (instance, reason) (rate({tg("trainguard.rl.rollout.failed", NODE)}[{RI}]))'),
-        "{{reason}}")], unit="reqps", stacked=True,
-        description="Failed rollout requests per second by reason; each is retried on another "
-        "engine or fails its batch, never replaced by a made-up sample.")  # fmt: skip
+    d.timeseries("Rollout failures by reason", [
+        (_j(f'sum by (instance, reason) '
+            f'(rate({tg("trainguard.rl.rollout.failed", NODE)}[{RI}]))'), "failed {{reason}}"),
+        (_j(f'sum by (instance, reason) '
+            f'(rate({tg("trainguard.rl.rollout.retried", NODE)}[{RI}]))'), "retried {{reason}}"),
+    ], unit="reqps",
+        description="Failed rollout requests per second by reason, and those of them sent again "
+        "to another engine; the rest failed their batch. None is replaced by a made-up "
+        "sample.")  # fmt: skip
     d.timeseries("Rollout retries and routable engines", [
         (_j(tg("trainguard.rl.rollout.retries", r)), "retries rank {{rank}}"),
         (_j(tg("trainguard.rl.rollout.engines_routable", r)), "routable rank {{rank}}"),

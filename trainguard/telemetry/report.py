@@ -327,21 +327,24 @@ def _rollout_charts(data: RunData) -> list[str]:
 
 def _rollout_failures(data: RunData) -> str:
     """The ``rollout_failed`` events (one per failed request, from every rank's client)
-    counted by reason and engine; empty without any."""
-    counts: dict[tuple[str, str], int] = {}
+    counted by reason and engine, and how many of them were retried on another engine; empty
+    without any."""
+    counts: dict[tuple[str, str], list[int]] = {}
     for e in data.events:
         if e.get("kind") == "rollout_failed":
             key = (str(e.get("reason") or "?"), str(e.get("engine") or "?"))
-            counts[key] = counts.get(key, 0) + 1
+            n = counts.setdefault(key, [0, 0])
+            n[0] += 1
+            n[1] += e.get("retried") is not False
     if not counts:
         return ""
     rows = "".join(
-        f"<tr><td>{escape(reason)}</td><td>{escape(engine)}</td><td>{n}</td></tr>"
-        for (reason, engine), n in sorted(counts.items())
+        f"<tr><td>{escape(reason)}</td><td>{escape(engine)}</td><td>{n}</td><td>{r}</td></tr>"
+        for (reason, engine), (n, r) in sorted(counts.items())
     )
     return (
         '<table class="tg-rollout-failures"><tr><th>rollout failure reason</th><th>engine</th>'
-        f"<th>requests</th></tr>{rows}</table>"
+        f"<th>failed requests</th><th>retried elsewhere</th></tr>{rows}</table>"
     )
 
 
