@@ -5,7 +5,7 @@
     TRAINGUARD_RUN_DIR=runs/rl python -m trainguard.rl.engine --port 8101 &
     TRAINGUARD_RUN_DIR=runs/rl python -m trainguard.rl.engine --port 8102 &
     TRAINGUARD_ROLLOUT_URLS=http://127.0.0.1:8101,http://127.0.0.1:8102 \\
-        trainguard run --standalone --nproc-per-node 2 --run-dir runs/rl examples/rl_fleet.py
+        trainguard run --standalone --nproc-per-node 2 --tg-run-dir runs/rl examples/rl_fleet.py
 
 The policy is the tiny random-weight GPT-2 of ``examples/trl_grpo.py`` (built in code, nothing
 downloaded). Prompt ``i`` reads ``please write A B now``; the verifiable reward is the share of
