@@ -5,7 +5,7 @@
     TRAINGUARD_RUN_DIR=runs/rl python -m trainguard.rl.engine --port 8101 &
     TRAINGUARD_RUN_DIR=runs/rl python -m trainguard.rl.engine --port 8102 &
     TRAINGUARD_ROLLOUT_URLS=http://127.0.0.1:8101,http://127.0.0.1:8102 \\
-        trainguard run --standalone --nproc-per-node 2 --run-dir runs/rl examples/rl_fleet.py
+        trainguard run --standalone --nproc-per-node 2 --tg-run-dir runs/rl examples/rl_fleet.py
 
 The policy is the tiny random-weight GPT-2 of ``examples/trl_grpo.py`` (built in code, nothing
 downloaded). Prompt ``i`` reads ``please write A B now``; the verifiable reward is the share of
@@ -219,6 +219,8 @@ def main() -> None:
                 a_t = torch.tensor(advs)[:, None]
                 denom = resp.sum().clamp_min(1)
                 loss = ((-a_t * lp + args.beta * kl_tok) * resp).sum() / denom
+                # sampled at temperature 1 from these weights: -E[log p] estimates the entropy
+                entropy = -(lp.detach() * resp).sum() / denom
                 opt.zero_grad()
                 loss.backward()
                 if world > 1:
@@ -242,9 +244,10 @@ def main() -> None:
         )
         lengths = [len(c.token_ids) for c in flat]
         tg.log(step=step, reward=rewards.mean().item(), reward_std=rewards.std().item(),
-               kl=kl.item(), loss=loss.item(), response_length=sum(lengths) / len(lengths),
-               response_length_max=max(lengths), staleness_mean=sum(stale) / len(stale),
-               staleness_max=max(stale), weight_version=version, samples_trained=len(rows),
+               kl=kl.item(), entropy=entropy.item(), loss=loss.item(),
+               response_length=sum(lengths) / len(lengths), response_length_max=max(lengths),
+               staleness_mean=sum(stale) / len(stale), staleness_max=max(stale),
+               weight_version=version, samples_trained=len(rows),
                samples_real=real, **sync, **client.take_metrics())  # fmt: skip
         if tg.rank == 0:
             consumed.append(step, positions, [ledger.prompt_id(g) for g in positions],

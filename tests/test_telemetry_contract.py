@@ -96,7 +96,7 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
          "checkpoint_interval_s": 360.0, "checkpoint_failures": 2, "rollout_retries": 3,
          "rollout_latency_p50_s": 0.2, "rollout_latency_p99_s": 0.9, "rollout_tokens_per_s": 640.0,
          "engines_serving": 2, "weight_sync_s": 0.05, "weight_sync_timeout_s": 3.0,
-         "staleness_max": 1}
+         "staleness_max": 1, "engines_total": 3, "staleness_mean": 0.5}
     )  # fmt: skip
     for ev in events + [
         {"time": T0 + 5.0, "kind": "straggler_detected", "rank": 1},
@@ -104,7 +104,20 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
         {"time": T0 + 5.2, "kind": "preflight", "status": "unhealthy"},
         {"time": T0 + 5.3, "kind": "checkpoint_committed", "step": 4},
         {"time": T0 + 5.4, "kind": "rollout_failed", "reason": "refused", "engine": "e0"},
-        {"time": T0 + 5.5, "kind": "rollout_failed", "reason": "refused", "engine": "e1"},
+        {
+            "time": T0 + 5.5,
+            "kind": "rollout_failed",
+            "reason": "refused",
+            "engine": "e1",
+            "retried": True,
+        },
+        {
+            "time": T0 + 5.6,
+            "kind": "rollout_failed",
+            "reason": "timeout",
+            "engine": "e1",
+            "retried": False,
+        },
         {
             "time": T0 + 5.4,
             "kind": "role_replica_started",
@@ -203,6 +216,8 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
         "trainguard.rl.rollout.latency.p99": 0.9,
         "trainguard.rl.rollout.throughput": 640.0,
         "trainguard.rl.rollout.engines_routable": 2,
+        "trainguard.rl.rollout.engines_declared": 3,
+        "trainguard.rl.staleness.mean": 0.5,
         "trainguard.rl.weight_sync.duration": 0.05,
         "trainguard.rl.weight_sync.timeout": 3.0,
         "trainguard.rl.staleness.max": 1,
@@ -258,7 +273,9 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
     }
     assert point(got["trainguard.health.straggler_score"][1], rank="1").value == 0.5
     failed = {p.attributes["reason"]: p.value for p in got["trainguard.rl.rollout.failed"][1]}
-    assert failed == {r: 0 for r in ROLLOUT_FAILURE_REASONS} | {"refused": 2}
+    assert failed == {r: 0 for r in ROLLOUT_FAILURE_REASONS} | {"refused": 2, "timeout": 1}
+    retried = {p.attributes["reason"]: p.value for p in got["trainguard.rl.rollout.retried"][1]}
+    assert retried == {r: 0 for r in ROLLOUT_FAILURE_REASONS} | {"refused": 2}
     fleet = {"node": "n0", "role": "rollout"}
     assert point(got["trainguard.role.replicas.serving"][1], **fleet).value == 1
     assert point(got["trainguard.role.replicas.total"][1], **fleet).value == 2

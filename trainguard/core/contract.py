@@ -289,6 +289,15 @@ METRICS: tuple[MetricSpec, ...] = (
         attributes=("node", "reason"),
     ),
     MetricSpec(
+        name="trainguard.rl.rollout.retried",
+        unit="{request}",
+        kind="counter",
+        description=_RL + "failed rollout requests sent again to another engine, by the reason "
+        "of the failure (ROLLOUT_FAILURE_REASONS, exported from 0); failed minus retried ended "
+        "their batch.",
+        attributes=("node", "reason"),
+    ),
+    MetricSpec(
         name="trainguard.rl.rollout.retries",
         unit="{request}",
         kind="gauge",
@@ -330,6 +339,15 @@ METRICS: tuple[MetricSpec, ...] = (
         log_keys=("engines_serving",),
     ),
     MetricSpec(
+        name="trainguard.rl.rollout.engines_declared",
+        unit="{engine}",
+        kind="gauge",
+        description=_RL + "engines the rank's rollout client knows (serving or not): the "
+        "denominator of engines_routable.",
+        attributes=_R,
+        log_keys=("engines_total",),
+    ),
+    MetricSpec(
         name="trainguard.rl.weight_sync.duration",
         unit="s",
         kind="gauge",
@@ -353,6 +371,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "step's samples.",
         attributes=_R,
         log_keys=("staleness_max",),
+    ),
+    MetricSpec(
+        name="trainguard.rl.staleness.mean",
+        unit="{version}",
+        kind="gauge",
+        description=_RL + "mean staleness (trainer version - generating version) of the "
+        "step's samples.",
+        attributes=_R,
+        log_keys=("staleness_mean",),
     ),
     # -- checkpoints, failures, restarts ------------------------------------------------------
     MetricSpec(

@@ -153,7 +153,7 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("integration_auto_attached", ("integrations.auto",), ("framework", "resume"), "The start-up hook attached trainguard to a framework's trainer without a code change."),
     EventSpec("integration_preempted", ("integrations.adapter",), ("framework", "step"), "A preemption notice reached the framework's loop: it saves at this step and the worker exits for a requeue."),
     # -- reinforcement learning (trainguard.rl) --------------------------------------------------
-    EventSpec("rollout_failed", ("rl.client",), ("detail", "engine", "reason"), "A rollout request to an engine failed (``reason``: one of ROLLOUT_FAILURE_REASONS in the metric contract); it is retried on another engine, or its batch fails after the cap. Never replaced by a made-up sample."),
+    EventSpec("rollout_failed", ("rl.client",), ("detail", "engine", "reason", "retried"), "A rollout request to an engine failed (``reason``: one of ROLLOUT_FAILURE_REASONS in the metric contract); ``retried``: it is sent again to another engine, else its batch fails (the cap of attempts, or an invalid request). Never replaced by a made-up sample."),
 )  # fmt: skip
 
 _BY_NAME = {s.name: s for s in EVENTS}

@@ -330,16 +330,22 @@ def job_dashboard() -> dm.Dashboard:
         "{{role}} {{state}}")], stacked=True,
         description="Replicas in each lifecycle state: starting, loading, serving, suspect, "
         "dead, restarting, failed.")  # fmt: skip
-    d.timeseries("Rollout failures by reason", [(_j(
-        f'sum by (instance, reason) (rate({tg("trainguard.rl.rollout.failed", NODE)}[{RI}]))'),
-        "{{reason}}")], unit="reqps", stacked=True,
-        description="Failed rollout requests per second by reason; each is retried on another "
-        "engine or fails its batch, never replaced by a made-up sample.")  # fmt: skip
+    d.timeseries("Rollout failures by reason", [
+        (_j(f'sum by (instance, reason) '
+            f'(rate({tg("trainguard.rl.rollout.failed", NODE)}[{RI}]))'), "failed {{reason}}"),
+        (_j(f'sum by (instance, reason) '
+            f'(rate({tg("trainguard.rl.rollout.retried", NODE)}[{RI}]))'), "retried {{reason}}"),
+    ], unit="reqps",
+        description="Failed rollout requests per second by reason, and those of them sent again "
+        "to another engine; the rest failed their batch. None is replaced by a made-up "
+        "sample.")  # fmt: skip
     d.timeseries("Rollout retries and routable engines", [
         (_j(tg("trainguard.rl.rollout.retries", r)), "retries rank {{rank}}"),
         (_j(tg("trainguard.rl.rollout.engines_routable", r)), "routable rank {{rank}}"),
+        (_j(tg("trainguard.rl.rollout.engines_declared", r)), "declared rank {{rank}}"),
     ], description="Requests retried on another engine in the step, and the engines each "
-       "rank's client routes to (serving, within the staleness bound).")  # fmt: skip
+       "rank's client routes to (serving, within the staleness bound) out of those it "
+       "knows.")  # fmt: skip
     d.timeseries("Rollout latency p50 / p99", [
         (_j(tg("trainguard.rl.rollout.latency.p50", r)), "p50 rank {{rank}}"),
         (_j(tg("trainguard.rl.rollout.latency.p99", r)), "p99 rank {{rank}}"),
@@ -352,10 +358,11 @@ def job_dashboard() -> dm.Dashboard:
     ], unit="s", description="Time to push a weight version to the engines, against the "
        "timeout in force (derived from measured syncs).")  # fmt: skip
     d.timeseries("Staleness and engine weight versions", [
-        (_j(tg("trainguard.rl.staleness.max", r)), "staleness rank {{rank}}"),
+        (_j(tg("trainguard.rl.staleness.max", r)), "staleness max rank {{rank}}"),
+        (_j(tg("trainguard.rl.staleness.mean", r)), "staleness mean rank {{rank}}"),
         (_j(tg("trainguard.role.replica.weight_version", NODE)), "{{role}} {{replica}} version"),
-    ], description="Trainer version minus the version that generated a sample (largest of the "
-       "step); the engines' versions catch up after each weight sync.")  # fmt: skip
+    ], description="Trainer version minus the version that generated a sample (largest and "
+       "mean of the step); the engines' versions catch up after each weight sync.")  # fmt: skip
 
     d.row("Checkpoints")
     for name, title in (

@@ -398,16 +398,19 @@ def _job_rules(p: RuleParams) -> list[AlertRule]:
             description="Generation requests to the engines keep failing (timeouts, refused "
             "connections, HTTP errors, malformed answers); each is retried on another engine "
             "or fails its batch, never replaced by a made-up sample.",
-            runbook="The rollout-failures-by-reason panel names the reason: timeouts (engines "
-            "overloaded or frozen), connection (engines restarting), http_error / malformed "
-            "(an engine bug or version mismatch); check the engines' logs.",
+            runbook="The rollout-failures-by-reason panel names the reason: timeout or "
+            "engine_dead (engines overloaded or frozen), refused or connection (engines "
+            "restarting), not_serving (engines loading weights), http_5xx / malformed (an "
+            "engine bug), http_4xx (the trainer's requests are invalid), stale (engines behind "
+            "the staleness bound); check the engines' logs (RUN_DIR/roles/rollout/<i>.log).",
         ),
         AlertRule(
             name="TrainGuardWeightSyncTimeout",
             expr=_with_job(
                 _by_agent("max", tg("trainguard.rl.weight_sync.duration"))
-                + "\n>= on(instance, node) "
+                + "\n>= on(instance, node) ("
                 + _by_agent("max", tg("trainguard.rl.weight_sync.timeout"))
+                + " > 0)"
             ),
             severity="warning",
             component="job",

@@ -429,7 +429,7 @@ class RolloutClient:
         fresh = [e for e in ok if e.url not in chunk.tried] or ok
         return min(fresh, key=lambda e: (e.inflight, e.reported_inflight, e.url))
 
-    def _fail(self, eng: _Engine, reason: str, detail: str) -> None:
+    def _fail(self, eng: _Engine, reason: str, detail: str, *, retried: bool = True) -> None:
         self.failures[reason] += 1
         self._m_failures[reason] += 1
         cfg = self.config
@@ -444,7 +444,9 @@ class RolloutClient:
         elif reason == "stale" and eng.state is EngineState.SERVING:
             eng.state = EngineState.STALE
         logger.warning("rollout request to %s failed (%s): %s", eng.url, reason, detail)
-        self._emit("rollout_failed", reason=reason, engine=eng.url, detail=detail[:300])
+        self._emit(
+            "rollout_failed", reason=reason, engine=eng.url, retried=retried, detail=detail[:300]
+        )
 
     def _emit(self, kind: str, **fields: Any) -> None:
         if self._events is not None:
@@ -571,7 +573,8 @@ class RolloutClient:
     def _retry(self, batch: _Batch, chunk: _Chunk, eng: _Engine, reason: str, detail: str) -> None:
         """Count the failure and queue the request again, or raise :class:`RolloutError` when
         it is invalid (HTTP 4xx) or out of attempts."""
-        self._fail(eng, reason, detail)
+        final = reason == "http_4xx" or chunk.attempts >= self.config.max_attempts
+        self._fail(eng, reason, detail, retried=not final)
         chunk.reasons.append(f"{eng.url}: {reason}")
         if reason == "http_4xx":
             raise RolloutError(f"an engine refused the request as invalid: {detail}")

@@ -38,13 +38,11 @@ an adapter in front of vLLM or SGLang):
     or restarted, catches up without the trainer).
 
 vLLM and SGLang fit this contract through an adapter process that forwards
-``/v1/completions`` and maps the rest: SGLang serves ``/health_generate`` (→ ``/health``) and
-loads weights with ``/update_weights_from_disk`` (a checkpoint directory: the weight store's
-file), ``/update_weights_from_tensor`` or ``/update_weights_from_distributed`` (an NCCL group
-with trainer rank 0); vLLM loads weights through its collective-RPC / worker-extension hooks
-(TRL's ``vllm-serve`` exposes them as ``/init_communicator`` + ``/update_named_param``), or a
-restart on a new checkpoint directory. Neither reports a weight version: the adapter keeps it.
-trainguard ships no such adapter yet: they need a GPU to be tested.
+``/v1/completions`` and maps health and weight updates onto their own APIs (vLLM's
+weight-transfer endpoints ``/init_weight_transfer_engine``, ``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update``; SGLang's ``/update_weights_from_disk``,
+``/update_weights_from_tensor``, ``/update_weights_from_distributed``): docs/rl.md says what
+each needs. trainguard ships no such adapter yet: they need a GPU to be tested.
 
 A warm replacement (``--standby``): a second process per replica imports everything and
 builds the model while the replica serves, binds the port the moment it is free (the replica

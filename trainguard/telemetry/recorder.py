@@ -129,6 +129,7 @@ class MetricsRecorder:
             self._inst["trainguard.job.rollbacks"].add(0, {**node_attrs, "reason": reason})
         for reason in ROLLOUT_FAILURE_REASONS:
             self._inst["trainguard.rl.rollout.failed"].add(0, {**node_attrs, "reason": reason})
+            self._inst["trainguard.rl.rollout.retried"].add(0, {**node_attrs, "reason": reason})
         self._replica_state: dict[tuple[str, str], str] = {}
         self._roles_seen: set[str] = set()
         for cause in ATTRIBUTION_CAUSES:
@@ -325,6 +326,8 @@ class MetricsRecorder:
             elif kind == ROLLOUT_FAILED:
                 reason = str(ev.get("reason") or "other")
                 self._inst["trainguard.rl.rollout.failed"].add(1, {**node, "reason": reason})
+                if ev.get("retried") is not False:  # older events did not say: retried
+                    self._inst["trainguard.rl.rollout.retried"].add(1, {**node, "reason": reason})
             elif kind == LOSS_ROLLBACK:
                 reason = str(ev.get("reason") or "other")
                 self._inst["trainguard.job.rollbacks"].add(1, {**node, "reason": reason})
