@@ -336,7 +336,7 @@ def _rollout_failures(data: RunData) -> str:
     without any."""
     counts: dict[tuple[str, str], list[int]] = {}
     for e in data.events:
-        if e.get("kind") == "rollout_failed":
+        if e.get("kind") == ROLLOUT_FAILED:
             key = (str(e.get("reason") or "?"), str(e.get("engine") or "?"))
             n = counts.setdefault(key, [0, 0])
             n[0] += 1
