@@ -91,9 +91,21 @@ def _section_intro(cls: type) -> tuple[str, str | None]:
     example = None
     if "Example::" in doc:
         doc, _, rest = doc.partition("Example::")
-        example = textwrap.dedent(rest).strip("\n")
+        # the example is the indented block after "Example::"; what follows it is prose again
+        lines = rest.split("\n")
+        end = next(
+            (
+                i
+                for i, line in enumerate(lines)
+                if line.strip() and not line[:1].isspace() and any(x.strip() for x in lines[:i])
+            ),
+            len(lines),
+        )
+        example = textwrap.dedent("\n".join(lines[:end])).strip("\n")
+        doc = doc.rstrip() + "\n\n" + "\n".join(lines[end:]).strip()
     prose = doc.split("\n", 1)[1] if "\n" in doc else ""
     prose = re.sub(r"``([^`]+)``", r"`\1`", prose.strip())
+    prose = re.sub(r"::$", ":", prose, flags=re.M)  # reST's literal-block marker
     return prose, example
 
 

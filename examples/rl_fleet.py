@@ -5,7 +5,7 @@
     TRAINGUARD_RUN_DIR=runs/rl python -m trainguard.rl.engine --port 8101 &
     TRAINGUARD_RUN_DIR=runs/rl python -m trainguard.rl.engine --port 8102 &
     TRAINGUARD_ROLLOUT_URLS=http://127.0.0.1:8101,http://127.0.0.1:8102 \\
-        trainguard run --standalone --nproc-per-node 2 --run-dir runs/rl examples/rl_fleet.py
+        trainguard run --standalone --nproc-per-node 2 --tg-run-dir runs/rl examples/rl_fleet.py
 
 The policy is the tiny random-weight GPT-2 of ``examples/trl_grpo.py`` (built in code, nothing
 downloaded). Prompt ``i`` reads ``please write A B now``; the verifiable reward is the share of
@@ -39,12 +39,20 @@ import copy
 import os
 import signal
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
 import trainguard
-from trainguard.rl import ConsumedLog, PromptLedger, RolloutClient, RolloutConfig, WeightStore
+from trainguard.rl import (
+    Completion,
+    ConsumedLog,
+    PromptLedger,
+    RolloutClient,
+    RolloutConfig,
+    WeightStore,
+)
 from trainguard.rl.tiny import tiny_gpt2, tiny_tokenizer
 
 
@@ -78,6 +86,7 @@ def main() -> None:
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--max-staleness", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=30.0)
+    p.add_argument("--max-attempts", type=int, default=6, help="per rollout request")
     p.add_argument("--urls", default=None, help="default: $TRAINGUARD_ROLLOUT_URLS")
     p.add_argument("--fail-at-step", type=int, default=-1)
     p.add_argument("--fail-rank", type=int, default=1)
@@ -104,7 +113,9 @@ def main() -> None:
     client = RolloutClient(
         urls,
         config=RolloutConfig(
-            max_staleness=args.max_staleness, request_timeout_s=args.request_timeout
+            max_staleness=args.max_staleness,
+            request_timeout_s=args.request_timeout,
+            max_attempts=args.max_attempts,
         ),
         events=tg.events.emit,
     )
@@ -147,16 +158,30 @@ def main() -> None:
                    refit=bool(attach["weight_refit"]), engines_before=before)  # fmt: skip
     client.wait_serving(1, timeout=300)
 
+    def generate(ids: list[int]) -> list[list[Completion]]:
+        return client.generate([prompt_text(i) for i in ids], n=args.group,
+                               max_tokens=args.max_tokens, temperature=1.0)  # fmt: skip
+
+    # async (--max-staleness >= 1): the next batch is generated while this one trains; its
+    # positions are pending in the ledger (in the checkpoint), handed out again after a restart
+    prefetch: tuple[list[int], Future[list[list[Completion]]]] | None = None
+    pool = ThreadPoolExecutor(max_workers=1)
     while tg.step_num < args.steps:
         if tg.step_num == args.fail_at_step and tg.rank == args.fail_rank and tg.attempt == 0:
             os.kill(os.getpid(), signal.SIGKILL)
-        positions = ledger.take(args.batch)
-        mine = positions[tg.rank :: world]
-        ids = [ledger.prompt_id(g) for g in mine]
-        with tg.step(samples=len(mine) * args.group) as step:
+        if prefetch is not None:
+            positions, pending = prefetch
+            prefetch = None
+        else:
+            positions, pending = ledger.take(args.batch), None
+        ids = [ledger.prompt_id(g) for g in positions[tg.rank :: world]]
+        with tg.step(samples=len(ids) * args.group) as step:
             with tg.span("rollout"):
-                comps = client.generate([prompt_text(i) for i in ids], n=args.group,
-                                        max_tokens=args.max_tokens, temperature=1.0)  # fmt: skip
+                comps = pending.result() if pending is not None else generate(ids)
+            if args.max_staleness > 0 and step + 1 < args.steps:
+                nxt = ledger.take(args.batch)
+                nxt_ids = [ledger.prompt_id(g) for g in nxt[tg.rank :: world]]
+                prefetch = (nxt, pool.submit(generate, nxt_ids))
             with tg.span("reward"):
                 rewards = torch.tensor(
                     [
@@ -173,9 +198,7 @@ def main() -> None:
                 for i, group, a in zip(ids, comps, adv, strict=False):
                     prompt_ids = tok(prompt_text(i))["input_ids"]
                     for c, ai in zip(group, a, strict=False):
-                        out = c.token_ids + (
-                            [tok.eos_token_id] if c.finish_reason == "stop" else []
-                        )
+                        out = c.token_ids  # with the EOS token when it stopped there
                         rows.append((start - len(prompt_ids), prompt_ids, out))
                         advs.append(float(ai))
                 length = max(len(o) for _, _, o in rows) or 1
@@ -196,6 +219,8 @@ def main() -> None:
                 a_t = torch.tensor(advs)[:, None]
                 denom = resp.sum().clamp_min(1)
                 loss = ((-a_t * lp + args.beta * kl_tok) * resp).sum() / denom
+                # sampled at temperature 1 from these weights: -E[log p] estimates the entropy
+                entropy = -(lp.detach() * resp).sum() / denom
                 opt.zero_grad()
                 loss.backward()
                 if world > 1:
@@ -210,14 +235,19 @@ def main() -> None:
                 time.sleep(args.step_sleep)
         ledger.commit(positions)
         flat = [c for group in comps for c in group]
+        # staleness: the version this update trained (step) - the version that generated it
+        stale = [step - c.weight_version for c in flat]
         # a trained sample is a real generation: an engine's answer, with a version in the bound
-        real = sum(bool(c.engine) and 0 <= c.staleness <= args.max_staleness for c in flat)
-        stale = [c.staleness for c in flat]
+        real = sum(
+            bool(c.engine) and 0 <= s <= args.max_staleness
+            for c, s in zip(flat, stale, strict=True)
+        )
         lengths = [len(c.token_ids) for c in flat]
         tg.log(step=step, reward=rewards.mean().item(), reward_std=rewards.std().item(),
-               kl=kl.item(), loss=loss.item(), response_length=sum(lengths) / len(lengths),
-               response_length_max=max(lengths), staleness_mean=sum(stale) / len(stale),
-               staleness_max=max(stale), weight_version=version, samples_trained=len(rows),
+               kl=kl.item(), entropy=entropy.item(), loss=loss.item(),
+               response_length=sum(lengths) / len(lengths), response_length_max=max(lengths),
+               staleness_mean=sum(stale) / len(stale), staleness_max=max(stale),
+               weight_version=version, samples_trained=len(rows),
                samples_real=real, **sync, **client.take_metrics())  # fmt: skip
         if tg.rank == 0:
             consumed.append(step, positions, [ledger.prompt_id(g) for g in positions],
@@ -229,6 +259,7 @@ def main() -> None:
             f"done: {args.steps} steps, weight version {version}, run dir {tg.run_dir}", flush=True
         )
     ckpt.close()
+    pool.shutdown(cancel_futures=True)
     client.close()
     if world > 1:
         dist.barrier()

@@ -43,7 +43,7 @@ def _packages() -> None:
 
 def test_promtool_checks_and_unit_tests_every_rule(tmp_path: Path) -> None:
     p = _run(["promtool", "check", "rules", str(RULES)])
-    assert p.returncode == 0 and "SUCCESS: 26 rules found" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 0 and "SUCCESS: 28 rules found" in p.stdout, p.stdout + p.stderr
     p = _run(["promtool", "test", "rules", export.RULE_TESTS_FILE.split("/")[1]], RULES.parent)
     assert p.returncode == 0 and "SUCCESS" in p.stdout, p.stdout + p.stderr
     # every case can fail: flip each expectation and promtool must report every one of them
@@ -133,15 +133,20 @@ def test_alertmanager_routes_by_severity_and_node_down_inhibits_gpu_alerts(tmp_p
 # -- every dashboard query returns data from real runs and exporters ------------------------------
 GPU_ONLY = {"trainguard_gpu_memory_used_bytes", "trainguard_gpu_memory_peak_bytes"}
 """Logged only by CUDA workers: empty on a CPU machine (each has its panel to itself)."""
+LEMON_ONLY = {"trainguard_fleet_lemon_refused_time_seconds"}
+"""Exported once a lemon node was refused at a job's start (tests/test_fleet.py's lemon job and
+the recorder's unit test in tests/test_telemetry_units.py): empty for these two jobs."""
 FLEET_TRAINER_ONLY = {
     "trainguard_rl_rollout_retries",
     "trainguard_rl_rollout_latency_p50_seconds",
     "trainguard_rl_rollout_latency_p99_seconds",
     "trainguard_rl_rollout_throughput_per_second",
     "trainguard_rl_rollout_engines_routable",
+    "trainguard_rl_rollout_engines_declared",
     "trainguard_rl_weight_sync_duration_seconds",
     "trainguard_rl_weight_sync_timeout_seconds",
     "trainguard_rl_staleness_max",
+    "trainguard_rl_staleness_mean",
 }
 """Logged only by a trainer that generates through the rollout fleet (trainguard.rl's client,
 examples/rl_fleet.py), not by grpo_toy's in-process generation; the fleet's own series (the
@@ -183,6 +188,9 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                 TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S="0",
                 TRAINGUARD_CHECKPOINT_AUTO_INTERVAL="true",
                 TRAINGUARD_CHECKPOINT_AUTO_MIN_INTERVAL_S="1",
+                # sniff tests in the second job (the sniff panels); a collective in tg.step()
+                TRAINGUARD_FLEET_SNIFF_INTERVAL_S="1" if i == 1 else "0",
+                TRAINGUARD_FLEET_SNIFF_BUDGET="0.05",
             )
             runs.append(popen("trainguard", ["--standalone", "--nproc-per-node", "2",
                                              "--max-restarts", "2", "--tg-run-dir",
@@ -236,9 +244,9 @@ def test_every_panel_query_returns_data_from_real_runs_and_dcgm(scraped: dict[st
         now = time.time()
         missing = []
         for panel, ref, expr in targets:
-            if metric_names(expr) & GPU_ONLY or metric_names(expr) <= FLEET_TRAINER_ONLY | {
-                "trainguard_run_info"
-            }:
+            if metric_names(expr) & (GPU_ONLY | LEMON_ONLY) or metric_names(
+                expr
+            ) <= FLEET_TRAINER_ONLY | {"trainguard_run_info"}:
                 continue
             if not prom.query_range(_substitute(expr), scraped["start"], now, 1.0):
                 missing.append(f"{panel} [{ref}]")

@@ -101,7 +101,11 @@ def test_job_dashboard_covers_the_issue_panels() -> None:
     for t in ("Loss", "Reward", "KL to reference", "Entropy", "Clip fraction", "Response length",
               "Job throughput", "MFU", "Step time per rank", "Restarts by cause",
               "Goodput (ETTR)", "Badput by cause", "Checkpoint stall (training blocked)",
-              "Checkpoint persist (background)"):  # fmt: skip
+              "Checkpoint persist (background)",
+              # the rollout fleet: engines serving / total, weight sync, staleness, failures
+              "Engines serving / total", "Engine states", "Rollout failures by reason",
+              "Rollout retries and routable engines", "Rollout latency p50 / p99",
+              "Rollout tokens/s", "Weight sync", "Staleness and engine weight versions"):  # fmt: skip
         assert t in titles, t
     heat = [p for p in board("trainguard-job")["panels"] if p["type"] == "heatmap"]
     assert heat and "rank" in heat[0]["targets"][0]["expr"]

@@ -373,12 +373,41 @@ def test_hostile_keys_and_values_under_the_prefix_never_end_a_rendezvous(
     # what the monitor tick and the admitting node read, with the hostile keys still there
     assert "\ufffd" not in "".join(backend.live_nodes())
     assert backend.live_nodes()  # the two nodes' own keys
+    # the spares' liveness read (one range over heartbeat/ when they watch many nodes)
+    assert "\ufffd" not in "".join(backend.heartbeats())
+    assert set(backend.heartbeats()) == backend.live_nodes()
     assert backend.join_requests() == []  # none of the hostile ones is a request
     from trainguard.runtime.etcd_v3.codec import parse_lease
 
     value, _rev = backend._client.get(f"/trainguard/rdzv/{run}/lease")  # type: ignore[misc]
     assert parse_lease(value) == backend._client._run_lease_id()
     assert any("not this run's" in r.getMessage() for r in caplog.records)
+
+
+def test_member_announcements_that_are_not_trainguards_never_end_the_agent(
+    etcd: Etcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The agents' store lives under the prefix too: a rank's announcement that is not one
+    (deep nesting, wrong types, not UTF-8) makes that rank foreign, with one line each."""
+    from trainguard.runtime.rendezvous import AttemptRendezvousHandler
+
+    _backend, store = etcd_v3.create_backend(_params(etcd, "hostile-members"))
+    store.set("trainguard/member/0", json.dumps({"node": "n0", "host": "h", "pid": 7,
+                                                  "last_attempt": 2}))  # fmt: skip
+    store.set("trainguard/member/1", b'{"node": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    store.set(
+        "trainguard/member/2", b'{"node": "n2", "host": "h", "pid": 1, "last_attempt": 1e308}'
+    )
+    store.set("trainguard/member/3", b"\xff\xfe")
+    handler = AttemptRendezvousHandler(None, node="n0", member_timeout_s=2.0)  # type: ignore[arg-type]
+    caplog.set_level(logging.WARNING)
+    members = handler._members(store, "trainguard/", 4)
+    assert members[0] == {"node": "n0", "host": "h", "pid": 7, "last_attempt": 2}
+    assert [m.get("foreign") for m in members[1:]] == [True, True, True]
+    lines = [
+        r.getMessage() for r in caplog.records if "not a trainguard announcement" in r.getMessage()
+    ]
+    assert len(lines) == 3 and all("\n" not in line for line in lines), lines
 
 
 def test_a_lease_value_that_is_no_integer_is_never_adopted(etcd: Etcd) -> None:

@@ -20,7 +20,7 @@ CONSTANTS = {
 }
 COMMON = {"time", "kind", "node", "attempt", "agent_restarts", "rank", "generation"}
 """Fields every event (or every agent's / worker's event) carries (trainguard.core.events)."""
-RECORD_KINDS = {"step", "log", "span"}
+RECORD_KINDS = {"step", "log", "span", "sniff"}
 """The kinds of the per-rank metrics records (``metrics/rank_R.jsonl``, trainguard.core.contract),
 which the same readers match: not events."""
 OTHER_KINDS = {

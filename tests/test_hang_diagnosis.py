@@ -125,6 +125,14 @@ def test_identical_stacks_aggregate_and_main_frame_skips_libraries() -> None:
 # -- real jobs ---------------------------------------------------------------------------------
 def test_plain_script_divergent_path_is_named_and_job_restarts(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
+    # symlinks planted at the agent's hang-dump names (and the old fixed temporary names):
+    # every write replaces them, none writes through them
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched\n")
+    planted = run_dir / "hangs" / "0"
+    planted.mkdir(parents=True)
+    for name in ("diagnosis.json", "diagnosis.json.tmp", "pyspy_rank_1.txt.tmp"):
+        (planted / name).symlink_to(victim)
     cmd = _cmd(run_dir, 4, ["--diverge-rank", "1", "--at-step", "30"],
                extra=["--standalone", "--max-restarts", "1"])  # fmt: skip
     try:
@@ -150,6 +158,7 @@ def test_plain_script_divergent_path_is_named_and_job_restarts(tmp_path: Path) -
     hang_dir = run_dir / "hangs" / "0"
     assert {f"fr_rank_{r}.json" for r in range(4)} <= {f.name for f in hang_dir.iterdir()}
     assert (hang_dir / "diagnosis.json").is_file()
+    assert not (hang_dir / "diagnosis.json").is_symlink() and victim.read_text() == "untouched\n"
     assert len(events(run_dir, "restart")) == 1 and (tmp_path / "done").read_text() == "60"
     # the HTML report has the verdict, the groups and the aggregated stacks
     out = tmp_path / "report.html"

@@ -157,3 +157,26 @@ def test_workers_answer_only_request_dirs_of_their_own_user(tmp_path: Path) -> N
     assert victim.read_text() == "the user's own file\n"
     assert (ok / "stacks_rank_0.txt").is_file() and not (ok / "stacks_rank_0.txt").is_symlink()
     assert "plain_collectives.py" in (ok / "stacks_rank_0.txt").read_text()
+
+
+def test_group_access_is_a_setting_the_run_and_checkpoint_dirs_follow(tmp_path: Path) -> None:
+    """``[runtime] dir_mode = "0750"``: the launcher creates the run directory with it and a
+    worker creates its local checkpoint directory with it (read from the agent's config)."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os\nfrom pathlib import Path\n"
+        "from trainguard.checkpoint.manager import _make_private\n"
+        "run = Path(os.environ['TRAINGUARD_AGENT_RUN_DIR'])\n"
+        "_make_private(str(run / 'ckpt' / 'local'), run)\n"
+    )
+    run = tmp_path / "runs" / "r"
+    env = {**base_env(), "TRAINGUARD_RUNTIME_DIR_MODE": "0750"}
+    p = subprocess.run(
+        [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "1",
+         "--max-restarts", "0", "--tg-run-dir", str(run), str(script)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    for d in (run.parent, run, run / "ckpt", run / "ckpt" / "local"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o750, d

@@ -260,6 +260,9 @@ def test_most_heartbeat_leases_expiring_at_once_is_an_overloaded_etcd_until_it_l
         def live_nodes(self) -> set[str]:
             return self.live
 
+        def trouble_at(self) -> float:
+            return self.lease_trouble
+
     def read(live: list[NodeDesc], since: float | None = None) -> tuple[object, set[NodeDesc]]:
         st = RendezvousState()
         st.round, st.complete = 3, True

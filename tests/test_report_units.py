@@ -134,3 +134,71 @@ def test_line_chart_axis_labels_are_round() -> None:
         assert all(abs(v / step - round(v / step)) < 1e-6 for v in values), (cls, labels)
     ys = [float(v) for v in re.findall(r'class="tg-ytick">([^<]+)<', chart)]
     assert ys[0] <= 3.7 and ys[-1] >= 8.13, ys  # the y axis ends on ticks around the data
+
+
+def test_engine_fleet_section_draws_the_rollout_figures_and_failures(tmp_path: Path) -> None:
+    events = [
+        {"time": T0, "kind": "launch", "node": "n", "attempt": 0},
+        {"time": T0 + 0.5, "kind": "role_replica_state", "node": "n", "role": "rollout",
+         "replica": 0, "state": "serving", "weight_version": 0},
+        {"time": T0 + 1.2, "kind": "workers_started", "node": "n", "attempt": 0},
+        {"time": T0 + 2.1, "kind": "rollout_failed", "node": "n", "rank": 0, "reason": "refused",
+         "engine": "http://127.0.0.1:8101"},
+        {"time": T0 + 2.2, "kind": "rollout_failed", "node": "n", "rank": 1, "reason": "refused",
+         "engine": "http://127.0.0.1:8101"},
+        {"time": T0 + 2.3, "kind": "rollout_failed", "node": "n", "rank": 1, "reason": "timeout",
+         "engine": "http://127.0.0.1:8102", "retried": False},
+        {"time": T0 + 4, "kind": "job_finished", "node": "n", "attempt": 0, "state": "succeeded"},
+    ]  # fmt: skip
+    records: dict[int, list[dict]] = {0: [], 1: []}
+    for rank in (0, 1):
+        for i in range(4):
+            records[rank].append({"time": T0 + 2 + 0.4 * i, "kind": "step", "rank": rank,
+                                  "attempt": 0, "step": i, "step_time_s": 0.3})  # fmt: skip
+            rec = {
+                "kind": "log",
+                "rank": rank,
+                "step": i,
+                "reward": 0.1 * i,
+                "reward_std": 0.2,
+                "response_length": 5 + i,
+                "rollout_tokens_per_s": 100.0 + i,
+                "rollout_latency_p50_s": 0.1,
+                "rollout_latency_p99_s": 0.3,
+                "engines_serving": 2 - (i == 1),
+                "engines_total": 2,
+                "weight_sync_s": 0.02,
+                "weight_sync_timeout_s": 3.0,
+                "staleness_max": 0,
+                "staleness_mean": 0.0,
+                "rollout_retries": int(i == 1),
+                "rollout_failed_refused": int(i == 1),
+            }
+            records[rank].append(rec)
+    run = tmp_path / "run"
+    _write(run, events, records)
+    html = render_report(load_run(run))
+    fleet = html.split('<div id="fleet">', 1)[1].split("<h2>", 1)[0]
+    rollout = fleet.split('<div class="charts" id="rollout">', 1)[1].split("</div>", 1)[0]
+    titles = re.findall(r"<title>([^<]+)</title>", rollout)
+    for t in ("Rollout tokens/s", "Rollout latency p50 / p99 (s)", "Engines routable / total",
+              "Weight sync (s)", "Staleness (versions)",
+              "Rollout requests failed (by reason) and retried"):  # fmt: skip
+        assert t in titles, titles
+    assert "routable rank 1" in rollout and "total rank 0" in rollout
+    assert "failed: refused" in rollout and "retried" in rollout
+    table = fleet.split('<table class="tg-rollout-failures">', 1)[1].split("</table>", 1)[0]
+    rows = re.findall(
+        r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>(\d+)</td><td>(\d+)</td></tr>", table
+    )
+    assert rows == [("refused", "http://127.0.0.1:8101", "2", "2"),
+                    ("timeout", "http://127.0.0.1:8102", "1", "0")]  # fmt: skip
+    training = html.split('<div class="charts" id="training">', 1)[1].split("</div>", 1)[0]
+    assert "Reward std" in training and "Response length" in training
+
+
+def test_report_of_a_run_without_a_fleet_has_no_rollout_charts(tmp_path: Path) -> None:
+    html = render_report(load_run(_run(tmp_path)))
+    fleet = html.split('<div id="fleet">', 1)[1].split("<h2>", 1)[0]
+    assert "No engine fleet" in fleet and "<svg" not in fleet
+    assert "tg-rollout-failures" not in fleet

@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,6 +153,43 @@ def test_dead_engine_request_is_retried_on_another(healthy: Fleet) -> None:
         assert client.failures["refused"] == refused  # out of routing at the first refusal
 
 
+def test_engine_killed_with_requests_in_flight_loses_them_to_the_others(healthy: Fleet) -> None:
+    """kill -9 of an engine mid-generation: its requests (held there by a 'hang' fault, so
+    that they are surely in flight) fail as a reset connection or with the engine declared
+    dead, and are generated again elsewhere; nothing of the dead engine's is in the batch."""
+    victim = healthy.engines.urls[0]
+    post(healthy.engines.ports[0], "/v1/faults", {"kind": "hang", "count": 1000})
+    with healthy.client(prompts_per_request=1, failure_cooldown_s=0.0) as client:
+        got: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                got["groups"] = client.generate(PROMPTS, n=2, max_tokens=6)
+            except BaseException as e:  # reported by the assertions below
+                got["error"] = e
+
+        t = threading.Thread(target=run)
+        t.start()
+        deadline = time.monotonic() + 60
+        while client.engines()[victim]["inflight"] == 0:
+            assert time.monotonic() < deadline and t.is_alive(), (got, client.engines())
+            time.sleep(0.05)
+        healthy.engines.kill(0, signal.SIGKILL)
+        t.join(timeout=120)
+        assert not t.is_alive() and "error" not in got, got
+        check_real(got["groups"], 2, healthy.version)
+        assert all(c.engine != victim for g in got["groups"] for c in g)
+        lost = client.failures["connection"] + client.failures["engine_dead"]
+        assert lost >= 1, client.failures
+        assert client.retries == sum(client.failures.values())
+        # out of routing at once (suspect), dead at its next health probe (refused)
+        deadline = time.monotonic() + 10
+        while client.engines()[victim]["state"] != "dead":
+            assert client.engines()[victim]["state"] in ("suspect", "dead")
+            assert time.monotonic() < deadline, client.engines()
+            time.sleep(0.1)
+
+
 def test_http_500_and_malformed_answers_are_counted_and_retried(healthy: Fleet) -> None:
     port = healthy.engines.ports[1]
     post(port, "/v1/faults", {"kind": "http_500", "count": 2})
@@ -220,7 +258,8 @@ def test_restarted_engine_serves_only_after_loading_the_current_version(healthy:
             groups = client.generate(PROMPTS, n=1, max_tokens=4)
             check_real(groups, 1, v)
             seen.update(c.engine for g in groups for c in g)
-        assert client.failures["not_serving"] == 0  # never routed to it while it was loading
+        # never routed to it while it was loading, nor before it held the current version
+        assert client.failures["not_serving"] == client.failures["stale"] == 0
         h = engine_health(healthy.engines.ports[0])
         assert h is not None and h["weight_version"] == v
 
@@ -238,5 +277,36 @@ def test_engine_without_a_published_version_stays_loading(tmp_path: Path) -> Non
         assert code == 503 and "loading" in err["error"]["message"]
         WeightStore(tmp_path / "rl" / "weights").publish(5, tiny_gpt2(seed=1).state_dict())
         engines.wait_serving(0, version=5, timeout=60)
+    finally:
+        engines.close()
+
+
+def test_warm_standby_takes_the_port_of_a_killed_replica(tmp_path: Path) -> None:
+    WeightStore(tmp_path / "rl" / "weights").publish(3, tiny_gpt2(seed=0).state_dict())
+    engines = LocalEngines([free_port()], run_dir=tmp_path, standby=True)
+    engines.start()
+    try:
+        engines.wait_serving(0, version=3, timeout=180)
+        spare = engines.spares[0]
+        assert spare is not None
+        deadline = time.monotonic() + 180  # the standby has built its model: it waits for the port
+        log = tmp_path / "roles" / "rollout_0.log"
+        while (
+            f"engine[{spare.pid}]" not in log.read_text()
+            or "standby for port" not in log.read_text()
+        ):
+            assert time.monotonic() < deadline and spare.poll() is None
+            time.sleep(0.2)
+        old = engines.pid(0)
+        engines.restart(0)  # kill -9 the replica; the standby is promoted
+        assert engines.pid(0) == spare.pid != old
+        engines.wait_serving(0, version=3, timeout=60)
+        h = engine_health(engines.ports[0])
+        assert h is not None and h["pid"] == spare.pid
+        code, out = post(
+            engines.ports[0], "/v1/completions", {"prompt": "write 7", "max_tokens": 3}
+        )
+        assert code == 200 and out["weight_version"] == 3
+        assert engines.spares[0] is not None and engines.spares[0].pid != spare.pid  # a new one
     finally:
         engines.close()

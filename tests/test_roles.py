@@ -145,10 +145,20 @@ def test_bad_role_table_is_one_config_error(tmp_path: Path) -> None:
         ("[roles.rollout]\nreplicas = 2\n", "has no command"),
         ('[roles.rollout]\ncommand = "x"\nweights = 1\n', "unknown key 'weights'"),
         ("[roles]\nprobe_timeout_s = 9\ndead_after_s = 3\n", "must be >= probe_timeout_s"),
+        ('[roles.rollout]\ncommand = "x"\nreplicas = -1\n', "replicas -1 must be >= 0"),
+        ('[roles.rollout]\ncommand = "x"\nreplicas = true\n', "replicas True is not an integer"),
+        ('[roles.rollout]\ncommand = "x"\nreplicas = 1.5\n', "replicas 1.5 is not an integer"),
+        ("[roles.rollout]\ncommand = [1, 2]\n", "must be a string or a list of strings"),
+        ('[roles.rollout]\ncommand = "x"\nreadiness_timeout_s = "nan"\n', "must be > 0"),
+        ('[roles.rollout]\ncommand = "x"\nenv = "A=1"\n', "env must be a table of strings"),
+        ('[roles]\nrollout = "python x"\n', "expected a JSON object"),
     ]:
         toml.write_text(body)
-        with pytest.raises(ConfigError, match=says):
+        with pytest.raises(ConfigError, match=says) as e:
             load_config(str(toml), env={})
+        assert "\n" not in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match="TRAINGUARD_ROLES_ROLLOUT: expected a JSON object"):
+        load_config(env={"TRAINGUARD_ROLES_ROLLOUT": "{not json"})
 
 
 # -- the supervisor alone: lifecycle with real replica processes --------------------------------

@@ -96,7 +96,7 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
          "checkpoint_interval_s": 360.0, "checkpoint_failures": 2, "rollout_retries": 3,
          "rollout_latency_p50_s": 0.2, "rollout_latency_p99_s": 0.9, "rollout_tokens_per_s": 640.0,
          "engines_serving": 2, "weight_sync_s": 0.05, "weight_sync_timeout_s": 3.0,
-         "staleness_max": 1}
+         "staleness_max": 1, "engines_total": 3, "staleness_mean": 0.5}
     )  # fmt: skip
     for ev in events + [
         {"time": T0 + 5.0, "kind": "straggler_detected", "rank": 1},
@@ -104,7 +104,20 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
         {"time": T0 + 5.2, "kind": "preflight", "status": "unhealthy"},
         {"time": T0 + 5.3, "kind": "checkpoint_committed", "step": 4},
         {"time": T0 + 5.4, "kind": "rollout_failed", "reason": "refused", "engine": "e0"},
-        {"time": T0 + 5.5, "kind": "rollout_failed", "reason": "refused", "engine": "e1"},
+        {
+            "time": T0 + 5.5,
+            "kind": "rollout_failed",
+            "reason": "refused",
+            "engine": "e1",
+            "retried": True,
+        },
+        {
+            "time": T0 + 5.6,
+            "kind": "rollout_failed",
+            "reason": "timeout",
+            "engine": "e1",
+            "retried": False,
+        },
         {
             "time": T0 + 5.4,
             "kind": "role_replica_started",
@@ -153,6 +166,19 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
     ]:
         rec.event(ev)
     rec.straggler_scores({"0": 0.0, "1": 0.5})
+    # fleet health: this node's attributed failure and sniff flag, another node's lemon refusal
+    # (read from the run's shared event log), the sniff results
+    for ev in (
+        {"time": T0 + 6.0, "kind": "workers_started", "node": "n0", "attempt": 1},
+        {"time": T0 + 6.1, "kind": "failure_attributed", "node": "n0", "cause": "hardware"},
+        {"time": T0 + 6.2, "kind": "sniff_degraded", "node": "n0", "rank": 1},
+    ):
+        rec.event(ev)
+    rec.fleet_event({"time": T0 + 6.3, "kind": "node_refused", "node": "n9", "lemon": True})
+    rec.fleet_event({"time": T0 + 6.4, "kind": "node_refused", "node": "n8", "until": 1.0})
+    rec.record({"kind": "sniff", "rank": 0, "step": 9, "gemm_s": 0.01, "allreduce_s": 0.002,
+                "overhead": 0.004})  # fmt: skip
+    rec.sniff_slowdowns({"0": {"ratio": 1.25}, "1": {"gemm_s": 0.02}})
     rec.run_info(run_id="r1", job_id="j1")
     rec.goodput(compute_goodput(events, records))
     rec.export_failure("otlp_traces", 3)
@@ -190,9 +216,15 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
         "trainguard.rl.rollout.latency.p99": 0.9,
         "trainguard.rl.rollout.throughput": 640.0,
         "trainguard.rl.rollout.engines_routable": 2,
+        "trainguard.rl.rollout.engines_declared": 3,
+        "trainguard.rl.staleness.mean": 0.5,
         "trainguard.rl.weight_sync.duration": 0.05,
         "trainguard.rl.weight_sync.timeout": 3.0,
         "trainguard.rl.staleness.max": 1,
+        "trainguard.sniff.gemm_time": 0.01,
+        "trainguard.sniff.allreduce_time": 0.002,
+        "trainguard.sniff.overhead": 0.004,
+        "trainguard.sniff.slowdown": 1.25,
     }
     job_values = {
         "trainguard.job.throughput": 4000.0,
@@ -203,6 +235,15 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
         "trainguard.checkpoint.last_commit.time": T0 + 5.3,
         "trainguard.job.hung": 0,
     }
+    fleet = got["trainguard.fleet.failures"][1]
+    assert point(fleet, node="n0", cause="hardware").value == 1
+    assert point(fleet, node="n0", cause="user_code").value == 0  # every cause from 0
+    state = got["trainguard.fleet.node.state"][1]
+    assert point(state, node="n0", state="degraded").value == 1
+    assert point(state, node="n0", state="ok").value == 0
+    assert point(state, node="n9", state="lemon").value == 1
+    assert [p.attributes["node"] for p in got["trainguard.fleet.lemon.refused_time"][1]] == ["n9"]
+    assert point(got["trainguard.fleet.lemon.refused_time"][1], node="n9").value == T0 + 6.3
     seen = set()
     for spec in METRICS:
         assert spec.name in got, f"{spec.name} has no data"
@@ -232,7 +273,9 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
     }
     assert point(got["trainguard.health.straggler_score"][1], rank="1").value == 0.5
     failed = {p.attributes["reason"]: p.value for p in got["trainguard.rl.rollout.failed"][1]}
-    assert failed == {r: 0 for r in ROLLOUT_FAILURE_REASONS} | {"refused": 2}
+    assert failed == {r: 0 for r in ROLLOUT_FAILURE_REASONS} | {"refused": 2, "timeout": 1}
+    retried = {p.attributes["reason"]: p.value for p in got["trainguard.rl.rollout.retried"][1]}
+    assert retried == {r: 0 for r in ROLLOUT_FAILURE_REASONS} | {"refused": 2}
     fleet = {"node": "n0", "role": "rollout"}
     assert point(got["trainguard.role.replicas.serving"][1], **fleet).value == 1
     assert point(got["trainguard.role.replicas.total"][1], **fleet).value == 2

@@ -27,7 +27,8 @@ LEGACY_IDLE_S = 24 * 3600.0
 def hold_owner_lock(tier: Path) -> int:
     """Take the owner lock of ``tier`` (this process's own); the fd to keep open until the
     tier is removed (closing it releases the lock)."""
-    fd = os.open(tier / OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(tier / OWNER_LOCK, flags, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

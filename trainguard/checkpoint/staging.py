@@ -207,7 +207,8 @@ class Slot:
             directory.mkdir(parents=True, exist_ok=True)
             self.invalidate()
             size = max(layout.nbytes, 1)
-            fd = os.open(self.bin_path, os.O_RDWR | os.O_CREAT, 0o600)
+            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+            fd = os.open(self.bin_path, flags, 0o600)
             try:
                 # allocate now: a full tmpfs fails here with ENOSPC, not later with SIGBUS
                 os.ftruncate(fd, size)

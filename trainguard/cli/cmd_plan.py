@@ -12,6 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.atomicfile import write_atomic
+
 HOUR = 3600.0
 
 # flag -> (JobSpec field or tier field, scale to seconds)
@@ -237,7 +239,7 @@ def main(argv: list[str], *, prog: str = "trainguard plan") -> int:
         return 2
     if args.html:
         try:
-            Path(args.html).write_text(render_html(plan), encoding="utf-8")
+            write_atomic(args.html, render_html(plan))
         except OSError as e:
             print(f"{prog}: error: cannot write {args.html}: {e}", file=sys.stderr)
             return 1

@@ -72,7 +72,9 @@ def atomic_open(
         raise
 
 
-def write_atomic(path: str | os.PathLike[str], data: str | bytes, *, mode: int = 0o666) -> Path:
+def write_atomic(
+    path: str | os.PathLike[str], data: str | bytes | bytearray, *, mode: int = 0o666
+) -> Path:
     """Write ``data`` to ``path`` through :func:`atomic_open`; returns ``path``."""
     path = Path(path)
     raw = data.encode() if isinstance(data, str) else data
@@ -112,7 +114,13 @@ def make_dirs(path: str | os.PathLike[str], mode: int = DEFAULT_DIR_MODE) -> Pat
             d.mkdir(mode=mode)
         except FileExistsError:
             continue  # another node's agent made it meanwhile
-        os.chmod(d, mode)
+        # exactly ``mode``, on the directory just made (a symlink put in its place meanwhile
+        # is refused, never followed to chmod what it points at)
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC)
+        try:
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
     if not path.is_dir():
         raise NotADirectoryError(f"{path} is not a directory")
     return path

@@ -34,6 +34,7 @@ __all__ = [
     "NODE_DRAINED",
     "NODE_EVICTED",
     "NODE_EXCLUDED",
+    "NODE_REFUSED",
     "PREFLIGHT",
     "RECOVERY_DECISION",
     "RENDEZVOUS",
@@ -45,6 +46,7 @@ __all__ = [
     "ROLLBACK_EXHAUSTED",
     "ROLLOUT_FAILED",
     "SPARE_WAITING",
+    "SNIFF_RESULTS",
     "STRAGGLER_SCORES",
     "WARM_READY",
     "WORKERS_STARTED",
@@ -115,7 +117,7 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("health_probe", ("health.monitor",), ("action", "previous", "reasons", "sources", "status"), "The in-job health verdict changed (status, action, reasons, sources: the report's summary)."),
     EventSpec("health_unhealthy", ("health.monitor",), ("action", "ranks", "reasons"), "An in-job finding with action restart or drain: the local group is killed."),
     EventSpec("allreduce_probe", ("health.monitor",), ("action", "nodes", "status"), "The allreduce probe's verdict on slow or failing nodes."),
-    EventSpec("node_excluded", ("health.monitor", "health.straggler"), ("action", "ranks", "reason", "reasons", "scores"), "This node leaves the job (unhealthy or a straggler under the exclude policy)."),
+    EventSpec("node_excluded", ("health.monitor", "health.straggler", "fleet.plugin"), ("action", "ranks", "reason", "reasons", "scores"), "This node leaves the job (unhealthy, or under the exclude policy a straggler or, reason ``sniff``, a rank its sniff tests flagged)."),
     EventSpec("straggler_detected", ("health.straggler",), ("message",), "A rank is persistently slower than the others' median (plus its scores)."),
     EventSpec("straggler_scores", ("health.straggler",), ("scores", "stragglers"), "Bus message health → telemetry: rank → score, and the stragglers.", logged=False),
     EventSpec("hang_detected", ("health.hang",), ("hang_kind", "median_step_s", "message", "per_rank", "ranks", "timeout_s", "waiting_ranks"), "Workers made no progress within the hang timeout."),
@@ -126,6 +128,8 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("recovery_decision", ("recovery.plugin",), ("action", "backoff_s", "budget", "decided_by", "failed_attempt", "job_restarts", "reason"), "The restart policy's decision after a failure (plus ``verdict`` and ``failure_cause`` of the node's attribution)."),
     EventSpec("node_evicted", ("recovery.plugin",), ("cooldown_s", "detail", "fenced", "fencer", "reason", "until"), "This node was taken out of the job for a cooldown."),
     EventSpec("node_refused", ("recovery.plugin", "fleet.plugin", "slurm.plugin"), ("evicted_at", "history", "incidents", "lemon", "reason", "slurm_state", "threshold", "until"), "A node kept out before a rendezvous: evicted and still in its cooldown; a lemon (``lemon``: its fleet history crossed the threshold, ``history`` the incidents); or DRAIN / DOWN / FAIL in Slurm (``slurm_state``)."),
+    EventSpec("sniff_degraded", ("fleet.plugin",), ("device_model", "gemm_s", "gemm_size", "message", "policy", "rank", "ratio", "reference", "reference_s", "sniffs", "step"), "A rank became slow: its sniff GEMM took ``ratio`` times its reference (the node's other ranks at the same sniff, or the fleet's history for the device model) in ``sniffs`` sniffs in a row; handled by ``[health] straggler_policy``."),
+    EventSpec("sniff_results", ("fleet.plugin",), ("flagged", "results"), "Bus message fleet → telemetry: each local rank's latest sniff results (gemm_s, allreduce_s, overhead, ratio) and the flagged ranks.", logged=False),
     EventSpec("fleet_records", ("fleet.plugin",), ("dropped", "error", "waiting", "warnings", "written"), "At the end of the agent: its records in the fleet database (written, still waiting, dropped past the queue bound)."),
     EventSpec("node_readmitted", ("recovery.plugin",), ("evicted_at", "reason", "until"), "An evicted node rejoined after its cooldown."),
     EventSpec("node_drained", ("slurm.finish", "slurm.plugin"), ("detail", "fenced", "job_id", "node_name"), "A node was drained in Slurm, or set down (a lost batch host) (``fenced``: by trainguard)."),
@@ -149,7 +153,7 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("integration_auto_attached", ("integrations.auto",), ("framework", "resume"), "The start-up hook attached trainguard to a framework's trainer without a code change."),
     EventSpec("integration_preempted", ("integrations.adapter",), ("framework", "step"), "A preemption notice reached the framework's loop: it saves at this step and the worker exits for a requeue."),
     # -- reinforcement learning (trainguard.rl) --------------------------------------------------
-    EventSpec("rollout_failed", ("rl.client",), ("detail", "engine", "reason"), "A rollout request to an engine failed (``reason``: one of ROLLOUT_FAILURE_REASONS in the metric contract); it is retried on another engine, or its batch fails after the cap. Never replaced by a made-up sample."),
+    EventSpec("rollout_failed", ("rl.client",), ("detail", "engine", "reason", "retried"), "A rollout request to an engine failed (``reason``: one of ROLLOUT_FAILURE_REASONS in the metric contract); ``retried``: it is sent again to another engine, else its batch fails (the cap of attempts, or an invalid request). Never replaced by a made-up sample."),
 )  # fmt: skip
 
 _BY_NAME = {s.name: s for s in EVENTS}
@@ -189,6 +193,7 @@ HANG_KILLED = _kind("hang_killed")
 LOSS_ROLLBACK = _kind("loss_rollback")
 ROLLBACK_EXHAUSTED = _kind("rollback_exhausted")
 STRAGGLER_SCORES = _kind("straggler_scores")
+SNIFF_RESULTS = _kind("sniff_results")
 SPARE_WAITING = _kind("spare_waiting")
 WARM_READY = _kind("warm_ready")
 ROLE_REPLICA_STARTED = _kind("role_replica_started")
@@ -199,6 +204,7 @@ PREFLIGHT = _kind("preflight")
 HEALTH_PROBE = _kind("health_probe")
 FAILURE_ATTRIBUTED = _kind("failure_attributed")
 NODE_EVICTED = _kind("node_evicted")
+NODE_REFUSED = _kind("node_refused")
 ROLLOUT_FAILED = _kind("rollout_failed")
 HANG_DIAGNOSIS = _kind("hang_diagnosis")
 RECOVERY_DECISION = _kind("recovery_decision")

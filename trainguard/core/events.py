@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from trainguard.core.atomicfile import open_append
+from trainguard.core.atomicfile import make_dirs, open_append
 from trainguard.core.event_kinds import LAUNCH, STRAGGLER_SCORES
 
 __all__ = [
@@ -103,7 +103,7 @@ class EventLog:
         event = self._event(kind, fields)
         line = (json.dumps(event, default=str, separators=(",", ":")) + "\n").encode()
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.path.parent)  # the run directory: private (0700) when made here
             fd = open_append(self.path)
             try:
                 os.write(fd, line)

@@ -8,11 +8,15 @@ holds the client for the whole timeout, keep-alive heartbeats of the rendezvous 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["gather"]
+__all__ = ["gather", "parse_json"]
+
+MAX_VALUE_BYTES = 1 << 20
+"""The largest store value :func:`parse_json` parses (trainguard's own are under a kilobyte)."""
 
 
 def gather(
@@ -33,3 +37,16 @@ def gather(
         if not pending or time.monotonic() >= deadline:
             return found
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+
+def parse_json(raw: bytes | str, *, max_bytes: int = MAX_VALUE_BYTES) -> Any:
+    """A JSON value another node put in the store, or None for anything else (over
+    ``max_bytes``, not UTF-8, not JSON, nested past the parser's limit): with an etcd
+    rendezvous the store lives under the run's key prefix, which anyone who may write the
+    prefix can write."""
+    if len(raw) > max_bytes:
+        return None
+    try:
+        return json.loads(raw)
+    except Exception:  # ValueError, UnicodeDecodeError, RecursionError...
+        return None

@@ -151,6 +151,10 @@ def _job_cases() -> list[Case]:
              [_run_info(m), _tg("trainguard.rl.weight_sync.duration", "0.05x3 3.2 0.05 0.05", rank="0"),
               _tg("trainguard.rl.weight_sync.timeout", "3x6", rank="0")],
              note="the next sync was in time"),
+        Case("TrainGuardWeightSyncTimeout", False, "5m",
+             [_run_info(m), _tg("trainguard.rl.weight_sync.duration", "0.05x3 0x3", rank="0"),
+              _tg("trainguard.rl.weight_sync.timeout", "3x3 0x3", rank="0")],
+             note="a restarted trainer reattached without a sync (0 s of 0 s)"),
         Case("TrainGuardCheckpointStale", True, "30m",
              [_run_info(m), _tg("trainguard.checkpoint.last_commit.time", "60x40"),
               _tg("trainguard.checkpoint.interval", "300x40", rank="0")], JOB),
@@ -219,7 +223,29 @@ def _gpu_cases() -> list[Case]:
     ]  # fmt: skip
 
 
-CASES: list[Case] = _job_cases() + _gpu_cases()
+def _fleet_cases() -> list[Case]:
+    f = "trainguard.fleet.failures"
+    refused = tg("trainguard.fleet.lemon.refused_time")
+    other = {"job": "trainguard", "instance": "n2:9464", "node": "n7"}
+    return [
+        Case("TrainGuardNodeFailureRate", True, "60m",
+             [_tg(f, "0x10 1x10 2x10 3x40", cause="hardware"),
+              _tg(f, "0x70", cause="user_code")], {"node": "n1"}),
+        Case("TrainGuardNodeFailureRate", True, "60m",
+             [_tg(f, "0x10 1x60", cause="hardware"),
+              (_sel(tg(f), {**AGENT, "instance": "n1:9465", "cause": "network"}), "0x20 2x50")],
+             {"node": "n1"}, note="two jobs' agents on the node"),
+        Case("TrainGuardNodeFailureRate", False, "60m",
+             [_tg(f, "0x10 1x10 2x50", cause="hardware"),
+              _tg(f, "0x10 5x60", cause="user_code")], note="user errors are not the node's"),
+        Case("TrainGuardLemonRefused", True, "10m",
+             [(_sel(refused, other), "_x5 300x10")], {"node": "n7"}),
+        Case("TrainGuardLemonRefused", False, "40m",
+             [(_sel(refused, other), "60x45")], note="refused more than 30 minutes ago"),
+    ]  # fmt: skip
+
+
+CASES: list[Case] = _job_cases() + _gpu_cases() + _fleet_cases()
 
 
 def _expected(rule: AlertRule, case: Case) -> dict[str, object]:

@@ -56,6 +56,12 @@ class RuleParams:
     of its declared ones for 5 minutes: fleet degraded."""
     rollout_failure_rate: float = 0.05
     """Failed rollout requests per second (10-minute rate) above this: rollouts failing."""
+    node_failures: int = 3
+    """This many failures attributed to a node's hardware or network within
+    ``node_failure_window`` (across its jobs): the node fails too often."""
+    node_failure_window: str = "6h"
+    lemon_refused_s: int = 1800
+    """A lemon node refused at a job's start alerts for this long."""
     critical_xids: tuple[int, ...] = (46, 48, 64, 74, 79, 95, 119, 120)
     """XIDs that mean drain the node (NVIDIA's Xid catalog, docs.nvidia.com/deploy/xid-errors)."""
     warning_xids: tuple[int, ...] = (13, 31, 43, 45, 63, 92, 94)
@@ -392,16 +398,19 @@ def _job_rules(p: RuleParams) -> list[AlertRule]:
             description="Generation requests to the engines keep failing (timeouts, refused "
             "connections, HTTP errors, malformed answers); each is retried on another engine "
             "or fails its batch, never replaced by a made-up sample.",
-            runbook="The rollout-failures-by-reason panel names the reason: timeouts (engines "
-            "overloaded or frozen), connection (engines restarting), http_error / malformed "
-            "(an engine bug or version mismatch); check the engines' logs.",
+            runbook="The rollout-failures-by-reason panel names the reason: timeout or "
+            "engine_dead (engines overloaded or frozen), refused or connection (engines "
+            "restarting), not_serving (engines loading weights), http_5xx / malformed (an "
+            "engine bug), http_4xx (the trainer's requests are invalid), stale (engines behind "
+            "the staleness bound); check the engines' logs (RUN_DIR/roles/rollout/<i>.log).",
         ),
         AlertRule(
             name="TrainGuardWeightSyncTimeout",
             expr=_with_job(
                 _by_agent("max", tg("trainguard.rl.weight_sync.duration"))
-                + "\n>= on(instance, node) "
+                + "\n>= on(instance, node) ("
                 + _by_agent("max", tg("trainguard.rl.weight_sync.timeout"))
+                + " > 0)"
             ),
             severity="warning",
             component="job",
@@ -566,9 +575,47 @@ def _infra_rules(p: RuleParams) -> list[AlertRule]:
     ]
 
 
+def _fleet_rules(p: RuleParams) -> list[AlertRule]:
+    failures = tg("trainguard.fleet.failures", 'cause=~"hardware|network"')
+    refused = tg("trainguard.fleet.lemon.refused_time")
+    w = p.node_failure_window
+    return [
+        AlertRule(
+            name="TrainGuardNodeFailureRate",
+            expr=f"sum by (node) (increase({failures}[{w}])) >= {p.node_failures}",
+            severity="warning",
+            component="node",
+            group="trainguard-fleet",
+            summary=f"Node {{{{ $labels.node }}}} failed {p.node_failures} or more times in {w}",
+            description="trainguard attributed that many failures to the node's hardware or "
+            "network across its jobs; each cost a restart. Past [fleet] lemon_failures the "
+            "node is refused by every later job.",
+            runbook="trainguard fleet nodes and trainguard fleet lemons show the node's "
+            "history with its evidence (XIDs, failed probes, collective timeouts); drain it "
+            "(scontrol update nodename=N state=drain reason=...), run 'dcgmi diag -r 3' and "
+            "repair it before it takes work again.",
+        ),
+        AlertRule(
+            name="TrainGuardLemonRefused",
+            expr=f"time() - max by (node) ({refused}) < {p.lemon_refused_s}",
+            severity="warning",
+            component="node",
+            group="trainguard-fleet",
+            recovered_by_trainguard=True,
+            summary="Lemon node {{ $labels.node }} was refused at a job's start",
+            description="Its fleet history crossed the lemon threshold: the job started "
+            "without it (a spare took its place, if there was one) and every later job will "
+            "refuse it too until an operator releases it.",
+            runbook="Repair the node (trainguard fleet nodes shows why it is a lemon), then "
+            "release it with 'trainguard fleet release NODE' (which runs its health check "
+            "and resumes it in Slurm).",
+        ),
+    ]
+
+
 def alert_rules(params: RuleParams | None = None) -> list[AlertRule]:
     p = params or RuleParams()
-    rules = _job_rules(p) + _gpu_rules(p) + _infra_rules(p)
+    rules = _job_rules(p) + _gpu_rules(p) + _infra_rules(p) + _fleet_rules(p)
     names = [r.name for r in rules]
     assert len(set(names)) == len(names), "duplicate alert names"
     return rules

@@ -197,6 +197,15 @@ class FleetDB:
             )
         return [_row_record(r) for r in rows]
 
+    def history_of_kind(self, kind: str, *, since: float = 0.0, limit: int = 5000) -> list[Record]:
+        """The latest ``limit`` records of ``kind`` since ``since``, oldest first."""
+        rows = self._exec(
+            f"SELECT {_COLS} FROM trainguard_records WHERE kind = ? AND time >= ? "
+            "ORDER BY time DESC LIMIT ?",
+            (kind, since, int(limit)),
+        )
+        return [_row_record(r) for r in reversed(rows)]
+
     def count(self) -> int:
         return int(self._exec("SELECT COUNT(*) FROM trainguard_records")[0][0])
 

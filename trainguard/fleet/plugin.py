@@ -8,14 +8,22 @@
 - when the agent ends (before ``job_finished``): waiting records get ``[fleet]
   flush_timeout_s`` to land.
 
+- with ``[fleet] sniff_interval_s``: the workers' sniff results (:mod:`trainguard.fleet.sniff`)
+  are judged; a rank that became slow is flagged (event ``sniff_degraded``), recorded, and with
+  ``[health] straggler_policy = "exclude"`` the node leaves the job (``node_excluded``);
+  telemetry gets the results over the bus (``sniff_results``).
+
 Events: ``fleet_records`` (at the end: written, waiting, dropped, the last error).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 from trainguard.core.actions import HealthAction
 from trainguard.core.config.fleet import FleetConfig
@@ -24,10 +32,14 @@ from trainguard.core.event_kinds import (
     HEALTH_UNHEALTHY,
     NODE_EVICTED,
     NODE_EXCLUDED,
+    SNIFF_RESULTS,
 )
-from trainguard.core.plugin import AgentContext, AgentPlugin, NodeEvictedError
+from trainguard.core.jsonl import JsonlTail
+from trainguard.core.plugin import AgentContext, AgentPlugin, NodeEvictedError, NodeUnhealthyError
+from trainguard.core.rundir import RunDir
 from trainguard.fleet.db import FleetDB, FleetDBError, Record, open_db, safe_node_name
 from trainguard.fleet.lemons import lemon_status
+from trainguard.fleet.sniff import SniffJudge, fleet_baseline
 from trainguard.fleet.writer import FleetWriter
 
 __all__ = ["FleetPlugin", "fleet_db"]
@@ -67,6 +79,14 @@ class FleetPlugin(AgentPlugin):
         self._gated = False
         self._closed = False
         ctx.events.subscribe(self._on_event, _WATCHED)
+        self.straggler_policy = ctx.config.health.straggler_policy
+        self.judge: SniffJudge | None = None
+        self.baseline: dict[str, float] = {}
+        self._baseline_loader: threading.Thread | None = None
+        self._tails: dict[int, JsonlTail] = {}
+        self._sniff_attempt = -1
+        self._next_poll = 0.0
+        self._last_summary = 0.0
 
     # -- records -------------------------------------------------------------------------------
     def _record(self, kind: str, event: dict[str, Any], **fields: Any) -> None:
@@ -170,12 +190,118 @@ class FleetPlugin(AgentPlugin):
         )
         raise NodeEvictedError(f"node {self.node} refused by job {self.job}: {reason} (exit 94)")
 
+    # -- sniff tests ---------------------------------------------------------------------------
+    def _load_baseline(self) -> None:
+        try:
+            with fleet_db(self.cfg, self.runs_root) as db:
+                self.baseline = fleet_baseline(db)
+        except Exception as e:  # FleetDBError or a driver's: no fleet reference this attempt
+            self.warnings += 1
+            logger.warning("fleet database: no sniff history to compare with: %s", e)
+        if self.judge is not None:
+            self.judge.baseline = dict(self.baseline)
+
+    def on_workers_started(self, ctx: AgentContext, group: WorkerGroup) -> None:
+        if self.cfg.sniff_interval_s <= 0:
+            return
+        self._summarize(ctx)  # what the last attempt left
+        self.judge = SniffJudge(self.cfg, self.baseline)
+        self._sniff_attempt = max(ctx.attempt, 0)
+        self._tails = {}
+        for w in group.workers:
+            tail = JsonlTail(RunDir(ctx.run_dir).metrics(w.global_rank))
+            try:  # skip what earlier attempts wrote
+                tail.offset = tail.path.stat().st_size
+            except OSError:
+                pass
+            self._tails[w.global_rank] = tail
+        self._last_summary = time.monotonic()
+        if self._baseline_loader is None:  # once per agent, off the agent's thread
+            self._baseline_loader = threading.Thread(
+                target=self._load_baseline, name="trainguard-fleet-baseline", daemon=True
+            )
+            self._baseline_loader.start()
+
+    def on_monitor(
+        self, ctx: AgentContext, group: WorkerGroup, result: RunResult
+    ) -> RunResult | None:
+        now = time.monotonic()
+        if self.judge is None or now < self._next_poll:
+            return None
+        self._next_poll = now + 0.5
+        found = self.poll_sniffs(ctx)
+        if now - self._last_summary >= self.cfg.sniff_record_s:
+            self._summarize(ctx)
+        if found and self.straggler_policy == "exclude":
+            reasons = [
+                f"rank {f['rank']}: sniff GEMM {f['ratio']:.2f}x its {f['reference']} reference"
+                for f in found
+            ]
+            ctx.events.emit(
+                "node_excluded",
+                reason="sniff",
+                reasons=reasons,
+                ranks=[f["rank"] for f in found],
+            )
+            raise NodeUnhealthyError(f"node {ctx.events.node} excluded: " + "; ".join(reasons))
+        return None
+
+    def poll_sniffs(self, ctx: AgentContext) -> list[dict[str, Any]]:
+        """Read the local ranks' new sniff records, judge them; flag and record slow ranks."""
+        assert self.judge is not None
+        fresh: dict[str, Any] = {}
+        for r, tail in self._tails.items():
+            for rec in tail.read():
+                if rec.get("kind") == "sniff" and rec.get("attempt") == self._sniff_attempt:
+                    self.judge.add(rec)
+                    fresh[str(r)] = rec
+        found = self.judge.judge(expected_ranks=len(self._tails))
+        if fresh:
+            ctx.events.publish(
+                SNIFF_RESULTS,
+                results={
+                    r: {k: rec.get(k) for k in ("gemm_s", "allreduce_s", "overhead", "ratio")}
+                    for r, rec in fresh.items()
+                },
+                flagged=sorted(q for q, st in self.judge.ranks.items() if st.flagged),
+            )
+        for f in found:
+            msg = (
+                f"rank {f['rank']} on node {ctx.events.node} became slow: its sniff GEMM took "
+                f"{f['gemm_s'] * 1e3:.1f} ms, {f['ratio']:.2f}x its {f['reference']} reference "
+                f"({f['reference_s'] * 1e3:.1f} ms), {f['sniffs']} sniffs in a row"
+            )
+            logger.warning("%s", msg)
+            ctx.events.emit("sniff_degraded", message=msg, policy=self.straggler_policy, **f)
+            self.writer.put(
+                Record(node=self.node, kind="sniff", cause="slow", verdict=self.straggler_policy,
+                       job=self.job, attempt=self._sniff_attempt, detail={"summary": msg, **f})
+            )  # fmt: skip
+        return found
+
+    def _summarize(self, ctx: AgentContext) -> None:
+        """Each rank's median sniff results since the last summary, into the fleet database."""
+        if self.judge is None:
+            return
+        for s in self.judge.take_summaries():
+            self.writer.put(
+                Record(node=self.node, kind="sniff", cause="slow" if s["flagged"] else "ok",
+                       verdict="", job=self.job, attempt=self._sniff_attempt, detail=s)
+            )  # fmt: skip
+        self._last_summary = time.monotonic()
+
     # -- end -----------------------------------------------------------------------------------
     def on_exit(
         self, ctx: AgentContext, state: str, error: BaseException | None
     ) -> BaseException | None:
         """Flush before ``job_finished`` (the last event of the agent); the other plugins'
         exit records (an eviction) are already queued: this plugin comes after recovery's."""
+        if self.judge is not None:
+            try:
+                self.poll_sniffs(ctx)
+            except Exception as e:
+                logger.debug("last sniff results not read: %s", e)
+            self._summarize(ctx)
         left = self._close()
         ctx.events.emit(
             "fleet_records",

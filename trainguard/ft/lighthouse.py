@@ -115,7 +115,7 @@ def _host_lock(port: int, timeout_s: float) -> Iterator[None]:
         logger.warning("no private directory for the lighthouse lock: starting without it")
         yield
         return
-    with open(d / f"ft-lighthouse-{port}.lock", "a") as lock:
+    with os.fdopen(open_append(d / f"ft-lighthouse-{port}.lock"), "a") as lock:
         deadline = time.monotonic() + timeout_s
         while True:
             try:

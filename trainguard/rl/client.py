@@ -43,7 +43,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from trainguard.core.contract import ROLLOUT_FAILURE_REASONS
@@ -103,7 +103,11 @@ class RolloutConfig:
     dead_after_failures: int = 2
     """Consecutive failed probes (timeouts, errors) that declare an engine dead."""
     failure_cooldown_s: float = 2.0
-    """An engine whose request failed gets no request for this long (then the next probe)."""
+    """An engine whose request failed gets no request for this long, doubled for each further
+    failure in a row (up to ``failure_cooldown_max_s``; an answer resets it): the retries of a
+    batch are spread over the time a faulty engine needs to recover or be replaced, rather
+    than spent on it within seconds."""
+    failure_cooldown_max_s: float = 16.0
     sync_timeout_initial_s: float = 60.0
     """Weight-sync timeout before any sync was measured."""
     sync_timeout_factor: float = 5.0
@@ -154,6 +158,8 @@ class _Engine:
     inflight: int = 0
     reported_inflight: int = 0
     probe_failures: int = 0
+    request_failures: int = 0
+    """Failed requests in a row (reset by a good answer): the cooldown doubles with each."""
     cooldown_until: float = 0.0
     epoch: int = 0
     """Bumped when the engine is declared dead: requests of an older epoch are abandoned."""
@@ -172,6 +178,57 @@ class _Chunk:
     attempts: int = 0
     tried: set[str] = field(default_factory=set)
     reasons: list[str] = field(default_factory=list)
+
+
+class _Flight(NamedTuple):
+    """A request in flight: what it asks, where it went, when, under which versions."""
+
+    chunk: _Chunk
+    engine: _Engine
+    epoch: int
+    """The engine's epoch when it was sent (a newer one: the engine died meanwhile)."""
+    t0: float
+    policy_version: int | None
+
+
+def _request_params(
+    n: int, max_tokens: int, temperature: float, top_p: float, logprobs: bool
+) -> dict[str, Any]:
+    """The ``/v1/completions`` fields every request of a batch shares."""
+    params: dict[str, Any] = {
+        "n": n,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+    }
+    if logprobs:
+        params["logprobs"] = 0
+    return params
+
+
+@dataclass(slots=True)
+class _Batch:
+    """One :meth:`RolloutClient.generate` call: its requests waiting, in flight and done."""
+
+    prompts: list[str]
+    params: dict[str, Any]
+    n: int
+    seed: int | None
+    chunk_size: int
+    deadline: float
+    todo: list[_Chunk] = field(default_factory=list)
+    inflight: dict[Future[Any], _Flight] = field(default_factory=dict)
+    results: dict[int, list[Completion]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        k, total = self.chunk_size, len(self.prompts)
+        self.todo = [_Chunk(list(range(i, min(i + k, total)))) for i in range(0, total, k)]
+
+    def body(self, chunk: _Chunk) -> dict[str, Any]:
+        b: dict[str, Any] = {"prompt": [self.prompts[i] for i in chunk.indices], **self.params}
+        if self.seed is not None:
+            b["seed"] = self.seed + chunk.indices[0]
+        return b
 
 
 class RolloutClient:
@@ -372,10 +429,13 @@ class RolloutClient:
         fresh = [e for e in ok if e.url not in chunk.tried] or ok
         return min(fresh, key=lambda e: (e.inflight, e.reported_inflight, e.url))
 
-    def _fail(self, eng: _Engine, reason: str, detail: str) -> None:
+    def _fail(self, eng: _Engine, reason: str, detail: str, *, retried: bool = True) -> None:
         self.failures[reason] += 1
         self._m_failures[reason] += 1
-        eng.cooldown_until = time.monotonic() + self.config.failure_cooldown_s
+        cfg = self.config
+        eng.request_failures += 1
+        cooldown = cfg.failure_cooldown_s * 2 ** min(eng.request_failures - 1, 16)
+        eng.cooldown_until = time.monotonic() + min(cooldown, cfg.failure_cooldown_max_s)
         if reason == "refused":
             self._mark_dead(eng, "connection refused")
         elif reason in ("timeout", "connection", "http_5xx", "malformed", "not_serving"):
@@ -384,7 +444,9 @@ class RolloutClient:
         elif reason == "stale" and eng.state is EngineState.SERVING:
             eng.state = EngineState.STALE
         logger.warning("rollout request to %s failed (%s): %s", eng.url, reason, detail)
-        self._emit("rollout_failed", reason=reason, engine=eng.url, detail=detail[:300])
+        self._emit(
+            "rollout_failed", reason=reason, engine=eng.url, retried=retried, detail=detail[:300]
+        )
 
     def _emit(self, kind: str, **fields: Any) -> None:
         if self._events is not None:
@@ -393,7 +455,7 @@ class RolloutClient:
             except Exception:  # telemetry never stops the rollout
                 logger.exception("could not record a %s event", kind)
 
-    def generate(  # noqa: PLR0915
+    def generate(
         self,
         prompts: Sequence[str],
         *,
@@ -407,115 +469,123 @@ class RolloutClient:
         """``n`` real completions for each prompt (outer list in prompt order), or
         :class:`RolloutError` after ``max_attempts`` failed attempts of one request or
         ``batch_timeout_s``. An HTTP 4xx (the request itself is bad) raises at once."""
-        cfg = self.config
         if not prompts:
             return []
-        step = cfg.prompts_per_request
-        todo = [
-            _Chunk(list(range(i, min(i + step, len(prompts)))))
-            for i in range(0, len(prompts), step)
-        ]
-        results: dict[int, list[Completion]] = {}
-        inflight: dict[Future[Any], tuple[_Chunk, _Engine, int, float, int | None]] = {}
-        deadline = time.monotonic() + cfg.batch_timeout_s
+        batch = _Batch(
+            prompts=list(prompts),
+            params=_request_params(n, max_tokens, temperature, top_p, logprobs),
+            n=n,
+            seed=seed,
+            chunk_size=self.config.prompts_per_request,
+            deadline=time.monotonic() + self.config.batch_timeout_s,
+        )
         t_batch = time.perf_counter()
-
-        def body(chunk: _Chunk) -> dict[str, Any]:
-            b: dict[str, Any] = {
-                "prompt": [prompts[i] for i in chunk.indices],
-                "n": n,
-                "max_tokens": max_tokens,
-                "temperature": temperature,
-                "top_p": top_p,
-            }
-            if logprobs:
-                b["logprobs"] = 0
-            if seed is not None:
-                b["seed"] = seed + chunk.indices[0]
-            return b
-
-        def retry(chunk: _Chunk, eng: _Engine, reason: str, detail: str) -> None:
-            self._fail(eng, reason, detail)
-            chunk.reasons.append(f"{eng.url}: {reason}")
-            if reason == "http_4xx":
-                raise RolloutError(f"an engine refused the request as invalid: {detail}")
-            if chunk.attempts >= cfg.max_attempts:
-                raise RolloutError(
-                    f"prompts {chunk.indices[0]}..{chunk.indices[-1]}: no real generation after "
-                    f"{chunk.attempts} attempts ({'; '.join(chunk.reasons)})"
-                )
-            self.retries += 1
-            self._m_retries += 1
-            todo.append(chunk)
-
         try:
-            while todo or inflight:
+            while batch.todo or batch.inflight:
+                self._dispatch(batch)
+                self._check_deadline(batch)
+                done = self._wait_any(batch)
                 with self._lock:
-                    while todo:
-                        eng = self._pick(todo[0])
-                        if eng is None:
-                            break
-                        chunk = todo.pop(0)
-                        chunk.attempts += 1
-                        chunk.tried.add(eng.url)
-                        eng.inflight += 1
-                        fut = self._pool.submit(
-                            self._http,
-                            eng,
-                            "POST",
-                            "/v1/completions",
-                            body(chunk),
-                            cfg.request_timeout_s,
-                        )
-                        inflight[fut] = (
-                            chunk,
-                            eng,
-                            eng.epoch,
-                            time.perf_counter(),
-                            self.policy_version,
-                        )
-                if time.monotonic() > deadline:
-                    raise RolloutError(
-                        f"batch of {len(prompts)} prompts not complete after {cfg.batch_timeout_s:.0f} s; "
-                        f"engines: {self.engines()}"
-                    )
-                if inflight:
-                    done, _ = wait(list(inflight), timeout=0.2, return_when=FIRST_COMPLETED)
-                else:
-                    done = set()
-                    with self._lock:
-                        self._lock.wait(0.2)  # no routable engine: wait for the health probes
-                with self._lock:
-                    for fut in done:
-                        chunk, eng, _, t0, _ = inflight.pop(fut)
-                        eng.inflight -= 1
-                        try:
-                            answer = fut.result()
-                            got = self._accept(answer, chunk, eng, n, self.policy_version)
-                        except _Failure as f:
-                            retry(chunk, eng, f.reason, str(f))
-                            continue
-                        self._m_latencies.append(time.perf_counter() - t0)
-                        for i, comps in zip(chunk.indices, got, strict=False):
-                            results[i] = comps
-                            self._m_tokens += sum(len(c.token_ids) for c in comps)
-                    for fut, (chunk, eng, epoch, _, _) in list(inflight.items()):
-                        if eng.epoch != epoch:  # declared dead (or replaced) meanwhile
-                            inflight.pop(fut)
-                            eng.inflight -= 1
-                            retry(
-                                chunk,
-                                eng,
-                                "engine_dead",
-                                "declared dead with the request in flight",
-                            )
+                    self._collect(batch, done)
+                    self._abandon_dead(batch)
         except BaseException:
             with self._lock:
-                for _, eng, _, _, _ in inflight.values():
-                    eng.inflight -= 1
+                for flight in batch.inflight.values():
+                    flight.engine.inflight -= 1
             raise
         self._m_gen_s += time.perf_counter() - t_batch
-        return [results[i] for i in range(len(prompts))]
+        return [batch.results[i] for i in range(len(batch.prompts))]
+
+    def _dispatch(self, batch: _Batch) -> None:
+        """Send every waiting request of ``batch`` to the least-loaded routable engine (the
+        ones left wait for an engine to become routable)."""
+        with self._lock:
+            while batch.todo:
+                eng = self._pick(batch.todo[0])
+                if eng is None:
+                    return
+                chunk = batch.todo.pop(0)
+                chunk.attempts += 1
+                chunk.tried.add(eng.url)
+                eng.inflight += 1
+                fut = self._pool.submit(
+                    self._http,
+                    eng,
+                    "POST",
+                    "/v1/completions",
+                    batch.body(chunk),
+                    self.config.request_timeout_s,
+                )
+                batch.inflight[fut] = _Flight(
+                    chunk, eng, eng.epoch, time.perf_counter(), self.policy_version
+                )
+
+    def _check_deadline(self, batch: _Batch) -> None:
+        if time.monotonic() > batch.deadline:
+            raise RolloutError(
+                f"batch of {len(batch.prompts)} prompts not complete after "
+                f"{self.config.batch_timeout_s:.0f} s; engines: {self.engines()}"
+            )
+
+    def _wait_any(self, batch: _Batch) -> set[Future[Any]]:
+        """The requests that finished within a short wait (none when nothing is in flight:
+        no engine was routable, so wait for the health probes)."""
+        if batch.inflight:
+            done, _ = wait(list(batch.inflight), timeout=0.2, return_when=FIRST_COMPLETED)
+            return done
+        with self._lock:
+            self._lock.wait(0.2)
+        return set()
+
+    def _collect(self, batch: _Batch, done: set[Future[Any]]) -> None:
+        """Keep the finished requests' completions; a failed or incomplete answer is retried
+        (under the lock)."""
+        for fut in done:
+            flight = batch.inflight.pop(fut)
+            chunk, eng = flight.chunk, flight.engine
+            eng.inflight -= 1
+            try:
+                got = self._accept(fut.result(), chunk, eng, batch.n, self.policy_version)
+            except _Failure as f:
+                self._retry(batch, chunk, eng, f.reason, str(f))
+                continue
+            eng.request_failures = 0
+            self._m_latencies.append(time.perf_counter() - flight.t0)
+            for i, comps in zip(chunk.indices, got, strict=False):
+                batch.results[i] = comps
+                self._m_tokens += sum(len(c.token_ids) for c in comps)
+
+    def _abandon_dead(self, batch: _Batch) -> None:
+        """Retry at once the requests in flight on an engine declared dead (or replaced by a
+        new process) since they were sent (under the lock)."""
+        for fut, flight in list(batch.inflight.items()):
+            if flight.engine.epoch != flight.epoch:
+                batch.inflight.pop(fut)
+                flight.engine.inflight -= 1
+                self._retry(
+                    batch,
+                    flight.chunk,
+                    flight.engine,
+                    "engine_dead",
+                    "declared dead with the request in flight",
+                )
+
+    def _retry(self, batch: _Batch, chunk: _Chunk, eng: _Engine, reason: str, detail: str) -> None:
+        """Count the failure and queue the request again, or raise :class:`RolloutError` when
+        it is invalid (HTTP 4xx) or out of attempts."""
+        final = reason == "http_4xx" or chunk.attempts >= self.config.max_attempts
+        self._fail(eng, reason, detail, retried=not final)
+        chunk.reasons.append(f"{eng.url}: {reason}")
+        if reason == "http_4xx":
+            raise RolloutError(f"an engine refused the request as invalid: {detail}")
+        if chunk.attempts >= self.config.max_attempts:
+            raise RolloutError(
+                f"prompts {chunk.indices[0]}..{chunk.indices[-1]}: no real generation after "
+                f"{chunk.attempts} attempts ({'; '.join(chunk.reasons)})"
+            )
+        self.retries += 1
+        self._m_retries += 1
+        batch.todo.append(chunk)
 
     def _accept(
         self, answer: Any, chunk: _Chunk, eng: _Engine, n: int, pv: int | None

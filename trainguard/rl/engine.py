@@ -38,13 +38,15 @@ an adapter in front of vLLM or SGLang):
     or restarted, catches up without the trainer).
 
 vLLM and SGLang fit this contract through an adapter process that forwards
-``/v1/completions`` and maps the rest: SGLang serves ``/health_generate`` (→ ``/health``) and
-loads weights with ``/update_weights_from_disk`` (a checkpoint directory: the weight store's
-file), ``/update_weights_from_tensor`` or ``/update_weights_from_distributed`` (an NCCL group
-with trainer rank 0); vLLM loads weights through its collective-RPC / worker-extension hooks
-(TRL's ``vllm-serve`` exposes them as ``/init_communicator`` + ``/update_named_param``), or a
-restart on a new checkpoint directory. Neither reports a weight version: the adapter keeps it.
-trainguard ships no such adapter yet: they need a GPU to be tested.
+``/v1/completions`` and maps health and weight updates onto their own APIs (vLLM's
+weight-transfer endpoints ``/init_weight_transfer_engine``, ``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update``; SGLang's ``/update_weights_from_disk``,
+``/update_weights_from_tensor``, ``/update_weights_from_distributed``): docs/rl.md says what
+each needs. trainguard ships no such adapter yet: they need a GPU to be tested.
+
+A warm replacement (``--standby``): a second process per replica imports everything and
+builds the model while the replica serves, binds the port the moment it is free (the replica
+died or was killed), then loads the current version and serves: a rejoin without the start-up.
 
 Fault injection (tests and benchmarks only, ``--enable-fault-injection``): ``POST /v1/faults``
 ``{"kind": "http_500"|"malformed"|"hang", "count": n}`` makes the next ``n`` completion
@@ -54,6 +56,7 @@ requests answer HTTP 500, a truncated JSON body, or nothing at all (``n`` = 0 di
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -166,13 +169,19 @@ class Engine:
         self.num_generated = 0
 
     # -- startup and weights -----------------------------------------------------------------
-    def boot(self) -> None:
-        """Build the model, wait for and load the current published version, then serve."""
+    def build(self) -> None:
+        """Import the model's libraries and build it (status ``starting``)."""
         import torch
 
         torch.set_grad_enabled(False)
         self.model, self.tokenizer = load_model(self.config.model, self.config.seed)
         self.model.eval()
+
+    def boot(self) -> None:
+        """Build the model (unless :meth:`build` ran), wait for and load the current published
+        version, then serve."""
+        if self.model is None:
+            self.build()
         self.status = "loading"
         logger.info("engine: model built; waiting for a published weight version")
         while not self._stop.is_set():
@@ -502,7 +511,7 @@ def serve(engine: Engine) -> ThreadingHTTPServer:
     return server
 
 
-def _parse(argv: list[str] | None) -> EngineConfig:
+def _parse(argv: list[str] | None) -> tuple[EngineConfig, bool]:
     p = argparse.ArgumentParser(
         prog="python -m trainguard.rl.engine", description=__doc__.split("\n")[0]
     )
@@ -515,6 +524,12 @@ def _parse(argv: list[str] | None) -> EngineConfig:
     p.add_argument("--poll-interval-s", type=float, default=0.5)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--enable-fault-injection", action="store_true", help="tests only")
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="a warm replacement: import and build the model, then wait until the port is free "
+        "(the replica on it died), take it, load the current weights and serve",
+    )
     a = p.parse_args(argv)
     port = a.port
     if port is None:
@@ -542,17 +557,36 @@ def _parse(argv: list[str] | None) -> EngineConfig:
     import torch
 
     torch.set_num_threads(max(1, a.threads))
-    return cfg
+    return cfg, a.standby
+
+
+def _bind_when_free(engine: Engine) -> ThreadingHTTPServer:
+    """A standby's bind: retried while the replica it replaces still holds the port."""
+    while True:
+        try:
+            return serve(engine)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            time.sleep(0.05)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine[%(process)d] %(message)s")
-    cfg = _parse(argv)
+    cfg, standby = _parse(argv)
     engine = Engine(cfg)
     try:
-        server = serve(engine)
+        if standby:  # warm: imports and model first, then take the port once it is free
+            engine.build()
+            logger.info("engine: standby for port %d", cfg.port)
+            server = _bind_when_free(engine)
+        else:
+            server = serve(engine)
     except OSError as e:
         print(f"engine: cannot bind {cfg.host}:{cfg.port}: {e.strerror}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        print(f"engine: cannot load model {cfg.model!r}: {e}", file=sys.stderr)
         return 2
     threading.Thread(target=server.serve_forever, name="engine-http", daemon=True).start()
     logger.info("engine: listening on http://%s:%d", cfg.host, server.server_address[1])

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.atomicfile import open_append
+
 __all__ = ["Audit", "ConsumedLog", "PromptLedger", "audit"]
 
 
@@ -134,7 +136,7 @@ class ConsumedLog:
     def append(self, step: int, positions: list[int], prompt_ids: list[int], **extra: Any) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         line = json.dumps({"step": step, "positions": positions, "ids": prompt_ids, **extra})
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = open_append(self.path)  # never through a symlink
         try:
             os.write(fd, (line + "\n").encode())
         finally:

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from trainguard.core.atomicfile import open_append
+
 __all__ = ["LocalEngines", "engine_health"]
 
 
@@ -44,7 +46,10 @@ class LocalEngines:
         run_dir: str | os.PathLike[str],
         args: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        standby: bool = False,
     ) -> None:
+        """``standby``: keep a warm replacement per replica (``--standby``), promoted by
+        :meth:`restart` (the new primary takes the port as soon as the old one is gone)."""
         self.ports = list(ports)
         self.run_dir = Path(run_dir)
         self.args = list(args)
@@ -52,34 +57,39 @@ class LocalEngines:
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(self.ports)
         self.restarts = [0] * len(self.ports)
         self._logs: list[IO[bytes] | None] = [None] * len(self.ports)
+        self.standby = standby
+        self.spares: list[subprocess.Popen[bytes] | None] = [None] * len(self.ports)
 
     @property
     def urls(self) -> list[str]:
         return [f"http://127.0.0.1:{p}" for p in self.ports]
 
+    def _spawn(self, k: int, extra: list[str]) -> subprocess.Popen[bytes]:
+        env = {
+            **os.environ,
+            **self.env,
+            "TRAINGUARD_ROLE": "rollout",
+            "TRAINGUARD_ROLE_REPLICA": str(k),
+            "TRAINGUARD_ROLE_PORT": str(self.ports[k]),
+            "TRAINGUARD_RUN_DIR": str(self.run_dir),
+            "OMP_NUM_THREADS": "1",
+        }
+        logs = self.run_dir / "roles"
+        logs.mkdir(parents=True, exist_ok=True)
+        if self._logs[k] is None:  # closed in close(); appended, no symlink followed
+            self._logs[k] = os.fdopen(open_append(logs / f"rollout_{k}.log"), "ab")
+        return subprocess.Popen(
+            [sys.executable, "-m", "trainguard.rl.engine", *self.args, *extra],
+            env=env,
+            stdout=self._logs[k],
+            stderr=subprocess.STDOUT,
+        )
+
     def start(self, i: int | None = None) -> None:
         for k in range(len(self.ports)) if i is None else [i]:
-            env = {
-                **os.environ,
-                **self.env,
-                "TRAINGUARD_ROLE": "rollout",
-                "TRAINGUARD_ROLE_REPLICA": str(k),
-                "TRAINGUARD_ROLE_PORT": str(self.ports[k]),
-                "TRAINGUARD_RUN_DIR": str(self.run_dir),
-                "OMP_NUM_THREADS": "1",
-            }
-            logs = self.run_dir / "roles"
-            logs.mkdir(parents=True, exist_ok=True)
-            if self._logs[k] is not None:
-                self._logs[k].close()  # type: ignore[union-attr]
-            log = open(logs / f"rollout_{k}.log", "ab")  # noqa: SIM115 - closed in close()
-            self._logs[k] = log
-            self.procs[k] = subprocess.Popen(
-                [sys.executable, "-m", "trainguard.rl.engine", *self.args],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+            self.procs[k] = self._spawn(k, [])
+            if self.standby and self.spares[k] is None:
+                self.spares[k] = self._spawn(k, ["--standby"])
 
     def pid(self, i: int) -> int:
         p = self.procs[i]
@@ -94,9 +104,20 @@ class LocalEngines:
                 p.wait()
 
     def restart(self, i: int) -> None:
+        """Kill replica ``i`` (if alive) and replace it: its warm standby takes over when there
+        is one (and a new standby starts), else a fresh process."""
         self.kill(i)
+        p = self.procs[i]
+        if p is not None:
+            p.wait()
         self.restarts[i] += 1
-        self.start(i)
+        spare = self.spares[i]
+        if spare is not None and spare.poll() is None:
+            self.procs[i] = spare
+            self.spares[i] = self._spawn(i, ["--standby"])
+        else:
+            self.spares[i] = None
+            self.start(i)
 
     def wait_serving(
         self, i: int | None = None, *, version: int | None = None, timeout: float = 120.0
@@ -120,10 +141,11 @@ class LocalEngines:
 
     def close(self) -> None:
         for k, p in enumerate(self.procs):
-            if p is not None and p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)  # a stopped process must be able to die
-                os.kill(p.pid, signal.SIGKILL)
-                p.wait()
+            for proc in (p, self.spares[k]):
+                if proc is not None and proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGCONT)  # a stopped process must be able to die
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait()
             log = self._logs[k]
             if log is not None:
                 log.close()

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core import envvars
-from trainguard.core.atomicfile import write_atomic
+from trainguard.core.atomicfile import atomic_open, write_atomic
 
 __all__ = ["POINTER", "PublishedVersion", "WeightStore", "default_weight_dir"]
 
@@ -73,16 +73,15 @@ class WeightStore:
         """Write ``state_dict`` as ``version`` and make it the current one. Tensors are
         saved contiguous, detached, on the CPU; tied parameters (one storage, two names)
         are saved once per name."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         if version < 0:
             raise ValueError(f"publish(version={version}): versions start at 0")
         self.root.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
         path = self._file(version)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(tensors, str(tmp), metadata={"version": str(version)})
-        os.replace(tmp, path)
+        with atomic_open(path, binary=True) as f:  # never through a symlink
+            f.write(save(tensors, metadata={"version": str(version)}))
         size = path.stat().st_size
         now = time.time()
         meta = {"version": version, "file": path.name, "bytes": size, "time": now}

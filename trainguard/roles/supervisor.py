@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core import envvars
-from trainguard.core.atomicfile import write_atomic
+from trainguard.core.atomicfile import open_append, write_atomic
 from trainguard.core.config.roles import RolesConfig, RoleSpec
 from trainguard.core.event_kinds import (
     ROLE_REPLICA_FAILED,
@@ -286,7 +286,7 @@ class RoleSupervisor:
         log_path = self.rundir.role_log(spec.name, rep.index)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            with open(log_path, "ab") as log:
+            with os.fdopen(open_append(log_path), "ab") as log:  # never through a symlink
                 log.write(f"--- trainguard: start {rep.restarts} at {time.ctime()}\n".encode())
                 log.flush()
                 proc = subprocess.Popen(

@@ -15,6 +15,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from trainguard.core import envvars, flight_recorder
+from trainguard.core.atomicfile import open_append
 from trainguard.core.config import TrainGuardConfig
 from trainguard.core.errorfile import exception_site
 from trainguard.core.events import EventLog
@@ -582,7 +583,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         if path is None:
             return
         try:
-            path.touch()
+            os.close(open_append(path))  # created, never through a planted symlink
         except OSError as e:
             logger.warning("cannot mark the teardown of attempt %s: %s", self.attempt, e)
 

@@ -39,7 +39,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
-from trainguard.core.storeutil import gather
+from trainguard.core.storeutil import gather, parse_json
 
 __all__ = ["AttemptRendezvousHandler", "RoundInfo"]
 
@@ -103,6 +103,21 @@ class RoundInfo:
     @property
     def foreign_ranks(self) -> list[int]:
         return [r for r, m in enumerate(self.members) if m.get("foreign")]
+
+
+def parse_member(raw: bytes | str) -> dict[str, Any] | None:
+    """A rank's announcement (``{"node", "host", "pid", "last_attempt"}``, as
+    :meth:`AttemptRendezvousHandler.next_rendezvous` writes it), or None when it is not one:
+    with an etcd rendezvous any writer of the key prefix can put the key."""
+    m = parse_json(raw)
+    if type(m) is not dict:
+        return None
+    node, host, pid, last = (m.get(k) for k in ("node", "host", "pid", "last_attempt"))
+    if type(node) is not str or type(host) is not str or len(node) + len(host) > 2048:
+        return None
+    if type(pid) is not int or type(last) is not int or not (pid >= 0 and -1 <= last < 1 << 31):
+        return None
+    return {"node": node, "host": host, "pid": pid, "last_attempt": last}
 
 
 class AttemptRendezvousHandler(RendezvousHandler):
@@ -227,8 +242,17 @@ class AttemptRendezvousHandler(RendezvousHandler):
         got = gather(store, keys, timeout_s=self._member_timeout_s)
         members: list[dict[str, Any]] = []
         for r, key in enumerate(keys):
-            if key in got:
-                members.append(json.loads(got[key]))
+            member = parse_member(got[key]) if key in got else None
+            if member is not None:
+                members.append(member)
+            elif key in got:
+                logger.warning(
+                    "group rank %d of this rendezvous announced something that is not a "
+                    "trainguard announcement (%r): the node is treated as not trainguard's",
+                    r,
+                    bytes(got[key][:80]),
+                )
+                members.append({"foreign": True, "group_rank": r})
             else:
                 logger.warning(
                     "group rank %d of this rendezvous made no trainguard announcement within "

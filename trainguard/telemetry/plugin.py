@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from trainguard.core import envvars
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config.telemetry import TelemetryConfig
+from trainguard.core.event_kinds import SNIFF_RESULTS
 from trainguard.core.events import MSG_STRAGGLER_SCORES
 from trainguard.core.goodput import GoodputTracker
 from trainguard.core.jsonl import JsonlTail
@@ -112,6 +113,8 @@ class TelemetryPlugin(AgentPlugin):
         self._thread: threading.Thread | None = None
         self._scores: dict[str, Any] | None = None  # latest from the bus, not yet recorded
         ctx.events.subscribe(self._on_scores, kinds=[MSG_STRAGGLER_SCORES])
+        self._sniffs: dict[str, Any] | None = None  # latest from the bus, not yet recorded
+        ctx.events.subscribe(self._on_sniffs, kinds=[SNIFF_RESULTS])
         self._round_start_ns: int | None = None
         # what the build creates (meter_provider, recorder, tracer) is unset until it did;
         # close() stops whatever exists
@@ -274,6 +277,7 @@ class TelemetryPlugin(AgentPlugin):
         ref = min(self._ranks) if self._ranks else 0
         for ev in self._events_tail.read():
             if ev.get("node") != self.node:
+                self.recorder.fleet_event(ev)
                 continue
             self._events.append(ev)
             ckpt = str(ev.get("kind", "")).startswith("checkpoint")
@@ -293,6 +297,9 @@ class TelemetryPlugin(AgentPlugin):
         scores, self._scores = self._scores, None
         if scores is not None:
             self.recorder.straggler_scores(scores)
+        sniffs, self._sniffs = self._sniffs, None
+        if sniffs is not None:
+            self.recorder.sniff_slowdowns(sniffs)
         now = time.time()
         if now - self._last_goodput >= self.cfg.export_interval_s / 2:
             self._last_goodput = now
@@ -303,6 +310,12 @@ class TelemetryPlugin(AgentPlugin):
         scores = msg.get("scores")
         if isinstance(scores, dict):
             self._scores = scores
+
+    def _on_sniffs(self, msg: dict[str, Any]) -> None:
+        """Bus listener (the fleet plugin's sniff results): the next poll records them."""
+        results = msg.get("results")
+        if isinstance(results, dict):
+            self._sniffs = results
 
     def update_goodput(self, now: float | None = None) -> Any:
         g = self._goodput.result(self._events, now=now)

@@ -14,10 +14,12 @@ from typing import Any
 from opentelemetry.metrics import MeterProvider
 
 from trainguard.core.contract import (
+    ATTRIBUTION_CAUSES,
     HUNG_MIN_HOLD_S,
     INCIDENT_KINDS,
     LOSS_CAUSES,
     METRICS,
+    NODE_STATES,
     RESTART_CAUSES,
     ROLE_STATES,
     ROLES,
@@ -27,10 +29,12 @@ from trainguard.core.contract import (
 )
 from trainguard.core.event_kinds import (
     CHECKPOINT_COMMITTED,
+    FAILURE_ATTRIBUTED,
     HANG_DETECTED,
     HANG_DIAGNOSIS,
     JOB_FINISHED,
     LOSS_ROLLBACK,
+    NODE_REFUSED,
     PREFLIGHT,
     RENDEZVOUS,
     RESTART,
@@ -125,8 +129,12 @@ class MetricsRecorder:
             self._inst["trainguard.job.rollbacks"].add(0, {**node_attrs, "reason": reason})
         for reason in ROLLOUT_FAILURE_REASONS:
             self._inst["trainguard.rl.rollout.failed"].add(0, {**node_attrs, "reason": reason})
+            self._inst["trainguard.rl.rollout.retried"].add(0, {**node_attrs, "reason": reason})
         self._replica_state: dict[tuple[str, str], str] = {}
         self._roles_seen: set[str] = set()
+        for cause in ATTRIBUTION_CAUSES:
+            self._inst["trainguard.fleet.failures"].add(0, {**node_attrs, "cause": cause})
+        self._node_states: dict[str, str] = {}
         self._hung_label = "none"
         self._set("trainguard.job.hung", 0, {**node_attrs, "diagnosis": self._hung_label})
 
@@ -166,9 +174,68 @@ class MetricsRecorder:
                 self._step(rec)
             elif kind == "log":
                 self._log(rec)
+            elif kind == "sniff":
+                self._sniff(rec)
         except Exception:
             self.num_bad_records += 1
             logger.exception("skipping a metrics record that could not be mapped")
+
+    def _sniff(self, rec: Mapping[str, Any]) -> None:
+        attrs = {"rank": str(int(rec.get("rank", 0))), "node": self.node}
+        for key, name in (
+            ("gemm_s", "trainguard.sniff.gemm_time"),
+            ("allreduce_s", "trainguard.sniff.allreduce_time"),
+            ("overhead", "trainguard.sniff.overhead"),
+        ):
+            v = _num(rec.get(key))
+            if v is not None:
+                self._set(name, v, attrs)
+
+    def sniff_slowdowns(self, results: Mapping[str, Any]) -> None:
+        """``{rank: {"ratio": ...}}`` as the fleet component judged them."""
+        for rank, res in results.items():
+            v = _num(res.get("ratio")) if isinstance(res, Mapping) else None
+            if v is not None:
+                self._set("trainguard.sniff.slowdown", v, {"rank": str(rank), "node": self.node})
+
+    def node_state(self, node: str, state: str) -> None:
+        """One series per state of ``node``: the current one 1, the others 0."""
+        previous = self._node_states.get(node)
+        if previous == state:
+            return
+        self._node_states[node] = state
+        for s in NODE_STATES:
+            if s == state or s == previous or previous is None:
+                self._set("trainguard.fleet.node.state", float(s == state),
+                          {"node": node, "state": s})  # fmt: skip
+
+    _STATE_OF = {
+        "workers_started": "ok",
+        "sniff_degraded": "degraded",
+        "node_evicted": "evicted",
+        "node_excluded": "excluded",
+    }
+
+    def _fleet_own_event(self, ev: Mapping[str, Any]) -> None:
+        """This node's events in the fleet panels: attributed failures, its state."""
+        kind = str(ev.get("kind"))
+        if kind == FAILURE_ATTRIBUTED:
+            cause = str(ev.get("cause") or "transient")
+            self._inst["trainguard.fleet.failures"].add(1, {"node": self.node, "cause": cause})
+        elif kind == NODE_REFUSED:
+            self.fleet_event(ev)
+        elif kind in self._STATE_OF:
+            self.node_state(self.node, self._STATE_OF[kind])
+
+    def fleet_event(self, ev: Mapping[str, Any]) -> None:
+        """An event of any node in the run's log that the fleet panels show for that node
+        (a lemon refused at a job's start: its own agent exits before a scrape)."""
+        node = ev.get("node")
+        if ev.get("kind") == NODE_REFUSED and ev.get("lemon") and isinstance(node, str):
+            t = _num(ev.get("time"))
+            if t is not None:
+                self._set("trainguard.fleet.lemon.refused_time", t, {"node": node})
+            self.node_state(node, "lemon")
 
     def _step(self, rec: Mapping[str, Any]) -> None:
         rank = int(rec.get("rank", 0))
@@ -259,6 +326,8 @@ class MetricsRecorder:
             elif kind == ROLLOUT_FAILED:
                 reason = str(ev.get("reason") or "other")
                 self._inst["trainguard.rl.rollout.failed"].add(1, {**node, "reason": reason})
+                if ev.get("retried") is not False:  # older events did not say: retried
+                    self._inst["trainguard.rl.rollout.retried"].add(1, {**node, "reason": reason})
             elif kind == LOSS_ROLLBACK:
                 reason = str(ev.get("reason") or "other")
                 self._inst["trainguard.job.rollbacks"].add(1, {**node, "reason": reason})
@@ -288,6 +357,7 @@ class MetricsRecorder:
                 a = _num(ev.get("attempt"))
                 if a is not None:
                     self._set("trainguard.job.attempt", a, node)
+            self._fleet_own_event(ev)
             incident = _incident_kind(ev)
             if incident is not None:
                 self._inst["trainguard.health.incidents"].add(1, {**node, "kind": incident})

@@ -3,7 +3,9 @@
 Reads ``events.jsonl`` and ``metrics/rank_*.jsonl`` (and nothing from the network); plots are
 inline SVG and the page has no script. Sections: summary, loss/reward/KL, throughput and MFU,
 goodput breakdown, a timeline of attempts, failures, recoveries, checkpoints and health
-incidents, a per-rank step-time heatmap, failure and incident tables.
+incidents, the engine fleet (each role replica's states beside the trainer's attempts, the
+rollout client's per-step figures, failed rollout requests by reason), a per-rank step-time
+heatmap, failure and incident tables.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from trainguard.core.event_kinds import (
     ROLE_REPLICA_STATE,
     ROLE_RESTART_BUDGET_EXHAUSTED,
     ROLLBACK_EXHAUSTED,
+    ROLLOUT_FAILED,
     WORKER_FAILED,
     WORKER_GROUP_UNHEALTHY,
     WORKERS_STARTED,
@@ -274,6 +277,83 @@ def _fleet(data: RunData, t0: float, t_end: float) -> str:
     )
 
 
+_ROLLOUT_CHARTS = (
+    ("Rollout tokens/s", (("rollout_tokens_per_s", ""),)),
+    ("Rollout latency p50 / p99 (s)",
+     (("rollout_latency_p50_s", "p50 "), ("rollout_latency_p99_s", "p99 "))),
+    ("Engines routable / total", (("engines_serving", "routable "), ("engines_total", "total "))),
+    ("Weight sync (s)", (("weight_sync_s", "duration "), ("weight_sync_timeout_s", "timeout "))),
+    ("Staleness (versions)", (("staleness_max", "max "), ("staleness_mean", "mean "))),
+)  # fmt: skip
+"""The rollout client's per-step figures (``RolloutClient.take_metrics`` and the weight sync,
+logged with ``tg.log``): title, then (logged key, series prefix) pairs, one series per rank."""
+
+
+def _rollout_charts(data: RunData) -> list[str]:
+    """Per-step charts of the rollout fleet as the trainer saw it, and the failed and retried
+    requests by reason (summed over ranks); none for a run whose ranks log no rollout figure."""
+    markers = _restart_markers(data, data.t0, "step")
+    charts = []
+    for title, keys in _ROLLOUT_CHARTS:
+        series = {}
+        for rank, recs in sorted(data.records.items()):
+            for key, prefix in keys:
+                pts = _series(recs, key)
+                if pts:
+                    series[f"{prefix}rank {rank}"] = pts
+        if series:
+            charts.append(
+                svg.line_chart(series, title=title, xlabel="step", markers=markers, width=460)
+            )
+    by_reason: dict[str, dict[float, float]] = {}
+    for recs in data.records.values():
+        for r in recs:
+            if r.get("kind") != "log":
+                continue
+            step = float(r.get("step", 0))
+            for k, v in r.items():
+                if not isinstance(v, int | float) or isinstance(v, bool):
+                    continue
+                if k == "rollout_retries":
+                    name = "retried"
+                elif k.startswith("rollout_failed_"):
+                    name = "failed: " + k.removeprefix("rollout_failed_")
+                else:
+                    continue
+                per_step = by_reason.setdefault(name, {})
+                per_step[step] = per_step.get(step, 0.0) + float(v)
+    if any(v for d in by_reason.values() for v in d.values()):
+        series = {name: sorted(d.items()) for name, d in sorted(by_reason.items())}
+        charts.append(
+            svg.line_chart(series, title="Rollout requests failed (by reason) and retried",
+                           xlabel="step", markers=markers, width=460)
+        )  # fmt: skip
+    return charts
+
+
+def _rollout_failures(data: RunData) -> str:
+    """The ``rollout_failed`` events (one per failed request, from every rank's client)
+    counted by reason and engine, and how many of them were retried on another engine; empty
+    without any."""
+    counts: dict[tuple[str, str], list[int]] = {}
+    for e in data.events:
+        if e.get("kind") == ROLLOUT_FAILED:
+            key = (str(e.get("reason") or "?"), str(e.get("engine") or "?"))
+            n = counts.setdefault(key, [0, 0])
+            n[0] += 1
+            n[1] += e.get("retried") is not False
+    if not counts:
+        return ""
+    rows = "".join(
+        f"<tr><td>{escape(reason)}</td><td>{escape(engine)}</td><td>{n}</td><td>{r}</td></tr>"
+        for (reason, engine), (n, r) in sorted(counts.items())
+    )
+    return (
+        '<table class="tg-rollout-failures"><tr><th>rollout failure reason</th><th>engine</th>'
+        f"<th>failed requests</th><th>retried elsewhere</th></tr>{rows}</table>"
+    )
+
+
 def _heatmap(data: RunData) -> str:
     rows_raw = {r: {int(s["step"]): float(s["step_time_s"]) for s in _steps(recs)}
                 for r, recs in sorted(data.records.items())}  # fmt: skip
@@ -401,6 +481,8 @@ _CURVES = (
     ("Reward", ("reward", "reward_mean")),
     ("KL to reference", ("kl",)),
     ("Entropy", ("entropy",)),
+    ("Reward std", ("reward_std",)),
+    ("Response length", ("response_length", "response_length_mean")),
 )
 """Training curves: title, the metric keys that feed it (the first a rank logs)."""
 _ALWAYS_SHOWN = ("Loss", "Reward", "KL to reference")
@@ -535,6 +617,9 @@ def render_report(
     peak = _peak(data, peak_override)
     speed = _speed_charts(data, t0, peak)
 
+    say("plotting the rollout fleet's figures")
+    rollout = _rollout_charts(data)
+
     say("building timeline and heatmap")
     ettr = f"{100 * g.ettr:.1f} %" if g.ettr is not None else "n/a"
     summary = _summary(
@@ -556,7 +641,8 @@ def render_report(
 {_goodput_section(g, ettr)}</div>
 <h2>Timeline</h2><div id="timeline">{_timeline(data, t0, t_end)}</div>
 <h2>Engine fleet</h2><div id="fleet">{_fleet(data, t0, t_end)}
-{_table(fleet_failures, ["time", "kind", "role", "replica", "pid", "exitcode", "reason", "message"], t0, "tg-failure-row") if fleet_failures else ""}</div>
+{_table(fleet_failures, ["time", "kind", "role", "replica", "pid", "exitcode", "reason", "message"], t0, "tg-failure-row") if fleet_failures else ""}
+<div class="charts" id="rollout">{"".join(rollout)}</div>{_rollout_failures(data)}</div>
 <h2>Step time per rank</h2><div id="heatmap">{_heatmap(data)}</div>
 <h2>Failures</h2><div id="failures">{_table(failures, ["time", "kind", "attempt", "rank", "cause", "exitcode", "signal", "place", "message"], t0, "tg-failure-row")}</div>
 <h2>Failure verdicts</h2><div id="verdicts">{_table(verdicts, ["time", "node", "failed_attempt", "cause", "verdict", "deterministic", "ranks", "summary"], t0, "tg-verdict-row")}</div>

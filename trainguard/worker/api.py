@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from trainguard.chaos.faults import WorkerChaos
 from trainguard.core import envvars
-from trainguard.core.atomicfile import open_append
+from trainguard.core.atomicfile import make_dirs, open_append
 from trainguard.core.config import ConfigError, load_worker_section, worker_section_or_default
+from trainguard.core.config.fleet import FleetConfig
 from trainguard.core.config.telemetry import TelemetryConfig
 from trainguard.core.events import EventLog
 from trainguard.core.failures import peer_failure
@@ -30,6 +31,7 @@ from trainguard.core.procs import exit_now
 from trainguard.core.progress import ProgressWriter, progress_path
 from trainguard.core.rundir import RunDir
 from trainguard.telemetry.spans import TRACEPARENT_ENV, SpanRecorder
+from trainguard.worker.sniff import SniffRunner
 
 if TYPE_CHECKING:
     from trainguard.checkpoint.manager import CheckpointManager
@@ -95,7 +97,7 @@ class TrainGuard:
         self.node = env.get(envvars.NODE) or env.get("SLURMD_NODENAME") or socket.gethostname()
         self.under_agent = envvars.PROGRESS_DIR in env
         self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.run_dir)  # private (0700) when this worker is the first to make it
         if self.under_agent:  # the agent's resolved config must be readable (ConfigError)
             load_worker_section(self.run_dir, "runtime")
         if self.world_size > 1:
@@ -138,6 +140,7 @@ class TrainGuard:
         self._cuda_available: bool | None = None
         self._current_step: int | None = None  # the step the next tg.log values belong to
         self._rollback = self._make_rollback()
+        self._sniff = self._make_sniff()
         self._progress: ProgressWriter | None = None
         if self.under_agent:
             self._report_to_agent(env[envvars.PROGRESS_DIR])
@@ -151,6 +154,16 @@ class TrainGuard:
         from trainguard.health.stacks import register_stack_dump
 
         self._stack_file = register_stack_dump(self.run_dir, self.rank, self.attempt)
+
+    def _make_sniff(self) -> SniffRunner | None:
+        """Sniff tests (``[fleet] sniff_interval_s``), run from ``step()``; under an agent only."""
+        if not self.under_agent:
+            return None
+        cfg: FleetConfig = worker_section_or_default(self.run_dir, "fleet")
+        if not cfg.enabled or cfg.sniff_interval_s <= 0:
+            return None
+        return SniffRunner(cfg, rank=self.rank, write=self._write_record,
+                           base={"attempt": self.attempt, "node": self.node})  # fmt: skip
 
     def _make_rollback(self) -> LossGuard | None:
         cfg = load_worker_section(self.run_dir, "rollback")
@@ -400,6 +413,8 @@ class TrainGuard:
                 self.step_num = self._rollback.ledger.next_step(num + 1)
             self._write_record(self._step_record(num, dt, tokens, samples, flops, failed))
             self._spans.end_step(num, span_id, span_start, failed=failed)
+            if self._sniff is not None and not failed:
+                self._sniff.after_step(num)
 
     def _step_record(
         self,

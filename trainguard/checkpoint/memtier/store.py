@@ -57,8 +57,7 @@ def place_snapshot(directory: Path, meta: dict[str, Any], bin_file: Path) -> Pat
 def write_snapshot(directory: Path, meta: dict[str, Any], data: bytes | bytearray) -> Path | None:
     """:func:`place_snapshot` for bytes held in memory."""
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".incoming-{uuid.uuid4().hex}.bin"
-    tmp.write_bytes(data)
+    tmp = write_atomic(directory / f".incoming-{uuid.uuid4().hex}.bin", data)
     return place_snapshot(directory, meta, tmp)
 
 

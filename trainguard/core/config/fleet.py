@@ -46,11 +46,41 @@ class FleetConfig:
     """At the end of a job, how long the agent waits for waiting records to be written."""
     connect_timeout_s: float = 3.0
 
+    # -- sniff tests -------------------------------------------------------------------------
+    sniff_interval_s: float = 0.0
+    """Sniff tests inside the job, at most this often: in ``tg.step()``, each rank times a
+    fixed GEMM on its device and, with ``torch.distributed`` initialised, a small all-reduce
+    over the default group; a rank that has become slow is flagged (event
+    ``sniff_degraded``), recorded and handled by ``[health] straggler_policy``. 0: off (the
+    all-reduce is a collective in the user's group: every rank must call ``tg.step()`` the
+    same number of times)."""
+    sniff_budget: float = 0.005
+    """Share of the training time the sniff tests may take (the interval grows to keep it)."""
+    sniff_gemm_size: int = 0
+    """Side of the square GEMM (0: 2048 in bf16 on a GPU, 512 in fp32 on a CPU)."""
+    sniff_allreduce_kib: int = 64
+    """Size of the sniff all-reduce (0: none)."""
+    sniff_slow_factor: float = 1.5
+    """A rank is slow when its GEMM takes this many times the reference: the median of the
+    node's other ranks at the same sniff, or (alone on its node) the fleet's history for the
+    same device model and GEMM size."""
+    sniff_patience: int = 2
+    """Consecutive slow sniffs before a rank is flagged."""
+    sniff_record_s: float = 300.0
+    """A rank's sniff results go to the fleet database at most this often (their median; a
+    flagged rank at once, and each rank at the end of the attempt)."""
+
     def __post_init__(self) -> None:
         if self.lemon_failures < 0 or self.lemon_window_days <= 0:
             raise ValueError("lemon_failures must be >= 0 and lemon_window_days > 0")
         if self.queue_max < 1 or self.retry_s <= 0 or self.flush_timeout_s < 0:
             raise ValueError("queue_max must be >= 1, retry_s > 0 and flush_timeout_s >= 0")
+        if self.sniff_interval_s < 0 or not 0.0 < self.sniff_budget <= 1.0:
+            raise ValueError("sniff_interval_s must be >= 0 and sniff_budget in (0, 1]")
+        if self.sniff_gemm_size < 0 or self.sniff_allreduce_kib < 0 or self.sniff_record_s < 0:
+            raise ValueError("sniff_gemm_size, sniff_allreduce_kib and sniff_record_s must be >= 0")
+        if self.sniff_slow_factor <= 1.0 or self.sniff_patience < 1:
+            raise ValueError("sniff_slow_factor must be > 1 and sniff_patience >= 1")
         if self.url and not self.url.startswith(("postgresql://", "postgres://", "sqlite:///")):
             raise ValueError(
                 "url must be postgresql://user@host:port/db or sqlite:///path "

@@ -98,101 +98,133 @@ class RoleSpec:
         }
 
     @classmethod
-    def from_mapping(cls, name: str, table: dict[str, Any], where: str) -> RoleSpec:  # noqa: PLR0915
+    def from_mapping(cls, name: str, table: dict[str, Any], where: str) -> RoleSpec:
         """Validate one role's table; ValueError (one line: what, where, how to fix)."""
         if name not in ROLE_NAMES:
             raise ValueError(
                 f"{where}: unknown role {name!r}; roles: trainer (the workers), "
                 f"{', '.join(ROLE_NAMES)}"
             )
-        known = {
-            "command",
-            "replicas",
-            "port",
-            "health_path",
-            "restart_budget",
-            "restart_policy",
-            "readiness_timeout_s",
-            "env",
-        }
-        unknown = sorted(set(table) - known)
+        unknown = sorted(set(table) - _TABLE_KEYS)
         if unknown:
             raise ValueError(
                 f"{where}: unknown key {unknown[0]!r} of role {name!r}; known keys: "
-                + ", ".join(sorted(known))
+                + ", ".join(sorted(_TABLE_KEYS))
             )
-        raw_cmd = table.get("command")
-        if isinstance(raw_cmd, str):
-            try:
-                command = tuple(shlex.split(raw_cmd))
-            except ValueError as e:
-                raise ValueError(f"{where}: role {name!r}: command {raw_cmd!r}: {e}") from None
-        elif isinstance(raw_cmd, list | tuple) and all(isinstance(c, str) for c in raw_cmd):
-            command = tuple(raw_cmd)
-        else:
-            command = ()
-        if not command:
-            raise ValueError(
-                f'{where}: role {name!r} has no command: set command = "python -m ..."'
-            )
-
-        def integer(key: str, default: int, lo: int, hi: int | None = None) -> int:
-            v = table.get(key, default)
-            if isinstance(v, bool) or not isinstance(v, int | str):
-                raise ValueError(f"{where}: role {name!r}: {key} {v!r} is not an integer")
-            try:
-                n = int(v)
-            except ValueError:
-                raise ValueError(f"{where}: role {name!r}: {key} {v!r} is not an integer") from None
-            if n < lo or (hi is not None and n > hi):
-                rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-                raise ValueError(f"{where}: role {name!r}: {key} {n} must be {rng}")
-            return n
-
-        replicas = integer("replicas", 1, 0)
+        check = _Checker(name, table, where)
+        command = check.command()
+        replicas = check.integer("replicas", 1, 0)
         if replicas == 0:
             raise ValueError(
                 f"{where}: role {name!r} has 0 replicas: give at least 1, or leave the role out"
             )
-        port = integer("port", 0, 0, 65535)
+        port = check.integer("port", 0, 0, 65535)
         if port and port + replicas - 1 > 65535:
             raise ValueError(
                 f"{where}: role {name!r}: ports {port}..{port + replicas - 1} go past 65535"
             )
-        budget = integer("restart_budget", 5, 0)
-        policy = str(table.get("restart_policy", "always"))
-        if policy not in RESTART_POLICIES:
-            raise ValueError(
-                f"{where}: role {name!r}: restart_policy {policy!r} is not one of "
-                f"{', '.join(RESTART_POLICIES)}"
-            )
-        health = str(table.get("health_path", "/health"))
-        if not health.startswith("/"):
-            raise ValueError(f"{where}: role {name!r}: health_path {health!r} must start with '/'")
-        ready = table.get("readiness_timeout_s")
-        if ready is not None:
-            try:
-                ready = float(ready)
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"{where}: role {name!r}: readiness_timeout_s {ready!r} is not a number"
-                ) from None
-            if ready <= 0:
-                raise ValueError(f"{where}: role {name!r}: readiness_timeout_s must be > 0")
-        env = table.get("env") or {}
-        if not isinstance(env, dict):
-            raise ValueError(f"{where}: role {name!r}: env must be a table of strings")
         return cls(
             name=name,
             command=command,
             replicas=replicas,
             port=port,
-            health_path=health,
-            restart_budget=budget,
-            restart_policy=policy,
-            readiness_timeout_s=ready,
-            env=tuple(sorted((str(k), str(v)) for k, v in env.items())),
+            restart_budget=check.integer("restart_budget", 5, 0),
+            restart_policy=check.restart_policy(),
+            health_path=check.health_path(),
+            readiness_timeout_s=check.readiness_timeout(),
+            env=check.env(),
         )
+
+
+_TABLE_KEYS = frozenset(
+    {
+        "command",
+        "replicas",
+        "port",
+        "health_path",
+        "restart_budget",
+        "restart_policy",
+        "readiness_timeout_s",
+        "env",
+    }
+)
+"""Keys of a ``[roles.<name>]`` table."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Checker:
+    """The checks of one role's table, each a ValueError of one line naming the role."""
+
+    name: str
+    table: dict[str, Any]
+    where: str
+
+    def _error(self, what: str) -> ValueError:
+        return ValueError(f"{self.where}: role {self.name!r}: {what}")
+
+    def command(self) -> tuple[str, ...]:
+        raw = self.table.get("command")
+        if isinstance(raw, str):
+            try:
+                command = tuple(shlex.split(raw))
+            except ValueError as e:
+                raise self._error(f"command {raw!r}: {e}") from None
+        elif isinstance(raw, list | tuple) and all(isinstance(c, str) for c in raw):
+            command = tuple(raw)
+        elif raw is not None:
+            raise self._error(f"command {raw!r} must be a string or a list of strings")
+        else:
+            command = ()
+        if not command:
+            raise ValueError(
+                f'{self.where}: role {self.name!r} has no command: set command = "python -m ..."'
+            )
+        return command
+
+    def integer(self, key: str, default: int, lo: int, hi: int | None = None) -> int:
+        v = self.table.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int | str):
+            raise self._error(f"{key} {v!r} is not an integer")
+        try:
+            n = int(v)
+        except ValueError:
+            raise self._error(f"{key} {v!r} is not an integer") from None
+        if n < lo or (hi is not None and n > hi):
+            rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+            raise self._error(f"{key} {n} must be {rng}")
+        return n
+
+    def restart_policy(self) -> str:
+        policy = str(self.table.get("restart_policy", "always"))
+        if policy not in RESTART_POLICIES:
+            raise self._error(
+                f"restart_policy {policy!r} is not one of {', '.join(RESTART_POLICIES)}"
+            )
+        return policy
+
+    def health_path(self) -> str:
+        health = str(self.table.get("health_path", "/health"))
+        if not health.startswith("/"):
+            raise self._error(f"health_path {health!r} must start with '/'")
+        return health
+
+    def readiness_timeout(self) -> float | None:
+        ready = self.table.get("readiness_timeout_s")
+        if ready is None:
+            return None
+        try:
+            seconds = float(ready)
+        except (TypeError, ValueError):
+            raise self._error(f"readiness_timeout_s {ready!r} is not a number") from None
+        if not seconds > 0:
+            raise self._error("readiness_timeout_s must be > 0")
+        return seconds
+
+    def env(self) -> tuple[tuple[str, str], ...]:
+        env = self.table.get("env") or {}
+        if not isinstance(env, dict):
+            raise self._error("env must be a table of strings")
+        return tuple(sorted((str(k), str(v)) for k, v in env.items()))
 
 
 _FLAG_RE = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_-]*)=(?P<opts>[^:]*):(?P<cmd>.*)$", re.S)

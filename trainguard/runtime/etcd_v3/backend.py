@@ -478,11 +478,12 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             ops = [{"request_range": {"key": _b64(hb + n)}} for n in (nodes or [])[i : i + 100]]
             for r in self._client.txn([], ops, []).get("responses") or []:
                 found.extend((r.get("response_range") or {}).get("kvs") or [])
-        return {
-            _unb64(kv["key"]).decode()[len(hb) :]: _unb64(kv.get("value")).decode(errors="replace")
-            for kv in found
-            if "key" in kv
-        }
+        out: dict[str, str] = {}
+        for kv in found:  # a key that is not UTF-8 (anyone may put one under the prefix): skipped
+            node = key_suffix(_unb64(kv.get("key")), hb)
+            if node is not None:
+                out[node] = _unb64(kv.get("value")).decode(errors="replace")
+        return out
 
     def heartbeat_left(self, node: str) -> None:
         """``node`` leaves: its heartbeat key says so (:data:`HEARTBEAT_LEFT`), on the run's

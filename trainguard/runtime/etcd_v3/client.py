@@ -30,7 +30,7 @@ from trainguard.runtime.etcd_v3._common import (
     _text,
     _unb64,
 )
-from trainguard.runtime.etcd_v3.codec import parse_lease
+from trainguard.runtime.etcd_v3.codec import gateway_json, parse_lease
 
 __all__ = ["MAX_RESPONSE_BYTES", "EtcdV3Client"]
 
@@ -178,7 +178,7 @@ class _Member:
                     raise http.client.HTTPException(f"a watch event is over {self.max_bytes} bytes")
                 if not line.strip():
                     continue
-                result = json.loads(line).get("result") or {}
+                result = gateway_json(line).get("result") or {}
                 if result.get("canceled") or int(result.get("compact_revision", 0) or 0):
                     return True
                 if result.get("created") and on_created is not None and on_created():
@@ -260,7 +260,7 @@ class EtcdV3Client:
     def _post_once(self, index: int, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         status, text = self._members[index].post(path, payload, self._headers())
         if status == 200:
-            return json.loads(text)
+            return gateway_json(text)
         low = text.lower()
         if "lease not found" in low:
             raise _LeaseGone(text)
@@ -287,7 +287,7 @@ class EtcdV3Client:
                     f"{PASSWORD_ENV} or the password file"
                 )
             raise _Transient(f"HTTP {status}: {text.strip()[:300]}")
-        self._token = json.loads(text).get("token")
+        self._token = gateway_json(text).get("token")
 
     def call(self, path: str, payload: dict[str, Any], *, deadline: float | None = None) -> Any:
         """POST ``payload`` to ``/v3/<path>`` with retries; returns the decoded JSON answer."""

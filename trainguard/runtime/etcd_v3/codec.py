@@ -47,6 +47,7 @@ __all__ = [
     "copy_state",
     "decode_state",
     "encode_state",
+    "gateway_json",
 ]
 
 _MAGIC = b"TGJ1"
@@ -162,27 +163,53 @@ def _time(t: Any) -> datetime:
     return datetime.fromtimestamp(t, timezone.utc)
 
 
-def _from_doc(doc: Any) -> RendezvousState:  # noqa: PLR0915
+def _from_doc(doc: Any) -> RendezvousState:
     """The state of a decoded JSON document, checked: every value of the expected type and
     range (node ids, pids, indices, the round: non-negative integers below 2**63), a node
     table of distinct nodes that are all referenced (no table larger than the state that uses
-    it: its size is what decoding costs), and in a complete round the ranks 0..n-1, each once.
-    Raises RendezvousStateError."""
+    it: its size is what decoding costs), and in a complete round distinct ranks. Raises
+    RendezvousStateError (a missing field: KeyError, which the caller turns into one)."""
     if type(doc) is not dict:
         raise _bad("not an object")
-    # A complete round's ranks are those torch assigned, 0..n-1 each once, but torch keeps a
-    # round complete when a participant leaves it (a dead node dropped): gaps are legitimate,
-    # duplicates and absurd ranks are not.
+    lists = _sized_lists(doc)
+    nodes = _node_table(doc["nodes"])
+    st = RendezvousState()
+    _set_header(st, doc)
+    used: set[int] = set()
+    st.participants = _participants(lists["participants"], nodes, used)
+    if st.complete:
+        _check_complete_ranks(st.participants)
+    st.wait_list = _node_set(lists["wait"], nodes, used, "wait")
+    st.redundancy_list = _node_set(lists["redundancy"], nodes, used, "redundancy")
+    st.last_heartbeats = _keep_alives(lists["beats"], nodes, used)
+    if len(used) != len(nodes):
+        raise _bad(f"{len(nodes) - len(used)} node(s) of its table referenced nowhere")
+    return st
+
+
+_LISTS = ("participants", "wait", "redundancy", "beats")
+
+
+def _sized_lists(doc: dict[str, Any]) -> dict[str, list[Any]]:
+    """The four lists that name nodes by index, checked against the node table's size before
+    anything is decoded: no table larger than its references (its size is what decoding
+    costs), no list longer than the table (each names a node at most once)."""
     table = doc["nodes"]
-    lists = {k: doc[k] for k in ("participants", "wait", "redundancy", "beats")}
+    lists = {k: doc[k] for k in _LISTS}
     if type(table) is not list or any(type(v) is not list for v in lists.values()):
         raise _bad("a table that is not a list")
     refs = sum(len(v) for v in lists.values())
     if len(table) > refs:
         raise _bad(f"{len(table)} nodes in its table, {refs} references")
-    for name, v in lists.items():  # each lists a node at most once: none is longer than the table
+    for name, v in lists.items():
         if len(v) > len(table):
             raise _bad(f"{len(v)} entries in {name}, {len(table)} nodes")
+    return lists
+
+
+def _node_table(table: list[Any]) -> list[NodeDesc]:
+    """The node table: ``[addr, pid, local_id]`` each, an address of at most 1024 characters,
+    pid and local id non-negative below 2**63, no node twice."""
     nodes: list[NodeDesc] = []
     for e in table:
         if type(e) is not list or len(e) != 3:
@@ -193,55 +220,73 @@ def _from_doc(doc: Any) -> RendezvousState:  # noqa: PLR0915
         nodes.append(NodeDesc(a, p, i))
     if len(set(nodes)) != len(nodes):
         raise _bad("a node listed twice in its table")
-    n = len(nodes)
-    used: set[int] = set()
-    st = RendezvousState()
+    return nodes
+
+
+def _set_header(st: RendezvousState, doc: dict[str, Any]) -> None:
+    """The round (non-negative), complete and closed (booleans) and the deadline (a finite
+    time or null)."""
     rnd = doc["round"]
     if not _uint(rnd):
         raise _bad(f"round {rnd!r}")
-    st.round = rnd
-    if type(doc["complete"]) is not bool or type(doc["closed"]) is not bool:
+    complete, closed = doc["complete"], doc["closed"]
+    if type(complete) is not bool or type(closed) is not bool:
         raise _bad("complete/closed not true or false")
-    st.complete = doc["complete"]
-    st.closed = doc["closed"]
     d = doc["deadline"]
+    st.round, st.complete, st.closed = rnd, complete, closed
     st.deadline = _time(d) if d is not None else None
+
+
+def _participants(entries: list[Any], nodes: list[NodeDesc], used: set[int]) -> dict[NodeDesc, int]:
+    """``[node index, rank]`` each, ranks non-negative, no node twice."""
     participants: dict[NodeDesc, int] = {}
-    for e in lists["participants"]:
+    for e in entries:
         if type(e) is not list or len(e) != 2:
             raise _bad("a participant that is not [node, rank]")
-        i, r = _index(e[0], n), e[1]
+        i, r = _index(e[0], len(nodes)), e[1]
         if not _uint(r):
             raise _bad(f"rank {r!r}")
         used.add(i)
         participants[nodes[i]] = r
-    if len(participants) != len(lists["participants"]):
+    if len(participants) != len(entries):
         raise _bad("a participant listed twice")
-    if st.complete:
-        ranks = sorted(participants.values())
-        if len(set(ranks)) != len(ranks) or (ranks and ranks[-1] >= MAX_NODE_RANK):
-            raise _bad(f"a complete round whose ranks are not distinct below {MAX_NODE_RANK}")
-    st.participants = participants
-    wait = [_index(i, n) for i in lists["wait"]]
-    redundancy = [_index(i, n) for i in lists["redundancy"]]
-    if len(set(wait)) != len(wait) or len(set(redundancy)) != len(redundancy):
-        raise _bad("a node listed twice in the wait or redundancy list")
-    used.update(wait, redundancy)
-    st.wait_list = {nodes[i] for i in wait}
-    st.redundancy_list = {nodes[i] for i in redundancy}
+    return participants
+
+
+def _check_complete_ranks(participants: dict[NodeDesc, int]) -> None:
+    """A complete round's ranks are those torch assigned, 0..n-1 each once; torch keeps a round
+    complete when a participant leaves it (a dead node dropped), so gaps are legitimate:
+    duplicates and absurd ranks are not."""
+    ranks = sorted(participants.values())
+    if len(set(ranks)) != len(ranks) or (ranks and ranks[-1] >= MAX_NODE_RANK):
+        raise _bad(f"a complete round whose ranks are not distinct below {MAX_NODE_RANK}")
+
+
+def _node_set(
+    entries: list[Any], nodes: list[NodeDesc], used: set[int], name: str
+) -> set[NodeDesc]:
+    """The wait or redundancy list: node indices, none twice."""
+    indices = [_index(i, len(nodes)) for i in entries]
+    if len(set(indices)) != len(indices):
+        raise _bad(f"a node listed twice in the {name} list")
+    used.update(indices)
+    return {nodes[i] for i in indices}
+
+
+def _keep_alives(
+    entries: list[Any], nodes: list[NodeDesc], used: set[int]
+) -> dict[NodeDesc, datetime]:
+    """``[node index, time]`` each, finite times, no node twice."""
     beats: dict[NodeDesc, datetime] = {}
-    for e in lists["beats"]:
+    for e in entries:
         if type(e) is not list or len(e) != 2:
             raise _bad("a keep-alive that is not [node, time]")
-        i = _index(e[0], n)
+        i = _index(e[0], len(nodes))
         used.add(i)
         beats[nodes[i]] = _time(e[1])
-    if len(beats) != len(lists["beats"]):
+    if len(beats) != len(entries):
         raise _bad("a keep-alive listed twice")
-    st.last_heartbeats = beats
-    if len(used) != n:
-        raise _bad(f"{n - len(used)} node(s) of its table referenced nowhere")
-    return st
+    return beats
 
 
 def _uint(x: Any) -> bool:
@@ -322,6 +367,19 @@ def parse_json(raw: bytes, *, max_bytes: int = MAX_ENTRY_BYTES) -> Any:
         return json.loads(raw)
     except Exception:  # ValueError, UnicodeDecodeError, RecursionError, MemoryError...
         return None
+
+
+def gateway_json(text: str | bytes) -> dict[str, Any]:
+    """An answer of etcd's JSON gateway (keys and values inside it are base64: what a writer
+    of the prefix put there cannot change its structure), or ValueError, which the client
+    retries like any other bad answer, for anything that is not a JSON object."""
+    try:
+        doc = json.loads(text)
+    except Exception as e:  # ValueError, RecursionError...
+        raise ValueError(f"etcd answered something that is not JSON ({type(e).__name__})") from None
+    if type(doc) is not dict:
+        raise ValueError(f"etcd answered a JSON {type(doc).__name__}, not an object")
+    return doc
 
 
 def key_suffix(raw_key: bytes, prefix: str) -> str | None:

@@ -1,0 +1,210 @@
+"""Sniff tests inside the job: a fixed GEMM timed on each rank's device and a small all-reduce
+over the default group, run from ``tg.step()`` within a time budget (``[fleet] sniff_*``).
+
+Every rank must run the all-reduce at the same step, so the steps are agreed, never read off
+each rank's clock: the first sniff, at step ``_FIRST_STEP``, warms the GEMM (its time sizes the
+wait for the next one, so that the budget holds from the first measured sniff on) and agrees
+the next sniff step; every sniff's all-reduce carries each rank's proposal for the next sniff
+step (``MAX``-reduced: the most conservative rank wins). A rank proposes the step at which
+``sniff_interval_s`` has passed and the time spent in sniffs stays within ``sniff_budget`` of
+the time since its first step, at its current seconds per step. Without ``torch.distributed``
+(or with one rank) the GEMM runs on the rank's own clock.
+
+Each sniff appends a ``sniff`` record to the rank's metrics (``gemm_s``: the median of three
+timed GEMMs: another process's burst is one outlier, a slow device is slow in most runs), ``allreduce_s``, ``sniff_s``: the wall time of the whole sniff,
+``overhead``: sniff time / time since the first step): the agent judges them
+(:mod:`trainguard.fleet.sniff`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from trainguard.core.config.fleet import FleetConfig
+
+__all__ = ["SniffRunner"]
+
+logger = logging.getLogger(__name__)
+
+_FIRST_STEP = 3
+"""Step of the first (agreement-only) sniff: after the first steps' start-up costs."""
+_GEMM_RUNS = 3
+
+
+def device_model(dev: Any) -> str:
+    import torch
+
+    if dev.type == "cuda":
+        return str(torch.cuda.get_device_name(dev))
+    return "cpu"
+
+
+class SniffRunner:
+    """One rank's sniff tests (created by ``tg.step()`` when ``sniff_interval_s > 0``)."""
+
+    def __init__(self, cfg: FleetConfig, *, rank: int, write: Callable[[dict[str, Any]], None],
+                 base: dict[str, Any]) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.rank = rank
+        self._write = write
+        self._base = base
+        self.next_step = _FIRST_STEP
+        self.t_first: float | None = None
+        self.steps_since_first = 0
+        self.spent_s = 0.0
+        self.last_cost_s = 0.0
+        self.sniffs = 0
+        self._next_time = 0.0  # without collectives
+        self._mats: tuple[Any, Any] | None = None
+        self._failed = False
+
+    # -- scheduling ----------------------------------------------------------------------------
+    def proposal(self, step: int, now: float) -> int:
+        """The step this rank proposes for the next sniff (after ``step``, at ``now``)."""
+        assert self.t_first is not None
+        elapsed = max(now - self.t_first, 1e-9)
+        per_step = elapsed / max(self.steps_since_first, 1)
+        # the budget holds at the next sniff if (spent + its cost) <= budget * elapsed then
+        budget_at = (self.spent_s + self.last_cost_s) / self.cfg.sniff_budget
+        wait_s = max(self.cfg.sniff_interval_s, budget_at - elapsed)
+        return step + max(1, math.ceil(wait_s / per_step - 1e-9))
+
+    def after_step(self, step: int) -> None:
+        """Called at the end of each successful step; runs a sniff when one is due. Never
+        raises: a sniff that fails is logged and the sniff tests stop for this process."""
+        if self._failed:
+            return
+        now = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = now
+        else:
+            self.steps_since_first += 1
+        dist = _dist()
+        collective = dist is not None and dist.get_world_size() > 1
+        if collective:
+            if step < self.next_step:
+                return
+        elif now < self._next_time or step < _FIRST_STEP:
+            return
+        try:
+            self._sniff(step, now, dist if collective else None)
+        except Exception as e:
+            self._failed = True
+            logger.warning("rank %d: sniff tests stopped: %s: %s", self.rank, type(e).__name__, e)
+
+    # -- one sniff -----------------------------------------------------------------------------
+    def _device(self, dist: Any) -> Any:
+        import torch
+
+        if (
+            dist is not None
+            and dist.get_backend() == "nccl"
+            or (dist is None and torch.cuda.is_available() and torch.cuda.is_initialized())
+        ):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _gemm(self, dev: Any, runs: int = _GEMM_RUNS) -> tuple[float, int, str]:
+        import torch
+
+        cuda = dev.type == "cuda"
+        n = self.cfg.sniff_gemm_size or (2048 if cuda else 512)
+        if self._mats is None:
+            dtype = torch.bfloat16 if cuda else torch.float32
+            g = torch.Generator(device="cpu").manual_seed(1234)  # fixed work
+            a = torch.randn(n, n, generator=g, dtype=torch.float32).to(dev, dtype)
+            self._mats = (a, torch.randn(n, n, generator=g, dtype=torch.float32).to(dev, dtype))
+            torch.matmul(*self._mats)  # warm, once
+        a, b = self._mats
+
+        def sync() -> None:
+            if cuda:
+                torch.cuda.synchronize(dev)
+
+        sync()
+        took = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            torch.matmul(a, b)
+            sync()
+            took.append(time.perf_counter() - t0)
+        return statistics.median(took), n, str(a.dtype).removeprefix("torch.")
+
+    def _sniff(self, step: int, now: float, dist: Any) -> None:
+        import torch
+
+        t0 = time.perf_counter()
+        dev = self._device(dist)
+        first = self.sniffs == 0 and dist is not None
+        gemm_s = allreduce_s = None
+        n, dtype = 0, ""
+        if first:  # warm the GEMM once: its time sizes the first wait (the budget holds then)
+            self._gemm(dev, runs=1)
+            self.last_cost_s = (_GEMM_RUNS + 1) * (time.perf_counter() - t0)
+        else:
+            try:
+                gemm_s, n, dtype = self._gemm(dev)
+            except Exception as e:  # the all-reduce below still runs: the others wait for it
+                logger.warning("rank %d: sniff GEMM failed: %s: %s", self.rank,
+                               type(e).__name__, e)  # fmt: skip
+        if dist is not None:
+            agree = torch.zeros(1, dtype=torch.float64, device=dev)
+            agree[0] = float(self.proposal(step, time.perf_counter()))
+            dist.all_reduce(agree, op=dist.ReduceOp.MAX)  # also waits for every rank's GEMM
+            self.next_step = int(agree.item())
+            if not first and self.cfg.sniff_allreduce_kib > 0:
+                payload = torch.ones(self.cfg.sniff_allreduce_kib * 256, device=dev)
+                t1 = time.perf_counter()
+                dist.all_reduce(payload)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                allreduce_s = time.perf_counter() - t1
+        cost = time.perf_counter() - t0
+        self.spent_s += cost
+        if not first:
+            self.last_cost_s = cost
+        self.sniffs += 1
+        end = time.perf_counter()
+        if dist is None:
+            self._next_time = end + max(
+                self.cfg.sniff_interval_s, self.spent_s / self.cfg.sniff_budget - (end - t0)
+            )
+        if first:
+            return
+        assert self.t_first is not None
+        elapsed = end - self.t_first
+        record: dict[str, Any] = {
+            **self._base,
+            "time": time.time(),
+            "kind": "sniff",
+            "rank": self.rank,
+            "step": step,
+            "device_model": device_model(dev),
+            "gemm_size": n,
+            "gemm_dtype": dtype,
+            "gemm_s": gemm_s,
+            "sniff_s": cost,
+            "sniff_total_s": self.spent_s,
+            "elapsed_s": elapsed,
+            "overhead": self.spent_s / elapsed if elapsed > 0 else 0.0,
+            "next_step": self.next_step,
+        }
+        if allreduce_s is not None:
+            record["allreduce_s"] = allreduce_s
+            record["allreduce_kib"] = self.cfg.sniff_allreduce_kib
+        self._write(record)
+
+
+def _dist() -> Any:
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
