@@ -61,7 +61,7 @@ def load_function(spec: str) -> RewardFn:
         raise ValueError(f"--function {spec!r}: cannot import it ({e})") from None
     if not callable(fn):
         raise ValueError(f"--function {spec!r}: not a function")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def _handler(fn: RewardFn, spec: str) -> type[BaseHTTPRequestHandler]:
