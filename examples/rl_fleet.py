@@ -9,7 +9,9 @@
 
 The policy is the tiny random-weight GPT-2 of ``examples/trl_grpo.py`` (built in code, nothing
 downloaded). Prompt ``i`` reads ``please write A B now``; the verifiable reward is the share of
-the completion's words equal to the digit A. Each step every rank takes the same global batch
+the completion's words equal to the digit A (``trainguard.rl.tiny.digit_reward``, in-process,
+or on reward servers: ``--reward-urls`` or a ``reward`` role, the ``trainguard.rl.reward``
+client retrying on another server). Each step every rank takes the same global batch
 of prompt positions from the :class:`trainguard.rl.PromptLedger`, generates ``--group``
 completions for its share through the :class:`trainguard.rl.RolloutClient` (retries on
 another engine; a batch is complete or the step raises, never a made-up sample), computes
@@ -53,16 +55,13 @@ from trainguard.rl import (
     RolloutConfig,
     WeightStore,
 )
-from trainguard.rl.tiny import tiny_gpt2, tiny_tokenizer
+from trainguard.rl.client import REWARD_URLS_ENV
+from trainguard.rl.reward import RewardClient
+from trainguard.rl.tiny import digit_reward, tiny_gpt2, tiny_tokenizer
 
 
 def prompt_text(i: int) -> str:
     return f"please write {i % 10} {(i // 10) % 10} now"
-
-
-def reward(prompt_id: int, text: str) -> float:
-    words = text.split()
-    return sum(w == str(prompt_id % 10) for w in words) / max(1, len(words))
 
 
 def seq_logprobs(
@@ -88,6 +87,12 @@ def main() -> None:
     p.add_argument("--request-timeout", type=float, default=30.0)
     p.add_argument("--max-attempts", type=int, default=6, help="per rollout request")
     p.add_argument("--urls", default=None, help="default: $TRAINGUARD_ROLLOUT_URLS")
+    p.add_argument(
+        "--reward-urls",
+        default=os.environ.get(REWARD_URLS_ENV),
+        help="reward servers (python -m trainguard.rl.reward --function "
+        "trainguard.rl.tiny:digit_reward); default: $TRAINGUARD_REWARD_URLS, else in-process",
+    )
     p.add_argument("--fail-at-step", type=int, default=-1)
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.0)
@@ -120,6 +125,18 @@ def main() -> None:
         events=tg.events.emit,
     )
     consumed = ConsumedLog(tg.run_dir / "rl" / "consumed.jsonl")
+    scorer = RewardClient(args.reward_urls.split(",")) if args.reward_urls else None
+
+    def score(ids: list[int], comps: list[list[Completion]]) -> torch.Tensor:
+        """[prompt, completion] rewards: from the reward servers when there are some (retried
+        on another after a failure; an error after the cap, never a made-up reward)."""
+        prompts = [prompt_text(i) for i, group in zip(ids, comps, strict=True) for _ in group]
+        texts = [c.text for group in comps for c in group]
+        if scorer is not None:
+            flat = scorer.score(prompts, texts)
+        else:
+            flat = [digit_reward(p, t) for p, t in zip(prompts, texts, strict=True)]
+        return torch.tensor(flat).view(len(ids), -1)
 
     def publish(v: int, *, reattach: bool = False) -> dict[str, float]:
         """Rank 0 publishes and pushes version v; every rank learns who confirmed. On
@@ -183,12 +200,7 @@ def main() -> None:
                 nxt_ids = [ledger.prompt_id(g) for g in nxt[tg.rank :: world]]
                 prefetch = (nxt, pool.submit(generate, nxt_ids))
             with tg.span("reward"):
-                rewards = torch.tensor(
-                    [
-                        [reward(i, c.text) for c in group]
-                        for i, group in zip(ids, comps, strict=False)
-                    ]
-                )
+                rewards = score(ids, comps)
                 adv = (rewards - rewards.mean(1, keepdim=True)) / (
                     rewards.std(1, keepdim=True) + 1e-4
                 )

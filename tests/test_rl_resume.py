@@ -1,7 +1,7 @@
-"""examples/rl_fleet.py under ``trainguard run`` with two real engines: every prompt is trained
-on exactly once, in the fault-free order, through kill -9 of a trainer rank (twice) and of an
-engine; a trainer restart keeps the engines (same PIDs) and refits them only when their weight
-version differs from its restored one."""
+"""examples/rl_fleet.py under ``trainguard run`` with two real engines and two reward servers:
+every prompt is trained on exactly once, in the fault-free order, through kill -9 of a trainer
+rank (twice), of an engine and of each reward server; a trainer restart keeps the engines (same
+PIDs) and refits them only when their weight version differs from its restored one."""
 
 from __future__ import annotations
 
@@ -62,8 +62,17 @@ def test_exactly_once_prompts_through_trainer_and_engine_kills(
         [free_port(), free_port()], run_dir=run_dir, args=["--poll-interval-s", "0.3"]
     )
     engines.start()
+    rewards = LocalEngines(
+        [free_port(), free_port()], run_dir=run_dir, role="reward", module="trainguard.rl.reward",
+        args=["--function", "trainguard.rl.tiny:digit_reward"],
+    )  # fmt: skip
+    rewards.start()
     log = ConsumedLog(run_dir / "rl" / "consumed.jsonl")
-    env = base_env(TRAINGUARD_ROLLOUT_URLS=",".join(engines.urls), OMP_NUM_THREADS="1")
+    env = base_env(
+        TRAINGUARD_ROLLOUT_URLS=",".join(engines.urls),
+        TRAINGUARD_REWARD_URLS=",".join(rewards.urls),
+        OMP_NUM_THREADS="1",
+    )
     p = popen(
         "trainguard",
         ["--standalone", "--nproc-per-node", "2", "--max-restarts", "4", "--tg-run-dir",
@@ -83,6 +92,11 @@ def test_exactly_once_prompts_through_trainer_and_engine_kills(
             p,
         )
         engines.restart(0)  # kill -9 mid-run; its replacement rejoins on the same port
+        rewards.kill(0, signal.SIGKILL)  # scoring goes on on the other reward server
+        wait_for(lambda: max(log.effective(), default=-1) >= 5, "step 5", p)
+        rewards.start(0)
+        rewards.wait_serving(0, timeout=120)
+        rewards.kill(1, signal.SIGKILL)
         wait_for(lambda: max(log.effective(), default=-1) >= 6, "step 6", p)
         started = events(run_dir, "workers_started")[-1]
         rank0 = next(w["pid"] for w in started["workers"] if w["rank"] == 0)
@@ -94,6 +108,7 @@ def test_exactly_once_prompts_through_trainer_and_engine_kills(
             p.kill()
             p.wait()
         engines.close()
+        rewards.close()
     result = audit(log, PROMPTS)
     assert (result.steps, result.skipped, result.duplicated) == (STEPS, 0, 0)
     ledger = PromptLedger(PROMPTS, seed=0)

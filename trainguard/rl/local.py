@@ -47,9 +47,14 @@ class LocalEngines:
         args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         standby: bool = False,
+        role: str = "rollout",
+        module: str = "trainguard.rl.engine",
     ) -> None:
         """``standby``: keep a warm replacement per replica (``--standby``), promoted by
-        :meth:`restart` (the new primary takes the port as soon as the old one is gone)."""
+        :meth:`restart` (the new primary takes the port as soon as the old one is gone).
+        ``role``/``module``: another fleet, e.g. ``reward`` servers (``trainguard.rl.reward``)."""
+        self.role = role
+        self.module = module
         self.ports = list(ports)
         self.run_dir = Path(run_dir)
         self.args = list(args)
@@ -68,7 +73,7 @@ class LocalEngines:
         env = {
             **os.environ,
             **self.env,
-            "TRAINGUARD_ROLE": "rollout",
+            "TRAINGUARD_ROLE": self.role,
             "TRAINGUARD_ROLE_REPLICA": str(k),
             "TRAINGUARD_ROLE_PORT": str(self.ports[k]),
             "TRAINGUARD_RUN_DIR": str(self.run_dir),
@@ -77,9 +82,9 @@ class LocalEngines:
         logs = self.run_dir / "roles"
         logs.mkdir(parents=True, exist_ok=True)
         if self._logs[k] is None:  # closed in close(); appended, no symlink followed
-            self._logs[k] = os.fdopen(open_append(logs / f"rollout_{k}.log"), "ab")
+            self._logs[k] = os.fdopen(open_append(logs / f"{self.role}_{k}.log"), "ab")
         return subprocess.Popen(
-            [sys.executable, "-m", "trainguard.rl.engine", *self.args, *extra],
+            [sys.executable, "-m", self.module, *self.args, *extra],
             env=env,
             stdout=self._logs[k],
             stderr=subprocess.STDOUT,

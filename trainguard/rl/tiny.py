@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TINY_MODEL", "WORDS", "load_model", "tiny_gpt2", "tiny_tokenizer"]
+__all__ = ["TINY_MODEL", "WORDS", "digit_reward", "load_model", "tiny_gpt2", "tiny_tokenizer"]
 
 TINY_MODEL = "tiny-gpt2"
 WORDS = ["<pad>", "<eos>", "<unk>", *map(str, range(10)), "write", "digits", "please", "now"]
@@ -54,3 +54,12 @@ def load_model(name: str, seed: int = 0) -> tuple[Any, Any]:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok
+
+
+def digit_reward(prompt: str, completion: str) -> float:
+    """The tiny task's verifiable reward: prompt ``please write A B now`` asks for the digit A;
+    the reward is the share of the completion's words equal to it (0 for an empty one)."""
+    words = prompt.split()
+    target = words[2] if len(words) > 2 else ""
+    out = completion.split()
+    return sum(w == target for w in out) / max(1, len(out))
