@@ -10,8 +10,9 @@ step (``MAX``-reduced: the most conservative rank wins). A rank proposes the ste
 the time since its first step, at its current seconds per step. Without ``torch.distributed``
 (or with one rank) the GEMM runs on the rank's own clock.
 
-Each sniff appends a ``sniff`` record to the rank's metrics (``gemm_s``: the median of three
-timed GEMMs: another process's burst is one outlier, a slow device is slow in most runs), ``allreduce_s``, ``sniff_s``: the wall time of the whole sniff,
+Each sniff appends a ``sniff`` record to the rank's metrics (``gemm_s``: one timed GEMM after a warm one
+on the first sniff: the judge wants ``sniff_patience`` slow sniffs in a row, so a single
+outlier is not a flag, and a sniff this cheap can run often within the budget), ``allreduce_s``, ``sniff_s``: the wall time of the whole sniff,
 ``overhead``: sniff time / time since the first step): the agent judges them
 (:mod:`trainguard.fleet.sniff`).
 """
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 _FIRST_STEP = 3
 """Step of the first (agreement-only) sniff: after the first steps' start-up costs."""
-_GEMM_RUNS = 3
+_GEMM_RUNS = 1
 
 
 def device_model(dev: Any) -> str:
@@ -144,8 +145,8 @@ class SniffRunner:
         gemm_s = allreduce_s = None
         n, dtype = 0, ""
         if first:  # warm the GEMM once: its time sizes the first wait (the budget holds then)
-            self._gemm(dev, runs=1)
-            self.last_cost_s = (_GEMM_RUNS + 1) * (time.perf_counter() - t0)
+            one, _, _ = self._gemm(dev, runs=1)
+            self.last_cost_s = 1.5 * _GEMM_RUNS * one  # with a margin for the all-reduce
         else:
             try:
                 gemm_s, n, dtype = self._gemm(dev)
