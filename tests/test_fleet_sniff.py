@@ -94,6 +94,13 @@ def test_schedule_keeps_the_budget() -> None:
     assert r.proposal(100, now=10.0) == 100 + 40
     r.spent_s = r.last_cost_s = 0.0001  # cheap sniffs: the interval decides
     assert r.proposal(100, now=10.0) == 110
+    # a group restored at step 500 (or restarted in process) agrees its first sniff from there
+    fresh = SniffRunner(cfg, rank=0, write=lambda rec: None, base={})
+    fresh.after_step(500)
+    assert fresh.next_step == 503 and fresh.steps_since_first == 0
+    fresh.after_step(501)
+    fresh.after_step(0, generation=1)
+    assert fresh.next_step == 3 and fresh.steps_since_first == 0 and fresh.t_first is not None
     with pytest.raises(ValueError, match="sniff_slow_factor"):
         FleetConfig(sniff_slow_factor=1.0)
 
