@@ -64,7 +64,7 @@ class FleetConfig:
     """A rank is slow when its GEMM takes this many times the reference: the median of the
     node's other ranks at the same sniff, or (alone on its node) the fleet's history for the
     same device model and GEMM size."""
-    sniff_window: int = 3
+    sniff_window: int = 5
     """A rank is flagged when the median of its last this many sniffs is slow (most of them
     were: one outlier is not a flag)."""
     sniff_record_s: float = 300.0
