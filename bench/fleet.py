@@ -12,15 +12,22 @@ PostgreSQL (Debian's ``postgresql``, a throwaway cluster on loopback).
   the next job's start and the spare runs in its place;
 - database: 1 000 writers (10 processes x 100 agents' writers) put 5 records each into
   PostgreSQL at once: records lost; a job whose PostgreSQL is stopped mid-run (a rank killed
-  while it is down) finishes, and its records land once the server is back.
+  while it is down) finishes, and its records land once the server is back;
+- sniff tests: a 2-rank gloo job (tests/workers/recovery_worker.py, a 50 ms step) with the
+  default sniff settings (``sniff_interval_s = 5``, ``sniff_budget = 0.005``, window 5) trains
+  ``--sniff-warm-s`` (90 s) unthrottled (``sniff_overhead``: the largest share of a rank's time since
+  its first step spent in sniffs, at its last sniff before the throttle), then rank 1 is
+  throttled to about half speed for real (tests/throttle.py: a cgroup's quota and half weight,
+  else taskset onto a core a spinning process keeps busy): ``degraded_rank_flagged_s`` is the
+  time from the throttle to the ``sniff_degraded`` event naming rank 1 (null if not in 120 s).
 
-    python bench/fleet.py [--runs 3]
+    python bench/fleet.py [--runs 3] [--only user_error,transient,lemon,db,sniff]
 
 Ends with one JSON line: user_error_restarts, torchrun_user_error_restarts,
 user_error_to_exit_s, torchrun_user_error_to_exit_s (medians), transient_faults_stopped,
-lemon_refused, db_records_lost_1000, db_down_job_ok. Not measured here: XID chaos (tested with
-a dcgm-exporter endpoint in tests/test_recovery_jobs.py), degraded_rank_flagged_s and
-sniff_overhead (no sniff tests yet).
+lemon_refused, db_records_lost_1000, db_down_job_ok, degraded_rank_flagged_s, sniff_overhead.
+Not measured here: XID chaos (tested with a dcgm-exporter endpoint in
+tests/test_recovery_jobs.py).
 """
 
 from __future__ import annotations
@@ -41,8 +48,10 @@ sys.path.insert(0, str(REPO))
 from tests.launch_utils import base_env, free_port, wait_listening  # noqa: E402
 from tests.procs import kill_tree  # noqa: E402
 from tests.services.postgres_service import Postgres  # noqa: E402
+from tests.throttle import throttle  # noqa: E402
 
 FAULTY = REPO / "tests" / "workers" / "faulty.py"
+STEPPER = REPO / "tests" / "workers" / "recovery_worker.py"
 LAUNCHER = {
     "trainguard": [sys.executable, "-m", "trainguard", "run"],
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
@@ -228,42 +237,115 @@ def db_down(root: Path, pg: Postgres) -> bool:
     return rc == 0 and bool(landed) and bool(fleet) and fleet[-1]["waiting"] == 0
 
 
+def _lines(path: Path, kind: str) -> list[dict[str, object]]:
+    if not path.exists():
+        return []
+    return [r for x in path.read_text().splitlines() if f'"{kind}"' in x
+            for r in [json.loads(x)] if r.get("kind") == kind]  # fmt: skip
+
+
+def sniff(root: Path, warm_s: float) -> tuple[float | None, float | None]:
+    """(seconds from the throttle to the flag, sniff overhead before it)."""
+    d = root / "sniff"
+    d.mkdir()
+    run = d / "run"
+    e = env(TRAINGUARD_RUNTIME_RUNS_ROOT=str(d / "runs"), OMP_NUM_THREADS="1",
+            TRAINGUARD_FLEET_SNIFF_INTERVAL_S="5", TRAINGUARD_HEALTH_STRAGGLER_DETECTION="false",
+            SLURMD_NODENAME="sniffbench")  # fmt: skip
+    p = subprocess.Popen(
+        LAUNCHER["trainguard"] + ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
+        "--tg-run-dir", str(run), str(STEPPER), "--steps", "10000000", "--step-s", "0.05",
+        "--until-file", str(d / "stop")],
+        cwd=d, env=e, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+    )  # fmt: skip
+    events = run / "events.jsonl"
+    flagged_s: float | None = None
+    overhead: float | None = None
+    try:
+        deadline = time.monotonic() + 300
+        while not _lines(events, "workers_started") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        while time.monotonic() < deadline:  # warm_s of training since the first step
+            got = _lines(run / "metrics" / "rank_0.jsonl", "sniff")
+            if got and float(got[-1]["elapsed_s"]) >= warm_s:  # type: ignore[arg-type]
+                break
+            time.sleep(0.5)
+        last = [_lines(run / "metrics" / f"rank_{r}.jsonl", "sniff") for r in (0, 1)]
+        if all(last):
+            overhead = max(float(x[-1]["overhead"]) for x in last)  # type: ignore[arg-type]
+        pids = {int(w["rank"]): int(w["pid"]) for ev in _lines(events, "workers_started")
+                for w in ev["workers"]}  # type: ignore[attr-defined]  # fmt: skip
+        with throttle(pids[1]) as how:
+            t0 = time.time()
+            end = time.monotonic() + 120
+            while time.monotonic() < end and p.poll() is None:
+                got = [ev for ev in _lines(events, "sniff_degraded")
+                       if ev.get("rank") == 1 and float(ev["time"]) >= t0]  # type: ignore[arg-type]  # fmt: skip
+                if got:
+                    flagged_s = float(got[0]["time"]) - t0  # type: ignore[arg-type]
+                    break
+                time.sleep(0.2)
+        wrong = [(ev["rank"], round(float(ev["time"]) - t0, 1))  # type: ignore[arg-type]
+                 for ev in _lines(events, "sniff_degraded")
+                 if ev.get("rank") != 1 or float(ev["time"]) < t0]  # type: ignore[arg-type]  # fmt: skip
+        counts = [len(_lines(run / "metrics" / f"rank_{r}.jsonl", "sniff")) for r in (0, 1)]
+        print(f"  sniff       throttled by {how}: rank 1 flagged after "
+              f"{'-' if flagged_s is None else f'{flagged_s:.1f} s'}, false flags (rank, s from "
+              f"the throttle) {wrong}; overhead before {overhead}; sniffs per rank {counts}")  # fmt: skip
+    finally:
+        (d / "stop").touch()
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        kill_tree(p)
+    return flagged_s, overhead
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--only", default="user_error,transient,lemon,db,sniff")
+    ap.add_argument("--sniff-warm-s", type=float, default=90.0)
     a = ap.parse_args()
+    only = set(a.only.split(","))
     root = Path(tempfile.mkdtemp(prefix="tg-bench-fleet-"))
     print(f"bench/fleet.py in {root} (a loaded shared 2-core machine: times are indicative)")
-    u = user_error(root, a.runs)
-    stopped = transient(root)
-    refused = lemon(root)
-    pg = Postgres(max_connections=100)
-    try:
-        lost = db_load(pg)
-        down_ok = db_down(root, pg)
-    finally:
-        pg.close()
+    result: dict[str, object] = {}
     med = statistics.median
-    print()
-    print(f"{'':<28}{'trainguard':>12}{'torchrun':>12}{'ratio':>8}")
-    print(f"{'user error: restarts':<28}{med(u['tg_r']):>12.0f}{med(u['tr_r']):>12.0f}")
-    ratio = med(u["tg_s"]) / med(u["tr_s"]) if med(u["tr_s"]) else float("nan")
-    print(
-        f"{'user error: s to exit':<28}{med(u['tg_s']):>12.1f}{med(u['tr_s']):>12.1f}{ratio:>8.2f}"
-    )
-    result = {
-        "user_error_restarts": med(u["tg_r"]),
-        "torchrun_user_error_restarts": med(u["tr_r"]),
-        "user_error_to_exit_s": round(med(u["tg_s"]), 2),
-        "torchrun_user_error_to_exit_s": round(med(u["tr_s"]), 2),
-        "torchrun_user_error_hung_runs": int(sum(u["tr_h"])),
-        "user_error_hung_runs": int(sum(u["tg_h"])),
-        "transient_faults_stopped": stopped,
-        "lemon_refused": refused,
-        "db_records_lost_1000": lost,
-        "db_down_job_ok": down_ok,
-        "runs": a.runs,
-    }
+    if "user_error" in only:
+        u = user_error(root, a.runs)
+        print()
+        print(f"{'':<28}{'trainguard':>12}{'torchrun':>12}{'ratio':>8}")
+        print(f"{'user error: restarts':<28}{med(u['tg_r']):>12.0f}{med(u['tr_r']):>12.0f}")
+        ratio = med(u["tg_s"]) / med(u["tr_s"]) if med(u["tr_s"]) else float("nan")
+        print(f"{'user error: s to exit':<28}{med(u['tg_s']):>12.1f}{med(u['tr_s']):>12.1f}"
+              f"{ratio:>8.2f}")  # fmt: skip
+        result.update({
+            "user_error_restarts": med(u["tg_r"]),
+            "torchrun_user_error_restarts": med(u["tr_r"]),
+            "user_error_to_exit_s": round(med(u["tg_s"]), 2),
+            "torchrun_user_error_to_exit_s": round(med(u["tr_s"]), 2),
+            "torchrun_user_error_hung_runs": int(sum(u["tr_h"])),
+            "user_error_hung_runs": int(sum(u["tg_h"])),
+        })  # fmt: skip
+    if "transient" in only:
+        result["transient_faults_stopped"] = transient(root)
+    if "lemon" in only:
+        result["lemon_refused"] = lemon(root)
+    if "db" in only:
+        pg = Postgres(max_connections=100)
+        try:
+            result["db_records_lost_1000"] = db_load(pg)
+            result["db_down_job_ok"] = db_down(root, pg)
+        finally:
+            pg.close()
+    if "sniff" in only:
+        flagged_s, overhead = sniff(root, a.sniff_warm_s)
+        result["degraded_rank_flagged_s"] = None if flagged_s is None else round(flagged_s, 1)
+        result["sniff_overhead"] = None if overhead is None else round(overhead, 5)
+    result["runs"] = a.runs
     print(json.dumps(result))
 
 

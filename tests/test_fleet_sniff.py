@@ -1,8 +1,8 @@
 """Sniff tests: a fixed GEMM and a small all-reduce timed inside the job within a time budget,
 judged against the node's other ranks or the fleet's history for the device model.
 
-- the judge (pure logic): a rank that takes the slow factor times its reference in
-  ``sniff_patience`` sniffs in a row is flagged once; alone on its node, the fleet's history for
+- the judge (pure logic): a rank whose last ``sniff_window`` sniffs took the slow factor times
+  their reference (their median) is flagged once, a single outlier is not; alone on its node, the fleet's history for
   its device model is the reference; the schedule keeps the budget;
 - a real job (2 gloo ranks, ``trainguard run``): rank 1 throttled for real to about half a CPU
   (tests/throttle.py: cgroup v2 ``cpu.max`` where writable, else pinned onto a core a
@@ -39,18 +39,22 @@ def sniff(rank: int, step: int, gemm_s: float, model: str = "cpu") -> dict[str, 
 
 
 def test_judge_flags_a_slow_rank_against_the_job_then_the_fleet(tmp_path: Path) -> None:
-    cfg = FleetConfig(sniff_interval_s=1, sniff_slow_factor=1.5, sniff_patience=2)
+    cfg = FleetConfig(sniff_interval_s=1, sniff_slow_factor=1.5, sniff_window=3)
     j = SniffJudge(cfg)
-    for step, slow in ((10, 1.0), (20, 2.0), (30, 1.0), (40, 2.1), (50, 2.2)):
-        j.add(sniff(0, step, 0.010))
+    # rank 0 is steadily 1.6x slower than rank 1 (placement): its calibration, not a flag
+    steps = ((0, 1.0), (5, 1.0), (8, 1.0), (10, 1.0), (20, 2.0), (30, 1.0), (40, 1.1), (50, 2.1),
+             (60, 2.2))  # fmt: skip
+    for step, slow in steps:
+        j.add(sniff(0, step, 0.016))
         j.add(sniff(1, step, 0.010 * slow))
         found = j.judge(expected_ranks=2)
-        if step < 50:
-            assert found == []  # one slow sniff, then back to normal: the streak starts over
+        if step < 60:
+            assert found == []  # a single slow sniff among normal ones is not a flag
     assert [(f["rank"], f["reference"], f["sniffs"]) for f in found] == [(1, "job", 2)]
-    assert found[0]["ratio"] == pytest.approx(2.2)
-    j.add(sniff(0, 60, 0.010))
-    j.add(sniff(1, 60, 0.030))
+    assert found[0]["calibration"] == pytest.approx(0.625)
+    assert found[0]["ratio"] == pytest.approx(2.1) and found[0]["window"] == [1.1, 2.1, 2.2]
+    j.add(sniff(0, 70, 0.016))
+    j.add(sniff(1, 70, 0.030))
     assert j.judge(expected_ranks=2) == []  # flagged once
     # a sniff step is judged only once every local rank reported it
     j2 = SniffJudge(cfg)
@@ -69,16 +73,16 @@ def test_judge_flags_a_slow_rank_against_the_job_then_the_fleet(tmp_path: Path) 
     db.close()
     assert base == {"cpu|512": pytest.approx(0.010)}  # H100: fewer than 3 records
     alone = SniffJudge(cfg, base)
-    for step in (10, 20):
+    for step in (10, 20, 30):
         alone.add(sniff(3, step, 0.025))
     found = alone.judge(expected_ranks=1)
     assert [(f["rank"], f["reference"]) for f in found] == [(3, "fleet")]
     other = SniffJudge(cfg, base)  # no history for this model: nothing to compare with
-    other.add(sniff(3, 10, 0.5, model="H100"))
-    other.add(sniff(3, 20, 0.5, model="H100"))
+    for step in (10, 20, 30):
+        other.add(sniff(3, step, 0.5, model="H100"))
     assert other.judge(expected_ranks=1) == []
     summary = alone.take_summaries()
-    assert summary[0]["flagged"] and summary[0]["samples"] == 2 and alone.take_summaries() == []
+    assert summary[0]["flagged"] and summary[0]["samples"] == 3 and alone.take_summaries() == []
 
 
 def test_schedule_keeps_the_budget() -> None:
@@ -90,6 +94,13 @@ def test_schedule_keeps_the_budget() -> None:
     assert r.proposal(100, now=10.0) == 100 + 40
     r.spent_s = r.last_cost_s = 0.0001  # cheap sniffs: the interval decides
     assert r.proposal(100, now=10.0) == 110
+    # a group restored at step 500 (or restarted in process) agrees its first sniff from there
+    fresh = SniffRunner(cfg, rank=0, write=lambda rec: None, base={})
+    fresh.after_step(500)
+    assert fresh.next_step == 503 and fresh.steps_since_first == 0
+    fresh.after_step(501)
+    fresh.after_step(0, generation=1)
+    assert fresh.next_step == 3 and fresh.steps_since_first == 0 and fresh.t_first is not None
     with pytest.raises(ValueError, match="sniff_slow_factor"):
         FleetConfig(sniff_slow_factor=1.0)
 
@@ -121,7 +132,7 @@ def test_throttled_rank_is_flagged_recorded_and_excluded(tmp_path: Path) -> None
         TRAINGUARD_HEALTH_STRAGGLER_POLICY="exclude",
         TRAINGUARD_FLEET_SNIFF_INTERVAL_S="1",
         TRAINGUARD_FLEET_SNIFF_BUDGET="0.02",  # sniffs every few seconds: a short test
-        TRAINGUARD_FLEET_SNIFF_PATIENCE="3",  # a loaded CI machine's noise is not a flag
+        TRAINGUARD_FLEET_SNIFF_WINDOW="5",  # a loaded CI machine's noise is not a flag
         SLURMD_NODENAME="sniffnode",
     )
     p = subprocess.Popen(
@@ -134,11 +145,11 @@ def test_throttled_rank_is_flagged_recorded_and_excluded(tmp_path: Path) -> None
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not all(len(_sniffs(run, r)) >= 2 for r in (0, 1)):
+        while time.monotonic() < deadline and not all(len(_sniffs(run, r)) >= 3 for r in (0, 1)):
             assert p.poll() is None, p.stderr.read() if p.stderr else ""
             time.sleep(0.5)
         before = {r: _sniffs(run, r) for r in (0, 1)}
-        assert all(len(v) >= 2 for v in before.values()), "no sniff results"
+        assert all(len(v) >= 3 for v in before.values()), "no sniff results"
         assert not any(e["kind"] == "sniff_degraded" for e in _events(run))
         pids = {w["rank"]: w["pid"] for e in _events(run) if e["kind"] == "workers_started"
                 for w in e["workers"]}  # type: ignore[attr-defined]  # fmt: skip
@@ -165,7 +176,11 @@ def test_throttled_rank_is_flagged_recorded_and_excluded(tmp_path: Path) -> None
     # the sniff records: a GEMM and an all-reduce each, within the budget
     last = before[0][-1]
     assert last["gemm_s"] > 0 and last["allreduce_s"] > 0 and last["allreduce_kib"] == 64  # type: ignore[operator]
-    assert all(float(s["overhead"]) <= 1.5 * 0.02 for s in before[0] + before[1])  # type: ignore[arg-type]
+    # the share of the time in sniffs comes down to the budget (the first sniffs, seconds after
+    # the start, carry the first one's warm-up)
+    for r in (0, 1):
+        shares = [float(s["overhead"]) for s in _sniffs(run, r)]  # type: ignore[arg-type]
+        assert shares[-1] <= 1.25 * 0.02 and shares[-1] <= shares[0], shares
     # recorded in the fleet database: the flag, and each rank's summary
     with open_db("", runs_root=runs) as db:
         recs = [r for r in db.history("sniffnode") if r.kind == "sniff"]

@@ -1,10 +1,12 @@
 """Throttle a running process to about half speed, for real.
 
 - a writable cgroup (v2 ``cpu.max`` / ``cpu.weight``, else v1 ``cpu.cfs_quota_us`` /
-  ``cpu.shares``): the process moves into a new child cgroup with half a core's quota *and*
-  half the default weight. The quota halves it on an idle machine; the weight halves its
-  share on a loaded one (with more runnable processes than cores a quota of half a core never
-  binds: the process gets less than that anyway). Moved back and removed at the end;
+  ``cpu.shares``): the process moves into a new child cgroup with half a core's quota over
+  a short period (1 ms of every 2 ms, the kernel's smallest quota: a burst of a few milliseconds, a sniff GEMM, runs
+  at half speed too; over Slurm's usual 100 ms period a mostly idle process never reaches its
+  quota) *and* half the default weight (on a loaded machine, with more runnable processes than
+  cores, the quota never binds: the process gets less than that anyway, and the weight halves
+  its share). Moved back and removed at the end;
 - otherwise: every thread of the process is pinned (``sched_setaffinity``) onto one core and a
   spinning process started here onto the same core (the scheduler shares it between the two:
   half each, on an otherwise idle core). The spinner is ended by its PID at the end; the
@@ -67,11 +69,11 @@ def _make_group(pid: int) -> tuple[Path, Path] | None:
             return None
         child.mkdir()
         if v2:
-            (child / "cpu.max").write_text("50000 100000")
+            (child / "cpu.max").write_text("1000 2000")
             (child / "cpu.weight").write_text("50")
         else:
-            (child / "cpu.cfs_period_us").write_text("100000")
-            (child / "cpu.cfs_quota_us").write_text("50000")
+            (child / "cpu.cfs_period_us").write_text("2000")
+            (child / "cpu.cfs_quota_us").write_text("1000")
             (child / "cpu.shares").write_text("512")
         return child, home
     except OSError:

@@ -561,7 +561,7 @@ def _node_health_row(d: _Board) -> None:
                    "{{node}} rank {{rank}}")],
                  description="A rank's sniff GEMM time over its reference (the node's other "
                  "ranks, or the fleet's history for its device model): 1 as fast; at "
-                 "[fleet] sniff_slow_factor for sniff_patience sniffs the rank is flagged.")  # fmt: skip
+                 "[fleet] sniff_slow_factor in most of its last sniff_window sniffs the rank is flagged.")  # fmt: skip
     d.timeseries("Sniff all-reduce time and overhead", [
         (f"max by (node) ({tg('trainguard.sniff.allreduce_time')})", "all-reduce {{node}}"),
         (f"max by (node) ({tg('trainguard.sniff.overhead')})", "overhead {{node}}"),

@@ -269,7 +269,8 @@ class FleetPlugin(AgentPlugin):
             msg = (
                 f"rank {f['rank']} on node {ctx.events.node} became slow: its sniff GEMM took "
                 f"{f['gemm_s'] * 1e3:.1f} ms, {f['ratio']:.2f}x its {f['reference']} reference "
-                f"({f['reference_s'] * 1e3:.1f} ms), {f['sniffs']} sniffs in a row"
+                f"({f['reference_s'] * 1e3:.1f} ms); {f['sniffs']} of its last "
+                f"{len(f['window'])} sniffs slow"
             )
             logger.warning("%s", msg)
             ctx.events.emit("sniff_degraded", message=msg, policy=self.straggler_policy, **f)

@@ -4,11 +4,13 @@ against a reference, a rank that became slow is flagged, recorded in the fleet d
 handled by ``[health] straggler_policy``.
 
 The reference of a rank's GEMM time is the median of the node's other ranks at the same sniff
-(the same load, the same moment), or, for a rank alone on its node, the fleet's history for the
+(the same load, the same moment), times the rank's own standing among them over its first
+``sniff_window`` sniffs (a rank that has *become* slow: ranks of one node differ a little,
+steadily, by placement, and on a shared machine by more), or, for a rank alone on its node, the fleet's history for the
 same device model and GEMM size (the median of earlier jobs' sniff records, at least
 ``_MIN_BASELINE`` of them, flagged ones left out). A rank whose GEMM takes
-``sniff_slow_factor`` times its reference in ``sniff_patience`` sniffs in a row is flagged once
-per attempt.
+``sniff_slow_factor`` times its reference in the median of its last ``sniff_window`` sniffs
+(most of them: one outlier is not a flag) is flagged once per attempt.
 """
 
 from __future__ import annotations
@@ -51,7 +53,12 @@ def fleet_baseline(db: FleetDB, *, now: float | None = None) -> dict[str, float]
 
 @dataclass(slots=True)
 class _Rank:
-    streak: int = 0
+    ratios: list[float] = field(default_factory=list)
+    """Its last ``sniff_window`` slowdowns (GEMM time over the reference)."""
+    calib: list[float] = field(default_factory=list)
+    calibration: float | None = None
+    """Against the node's other ranks: the median of its first ``sniff_window`` GEMM times
+    over theirs (ranks of one node differ a little, steadily: what counts is a change)."""
     flagged: bool = False
     pending: list[dict[str, Any]] = field(default_factory=list)
     """Results since the last summary record."""
@@ -108,21 +115,35 @@ class SniffJudge:
                 if ref is None or ref <= 0:
                     continue
                 ratio = float(rec["gemm_s"]) / ref
+                if source == "job":  # against the rank's own standing among its peers
+                    if r.calibration is None:
+                        r.calib.append(ratio)
+                        if len(r.calib) >= self.cfg.sniff_window:
+                            r.calibration = statistics.median(r.calib)
+                        continue
+                    ratio /= r.calibration
                 rec["ratio"] = round(ratio, 3)
-                r.streak = r.streak + 1 if ratio >= self.cfg.sniff_slow_factor else 0
-                if r.streak >= self.cfg.sniff_patience and not r.flagged:
+                r.ratios = [*r.ratios, ratio][-self.cfg.sniff_window :]
+                slow = statistics.median(r.ratios)
+                if (
+                    len(r.ratios) >= self.cfg.sniff_window
+                    and slow >= self.cfg.sniff_slow_factor
+                    and not r.flagged
+                ):
                     r.flagged = True
                     found.append(
                         {
                             "rank": rank,
                             "step": step,
-                            "ratio": round(ratio, 3),
+                            "ratio": round(slow, 3),
                             "gemm_s": float(rec["gemm_s"]),
                             "reference_s": ref,
                             "reference": source,
                             "device_model": rec.get("device_model"),
                             "gemm_size": rec.get("gemm_size"),
-                            "sniffs": r.streak,
+                            "sniffs": sum(q >= self.cfg.sniff_slow_factor for q in r.ratios),
+                            "window": list(map(lambda q: round(q, 3), r.ratios)),
+                            "calibration": r.calibration,
                         }
                     )
         for step in steps[:-8]:  # keep the last few: late records of a slow rank

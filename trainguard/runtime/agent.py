@@ -362,7 +362,11 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
             and not self._failed_reported
         ):
             self._failed_reported = True
-            self._announce_failure()
+            raised = any(
+                isinstance(getattr(f, "error_file_data", None), dict) and f.error_file_data
+                for f in result.failures.values()
+            )
+            self._announce_failure(raised=raised)
             self.report_failures(worker_group, result)
         return result
 
@@ -370,7 +374,9 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
     def _failure_key(self) -> str:
         return f"{PEER_FAILED_KEY}/{max(self.attempt, 0)}"
 
-    def _announce_failure(self, *, wait: bool = True, node: str | None = None) -> None:
+    def _announce_failure(
+        self, *, wait: bool = True, node: str | None = None, raised: bool = False
+    ) -> None:
         """This node's workers of the attempt failed: the other nodes' agents release theirs
         at once (:meth:`_peer_failed`) instead of leaving them in a collective that can no
         longer complete until the process-group timeout."""
@@ -379,6 +385,8 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
             return
         key = self._failure_key()
         try:
+            if raised:  # before the node: a survivor that sees the node sees this too
+                store.set(f"{key}/raised", "1")
             store.set(key, node or self.events.node)
             seen = int(store.add(f"{key}/seen", 1))
             # an agent about to exit may host the store: it waits (bounded) until every node
@@ -430,6 +438,29 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         self._announce_failure(wait=False, node=node)
         return node
 
+    def _await_own_exits_after_peer_exception(self, how: str) -> None:
+        """The failed peer's workers raised an exception (not a kill): this node's workers
+        get ``[recovery] failure_grace_s`` to end of their own (the same bug raises on every
+        rank within moments; a survivor's collective fails at once when its peer's connection
+        closes) before they are ended, so their exceptions are evidence for attribution."""
+        grace = self.tg_config.recovery.failure_grace_s
+        store = self.ctx.store
+        if (
+            how != "failed"
+            or grace <= 0
+            or store is None
+            or not self.tg_config.recovery.attribution
+        ):
+            return
+        try:
+            if not store.check([f"{self._failure_key()}/raised"]):
+                return
+            deadline = time.monotonic() + grace
+            while _torch.running_worker_pids(self.pcontext) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        except Exception as e:
+            logger.debug("cannot wait for the workers' own exits: %s", e)
+
     def _release_survivors(self, failed_node: str, how: str = "failed") -> None:
         """SIGKILL this node's workers: they wait in collectives a failed peer will never join
         (a peer that died without closing its connections leaves them there until the
@@ -443,6 +474,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
                 store.add(f"{self._failure_key()}/seen", 1)
         except Exception as e:
             logger.debug("cannot acknowledge the failure in the rendezvous store: %s", e)
+        self._await_own_exits_after_peer_exception(how)
         pids = self.worker_pids()
         logger.error(
             "node %s %s: ending this node's workers (ranks %s) at once",

@@ -414,7 +414,7 @@ class TrainGuard:
             self._write_record(self._step_record(num, dt, tokens, samples, flops, failed))
             self._spans.end_step(num, span_id, span_start, failed=failed)
             if self._sniff is not None and not failed:
-                self._sniff.after_step(num)
+                self._sniff.after_step(num, self.generation)
 
     def _step_record(
         self,

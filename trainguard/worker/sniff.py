@@ -2,7 +2,7 @@
 over the default group, run from ``tg.step()`` within a time budget (``[fleet] sniff_*``).
 
 Every rank must run the all-reduce at the same step, so the steps are agreed, never read off
-each rank's clock: the first sniff, at step ``_FIRST_STEP``, warms the GEMM (its time sizes the
+each rank's clock: the first sniff, ``_FIRST_STEP`` steps after the first, warms the GEMM (its time sizes the
 wait for the next one, so that the budget holds from the first measured sniff on) and agrees
 the next sniff step; every sniff's all-reduce carries each rank's proposal for the next sniff
 step (``MAX``-reduced: the most conservative rank wins). A rank proposes the step at which
@@ -10,8 +10,9 @@ step (``MAX``-reduced: the most conservative rank wins). A rank proposes the ste
 the time since its first step, at its current seconds per step. Without ``torch.distributed``
 (or with one rank) the GEMM runs on the rank's own clock.
 
-Each sniff appends a ``sniff`` record to the rank's metrics (``gemm_s``: the median of three
-timed GEMMs: another process's burst is one outlier, a slow device is slow in most runs), ``allreduce_s``, ``sniff_s``: the wall time of the whole sniff,
+Each sniff appends a ``sniff`` record to the rank's metrics (``gemm_s``: one timed GEMM after a warm one
+on the first sniff: the judge wants ``sniff_patience`` slow sniffs in a row, so a single
+outlier is not a flag, and a sniff this cheap can run often within the budget), ``allreduce_s``, ``sniff_s``: the wall time of the whole sniff,
 ``overhead``: sniff time / time since the first step): the agent judges them
 (:mod:`trainguard.fleet.sniff`).
 """
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 _FIRST_STEP = 3
 """Step of the first (agreement-only) sniff: after the first steps' start-up costs."""
-_GEMM_RUNS = 3
+_GEMM_RUNS = 1
 
 
 def device_model(dev: Any) -> str:
@@ -54,6 +55,7 @@ class SniffRunner:
         self._write = write
         self._base = base
         self.next_step = _FIRST_STEP
+        self.generation = 0
         self.t_first: float | None = None
         self.steps_since_first = 0
         self.spent_s = 0.0
@@ -74,14 +76,23 @@ class SniffRunner:
         wait_s = max(self.cfg.sniff_interval_s, budget_at - elapsed)
         return step + max(1, math.ceil(wait_s / per_step - 1e-9))
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int, generation: int = 0) -> None:
         """Called at the end of each successful step; runs a sniff when one is due. Never
-        raises: a sniff that fails is logged and the sniff tests stop for this process."""
+        raises: a sniff that fails is logged and the sniff tests stop for this process.
+
+        The first sniff is ``_FIRST_STEP`` steps after the first step this process (or
+        in-process generation) ran: every rank of a (re)started group starts at the same
+        step, restored or not, so they agree on it too."""
         if self._failed:
             return
         now = time.perf_counter()
+        if generation != self.generation:  # an in-process restart: the group starts over
+            self.generation, self.t_first = generation, None
+            self.steps_since_first = self.sniffs = 0
+            self.spent_s = self.last_cost_s = 0.0
         if self.t_first is None:
             self.t_first = now
+            self.next_step = step + _FIRST_STEP
         else:
             self.steps_since_first += 1
         dist = _dist()
@@ -89,7 +100,7 @@ class SniffRunner:
         if collective:
             if step < self.next_step:
                 return
-        elif now < self._next_time or step < _FIRST_STEP:
+        elif now < self._next_time or self.steps_since_first < _FIRST_STEP:
             return
         try:
             self._sniff(step, now, dist if collective else None)
@@ -144,8 +155,8 @@ class SniffRunner:
         gemm_s = allreduce_s = None
         n, dtype = 0, ""
         if first:  # warm the GEMM once: its time sizes the first wait (the budget holds then)
-            self._gemm(dev, runs=1)
-            self.last_cost_s = (_GEMM_RUNS + 1) * (time.perf_counter() - t0)
+            one, _, _ = self._gemm(dev, runs=1)
+            self.last_cost_s = 1.5 * _GEMM_RUNS * one  # with a margin for the all-reduce
         else:
             try:
                 gemm_s, n, dtype = self._gemm(dev)

@@ -64,8 +64,9 @@ class FleetConfig:
     """A rank is slow when its GEMM takes this many times the reference: the median of the
     node's other ranks at the same sniff, or (alone on its node) the fleet's history for the
     same device model and GEMM size."""
-    sniff_patience: int = 2
-    """Consecutive slow sniffs before a rank is flagged."""
+    sniff_window: int = 5
+    """A rank is flagged when the median of its last this many sniffs is slow (most of them
+    were: one outlier is not a flag)."""
     sniff_record_s: float = 300.0
     """A rank's sniff results go to the fleet database at most this often (their median; a
     flagged rank at once, and each rank at the end of the attempt)."""
@@ -79,8 +80,8 @@ class FleetConfig:
             raise ValueError("sniff_interval_s must be >= 0 and sniff_budget in (0, 1]")
         if self.sniff_gemm_size < 0 or self.sniff_allreduce_kib < 0 or self.sniff_record_s < 0:
             raise ValueError("sniff_gemm_size, sniff_allreduce_kib and sniff_record_s must be >= 0")
-        if self.sniff_slow_factor <= 1.0 or self.sniff_patience < 1:
-            raise ValueError("sniff_slow_factor must be > 1 and sniff_patience >= 1")
+        if self.sniff_slow_factor <= 1.0 or self.sniff_window < 1:
+            raise ValueError("sniff_slow_factor must be > 1 and sniff_window >= 1")
         if self.url and not self.url.startswith(("postgresql://", "postgres://", "sqlite:///")):
             raise ValueError(
                 "url must be postgresql://user@host:port/db or sqlite:///path "
