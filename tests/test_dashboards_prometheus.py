@@ -145,13 +145,16 @@ FLEET_TRAINER_ONLY = {
     "trainguard_rl_rollout_latency_p99_seconds",
     "trainguard_rl_rollout_throughput_per_second",
     "trainguard_rl_rollout_engines_routable",
+    "trainguard_rl_rollout_engines_declared",
     "trainguard_rl_weight_sync_duration_seconds",
     "trainguard_rl_weight_sync_timeout_seconds",
     "trainguard_rl_staleness_max",
+    "trainguard_rl_staleness_mean",
 }
 """Logged only by a trainer that generates through the rollout fleet (trainguard.rl's client,
 examples/rl_fleet.py), not by grpo_toy's in-process generation; the fleet's own series (the
-role gauges, the failure and timeout counters exported from 0) come from the run below."""
+role gauges, the failure and timeout counters exported from 0) come from the run below; every
+one of these reaches the agent's /metrics in tests/test_rl_fleet_job.py's real fleet job."""
 
 
 @pytest.fixture

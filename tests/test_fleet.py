@@ -116,7 +116,7 @@ def test_writer_never_blocks_and_drops_past_its_bound(tmp_path: Path) -> None:
 # -- PostgreSQL ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def pg():  # type: ignore[no-untyped-def]
     server = Postgres(max_connections=60)
     try:
