@@ -207,6 +207,8 @@ class RoleSupervisor:
         self.restarts: dict[str, int] = {}
         self.failure: str | None = None
         """The first role failure (one line), None while every role runs."""
+        self._budget_spent: set[str] = set()
+        """Roles whose restart budget was reported spent (``role_restart_budget_exhausted``)."""
         for spec in self.specs:
             self.replicas[spec.name] = [
                 ReplicaState(spec, i, spec.port + i if spec.port else _free_port(), events.node)
@@ -468,7 +470,11 @@ class RoleSupervisor:
         with self._lock:
             if self.failure is None:
                 self.failure = line
-        if budget:
+            # replicas that fail together find the budget spent at once: one event per role
+            first_spent = budget and spec.name not in self._budget_spent
+            if budget:
+                self._budget_spent.add(spec.name)
+        if first_spent:
             self.events.emit(
                 ROLE_RESTART_BUDGET_EXHAUSTED,
                 role=spec.name,
