@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
+from trainguard.core import envvars
 from trainguard.core.contract import ROLLOUT_FAILURE_REASONS
 
 __all__ = [
@@ -61,8 +62,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ROLLOUT_URLS_ENV = "TRAINGUARD_ROLLOUT_URLS"
-REWARD_URLS_ENV = "TRAINGUARD_REWARD_URLS"
+ROLLOUT_URLS_ENV = envvars.ROLLOUT_URLS
+REWARD_URLS_ENV = envvars.REWARD_URLS
 
 FAILURE_REASONS = ROLLOUT_FAILURE_REASONS
 """Why a rollout request failed (see :data:`trainguard.core.contract.ROLLOUT_FAILURE_REASONS`)."""

@@ -62,9 +62,6 @@ class PromptLedger:
         """The data-set index of the prompt at global position ``position``."""
         return self.order(position // self.num_prompts)[position % self.num_prompts]
 
-    def epoch_of(self, position: int) -> int:
-        return position // self.num_prompts
-
     @property
     def trained(self) -> int:
         """Positions trained on so far (handed out and committed)."""
