@@ -19,7 +19,8 @@ PostgreSQL (Debian's ``postgresql``, a throwaway cluster on loopback).
   its first step spent in sniffs, at its last sniff before the throttle), then rank 1 is
   throttled to about half speed for real (tests/throttle.py: a cgroup's quota and half weight,
   else taskset onto a core a spinning process keeps busy): ``degraded_rank_flagged_s`` is the
-  time from the throttle to the ``sniff_degraded`` event naming rank 1 (null if not in 120 s).
+  time from the throttle to the ``sniff_degraded`` event naming rank 1 (null if not in 120 s;
+  a sniff at which a rank looks slow is followed by confirming sniffs 5/3 s apart).
 
     python bench/fleet.py [--runs 3] [--only user_error,transient,lemon,db,sniff]
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import statistics
 import subprocess
 import sys
@@ -289,10 +291,13 @@ def sniff(root: Path, warm_s: float) -> tuple[float | None, float | None]:
         wrong = [(ev["rank"], round(float(ev["time"]) - t0, 1))  # type: ignore[arg-type]
                  for ev in _lines(events, "sniff_degraded")
                  if ev.get("rank") != 1 or float(ev["time"]) < t0]  # type: ignore[arg-type]  # fmt: skip
-        counts = [len(_lines(run / "metrics" / f"rank_{r}.jsonl", "sniff")) for r in (0, 1)]
+        recs = [_lines(run / "metrics" / f"rank_{r}.jsonl", "sniff") for r in (0, 1)]
+        counts = [len(x) for x in recs]
+        confirming = [sum(1 for x in r if x.get("confirming")) for r in recs]
         print(f"  sniff       throttled by {how}: rank 1 flagged after "
               f"{'-' if flagged_s is None else f'{flagged_s:.1f} s'}, false flags (rank, s from "
-              f"the throttle) {wrong}; overhead before {overhead}; sniffs per rank {counts}")  # fmt: skip
+              f"the throttle) {wrong}; overhead before {overhead}; sniffs per rank {counts} "
+              f"(confirming {confirming}); load {os.getloadavg()[0]:.1f}")  # fmt: skip
     finally:
         (d / "stop").touch()
         try:

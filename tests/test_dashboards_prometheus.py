@@ -139,6 +139,9 @@ GPU_ONLY = {"trainguard_gpu_memory_used_bytes", "trainguard_gpu_memory_peak_byte
 LEMON_ONLY = {"trainguard_fleet_lemon_refused_time_seconds"}
 """Exported once a lemon node was refused at a job's start (tests/test_fleet.py's lemon job and
 the recorder's unit test in tests/test_telemetry_units.py): empty for these two jobs."""
+SLURM_ONLY = {"trainguard_slurm_schedule_time_seconds"}
+"""Exported by the agents of a trainguard sbatch job (the batch host's agent measures each
+allocation; tests/test_telemetry_contract.py maps the event): empty for these two jobs."""
 FLEET_TRAINER_ONLY = {
     "trainguard_rl_rollout_retries",
     "trainguard_rl_rollout_latency_p50_seconds",
@@ -248,7 +251,7 @@ def test_every_panel_query_returns_data_from_real_runs_and_dcgm(scraped: dict[st
         now = time.time()
         missing = []
         for panel, ref, expr in targets:
-            if metric_names(expr) & (GPU_ONLY | LEMON_ONLY) or metric_names(
+            if metric_names(expr) & (GPU_ONLY | LEMON_ONLY | SLURM_ONLY) or metric_names(
                 expr
             ) <= FLEET_TRAINER_ONLY | {"trainguard_run_info"}:
                 continue

@@ -90,8 +90,13 @@ def test_schedule_keeps_the_budget() -> None:
     r = SniffRunner(cfg, rank=0, write=lambda rec: None, base={})
     r.t_first, r.steps_since_first = 0.0, 100  # 0.1 s per step
     r.spent_s, r.last_cost_s = 0.05, 0.02  # 50 ms spent, the last sniff 20 ms
-    # the budget holds again once (50 + 20) ms <= 0.5 % of the elapsed time: at 14 s
-    assert r.proposal(100, now=10.0) == 100 + 40
+    # regular sniffs keep to 3/4 of the budget: (50 + 20) ms <= 0.375 % of the elapsed time
+    # at 18.7 s; the sniff under way counts (10 ms more: 21.3 s)
+    assert r.proposal(100, now=10.0) == 100 + 87
+    assert r.proposal(100, now=10.0, pending=0.01) == 100 + 114
+    # a confirming sniff a third of the interval later, while the whole budget holds then
+    assert r.confirm_proposal(100, now=20.0) == (102, True)  # 0.2 s per step by then
+    assert r.confirm_proposal(100, now=10.0) == (104, False)  # 70 ms > 0.5 % of 10.3 s
     r.spent_s = r.last_cost_s = 0.0001  # cheap sniffs: the interval decides
     assert r.proposal(100, now=10.0) == 110
     # a group restored at step 500 (or restarted in process) agrees its first sniff from there
@@ -101,6 +106,15 @@ def test_schedule_keeps_the_budget() -> None:
     fresh.after_step(501)
     fresh.after_step(0, generation=1)
     assert fresh.next_step == 3 and fresh.steps_since_first == 0 and fresh.t_first is not None
+    # a rank that looks slow among the others, against its own usual standing, is suspect
+    # (two ranks: rank 0 steadily 1.2x slower than rank 1 by placement)
+    cfg5 = FleetConfig(sniff_interval_s=5.0, sniff_slow_factor=1.5, sniff_window=5)
+    s = SniffRunner(cfg5, rank=0, write=lambda rec: None, base={})
+    assert [s.suspect([0.012, 0.010]) for _ in range(4)] == [False] * 4
+    assert not s.suspect([0.024, 0.020])  # both slower: the machine's load, not a rank
+    assert not s.suspect([0.012, 0.0])  # a rank without a GEMM time: nothing to compare
+    assert s.suspect([0.012, 0.016])  # rank 1: 1.33x rank 0, its usual 0.83x: 1.6x
+    assert not s.suspect([0.012 * 1.3, 0.010])  # rank 0: 1.3x its usual, under 1.5
     with pytest.raises(ValueError, match="sniff_slow_factor"):
         FleetConfig(sniff_slow_factor=1.0)
 

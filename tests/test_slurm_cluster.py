@@ -22,6 +22,7 @@ import pytest
 from tests.launch_utils import REPO, free_port
 from tests.mlp_reference import assert_same_as_reference
 from tests.services.slurm_cluster import SlurmCluster, start_cluster
+from trainguard.telemetry.summary import recovery_summary
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
@@ -212,6 +213,19 @@ def test_preemption_saves_requeues_and_resumes(fresh: SlurmCluster, tmp_path: Pa
     )
     assert c.job_field(job, "Restarts") == "1"
     assert_same_as_reference(tmp_path / "final.pt", STEPS)  # a fault-free run's weights
+    # the scheduler's share, per allocation, from the batch host's agent: this cluster keeps
+    # no accounting (no slurmdbd), so sacct fails (a counted warning) and scontrol answers
+    sched = [e for e in _events(run_dir) if e["kind"] == "slurm_schedule"]
+    assert [(e["job_id"], e["restart"]) for e in sched] == [(job, 0), (job, 1)], sched
+    for e in sched:
+        assert e["source"] == "scontrol" and e["warnings"][0].startswith("sacct: "), e
+        assert e["queue_wait_s"] >= 0 and e["prolog_s"] >= 0 and e["start"] >= e["submit"]
+    assert "requeue_gap_s" not in sched[0]
+    # the requeued run may start only after cred_expire (10 s here) + 1 s
+    assert sched[1]["requeue_gap_s"] >= 5, sched[1]
+    lines = recovery_summary(run_dir)
+    assert "requeue_wait" in lines[0], lines[0]  # in the goodput breakdown
+    assert any(x.startswith(f"  Slurm job {job} restart 1: ") for x in lines), lines
 
 
 def test_spares_exhausted_resubmits_without_the_bad_node(

@@ -163,6 +163,16 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
             "serving": 1,
             "total": 2,
         },
+        # the scheduler's share of an allocation (trainguard sbatch's batch host)
+        {
+            "time": T0 + 5.8,
+            "kind": "slurm_schedule",
+            "job_id": "41",
+            "restart": 1,
+            "queue_wait_s": 13.0,
+            "prolog_s": 2.0,
+            "requeue_gap_s": 14.0,
+        },  # fmt: skip
     ]:
         rec.event(ev)
     rec.straggler_scores({"0": 0.0, "1": 0.5})
@@ -291,6 +301,9 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
     lost = {p.attributes["cause"]: p.value for p in got["trainguard.goodput.lost_time"][1]}
     assert set(lost) == set(LOSS_CAUSES)
     assert lost["rendezvous"] == pytest.approx(3.0)
+    sched = {p.attributes["phase"]: p.value for p in got["trainguard.slurm.schedule_time"][1]
+             if p.attributes["allocation"] == "41.1"}  # fmt: skip
+    assert sched == {"queue_wait": 13.0, "prolog": 2.0, "requeue_gap": 14.0}
     assert lost["recomputed_steps"] == pytest.approx(1.0)  # steps 3, 4 redone
 
 

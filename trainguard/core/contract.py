@@ -598,7 +598,8 @@ METRICS: tuple[MetricSpec, ...] = (
         unit="s",
         kind="gauge",
         description="Wall time lost, by cause: startup, rendezvous, checkpoint_stall, "
-        "recomputed_steps, hang, restart, rollback, other.",
+        "recomputed_steps, hang, restart, rollback, queue_wait, prolog, requeue_wait (the "
+        "scheduler's share, under trainguard sbatch), other.",
         attributes=("node", "cause"),
     ),
     MetricSpec(
@@ -607,6 +608,16 @@ METRICS: tuple[MetricSpec, ...] = (
         kind="gauge",
         description="Effective training time ratio: productive time / elapsed wall time.",
         attributes=("node",),
+    ),
+    MetricSpec(
+        name="trainguard.slurm.schedule_time",
+        unit="s",
+        kind="gauge",
+        description="The scheduler's share of each allocation of a trainguard sbatch chain "
+        "(sacct, else scontrol show job): phase queue_wait (submit to start), prolog (start "
+        "to the batch host's agent), requeue_gap (the previous allocation's end to this "
+        "start); allocation: job id.restart count.",
+        attributes=("node", "phase", "allocation"),
     ),
     # -- telemetry itself ---------------------------------------------------------------------
     MetricSpec(
@@ -638,9 +649,13 @@ LOSS_CAUSES = (
     "hang",
     "restart",
     "rollback",
+    "queue_wait",
+    "prolog",
+    "requeue_wait",
     "other",
 )
-"""Values of the ``cause`` attribute of ``trainguard.goodput.lost_time``."""
+"""Values of the ``cause`` attribute of ``trainguard.goodput.lost_time`` (``queue_wait``,
+``prolog``, ``requeue_wait``: the scheduler's share of a ``trainguard sbatch`` chain)."""
 
 INCIDENT_KINDS = (
     "hang_detected",

@@ -46,6 +46,7 @@ __all__ = [
     "ROLLBACK_EXHAUSTED",
     "ROLLOUT_FAILED",
     "SPARE_WAITING",
+    "SLURM_SCHEDULE",
     "SNIFF_RESULTS",
     "STRAGGLER_SCORES",
     "WARM_READY",
@@ -134,6 +135,7 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("node_readmitted", ("recovery.plugin",), ("evicted_at", "reason", "until"), "An evicted node rejoined after its cooldown."),
     EventSpec("node_drained", ("slurm.finish", "slurm.plugin"), ("detail", "fenced", "job_id", "node_name"), "A node was drained in Slurm, or set down (a lost batch host) (``fenced``: by trainguard)."),
     EventSpec("slurm_finish", ("slurm.finish",), ("action", "job_id", "message", "rc"), "The batch script's decision after the step (done, stop, requeue, resubmit, fail), or an agent's after the batch host was lost (resubmit, fail; rc null)."),
+    EventSpec("slurm_schedule", ("slurm.plugin",), ("eligible", "job_id", "launch", "previous_end", "prolog_s", "queue_wait_s", "requeue_gap_s", "restart", "source", "start", "submit", "warnings"), "The scheduler's share of one allocation of a ``trainguard sbatch`` chain, from its batch host's agent: queue wait (submit → start), prolog (start → the agent), the gap since the previous allocation ended (a requeue, a resubmission); ``source``: sacct, else scontrol (``warnings``: what failed)."),
     EventSpec("resubmit", ("slurm.finish",), ("exclude", "job_id", "new_job_id"), "The job was resubmitted without its lost nodes."),
     EventSpec("resubmit_failed", ("slurm.finish",), ("error", "job_id"), "Resubmitting the job failed."),
     EventSpec("ft_healed", ("ft.worker",), ("replica_group", "step"), "A torchft replica group healed from the others."),
@@ -194,6 +196,7 @@ LOSS_ROLLBACK = _kind("loss_rollback")
 ROLLBACK_EXHAUSTED = _kind("rollback_exhausted")
 STRAGGLER_SCORES = _kind("straggler_scores")
 SNIFF_RESULTS = _kind("sniff_results")
+SLURM_SCHEDULE = _kind("slurm_schedule")
 SPARE_WAITING = _kind("spare_waiting")
 WARM_READY = _kind("warm_ready")
 ROLE_REPLICA_STARTED = _kind("role_replica_started")

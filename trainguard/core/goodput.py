@@ -14,6 +14,12 @@ wall clock of the job (``launch`` → ``job_finished`` or the last record) is sp
   the next attempt, less that attempt's rendezvous;
 - ``rollback``: a loss rollback's restore, plus the step time of the steps it discarded (done
   at or after the restored step; the ones redone then count as productive again);
+- ``queue_wait``, ``prolog``, ``requeue_wait``: the scheduler's share of a ``trainguard
+  sbatch`` chain (``slurm_schedule`` events, :mod:`trainguard.slurm.accounting`): the first
+  allocation's wait from submission to start (the wall time then starts at the submission),
+  each allocation's start → its agent, and the gap between an allocation's end (a requeue, a
+  resubmission) and the next start (taken out of ``other``, else ``restart``, where the
+  accounting above had put it);
 - ``other``: the rest (data loading, logging, evaluation between steps...).
 
 ETTR (effective training time ratio) = productive / wall time.
@@ -33,6 +39,7 @@ from trainguard.core.contract import LOSS_CAUSES
 from trainguard.core.event_kinds import (
     JOB_FINISHED,
     RENDEZVOUS,
+    SLURM_SCHEDULE,
     WORKER_FAILED,
     WORKER_GROUP_UNHEALTHY,
 )
@@ -140,6 +147,16 @@ class GoodputTracker:
         self.rollback_s += restore_s
         self.max_done = min(self.max_done, restored - 1)
 
+    def _stall(self, evs: list[Mapping[str, Any]]) -> float:
+        """Checkpoint stalls: the rank's log records, else events of rank 0 or of no rank."""
+        if self.logged_stall is not None:
+            return self.logged_stall
+        return sum(
+            float(e.get("stall_s") or 0.0)
+            for e in evs
+            if str(e.get("kind", "")).startswith("checkpoint") and e.get("rank", 0) == 0
+        )
+
     def result(self, events: Iterable[Mapping[str, Any]], *, now: float | None = None) -> Goodput:
         evs = sorted(events, key=lambda e: float(e.get("time", 0.0)))
         g = Goodput()
@@ -157,6 +174,7 @@ class GoodputTracker:
         last = max([float(e["time"]) for e in evs] + [self.last_time or t0, t0])
         t_end = max(finished) if finished else (now if now is not None else last)
         g.total_s = max(0.0, t_end - t0)
+        restarts_iv: list[tuple[float, float]] = []
         g.productive_s = self.productive_s
         g.lost_s["recomputed_steps"] = self.recomputed_s
         g.lost_s["rollback"] = self.rollback_s
@@ -169,13 +187,7 @@ class GoodputTracker:
                 rdzv[a] = rdzv.get(a, 0.0) + float(e.get("duration_s") or 0.0)
         g.lost_s["rendezvous"] = sum(rdzv.values())
 
-        # checkpoint stalls: the rank's log records, else events of rank 0 or of no rank
-        if self.logged_stall is not None:
-            g.lost_s["checkpoint_stall"] = self.logged_stall
-        else:
-            for e in evs:
-                if str(e.get("kind", "")).startswith("checkpoint") and e.get("rank", 0) == 0:
-                    g.lost_s["checkpoint_stall"] += float(e.get("stall_s") or 0.0)
+        g.lost_s["checkpoint_stall"] = self._stall(evs)
 
         first_start = self.first_start
         failed = failures_by_attempt(evs)
@@ -202,10 +214,62 @@ class GoodputTracker:
             t_next = min(t_next, t_end)
             rd = sum(v for b, v in rdzv.items() if a < b and (b_next is None or b <= b_next))
             g.lost_s["restart"] += max(0.0, t_next - t_fail - rd)
+            restarts_iv.append((t_fail, t_next))
 
+        # the scheduler's share (trainguard sbatch), its intervals inside [t0, t_end] once
+        _not_twice(g, _scheduler_share(g, evs, t0), restarts_iv)
         accounted = g.productive_s + sum(v for k, v in g.lost_s.items() if k != "other")
         g.lost_s["other"] = max(0.0, g.total_s - accounted)
         return g
+
+
+def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def _not_twice(
+    g: Goodput, sched: list[tuple[float, float]], restarts: list[tuple[float, float]]
+) -> None:
+    """A gap between allocations inside a failure's restart interval is the scheduler's: out
+    of ``restart`` (and whatever still exceeds the wall time, out of restart, then startup)."""
+    both = sum(_overlap(iv, r) for iv in sched for r in restarts)
+    g.lost_s["restart"] -= min(both, g.lost_s["restart"])
+    over = g.productive_s + sum(v for k, v in g.lost_s.items() if k != "other") - g.total_s
+    for k in ("restart", "startup"):
+        take = min(max(over, 0.0), g.lost_s[k])
+        g.lost_s[k] -= take
+        over -= take
+
+
+def _scheduler_share(
+    g: Goodput, evs: list[Mapping[str, Any]], t0: float
+) -> list[tuple[float, float]]:
+    """Add the ``slurm_schedule`` events' times to ``g`` (the first allocation's queue wait and
+    prolog before ``t0`` extend the wall time); returns the intervals of the later ones (the
+    previous allocation's end → this allocation's agent)."""
+    seen: dict[tuple[str, Any], Mapping[str, Any]] = {}
+    for e in evs:
+        if e.get("kind") == SLURM_SCHEDULE and isinstance(e.get("start"), int | float):
+            seen.setdefault((str(e.get("job_id")), e.get("restart")), e)
+    runs = sorted(seen.values(), key=lambda e: float(e["start"]))
+    inside: list[tuple[float, float]] = []
+    for i, e in enumerate(runs):
+        start = float(e["start"])
+        submit = e.get("submit")
+        if i == 0 and e.get("requeue_gap_s") is None and isinstance(submit, int | float):
+            before = max(0.0, t0 - float(submit))  # submission → launch: outside the events
+            g.total_s += before
+            g.lost_s["queue_wait"] += max(0.0, min(start, t0) - float(submit))
+            g.lost_s["prolog"] += max(0.0, t0 - max(start, float(submit)))
+            continue
+        span = [start, start]
+        for cause, key, side in (("requeue_wait", "requeue_gap_s", 0), ("prolog", "prolog_s", 1)):
+            v = e.get(key)
+            if isinstance(v, int | float) and v > 0:
+                g.lost_s[cause] += float(v)
+                span[side] += float(v) * (1 if side else -1)
+        inside.append((span[0], span[1]))
+    return inside
 
 
 def compute_goodput(

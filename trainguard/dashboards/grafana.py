@@ -398,6 +398,13 @@ def job_dashboard() -> dm.Dashboard:
         description="Wall time lost so far, by cause; productive time for comparison.")  # fmt: skip
     d.timeseries("Productive time", [(_j(tg("trainguard.goodput.productive_time", NODE)),
                                       "{{node}}")], unit="s")  # fmt: skip
+    d.timeseries("Scheduler's share (Slurm)", [(_j(
+        f'max by (instance, allocation, phase) ({tg("trainguard.slurm.schedule_time", NODE)})'),
+        "{{allocation}} {{phase}}")], unit="s", stacked=True,
+        description="Under trainguard sbatch, per allocation (job id.restart count): the queue "
+        "wait (submit to start), the prolog (start to the batch host's agent) and the gap "
+        "since the previous allocation ended (a requeue, a resubmission), from sacct, else "
+        "scontrol show job. In the badput as queue_wait, prolog and requeue_wait.")  # fmt: skip
     d.timeseries("Device memory", [
         (_j(tg("trainguard.gpu.memory.used", r)), "used rank {{rank}}"),
         (_j(tg("trainguard.gpu.memory.peak", r)), "peak rank {{rank}}"),

@@ -10,17 +10,25 @@
 
 One surviving agent per lost node acts (the first to count it in the round's store); the drain
 runs on a thread because the agent's hooks must stay quick.
+
+The batch host's agent also records the scheduler's share of this allocation (event
+``slurm_schedule``: queue wait, prolog, the gap since the previous allocation; from ``sacct``,
+else ``scontrol show job``: :mod:`trainguard.slurm.accounting`), on a thread too.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from typing import TYPE_CHECKING, cast
 
-from trainguard.core.events import EventLog
+from trainguard.core.events import EventLog, read_events
 from trainguard.core.fencing import NodeFencer
 from trainguard.core.plugin import AgentContext, AgentPlugin, NodeEvictedError
+from trainguard.core.proctime import process_start_time
+from trainguard.slurm.batch import BATCH_HOST_ENV
 from trainguard.slurm.cli import SlurmCli
 from trainguard.slurm.fencer import REASON_PREFIX
 
@@ -51,9 +59,18 @@ class SlurmDrainPlugin(AgentPlugin):
         self._previous: set[str] = set()
         self._threads: list[threading.Thread] = []
         self._warned = False
+        self._launch = process_start_time() or time.time()
+        self._scheduled = False
 
     def before_rendezvous(self, ctx: AgentContext) -> None:
         """Leave when Slurm says this node is not fit (DRAIN / DOWN / FAIL)."""
+        if not self._scheduled:
+            self._scheduled = True
+            if os.environ.get(BATCH_HOST_ENV, "") == ctx.node:
+                t = threading.Thread(target=self._schedule, args=(ctx.run_dir,), daemon=True,
+                                     name="slurm-schedule")  # fmt: skip
+                t.start()
+                self._threads.append(t)
         if self.slurm is None:
             return
         try:
@@ -127,6 +144,24 @@ class SlurmDrainPlugin(AgentPlugin):
             "node_drained", node_name=node, fenced=res.fenced, detail=res.detail, job_id=self.job_id
         )
         logger.warning("%s", res.detail)
+
+    def _schedule(self, run_dir: object) -> None:
+        """The ``slurm_schedule`` event of this allocation (never raises)."""
+        from trainguard.slurm.accounting import schedule
+
+        try:
+            fields = schedule(self.job_id, launch=self._launch,
+                              events=list(read_events(str(run_dir))))  # fmt: skip
+        except Exception as e:
+            fields = {
+                "job_id": self.job_id,
+                "source": None,
+                "warnings": [f"{type(e).__name__}: {e}"],
+            }
+        for w in fields.get("warnings", []):
+            logger.warning("scheduler times of job %s: %s", self.job_id, w)
+        fields["restart"] = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+        self.events.emit("slurm_schedule", **fields)
 
     def close(self) -> None:
         for t in self._threads:

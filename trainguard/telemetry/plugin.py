@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from trainguard.core import envvars
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config.telemetry import TelemetryConfig
-from trainguard.core.event_kinds import SNIFF_RESULTS
+from trainguard.core.event_kinds import SLURM_SCHEDULE, SNIFF_RESULTS
 from trainguard.core.events import MSG_STRAGGLER_SCORES
 from trainguard.core.goodput import GoodputTracker
 from trainguard.core.jsonl import JsonlTail
@@ -276,8 +276,8 @@ class TelemetryPlugin(AgentPlugin):
     def _poll(self) -> None:
         ref = min(self._ranks) if self._ranks else 0
         for ev in self._events_tail.read():
-            if ev.get("node") != self.node:
-                self.recorder.fleet_event(ev)
+            if ev.get("node") != self.node and ev.get("kind") != SLURM_SCHEDULE:
+                self.recorder.fleet_event(ev)  # (the scheduler's share is every node's)
                 continue
             self._events.append(ev)
             ckpt = str(ev.get("kind", "")).startswith("checkpoint")

@@ -41,6 +41,7 @@ from trainguard.core.event_kinds import (
     ROLE_REPLICA_STARTED,
     ROLE_REPLICA_STATE,
     ROLLOUT_FAILED,
+    SLURM_SCHEDULE,
     WORKER_FAILED,
     WORKERS_STARTED,
 )
@@ -217,9 +218,12 @@ class MetricsRecorder:
     }
 
     def _fleet_own_event(self, ev: Mapping[str, Any]) -> None:
-        """This node's events in the fleet panels: attributed failures, its state."""
+        """This node's events in the fleet panels (attributed failures, its state) and the
+        scheduler's share of the job's allocations (every node's, from the batch host)."""
         kind = str(ev.get("kind"))
-        if kind == FAILURE_ATTRIBUTED:
+        if kind == SLURM_SCHEDULE:
+            self._slurm_schedule(ev)
+        elif kind == FAILURE_ATTRIBUTED:
             cause = str(ev.get("cause") or "transient")
             self._inst["trainguard.fleet.failures"].add(1, {"node": self.node, "cause": cause})
         elif kind == NODE_REFUSED:
@@ -364,6 +368,15 @@ class MetricsRecorder:
         except Exception:
             self.num_bad_records += 1
             logger.exception("skipping an event that could not be mapped")
+
+    def _slurm_schedule(self, ev: Mapping[str, Any]) -> None:
+        """The scheduler's share of one allocation of a ``trainguard sbatch`` chain."""
+        alloc = {"node": self.node, "allocation": f"{ev.get('job_id')}.{ev.get('restart', 0)}"}
+        for phase, key in (("queue_wait", "queue_wait_s"), ("prolog", "prolog_s"),
+                           ("requeue_gap", "requeue_gap_s")):  # fmt: skip
+            v = _num(ev.get(key))
+            if v is not None:
+                self._set("trainguard.slurm.schedule_time", v, {**alloc, "phase": phase})
 
     def _role_event(self, ev: Mapping[str, Any]) -> None:
         """A role replica's start or state change (trainguard.roles): the fleet gauges."""

@@ -36,6 +36,7 @@ from trainguard.core.event_kinds import (
     ROLE_RESTART_BUDGET_EXHAUSTED,
     ROLLBACK_EXHAUSTED,
     ROLLOUT_FAILED,
+    SLURM_SCHEDULE,
     WORKER_FAILED,
     WORKER_GROUP_UNHEALTHY,
     WORKERS_STARTED,
@@ -609,6 +610,9 @@ def render_report(
         for e in data.events
         if e.get("kind") in (ROLE_REPLICA_FAILED, ROLE_RESTART_BUDGET_EXHAUSTED)
     ]
+    # the scheduler's share of each allocation (trainguard sbatch), once per allocation
+    sched = list({(e.get("job_id"), e.get("restart")): e for e in data.events
+                  if e.get("kind") == SLURM_SCHEDULE}.values())  # fmt: skip
     run_id = data.run_dir.name
 
     say("plotting training curves")
@@ -638,7 +642,7 @@ def render_report(
 <h2>Training</h2><div class="charts" id="training">{"".join(curves)}</div>
 <h2>Throughput and MFU</h2><div class="charts" id="speed">{"".join(speed)}</div>
 <h2>Goodput</h2><div id="goodput">
-{_goodput_section(g, ettr)}</div>
+{_goodput_section(g, ettr)}{_table(sched, ["time", "job_id", "restart", "queue_wait_s", "prolog_s", "requeue_gap_s", "source", "warnings"], t0, "tg-schedule-row") if sched else ""}</div>
 <h2>Timeline</h2><div id="timeline">{_timeline(data, t0, t_end)}</div>
 <h2>Engine fleet</h2><div id="fleet">{_fleet(data, t0, t_end)}
 {_table(fleet_failures, ["time", "kind", "role", "replica", "pid", "exitcode", "reason", "message"], t0, "tg-failure-row") if fleet_failures else ""}

@@ -18,6 +18,7 @@ from trainguard.core.event_kinds import (
     ROLE_REPLICA_FAILED,
     ROLE_RESTART_BUDGET_EXHAUSTED,
     ROLLBACK_EXHAUSTED,
+    SLURM_SCHEDULE,
     WORKER_FAILED,
 )
 from trainguard.core.goodput import compute_goodput
@@ -90,6 +91,7 @@ def recovery_summary(run_dir: str | Path) -> list[str]:
         lines.append(line)
     n_failures = len(lines)
     lines.extend(_other_incidents(data.events))
+    lines.extend(scheduler_lines(data.events))
     lines.extend(f"  attempt {a}: {v}" for a, v in verdicts.items())
     lines.extend(_stop(data.events))
     return [_headline(data, n_failures), *lines]
@@ -123,6 +125,27 @@ def _headline(data: Any, n_failures: int) -> str:
         if lost:
             head += f" (lost: {lost})"
     return head
+
+
+def scheduler_lines(events: list[dict[str, Any]]) -> list[str]:
+    """One line per allocation of a ``trainguard sbatch`` chain: the scheduler's share."""
+    lines, seen = [], set()
+    for e in events:
+        key = (e.get("job_id"), e.get("restart"))
+        if e.get("kind") != SLURM_SCHEDULE or key in seen:
+            continue
+        seen.add(key)
+        parts = [f"{label} {float(e[k]):.1f} s" for label, k in (
+            ("queue wait", "queue_wait_s"), ("prolog", "prolog_s"),
+            ("since the previous allocation", "requeue_gap_s"))
+            if isinstance(e.get(k), int | float)]  # fmt: skip
+        src = e.get("source") or "no scheduler times"
+        warn = e.get("warnings") or []
+        if warn:
+            src += f"; {len(warn)} warning{'s' if len(warn) != 1 else ''}: {'; '.join(warn)}"
+        lines.append(f"  Slurm job {e.get('job_id')} restart {e.get('restart', 0)}: "
+                     f"{', '.join(parts) or '-'} ({src})")  # fmt: skip
+    return lines
 
 
 def _other_incidents(events: list[dict[str, Any]]) -> list[str]:

@@ -6,9 +6,17 @@ each rank's clock: the first sniff, ``_FIRST_STEP`` steps after the first, warms
 wait for the next one, so that the budget holds from the first measured sniff on) and agrees
 the next sniff step; every sniff's all-reduce carries each rank's proposal for the next sniff
 step (``MAX``-reduced: the most conservative rank wins). A rank proposes the step at which
-``sniff_interval_s`` has passed and the time spent in sniffs stays within ``sniff_budget`` of
-the time since its first step, at its current seconds per step. Without ``torch.distributed``
-(or with one rank) the GEMM runs on the rank's own clock.
+``sniff_interval_s`` has passed and the time spent in sniffs stays within three quarters of
+``sniff_budget`` of the time since its first step, at its current seconds per step. Without
+``torch.distributed`` (or with one rank) the GEMM runs on the rank's own clock.
+
+Confirming sniffs: the same all-reduce carries every rank's GEMM time (groups of up to
+8192 ranks), so every rank sees at once whether one of them looked slow (its time over the
+others' median, ``sniff_slow_factor`` times its usual standing among them) and all agree to
+run ``sniff_window - 1`` more sniffs ``sniff_interval_s / 3`` apart, while the whole budget
+allows: the agent's judge then has a full window of fresh sniffs within seconds rather than
+``sniff_window`` intervals, and a noisy machine's one-off outlier costs a few cheap sniffs,
+not a flag.
 
 Each sniff appends a ``sniff`` record to the rank's metrics (``gemm_s``: one timed GEMM after a warm one
 on the first sniff: the judge wants ``sniff_patience`` slow sniffs in a row, so a single
@@ -35,6 +43,12 @@ logger = logging.getLogger(__name__)
 _FIRST_STEP = 3
 """Step of the first (agreement-only) sniff: after the first steps' start-up costs."""
 _GEMM_RUNS = 1
+_NORMAL_SHARE = 0.75
+"""Share of ``sniff_budget`` the regular sniffs keep to; the rest pays for confirming ones."""
+_MAX_GATHER = 8192
+"""Largest group whose GEMM times every sniff's all-reduce carries (confirming sniffs)."""
+_STANDING = 10
+"""Sniffs of a rank's standing among the others a suspicion is judged against."""
 
 
 def device_model(dev: Any) -> str:
@@ -64,17 +78,64 @@ class SniffRunner:
         self._next_time = 0.0  # without collectives
         self._mats: tuple[Any, Any] | None = None
         self._failed = False
+        self._standing: dict[int, list[float]] = {}
+        """Each rank's last GEMM times over the others' median (all ranks see the same)."""
+        self.confirming = 0
+        """Confirming sniffs still to run (a rank looked slow)."""
+        self._next_confirms = False
 
     # -- scheduling ----------------------------------------------------------------------------
-    def proposal(self, step: int, now: float) -> int:
-        """The step this rank proposes for the next sniff (after ``step``, at ``now``)."""
+    def proposal(self, step: int, now: float, pending: float = 0.0) -> int:
+        """The step this rank proposes for the next sniff (after ``step``, at ``now``;
+        ``pending``: the time of the sniff under way so far)."""
         assert self.t_first is not None
         elapsed = max(now - self.t_first, 1e-9)
         per_step = elapsed / max(self.steps_since_first, 1)
-        # the budget holds at the next sniff if (spent + its cost) <= budget * elapsed then
-        budget_at = (self.spent_s + self.last_cost_s) / self.cfg.sniff_budget
+        # the budget holds at the next sniff if (spent + its cost) <= budget * elapsed then;
+        # regular sniffs keep to a share of it, the rest is for confirming sniffs
+        spent = self.spent_s + pending + self.last_cost_s
+        budget_at = spent / (self.cfg.sniff_budget * _NORMAL_SHARE)
         wait_s = max(self.cfg.sniff_interval_s, budget_at - elapsed)
         return step + max(1, math.ceil(wait_s / per_step - 1e-9))
+
+    def confirm_proposal(self, step: int, now: float, pending: float = 0.0) -> tuple[int, bool]:
+        """(the step of a confirming sniff after ``step``, whether the whole budget allows it
+        then): ``sniff_interval_s / 3`` later."""
+        assert self.t_first is not None
+        elapsed = max(now - self.t_first, 1e-9)
+        per_step = elapsed / max(self.steps_since_first, 1)
+        wait_s = self.cfg.sniff_interval_s / 3
+        spent = self.spent_s + pending + self.last_cost_s
+        ok = spent <= self.cfg.sniff_budget * (elapsed + wait_s)
+        return step + max(1, math.ceil(wait_s / per_step - 1e-9)), ok
+
+    def suspect(self, gemms: list[float]) -> bool:
+        """Whether some rank's GEMM looked slow at this sniff: its time over the median of the
+        others' (``gemms``: every rank's, 0 where none) is ``sniff_slow_factor`` times its
+        usual standing (the median of its last ones that were not suspect). Every rank decides
+        the same from the same times; the agent's judge decides whether the rank is
+        flagged."""
+        valid = sorted(g for g in gemms if g > 0)
+        if len(valid) < 2:
+            return False
+        found = False
+        for r, g in enumerate(gemms):
+            if g <= 0:
+                continue
+            if len(valid) <= 16:  # the others' median (large groups: everyone's)
+                others = list(valid)
+                others.remove(g)
+                ref = statistics.median(others)
+            else:
+                ref = statistics.median(valid)
+            rel = g / ref
+            past = self._standing.setdefault(r, [])
+            if len(past) >= 3 and rel >= self.cfg.sniff_slow_factor * statistics.median(past):
+                found = True  # not its standing: a rank that stays slow stays suspect
+            else:
+                past.append(rel)
+                del past[:-_STANDING]
+        return found
 
     def after_step(self, step: int, generation: int = 0) -> None:
         """Called at the end of each successful step; runs a sniff when one is due. Never
@@ -88,8 +149,9 @@ class SniffRunner:
         now = time.perf_counter()
         if generation != self.generation:  # an in-process restart: the group starts over
             self.generation, self.t_first = generation, None
-            self.steps_since_first = self.sniffs = 0
+            self.steps_since_first = self.sniffs = self.confirming = 0
             self.spent_s = self.last_cost_s = 0.0
+            self._standing, self._next_confirms = {}, False
         if self.t_first is None:
             self.t_first = now
             self.next_step = step + _FIRST_STEP
@@ -107,6 +169,34 @@ class SniffRunner:
         except Exception as e:
             self._failed = True
             logger.warning("rank %d: sniff tests stopped: %s: %s", self.rank, type(e).__name__, e)
+
+    def _agree(self, dist: Any, dev: Any, step: int, t0: float, gemm_s: float | None) -> None:
+        """Agree the next sniff (a regular or a confirming one) with every rank."""
+        import torch
+
+        # MAX-reduced: [next regular sniff, next confirming sniff, 1 where a rank's budget
+        # refuses it, each rank's GEMM time in its own slot]
+        world = dist.get_world_size()
+        gather = world <= _MAX_GATHER
+        agree = torch.zeros(3 + (world if gather else 0), dtype=torch.float64, device=dev)
+        t_now = time.perf_counter()
+        confirm_at, ok = self.confirm_proposal(step, t_now, t_now - t0)
+        agree[0] = float(self.proposal(step, t_now, t_now - t0))
+        agree[1] = float(confirm_at)
+        agree[2] = 0.0 if ok else 1.0
+        if gather and gemm_s is not None:
+            agree[3 + dist.get_rank()] = gemm_s
+        dist.all_reduce(agree, op=dist.ReduceOp.MAX)  # also waits for every rank's GEMM
+        got = agree.tolist()
+        if gather and self.sniffs > 0 and self.suspect(got[3:]) and self.confirming == 0:
+            self.confirming = self.cfg.sniff_window - 1  # enough for the judge's window
+        self._next_confirms = self.confirming > 0 and got[2] == 0.0
+        if self._next_confirms:
+            self.confirming -= 1
+            self.next_step = int(got[1])
+        else:
+            self.confirming = 0
+            self.next_step = int(got[0])
 
     # -- one sniff -----------------------------------------------------------------------------
     def _device(self, dist: Any) -> Any:
@@ -150,6 +240,7 @@ class SniffRunner:
         import torch
 
         t0 = time.perf_counter()
+        confirming = self._next_confirms
         dev = self._device(dist)
         first = self.sniffs == 0 and dist is not None
         gemm_s = allreduce_s = None
@@ -164,10 +255,7 @@ class SniffRunner:
                 logger.warning("rank %d: sniff GEMM failed: %s: %s", self.rank,
                                type(e).__name__, e)  # fmt: skip
         if dist is not None:
-            agree = torch.zeros(1, dtype=torch.float64, device=dev)
-            agree[0] = float(self.proposal(step, time.perf_counter()))
-            dist.all_reduce(agree, op=dist.ReduceOp.MAX)  # also waits for every rank's GEMM
-            self.next_step = int(agree.item())
+            self._agree(dist, dev, step, t0, None if first else gemm_s)
             if not first and self.cfg.sniff_allreduce_kib > 0:
                 payload = torch.ones(self.cfg.sniff_allreduce_kib * 256, device=dev)
                 t1 = time.perf_counter()
@@ -204,6 +292,7 @@ class SniffRunner:
             "elapsed_s": elapsed,
             "overhead": self.spent_s / elapsed if elapsed > 0 else 0.0,
             "next_step": self.next_step,
+            "confirming": confirming,
         }
         if allreduce_s is not None:
             record["allreduce_s"] = allreduce_s

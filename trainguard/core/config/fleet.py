@@ -55,7 +55,8 @@ class FleetConfig:
     all-reduce is a collective in the user's group: every rank must call ``tg.step()`` the
     same number of times)."""
     sniff_budget: float = 0.005
-    """Share of the training time the sniff tests may take (the interval grows to keep it)."""
+    """Share of the training time the sniff tests may take (the interval grows to keep it;
+    regular sniffs keep to three quarters of it, confirming sniffs use the rest)."""
     sniff_gemm_size: int = 0
     """Side of the square GEMM (0: 2048 in bf16 on a GPU, 512 in fp32 on a CPU)."""
     sniff_allreduce_kib: int = 64
@@ -66,7 +67,8 @@ class FleetConfig:
     same device model and GEMM size."""
     sniff_window: int = 5
     """A rank is flagged when the median of its last this many sniffs is slow (most of them
-    were: one outlier is not a flag)."""
+    were: one outlier is not a flag). When a rank looks slow at a sniff, every rank runs this
+    many less one confirming sniffs, ``sniff_interval_s / 3`` apart (within the budget)."""
     sniff_record_s: float = 300.0
     """A rank's sniff results go to the fleet database at most this often (their median; a
     flagged rank at once, and each rank at the end of the attempt)."""
