@@ -31,7 +31,8 @@ demo: $(VENV)/.installed
 # names any binary still missing, in one line, before the first test). Then the suite in
 # parallel: one pytest-xdist worker per group of tests that share a service
 # (pytest.mark.xdist_group), the rest spread over TEST_WORKERS, the slow tests first.
-# `make test TESTS=tests/test_spares.py` runs one file; `make test-soak` the soak tests.
+# `make test TESTS=tests/test_spares.py` runs one file; `make test-soak` the soak tests. The
+# heaviest tests and files by CPU are printed at the end; the whole profile is build/test-profile.json.
 # The suite starts ~1500 Python processes; compileall first, so that none of them compiles the
 # package from source (where PYTHONDONTWRITEBYTECODE is set, none would write the cache).
 TEST_DEBS    := prometheus prometheus-alertmanager chromium slurm-wlm munge iproute2 etcd-server etcd-client
@@ -41,7 +42,7 @@ TESTS        ?=
 test:
 	@$(MAKE) --no-print-directory -j2 -O test-checks test-services
 	$(PY) -m compileall -q trainguard tests examples bench
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(TESTS)
+	mkdir -p build && TG_PROFILE_JSON=build/test-profile.json $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(TESTS)
 
 # Lint, format and type checks, and the documentation: the generated reference pages match
 # the code, and the site builds with warnings as errors (broken links and anchors included).

@@ -9,6 +9,7 @@ pytest-xdist each worker is its own subreaper and cleans up its own descendants.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import sys
@@ -188,6 +189,23 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         for cpu, wall, nodeid in sorted(_CPU, reverse=True)[:top]:
             share = cpu / total if total else 0.0
             terminalreporter.line(f"{cpu:8.1f} {wall:8.1f} {share:6.1%}  {nodeid}")
+        by_file: dict[str, list[float]] = {}
+        for cpu, wall, nodeid in _CPU:
+            entry = by_file.setdefault(nodeid.split("::")[0], [0.0, 0.0, 0.0])
+            entry[0] += cpu
+            entry[1] += wall
+            entry[2] += 1
+        terminalreporter.section("heaviest test files by CPU")
+        terminalreporter.line(f"{'CPU s':>8} {'wall s':>8} {'share':>6} {'tests':>5}  file")
+        ranked = sorted(by_file.items(), key=lambda kv: kv[1][0], reverse=True)
+        for path, (cpu, wall, count) in ranked[:top]:
+            share = cpu / total if total else 0.0
+            terminalreporter.line(f"{cpu:8.1f} {wall:8.1f} {share:6.1%} {count:5.0f}  {path}")
+        out = os.environ.get("TG_PROFILE_JSON")
+        if out:  # the whole profile, for comparing two runs
+            rows = [{"test": n, "cpu_s": round(c, 2), "wall_s": round(w, 2)} for c, w, n in _CPU]
+            Path(out).write_text(json.dumps(sorted(rows, key=lambda r: -r["cpu_s"]), indent=1))
+            terminalreporter.line(f"whole profile: {out}")
     if _LEFT:
         terminalreporter.section("processes a test started and left running")
         for line in _LEFT:
