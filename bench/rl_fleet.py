@@ -8,12 +8,11 @@ with faults arriving at random against the same run without faults.
 Faults (real): ``engine_kill`` (kill -9 an engine mid-generation), ``engine_freeze``
 (SIGSTOP), ``engine_500`` (the engine answers HTTP 500 to its next requests),
 ``trainer_rank_kill`` (kill -9 one trainer rank), ``trainer_group_kill`` (kill -9 every rank).
-The trainer runs under ``trainguard run``; the engines are supervised by this script the way
-the launcher's ``rollout`` role supervises them (same command and environment contract:
-:class:`trainguard.rl.local.LocalEngines`): an engine that exits is restarted on its port, one
-whose health stays unanswered for 10 s is killed and restarted; each replica has a warm
-standby (``python -m trainguard.rl.engine --standby``: imported and built, waiting for the
-port) that takes over, and a new standby is started behind it.
+The job is one ``trainguard run`` with a ``rollout`` role (``--tg-role
+rollout=2,standby=1:python -m trainguard.rl.engine``): the node agent's role supervisor
+restarts a dead engine (exited, refusing connections, or without a good health answer for
+``[roles] dead_after_s``) by promoting the role's warm standby (loaded, out of routing,
+started at low CPU priority) and starts a new standby behind it.
 
 Figures: ``fabricated_samples`` (samples trained minus real generations, from the trainer's
 logs), ``prompts_skipped``/``prompts_duplicated`` (the consumed-prompt audit of every run),
@@ -32,12 +31,12 @@ import argparse
 import json
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,10 +44,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.ports import free_port  # noqa: E402
 from trainguard.core.config.warm import WarmConfig  # noqa: E402
-from trainguard.rl import ConsumedLog, PromptLedger, WeightStore, audit  # noqa: E402
-from trainguard.rl.local import LocalEngines, engine_health  # noqa: E402
+from trainguard.core.rundir import RunDir  # noqa: E402
+from trainguard.rl import ConsumedLog, PromptLedger, audit  # noqa: E402
+from trainguard.rl.local import engine_health  # noqa: E402
 
 KINDS = ("engine_kill", "engine_freeze", "engine_500", "trainer_rank_kill", "trainer_group_kill")
 PROMPTS, BATCH = 64, 16
@@ -63,68 +62,65 @@ WARM_PRELOAD = [
 uses (``[warm] preload``): transformers' GPT-2 is most of a cold worker's start-up."""
 
 
-class Supervisor:
-    """The rollout role's job, done here: restart an engine that exited or stopped answering
-    its health probe for ``dead_after_s``; measure fault → replacement serving the current
-    weight version."""
+ENGINE = [sys.executable, "-m", "trainguard.rl.engine", "--enable-fault-injection",
+          "--poll-interval-s", "0.3"]  # fmt: skip
 
-    def __init__(self, run_dir: Path, n: int, dead_after_s: float = 10.0) -> None:
-        self.engines = LocalEngines(
-            [free_port() for _ in range(n)],
-            run_dir=run_dir,
-            args=["--enable-fault-injection", "--poll-interval-s", "0.3"],
-            standby=True,
-        )
-        self.store = WeightStore(run_dir / "rl" / "weights")
-        self.dead_after_s = dead_after_s
-        self.restarts = 0
-        self.rejoin_s: list[tuple[str, float]] = []
-        """(fault kind, seconds from the fault to the replacement serving the current version)"""
-        self.fault_time: dict[int, float] = {}
-        self.fault_kind: dict[int, str] = {}
-        self._silent_since: dict[int, float] = {}
-        self._booting: set[int] = set(range(n))
-        self._stop = threading.Event()
-        self.engines.start()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
 
-    def _loop(self) -> None:
-        while not self._stop.wait(0.1):
-            for i, p in enumerate(self.engines.procs):
-                if p is None:
-                    continue
-                now = time.time()
-                if p.poll() is not None:
-                    self._restart(i)
-                    continue
-                h = engine_health(self.engines.ports[i], timeout=1.0)
-                cur = self.store.current()
-                if h is None:  # a serving engine that stopped answering: dead after a while
-                    if i not in self._booting:
-                        since = self._silent_since.setdefault(i, now)
-                        if now - since > self.dead_after_s:
-                            os.kill(p.pid, signal.SIGCONT)
-                            self._restart(i)
-                    continue
-                self._booting.discard(i)
-                self._silent_since.pop(i, None)
-                if i in self.fault_time and h.get("status") == "serving" and cur is not None:
-                    if h.get("weight_version") == cur.version and self.engines.restarts[i] > 0:
-                        kind = self.fault_kind.pop(i, "exit")
-                        self.rejoin_s.append((kind, now - self.fault_time.pop(i)))
+class Fleet:
+    """The job's ``rollout`` role as the launcher runs it (2 replicas and ``standby`` warm
+    standbys), seen from the run directory: the replicas' state files and the supervisor's
+    events. Measures fault → replacement serving (an engine reports ``serving`` only once it
+    holds the weight store's current version)."""
 
-    def _restart(self, i: int) -> None:
-        self.fault_time.setdefault(i, time.time())
-        self._silent_since.pop(i, None)
-        self._booting.add(i)
-        self.restarts += 1
-        self.engines.restart(i)
+    def __init__(self, run_dir: Path) -> None:
+        self.rundir = RunDir(run_dir)
+        self.run_dir = run_dir
+        self.faults: list[tuple[int, int, float, str]] = []
+        """(replica, its pid at the fault, time, kind) of each engine death injected"""
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.engines.close()
+    def states(self) -> list[dict[str, Any]]:
+        return self.rundir.role_states().get("rollout", [])
+
+    def port(self, i: int) -> int:
+        return int(self.states()[i]["port"])
+
+    def pid(self, i: int) -> int:
+        return int(self.states()[i]["pid"])
+
+    def died(self, i: int, kind: str) -> None:
+        self.faults.append((i, self.pid(i), time.time(), kind))
+
+    def rejoin_s(self) -> list[tuple[str, float]]:
+        """(fault kind, seconds from the fault to the replacement's first ``serving``)"""
+        serving = [
+            e
+            for e in _events(self.run_dir, "role_replica_state")
+            if e.get("role") == "rollout" and e.get("state") == "serving"
+        ]
+        out = []
+        for i, pid, t, kind in self.faults:
+            later = [
+                e["time"]
+                for e in serving
+                if e["replica"] == i and e["pid"] != pid and e["time"] > t
+            ]
+            if later:
+                out.append((kind, min(later) - t))
+        return out
+
+    def pending(self) -> bool:
+        return len(self.rejoin_s()) < len(self.faults)
+
+    @property
+    def restarts(self) -> int:
+        return len(_events(self.run_dir, "role_replica_failed"))
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:  # already replaced
+        pass
 
 
 def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
@@ -154,10 +150,13 @@ def _records(run_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
 
 
 class Run:
-    def __init__(self, root: Path, name: str, *, steps: int, engines: int = 2) -> None:
+    def __init__(
+        self, root: Path, name: str, *, steps: int, engines: int = 2, standby: int = 1
+    ) -> None:
         self.name = name
         self.run_dir = root / name
-        self.sup = Supervisor(self.run_dir, engines)
+        self.run_dir.mkdir(parents=True)
+        self.sup = Fleet(self.run_dir)
         self.log = ConsumedLog(self.run_dir / "rl" / "consumed.jsonl")
         env = {
             k: v
@@ -165,7 +164,7 @@ class Run:
             if not k.startswith(("TRAINGUARD_", "TORCHELASTIC_", "PET_"))
         }
         env.update(
-            TRAINGUARD_ROLLOUT_URLS=",".join(self.sup.engines.urls),
+            TRAINGUARD_ROLES_PROBE_INTERVAL_S="0.5",
             TRAINGUARD_WARM_PRELOAD=",".join(WARM_PRELOAD),
             TRAINGUARD_CHECKPOINT_MEMORY_MAX_STALL_FRACTION="0",
             OMP_NUM_THREADS="1",
@@ -174,7 +173,8 @@ class Run:
         self.t_launch = time.time()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
-             "--max-restarts", "100", "--tg-run-dir", str(self.run_dir),
+             "--max-restarts", "100", "--tg-run-dir", str(self.run_dir), "--tg-role",
+             f"rollout={engines},standby={standby},budget=1000:{shlex.join(ENGINE)}",
              str(REPO / "examples" / "rl_fleet.py"), "--steps", str(steps), "--prompts",
              str(PROMPTS), "--batch", str(BATCH), "--group", "8", "--max-tokens", "16",
              "--request-timeout", "20"],
@@ -197,25 +197,27 @@ class Run:
     def inject(self, kind: str, rng: random.Random) -> None:
         started = _events(self.run_dir, "workers_started")
         attempt = started[-1]["attempt"] if started else 0
-        i = rng.randrange(len(self.sup.engines.ports))
+        states = self.sup.states()
+        serving = [s["replica"] for s in states if s["state"] == "serving"]
+        i = rng.choice(serving) if serving else rng.randrange(len(states))
         now = time.time()
         if kind == "engine_kill":  # mid-generation: once it has a request in flight
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                h = engine_health(self.sup.engines.ports[i], timeout=1.0)
+                h = engine_health(self.sup.port(i), timeout=1.0)
                 if h is not None and h.get("inflight"):
                     break
                 time.sleep(0.02)
             now = time.time()
-            self.sup.fault_time[i], self.sup.fault_kind[i] = now, kind
-            self.sup.engines.kill(i, signal.SIGKILL)
+            self.sup.died(i, kind)
+            _signal(self.sup.pid(i), signal.SIGKILL)
         elif kind == "engine_freeze":
-            self.sup.fault_time[i], self.sup.fault_kind[i] = now, kind
-            os.kill(self.sup.engines.pid(i), signal.SIGSTOP)
+            self.sup.died(i, kind)
+            _signal(self.sup.pid(i), signal.SIGSTOP)
         elif kind == "engine_500":
             import http.client
 
-            c = http.client.HTTPConnection("127.0.0.1", self.sup.engines.ports[i], timeout=5)
+            c = http.client.HTTPConnection("127.0.0.1", self.sup.port(i), timeout=5)
             try:
                 c.request("POST", "/v1/faults", body=json.dumps({"kind": "http_500", "count": 4}))
                 c.getresponse().read()
@@ -251,7 +253,6 @@ class Run:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.sup.close()
 
     # -- figures -------------------------------------------------------------------------------
     def steps(self) -> list[dict[str, Any]]:
@@ -312,7 +313,7 @@ def scenario(root: Path, kinds: list[str], *, steps: int, seed: int) -> Run:
             break
         run.inject(kind, rng)
         deadline = time.monotonic() + 180
-        while run.sup.fault_time and time.monotonic() < deadline and run.proc.poll() is None:
+        while run.sup.pending() and time.monotonic() < deadline and run.proc.poll() is None:
             time.sleep(0.2)  # the engine fault is recovered (replacement serving)
         at = run.step() + 4
     run.wait_step(max(at, steps))
@@ -374,8 +375,8 @@ def main() -> None:
     free = by.get("fault_free")
     kill_runs = [r for r in runs if any(k.startswith("trainer") for k, _, _ in r.faults)]
     engine_kill = [d for r in runs for d in r.step_delay("engine_kill")]
-    rejoin = [s for r in runs for k, s in r.sup.rejoin_s if k == "engine_kill"]
-    freeze_rejoin = [s for r in runs for k, s in r.sup.rejoin_s if k == "engine_freeze"]
+    rejoin = [s for r in runs for k, s in r.sup.rejoin_s() if k == "engine_kill"]
+    freeze_rejoin = [s for r in runs for k, s in r.sup.rejoin_s() if k == "engine_freeze"]
     freeze_delay = [d for r in runs for d in r.step_delay("engine_freeze")]
     to_update = [s for r in kill_runs for s in r.kill_to_update()]
     pure_trainer = [r for r in kill_runs if all(k.startswith("trainer") for k, _, _ in r.faults)]

@@ -286,7 +286,7 @@ def test_plugin_learns_a_stop_and_publishes_checkpoints(tmp_path) -> None:
         plugin.before_rendezvous(ctx)
 
 
-def test_committed_steps_counts_checkpoints_and_ft_heals(tmp_path) -> None:
+def test_committed_steps_counts_checkpoints_ft_heals_and_restores(tmp_path) -> None:
     from trainguard.recovery.plugin import CommittedSteps
 
     events = tmp_path / "events.jsonl"
@@ -302,6 +302,10 @@ def test_committed_steps_counts_checkpoints_and_ft_heals(tmp_path) -> None:
     with events.open("a") as f:
         f.write('aled", "step": 61}\n')
     assert seen.poll() == 61  # the half-written line was read once it was whole
+    with events.open("a") as f:  # a restore from the memory tier, past any disk commit
+        f.write('{"kind": "checkpoint_restored", "rank": 0, "step": null, "source": "none"}\n')
+        f.write('{"kind": "checkpoint_restored", "rank": 0, "step": 75, "source": "memory"}\n')
+    assert seen.poll() == 75
 
 
 def test_backoff_resets_when_the_job_made_checkpoint_progress(stores: tuple) -> None:

@@ -1,7 +1,8 @@
 """The documented command line end to end: ``trainguard run --tg-role "rollout=2:python -m
 trainguard.rl.engine" examples/rl_fleet.py`` with 2 trainer ranks and 2 real engines started
-by the node agent. An engine killed -9 mid-run restarts alone on its port with the current
-weights (the trainer keeps its attempt and PIDs); every per-step figure of the rollout fleet
+by the node agent and a warm standby (``standby=1``). An engine killed -9 mid-run is replaced
+by the standby on its port, which serves only once it holds the current weights (the trainer
+keeps its attempt and PIDs); every per-step figure of the rollout fleet
 reaches the agent's Prometheus endpoint through the metric contract, and the HTML report's
 engine-fleet section."""
 
@@ -90,7 +91,16 @@ def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
     return out
 
 
-@pytest.mark.slow  # 2 trainer ranks and 3 engine starts (torch + transformers each)
+def standby(run: Path) -> dict[str, Any] | None:
+    path = RunDir(run).role_standby("rollout", 0, "json")
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return state if state["state"] == "standby" else None
+
+
+@pytest.mark.slow  # 2 trainer ranks and 4 engine starts (torch + transformers each)
 def test_rl_fleet_job_with_engines_as_a_role(tmp_path: Path) -> None:
     run, prom_port = tmp_path / "run", free_port()
     engine = f"{sys.executable} -m trainguard.rl.engine --poll-interval-s 0.3"
@@ -105,7 +115,7 @@ def test_rl_fleet_job_with_engines_as_a_role(tmp_path: Path) -> None:
     job = popen(
         "trainguard",
         ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--no-tg-warm",
-         "--tg-run-dir", str(run), "--tg-role", f"rollout=2:{engine}", RL_FLEET,
+         "--tg-run-dir", str(run), "--tg-role", f"rollout=2,standby=1:{engine}", RL_FLEET,
          "--steps", "100000", "--step-sleep", "0.05", "--request-timeout", "20"],
         cwd=tmp_path, env=env,
     )  # fmt: skip
@@ -117,6 +127,7 @@ def test_rl_fleet_job_with_engines_as_a_role(tmp_path: Path) -> None:
     err = ""
     try:
         first = wait_for("both engines serving", lambda: engines(run), job, 240)
+        spare = wait_for("the standby ready", lambda: standby(run), job, 240)
         wait_for("two trained steps", lambda: steps_done() >= 2, job, 240)
         os.kill(first[0]["pid"], signal.SIGKILL)  # an engine dies mid-run
         now = steps_done()
@@ -127,6 +138,7 @@ def test_rl_fleet_job_with_engines_as_a_role(tmp_path: Path) -> None:
             240,
         )
         assert again[1]["pid"] == first[1]["pid"]  # the other engine was not touched
+        assert again[0]["pid"] == spare["pid"]  # the warm standby took its place
         wait_for("three more steps", lambda: steps_done() >= now + 3, job, 240)
         serving = by_name("trainguard.role.replicas.serving").prometheus
 
@@ -157,6 +169,17 @@ def test_rl_fleet_job_with_engines_as_a_role(tmp_path: Path) -> None:
     assert [e for e in events if e["kind"] == "restart"] == [], err[-3000:]
     failed = [e for e in events if e["kind"] == "role_replica_failed"]
     assert [(e["replica"], e["pid"]) for e in failed] == [(0, first[0]["pid"])]
+    # refit-gated: the promoted standby's first "serving" already held the trainer's version
+    promoted = [
+        e
+        for e in events
+        if e["kind"] == "role_replica_state" and e["replica"] == 0 and e["pid"] == spare["pid"]
+    ]
+    assert promoted[0]["state"] == "starting"
+    assert next(e for e in promoted if e["state"] == "serving")["weight_version"] >= now
+    assert [e["state"] for e in events if e["kind"] == "role_standby_state"][:3] == [
+        "starting", "standby", "promoted"
+    ]  # fmt: skip
     assert {e["attempt"] for e in events if e["kind"] == "rl_trainer_attached"} == {0}
 
     # every step's figures, logged by both ranks, all from real generations

@@ -74,12 +74,12 @@ def serving_pids(sup: RoleSupervisor) -> list[int] | None:
 # -- the spec: file, flag, bad input ----------------------------------------------------------
 def test_role_flag_and_table_give_the_same_spec(tmp_path: Path) -> None:
     name, table = parse_role_flag(
-        "rollout=2,port=8100,budget=3,policy=never,ready=30:python -m eng --model 'a b'"
+        "rollout=2,port=8100,budget=3,policy=never,ready=30,standby=1:python -m eng --model 'a b'"
     )
     assert name == "rollout"
     spec = RoleSpec.from_mapping(name, table, "flag")
     assert spec.command == ("python", "-m", "eng", "--model", "a b")
-    assert (spec.replicas, spec.port, spec.restart_budget) == (2, 8100, 3)
+    assert (spec.replicas, spec.port, spec.restart_budget, spec.standby) == (2, 8100, 3, 1)
     assert (spec.restart_policy, spec.readiness_timeout_s, spec.health_path) == (
         "never",
         30.0,
@@ -89,6 +89,7 @@ def test_role_flag_and_table_give_the_same_spec(tmp_path: Path) -> None:
     toml.write_text(
         '[roles.rollout]\ncommand = ["python", "-m", "eng", "--model", "a b"]\nreplicas = 2\n'
         'port = 8100\nrestart_budget = 3\nrestart_policy = "never"\nreadiness_timeout_s = 30\n'
+        "standby = 1\n"
     )
     assert load_config(str(toml), env={}).roles.specs() == [spec]
     env = {"TRAINGUARD_ROLES_REWARD": json.dumps({"command": "srv", "replicas": 1})}
@@ -109,6 +110,7 @@ def test_role_flag_and_table_give_the_same_spec(tmp_path: Path) -> None:
         ("rollout=2,port=65535:python x", "go past 65535"),
         ("rollout=1,policy=sometimes:python x", "restart_policy 'sometimes'"),
         ("rollout=1:python 'unclosed", "No closing quotation"),
+        ("rollout=1,standby=-1:python x", "standby -1 must be in 0..64"),
     ],
 )
 def test_bad_role_flag_is_one_line_and_exit_2(
@@ -152,6 +154,8 @@ def test_bad_role_table_is_one_config_error(tmp_path: Path) -> None:
         ('[roles.rollout]\ncommand = "x"\nreadiness_timeout_s = "nan"\n', "must be > 0"),
         ('[roles.rollout]\ncommand = "x"\nenv = "A=1"\n', "env must be a table of strings"),
         ('[roles]\nrollout = "python x"\n', "expected a JSON object"),
+        ('[roles.rollout]\ncommand = "x"\nstandby = "one"\n', "standby 'one' is not an integer"),
+        ("[roles]\nstandby_nice = 20\n", "standby_nice must be in 0..19"),
     ]:
         toml.write_text(body)
         with pytest.raises(ConfigError, match=says) as e:
@@ -199,6 +203,70 @@ def test_killed_replica_restarts_alone_on_its_port(
     sup.stop()
     assert not alive(new[0]) and not alive(new[1])
     assert {s["state"] for s in RunDir(tmp_path).role_states()["rollout"]} == {"stopped"}
+
+
+def _standby(sup: RoleSupervisor, pid: int | None = None) -> dict[str, Any] | None:
+    """The role's standby once ready (and another process than ``pid``)."""
+    sb = sup.standbys["rollout"][0]
+    if sb.state != "standby" or sb.pid == pid:
+        return None
+    return json.loads(_get(sb.port, "/whoami"))
+
+
+def test_dead_replica_is_replaced_by_the_warm_standby(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
+) -> None:
+    sup = supervisor({"command": REPLICA + ["--loading-s", "0.5"], "replicas": 2, "standby": 1})
+    pids = wait_for("both replicas serving", lambda: serving_pids(sup))
+    spare = wait_for("the standby ready", lambda: _standby(sup))
+    ports = [r.port for r in sup.replicas["rollout"]]
+    standby_port = sup.standbys["rollout"][0].port
+    # kept out of routing, started at low priority, not a replica yet
+    assert str(standby_port) not in sup.trainer_env()["TRAINGUARD_ROLLOUT_URLS"]
+    assert spare["replica"] is None and spare["role"] == "rollout"
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert spare["nice"] == min(19, mine + 10)
+
+    os.kill(pids[0], signal.SIGKILL)
+    new = wait_for(
+        "replica 0 replaced and serving",
+        lambda: (p := serving_pids(sup)) and p[0] != pids[0] and p,
+    )
+    assert new == [spare["pid"], pids[1]]  # the standby took replica 0's place and port
+    who = json.loads(_get(ports[0], "/whoami"))
+    assert who["pid"] == spare["pid"] and who["replica"] == "0"
+    if os.geteuid() == 0:  # a user without RLIMIT_NICE cannot lower it again
+        assert who["nice"] == mine
+    # refit-gated: the promoted standby reported loading before it served
+    states = [e["state"] for e in kinds(tmp_path, "role_replica_state") if e["replica"] == 0]
+    assert states[3:] == ["dead", "restarting", "starting", "loading", "serving"]
+    started = kinds(tmp_path, "role_replica_started")
+    assert [(e["replica"], e["standby"]) for e in started][-1] == (0, 0)
+    assert sup.restarts["rollout"] == 1 and sup.failure is None
+    # a new standby behind it
+    again = wait_for("a new standby ready", lambda: _standby(sup, spare["pid"]))
+    assert again["pid"] not in (*pids, spare["pid"])
+    sb_states = [e["state"] for e in kinds(tmp_path, "role_standby_state")]
+    assert sb_states == ["starting", "standby", "promoted", "starting", "standby"]
+
+    sup.stop()
+    assert not any(alive(p) for p in (*new, again["pid"]))
+    sb = json.loads(RunDir(tmp_path).role_standby("rollout", 0, "json").read_text())
+    assert sb["state"] == "stopped" and sb["starts"] == 2
+
+
+def test_standby_that_ignores_the_contract_is_one_event_and_cold_restarts_go_on(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
+) -> None:
+    sup = supervisor({"command": REPLICA + ["--ignore-standby"], "replicas": 1, "standby": 1})
+    pids = wait_for("the replica serving", lambda: serving_pids(sup))
+    wait_for("the standby given up", lambda: sup.standbys["rollout"][0].state == "failed")
+    (ev,) = [e for e in kinds(tmp_path, "role_standby_state") if e["state"] == "failed"]
+    assert "answered 'serving' as a standby" in ev["reason"] and "cold restarts" in ev["reason"]
+    assert not alive(ev["pid"])
+    os.kill(pids[0], signal.SIGKILL)
+    wait_for("a cold restart", lambda: (p := serving_pids(sup)) and p[0] != pids[0])
+    assert sup.failure is None
 
 
 def test_each_role_has_its_own_budget_and_urls(tmp_path: Path) -> None:

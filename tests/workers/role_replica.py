@@ -11,6 +11,13 @@ replica. Behaviour knobs (argv):
 --bad-health-after S  after S seconds, answer /health with BAD (below) instead
 --bad-health KIND     ``malformed`` (200, not JSON) or ``500`` (HTTP 500)
 --close-after S       after S seconds, close the listening socket and stay alive (refuses)
+--ignore-standby      serve as a replica even when started as a standby (a command that does
+                      not honour the standby contract)
+
+Started as a role's warm standby (``$TRAINGUARD_ROLE_STANDBY`` set, unless
+``--ignore-standby``) it answers ``standby`` on its own port until the promotion file appears,
+then serves on the port it names as that replica (``loading`` for ``--loading-s`` first).
+``/whoami`` also says its niceness.
 """
 
 from __future__ import annotations
@@ -33,18 +40,21 @@ def main() -> None:
     p.add_argument("--bad-health-after", type=float, default=None)
     p.add_argument("--bad-health", choices=("malformed", "500"), default="malformed")
     p.add_argument("--close-after", type=float, default=None)
+    p.add_argument("--ignore-standby", action="store_true")
     args = p.parse_args()
     if args.exit_at_once is not None:
         print("role_replica: exiting at once", flush=True)
         sys.exit(args.exit_at_once)
     port = int(os.environ["TRAINGUARD_ROLE_PORT"])
     started = time.monotonic()
-    ident = {
+    ident: dict[str, object] = {
         "pid": os.getpid(),
         "role": os.environ.get("TRAINGUARD_ROLE"),
         "replica": os.environ.get("TRAINGUARD_ROLE_REPLICA"),
         "run_dir": os.environ.get("TRAINGUARD_RUN_DIR"),
     }
+    promote = os.environ.get("TRAINGUARD_ROLE_STANDBY")
+    standby = bool(promote) and not args.ignore_standby
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
@@ -61,7 +71,9 @@ def main() -> None:
                 self.end_headers()
                 self.wfile.write(data)
                 return
-            if self.path == "/health":
+            if self.path == "/health" and standby:
+                body: dict[str, object] = {"status": "standby", "weight_version": None}
+            elif self.path == "/health":
                 if args.never_ready:
                     status = "starting"
                 elif time.monotonic() - started < args.loading_s:
@@ -70,7 +82,7 @@ def main() -> None:
                     status = "serving"
                 body = {"status": status, "weight_version": args.weight_version}
             elif self.path == "/whoami":
-                body = ident
+                body = {**ident, "nice": os.getpriority(os.PRIO_PROCESS, 0)}
             else:
                 self.send_error(404)
                 return
@@ -85,6 +97,27 @@ def main() -> None:
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    if standby and promote:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        print(f"role_replica: standby on {port} pid {os.getpid()}", flush=True)
+        while True:
+            try:
+                order = json.loads(open(promote).read())  # noqa: SIM115 - a tiny read
+                break
+            except (OSError, ValueError):
+                time.sleep(0.05)
+        while True:
+            try:
+                promoted = ThreadingHTTPServer(("127.0.0.1", int(order["port"])), Handler)
+                break
+            except OSError:  # the dead replica's port is not free yet
+                time.sleep(0.05)
+        server.shutdown()
+        server.server_close()
+        server, port = promoted, int(order["port"])
+        ident["replica"] = str(order["replica"])
+        standby = False
+        started = time.monotonic()  # loading for --loading-s from here
     print(f"role_replica: serving on {port} pid {os.getpid()}", flush=True)
     if args.close_after is None:
         server.serve_forever()

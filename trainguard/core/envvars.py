@@ -48,6 +48,12 @@ ROLE_PORT = "TRAINGUARD_ROLE_PORT"
 """In a role replica: the port it must serve on (127.0.0.1), the same across its restarts."""
 ROLE_RUN_DIR = "TRAINGUARD_RUN_DIR"
 """In a role replica: the run directory (its state file: ``roles/<role>/<i>.json``)."""
+ROLE_STANDBY = "TRAINGUARD_ROLE_STANDBY"
+"""In a role's warm standby only (``standby = N``): the file that promotes it. The standby
+serves its health on ``TRAINGUARD_ROLE_PORT`` (its own port, never routed to) with status
+``standby`` once it is loaded; when the file appears (JSON ``{"replica": i, "port": p}``) it
+takes port ``p`` of the dead replica ``i`` and goes on as that replica (loading, then serving
+the current weights)."""
 ROLLOUT_URLS = "TRAINGUARD_ROLLOUT_URLS"
 """In the trainer's workers: the rollout engines, ``http://127.0.0.1:<port>`` comma-separated,
 replica 0 first; stable across the engines' restarts."""

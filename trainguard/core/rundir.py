@@ -14,6 +14,8 @@
     debug/<id>/                           one ``trainguard debug`` look at a running job (a DumpDir)
     roles/<role>/<i>.json                 state of role replica i (rollout, reward engines)
     roles/<role>/<i>.log                  its output (stdout and stderr, every restart)
+    roles/<role>/standby-<k>.json|.log    a warm standby's state and output (``standby = N``)
+    roles/<role>/standby-<k>.<n>.promote  the order that promoted its n-th start to a replica
 
 A dump directory (:class:`DumpDir`, the hang-dump protocol):
 
@@ -202,6 +204,12 @@ class RunDir:
     def role_log(self, role: str, replica: int) -> Path:
         """The output of one replica, appended to across its restarts."""
         return self.roles / role / f"{replica}.log"
+
+    def role_standby(self, role: str, slot: int, suffix: str) -> Path:
+        """A role's warm standby ``slot``: ``json`` its state, ``log`` its output,
+        ``<n>.promote`` the file that promotes its ``n``-th incarnation to a replica (written
+        by the supervisor)."""
+        return self.roles / role / f"standby-{slot}.{suffix}"
 
     def role_states(self) -> dict[str, list[dict[str, Any]]]:
         """Every replica's last state, by role, replica 0 first (unreadable files skipped)."""

@@ -69,9 +69,13 @@ class CommittedSteps:
     """Tails ``<run_dir>/events.jsonl`` for ``checkpoint_committed`` events (rank 0's worker
     writes them): the newest committed step. In torchft mode a restarted replica group restores
     from its peers, not from a checkpoint, so ``ft_healed`` (the step it healed to) counts as
-    progress too: a group that keeps healing and training is not a crash loop."""
+    progress too: a group that keeps healing and training is not a crash loop. So does a
+    ``checkpoint_restored`` step: a job that saves to the memory tier every step and rarely to
+    disk restores a step no disk commit announced; a restart that resumes further than the one
+    before shows the attempt before it trained (it restarts at once, not after a growing
+    backoff), one that keeps restoring the same step does not."""
 
-    _PROGRESS = (b'"checkpoint_committed"', b'"ft_healed"')
+    _PROGRESS = (b'"checkpoint_committed"', b'"ft_healed"', b'"checkpoint_restored"')
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / EVENTS_FILE

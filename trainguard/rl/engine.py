@@ -13,11 +13,12 @@ What the launcher and :class:`trainguard.rl.RolloutClient` expect of any engine 
 an adapter in front of vLLM or SGLang):
 
 ``GET /health``
-    200 ``{"status": "starting"|"loading"|"serving", "weight_version": int|null, "model": str,
-    "inflight": int}``. ``starting``: the process is up, the model is being built;
-    ``loading``: waiting for / loading the trainer's current weight version; ``serving``:
-    it holds a published version and generates. An engine reports ``serving`` only after it
-    loaded the version the weight store's pointer names (refit-gated (re)join).
+    200 ``{"status": "starting"|"loading"|"serving"|"standby", "weight_version": int|null,
+    "model": str, "inflight": int}``. ``starting``: the process is up, the model is being
+    built; ``loading``: waiting for / loading the trainer's current weight version;
+    ``serving``: it holds a published version and generates; ``standby``: a role's warm
+    standby, built, not routed to. An engine reports ``serving`` only after it loaded the
+    version the weight store's pointer names (refit-gated (re)join).
 ``POST /v1/completions``
     OpenAI-compatible: ``prompt`` (a string or a list of strings), ``max_tokens``,
     ``temperature``, ``top_p``, ``n``, ``seed``, ``logprobs`` (``stream`` is refused). The
@@ -48,6 +49,13 @@ A warm replacement (``--standby``): a second process per replica imports everyth
 builds the model while the replica serves, binds the port the moment it is free (the replica
 died or was killed), then loads the current version and serves: a rejoin without the start-up.
 
+A role's warm standby (``standby = N`` of the ``rollout`` role; ``$TRAINGUARD_ROLE_STANDBY``
+names its promotion file): the engine serves ``/health`` on its own port
+(``$TRAINGUARD_ROLE_PORT``, never routed to) with status ``standby`` once the model is built;
+when the supervisor writes the promotion file (``{"replica": i, "port": p}``) it binds port
+``p`` (free once the dead replica is gone), closes its own, loads the current weight version
+(``loading``) and serves: the replica's rejoin without the start-up.
+
 Fault injection (tests and benchmarks only, ``--enable-fault-injection``): ``POST /v1/faults``
 ``{"kind": "http_500"|"malformed"|"hang", "count": n}`` makes the next ``n`` completion
 requests answer HTTP 500, a truncated JSON body, or nothing at all (``n`` = 0 disarms).
@@ -69,6 +77,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from trainguard.core import envvars
 from trainguard.rl.tiny import TINY_MODEL, load_model
 from trainguard.rl.weights import WeightStore, default_weight_dir
 
@@ -76,7 +85,8 @@ __all__ = ["Engine", "EngineConfig", "main"]
 
 logger = logging.getLogger(__name__)
 
-PORT_ENV = "TRAINGUARD_ROLE_PORT"
+PORT_ENV = envvars.ROLE_PORT
+ROLE_STANDBY_ENV = envvars.ROLE_STANDBY
 FAULT_KINDS = ("http_500", "malformed", "hang")
 
 
@@ -490,8 +500,8 @@ class _Handler(BaseHTTPRequestHandler):
         path = body.get("path")
         if path is not None and not isinstance(path, str):
             raise BadRequest("'path' must be a string (a safetensors file)")
-        if e.status == "starting":
-            self._error(503, "engine is starting; it loads the current version itself")
+        if e.status in ("starting", "standby"):
+            self._error(503, f"engine is {e.status}; it loads the current version itself")
             return
         try:
             load_s = e.load_weights(version, path)
@@ -571,12 +581,44 @@ def _bind_when_free(engine: Engine) -> ThreadingHTTPServer:
             time.sleep(0.05)
 
 
+def _await_promotion(engine: Engine, promote: Path) -> ThreadingHTTPServer:
+    """A role's standby: serve health on its own port (``standby`` once built) until the
+    promotion file names the port of the replica it replaces; returns the server on that port."""
+    own = serve(engine)
+    threading.Thread(target=own.serve_forever, name="engine-standby", daemon=True).start()
+    logger.info("engine: standby, health on port %d", own.server_address[1])
+    engine.build()
+    engine.status = "standby"
+    logger.info("engine: standby ready; waiting for %s", promote)
+    while True:
+        try:
+            order = json.loads(promote.read_text())
+            port = int(order["port"])
+        except FileNotFoundError:
+            time.sleep(0.05)
+            continue
+        except (OSError, ValueError, KeyError, TypeError):  # written atomically: not yet whole
+            time.sleep(0.05)
+            continue
+        break
+    engine.config.port = port
+    engine.status = "starting"  # until the current weights are loaded (boot: loading)
+    server = _bind_when_free(engine)
+    own.shutdown()
+    own.server_close()
+    logger.info("engine: promoted to replica %s on port %d", order.get("replica"), port)
+    return server
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine[%(process)d] %(message)s")
     cfg, standby = _parse(argv)
     engine = Engine(cfg)
+    promote = os.environ.get(ROLE_STANDBY_ENV)
     try:
-        if standby:  # warm: imports and model first, then take the port once it is free
+        if promote:
+            server = _await_promotion(engine, Path(promote))
+        elif standby:  # warm: imports and model first, then take the port once it is free
             engine.build()
             logger.info("engine: standby for port %d", cfg.port)
             server = _bind_when_free(engine)

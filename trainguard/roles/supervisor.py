@@ -16,6 +16,15 @@ the supervisor starts, probes and restarts on its own, from one thread per repli
 - ``failed``: not restarted (budget spent, policy ``never``, or never ready): the role fails
   and the node agent ends the job with one line naming the replica.
 
+A role with ``standby = N`` also keeps N warm standbys (one thread each): processes started
+with the role's command at low CPU priority (``[roles] standby_nice``) and
+``TRAINGUARD_ROLE_STANDBY`` set, on a port of their own that no trainer is told of. A standby
+that answers its health with ``standby`` is ready. When a replica dies, a ready standby is
+promoted in its place (the supervisor writes its promotion file, the standby takes the
+replica's port and reports ``loading`` until it holds the current weights: the same
+refit-gated rejoin as a restart, without the start-up) and a new standby is started behind
+it. Without a ready standby the replica restarts cold, as without the setting.
+
 The trainer's workers are not the supervisor's business: an engine's death never touches a
 rank, and the agent restarting its workers never touches an engine. Every change is an event
 (``role_replica_*``) and the replica's state file (``roles/<role>/<i>.json``).
@@ -46,11 +55,12 @@ from trainguard.core.event_kinds import (
     ROLE_REPLICA_STARTED,
     ROLE_REPLICA_STATE,
     ROLE_RESTART_BUDGET_EXHAUSTED,
+    ROLE_STANDBY_STATE,
 )
 from trainguard.core.events import EventLog
 from trainguard.core.rundir import RunDir
 
-__all__ = ["Probe", "ReplicaState", "RoleSupervisor", "probe_health"]
+__all__ = ["Probe", "ReplicaState", "RoleSupervisor", "StandbyState", "probe_health"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +135,34 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         _PRCTL(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
+def _standby_preexec(nice: int) -> Any:
+    def preexec() -> None:  # pragma: no cover - runs in the child between fork and exec
+        if nice:
+            try:
+                os.nice(nice)
+            except OSError:
+                pass
+        _die_with_parent()
+
+    return preexec
+
+
+def _renice(pid: int, niceness: int) -> bool:
+    """Every thread of ``pid`` to ``niceness`` (Linux: a priority is per thread); False when
+    the OS refuses (lowering it needs root or RLIMIT_NICE)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    ok = True
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except OSError:
+            ok = False
+    return ok
+
+
 def _kill_group(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
@@ -178,6 +216,48 @@ class ReplicaState:
         }
 
 
+class StandbyState:
+    """One warm standby slot of a role (written to ``roles/<role>/standby-<k>.json``)."""
+
+    def __init__(self, spec: RoleSpec, slot: int, port: int) -> None:
+        self.role = spec.name
+        self.slot = slot
+        self.port = port
+        self.state = "starting"
+        self.pid: int | None = None
+        self.starts = 0
+        self.started_at: float | None = None
+        self.ready_at: float | None = None
+        self.changed_at = time.time()
+        self.reason = ""
+        self.promoted = False
+        """Set (under the supervisor's lock) when a replica took this incarnation."""
+        self.handed = threading.Event()
+        """Set once the replica that took it has done its bookkeeping (then a new one starts)."""
+        self.promote_path: Path | None = None
+        """This incarnation's promotion file (one per incarnation: a promoted process may read
+        it after the next standby started)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "slot": self.slot,
+            "pid": self.pid,
+            "port": self.port,
+            "state": self.state,
+            "starts": self.starts,
+            "started_at": self.started_at,
+            "ready_at": self.ready_at,
+            "changed_at": self.changed_at,
+            "reason": self.reason,
+        }
+
+
+_STANDBY_GIVE_UP = 3
+"""A standby slot that failed this many times in a row before it was ever ready stops: the
+role goes on with cold restarts (one ``role_standby_state`` ``failed`` event says why)."""
+
+
 class RoleSupervisor:
     """Starts, probes and restarts the replicas of every declared role (one thread each)."""
 
@@ -209,6 +289,20 @@ class RoleSupervisor:
         """The first role failure (one line), None while every role runs."""
         self._budget_spent: set[str] = set()
         """Roles whose restart budget was reported spent (``role_restart_budget_exhausted``)."""
+        self.standbys: dict[str, list[StandbyState]] = {}
+        self._ready: dict[str, list[tuple[StandbyState, subprocess.Popen[bytes]]]] = {}
+        """Ready standbys by role, oldest first (taken by a replica that died)."""
+        self._standby_procs: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
+        self._ended = threading.Event()
+        """Set by :meth:`stop` once every process is ended: a standby thread waits for it
+        before it exits (a promoted replica's death signal is tied to the thread that
+        started it)."""
+        self._niceness = os.getpriority(os.PRIO_PROCESS, 0)
+        for spec in self.specs:
+            self.standbys[spec.name] = [
+                StandbyState(spec, k, _free_port()) for k in range(spec.standby)
+            ]
+            self._ready[spec.name] = []
         for spec in self.specs:
             self.replicas[spec.name] = [
                 ReplicaState(spec, i, spec.port + i if spec.port else _free_port(), events.node)
@@ -247,17 +341,26 @@ class RoleSupervisor:
                 )
                 self._threads.append(t)
                 t.start()
+            for sb in self.standbys[spec.name]:
+                t = threading.Thread(
+                    target=self._run_standby,
+                    args=(spec, sb),
+                    name=f"trainguard-role-{spec.name}-standby-{sb.slot}",
+                    daemon=True,
+                )
+                self._threads.append(t)
+                t.start()
 
     def stop(self) -> None:
         """End every replica: SIGTERM to its process group, SIGKILL after ``stop_timeout_s``."""
         self._stop.set()
         with self._lock:
-            procs = dict(self._procs)
-        for proc in procs.values():
+            procs = [*self._procs.values(), *self._standby_procs.values()]
+        for proc in procs:
             if proc.poll() is None:
                 _kill_group(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.cfg.stop_timeout_s
-        for proc in procs.values():
+        for proc in procs:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -270,12 +373,16 @@ class RoleSupervisor:
                     logger.warning("role replica pid %d did not end after SIGKILL", proc.pid)
             else:  # the leader is gone; its group may not be
                 _kill_group(proc.pid, signal.SIGKILL)
+        self._ended.set()
         for t in self._threads:
             t.join(timeout=5.0)
         for spec in self.specs:
             for rep in self.replicas[spec.name]:
                 if rep.state not in ("failed", "stopped"):
                     self._set_state(rep, "stopped", reason="the job ended")
+            for sb in self.standbys[spec.name]:
+                if sb.state not in ("failed", "stopped"):
+                    self._set_standby(sb, "stopped", reason="the job ended")
 
     # -- one replica --------------------------------------------------------------------------
     def _spawn(self, spec: RoleSpec, rep: ReplicaState) -> subprocess.Popen[bytes] | None:
@@ -324,7 +431,58 @@ class RoleSupervisor:
             role_restarts=self.restarts[spec.name],
             command=list(spec.command),
             total=spec.replicas,
+            standby=None,
         )
+        self._set_state(rep, "starting", force=True)
+        return proc
+
+    def _take_standby(self, spec: RoleSpec, rep: ReplicaState) -> subprocess.Popen[bytes] | None:
+        """Promote the oldest ready standby of the role to replica ``rep`` (None: none ready)."""
+        while True:
+            with self._lock:
+                if not self._ready.get(spec.name):
+                    return None
+                sb, proc = self._ready[spec.name].pop(0)
+                if proc.poll() is not None:
+                    continue  # died meanwhile: its thread restarts it
+                sb.promoted = True
+                self._standby_procs.pop((spec.name, sb.slot), None)
+                self._procs[(spec.name, rep.index)] = proc
+            break
+        order = json.dumps({"replica": rep.index, "port": rep.port, "role": spec.name})
+        assert sb.promote_path is not None
+        write_atomic(sb.promote_path, order + "\n")
+        if sb_nice := self.cfg.standby_nice:  # back to the supervisor's priority
+            if not _renice(proc.pid, self._niceness):
+                logger.info(
+                    "role %s: the promoted standby pid %d keeps niceness %d (the OS refuses "
+                    "to lower it)",
+                    spec.name,
+                    proc.pid,
+                    sb_nice,
+                )
+        rep.pid = proc.pid
+        rep.exitcode = None
+        rep.started_at = time.time()
+        rep.ready_at = None
+        rep.last_ok = None
+        rep.weight_version = None
+        rep.reason = ""
+        self._set_standby(sb, "promoted", reason=f"replaces replica {rep.index}")
+        self.events.emit(
+            ROLE_REPLICA_STARTED,
+            role=spec.name,
+            replica=rep.index,
+            pid=proc.pid,
+            port=rep.port,
+            url=rep.url,
+            restarts=rep.restarts,
+            role_restarts=self.restarts[spec.name],
+            command=list(spec.command),
+            total=spec.replicas,
+            standby=sb.slot,
+        )
+        sb.handed.set()
         self._set_state(rep, "starting", force=True)
         return proc
 
@@ -340,7 +498,11 @@ class RoleSupervisor:
         ready_timeout = cfg.readiness_timeout(spec)
         unready_failures = 0
         while not self._stop.is_set():
-            proc = self._spawn(spec, rep)
+            proc = None
+            if rep.restarts and spec.standby:
+                proc = self._take_standby(spec, rep)
+            if proc is None:
+                proc = self._spawn(spec, rep)
             reason: str | None
             if proc is None:
                 reason = rep.reason
@@ -456,6 +618,165 @@ class RoleSupervisor:
                     self._set_state(rep, "dead", reason=dead)
                     return dead
             self._stop.wait(_POLL_S)
+
+    # -- warm standbys ------------------------------------------------------------------------
+    def _run_standby(self, spec: RoleSpec, sb: StandbyState) -> None:
+        try:
+            self._keep_standby(spec, sb)
+        except Exception as e:  # the role goes on with cold restarts; never silent
+            logger.exception("role %s standby %d: supervisor error", spec.name, sb.slot)
+            self._set_standby(sb, "failed", reason=f"supervisor error: {type(e).__name__}: {e}")
+        finally:
+            # the processes this thread started (promoted ones too: replicas now) die with it
+            # (their parent-death signal): it ends only once stop() ended them its own way
+            self._ended.wait()
+
+    def _keep_standby(self, spec: RoleSpec, sb: StandbyState) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            proc = self._spawn_standby(spec, sb)
+            why = self._watch_standby(spec, sb, proc) if proc is not None else sb.reason
+            if self._stop.is_set():
+                return
+            if why == "promoted":
+                failures = 0
+                sb.handed.wait(30.0)
+                sb.handed.clear()
+                continue  # a new standby behind the promoted one, at once (low priority)
+            failures = 0 if sb.ready_at is not None else failures + 1
+            if sb.ready_at is None and (why.startswith("answered") or failures >= _STANDBY_GIVE_UP):
+                self._set_standby(
+                    sb,
+                    "failed",
+                    reason=f"{why}; the role goes on without this standby (cold restarts); "
+                    f"see {self.rundir.role_standby(spec.name, sb.slot, 'log')}",
+                )
+                return
+            self._set_standby(sb, "dead", reason=why)
+            backoff = 0.0 if sb.ready_at is not None else min(_MAX_BACKOFF_S, 0.5 * 2**failures)
+            if self._stop.wait(backoff):
+                return
+
+    def _spawn_standby(self, spec: RoleSpec, sb: StandbyState) -> subprocess.Popen[bytes] | None:
+        sb.promoted = False
+        sb.ready_at = None
+        sb.starts += 1
+        promote = self.rundir.role_standby(spec.name, sb.slot, f"{sb.starts}.promote")
+        sb.promote_path = promote
+        try:
+            promote.unlink()  # left by an earlier job in this run directory
+        except FileNotFoundError:
+            pass
+        env = dict(self._env)
+        env.update(dict(spec.env))
+        env[envvars.ROLE] = spec.name
+        env[envvars.ROLE_PORT] = str(sb.port)
+        env[envvars.ROLE_RUN_DIR] = str(self.rundir.root)
+        env[envvars.ROLE_STANDBY] = str(promote)
+        log_path = self.rundir.role_standby(spec.name, sb.slot, "log")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with os.fdopen(open_append(log_path), "ab") as log:
+                log.write(f"--- trainguard: standby start {sb.starts} at {time.ctime()}\n".encode())
+                log.flush()
+                proc = subprocess.Popen(
+                    list(spec.command),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=_standby_preexec(self.cfg.standby_nice),
+                )
+        except OSError as e:
+            sb.reason = f"cannot start {spec.command[0]!r}: {e.strerror or e}"
+            return None
+        with self._lock:
+            self._standby_procs[(spec.name, sb.slot)] = proc
+        sb.pid = proc.pid
+        sb.started_at = time.time()
+        self._set_standby(sb, "starting", force=True)
+        return proc
+
+    def _watch_standby(
+        self, spec: RoleSpec, sb: StandbyState, proc: subprocess.Popen[bytes]
+    ) -> str:
+        """Follow one standby until it is promoted (``"promoted"``) or dead (why; its
+        process group is gone then)."""
+        cfg = self.cfg
+        started = time.monotonic()
+        next_probe = started
+        last_ok: float | None = None
+        ready_timeout = cfg.readiness_timeout(spec)
+
+        def end(why: str) -> str:
+            with self._lock:
+                if sb.promoted:
+                    return "promoted"
+                self._standby_procs.pop((spec.name, sb.slot), None)
+                pool = self._ready[spec.name]
+                pool[:] = [(s, p) for s, p in pool if p is not proc]
+            self._kill(proc)
+            return why
+
+        while not self._stop.is_set():
+            with self._lock:
+                if sb.promoted:
+                    return "promoted"
+            rc = proc.poll()
+            if rc is not None:
+                return end(f"exited with code {rc}" if rc >= 0 else f"was killed by signal {-rc}")
+            now = time.monotonic()
+            if now >= next_probe:
+                p = probe_health(sb.port, spec.health_path, cfg.probe_timeout_s)
+                now = time.monotonic()
+                next_probe = now + cfg.probe_interval_s
+                if p.outcome == "ok" and p.status in ("starting", "standby"):
+                    last_ok = now
+                    if p.status == "standby" and sb.ready_at is None:
+                        sb.ready_at = time.time()
+                        with self._lock:
+                            if not sb.promoted:
+                                self._ready[spec.name].append((sb, proc))
+                        self._set_standby(sb, "standby")
+                elif p.outcome == "ok":
+                    return end(
+                        f"answered {p.status!r} as a standby: its command does not honour "
+                        f"the standby contract ({envvars.ROLE_STANDBY})"
+                    )
+                elif last_ok is not None and now - last_ok >= cfg.dead_after_s:
+                    return end(f"no good health answer for {now - last_ok:.1f} s ({p.detail})")
+                if sb.ready_at is None and now - started >= ready_timeout:
+                    return end(f"not ready within {ready_timeout:g} s")
+            self._stop.wait(_POLL_S)
+        return "stopped"
+
+    def _set_standby(
+        self, sb: StandbyState, state: str, *, reason: str = "", force: bool = False
+    ) -> None:
+        if state == sb.state and not force:
+            return
+        previous = sb.state
+        sb.state = state
+        sb.changed_at = time.time()
+        sb.reason = reason
+        path = self.rundir.role_standby(sb.role, sb.slot, "json")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps(sb.to_json(), indent=1) + "\n")
+        except OSError as e:
+            logger.warning("cannot write %s: %s", path, e)
+        self.events.emit(
+            ROLE_STANDBY_STATE,
+            role=sb.role,
+            slot=sb.slot,
+            state=state,
+            previous=previous,
+            reason=reason,
+            pid=sb.pid,
+            port=sb.port,
+            starts=sb.starts,
+        )
 
     def _kill(self, proc: subprocess.Popen[bytes]) -> None:
         """SIGKILL the replica's process group (a stopped process too) and reap it."""

@@ -10,6 +10,7 @@ restart budget and health check. Example::
     replicas = 2
     port = 8100              # replica i listens on 8100 + i; 0: a free port per replica
     restart_budget = 5
+    standby = 1              # a warm spare, loaded and kept out of routing, replaces a dead one
 
     [roles]
     readiness_timeout_s = 300.0
@@ -52,9 +53,12 @@ _KEYS = {
     "health_path": "health_path",
     "ready": "readiness_timeout_s",
     "readiness_timeout_s": "readiness_timeout_s",
+    "standby": "standby",
 }
 
-_FLAG_FORM = "NAME=REPLICAS[,port=P,budget=N,policy=always|never,health=/PATH,ready=S]:COMMAND"
+_FLAG_FORM = (
+    "NAME=REPLICAS[,port=P,budget=N,policy=always|never,health=/PATH,ready=S,standby=K]:COMMAND"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,13 @@ class RoleSpec:
     (None: ``[roles] readiness_timeout_s``)."""
     env: tuple[tuple[str, str], ...] = ()
     """Extra environment of the replicas."""
+    standby: int = 0
+    """Warm standbys of the role: extra processes started with the same command (and
+    ``TRAINGUARD_ROLE_STANDBY`` set), loaded and kept out of routing. A replica that dies is
+    replaced by a ready standby (it takes the replica's port, then loads the current weights
+    before it serves) instead of a cold start; a new standby is started behind it at low CPU
+    priority (``[roles] standby_nice``). The command must honour the standby contract
+    (``python -m trainguard.rl.engine`` and ``trainguard.rl.reward`` do); 0: none."""
 
     def url(self, port: int) -> str:
         return f"http://127.0.0.1:{port}"
@@ -95,6 +106,7 @@ class RoleSpec:
             "restart_policy": self.restart_policy,
             "readiness_timeout_s": self.readiness_timeout_s,
             "env": dict(self.env),
+            "standby": self.standby,
         }
 
     @classmethod
@@ -133,6 +145,7 @@ class RoleSpec:
             health_path=check.health_path(),
             readiness_timeout_s=check.readiness_timeout(),
             env=check.env(),
+            standby=check.integer("standby", 0, 0, 64),
         )
 
 
@@ -146,6 +159,7 @@ _TABLE_KEYS = frozenset(
         "restart_policy",
         "readiness_timeout_s",
         "env",
+        "standby",
     }
 )
 """Keys of a ``[roles.<name>]`` table."""
@@ -248,7 +262,8 @@ def parse_role_flag(value: str) -> tuple[str, dict[str, Any]]:
         key, eq, val = opt.partition("=")
         if not eq or key.strip() not in _KEYS:
             raise ValueError(
-                f"{where}: unknown option {opt!r}; options: port, budget, policy, health, ready"
+                f"{where}: unknown option {opt!r}; options: port, budget, policy, health, "
+                "ready, standby"
             )
         table[_KEYS[key.strip()]] = val.strip()
     cmd = m["cmd"].strip()
@@ -278,6 +293,11 @@ class RolesConfig:
     and restarted. A process that exits or refuses connections is dead at once."""
     stop_timeout_s: float = 5.0
     """At the end of the job: seconds between SIGTERM and SIGKILL of a replica's process group."""
+    standby_nice: int = 10
+    """Niceness a role's warm standby starts with (``standby = N``): its start-up (imports,
+    model build) yields the CPU to the trainer and the serving replicas. A promoted standby
+    is set back to the supervisor's priority (where the OS lets it: root, or RLIMIT_NICE).
+    0: the standbys start at normal priority."""
 
     def __post_init__(self) -> None:
         for key in ("readiness_timeout_s", "probe_interval_s", "probe_timeout_s", "dead_after_s"):
@@ -285,6 +305,8 @@ class RolesConfig:
                 raise ValueError(f"{key} must be > 0")
         if self.stop_timeout_s < 0:
             raise ValueError("stop_timeout_s must be >= 0")
+        if not 0 <= self.standby_nice <= 19:
+            raise ValueError("standby_nice must be in 0..19")
         if self.dead_after_s < self.probe_timeout_s:
             raise ValueError(
                 f"dead_after_s ({self.dead_after_s}) must be >= probe_timeout_s "
