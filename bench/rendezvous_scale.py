@@ -188,7 +188,7 @@ def child(
     go.set()
     if os.environ.get("RDZV_SCALE_STACKS"):  # where the agents wait, shortly before the timeout
         threading.Thread(
-            target=_dump_late, args=(handlers, threads, max(timeout - 15, 5)), daemon=True
+            target=_dump_late, args=(handlers, threads, errors, max(timeout - 15, 5)), daemon=True
         ).start()
     for t in threads:
         t.join()
@@ -227,7 +227,7 @@ def _dump_stacks(names: tuple[str, ...]) -> None:
         print(f"  {v:4d} {k}", file=sys.stderr, flush=True)
 
 
-def _dump_late(handlers: list, threads: list, after_s: float) -> None:
+def _dump_late(handlers: list, threads: list, errors: list, after_s: float) -> None:
     """``RDZV_SCALE_STACKS=1``: a round not done ``after_s`` after go: where its agents wait
     and the state the ones still waiting hold (round, participants, complete, closed)."""
     time.sleep(after_s)
@@ -235,6 +235,8 @@ def _dump_late(handlers: list, threads: list, after_s: float) -> None:
     if not left:
         return
     print(f"  {len(left)} agents here not returned after {after_s:.0f} s", file=sys.stderr)
+    for e in errors[:5]:  # agents whose rendezvous raised (out of the round for good)
+        print(f"  error ({len(errors)} in all): {e}", file=sys.stderr, flush=True)
     _dump_stacks(("agent",))
     import collections
 
