@@ -24,8 +24,8 @@ and the other active agents join the next round at once (as each does once its w
 the lost peer). The time from the kill until etcd holds a complete round of N nodes without
 the dead one: ``trainguard_node_loss_rdzv_s_<N>`` (median). Each etcd round also says when its agents were done (p50, p90), their CPU
 and etcd's, and the etcd requests per agent by kind (``RDZV_SCALE_DETAIL=1``: also by key and
-the operations of multi-key transactions; ``RDZV_SCALE_STACKS=1``: where the node-loss agents
-that have not returned wait). ``--progress`` shows the round filling, with etcd's and the
+the operations of multi-key transactions; ``RDZV_SCALE_STACKS=1``: where the agents
+that have not returned wait, and the state they hold, 15 s before a round's timeout). ``--progress`` shows the round filling, with etcd's and the
 agents' CPU.
 
     python bench/rendezvous_scale.py [--sizes 100,300,1000] [--runs 3] [--runs-large 1] [--procs 4]
@@ -186,6 +186,10 @@ def child(
     sys.stdin.readline()
     t_go = os.times()
     go.set()
+    if os.environ.get("RDZV_SCALE_STACKS"):  # where the agents wait, shortly before the timeout
+        threading.Thread(
+            target=_dump_late, args=(handlers, threads, errors, max(timeout - 15, 5)), daemon=True
+        ).start()
     for t in threads:
         t.join()
     steady_s = float(os.environ.get("RDZV_SCALE_STEADY_S") or 0)
@@ -206,6 +210,53 @@ def child(
     out["ends"] = ends
     print(json.dumps(out), flush=True)
     os._exit(0)  # skip torch's interpreter teardown of a thousand handlers
+
+
+def _dump_stacks(names: tuple[str, ...]) -> None:
+    """Where the threads running one of ``names`` wait (the most common stacks, on stderr)."""
+    import collections
+    import traceback
+
+    where: collections.Counter[str] = collections.Counter()
+    for frame in sys._current_frames().values():
+        stack = traceback.extract_stack(frame)
+        if not any(f.name in names for f in stack):
+            continue
+        where[" < ".join(f"{f.name}:{f.lineno}" for f in reversed(stack[-7:]))] += 1
+    for k, v in where.most_common(8):
+        print(f"  {v:4d} {k}", file=sys.stderr, flush=True)
+
+
+def _dump_late(handlers: list, threads: list, errors: list, after_s: float) -> None:
+    """``RDZV_SCALE_STACKS=1``: a round not done ``after_s`` after go: where its agents wait
+    and the state the ones still waiting hold (round, participants, complete, closed)."""
+    time.sleep(after_s)
+    left = [h for h, t in zip(handlers, threads, strict=True) if t.is_alive()]
+    if not left:
+        return
+    print(f"  {len(left)} agents here not returned after {after_s:.0f} s", file=sys.stderr)
+    for e in errors[:5]:  # agents whose rendezvous raised (out of the round for good)
+        print(f"  error ({len(errors)} in all): {e}", file=sys.stderr, flush=True)
+    _dump_stacks(("agent",))
+    import collections
+
+    held: collections.Counter[str] = collections.Counter()
+    for h in left:
+        try:
+            st = h._state_holder.state  # type: ignore[attr-defined]
+            me = h._this_node  # type: ignore[attr-defined]
+            held[
+                f"round={st.round} participants={len(st.participants)} "
+                f"complete={st.complete} closed={st.closed} wait={len(st.wait_list)} "
+                f"redundancy={len(st.redundancy_list)} me_in={me in st.participants}"
+            ] += 1
+        except Exception as e:
+            held[f"{type(e).__name__}: {e}"[:120]] += 1
+    for k, v in held.most_common(6):
+        print(f"  {v:4d} hold {k}", file=sys.stderr, flush=True)
+    lost = getattr(left[0]._state_holder, "lost", None)  # type: ignore[attr-defined]
+    if lost:
+        print(f"  lost: {dict(list(lost.items())[:5])}", file=sys.stderr, flush=True)
 
 
 MONITOR_S = 0.25
@@ -352,17 +403,7 @@ def child_loss(endpoint: str, run_id: str, n_total: int, n_here: int, timeout: i
         time.sleep(0.1)
     t1 = os.times()
     if os.environ.get("RDZV_SCALE_STACKS"):  # where the agents that did not return wait
-        import collections
-        import traceback
-
-        where: collections.Counter[str] = collections.Counter()
-        for frame in sys._current_frames().values():
-            stack = traceback.extract_stack(frame)
-            if not any(f.name in ("rejoin", "agent") for f in stack):
-                continue
-            where[" < ".join(f"{f.name}:{f.lineno}" for f in reversed(stack[-7:]))] += 1
-        for k, v in where.most_common(8):
-            print(f"  {v:4d} {k}", file=sys.stderr, flush=True)
+        _dump_stacks(("rejoin", "agent"))
     out = {
         "ends": ends, "errors": errors[:3], "requests": dict(_REQUESTS), "removed": removed,
         "late": len(n_late),
@@ -415,7 +456,8 @@ def _spawn_children(
             [sys.executable, __file__, *argv, str(c), str(int(timeout))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=None if progress else subprocess.DEVNULL,  # node_dead lines with --progress
+            # node_dead lines with --progress, and where agents wait with RDZV_SCALE_STACKS
+            stderr=None if progress or os.environ.get("RDZV_SCALE_STACKS") else subprocess.DEVNULL,
             env=env,
             text=True,
             start_new_session=True,

@@ -242,6 +242,42 @@ def test_a_node_waiting_for_admission_reads_an_unchanged_state_as_a_few_bytes() 
     assert not holder.held.participants  # type: ignore[attr-defined]
 
 
+def test_a_participant_reading_its_complete_round_takes_no_node_out_of_it() -> None:
+    """A participant's full read of its complete round runs no dead-node check: with most
+    leases gone for longer than the threshold (an overloaded etcd), the check would take the
+    live nodes and this one out of the round, and its next write (itself to the wait list)
+    would leave the round the others returned from short of them."""
+    from trainguard.runtime.etcd_v3.codec import decode_state, encode_state
+
+    me = NodeDesc("h", 9, 0)
+    nodes = [me, *(NodeDesc("h", 1, i) for i in range(3))]
+    st = RendezvousState()
+    st.round, st.complete = 3, True
+    st.participants = {n: i for i, n in enumerate(nodes)}
+    old = datetime.now(timezone.utc) - timedelta(seconds=60)
+    st.last_heartbeats = {n: old for n in nodes}
+
+    class Etcd(_NoEtcd):
+        def load(self) -> tuple[bytes, int, bytes | None, int]:
+            return encode_state(st), 8, None, 8
+
+        def decode(self, bits: bytes, token: int) -> RendezvousState:
+            return decode_state(bits)
+
+        def live_nodes(self) -> set[str]:
+            return set()  # every lease gone
+
+        def trouble_at(self) -> float:
+            return -1e9
+
+    holder = _holder_of(RendezvousState(), me)
+    holder._etcd = Etcd()  # type: ignore[attr-defined]
+    holder._mass_since = time.monotonic() - 20  # type: ignore[attr-defined]  # for 20 s
+    holder._load_full()  # type: ignore[attr-defined]
+    assert set(holder.held.participants) == set(nodes)  # type: ignore[attr-defined]
+    assert not holder.lost  # type: ignore[attr-defined]
+
+
 def test_most_heartbeat_leases_expiring_at_once_is_an_overloaded_etcd_until_it_lasts() -> None:
     """A fresh read finds its nodes' heartbeat keys to overlay their keep-alive times: one
     node's key gone is a dead node; most of them gone at once (an etcd too loaded to renew

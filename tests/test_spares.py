@@ -109,6 +109,53 @@ def test_reaper_judges_silence_on_its_own_clock() -> None:
     assert foreign in st["participants"]  # never judged: it has no beacon
 
 
+def test_a_participant_judged_in_a_filling_round_stays_in_it_once_it_completed() -> None:
+    """A reaper judges a node dead in a round that is filling; before its write, another
+    node's write completes the round (real c10d store and state). The node keeps its slot:
+    taken out of the complete round, a live node (its liveness late under load) would wait
+    for a next round while the others wait for its rank, and the round never completes."""
+    params = RendezvousParameters(
+        backend="c10d", endpoint=f"127.0.0.1:{free_port()}", run_id="decided", min_nodes=3,
+        max_nodes=3,
+    )  # fmt: skip
+    handler = rdzv_registry.get_rendezvous_handler(params)
+    backend = handler._state_holder._backend  # type: ignore[attr-defined]
+    me = handler._this_node  # type: ignore[attr-defined]
+    late, other = _NodeDesc("late", 1, 0), _NodeDesc("other", 2, 0)
+    state = _RendezvousState()
+    state.participants = {me: 0, late: 0}
+    backend.set_state(pickle.dumps(state))
+    now = [100.0]
+    events: list[tuple[str, dict[str, Any]]] = []
+    prefix = "trainguard/liveness/decided/"
+    reaper = spares.Reaper(
+        handler, SparesConfig(), lambda kind, **f: events.append((kind, f)),
+        beacon_prefix=prefix, clock=lambda: now[0],
+    )  # fmt: skip
+    handler._store.set(prefix + repr(late), "7")  # type: ignore[attr-defined]
+    judge = reaper.dead_nodes
+    verdicts: list[set[str]] = []
+
+    def judge_then_complete(st: Any) -> Any:  # the third node's join lands meanwhile
+        dead = judge(st)
+        verdicts.append({repr(n) for n in dead})
+        if dead:
+            full = pickle.loads(backend.get_state()[0])
+            full.participants = {me: 0, late: 1, other: 2}
+            full.complete = True
+            backend.set_state(pickle.dumps(full), backend.get_state()[1])
+        return dead
+
+    reaper.dead_nodes = judge_then_complete  # type: ignore[method-assign]
+    for t in (100.0, 101.0, 102.0, 103.0):  # its beacon stands still past dead_after_s
+        now[0] = t
+        reaper.tick()
+    assert verdicts[-1] == {repr(late)} and not any(verdicts[:-1])
+    st = pickle.loads(backend.get_state()[0])
+    assert st.complete and set(st.participants) == {me, late, other}
+    assert not [f for k, f in events if k == "node_dead"]
+
+
 def test_each_node_is_watched_by_a_few_waiting_agents_not_by_all() -> None:
     """The reapers share the beacons: while a round of 60 fills, every node is watched by
     exactly REAP_NEIGHBOURS others (each agent reads a few beacons, not 59); once it is complete,

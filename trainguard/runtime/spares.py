@@ -408,19 +408,37 @@ class Reaper:
                 return True
         return False
 
-    def _remove(self, dead: dict[NodeDesc, tuple[float, str]], round_: int) -> None:
+    def _remove(
+        self, dead: dict[NodeDesc, tuple[float, str]], round_: int, complete: bool = True
+    ) -> None:
+        """Take ``dead`` (judged on round ``round_``, ``complete`` or filling) out of the
+        newest state. Out of its participants only while that is still the round judged, in
+        the same phase: a round that completed meanwhile (or a later one) has the node's
+        slot and rank decided, and its other participants are gone to train with them; a
+        live node taken out of it then (a lease renewed late under load) finds the round
+        complete without itself and waits for a next round that never comes, while the
+        others wait for its rank. A participant of a running round that is dead fails its
+        group's collectives, and the next rendezvous takes it out."""
         outcome: list[bool] = []
+        taken: list[NodeDesc] = []
 
         def mutate(state: RendezvousState) -> bool:
             changed = participant = False
+            same_round = state.round == round_ and state.complete == complete
+            taken.clear()
             for node in dead:
-                changed |= state.last_heartbeats.pop(node, None) is not None
+                if node in state.participants and not same_round:
+                    continue  # a participant of a round decided since it was judged
+                hit = state.last_heartbeats.pop(node, None) is not None
                 if state.participants.pop(node, None) is not None:
-                    changed = participant = True
+                    hit = participant = True
                 for lst in (state.wait_list, state.redundancy_list):
                     if node in lst:
                         lst.discard(node)
-                        changed = True
+                        hit = True
+                if hit:
+                    taken.append(node)
+                    changed = True
             if participant:
                 _torch.remove_participant_epilogue(state, self._settings)
             outcome.append(changed)
@@ -432,7 +450,8 @@ class Reaper:
             self._gone.update(repr(n) for n in dead)
         if wrote:
             lost = getattr(_torch.handler_state_holder(self._handler), "lost", None)
-            for node, (silent, reason) in dead.items():
+            for node in taken:
+                silent, reason = dead[node]
                 key = repr(node)
                 if lost is not None:  # named if the round cannot complete without it
                     lost[key] = f"removed as dead ({reason}, silent {silent:.1f} s)"
@@ -504,7 +523,7 @@ class Reaper:
             return
         dead = self.dead_nodes(state)
         if dead:
-            self._remove(dead, state.round)
+            self._remove(dead, state.round, state.complete)
         if (
             state.complete
             and self._me in state.wait_list

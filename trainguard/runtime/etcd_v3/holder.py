@@ -379,23 +379,33 @@ class ScalableStateHolder(StateHolderBase):
         live = self._etcd.live_nodes() if trusted else set()
         now = datetime.now(timezone.utc)
         hb = self.held.last_heartbeats
+        # a participant of a complete round: its round is decided (a dead peer fails the
+        # group; the spares' reapers free its slot). It is alive itself, and most leases gone
+        # at once stay an overloaded etcd however long that lasts: after 15 s of 750 of 1000
+        # leases lapsed together, one such read took those live nodes and this one out of the
+        # round, and its next write (itself to the wait list) left 249 in it
+        decided = self.held.complete and self._node in self.held.participants
         if trusted:
-            trusted = not self._mass_expiry(hb, live, threshold)
+            trusted = not self._mass_expiry(hb, live, threshold, forever=decided)
         for node, when in hb.items():
             if node == self._node:  # this node's own: its last keep-alive (torch's timer)
-                if self._beat_at is not None and self._beat_at > when:
+                if decided:
+                    hb[node] = now
+                elif self._beat_at is not None and self._beat_at > when:
                     hb[node] = self._beat_at
             elif not trusted or repr(node) in live:
                 hb[node] = now
 
-    def _mass_expiry(self, hb: dict[NodeDesc, datetime], live: set[str], threshold: float) -> bool:
+    def _mass_expiry(
+        self, hb: dict[NodeDesc, datetime], live: set[str], threshold: float, forever: bool = False
+    ) -> bool:
         """More than a twentieth of the nodes (and more than two) lost their heartbeat leases
         at once, for less than the dead-node threshold so far: an etcd too loaded to renew
         leases in time (at 1000 nodes on two cores, 621 live nodes' leases expired together
         and a reader's next write dropped them from the round; 159 of 871 at once in another
         run), not as many dead nodes. Their times are kept until the expiry has lasted the
         threshold (a live node renews its lease, or grants a new one, within that) or fewer
-        are missing."""
+        are missing; ``forever``: however long it lasts (a participant of a complete round)."""
         missing = sum(1 for n in hb if n != self._node and repr(n) not in live)
         if missing <= max(2, len(hb) // 20):
             self._mass_since = None
@@ -411,7 +421,7 @@ class ScalableStateHolder(StateHolderBase):
                 len(hb),
                 threshold,
             )
-        return now - self._mass_since < threshold
+        return forever or now - self._mass_since < threshold
 
     def _done(self, sanitize: bool = False) -> None:
         """The held state is in sync. torch's dead-node check (``sanitize``) runs only on a
