@@ -106,10 +106,11 @@ def test_writer_never_blocks_and_drops_past_its_bound(tmp_path: Path) -> None:
         w.put(hw("n1", "j", attempt=i))
     assert time.monotonic() - t0 < 5.0  # never waits on the database (generous on a loaded box)
     assert wait_for(lambda: w.errors > 0)
-    assert w.dropped == 150 and "not a usable SQLite database" in (w.last_error or "")
+    # 50 wait in the queue; a batch the writer had taken before the first failure waits too
+    assert 100 <= w.dropped <= 150 and "not a usable SQLite database" in (w.last_error or "")
     bad.unlink()  # repaired: the waiting records land
     assert w.flush(60)
-    assert w.close(5) == 0 and w.written == 50
+    assert w.close(5) == 0 and w.written >= 50 and w.written + w.dropped == 200
     assert open_db("", runs_root=tmp_path).connect().count() == 50
 
 

@@ -190,11 +190,11 @@ def test_throttled_rank_is_flagged_recorded_and_excluded(tmp_path: Path) -> None
     # the sniff records: a GEMM and an all-reduce each, within the budget
     last = before[0][-1]
     assert last["gemm_s"] > 0 and last["allreduce_s"] > 0 and last["allreduce_kib"] == 64  # type: ignore[operator]
-    # the share of the time in sniffs comes down to the budget (the first sniffs, seconds after
-    # the start, carry the first one's warm-up)
+    # the share of the time in sniffs ends within the budget (confirming sniffs may raise it
+    # above the first sniffs' share, never past the budget)
     for r in (0, 1):
         shares = [float(s["overhead"]) for s in _sniffs(run, r)]  # type: ignore[arg-type]
-        assert shares[-1] <= 1.25 * 0.02 and shares[-1] <= shares[0], shares
+        assert shares[-1] <= 1.25 * 0.02, shares
     # recorded in the fleet database: the flag, and each rank's summary
     with open_db("", runs_root=runs) as db:
         recs = [r for r in db.history("sniffnode") if r.kind == "sniff"]
