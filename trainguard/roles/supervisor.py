@@ -413,7 +413,13 @@ class RoleSupervisor:
             return None
         with self._lock:
             self._procs[(spec.name, rep.index)] = proc
-        rep.pid = proc.pid
+        self._started(spec, rep, proc.pid, standby=None)
+        self._set_state(rep, "starting", force=True)
+        return proc
+
+    def _started(self, spec: RoleSpec, rep: ReplicaState, pid: int, standby: int | None) -> None:
+        """Replica ``rep`` runs as ``pid`` now (a fresh process or a promoted standby)."""
+        rep.pid = pid
         rep.exitcode = None
         rep.started_at = time.time()
         rep.ready_at = None
@@ -424,17 +430,15 @@ class RoleSupervisor:
             ROLE_REPLICA_STARTED,
             role=spec.name,
             replica=rep.index,
-            pid=proc.pid,
+            pid=pid,
             port=rep.port,
             url=rep.url,
             restarts=rep.restarts,
             role_restarts=self.restarts[spec.name],
             command=list(spec.command),
             total=spec.replicas,
-            standby=None,
+            standby=standby,
         )
-        self._set_state(rep, "starting", force=True)
-        return proc
 
     def _take_standby(self, spec: RoleSpec, rep: ReplicaState) -> subprocess.Popen[bytes] | None:
         """Promote the oldest ready standby of the role to replica ``rep`` (None: none ready)."""
@@ -461,27 +465,8 @@ class RoleSupervisor:
                     proc.pid,
                     sb_nice,
                 )
-        rep.pid = proc.pid
-        rep.exitcode = None
-        rep.started_at = time.time()
-        rep.ready_at = None
-        rep.last_ok = None
-        rep.weight_version = None
-        rep.reason = ""
         self._set_standby(sb, "promoted", reason=f"replaces replica {rep.index}")
-        self.events.emit(
-            ROLE_REPLICA_STARTED,
-            role=spec.name,
-            replica=rep.index,
-            pid=proc.pid,
-            port=rep.port,
-            url=rep.url,
-            restarts=rep.restarts,
-            role_restarts=self.restarts[spec.name],
-            command=list(spec.command),
-            total=spec.replicas,
-            standby=sb.slot,
-        )
+        self._started(spec, rep, proc.pid, standby=sb.slot)
         sb.handed.set()
         self._set_state(rep, "starting", force=True)
         return proc
