@@ -16,8 +16,13 @@ The rest of trainguard sees public names: :class:`ElasticAgentBase` (torch's
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Any, Literal, cast, overload
 
 from torch.distributed import Store
@@ -31,6 +36,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousInfo,
     RendezvousTimeoutError,
 )
+from torch.distributed.elastic.rendezvous import api as _rdzv_api
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -61,7 +67,9 @@ __all__ = [
     "numa_options_of",
     "remove_participant_epilogue",
     "repair_error_files",
+    "reserved_bootstrap_port",
     "running_worker_pids",
+    "take_reserved_port",
     "terminate_process_handler",
     "worker_exitcodes",
     "wrap_numa_binding",
@@ -109,6 +117,9 @@ PRIVATES: tuple[tuple[str, str, str], ...] = (
         "_stderr",
     ),
     ("torch.numa.binding", "", "_maybe_wrap_command_args_with_numa_binding"),
+    # the name RendezvousStoreInfo.build calls for the round's MASTER_PORT (public, but looked
+    # up in this module: reserved_bootstrap_port replaces it while a round is joined)
+    ("torch.distributed.elastic.rendezvous.api", "", "get_free_port"),
     # the dynamic rendezvous (torch.distributed.elastic.rendezvous.dynamic_rendezvous)
     ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "", "_NodeDesc"),
     ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "", "_RendezvousState"),
@@ -320,6 +331,75 @@ def handler_state_pending(handler: DynamicRendezvousHandler) -> bool:
     """Whether the state a dynamic handler holds has changes of its own not written yet
     (torch's op changed it in place and its write or the wait for it is under way)."""
     return bool(getattr(handler._state_holder, "dirty", False))
+
+
+logger = logging.getLogger(__name__)
+
+_reserved = threading.local()
+_reserve_lock = threading.Lock()
+_reserve_depth = 0
+_torch_get_free_port: Any = None
+
+
+def _listening_socket() -> socket.socket:
+    """A socket listening on a free port on every interface, as the TCPStore server that will
+    take it over would bind (dual-stack IPv6 where the host has it, else IPv4)."""
+    if socket.has_dualstack_ipv6():
+        try:
+            return socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+        except OSError:
+            pass
+    return socket.create_server(("0.0.0.0", 0))
+
+
+def _reserving_get_free_port() -> int:
+    sock = _listening_socket()
+    old = getattr(_reserved, "sock", None)
+    if old is not None:
+        old.close()
+    _reserved.sock = sock
+    return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def reserved_bootstrap_port() -> Iterator[None]:
+    """While a round is joined: the port torch picks for the round's ``MASTER_PORT`` (rank 0
+    only, :meth:`RendezvousStoreInfo.build`) stays bound, by a listening socket kept for the
+    calling thread, instead of being closed at once and bound again later (torch's
+    ``get_free_port`` says the port "is not reserved": another process's connection took it
+    in loaded runs, and the round's store failed with EADDRINUSE). Take the socket with
+    :func:`take_reserved_port` and hand it to the store (``master_listen_fd``), or close it.
+    Process-wide and counted, like the environment flip around the same call; without the
+    name on this torch the port is picked as torch does."""
+    global _reserve_depth, _torch_get_free_port
+    with _reserve_lock:
+        if _reserve_depth == 0:
+            current = getattr(_rdzv_api, "get_free_port", None)
+            if current is not None and current is not _reserving_get_free_port:
+                _torch_get_free_port = current
+                _rdzv_api.get_free_port = _reserving_get_free_port
+        _reserve_depth += 1
+    try:
+        yield
+    finally:
+        with _reserve_lock:
+            _reserve_depth -= 1
+            if _reserve_depth == 0 and _torch_get_free_port is not None:
+                _rdzv_api.get_free_port = _torch_get_free_port
+                _torch_get_free_port = None
+
+
+def take_reserved_port(port: int) -> socket.socket | None:
+    """The calling thread's reserved listening socket if it holds ``port`` (the round's
+    ``MASTER_PORT``), else None; any other reservation is closed. The caller owns it."""
+    sock: socket.socket | None = getattr(_reserved, "sock", None)
+    _reserved.sock = None
+    if sock is None:
+        return None
+    if sock.getsockname()[1] == port:
+        return sock
+    sock.close()
+    return None
 
 
 def leave_rendezvous(handler: RendezvousHandler, deadline: float) -> None:

@@ -40,6 +40,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from trainguard.core.storeutil import gather, parse_json
+from trainguard.runtime._torch import reserved_bootstrap_port, take_reserved_port
 
 __all__ = ["AttemptRendezvousHandler", "RoundInfo"]
 
@@ -203,11 +204,17 @@ class AttemptRendezvousHandler(RendezvousHandler):
         # a later round (a replacement) waits forever for keys the old rank 0 never publishes
         # again. We host our own store every round anyway: ask torch for its uncached path.
         watching = self.spares.watching() if self.spares else contextlib.nullcontext()
-        with _uncached_store_path():
-            with watching:
-                info = self._inner.next_rendezvous()
+        with _uncached_store_path(), reserved_bootstrap_port():
+            try:
+                with watching:
+                    info = self._inner.next_rendezvous()
+            except BaseException:
+                take_reserved_port(-1)  # closes a port reserved in a round that failed
+                raise
             if self.spares:
                 self.spares.joined()
+        bootstrap = info.bootstrap_store_info
+        reserved = take_reserved_port(bootstrap.master_port if bootstrap is not None else -1)
         self._num_rounds += 1
         store, rank, world_size = info.store, info.rank, info.world_size
         static = self.get_backend() == "static"
@@ -229,11 +236,15 @@ class AttemptRendezvousHandler(RendezvousHandler):
             attempt=attempt, rank=rank, world_size=world_size, members=members
         )
 
-        bootstrap = info.bootstrap_store_info
         if static or bootstrap is None or not self.use_agent_store:
+            if reserved is not None:
+                reserved.close()  # rank 0's worker binds it itself
             return info
         return RendezvousInfo(
-            store, rank, world_size, self._fresh_worker_store(store, rank, prefix, bootstrap)
+            store,
+            rank,
+            world_size,
+            self._fresh_worker_store(store, rank, prefix, bootstrap, reserved),
         )
 
     def _members(self, store: Store, prefix: str, world_size: int) -> list[dict[str, Any]]:
@@ -265,11 +276,17 @@ class AttemptRendezvousHandler(RendezvousHandler):
         return members
 
     def _fresh_worker_store(
-        self, store: Store, rank: int, prefix: str, bootstrap: RendezvousStoreInfo
+        self,
+        store: Store,
+        rank: int,
+        prefix: str,
+        bootstrap: RendezvousStoreInfo,
+        reserved: socket.socket | None = None,
     ) -> RendezvousStoreInfo:
         # torch picked a free port on the rank-0 node and published it in the round's
         # MASTER_ADDR/MASTER_PORT keys, where every agent (a torchrun one too) reads it: the
-        # fresh store listens there.
+        # fresh store listens there, on the socket that has held the port since it was picked
+        # (reserved_bootstrap_port), so no other process can take it in between.
         if rank == 0:
             # Dropping the previous server closes it: its workers are gone.
             self._worker_store = None
@@ -279,7 +296,10 @@ class AttemptRendezvousHandler(RendezvousHandler):
                 is_master=True,
                 multi_tenant=True,
                 wait_for_workers=False,
+                master_listen_fd=reserved.detach() if reserved is not None else None,
             )
+        elif reserved is not None:
+            reserved.close()
         logger.debug(
             "attempt %s uses worker store %s:%s",
             self._last_attempt,
