@@ -4,7 +4,7 @@ judged against the node's other ranks or the fleet's history for the device mode
 - the judge (pure logic): a rank whose last ``sniff_window`` sniffs took the slow factor times
   their reference (their median) is flagged once, a single outlier is not; alone on its node, the fleet's history for
   its device model is the reference; the schedule keeps the budget;
-- a real job (2 gloo ranks, ``trainguard run``): rank 1 throttled for real to about half a CPU
+- a real job (2 gloo ranks, ``trainguard run``): rank 1 throttled for real to about a quarter of a CPU
   (tests/throttle.py: cgroup v2 ``cpu.max`` where writable, else pinned onto a core a
   spinning process keeps busy, or on a loaded machine stopped half the time)
   is flagged (``sniff_degraded``), recorded in the fleet database, and under
@@ -159,15 +159,21 @@ def test_throttled_rank_is_flagged_recorded_and_excluded(tmp_path: Path) -> None
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not all(len(_sniffs(run, r)) >= 3 for r in (0, 1)):
+        # the judge calibrates each rank's standing among its peers on its first
+        # sniff_window (5) sniffs: the throttle starts after them, as a degradation would
+        # start on a node that had run normally (a throttle inside the calibration makes the
+        # slowed rank's standing, and on a loaded machine the other rank looked slow instead)
+        while time.monotonic() < deadline and not all(len(_sniffs(run, r)) >= 6 for r in (0, 1)):
             assert p.poll() is None, p.stderr.read() if p.stderr else ""
             time.sleep(0.5)
         before = {r: _sniffs(run, r) for r in (0, 1)}
-        assert all(len(v) >= 3 for v in before.values()), "no sniff results"
+        assert all(len(v) >= 6 for v in before.values()), "no sniff results"
         assert not any(e["kind"] == "sniff_degraded" for e in _events(run))
         pids = {w["rank"]: w["pid"] for e in _events(run) if e["kind"] == "workers_started"
                 for w in e["workers"]}  # type: ignore[attr-defined]  # fmt: skip
-        with throttle(pids[1]) as how:
+        # a quarter of a core: on a loaded CI machine half a core is within the sniffs' noise
+        # (the others get less than a core too); the flag's threshold stays 1.5x
+        with throttle(pids[1], share=0.25) as how:
             t0 = time.time()
             while time.monotonic() < deadline and p.poll() is None:
                 time.sleep(0.5)

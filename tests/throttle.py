@@ -1,4 +1,4 @@
-"""Throttle a running process to about half speed, for real.
+"""Throttle a running process to about half speed (or another share), for real.
 
 - a writable cgroup (v2 ``cpu.max`` / ``cpu.weight``, else v1 ``cpu.cfs_quota_us`` /
   ``cpu.shares``): the process moves into a new child cgroup with half a core's quota over
@@ -9,7 +9,7 @@
   its share). Moved back and removed at the end;
 - otherwise: every thread of the process is pinned (``sched_setaffinity``) onto one core and a
   spinning process started here onto the same core (the scheduler shares it between the two:
-  half each, on an otherwise idle core). The spinner is ended by its PID at the end; the
+  half each, on an otherwise idle core; a smaller share, more spinners). The spinner is ended by its PID at the end; the
   affinity is restored.
 
     with throttle(pid) as how:
@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -57,8 +58,9 @@ def _cgroup_of(pid: int, controller: str) -> Path | None:
     return None
 
 
-def _make_group(pid: int) -> tuple[Path, Path] | None:
-    """(new child group, the group to move back to), throttled, or None where not writable."""
+def _make_group(pid: int, share: float) -> tuple[Path, Path] | None:
+    """(new child group, the group to move back to), throttled to ``share`` of a core, or None
+    where not writable."""
     v2 = (CGROUP / "cgroup.controllers").exists()
     home = _cgroup_of(pid, "" if v2 else "cpu")
     if home is None:
@@ -68,13 +70,15 @@ def _make_group(pid: int) -> tuple[Path, Path] | None:
         if v2 and "cpu" not in (home / "cgroup.subtree_control").read_text().split():
             return None
         child.mkdir()
+        period = max(2000, math.ceil(1000 / share))  # the kernel's smallest quota: 1 ms
+        quota = round(period * share)
         if v2:
-            (child / "cpu.max").write_text("1000 2000")
-            (child / "cpu.weight").write_text("50")
+            (child / "cpu.max").write_text(f"{quota} {period}")
+            (child / "cpu.weight").write_text(str(max(1, round(100 * share))))
         else:
-            (child / "cpu.cfs_period_us").write_text("2000")
-            (child / "cpu.cfs_quota_us").write_text("1000")
-            (child / "cpu.shares").write_text("512")
+            (child / "cpu.cfs_period_us").write_text(str(period))
+            (child / "cpu.cfs_quota_us").write_text(str(quota))
+            (child / "cpu.shares").write_text(str(max(2, round(1024 * share))))
         return child, home
     except OSError:
         with contextlib.suppress(OSError):
@@ -83,10 +87,10 @@ def _make_group(pid: int) -> tuple[Path, Path] | None:
 
 
 @contextlib.contextmanager
-def throttle(pid: int) -> Iterator[str]:
-    """About half speed for ``pid`` while the block runs; yields how (``cgroup`` or
-    ``taskset``)."""
-    made = _make_group(pid)
+def throttle(pid: int, share: float = 0.5) -> Iterator[str]:
+    """About ``share`` of its speed (half by default) for ``pid`` while the block runs; yields
+    how (``cgroup`` or ``taskset``)."""
+    made = _make_group(pid, share)
     if made is not None:
         group, home = made
         try:
@@ -101,15 +105,22 @@ def throttle(pid: int) -> Iterator[str]:
     cpus = sorted(os.sched_getaffinity(0))
     busy = {cpus[-1]}
     before = os.sched_getaffinity(pid)
-    spinner = subprocess.Popen(
-        [sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    spinners = [
+        subprocess.Popen(
+            [sys.executable, "-c", "while True: pass"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        for _ in range(max(1, round(1 / share) - 1))
+    ]
     try:
-        _pin(spinner.pid, busy)
+        for spinner in spinners:
+            _pin(spinner.pid, busy)
         _pin(pid, busy)
         yield "taskset"
     finally:
-        spinner.kill()
-        spinner.wait()
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
         _pin(pid, before)
