@@ -792,3 +792,117 @@ def test_a_round_that_cannot_complete_names_the_frozen_node_within_the_join_time
     finally:
         frozen.kill()  # SIGKILL ends a stopped process too
         frozen.wait()
+
+
+# -- etcd stalls inside a rendezvous ----------------------------------------------------------------
+STALL_CONF = {"retry_timeout": "1", "request_timeout": "0.5", "last_call_timeout": "1"}
+
+
+def _rendezvous_in_thread(h: Any, out: dict[str, Any]) -> threading.Thread:
+    def join() -> None:
+        try:
+            out["info"] = h.next_rendezvous()
+        except BaseException as e:  # asserted by the test
+            out["error"] = e
+
+    t = threading.Thread(target=join, daemon=True)
+    t.start()
+    return t
+
+
+def _participants(etcd: Etcd, run: str) -> set[str]:
+    client = etcd_v3.EtcdV3Client(etcd_v3.parse_endpoints(etcd.endpoint))
+    try:
+        found = client.get(f"/trainguard/rdzv/{run}/state")
+    finally:
+        client.close()
+    if found is None:
+        return set()
+    return {repr(n) for n in decode_state(etcd_v3._unpack(found[0])).participants}
+
+
+def _wait(cond: Any, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out: {what}"
+        time.sleep(0.1)
+
+
+def test_a_round_completes_through_an_etcd_stall_longer_than_retry_timeout(
+    etcd: Etcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    """etcd frozen (SIGSTOP) for 6 s, six times the agents' retry_timeout (1 s), while one
+    agent waits in a round of two and the second one starts: both keep retrying until the
+    round's join timeout (60 s) instead of failing after retry_timeout, and the round
+    completes once etcd answers again."""
+    run = "stall"
+    conf = {**STALL_CONF, "join_timeout": "60"}
+    a, b = (
+        etcd_v3.create_rdzv_handler(_params(etcd, run, min_nodes=2, max_nodes=2, **conf))
+        for _ in range(2)
+    )
+    got_a: dict[str, Any] = {}
+    got_b: dict[str, Any] = {}
+    assert etcd.proc is not None
+    caplog.set_level("WARNING", logger="trainguard.runtime.etcd_v3.client")
+    stopped = False
+    try:
+        ta = _rendezvous_in_thread(a, got_a)
+        _wait(lambda: len(_participants(etcd, run)) == 1, "the first agent joined")
+        os.kill(etcd.proc.pid, signal.SIGSTOP)
+        stopped = True
+        tb = _rendezvous_in_thread(b, got_b)
+        time.sleep(6.0)
+        assert "error" not in got_a and "error" not in got_b, (got_a, got_b)
+        os.kill(etcd.proc.pid, signal.SIGCONT)
+        stopped = False
+        ta.join(60)
+        tb.join(60)
+        assert not ta.is_alive() and not tb.is_alive(), "the round did not complete"
+        assert "error" not in got_a and "error" not in got_b, (got_a, got_b)
+        assert sorted([got_a["info"].rank, got_b["info"].rank]) == [0, 1]
+        assert got_a["info"].world_size == got_b["info"].world_size == 2
+        # the calls were retried past retry_timeout, until the rendezvous' deadline
+        assert "retrying until the rendezvous' deadline" in caplog.text
+    finally:
+        if stopped:
+            os.kill(etcd.proc.pid, signal.SIGCONT)
+        for h in (a, b):
+            h._stop_heartbeats()  # type: ignore[attr-defined]
+
+
+def test_a_round_etcd_keeps_from_completing_ends_at_its_join_timeout_naming_what_it_lacks(
+    etcd: Etcd,
+) -> None:
+    """One of two agents joins, then etcd freezes for good: the rendezvous retries etcd until
+    its join timeout (6 s, six times retry_timeout) and then fails with the round's timeout
+    error: the nodes missing, and what etcd did."""
+    run = "stall-deadline"
+    join_timeout = 6
+    h = etcd_v3.create_rdzv_handler(
+        _params(etcd, run, min_nodes=2, max_nodes=2, join_timeout=str(join_timeout), **STALL_CONF)
+    )
+    got: dict[str, Any] = {}
+    assert etcd.proc is not None
+    stopped = False
+    try:
+        t0 = time.monotonic()
+        t = _rendezvous_in_thread(h, got)
+        _wait(lambda: len(_participants(etcd, run)) == 1, "the agent joined")
+        os.kill(etcd.proc.pid, signal.SIGSTOP)
+        stopped = True
+        t.join(join_timeout + 30)
+        elapsed = time.monotonic() - t0
+        assert not t.is_alive(), "the rendezvous hangs past its join timeout"
+        err = got.get("error")
+        assert type(err).__name__ == "RendezvousTimeoutError", got
+        text = str(err)
+        assert f"did not complete in {join_timeout} s (join_timeout)" in text, text
+        assert "missing: 1 node(s) that never joined" in text, text
+        assert f"etcd at {etcd.endpoint} did not answer" in text, text
+        assert "\n" not in text
+        assert join_timeout - 1 <= elapsed < join_timeout + 10, elapsed
+    finally:
+        if stopped:
+            os.kill(etcd.proc.pid, signal.SIGCONT)
+        h._stop_heartbeats()  # type: ignore[attr-defined]

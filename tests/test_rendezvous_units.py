@@ -315,3 +315,83 @@ def test_most_heartbeat_leases_expiring_at_once_is_an_overloaded_etcd_until_it_l
     holder, kept = read(nodes[:2])  # 6 of 8 at once: etcd, not nodes
     assert kept == set(nodes) and holder._mass_since is not None  # type: ignore[attr-defined]
     assert read(nodes[:2], since=time.monotonic() - 20)[1] == set(nodes[:2])  # for 20 s: dead
+
+
+def test_a_rendezvous_retries_etcd_until_its_join_deadline_a_spare_for_as_long_as_it_waits() -> (
+    None
+):
+    """Until when a rendezvous' etcd calls retry: torch's join deadline, noted only from the
+    thread inside ``next_rendezvous`` (not a keep-alive's); for ever for a spare in the
+    redundancy list (torch gives it no timeout). An etcd error is the round's timeout only
+    past that deadline, and then names what the round lacked and what etcd did."""
+    from trainguard.runtime.etcd_v3 import EtcdUnavailableError
+    from trainguard.runtime.etcd_v3.holder import ScalableStateHolder
+
+    me = NodeDesc("h", 9, 0)
+    st = RendezvousState()
+    st.participants = {me: 0}
+    holder = object.__new__(ScalableStateHolder)
+    holder._node = me  # type: ignore[attr-defined]
+    holder._settings = _settings(2, 2)  # type: ignore[attr-defined]
+    holder.held = st
+    holder.lost = {}  # type: ignore[attr-defined]
+    holder._deadline = None  # type: ignore[attr-defined]
+    holder._rdzv_thread = None  # type: ignore[attr-defined]
+    down = EtcdUnavailableError("etcd at e:1 did not answer for 60 s (TimeoutError: timed out)")
+
+    holder.round_deadline(123.0)  # no rendezvous runs in this thread: not its deadline
+    assert holder._retry_until() == -float("inf")  # type: ignore[attr-defined]
+    holder._rdzv_thread = threading.get_ident()  # type: ignore[attr-defined]
+    soon = time.monotonic() + 30
+    holder.round_deadline(soon)
+    assert holder._retry_until() == soon  # type: ignore[attr-defined]
+    assert holder.unavailable(timedelta(seconds=30), down) is None  # before it: as raised
+    st.redundancy_list = {me}
+    assert holder._retry_until() == float("inf")  # type: ignore[attr-defined]
+    st.redundancy_list = set()
+
+    holder.round_deadline(time.monotonic() - 1)  # the deadline passed
+    text = holder.unavailable(timedelta(seconds=30), down)
+    assert text is not None and "\n" not in text
+    assert "did not complete in 30 s (join_timeout): 1 of 2 node(s) joined" in text, text
+    assert "missing: 1 node(s) that never joined; etcd at e:1 did not answer" in text, text
+    assert holder.unavailable(timedelta(seconds=30), ValueError("x")) is None
+
+
+class _FlakyMember:
+    """An etcd member (the client's transport) that refuses connections until ``until``
+    (monotonic), then answers ``answers`` in turn, then an empty answer."""
+
+    host, port = "127.0.0.1", 1
+
+    def __init__(self, until: float, answers: list[tuple[int, str]] | None = None) -> None:
+        self.until, self.answers, self.posts = until, list(answers or []), 0
+
+    def post(self, path: str, payload: object, headers: object) -> tuple[int, str]:
+        self.posts += 1
+        if time.monotonic() < self.until:
+            raise ConnectionRefusedError("refused")
+        return self.answers.pop(0) if self.answers else (200, '{"header":{"revision":"3"}}')
+
+
+def test_an_etcd_call_retries_past_retry_timeout_only_inside_a_rendezvous() -> None:
+    """A call etcd does not answer for retry_timeout fails, but inside ``retrying_until`` (a
+    rendezvous) it retries on until that deadline; past it, it fails too. "too many
+    requests" (HTTP 429, an overloaded etcd) is retried like a timeout."""
+    from trainguard.runtime.etcd_v3 import EtcdUnavailableError
+    from trainguard.runtime.etcd_v3.client import EtcdV3Client
+
+    c = EtcdV3Client([("127.0.0.1", 1)], retry_timeout=0.2)
+    c._members = [_FlakyMember(time.monotonic() + 0.8)]  # type: ignore[list-item]
+    with pytest.raises(EtcdUnavailableError, match="did not answer"):
+        c.call("kv/range", {})
+    with c.retrying_until(lambda: time.monotonic() + 30):
+        assert c.call("kv/range", {}) == {"header": {"revision": "3"}}
+    c._members = [_FlakyMember(time.monotonic() + 30)]  # type: ignore[list-item]
+    t0 = time.monotonic()
+    with c.retrying_until(lambda: t0 + 0.6), pytest.raises(EtcdUnavailableError):
+        c.call("kv/range", {})
+    assert 0.5 < time.monotonic() - t0 < 5
+    busy = '{"error":"etcdserver: too many requests","code":8}'
+    c._members = [_FlakyMember(0.0, [(429, busy), (429, busy)])]  # type: ignore[list-item]
+    assert c.call("kv/range", {}) == {"header": {"revision": "3"}}

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import IO, TYPE_CHECKING, Any, Literal, cast, overload
 
 from torch.distributed import Store
@@ -32,6 +33,7 @@ from torch.distributed.elastic.multiprocessing import PContext
 from torch.distributed.elastic.multiprocessing import api as _mp_api
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousTimeoutError,
@@ -162,6 +164,11 @@ PRIVATES: tuple[tuple[str, str, str], ...] = (
     ),
     (
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "DynamicRendezvousHandler",
+        "_get_deadline",
+    ),
+    (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
         "",
         "_BackendRendezvousStateHolder",
     ),
@@ -235,16 +242,35 @@ class QuietKeepAliveHandler(_dr.DynamicRendezvousHandler):
     _joined_round: int | None = None
 
     def next_rendezvous(self) -> RendezvousInfo:
+        holder = self._state_holder
+        during = getattr(holder, "in_rendezvous", None)
         try:
-            info = super().next_rendezvous()
+            with during() if during is not None else contextlib.nullcontext():
+                info = super().next_rendezvous()
         except RendezvousTimeoutError:
             # torch's error names nothing; the etcd-v3 holder says what the round lacked
-            explain = getattr(self._state_holder, "incomplete", None)
+            explain = getattr(holder, "incomplete", None)
             if explain is None:
                 raise
             raise RendezvousTimeoutError(explain(self._settings.timeout.join)) from None
+        except RendezvousConnectionError as e:
+            # the etcd-v3 holder retries etcd until the join deadline: an error then is the
+            # round's timeout, said with what it lacked
+            explain = getattr(holder, "unavailable", None)
+            text = explain(self._settings.timeout.join, e) if explain is not None else None
+            if text is None:
+                raise
+            raise RendezvousTimeoutError(text) from None
         self._joined_round = self._state_holder.state.round
         return info
+
+    def _get_deadline(self, timeout: timedelta) -> float:
+        deadline = super()._get_deadline(timeout)
+        if timeout == self._settings.timeout.join:  # the rendezvous' (not a keep-alive's)
+            note = getattr(self._state_holder, "round_deadline", None)
+            if note is not None:
+                note(deadline)
+        return deadline
 
     def num_nodes_waiting(self) -> int:
         waiting = super().num_nodes_waiting()

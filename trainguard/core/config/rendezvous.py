@@ -28,7 +28,8 @@ class RendezvousConfig:
     etcd_lease_ttl_s: int | None = None
     """Seconds a run's keys outlive its last agent (default 3600)."""
     etcd_retry_timeout_s: float | None = None
-    """Seconds an etcd call keeps retrying (etcd restart, leader change) before failing (60)."""
+    """Seconds an etcd call keeps retrying (etcd restart, leader change) before failing (60);
+    inside a rendezvous, until its join timeout when that is later."""
     etcd_accept_pickle_state: bool = False
     """Read a rendezvous state in torch's pickle format (``--rdzv-conf accept_pickle_state=1``,
     as torch's stock state holder writes it). Off: unpickling runs whatever code the writer of

@@ -26,7 +26,9 @@ What lives in etcd, under ``<key_prefix>/<run id>/``:
 Every etcd call is retried with exponential backoff and jitter until ``retry_timeout`` (default
 60 s), failing over between the ``--rdzv-endpoint`` members, so an etcd restart or a leader
 change pauses the agents instead of killing them; only then does a call raise
-``RendezvousConnectionError``. A failed compare-and-swap backs off with jitter before the handler
+``RendezvousConnectionError``. Inside a rendezvous a call retries on until the round's own
+deadline (torch's ``join_timeout``), and a round that etcd's silence keeps from completing by
+then ends with the error of any round that did not complete, naming what it lacked. A failed compare-and-swap backs off with jitter before the handler
 retries, which keeps hundreds of agents joining at once from starving each other.
 
 Options (``--rdzv-conf key=value,...``, or the ``[rendezvous]`` config section):

@@ -3,6 +3,7 @@ and the run's lease."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import json
@@ -11,7 +12,7 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
@@ -40,6 +41,16 @@ MAX_RESPONSE_BYTES = 64 << 20
 """The largest answer (or watch event line) the client reads from etcd; a longer one is refused
 (a member, or whatever answers in its place over plain http, cannot make an agent read
 without end)."""
+
+
+RETRY_BACKOFF_MAX = 2.0
+"""The longest random wait (seconds, full jitter) between two tries of a call."""
+
+LONG_RETRY_BACKOFF_MAX = 5.0
+"""The longest random wait between two tries of a call that retries past ``retry_timeout``
+(inside a rendezvous, until its deadline): a thousand agents waiting out a stalled etcd send it
+at most one request each per 2.5 s on average, spread over 5 s, not a burst when it answers
+again."""
 
 
 class _TooLarge(RendezvousConnectionError):
@@ -86,7 +97,12 @@ def _other_leases(payload: dict[str, Any], run_lease: str) -> bool:
 
 
 class _Transient(Exception):
-    """An answer that says: try again (a 5xx, no leader, a timeout inside etcd)."""
+    """An answer that says: try again (a 5xx, no leader, a timeout inside etcd, an etcd too
+    loaded to take more: "too many requests", HTTP 429)."""
+
+
+_TRANSIENT = ("leader", "timed out", "unavailable", "too many requests", "took too long")
+"""What an error answer of etcd says when it is worth trying again."""
 
 
 class _Member:
@@ -196,7 +212,8 @@ class EtcdV3Client:
     ``endpoints`` are ``(host, port)`` pairs of members of one cluster. Every call retries
     transient failures (connection refused or reset, timeouts, 5xx) with exponential backoff
     and full jitter until ``retry_timeout`` seconds have passed, switching member on each
-    failure, then raises :class:`EtcdUnavailableError`.
+    failure, then raises :class:`EtcdUnavailableError`; inside :meth:`retrying_until` (a
+    rendezvous) until that deadline, when it is later.
     """
 
     def __init__(
@@ -249,6 +266,7 @@ class EtcdV3Client:
         unreachable): liveness judged on leases meanwhile proves nothing."""
         self._keeper: threading.Thread | None = None
         self._closed = threading.Event()
+        self._tls = threading.local()
 
     # -- transport -----------------------------------------------------------------------------
     def _headers(self) -> dict[str, str]:
@@ -271,7 +289,7 @@ class EtcdV3Client:
             )
         if "auth" in low or "user name" in low or "token" in low:
             raise _AuthError(text)
-        if status >= 500 or "leader" in low or "timed out" in low or "unavailable" in low:
+        if status >= 500 or status == 429 or any(t in low for t in _TRANSIENT):
             raise _Transient(f"HTTP {status}: {text.strip()[:300]}")
         raise RendezvousConnectionError(f"etcd refused {path}: HTTP {status}: {text.strip()[:300]}")
 
@@ -289,11 +307,29 @@ class EtcdV3Client:
             raise _Transient(f"HTTP {status}: {text.strip()[:300]}")
         self._token = gateway_json(text).get("token")
 
+    @contextlib.contextmanager
+    def retrying_until(self, deadline: Callable[[], float]) -> Iterator[None]:
+        """While this thread runs the block (a rendezvous), a call that etcd has not answered
+        for ``retry_timeout`` goes on retrying until ``deadline()`` (monotonic; asked at each
+        failure: a rendezvous' deadline moves) and raises :class:`EtcdUnavailableError` only
+        then: a transient etcd stall must not end a round that may still complete. Calls with
+        a deadline of their own (the lease keep-alives) and other threads are not affected."""
+        before = getattr(self._tls, "until", None)
+        self._tls.until = deadline
+        try:
+            yield
+        finally:
+            self._tls.until = before
+
     def call(self, path: str, payload: dict[str, Any], *, deadline: float | None = None) -> Any:
         """POST ``payload`` to ``/v3/<path>`` with retries; returns the decoded JSON answer."""
+        start = time.monotonic()
+        until: Callable[[], float] | None = None
         if deadline is None:
-            deadline = time.monotonic() + self.retry_timeout
+            deadline = start + self.retry_timeout
+            until = getattr(self._tls, "until", None)
         delay = 0.05
+        cap = RETRY_BACKOFF_MAX
         attempt = 0
         while True:
             index = self._current
@@ -333,9 +369,11 @@ class EtcdV3Client:
                 self.trouble_at = time.monotonic()
             attempt += 1
             now = time.monotonic()
+            if now >= deadline and until is not None:
+                deadline, cap = self._retry_longer(until(), path, now - start, deadline, cap)
             if now >= deadline:
                 raise EtcdUnavailableError(
-                    f"etcd at {self.endpoints_text()} did not answer for {self.retry_timeout:.0f} s"
+                    f"etcd at {self.endpoints_text()} did not answer for {now - start:.0f} s"
                     f" ({type(err).__name__}: {_text(err)[:300]})"
                 ) from None
             if attempt == 1 or attempt % 20 == 0:
@@ -344,7 +382,27 @@ class EtcdV3Client:
                 )
             self._current = (index + 1) % len(self._members)
             time.sleep(min(random.uniform(0, delay), max(deadline - now, 0)))
-            delay = min(delay * 2, 2.0)
+            delay = min(delay * 2, cap)
+
+    def _retry_longer(
+        self, later: float, path: str, waited: float, deadline: float, cap: float
+    ) -> tuple[float, float]:
+        """The deadline and backoff cap of a call past its ``retry_timeout`` inside
+        :meth:`retrying_until`: ``later`` (the rendezvous' deadline) when still ahead."""
+        if later <= time.monotonic():
+            return deadline, cap
+        if cap < LONG_RETRY_BACKOFF_MAX:
+            left = later - time.monotonic()
+            logger.warning(
+                "etcd at %s has not answered %s for %.0f s (retry_timeout %.0f s); retrying "
+                "until the rendezvous' deadline%s",
+                self.endpoints_text(),
+                path,
+                waited,
+                self.retry_timeout,
+                f" in {left:.0f} s" if left < float("inf") else " (a spare: no deadline)",
+            )
+        return later, LONG_RETRY_BACKOFF_MAX
 
     def _lease_alive(self, lease: int) -> bool:
         """Whether etcd still knows ``lease`` (a failed check counts as alive: the write is

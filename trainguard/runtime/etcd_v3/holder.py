@@ -21,7 +21,7 @@ from trainguard.runtime._torch import (
     RendezvousState,
     StateHolderBase,
 )
-from trainguard.runtime.etcd_v3._common import _unb64
+from trainguard.runtime.etcd_v3._common import EtcdUnavailableError, _unb64
 from trainguard.runtime.etcd_v3.admission import ADMISSION_LOCK_TTL, Admission
 from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
 from trainguard.runtime.etcd_v3.codec import cached_state, encode_state, remember
@@ -269,6 +269,10 @@ class ScalableStateHolder(StateHolderBase):
         """Nodes taken out of a round for their liveness (node -> what happened), for the
         error of a round that cannot complete."""
         self._admission = Admission(self)
+        self._deadline: float | None = None
+        """torch's deadline (monotonic) of the rendezvous this node runs (its join timeout from
+        the start of ``next_rendezvous``, or from leaving the redundancy list)."""
+        self._rdzv_thread: int | None = None
 
     def _take_snapshot(self) -> _Snapshot:
         return _Snapshot.of(self.held)
@@ -693,9 +697,50 @@ class ScalableStateHolder(StateHolderBase):
         """This node's lease is kept alive by its own thread (see :meth:`keep_lease_alive`)."""
         return self._live_thread is not None and not self._live_stop.is_set()
 
-    def incomplete(self, timeout: timedelta) -> str:
+    # -- the rendezvous' deadline -------------------------------------------------------------
+    @contextlib.contextmanager
+    def in_rendezvous(self) -> Iterator[None]:
+        """While this thread runs torch's ``next_rendezvous``: an etcd call unanswered for the
+        client's ``retry_timeout`` retries on (backoff with jitter) until the rendezvous'
+        deadline (:meth:`_retry_until`) instead of ending the rendezvous: a round whose etcd
+        stalls for a while still completes, and one that etcd keeps from completing ends at
+        its join timeout with :meth:`unavailable`'s error."""
+        self._deadline = None
+        self._rdzv_thread = threading.get_ident()
+        try:
+            with self._etcd._client.retrying_until(self._retry_until):
+                yield
+        finally:
+            self._rdzv_thread = None
+
+    def round_deadline(self, deadline: float) -> None:
+        """torch set the join deadline (monotonic) of the rendezvous this thread runs."""
+        if threading.get_ident() == self._rdzv_thread:
+            self._deadline = deadline
+
+    def _retry_until(self) -> float:
+        """Until when an etcd call of this node's rendezvous retries: torch's join deadline;
+        for ever for a spare in the redundancy list of an open round (torch applies no
+        timeout there: it waits for a free slot however long that takes)."""
+        st = self.held
+        if self._node in st.redundancy_list and not st.closed:
+            return float("inf")
+        return -float("inf") if self._deadline is None else self._deadline
+
+    def unavailable(self, timeout: timedelta, error: Exception) -> str | None:
+        """The error of a rendezvous that ``error`` (etcd unanswered) ended at its join
+        deadline: :meth:`incomplete`'s line, and what etcd did; None for any other error (an
+        error before the deadline is raised as is)."""
+        if not isinstance(error, EtcdUnavailableError) or self._deadline is None:
+            return None
+        if time.monotonic() < self._deadline:
+            return None
+        return self.incomplete(timeout, etcd=str(error))
+
+    def incomplete(self, timeout: timedelta, etcd: str | None = None) -> str:
         """Why the round this node waits in did not complete in ``timeout``: the nodes there
-        are, the ones missing, and those taken out for their liveness (one line)."""
+        are (as this node last read them), the ones missing, and those taken out for their
+        liveness (one line); ``etcd``: what etcd did meanwhile (it did not answer)."""
         st = self.held
         s = self.settings
         have = len(set(st.participants) | {self._node})  # this node took itself out at the end
@@ -712,6 +757,11 @@ class ScalableStateHolder(StateHolderBase):
             missing.append(f"{never} node(s) that never joined")
         if missing:
             text += "; missing: " + ", ".join(missing)
+        if etcd is not None:
+            return (
+                f"{text}; {etcd}: bring etcd back (check its health and load) or raise "
+                "--rdzv-conf join_timeout"
+            )
         return text + "; start the missing agents or raise --rdzv-conf join_timeout"
 
     @contextlib.contextmanager
