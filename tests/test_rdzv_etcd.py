@@ -8,6 +8,7 @@ rank-0 agent (the one that hosts the store under c10d) with its workers, and etc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -902,6 +903,45 @@ def test_a_round_etcd_keeps_from_completing_ends_at_its_join_timeout_naming_what
         assert f"etcd at {etcd.endpoint} did not answer" in text, text
         assert "\n" not in text
         assert join_timeout - 1 <= elapsed < join_timeout + 10, elapsed
+    finally:
+        if stopped:
+            os.kill(etcd.proc.pid, signal.SIGCONT)
+        h._stop_heartbeats()  # type: ignore[attr-defined]
+
+
+def test_the_round_store_retries_through_a_stall_right_after_the_round(etcd: Etcd) -> None:
+    """trainguard's member announcements in the round's store right after torch's round
+    (``after_round``): an etcd stall (SIGSTOP 3 s, three times retry_timeout) there is
+    retried; outside that window the same write fails after retry_timeout."""
+    h = etcd_v3.create_rdzv_handler(_params(etcd, "after-round", max_nodes=1, **STALL_CONF))
+    assert etcd.proc is not None
+    stopped = False
+    try:
+        store = h.next_rendezvous().store
+        results: dict[str, BaseException | None] = {}
+
+        def write(name: str, window: float | None) -> None:
+            try:
+                with h.after_round(window) if window else contextlib.nullcontext():
+                    store.set(f"k/{name}", "v")
+                results[name] = None
+            except BaseException as e:  # asserted below
+                results[name] = e
+
+        os.kill(etcd.proc.pid, signal.SIGSTOP)
+        stopped = True
+        threads = [threading.Thread(target=write, args=a, daemon=True)
+                   for a in (("within", 30.0), ("outside", None))]  # fmt: skip
+        for t in threads:
+            t.start()
+        time.sleep(3.0)
+        os.kill(etcd.proc.pid, signal.SIGCONT)
+        stopped = False
+        for t in threads:
+            t.join(30)
+        assert results["within"] is None, results
+        assert isinstance(results["outside"], Exception), results
+        assert store.get("k/within") == b"v"
     finally:
         if stopped:
             os.kill(etcd.proc.pid, signal.SIGCONT)

@@ -264,6 +264,13 @@ class QuietKeepAliveHandler(_dr.DynamicRendezvousHandler):
         self._joined_round = self._state_holder.state.round
         return info
 
+    def after_round(self, seconds: float) -> contextlib.AbstractContextManager[None]:
+        """A block of work in the round's store right after :meth:`next_rendezvous`, during
+        which the state holder's backend (etcd-v3) retries an unanswered call for ``seconds``
+        rather than only its ``retry_timeout``; a no-op for other backends."""
+        retrying = getattr(self._state_holder, "retrying_for", None)
+        return retrying(seconds) if retrying is not None else contextlib.nullcontext()
+
     def _get_deadline(self, timeout: timedelta) -> float:
         deadline = super()._get_deadline(timeout)
         if timeout == self._settings.timeout.join:  # the rendezvous' (not a keep-alive's)

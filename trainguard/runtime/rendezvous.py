@@ -228,8 +228,12 @@ class AttemptRendezvousHandler(RendezvousHandler):
             "pid": os.getpid(),
             "last_attempt": self._last_attempt,
         }
-        store.set(f"{prefix}member/{rank}", json.dumps(me))
-        members = self._members(store, prefix, world_size)
+        # an etcd stall here (right after a round of many nodes) retries for as long as the
+        # announcements may take, as torch's round itself does until its join deadline
+        after = getattr(self._inner, "after_round", None)
+        with after(2 * self._member_timeout_s) if after is not None else contextlib.nullcontext():
+            store.set(f"{prefix}member/{rank}", json.dumps(me))
+            members = self._members(store, prefix, world_size)
         attempt = max(m.pop("last_attempt", -1) for m in members) + 1
         self._last_attempt = attempt
         self.last_round = RoundInfo(

@@ -713,6 +713,15 @@ class ScalableStateHolder(StateHolderBase):
         finally:
             self._rdzv_thread = None
 
+    @contextlib.contextmanager
+    def retrying_for(self, seconds: float) -> Iterator[None]:
+        """Like :meth:`in_rendezvous` for what a node does in its round's store right after
+        torch's round (trainguard's member announcements): an unanswered etcd call retries
+        for ``seconds`` from now, not only the client's ``retry_timeout``."""
+        until = time.monotonic() + seconds
+        with self._etcd._client.retrying_until(lambda: until):
+            yield
+
     def round_deadline(self, deadline: float) -> None:
         """torch set the join deadline (monotonic) of the rendezvous this thread runs."""
         if threading.get_ident() == self._rdzv_thread:
