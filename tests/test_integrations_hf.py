@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,34 +26,48 @@ from tests.ports import free_port
 KILL_AT, SAVE, STEPS = 13, 10, 18
 
 
-@pytest.mark.slow
-def test_kill_after_first_checkpoint_resumes_from_the_snapshot_with_a_straight_runs_weights(
-    tmp_path: Path,
-) -> None:
-    # dropout off, seeded sampler: HF training here is deterministic on CPU, so the killed and
-    # resumed run must end with the weights of a straight one (run alongside it)
-    import torch
-
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def kill_and_plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two jobs side by side: one with the callback line, kill -9'ed at step 13 and resumed
+    (its agent's Prometheus endpoint scraped), and a straight one without the callback line
+    and with ``[integrations] auto`` off: plain HF under ``trainguard run``."""
+    tmp = tmp_path_factory.mktemp("hf")
     port = free_port()
     args = ["--steps", str(STEPS), "--save-steps", str(SAVE)]
+    plain_env = job_env(TRAINGUARD_INTEGRATIONS_AUTO="false")
     with ThreadPoolExecutor(1) as ex:
         straight = ex.submit(
-            run_example, tmp_path / "straight" / "run", "hf_trainer.py",
-            [*args, "--out", str(tmp_path / "a.pt")],
+            run_example, tmp / "straight" / "run", "hf_trainer.py",
+            [*args, "--no-trainguard", "--out", str(tmp / "a.pt")], env=plain_env,
         )  # fmt: skip
         with EndpointScraper(port) as scraper:
             p = run_example(
-                run_dir,
+                tmp / "run",
                 "hf_trainer.py",
-                [*args, "--fail-at-step", str(KILL_AT), "--out", str(tmp_path / "b.pt")],
+                [*args, "--fail-at-step", str(KILL_AT), "--out", str(tmp / "b.pt")],
                 env=scraped_env(port),
             )
         s = straight.result()
+    return {"tmp": tmp, "killed": p, "plain": s, "seen": scraper.seen}
+
+
+@pytest.mark.slow
+def test_kill_after_first_checkpoint_resumes_from_the_snapshot_with_a_straight_runs_weights(
+    kill_and_plain: dict[str, Any],
+) -> None:
+    # dropout off, seeded sampler: HF training here is deterministic on CPU, so the killed and
+    # resumed run must end with the weights of a straight one (plain HF, run alongside it)
+    import torch
+
+    tmp_path = kill_and_plain["tmp"]
+    run_dir = tmp_path / "run"
+    p, s = kill_and_plain["killed"], kill_and_plain["plain"]
     assert p.returncode == 0, p.stderr[-3000:]
     assert s.returncode == 0, s.stderr[-3000:]
     # what Prometheus scrapes from the node: the framework's loss and the throughput
-    assert {"trainguard_train_loss", "trainguard_train_throughput_per_second"} <= scraper.seen
+    assert {"trainguard_train_loss", "trainguard_train_throughput_per_second"} <= kill_and_plain[
+        "seen"
+    ]
     assert "trainguard: resumed at step" in p.stderr
     restored = [s for src, s in restored_steps(run_dir) if s is not None]
     assert restored and KILL_AT - 1 <= restored[-1] <= KILL_AT  # <= 1 step redone, not 3
@@ -85,10 +100,10 @@ def test_no_code_change_attaches_and_a_stopped_rank_is_a_hang(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_auto_off_leaves_the_job_alone(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    env = job_env(TRAINGUARD_INTEGRATIONS_AUTO="false")
-    p = run_example(run_dir, "hf_trainer.py", ["--steps", "4", "--no-trainguard"], env=env)
+def test_auto_off_leaves_the_job_alone(kill_and_plain: dict[str, Any]) -> None:
+    # the straight run of the kill test: no callback line, auto off
+    run_dir = kill_and_plain["tmp"] / "straight" / "run"
+    p = kill_and_plain["plain"]
     assert p.returncode == 0, p.stderr[-3000:]
     assert "attached to" not in p.stderr
     assert not events(run_dir, "integration_auto_attached")
