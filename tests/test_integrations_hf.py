@@ -51,6 +51,7 @@ def kill_and_plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"tmp": tmp, "killed": p, "plain": s, "seen": scraper.seen}
 
 
+@pytest.mark.xdist_group("hf_kill")  # one worker runs the shared jobs once
 @pytest.mark.slow
 def test_kill_after_first_checkpoint_resumes_from_the_snapshot_with_a_straight_runs_weights(
     kill_and_plain: dict[str, Any],
@@ -106,6 +107,7 @@ def stopped_then_preempted(tmp_path_factory: pytest.TempPathFactory) -> dict[str
     return {"run_dir": run_dir, "p": p}
 
 
+@pytest.mark.xdist_group("hf_stopped")  # one worker runs the shared job once
 @pytest.mark.slow
 def test_no_code_change_attaches_and_a_stopped_rank_is_a_hang(
     stopped_then_preempted: dict[str, Any],
@@ -119,6 +121,7 @@ def test_no_code_change_attaches_and_a_stopped_rank_is_a_hang(
     assert restored and restored[-1] >= 5
 
 
+@pytest.mark.xdist_group("hf_kill")  # one worker runs the shared jobs once
 @pytest.mark.slow
 def test_auto_off_leaves_the_job_alone(kill_and_plain: dict[str, Any]) -> None:
     # the straight run of the kill test: no callback line, auto off
@@ -130,6 +133,7 @@ def test_auto_off_leaves_the_job_alone(kill_and_plain: dict[str, Any]) -> None:
     assert not records(run_dir, 0, "step")
 
 
+@pytest.mark.xdist_group("hf_stopped")  # one worker runs the shared job once
 @pytest.mark.slow
 def test_preemption_saves_the_framework_checkpoint_and_exits_75(
     stopped_then_preempted: dict[str, Any],

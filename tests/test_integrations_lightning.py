@@ -66,6 +66,7 @@ def stopped_then_preempted(tmp_path_factory: pytest.TempPathFactory) -> dict[str
     return {"run_dir": run_dir, "p": p}
 
 
+@pytest.mark.xdist_group("lightning_stopped")  # one worker runs the shared job once
 @pytest.mark.slow
 def test_preemption_saves_last_checkpoint_and_exits_75(
     stopped_then_preempted: dict[str, Any],
@@ -78,6 +79,7 @@ def test_preemption_saves_last_checkpoint_and_exits_75(
     assert (run_dir / "lightning" / "last.ckpt").is_file()
 
 
+@pytest.mark.xdist_group("lightning_stopped")  # one worker runs the shared job once
 @pytest.mark.slow
 def test_no_code_change_attaches_and_a_stopped_rank_is_a_hang(
     stopped_then_preempted: dict[str, Any],

@@ -97,6 +97,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
     return get
 
 
+@pytest.mark.xdist_group("compat_jobs")  # one worker runs the module's jobs once each
 def test_standalone_worker_env_matches(jobs) -> None:  # type: ignore[no-untyped-def]
     res = jobs("script")
     tr, tg = res["torchrun"]["dumps"], res["trainguard"]["dumps"]
@@ -169,6 +170,7 @@ def test_static_rendezvous_node_rank(tmp_path: Path) -> None:
     assert contracts["torchrun"] == contracts["trainguard"]
 
 
+@pytest.mark.xdist_group("compat_jobs")  # one worker runs the module's jobs once each
 @pytest.mark.parametrize("mode", ["module", "no_python", "run_path"])
 def test_entrypoint_modes(jobs, mode: str) -> None:  # type: ignore[no-untyped-def]
     res = jobs(mode)
@@ -192,6 +194,7 @@ def _tree(root: Path) -> list[str]:
     return files
 
 
+@pytest.mark.xdist_group("compat_jobs")  # one worker runs the module's jobs once each
 @pytest.mark.parametrize("job", ["script", "module", "no_python"])  # --redirects, --tee, -r MAP
 def test_log_dir_layout(jobs, job: str) -> None:  # type: ignore[no-untyped-def]
     flags = JOBS[job][1]
@@ -307,6 +310,7 @@ def test_unknown_flag_is_argparse_error(capsys: pytest.CaptureFixture[str]) -> N
     assert last["trainguard"][0] == "trainguard run"
 
 
+@pytest.mark.xdist_group("compat_jobs")  # one worker runs the module's jobs once each
 def test_script_args_that_look_like_flags_pass_through(jobs) -> None:  # type: ignore[no-untyped-def]
     res = jobs("script")
     for which in BOTH:
