@@ -139,10 +139,13 @@ def run_stopped_rank_job(run_dir: Path, script: str, steps: int, framework: str)
     return p
 
 
-def assert_stopped_rank_named(run_dir: Path, p: Any, framework: str, timeout_s: float) -> None:
+def assert_stopped_rank_named(
+    run_dir: Path, p: Any, framework: str, timeout_s: float, *, returncode: int = 0
+) -> None:
     """A job auto-attached to ``framework`` whose rank 1 was SIGSTOPped inside a step (chaos
-    ``hang:rank=1``) finished, and its hang was named within ``timeout_s`` + 2 s."""
-    assert p.returncode == 0, p.stderr[-3000:]
+    ``hang:rank=1``) finished (with ``returncode``), and its hang was named within
+    ``timeout_s`` + 2 s."""
+    assert p.returncode == returncode, p.stderr[-3000:]
     assert f"trainguard: attached to the {framework} Trainer" in p.stderr
     assert events(run_dir, "integration_auto_attached")
     [hang, *_] = events(run_dir, "hang_detected")

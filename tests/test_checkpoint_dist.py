@@ -67,8 +67,10 @@ def _train(tmp: Path, name: str, *extra: str, env: dict[str, str] | None = None)
 
 @pytest.mark.slow
 def test_kill_9_resume_is_bitwise_identical_from_disk_and_memory(tmp_path: Path) -> None:
-    no_memory = base_env(TRAINGUARD_CHECKPOINT_MEMORY_TIER="0")
-    # persist_mode=process, and rank 1's persister process is SIGKILLed while writing step 20
+    # From disk: persist_mode=process, memory tier off; rank 1's persister process is
+    # SIGKILLed while writing step 20, and rank 1 itself at step 75, so the restart reads the
+    # disk. (Thread persist mode, the default, writes the same DCP checkpoint: its exact
+    # round trip is test_checkpoint_core's, its restore after a kill in a real job test_chaos's.)
     process = base_env(
         TRAINGUARD_CHECKPOINT_MEMORY_TIER="0",
         TRAINGUARD_CHECKPOINT_PERSIST_MODE="process",
@@ -76,14 +78,13 @@ def test_kill_9_resume_is_bitwise_identical_from_disk_and_memory(tmp_path: Path)
             {"kill_at": "written", "step": 20, "rank": 1, "attempt": 0}
         ),
     )
-    with ThreadPoolExecutor(3) as ex:
-        disk = ex.submit(_train, tmp_path, "disk", "--fail-at-step", "55", env=no_memory)
+    with ThreadPoolExecutor(2) as ex:
         memory = ex.submit(_train, tmp_path, "memory", "--fail-at-step", "55")
-        proc = ex.submit(_train, tmp_path, "process", "--fail-at-step", "55", env=process)
-        disk_d, memory_d, proc_d = disk.result(), memory.result(), proc.result()
+        proc = ex.submit(_train, tmp_path, "process", "--fail-at-step", "75", env=process)
+        memory_d, proc_d = memory.result(), proc.result()
 
     # a fault-free run's parameters and Adam state (tests/mlp_reference.py)
-    for d in (disk_d, memory_d, proc_d):
+    for d in (memory_d, proc_d):
         assert_same_as_reference(d / "params.pt", 100, optim=d / "optim.pt")
 
     ev = _events(proc_d / "run")
@@ -97,16 +98,12 @@ def test_kill_9_resume_is_bitwise_identical_from_disk_and_memory(tmp_path: Path)
     committed = [e for e in ev if e["kind"] == "checkpoint_committed"]
     assert committed and all(e["persist_mode"] == "process" for e in committed)
 
-    restored = [
-        e for e in _events(disk_d / "run") if e["kind"] == "checkpoint_restored" and e["step"]
-    ]
-    # disk checkpoints every 20 steps; step 40's may still be persisting when step 55 dies,
-    # in which case it never committed and the restore falls back to step 20
+    restored = [e for e in ev if e["kind"] == "checkpoint_restored" and e["step"]]
+    # disk checkpoints every 20 steps; step 60's may still be persisting when step 75 dies,
+    # in which case it never committed and the restore falls back to step 40
     assert {e["source"] for e in restored} == {"disk"}
-    assert len({e["step"] for e in restored}) == 1 and restored[0]["step"] in (20, 40), restored
-    assert any(
-        e["kind"] == "worker_failed" and e["signal"] == "SIGKILL" for e in _events(disk_d / "run")
-    )
+    assert len({e["step"] for e in restored}) == 1 and restored[0]["step"] in (40, 60), restored
+    assert any(e["kind"] == "worker_failed" and e["signal"] == "SIGKILL" for e in ev)
 
     restored = [
         e for e in _events(memory_d / "run") if e["kind"] == "checkpoint_restored" and e["step"]
@@ -239,22 +236,22 @@ def _preempt_saved_step(run_dir: Path, ckpt: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_signal_to_the_agent_saves_commits_and_exits_with_the_requeue_code(
-    tmp_path: Path, sig: signal.Signals
+    tmp_path: Path,
 ) -> None:
-    """SIGTERM (scancel, a time limit) or SIGUSR1 (Slurm's ``--signal=B:USR1@T``) reaches the
-    agent; it forwards the signal, the workers save at the next step boundary, wait for the
-    commit and exit 75, and ``trainguard run`` exits 75 (torchrun's agent dies on SIGUSR1)."""
+    """SIGUSR1 (Slurm's ``--signal=B:USR1@T``) reaches the agent; it forwards the signal, the
+    workers save at the next step boundary, wait for the commit and exit 75, and ``trainguard
+    run`` exits 75 (torchrun's agent dies on SIGUSR1); the requeued job resumes from that
+    checkpoint. SIGTERM (scancel, a time limit) takes the same path from torch's handler on,
+    which the agent installs for SIGUSR1 (test_the_agent_handles_sigusr1_as_torch_does_sigterm);
+    a worker's save on each signal: test_checkpoint_core's preemption test."""
     env = base_env(TRAINGUARD_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
     p = _start_long_job(tmp_path, env)
-    p.send_signal(sig)
+    p.send_signal(signal.SIGUSR1)
     _, err = p.communicate(timeout=120)
     assert p.returncode == REQUEUE_EXIT_CODE, err[-3000:]
     assert "requeue" in err.splitlines()[-1], err[-2000:]
     step = _preempt_saved_step(tmp_path / "run1", tmp_path / "ckpt")
-    if sig != signal.SIGTERM:
-        return
     # the requeued job resumes from the preemption checkpoint
     r = _run(
         ["--standalone", "--nproc-per-node", "2", "--tg-run-dir", str(tmp_path / "run2"),
@@ -264,6 +261,28 @@ def test_signal_to_the_agent_saves_commits_and_exits_with_the_requeue_code(
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed at step {step}" in r.stdout
+
+
+def test_the_agent_handles_sigusr1_as_torch_does_sigterm() -> None:
+    """The agent gives the preemption signals torch does not handle torch's own handler (it
+    raises SignalException, on which torch's agent forwards the signal to the workers and
+    stops them); those torch handles (SIGTERM) are left to torch."""
+    from trainguard.core.config.checkpoint import CheckpointConfig
+    from trainguard.runtime._torch import terminate_process_handler
+    from trainguard.runtime.launcher import _handle_preemption_signals
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        torchs = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default
+        configured = CheckpointConfig().preemption_signals
+        assert {"SIGTERM", "SIGUSR1"} <= set(configured)
+        assert _handle_preemption_signals(torchs, configured) == ["SIGUSR1"]
+        assert signal.getsignal(signal.SIGUSR1) is terminate_process_handler
+        assert signal.getsignal(signal.SIGTERM) is before[signal.SIGTERM]
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
 
 
 def test_signal_to_the_workers_is_a_requeue_not_a_restart(tmp_path: Path) -> None:

@@ -98,10 +98,10 @@ def _run_pair(tmp: Path, phase: str, ckpt: Path, mem: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("skeleton", HOSTILE[:2])
-def test_hostile_memory_snapshot_falls_back_to_disk_on_every_rank(
-    tmp_path: Path, skeleton: object
-) -> None:
+def test_hostile_memory_snapshot_falls_back_to_disk_on_every_rank(tmp_path: Path) -> None:
+    """The fallback taken by every rank together, in a real 2-rank gloo job, for one hostile
+    skeleton; each skeleton's refusal by the restore is checked in one process below."""
+    skeleton = HOSTILE[0]
     ckpt, mem = tmp_path / "ckpt", tmp_path / "mem"
     mem.mkdir()
     _run_pair(tmp_path, "save", ckpt, mem)
@@ -125,6 +125,65 @@ def test_hostile_memory_snapshot_falls_back_to_disk_on_every_rank(
     log = (tmp_path / "restore_1.log").read_text()
     assert "Traceback" not in log
     assert sum("snapshot of step 5 refused" in line for line in log.splitlines()) == 1
+
+
+@pytest.mark.parametrize("skeleton", HOSTILE)
+def test_restore_refuses_a_hostile_memory_snapshot_and_loads_the_disk_one(
+    tmp_path: Path, skeleton: object
+) -> None:
+    """One process (no process group): the restore refuses the hostile snapshots (memory 5,
+    memory 3) with one line and an event each, drops them, and loads the disk checkpoint."""
+    import logging
+
+    import torch
+
+    from trainguard.checkpoint.manager import CheckpointManager
+    from trainguard.core.config.checkpoint import CheckpointConfig
+
+    mem = tmp_path / "mem"
+    mem.mkdir()
+    cfg = CheckpointConfig(dir=str(tmp_path / "ckpt"))
+    model = torch.nn.Linear(4, 4)
+    mgr = CheckpointManager(config=cfg, memory_dir=mem, install_signal_handlers=False)
+    with torch.no_grad():
+        model.weight.fill_(3.0)
+    assert mgr.save(3, {"model": model}).wait(timeout=60)
+    with torch.no_grad():
+        model.weight.fill_(5.0)
+    assert mgr.save(5, {"model": model}, persist=False).wait_staged(timeout=60)
+    mgr.close()
+    snaps = list_snapshots(rank_dir(mem, 0))
+    assert [s.step for s in snaps] == [5, 3]
+    for snap in snaps:
+        snap.meta_path.write_text(json.dumps(dict(snap.meta, skeleton=skeleton)))
+    events: list[dict] = []
+    mgr = CheckpointManager(
+        config=cfg,
+        memory_dir=mem,
+        events=lambda kind, **f: events.append({"kind": kind, **f}),
+        install_signal_handlers=False,
+    )
+    with torch.no_grad():
+        model.weight.zero_()
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("trainguard").addHandler(handler)
+    try:
+        assert mgr.restore({"model": model}) == 3
+    finally:
+        logging.getLogger("trainguard").removeHandler(handler)
+        mgr.close()
+    assert model.weight[0, 0].item() == 3.0
+    corrupt = [e for e in events if e["kind"] == "checkpoint_corrupt"]
+    assert [(e["step"], e["source"], e["dropped"]) for e in corrupt] == [
+        (5, "memory", True),
+        (3, "memory", True),
+    ]
+    restored = [e for e in events if e["kind"] == "checkpoint_restored"]
+    assert [(e["step"], e["source"]) for e in restored] == [(3, "disk")]
+    assert list_snapshots(rank_dir(mem, 0)) == []
+    assert sum("snapshot of step 5 refused" in line for line in lines) == 1
 
 
 def _meta(step: int, skeleton: str, nbytes: int = 64) -> dict:

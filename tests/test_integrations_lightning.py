@@ -5,18 +5,20 @@ directory, a preemption notice saves Lightning's last checkpoint and exits 75.""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.integration_jobs import (
+    HANG_TIMEOUT_S,
     EndpointScraper,
+    assert_stopped_rank_named,
     events,
     job_env,
     logged_keys,
     records,
     restored_steps,
     run_example,
-    run_stopped_rank_job,
     scraped_env,
 )
 from tests.ports import free_port
@@ -47,20 +49,41 @@ def test_kill_after_first_checkpoint_resumes_from_the_snapshot(tmp_path: Path) -
         assert all(r["samples"] == 16 for r in records(run_dir, rank, "step"))
 
 
-@pytest.mark.slow
-def test_preemption_saves_last_checkpoint_and_exits_75(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    env = job_env(TRAINGUARD_CHAOS="kill:rank=1,step=6,signal=USR1")
-    p = run_example(
-        run_dir, "lightning_trainer.py", ["--steps", "40", "--save-steps", "100"], env=env
+@pytest.fixture(scope="module")
+def stopped_then_preempted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """lightning_trainer.py without its trainguard line (auto-attached), rank 1 SIGSTOPped
+    inside step 6 of attempt 0, then, in the restarted attempt 1, a preemption notice
+    (SIGUSR1) to rank 1 at step 9: its run directory and the finished process."""
+    run_dir = tmp_path_factory.mktemp("pl_stopped") / "run"
+    env = job_env(
+        TRAINGUARD_CHAOS="hang:rank=1,step=6;kill:rank=1,step=9,signal=USR1,attempt=1",
+        TRAINGUARD_HEALTH_HANG_TIMEOUT_S=str(HANG_TIMEOUT_S),
     )
+    p = run_example(
+        run_dir, "lightning_trainer.py", ["--steps", "12", "--save-steps", "100", "--no-trainguard"],
+        env=env,
+    )  # fmt: skip
+    return {"run_dir": run_dir, "p": p}
+
+
+@pytest.mark.xdist_group("lightning_stopped")  # one worker runs the shared job once
+@pytest.mark.slow
+def test_preemption_saves_last_checkpoint_and_exits_75(
+    stopped_then_preempted: dict[str, Any],
+) -> None:
+    # the preemption notice of the stopped-rank job's restarted attempt
+    run_dir, p = stopped_then_preempted["run_dir"], stopped_then_preempted["p"]
     assert p.returncode == 75, p.stderr[-3000:]
     [pre] = events(run_dir, "integration_preempted")
-    assert pre["step"] >= 6
+    assert pre["step"] >= 9
     assert (run_dir / "lightning" / "last.ckpt").is_file()
 
 
+@pytest.mark.xdist_group("lightning_stopped")  # one worker runs the shared job once
 @pytest.mark.slow
-def test_no_code_change_attaches_and_a_stopped_rank_is_a_hang(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    run_stopped_rank_job(run_dir, "lightning_trainer.py", 12, "lightning")
+def test_no_code_change_attaches_and_a_stopped_rank_is_a_hang(
+    stopped_then_preempted: dict[str, Any],
+) -> None:
+    run_dir, p = stopped_then_preempted["run_dir"], stopped_then_preempted["p"]
+    # the job ends on the preemption of its restarted attempt (75): see the test above
+    assert_stopped_rank_named(run_dir, p, "lightning", HANG_TIMEOUT_S, returncode=75)

@@ -50,8 +50,56 @@ def _run_both(tmp_path: Path, args_for, env_extra=None) -> dict[str, dict]:
     return out
 
 
-def test_standalone_worker_env_matches(tmp_path: Path) -> None:
-    res = _run_both(tmp_path, lambda w, d: ["--standalone", "--nproc-per-node", "2", DUMP])
+SCRIPT_ARGS = ["--nproc-per-node", "7", "--standalone", "-m", "--max-restarts=9", "--", "-x", "--config", "y"]  # fmt: skip
+
+
+def _entry(mode: str, d: Path) -> list[str]:
+    """The entry point of ``mode`` (a script, ``-m``, ``--no-python``, ``--run-path``)."""
+    if mode == "module":
+        return ["-m", "tests.workers.dump_env", "x"]
+    if mode == "no_python":
+        script = d / "w.sh"
+        script.write_text(f'#!/bin/sh\nexec "{os.sys.executable}" "{DUMP}" "$@"\n')
+        script.chmod(0o755)
+        return ["--no-python", str(script), "x"]
+    if mode == "run_path":
+        return ["--run-path", DUMP, "x"]
+    return [DUMP, *SCRIPT_ARGS]
+
+
+# One exit-0 job per launcher for each entry mode, shared by the tests below (each job costs
+# two agent starts): (processes per node, log flags or None for no --log-dir, entry mode).
+JOBS: dict[str, tuple[int, list[str] | None, str]] = {
+    "script": (2, ["--redirects", "3"], "script"),
+    "module": (2, ["--tee", "3"], "module"),
+    "no_python": (2, ["-r", "0:1,1:2"], "no_python"),
+    # --run-path starts each worker as a function (multiprocessing): one torch import each
+    "run_path": (1, None, "run_path"),
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """``jobs(name)``: the results of ``JOBS[name]`` under both launchers, run once."""
+    done: dict[str, dict[str, dict]] = {}
+
+    def get(name: str) -> dict[str, dict]:
+        if name not in done:
+            nproc, log_flags, mode = JOBS[name]
+
+            def args(which: str, d: Path) -> list[str]:
+                logs = [] if log_flags is None else ["--log-dir", str(d / "logs"), *log_flags]
+                return ["--standalone", "--nproc-per-node", str(nproc), *logs, *_entry(mode, d)]
+
+            done[name] = _run_both(tmp_path_factory.mktemp(name), args)
+        return done[name]
+
+    return get
+
+
+@pytest.mark.xdist_group("compat_jobs")  # one worker runs the module's jobs once each
+def test_standalone_worker_env_matches(jobs) -> None:  # type: ignore[no-untyped-def]
+    res = jobs("script")
     tr, tg = res["torchrun"]["dumps"], res["trainguard"]["dumps"]
     assert sorted(tr) == sorted(tg) == [(0, 0), (0, 1)]
     for key in tr:
@@ -122,33 +170,19 @@ def test_static_rendezvous_node_rank(tmp_path: Path) -> None:
     assert contracts["torchrun"] == contracts["trainguard"]
 
 
+@pytest.mark.xdist_group("compat_jobs")  # one worker runs the module's jobs once each
 @pytest.mark.parametrize("mode", ["module", "no_python", "run_path"])
-def test_entrypoint_modes(tmp_path: Path, mode: str) -> None:
-    def args(which: str, d: Path) -> list[str]:
-        if mode == "module":
-            return [
-                "--standalone",
-                "--nproc-per-node",
-                "1",
-                "-m",
-                "tests.workers.dump_env",
-                "x",
-            ]
-        if mode == "no_python":
-            script = d / "w.sh"
-            script.write_text(f'#!/bin/sh\nexec "{os.sys.executable}" "{DUMP}" "$@"\n')
-            script.chmod(0o755)
-            return ["--standalone", "--nproc-per-node", "1", "--no-python", str(script), "x"]
-        return ["--standalone", "--nproc-per-node", "1", "--run-path", DUMP, "x"]
-
-    res = _run_both(tmp_path, args)
+def test_entrypoint_modes(jobs, mode: str) -> None:  # type: ignore[no-untyped-def]
+    res = jobs(mode)
+    nproc = JOBS[mode][0]
     for which in BOTH:
         dumps = res[which]["dumps"]
-        assert sorted(dumps) == [(0, 0)], which
-        assert dumps[(0, 0)]["argv"][-1] == "x"
-    a = _stable(_contract(res["torchrun"]["dumps"][(0, 0)]))
-    b = _stable(_contract(res["trainguard"]["dumps"][(0, 0)]))
-    assert a == b
+        assert sorted(dumps) == [(0, r) for r in range(nproc)], which
+        assert all(d["argv"][-1] == "x" for d in dumps.values())
+    for key in res["torchrun"]["dumps"]:
+        a = _stable(_contract(res["torchrun"]["dumps"][key]))
+        b = _stable(_contract(res["trainguard"]["dumps"][key]))
+        assert a == b
 
 
 def _tree(root: Path) -> list[str]:
@@ -160,12 +194,12 @@ def _tree(root: Path) -> list[str]:
     return files
 
 
-@pytest.mark.parametrize("flags", [["--redirects", "3"], ["--tee", "3"], ["-r", "0:1,1:2"]])
-def test_log_dir_layout(tmp_path: Path, flags: list[str]) -> None:
-    def args(which: str, d: Path) -> list[str]:
-        return ["--standalone", "--nproc-per-node", "2", "--log-dir", str(d / "logs"), *flags, DUMP]
-
-    res = _run_both(tmp_path, args)
+@pytest.mark.xdist_group("compat_jobs")  # one worker runs the module's jobs once each
+@pytest.mark.parametrize("job", ["script", "module", "no_python"])  # --redirects, --tee, -r MAP
+def test_log_dir_layout(jobs, job: str) -> None:  # type: ignore[no-untyped-def]
+    flags = JOBS[job][1]
+    assert flags is not None
+    res = jobs(job)
     trees = {w: _tree(res[w]["dir"] / "logs") for w in BOTH}
     assert trees["torchrun"] == trees["trainguard"]
     assert any(t.endswith("stdout.log") for t in trees["trainguard"])
@@ -252,38 +286,36 @@ def test_max_restarts_counts(tmp_path: Path) -> None:
     assert res["torchrun"] == res["trainguard"] == [0, 1, 2]
 
 
-def test_unknown_flag_is_argparse_error(tmp_path: Path) -> None:
+def test_unknown_flag_is_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
     # The same argparse error as torchrun's: exit 2, usage, then one error line naming the
-    # flag; only the program name differs.
+    # flag; only the program name differs. Both parsers called in this process (the command's
+    # path from the console script to an exit-2 line is run in test_run_badinput).
+    from torch.distributed import run as torchrun
+
+    from trainguard.cli.main import main
+
+    parse = {"torchrun": torchrun.parse_args, "trainguard": lambda a: main(["run", *a])}
     last = {}
     for which in BOTH:
-        r = launch(which, ["--no-such-flag", "--standalone", DUMP], cwd=tmp_path)
-        assert r.returncode == 2, which
-        lines = r.stderr.strip().splitlines()
-        assert lines[0].startswith("usage: "), (which, r.stderr)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            parse[which](["--no-such-flag", "--standalone", DUMP])
+        assert exit_.value.code == 2, which
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert lines[0].startswith("usage: "), (which, err)
         last[which] = lines[-1].split(": error: ", 1)
         assert len(last[which]) == 2, (which, lines[-1])
     assert last["torchrun"][1] == last["trainguard"][1] == "unrecognized arguments: --no-such-flag"
     assert last["trainguard"][0] == "trainguard run"
 
 
-def test_script_args_that_look_like_flags_pass_through(tmp_path: Path) -> None:
-    script_args = [
-        "--nproc-per-node",
-        "7",
-        "--standalone",
-        "-m",
-        "--max-restarts=9",
-        "--",
-        "-x",
-        "--config",
-        "y",
-    ]
-    res = _run_both(
-        tmp_path, lambda w, d: ["--standalone", "--nproc-per-node", "1", DUMP, *script_args]
-    )
+@pytest.mark.xdist_group("compat_jobs")  # one worker runs the module's jobs once each
+def test_script_args_that_look_like_flags_pass_through(jobs) -> None:  # type: ignore[no-untyped-def]
+    res = jobs("script")
     for which in BOTH:
-        assert res[which]["dumps"][(0, 0)]["argv"][1:] == script_args, which
+        for dump in res[which]["dumps"].values():
+            assert dump["argv"][1:] == SCRIPT_ARGS, which
 
 
 @pytest.mark.parametrize("which", BOTH)

@@ -7,8 +7,8 @@ EXIT_RANK         ... only on this global rank (default: every rank)
 RAISE_MESSAGE     raise RuntimeError(message) under @record instead of exiting
 SLEEP_S           sleep this long before exiting (e.g. to be killed)
 
-torch is imported only when RAISE_MESSAGE asks for torch's ``@record`` (an error file): every
-other path is torch-free, so a worker starts in milliseconds instead of an import of torch.
+torch is imported only when RAISE_MESSAGE asks for torch's ``@record`` (an error file), on the
+ranks that raise: every other path is torch-free, so a worker starts in milliseconds instead of an import of torch.
 """
 
 import json
@@ -43,7 +43,12 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("RAISE_MESSAGE"):
+    # only a rank that raises needs the error file (EXIT_RANK unset: every rank raises)
+    if os.environ.get("RAISE_MESSAGE") and os.environ.get("EXIT_RANK") in (
+        None,
+        "",
+        os.environ.get("RANK", "0"),
+    ):
         from torch.distributed.elastic.multiprocessing.errors import record
 
         record(main)()
