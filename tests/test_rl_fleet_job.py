@@ -2,9 +2,11 @@
 trainguard.rl.engine" examples/rl_fleet.py`` with 2 trainer ranks and 2 real engines started
 by the node agent and a warm standby (``standby=1``). An engine killed -9 mid-run is replaced
 by the standby on its port, which serves only once it holds the current weights (the trainer
-keeps its attempt and PIDs); every per-step figure of the rollout fleet
-reaches the agent's Prometheus endpoint through the metric contract, and the HTML report's
-engine-fleet section."""
+keeps its attempt and PIDs); each of two reward servers (``$TRAINGUARD_REWARD_URLS``) is killed
+-9 in turn, scoring going on on the other. Every prompt is trained on exactly once, in the
+fault-free order, through these faults (on-policy; tests/test_rl_resume.py: the async mode
+through trainer kills). Every per-step figure of the rollout fleet reaches the agent's
+Prometheus endpoint through the metric contract, and the HTML report's engine-fleet section."""
 
 from __future__ import annotations
 
@@ -28,10 +30,12 @@ from tests.procs import alive, kill_tree
 from trainguard.core.contract import by_name
 from trainguard.core.events import read_events
 from trainguard.core.rundir import RunDir
-from trainguard.rl import ConsumedLog
+from trainguard.rl import ConsumedLog, PromptLedger, audit
+from trainguard.rl.local import LocalEngines
 from trainguard.telemetry.report import write_report
 
 RL_FLEET = str(REPO / "examples" / "rl_fleet.py")
+PROMPTS, BATCH = 16, 4  # an epoch every 4 steps
 
 STEP_KEYS = (
     "reward", "reward_std", "kl", "entropy", "response_length", "rollout_tokens_per_s",
@@ -103,6 +107,11 @@ def standby(run: Path) -> dict[str, Any] | None:
 @pytest.mark.slow  # 2 trainer ranks and 4 engine starts (torch + transformers each)
 def test_rl_fleet_job_with_engines_as_a_role(tmp_path: Path) -> None:
     run, prom_port = tmp_path / "run", free_port()
+    rewards = LocalEngines(
+        [free_port(), free_port()], run_dir=tmp_path / "reward", role="reward",
+        module="trainguard.rl.reward", args=["--function", "trainguard.rl.tiny:digit_reward"],
+    )  # fmt: skip
+    rewards.start()
     engine = f"{sys.executable} -m trainguard.rl.engine --poll-interval-s 0.3"
     env = base_env(
         OMP_NUM_THREADS="1",
@@ -111,12 +120,14 @@ def test_rl_fleet_job_with_engines_as_a_role(tmp_path: Path) -> None:
         TRAINGUARD_ROLES_PROBE_TIMEOUT_S="2.0",
         TRAINGUARD_TELEMETRY_PROMETHEUS_PORT=str(prom_port),
         TRAINGUARD_TELEMETRY_POLL_INTERVAL_S="0.2",
+        TRAINGUARD_REWARD_URLS=",".join(rewards.urls),
     )
     job = popen(
         "trainguard",
         ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--no-tg-warm",
          "--tg-run-dir", str(run), "--tg-role", f"rollout=2,standby=1:{engine}", RL_FLEET,
-         "--steps", "100000", "--step-sleep", "0.05", "--request-timeout", "20"],
+         "--steps", "100000", "--prompts", str(PROMPTS), "--batch", str(BATCH),
+         "--step-sleep", "0.05", "--request-timeout", "20"],
         cwd=tmp_path, env=env,
     )  # fmt: skip
     consumed = ConsumedLog(run / "rl" / "consumed.jsonl")
@@ -130,6 +141,7 @@ def test_rl_fleet_job_with_engines_as_a_role(tmp_path: Path) -> None:
         spare = wait_for("the standby ready", lambda: standby(run), job, 240)
         wait_for("two trained steps", lambda: steps_done() >= 2, job, 240)
         os.kill(first[0]["pid"], signal.SIGKILL)  # an engine dies mid-run
+        rewards.kill(0, signal.SIGKILL)  # scoring goes on on the other reward server
         now = steps_done()
         again = wait_for(
             "engine 0 replaced and serving",
@@ -139,7 +151,11 @@ def test_rl_fleet_job_with_engines_as_a_role(tmp_path: Path) -> None:
         )
         assert again[1]["pid"] == first[1]["pid"]  # the other engine was not touched
         assert again[0]["pid"] == spare["pid"]  # the warm standby took its place
-        wait_for("three more steps", lambda: steps_done() >= now + 3, job, 240)
+        rewards.start(0)
+        rewards.wait_serving(0, timeout=120)
+        rewards.kill(1, signal.SIGKILL)  # and now on the restarted one
+        later = steps_done()
+        wait_for("more steps", lambda: steps_done() >= max(now + 3, later + 2), job, 240)
         serving = by_name("trainguard.role.replicas.serving").prometheus
 
         def fleet_whole() -> dict[str, Any] | None:
@@ -155,13 +171,16 @@ def test_rl_fleet_job_with_engines_as_a_role(tmp_path: Path) -> None:
         # the replacement served the trainer's weights from its first answer, not version 0
         assert again[0]["weight_version"] >= now
     finally:
-        if job.poll() is None:
-            job.send_signal(signal.SIGINT)  # stop it like a user would
         try:
-            _, err = job.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            kill_tree(job.pid)
-            _, err = job.communicate(timeout=30)
+            if job.poll() is None:
+                job.send_signal(signal.SIGINT)  # stop it like a user would
+            try:
+                _, err = job.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                kill_tree(job.pid)
+                _, err = job.communicate(timeout=30)
+        finally:
+            rewards.close()
     assert not alive(again[0]["pid"]) and not alive(again[1]["pid"]), err[-3000:]
 
     # the trainer never restarted: one attempt, the engine restarted alone
@@ -182,6 +201,12 @@ def test_rl_fleet_job_with_engines_as_a_role(tmp_path: Path) -> None:
     ]  # fmt: skip
     assert {e["attempt"] for e in events if e["kind"] == "rl_trainer_attached"} == {0}
 
+    # exactly once, in the fault-free order, through the engine and reward server kills
+    result = audit(consumed, PROMPTS)
+    assert result.steps >= later + 2 and (result.skipped, result.duplicated) == (0, 0)
+    ledger = PromptLedger(PROMPTS, seed=0)
+    assert result.sequence == [ledger.prompt_id(g) for g in range(result.steps * BATCH)]
+
     # every step's figures, logged by both ranks, all from real generations
     for rank in (0, 1):
         recs = [r for r in records(run, rank) if r.get("kind") == "log" and "reward" in r]
@@ -190,6 +215,7 @@ def test_rl_fleet_job_with_engines_as_a_role(tmp_path: Path) -> None:
             missing = [k for k in STEP_KEYS if k not in r]
             assert not missing, (missing, r)
             assert r["samples_real"] == r["samples_trained"] and r["engines_total"] == 2
+            assert r["staleness_max"] == 0  # on-policy
 
     # the agent's Prometheus endpoint: the contract's names, per rank, and the fleet gauges
     def value(name: str, **labels: str) -> float:
