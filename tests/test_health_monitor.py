@@ -20,21 +20,6 @@ from trainguard.testing.dcgm import ExporterServer, h100_node
 HOST_OK = dict(min_free_disk_gib=0, min_free_memory_gib=0)
 
 
-def test_preflight_reports_sources_and_compute(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    with ExporterServer(h100_node()) as srv:
-        env = job_env(dcgm_url=srv.url, expect_gpus=8, probe_interval_s=0, **HOST_OK)
-        env["TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S"] = "0.2"
-        env["TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_CPU"] = "true"  # this node has no GPU
-        p = run_job(run_dir, ["--steps", "3"], env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
-    [pre] = events(run_dir, "preflight")
-    assert pre["status"] == "ok" and pre["sources"]["dcgm_exporter"] == "ok"
-    assert pre["sources"]["host"] == "ok"
-    assert pre["compute"]["device"] == "cpu" and pre["compute"]["tflops"] > 0
-    assert pre["compute"]["peak_tflops"] is None  # no made-up peak for a CPU
-
-
 def test_preflight_exclude_keeps_a_failing_node_out(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     text = h100_node(faults={5: {"DCGM_FI_DEV_XID_ERRORS": 48}})
@@ -51,9 +36,13 @@ def test_preflight_exclude_keeps_a_failing_node_out(tmp_path: Path) -> None:
 
 
 def test_in_job_probe_finding_restarts_the_group(tmp_path: Path) -> None:
+    """The preflight before the first rendezvous reports its sources and a CPU compute
+    measurement; an in-job probe's finding restarts the group."""
     run_dir = tmp_path / "run"
     with ExporterServer(h100_node()) as srv:
-        env = job_env(dcgm_url=srv.url, probe_interval_s=0.3, **HOST_OK)
+        env = job_env(dcgm_url=srv.url, expect_gpus=8, probe_interval_s=0.3, **HOST_OK)
+        env["TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S"] = "0.2"
+        env["TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_CPU"] = "true"  # this node has no GPU
         proc = subprocess.Popen(
             job_cmd(run_dir, ["--steps", "120", "--compute-s", "0.05", "--sleep"], max_restarts=1),
             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -73,7 +62,13 @@ def test_in_job_probe_finding_restarts_the_group(tmp_path: Path) -> None:
     assert bad["ranks"] == [0, 1]
     assert {e["signal"] for e in events(run_dir, "worker_failed")} == {"SIGKILL"}
     assert len(events(run_dir, "restart")) == 1
-    assert len(events(run_dir, "preflight")) == 2  # probes before every rendezvous
+    pres = events(run_dir, "preflight")
+    assert len(pres) == 2  # probes before every rendezvous
+    pre = pres[0]  # before the fault
+    assert pre["status"] == "ok" and pre["sources"]["dcgm_exporter"] == "ok"
+    assert pre["sources"]["host"] == "ok"
+    assert pre["compute"]["device"] == "cpu" and pre["compute"]["tflops"] > 0
+    assert pre["compute"]["peak_tflops"] is None  # no made-up peak for a CPU
     assert (run_dir / "done").read_text() == "1"
 
 
