@@ -36,13 +36,9 @@ def test_preflight_exclude_keeps_a_failing_node_out(tmp_path: Path) -> None:
 
 
 def test_in_job_probe_finding_restarts_the_group(tmp_path: Path) -> None:
-    """The preflight before the first rendezvous reports its sources and a CPU compute
-    measurement; an in-job probe's finding restarts the group."""
     run_dir = tmp_path / "run"
     with ExporterServer(h100_node()) as srv:
-        env = job_env(dcgm_url=srv.url, expect_gpus=8, probe_interval_s=0.3, **HOST_OK)
-        env["TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S"] = "0.2"
-        env["TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_CPU"] = "true"  # this node has no GPU
+        env = job_env(dcgm_url=srv.url, probe_interval_s=0.3, **HOST_OK)
         proc = subprocess.Popen(
             job_cmd(run_dir, ["--steps", "120", "--compute-s", "0.05", "--sleep"], max_restarts=1),
             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -62,13 +58,7 @@ def test_in_job_probe_finding_restarts_the_group(tmp_path: Path) -> None:
     assert bad["ranks"] == [0, 1]
     assert {e["signal"] for e in events(run_dir, "worker_failed")} == {"SIGKILL"}
     assert len(events(run_dir, "restart")) == 1
-    pres = events(run_dir, "preflight")
-    assert len(pres) == 2  # probes before every rendezvous
-    pre = pres[0]  # before the fault
-    assert pre["status"] == "ok" and pre["sources"]["dcgm_exporter"] == "ok"
-    assert pre["sources"]["host"] == "ok"
-    assert pre["compute"]["device"] == "cpu" and pre["compute"]["tflops"] > 0
-    assert pre["compute"]["peak_tflops"] is None  # no made-up peak for a CPU
+    assert len(events(run_dir, "preflight")) == 2  # probes before every rendezvous
     assert (run_dir / "done").read_text() == "1"
 
 
@@ -149,14 +139,21 @@ def test_peaks(name: str, peak: float | None) -> None:
 
 
 def test_two_agents_compare_compute_and_clocks_after_rendezvous(tmp_path: Path) -> None:
+    """Each node's preflight reports its sources (a healthy dcgm-exporter each, 8 GPUs
+    expected) and a CPU compute measurement; after the rendezvous the nodes compare compute
+    and clocks, and an all-reduce probe measures the link."""
     from tests.health_fixtures.jobs import WORKER
     from tests.launch_utils import free_port
 
     run_dir = tmp_path / "run"
     port = free_port()
     procs = []
+    servers = [ExporterServer(h100_node(hostname=f"node{n}")) for n in range(2)]
+    for srv in servers:
+        srv.__enter__()
     for n in range(2):
-        env = job_env(**HOST_OK, probe_interval_s=0, allreduce_probe="true", allreduce_probe_mb=4)
+        env = job_env(**HOST_OK, probe_interval_s=0, allreduce_probe="true", allreduce_probe_mb=4,
+                      dcgm_url=servers[n].url, expect_gpus=8)  # fmt: skip
         env.update(
             TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S="0.2",
             TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_CPU="true",
@@ -182,7 +179,16 @@ def test_two_agents_compare_compute_and_clocks_after_rendezvous(tmp_path: Path) 
     finally:
         for p in procs:
             p.kill()
+        for srv in servers:
+            srv.__exit__(None, None, None)
     assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:] + errs[1][-2000:]
+    pres = events(run_dir, "preflight")
+    assert sorted(e["node"] for e in pres) == ["node0", "node1"]
+    for pre in pres:
+        assert pre["status"] == "ok" and pre["sources"]["dcgm_exporter"] == "ok"
+        assert pre["sources"]["host"] == "ok"
+        assert pre["compute"]["device"] == "cpu" and pre["compute"]["tflops"] > 0
+        assert pre["compute"]["peak_tflops"] is None  # no made-up peak for a CPU
     cmps = events(run_dir, "preflight_compare")
     assert sorted(e["node"] for e in cmps) == ["node0", "node1"]
     a, b = cmps
