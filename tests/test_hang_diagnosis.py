@@ -180,12 +180,17 @@ def test_plain_script_divergent_path_is_named_and_job_restarts(tmp_path: Path) -
 
 
 def _two_nodes(
-    tmp_path: Path, args: list[str], nproc: int = 2, hang_timeout_s: float = 5, port: int = 0
+    tmp_path: Path,
+    args: list[str],
+    nproc: int = 2,
+    hang_timeout_s: float = 5,
+    port: int = 0,
+    **health: object,
 ) -> tuple[list[subprocess.Popen[str]], Path]:
     run_dir, port = tmp_path / "run", port or free_port()
     procs = []
     for node in ("nodeA", "nodeB"):
-        env = job_env(hang_timeout_s=hang_timeout_s)
+        env = job_env(hang_timeout_s=hang_timeout_s, **health)
         env["SLURMD_NODENAME"] = node
         extra = ["--nnodes", "2", "--max-restarts", "0", "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hd"]  # fmt: skip
@@ -204,7 +209,13 @@ def _two_nodes(
 
 
 def test_two_nodes_stopped_rank_named_with_its_host_and_collective(tmp_path: Path) -> None:
-    procs, run_dir = _two_nodes(tmp_path, ["--stop-rank", "3", "--at-step", "20"])
+    """Two nodes of four ranks, rank 5 stopped: each node's verdict names the rank, its host and
+    the collective, and groups the stacks of all eight ranks into a few (the 64-rank version:
+    test_sixty_four_ranks_one_stopped_few_stack_groups, a soak test)."""
+    procs, run_dir = _two_nodes(
+        tmp_path, ["--stop-rank", "5", "--at-step", "20"], nproc=4,
+        hang_diagnosis_timeout_s=20, stack_dump="false",
+    )  # fmt: skip
     try:
         diags = wait_for_event(run_dir, "hang_diagnosis", timeout=90, count=2)
         for p in procs:
@@ -215,13 +226,15 @@ def test_two_nodes_stopped_rank_named_with_its_host_and_collective(tmp_path: Pat
             kill_tree(p)
     hang_at = float((tmp_path / "hang_at").read_text())
     started = events(run_dir, "workers_started")
-    host3 = next(e["node"] for e in started for w in e["workers"] if w["rank"] == 3)
+    host5 = next(e["node"] for e in started for w in e["workers"] if w["rank"] == 5)
     for d in diags:
         assert d["diagnosis"] == "missing", d["message"]
-        assert d["suspect_ranks"] == [3] and d["suspect_hosts"] == [host3]
+        assert d["suspect_ranks"] == [5] and d["suspect_hosts"] == [host5]
         assert d["op"] in ("all_reduce", "broadcast") and isinstance(d["seq"], int)
         assert f"{d['op']} #{d['seq']}" in d["message"]
-        assert f"rank 3 on {host3}" in d["message"]
+        assert f"rank 5 on {host5}" in d["message"]
+        assert 1 <= len(d["stack_groups"]) <= 5, [g["ranks"] for g in d["stack_groups"]]
+        assert sum(len(g["ranks"]) for g in d["stack_groups"]) == 8
     first = min(d["time"] for d in diags)
     assert first - hang_at <= 5 + 3, first - hang_at
     assert {d["node"] for d in diags} == {"nodeA", "nodeB"}
@@ -304,10 +317,6 @@ def _stopped_one_of_many(tmp_path: Path, nproc: int, stop: int) -> None:
     assert diag["diagnosis"] == "missing" and diag["suspect_ranks"] == [stop], diag["message"]
     assert 1 <= len(diag["stack_groups"]) <= 5, [g["ranks"] for g in diag["stack_groups"]]
     assert sum(len(g["ranks"]) for g in diag["stack_groups"]) == nproc
-
-
-def test_eight_ranks_one_stopped_few_stack_groups(tmp_path: Path) -> None:
-    _stopped_one_of_many(tmp_path, 8, 5)
 
 
 @pytest.mark.soak
