@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,10 @@ DASH = REPO / "dashboards"
 RULES = DASH / export.RULES_FILE
 
 
-def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
+def _run(
+    cmd: list[str], cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,20 +50,39 @@ def test_promtool_checks_and_unit_tests_every_rule(tmp_path: Path) -> None:
     assert p.returncode == 0 and f"SUCCESS: {len(alert_rules())} rules found" in p.stdout, (
         p.stdout + p.stderr
     )
-    p = _run(["promtool", "test", "rules", export.RULE_TESTS_FILE.split("/")[1]], RULES.parent)
-    assert p.returncode == 0 and "SUCCESS" in p.stdout, p.stdout + p.stderr
-    # every case can fail: flip each expectation and promtool must report every one of them
+    # Every rule's unit tests pass and every case can fail, in one promtool run: each test
+    # group of the exported file (tests/test_dashboards_units.py keeps it equal to
+    # tests_document) gets its case's flipped twin beside it, evaluated on the same series;
+    # promtool must report each twin, and only the twins.
+    doc = rule_tests.tests_document(str(RULES))
     flipped = [dataclasses.replace(c, fires=not c.fires) for c in rule_tests.CASES]
     saved = rule_tests.CASES[:]
     try:
         rule_tests.CASES[:] = flipped
-        doc = rule_tests.tests_document(str(RULES))
+        twins = rule_tests.tests_document(str(RULES))
     finally:
         rule_tests.CASES[:] = saved
-    (tmp_path / "flipped.test.yml").write_text(dump(doc))
-    p = _run(["promtool", "test", "rules", "flipped.test.yml"], tmp_path)
-    assert p.returncode != 0
-    assert p.stdout.count("alertname:") + p.stderr.count("alertname:") == len(flipped)
+    groups: list[dict[str, Any]] = doc["tests"]  # type: ignore[assignment]
+    assert len(groups) == len(twins["tests"]) == len(saved)  # type: ignore[arg-type]
+    want: Counter[tuple[str, str]] = Counter()
+    for group, twin, case in zip(groups, twins["tests"], saved, strict=True):  # type: ignore[call-overload]
+        group["alert_rule_test"] = group["alert_rule_test"] + twin["alert_rule_test"]
+        want[group["name"], "silence expected" if case.fires else "nothing fired"] += 1
+    (tmp_path / "twins.test.yml").write_text(dump(doc))
+    # ~15 CPU-s of rule evaluation (what two runs of 120 s each had before)
+    p = _run(["promtool", "test", "rules", "twins.test.yml"], tmp_path, timeout=240)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    got: Counter[tuple[str, str]] = Counter()
+    for block in out.split("\n    name: ")[1:]:  # one per failed expectation
+        name = block.split(",\n", 1)[0]
+        if "exp:[], " in block:
+            got[name, "silence expected"] += 1  # a twin of a case that fires
+        elif block.rstrip().endswith("got:[]"):
+            got[name, "nothing fired"] += 1  # a twin of a case that stays quiet
+        else:
+            got[name, "other: " + block[:2000]] += 1
+    assert got == want, out[-6000:]
 
 
 def test_amtool_checks_the_alertmanager_template() -> None:

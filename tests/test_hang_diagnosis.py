@@ -135,14 +135,21 @@ def test_plain_script_divergent_path_is_named_and_job_restarts(tmp_path: Path) -
         (planted / name).symlink_to(victim)
     cmd = _cmd(run_dir, 4, ["--diverge-rank", "1", "--at-step", "30"],
                extra=["--standalone", "--max-restarts", "1"])  # fmt: skip
+    # a collective timeout set above the hang timeout: the launch warns in one line
+    env = job_env(hang_timeout_s=5, collective_timeout_s=1800)
     try:
         p = subprocess.run(
-            cmd, cwd=tmp_path, env=job_env(hang_timeout_s=5), capture_output=True, text=True,
+            cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
             timeout=150, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     finally:
         _kill_workers(tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
+    lines = [ln for ln in p.stderr.splitlines() if "timeouts contradict" in ln]
+    assert len(lines) == 1, lines
+    assert "health.collective_timeout_s" in lines[0] and "health.hang_timeout_s" in lines[0]
+    chain = json.loads((run_dir / "config.json").read_text())["timeouts"]
+    assert [c["name"] for c in chain] == ["collective", "hang", "rendezvous"]
     [diag] = events(run_dir, "hang_diagnosis")
     assert diag["diagnosis"] == "divergent", diag["message"]
     seq = diag["seq"]
@@ -173,12 +180,17 @@ def test_plain_script_divergent_path_is_named_and_job_restarts(tmp_path: Path) -
 
 
 def _two_nodes(
-    tmp_path: Path, args: list[str], nproc: int = 2, hang_timeout_s: float = 5, port: int = 0
+    tmp_path: Path,
+    args: list[str],
+    nproc: int = 2,
+    hang_timeout_s: float = 5,
+    port: int = 0,
+    **health: object,
 ) -> tuple[list[subprocess.Popen[str]], Path]:
     run_dir, port = tmp_path / "run", port or free_port()
     procs = []
     for node in ("nodeA", "nodeB"):
-        env = job_env(hang_timeout_s=hang_timeout_s)
+        env = job_env(hang_timeout_s=hang_timeout_s, **health)
         env["SLURMD_NODENAME"] = node
         extra = ["--nnodes", "2", "--max-restarts", "0", "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hd"]  # fmt: skip
@@ -197,7 +209,13 @@ def _two_nodes(
 
 
 def test_two_nodes_stopped_rank_named_with_its_host_and_collective(tmp_path: Path) -> None:
-    procs, run_dir = _two_nodes(tmp_path, ["--stop-rank", "3", "--at-step", "20"])
+    """Two nodes of four ranks, rank 5 stopped: each node's verdict names the rank, its host and
+    the collective, and groups the stacks of all eight ranks into a few (the 64-rank version:
+    test_sixty_four_ranks_one_stopped_few_stack_groups, a soak test)."""
+    procs, run_dir = _two_nodes(
+        tmp_path, ["--stop-rank", "5", "--at-step", "20"], nproc=4,
+        hang_diagnosis_timeout_s=20, stack_dump="false",
+    )  # fmt: skip
     try:
         diags = wait_for_event(run_dir, "hang_diagnosis", timeout=90, count=2)
         for p in procs:
@@ -208,13 +226,15 @@ def test_two_nodes_stopped_rank_named_with_its_host_and_collective(tmp_path: Pat
             kill_tree(p)
     hang_at = float((tmp_path / "hang_at").read_text())
     started = events(run_dir, "workers_started")
-    host3 = next(e["node"] for e in started for w in e["workers"] if w["rank"] == 3)
+    host5 = next(e["node"] for e in started for w in e["workers"] if w["rank"] == 5)
     for d in diags:
         assert d["diagnosis"] == "missing", d["message"]
-        assert d["suspect_ranks"] == [3] and d["suspect_hosts"] == [host3]
+        assert d["suspect_ranks"] == [5] and d["suspect_hosts"] == [host5]
         assert d["op"] in ("all_reduce", "broadcast") and isinstance(d["seq"], int)
         assert f"{d['op']} #{d['seq']}" in d["message"]
-        assert f"rank 3 on {host3}" in d["message"]
+        assert f"rank 5 on {host5}" in d["message"]
+        assert 1 <= len(d["stack_groups"]) <= 5, [g["ranks"] for g in d["stack_groups"]]
+        assert sum(len(g["ranks"]) for g in d["stack_groups"]) == 8
     first = min(d["time"] for d in diags)
     assert first - hang_at <= 5 + 3, first - hang_at
     assert {d["node"] for d in diags} == {"nodeA", "nodeB"}
@@ -299,10 +319,6 @@ def _stopped_one_of_many(tmp_path: Path, nproc: int, stop: int) -> None:
     assert sum(len(g["ranks"]) for g in diag["stack_groups"]) == nproc
 
 
-def test_eight_ranks_one_stopped_few_stack_groups(tmp_path: Path) -> None:
-    _stopped_one_of_many(tmp_path, 8, 5)
-
-
 @pytest.mark.soak
 def test_sixty_four_ranks_one_stopped_few_stack_groups(tmp_path: Path) -> None:
     _stopped_one_of_many(tmp_path, 64, 37)
@@ -377,25 +393,6 @@ def test_timeout_chain_flags_only_user_settings_in_the_wrong_order() -> None:
     assert "health.collective_timeout_s = 1800s" in line and "health.hang_timeout_s = 300s" in line
     ok = TrainGuardConfig(health=HealthConfig(hang_timeout_s=300, collective_timeout_s=120))
     assert contradictions(timeout_chain(ok, rdzv_configs={"join_timeout": 900})) == []
-
-
-def test_contradictory_timeouts_warn_in_one_line_and_chain_in_config_json(tmp_path: Path) -> None:
-    import json
-
-    run_dir = tmp_path / "run"
-    env = job_env(hang_timeout_s=300, collective_timeout_s=1800)
-    cmd = _cmd(run_dir, 1, ["--steps", "2"], extra=["--standalone", "--max-restarts", "0"])
-    try:
-        p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                           timeout=240, stdin=subprocess.DEVNULL)  # fmt: skip
-    finally:
-        _kill_workers(tmp_path)
-    assert p.returncode == 0, p.stderr[-2000:]
-    lines = [ln for ln in p.stderr.splitlines() if "timeouts contradict" in ln]
-    assert len(lines) == 1, lines
-    assert "health.collective_timeout_s" in lines[0] and "health.hang_timeout_s" in lines[0]
-    chain = json.loads((run_dir / "config.json").read_text())["timeouts"]
-    assert [c["name"] for c in chain] == ["collective", "hang", "rendezvous"]
 
 
 def test_watcher_records_collective_progress_and_the_timeout_follows_its_cadence(

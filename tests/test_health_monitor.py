@@ -20,21 +20,6 @@ from trainguard.testing.dcgm import ExporterServer, h100_node
 HOST_OK = dict(min_free_disk_gib=0, min_free_memory_gib=0)
 
 
-def test_preflight_reports_sources_and_compute(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    with ExporterServer(h100_node()) as srv:
-        env = job_env(dcgm_url=srv.url, expect_gpus=8, probe_interval_s=0, **HOST_OK)
-        env["TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S"] = "0.2"
-        env["TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_CPU"] = "true"  # this node has no GPU
-        p = run_job(run_dir, ["--steps", "3"], env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
-    [pre] = events(run_dir, "preflight")
-    assert pre["status"] == "ok" and pre["sources"]["dcgm_exporter"] == "ok"
-    assert pre["sources"]["host"] == "ok"
-    assert pre["compute"]["device"] == "cpu" and pre["compute"]["tflops"] > 0
-    assert pre["compute"]["peak_tflops"] is None  # no made-up peak for a CPU
-
-
 def test_preflight_exclude_keeps_a_failing_node_out(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     text = h100_node(faults={5: {"DCGM_FI_DEV_XID_ERRORS": 48}})
@@ -154,14 +139,21 @@ def test_peaks(name: str, peak: float | None) -> None:
 
 
 def test_two_agents_compare_compute_and_clocks_after_rendezvous(tmp_path: Path) -> None:
+    """Each node's preflight reports its sources (a healthy dcgm-exporter each, 8 GPUs
+    expected) and a CPU compute measurement; after the rendezvous the nodes compare compute
+    and clocks, and an all-reduce probe measures the link."""
     from tests.health_fixtures.jobs import WORKER
     from tests.launch_utils import free_port
 
     run_dir = tmp_path / "run"
     port = free_port()
     procs = []
+    servers = [ExporterServer(h100_node(hostname=f"node{n}")) for n in range(2)]
+    for srv in servers:
+        srv.__enter__()
     for n in range(2):
-        env = job_env(**HOST_OK, probe_interval_s=0, allreduce_probe="true", allreduce_probe_mb=4)
+        env = job_env(**HOST_OK, probe_interval_s=0, allreduce_probe="true", allreduce_probe_mb=4,
+                      dcgm_url=servers[n].url, expect_gpus=8)  # fmt: skip
         env.update(
             TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S="0.2",
             TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_CPU="true",
@@ -187,7 +179,16 @@ def test_two_agents_compare_compute_and_clocks_after_rendezvous(tmp_path: Path) 
     finally:
         for p in procs:
             p.kill()
+        for srv in servers:
+            srv.__exit__(None, None, None)
     assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:] + errs[1][-2000:]
+    pres = events(run_dir, "preflight")
+    assert sorted(e["node"] for e in pres) == ["node0", "node1"]
+    for pre in pres:
+        assert pre["status"] == "ok" and pre["sources"]["dcgm_exporter"] == "ok"
+        assert pre["sources"]["host"] == "ok"
+        assert pre["compute"]["device"] == "cpu" and pre["compute"]["tflops"] > 0
+        assert pre["compute"]["peak_tflops"] is None  # no made-up peak for a CPU
     cmps = events(run_dir, "preflight_compare")
     assert sorted(e["node"] for e in cmps) == ["node0", "node1"]
     a, b = cmps

@@ -1,10 +1,11 @@
 """trainguard sbatch on a real Slurm 22.05 (4 nodes on this machine, one module-wide cluster):
-a job with a spare completes with the weights of a local run; a node crash mid-job is taken
-over by the spare and the node drained; a preemption notice saves, requeues and resumes; a lost
-node with no spare left resubmits the job without it; bad input submits nothing. On the cluster's
-etcd (etcd-v3 rendezvous): the spare takes over a crashed node through trainguard's liveness
-beacons, and a crash of the batch host resubmits the job without it, which resumes from its
-newest checkpoint."""
+a node crash mid-job is taken over by the spare and the node drained, then (the same job) a
+preemption notice saves, requeues and resumes, and the requeued allocation with a new spare
+completes with the weights of a local run (the spare released, `trainguard slurm status`
+says so); a lost node with no spare left resubmits the job without it; bad input submits
+nothing. On the cluster's etcd (etcd-v3 rendezvous): the spare takes over a crashed node
+through trainguard's liveness beacons, and a crash of the batch host resubmits the job without
+it, which resumes from its newest checkpoint."""
 
 from __future__ import annotations
 
@@ -117,42 +118,17 @@ def _first_node(c: SlurmCluster, job: str) -> str:
     return c.run("scontrol", "show", "hostnames", c.job_field(job, "NodeList")).split()[0]
 
 
-def test_job_with_spare_completes_like_a_local_run(fresh: SlurmCluster, tmp_path: Path) -> None:
-    c = fresh
-    cfg = _config(tmp_path, join_timeout_s=120)
-    job = _submit(c, tmp_path, "--nodes", "2", "--spares", "1", "--config", str(cfg))
-    assert c.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"}, 240) == "COMPLETED", _log(
-        c, tmp_path, job
-    )
-    assert_same_as_reference(tmp_path / "final.pt", STEPS)  # a fault-free run's weights
-    run_dir = tmp_path / "trainguard-runs" / f"slurm-{job}"
-    ev = _events(run_dir)
-    finished = {e["node"]: e["state"] for e in ev if e["kind"] == "job_finished"}
-    # node identity is Slurm's (all nodes here share one hostname)
-    assert (
-        sorted(finished)
-        == c.run("scontrol", "show", "hostnames", c.job_field(job, "NodeList")).split()
-    )
-    states = sorted(finished.values())
-    # the spare ends without training: it saw the rendezvous close, or (when the store's host
-    # exited first) lost the store; either way exit 0 and one line
-    assert states[1:] == ["succeeded", "succeeded"]
-    assert states[0] in ("spare_released", "rendezvous_lost")
-    p = subprocess.run(
-        [sys.executable, "-m", "trainguard", "slurm", "status", job, "--json"],
-        cwd=tmp_path, env=c.env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    st = json.loads(p.stdout)
-    assert st["state"] == "COMPLETED" and len(st["active"]) == 2 and len(st["spares"]) == 1
-    assert st["last_checkpoint_step"] == STEPS and st["drained"] == {}
-
-
-def test_node_crash_spare_takes_over_and_node_is_drained(
+def test_node_crash_spare_takes_over_then_preemption_saves_requeues_and_resumes(
     fresh: SlurmCluster, tmp_path: Path
 ) -> None:
+    """One 2+1 job on c10d: a node crash mid-job is taken over by the spare and the node
+    drained; then a preemption notice saves, requeues and resumes on a new allocation (without
+    the drained node, with a new spare), which completes with a fault-free run's weights."""
     c = fresh
+    steps = 80  # the preemption comes after the takeover: room for both before the end
     cfg = _config(tmp_path, join_timeout_s=120, max_resubmits=0)
-    job = _submit(c, tmp_path, "--nodes", "2", "--spares", "1", "--config", str(cfg))
+    job = _submit(c, tmp_path, "--nodes", "2", "--spares", "1", "--config", str(cfg),
+                  steps_args=["--steps", str(steps), *TRAIN_ARGS[2:]])  # fmt: skip
     run_dir = tmp_path / "trainguard-runs" / f"slurm-{job}"
     _wait_event(run_dir, lambda e: e["kind"] == "checkpoint_committed", 180, "checkpoint")
     rdzv = next(e for e in _events(run_dir) if e["kind"] == "rendezvous")
@@ -169,41 +145,40 @@ def test_node_crash_spare_takes_over_and_node_is_drained(
     )
     takeover_s = started["time"] - t0
     print(f"spare took over {takeover_s:.1f} s after the crash of {victim}")
-    assert c.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"}, 300) == "COMPLETED", _log(
-        c, tmp_path, job
-    )
-    ev = _events(run_dir)
-    last_round = [e for e in ev if e["kind"] == "rendezvous"][-1]
-    members = {m["node"] for m in last_round["members"]}
-    assert victim not in members and len(members) == 2
     # drained by a surviving agent as the spare's round formed, not only at the job's end
-    (drain,) = [e for e in ev if e["kind"] == "node_drained"]
-    finish = next(e for e in ev if e["kind"] == "slurm_finish")
-    assert drain["node_name"] == victim and drain["fenced"] and drain["time"] < finish["time"]
+    drain = _wait_event(run_dir, lambda e: e["kind"] == "node_drained", 60, "the drain")
+    assert drain["node_name"] == victim and drain["fenced"]
+    takeover_round = [e for e in _events(run_dir) if e["kind"] == "rendezvous"][-1]
+    members = {m["node"] for m in takeover_round["members"]}
+    assert victim not in members and len(members) == 2
     st, reason = c.node_state(victim)
     assert "DRAIN" in st and reason.startswith(f"trainguard: node left job {job} at attempt 1")
-    assert_same_as_reference(tmp_path / "final.pt", STEPS)  # a fault-free run's weights
 
-
-def test_preemption_saves_requeues_and_resumes(fresh: SlurmCluster, tmp_path: Path) -> None:
-    c = fresh
-    cfg = _config(tmp_path, join_timeout_s=120)
-    job = _submit(c, tmp_path, "--nodes", "2", "--spares", "1", "--config", str(cfg))
-    run_dir = tmp_path / "trainguard-runs" / f"slurm-{job}"
-    _wait_event(run_dir, lambda e: e["kind"] == "checkpoint_committed", 180, "checkpoint")
-    # the batch shell and every process of the step get it, as from --signal=USR1@grace
+    # training goes on at full size; then the preemption notice: the batch shell and every
+    # process of the step get it, as from --signal=USR1@grace
+    _wait_event(
+        run_dir,
+        lambda e: e["kind"] == "checkpoint_committed" and e["time"] > started["time"],
+        120,
+        "a checkpoint after the takeover",
+    )
     c.run("scancel", "--signal=USR1", "--full", job)
     saved = _wait_event(run_dir, lambda e: e["kind"] == "checkpoint_preempt_saved", 60, "save")
     assert saved["committed"] is True
-    _wait_event(
+    requeue = _wait_event(
         run_dir,
         lambda e: e["kind"] == "slurm_finish" and e["action"] == "requeue",
         60,
         "requeue",
     )
+    assert drain["time"] < requeue["time"]
     restored = _wait_event(
         run_dir,
-        lambda e: e["kind"] == "checkpoint_restored" and e.get("step") is not None,
+        lambda e: (
+            e["kind"] == "checkpoint_restored"
+            and e.get("step") is not None
+            and e["time"] > requeue["time"]
+        ),
         240,
         "restore after the requeue",
     )
@@ -212,10 +187,12 @@ def test_preemption_saves_requeues_and_resumes(fresh: SlurmCluster, tmp_path: Pa
         c, tmp_path, job
     )
     assert c.job_field(job, "Restarts") == "1"
-    assert_same_as_reference(tmp_path / "final.pt", STEPS)  # a fault-free run's weights
+    assert_same_as_reference(tmp_path / "final.pt", steps)  # a fault-free run's weights
+    ev = _events(run_dir)
+    assert [e["node_name"] for e in ev if e["kind"] == "node_drained"] == [victim]  # once
     # the scheduler's share, per allocation, from the batch host's agent: this cluster keeps
     # no accounting (no slurmdbd), so sacct fails (a counted warning) and scontrol answers
-    sched = [e for e in _events(run_dir) if e["kind"] == "slurm_schedule"]
+    sched = [e for e in ev if e["kind"] == "slurm_schedule"]
     assert [(e["job_id"], e["restart"]) for e in sched] == [(job, 0), (job, 1)], sched
     for e in sched:
         assert e["source"] == "scontrol" and e["warnings"][0].startswith("sacct: "), e
@@ -226,6 +203,29 @@ def test_preemption_saves_requeues_and_resumes(fresh: SlurmCluster, tmp_path: Pa
     lines = recovery_summary(run_dir)
     assert "requeue_wait" in lines[0], lines[0]  # in the goodput breakdown
     assert any(x.startswith(f"  Slurm job {job} restart 1: ") for x in lines), lines
+    # the requeued allocation ran fault-free with its spare: every node ended, named by Slurm
+    # (all nodes here share one hostname); the drained node was not allocated again
+    allocation = c.run("scontrol", "show", "hostnames", c.job_field(job, "NodeList")).split()
+    assert victim not in allocation
+    finished = {
+        e["node"]: e["state"]
+        for e in ev
+        if e["kind"] == "job_finished" and e["time"] > restored["time"]
+    }
+    assert sorted(finished) == allocation
+    states = sorted(finished.values())
+    # the spare ends without training: it saw the rendezvous close, or (when the store's host
+    # exited first) lost the store; either way exit 0 and one line
+    assert states[1:] == ["succeeded", "succeeded"]
+    assert states[0] in ("spare_released", "rendezvous_lost")
+    p = subprocess.run(
+        [sys.executable, "-m", "trainguard", "slurm", "status", job, "--json"],
+        cwd=tmp_path, env=c.env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    status = json.loads(p.stdout)
+    assert status["state"] == "COMPLETED" and len(status["active"]) == 2
+    assert len(status["spares"]) == 1 and list(status["drained"]) == [victim]
+    assert status["last_checkpoint_step"] == steps
 
 
 def test_spares_exhausted_resubmits_without_the_bad_node(
