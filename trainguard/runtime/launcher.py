@@ -119,7 +119,9 @@ def build_parser(prog: str = "trainguard run") -> argparse.ArgumentParser:
         "rollout (generation engines) or reward (scoring servers); COMMAND, quoted, starts one "
         "replica (it serves on $TRAINGUARD_ROLE_PORT); OPT: port (base port: replica i uses "
         "port+i), budget (restarts of the role), policy (always, never), health (probe path, "
-        "default /health), ready (readiness timeout, s). Repeat for each role (torchrun's --role still names the workers' role); [roles.NAME] in "
+        "default /health), ready (readiness timeout, s), standby (warm standbys), nodes (under "
+        "trainguard sbatch: run on that many nodes of their own; needs port), bind (address "
+        "the replicas bind). Repeat for each role (torchrun's --role still names the workers' role); [roles.NAME] in "
         "--config holds the same. The workers get TRAINGUARD_ROLLOUT_URLS / "
         "TRAINGUARD_REWARD_URLS. E.g. --tg-role 'rollout=2:python -m trainguard.rl.engine'",
     )

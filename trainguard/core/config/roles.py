@@ -15,6 +15,11 @@ restart budget and health check. Example::
     [roles]
     readiness_timeout_s = 300.0
 
+Under ``trainguard sbatch`` a role may run on nodes of its own (``nodes = 2``, with a fixed
+``port``): the job allocates them besides the trainer's, the replicas bind the node's Slurm
+address (or ``bind``) and the trainer's workers get ``http://<NodeAddr>:<port + i>``
+(:func:`place_roles`; docs/rl.md "Engines on nodes of their own").
+
 On the command line (one flag per role; it replaces that role's table of the file, keys it
 does not name keep the file's values)::
 
