@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,7 +32,10 @@ from trainguard.core.config.roles import (
     place_roles,
 )
 from trainguard.core.events import EventLog, read_events
+from trainguard.core.plugin import AgentContext
 from trainguard.core.rundir import RunDir
+from trainguard.roles.node import run_role_node
+from trainguard.roles.plugin import RoleFailedError, RolesPlugin
 from trainguard.roles.supervisor import RoleSupervisor, probe_health
 from trainguard.telemetry.report import write_report
 
@@ -198,6 +202,53 @@ def test_role_node_replicas_bind_and_are_probed_on_the_node_address(tmp_path: Pa
         assert probe_health(rep.port, "/health", 2.0).outcome == "refused"  # not on 127.0.0.1
     finally:
         sup.stop()
+
+
+def test_role_node_agent_runs_its_replicas_and_reports_a_failure(tmp_path: Path) -> None:
+    """The agent of a role node (``trainguard slurm roles``) runs the replicas placed on its
+    node until the stop file appears; a command it cannot start is one line in the failure
+    file, which the trainer's agents end the job with."""
+    port = free_port()
+    stop, failed = tmp_path / "stop", tmp_path / "failed"
+    env = base_env(
+        TRAINGUARD_SBATCH_ROLE_NODES="n1=127.0.0.1,n2=127.0.0.2",
+        TRAINGUARD_SBATCH_ROLES_STOP=str(stop),
+        TRAINGUARD_SBATCH_ROLES_FAILED=str(failed),
+    )
+    cfg = RolesConfig(rollout={"command": REPLICA, "replicas": 3, "nodes": 2, "port": port}, **FAST)
+    codes: list[int] = []
+    t = threading.Thread(target=lambda: codes.append(run_role_node(cfg, tmp_path, "n1", env=env)))
+    t.start()
+    try:
+        states = wait_for("replicas 0 and 2 serving on n1", lambda: (
+            (s := RunDir(tmp_path).role_states().get("rollout", []))
+            and len(s) == 2 and all(r["state"] == "serving" for r in s) and s), 30)  # fmt: skip
+        assert [(r["replica"], r["url"]) for r in states] == [
+            (0, f"http://127.0.0.1:{port}"),
+            (2, f"http://127.0.0.1:{port + 2}"),
+        ]
+        pids = [r["pid"] for r in states]
+    finally:
+        stop.touch()
+        t.join(30)
+    assert codes == [0] and not any(alive(p) for p in pids) and not failed.exists()
+    bad = RolesConfig(rollout={"command": "no-such-engine", "nodes": 1, "port": port}, **FAST)
+    assert run_role_node(bad, tmp_path, "n1", env=env) == 2
+    line = failed.read_text().strip()
+    assert "role rollout: command 'no-such-engine' not found" in line and "\n" not in line
+    # a trainer node's plugin: the URLs of both nodes' replicas, and that line ends its job
+    ctx = AgentContext(config=load_config(env={}), run_dir=tmp_path, events=EventLog(tmp_path))
+    ctx.config.roles = cfg
+    plugin = RolesPlugin(ctx, env=env)
+    try:
+        assert plugin.worker_env(ctx) == {
+            "TRAINGUARD_ROLLOUT_URLS": f"http://127.0.0.1:{port},http://127.0.0.2:{port + 1},"
+            f"http://127.0.0.1:{port + 2}"
+        }
+        with pytest.raises(RoleFailedError, match="command 'no-such-engine' not found"):
+            plugin.before_rendezvous(ctx)
+    finally:
+        plugin.close()
 
 
 def test_bad_role_table_is_one_config_error(tmp_path: Path) -> None:

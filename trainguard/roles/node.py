@@ -18,6 +18,7 @@ read it and end the job with it (exit 2), as a role failure beside the trainer d
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -67,6 +68,23 @@ def run_role_node(
         return 2
     stop_file = env.get(envvars.SBATCH_ROLES_STOP)
     failed_file = env.get(envvars.SBATCH_ROLES_FAILED)
+
+    def fail(text: str) -> int:
+        line(text)
+        if failed_file and not os.path.exists(failed_file):
+            try:
+                write_atomic(Path(failed_file), f"{text} (on node {node})\n")
+            except OSError as e:
+                line(f"cannot write {failed_file}: {e}")
+        return 2
+
+    for spec in mine:
+        exe = spec.command[0]
+        if not (shutil.which(exe, path=env.get("PATH")) or (os.sep in exe and os.path.isfile(exe))):
+            return fail(
+                f"role {spec.name}: command {exe!r} not found (working directory "
+                f"{os.getcwd()}): check the path or PATH of --tg-role / [roles.{spec.name}]"
+            )
     events = EventLog(run_dir, node=node)
     sup = RoleSupervisor(cfg, run_dir, events, env=env, specs=mine, indices=indices, host=addr)
     stop = threading.Event()
@@ -74,12 +92,14 @@ def run_role_node(
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    # Slurm's preemption notice goes to every process of the job's steps: the trainer's
-    # workers save; the replicas here have nothing to save and end with the job
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+        # Slurm's preemption notice goes to every process of the job's steps: the trainer's
+        # workers save; the replicas here (which inherit the ignored signals) have nothing to
+        # save and end with the job
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     placed = ", ".join(f"{s.name} {','.join(str(i) for i in indices[s.name])}" for s in mine)
     line(f"node {node} ({addr}): replicas {placed}")
     sup.start()
@@ -87,13 +107,7 @@ def run_role_node(
     try:
         while not stop.wait(_POLL_S):
             if sup.failure is not None:
-                line(sup.failure)
-                if failed_file and not os.path.exists(failed_file):
-                    try:
-                        write_atomic(Path(failed_file), f"{sup.failure} (on node {node})\n")
-                    except OSError as e:
-                        line(f"cannot write {failed_file}: {e}")
-                code = 2
+                code = fail(sup.failure)
                 break
             if stop_file and os.path.exists(stop_file):
                 break

@@ -582,6 +582,8 @@ def prepare(
                 "(the replicas then run beside the trainer on every node)"
             )
         exe = spec.command[0]
+        if spec.nodes:
+            continue  # it runs on the role's own nodes: their agent checks it there
         if not (shutil.which(exe) or (os.sep in exe and os.path.isfile(exe))):
             raise UsageError(
                 f"role {spec.name}: command {exe!r} not found (working directory "
