@@ -322,7 +322,8 @@ class BatchRequest:
             *(
                 [
                     f'touch "${envvars.SBATCH_ROLES_STOP}"  # the role agents stop their replicas',
-                    'wait "$ROLES_PID"',
+                    "# (at most a minute: a role step still there then ends with the job)",
+                    'for _ in $(seq 60); do kill -0 "$ROLES_PID" 2>/dev/null || break; sleep 1; done',
                 ]
                 if self.role_nodes
                 else []
