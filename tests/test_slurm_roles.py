@@ -91,6 +91,7 @@ def test_engine_on_its_own_node_restarts_alone(cluster: SlurmCluster, tmp_path: 
     run_dir = tmp_path / "trainguard-runs" / f"slurm-{job}"
     engine = None
     try:
+        c.wait_job(job, {"RUNNING", "COMPLETED", "FAILED", "CANCELLED"}, 120)  # nodes known
         hosts = c.run("scontrol", "show", "hostnames", c.job_field(job, "NodeList")).split()
         assert len(hosts) == 2  # one trainer node + the role's own
         trainer_node, role_node = hosts
