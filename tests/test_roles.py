@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,13 +20,22 @@ from typing import Any
 
 import pytest
 
-from tests.launch_utils import WORKERS, base_env, popen
+from tests.launch_utils import WORKERS, base_env, free_port, popen
 from tests.procs import alive, kill_tree
 from trainguard.cli.cmd_run import run_job
 from trainguard.core.config import ConfigError, load_config
-from trainguard.core.config.roles import RolesConfig, RoleSpec, parse_role_flag
+from trainguard.core.config.roles import (
+    RolesConfig,
+    RoleSpec,
+    parse_role_flag,
+    parse_role_nodes,
+    place_roles,
+)
 from trainguard.core.events import EventLog, read_events
+from trainguard.core.plugin import AgentContext
 from trainguard.core.rundir import RunDir
+from trainguard.roles.node import run_role_node
+from trainguard.roles.plugin import RoleFailedError, RolesPlugin
 from trainguard.roles.supervisor import RoleSupervisor, probe_health
 from trainguard.telemetry.report import write_report
 
@@ -138,6 +148,107 @@ def test_role_command_not_found_is_one_line_and_exit_2(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "role reward: command './no-such-server' not found" in err
+
+
+def test_role_nodes_outside_sbatch_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TRAINGUARD_SBATCH_ROLE_NODES", raising=False)
+    script = tmp_path / "t.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as e:
+        run_job(["--tg-role", f"rollout=2,nodes=1,port=8100:{sys.executable} x.py",
+                 "--tg-run-dir", str(tmp_path / "run"), str(script)])  # fmt: skip
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "role rollout: nodes = 1 runs it on nodes of its own" in err
+    assert "only a trainguard sbatch job allocates" in err
+
+
+def test_roles_on_their_own_nodes_are_placed_the_same_everywhere() -> None:
+    cfg = RolesConfig(
+        rollout={"command": "e", "replicas": 3, "nodes": 2, "port": 8100},
+        reward={"command": "r", "replicas": 1, "nodes": 1, "port": 8200, "bind": "0.0.0.0"},
+    )
+    nodes = parse_role_nodes("n3=10.0.0.3,n4=10.0.0.4,n5=10.0.0.5")
+    placed = place_roles(cfg.specs(), nodes)
+    assert [(p.node, p.url) for p in placed["rollout"]] == [
+        ("n3", "http://10.0.0.3:8100"),
+        ("n4", "http://10.0.0.4:8101"),
+        ("n3", "http://10.0.0.3:8102"),
+    ]
+    assert [(p.node, p.url) for p in placed["reward"]] == [("n5", "http://10.0.0.5:8200")]
+    assert cfg.node_count() == 3
+    with pytest.raises(ValueError, match="ask for 3 node.s. of their own, the job has 2"):
+        place_roles(cfg.specs(), nodes[:2])
+
+
+def test_role_node_replicas_bind_and_are_probed_on_the_node_address(tmp_path: Path) -> None:
+    """A role node's supervisor runs only its replicas, bound to the node's address (here
+    127.0.0.2, another loopback address), probed there, with that host in their URL."""
+    port = free_port()
+    cfg = RolesConfig(rollout={"command": REPLICA, "replicas": 2, "nodes": 2, "port": port}, **FAST)
+    sup = RoleSupervisor(
+        cfg, tmp_path, EventLog(tmp_path), env=base_env(), specs=cfg.specs(),
+        indices={"rollout": [1]}, host="127.0.0.2",
+    )  # fmt: skip
+    sup.start()
+    try:
+        (rep,) = sup.replicas["rollout"]
+        wait_for("replica 1 serving", lambda: rep.state == "serving", 30)
+        assert (rep.index, rep.url) == (1, f"http://127.0.0.2:{port + 1}")
+        assert probe_health(rep.port, "/health", 2.0, "127.0.0.2").outcome == "ok"
+        assert probe_health(rep.port, "/health", 2.0).outcome == "refused"  # not on 127.0.0.1
+    finally:
+        sup.stop()
+
+
+def test_role_node_agent_runs_its_replicas_and_reports_a_failure(tmp_path: Path) -> None:
+    """The agent of a role node (``trainguard slurm roles``) runs the replicas placed on its
+    node until the stop file appears; a command it cannot start is one line in the failure
+    file, which the trainer's agents end the job with."""
+    port = free_port()
+    stop, failed = tmp_path / "stop", tmp_path / "failed"
+    env = base_env(
+        TRAINGUARD_SBATCH_ROLE_NODES="n1=127.0.0.1,n2=127.0.0.2",
+        TRAINGUARD_SBATCH_ROLES_STOP=str(stop),
+        TRAINGUARD_SBATCH_ROLES_FAILED=str(failed),
+    )
+    cfg = RolesConfig(rollout={"command": REPLICA, "replicas": 3, "nodes": 2, "port": port}, **FAST)
+    codes: list[int] = []
+    t = threading.Thread(target=lambda: codes.append(run_role_node(cfg, tmp_path, "n1", env=env)))
+    t.start()
+    try:
+        states = wait_for("replicas 0 and 2 serving on n1", lambda: (
+            (s := RunDir(tmp_path).role_states().get("rollout", []))
+            and len(s) == 2 and all(r["state"] == "serving" for r in s) and s), 30)  # fmt: skip
+        assert [(r["replica"], r["url"]) for r in states] == [
+            (0, f"http://127.0.0.1:{port}"),
+            (2, f"http://127.0.0.1:{port + 2}"),
+        ]
+        pids = [r["pid"] for r in states]
+    finally:
+        stop.touch()
+        t.join(30)
+    assert codes == [0] and not any(alive(p) for p in pids) and not failed.exists()
+    bad = RolesConfig(rollout={"command": "no-such-engine", "nodes": 1, "port": port}, **FAST)
+    assert run_role_node(bad, tmp_path, "n1", env=env) == 2
+    line = failed.read_text().strip()
+    assert "role rollout: command 'no-such-engine' not found" in line and "\n" not in line
+    # a trainer node's plugin: the URLs of both nodes' replicas, and that line ends its job
+    ctx = AgentContext(config=load_config(env={}), run_dir=tmp_path, events=EventLog(tmp_path))
+    ctx.config.roles = cfg
+    plugin = RolesPlugin(ctx, env=env)
+    try:
+        assert plugin.worker_env(ctx) == {
+            "TRAINGUARD_ROLLOUT_URLS": f"http://127.0.0.1:{port},http://127.0.0.2:{port + 1},"
+            f"http://127.0.0.1:{port + 2}"
+        }
+        with pytest.raises(RoleFailedError, match="command 'no-such-engine' not found"):
+            plugin.before_rendezvous(ctx)
+    finally:
+        plugin.close()
 
 
 def test_bad_role_table_is_one_config_error(tmp_path: Path) -> None:

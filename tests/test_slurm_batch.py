@@ -281,6 +281,63 @@ def test_hostile_arguments_stay_inert(tmp_path: Path) -> None:
     assert (work / run_dir / "job.sbatch").read_text() == text
 
 
+def test_role_nodes_get_a_step_of_their_own(tmp_path: Path) -> None:
+    """A role with nodes = 1: the last node runs ``trainguard slurm roles`` (its arguments as
+    given), the trainer's step the others; the role nodes are named with their NodeAddr; a
+    role step that ends before the trainer's leaves the failure line for the trainer's
+    agents, and the stop file is there once the trainer's step has ended."""
+    stubs, rec = tmp_path / "bin", tmp_path / "rec"
+    stubs.mkdir()
+    rec.mkdir()
+    record = 'printf "%s\\0" "$@" > "' + str(rec) + '/$(basename "$0").$$"\n'
+    env_rec = f'echo "$TRAINGUARD_SBATCH_ROLE_NODES" > "{rec}/role-nodes.$$"\n'
+    # the role step ends at once (exit 3); the trainer's takes a second
+    _stub(
+        stubs / "srun",
+        record + env_rec + 'case "$*" in *"slurm roles"*) exit 3;; *) sleep 1; exit 0;; esac\n',
+    )
+    _stub(
+        stubs / "scontrol",
+        'case "$2" in hostnames) echo node1; echo node2; echo node3;; '
+        + 'node) echo "NodeName=$4 Arch=x NodeAddr=10.0.0.${4#node} NodeHostName=h";; esac\n',
+    )
+    _stub(stubs / "python", "exit 0\n")
+    role = "rollout=2,nodes=1,port=8100:python -m eng --model 'a b'; touch PWNED"
+    text = BatchRequest(
+        script="train.py",
+        nodes=1,
+        spares=1,
+        role_nodes=1,
+        run_args=["--tg-role", role],
+        python=str(stubs / "python"),
+    ).materialize()
+    assert "#SBATCH --nodes=3" in text
+    (tmp_path / "job.sh").write_text(text)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "node[1-3]", "HOME": str(tmp_path)}  # fmt: skip
+    p = subprocess.run(["bash", "job.sh"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    deadline = time.monotonic() + 10
+    while descendants(os.getpid()) and time.monotonic() < deadline:
+        reap()
+        time.sleep(0.2)
+    assert list(tmp_path.rglob("PWNED*")) == []
+    steps = {}
+    for f in rec.glob("srun.*"):
+        argv = f.read_bytes().decode().split("\0")[:-1]
+        steps["roles" if "roles" in argv else "agent"] = argv
+    roles, agent = steps["roles"], steps["agent"]
+    assert "--nodelist=node3" in roles and "--nodelist=node1,node2" in agent
+    assert "--kill-on-bad-exit=1" in roles and "--nnodes" in agent and "--nnodes" not in roles
+    for argv in (roles, agent):
+        assert argv[argv.index("--tg-role") + 1] == role and argv[-1] == "train.py"
+    assert {f.read_text().strip() for f in rec.glob("role-nodes.*")} == {"node3=10.0.0.3"}
+    run_dir = tmp_path / "trainguard-runs" / "slurm-7"
+    line = (run_dir / "roles-7.failed").read_text().strip()
+    assert line == "role nodes node3: their step ended with exit code 3 before the trainer's"
+    assert (run_dir / "roles-7.stop").exists()
+
+
 # -- the decision after the step ---------------------------------------------------------------
 
 
@@ -502,6 +559,15 @@ def test_cli_carries_the_roles_into_the_batch_script(tmp_path: Path, capsys, mon
         (["--nodes", "2", "--bogus", "train.py"], "unknown option '--bogus'"),
         (["--spares", "1", "train.py"], "--nodes N is required"),
         (["--nodes", "2", "--max-restarts", "x", "train.py"], "trainguard run option"),
+        (
+            ["--nodes", "1", "--tg-role", "rollout=1,nodes=2,port=8100:e", "train.py"],
+            "nodes 2 > replicas 1",
+        ),
+        (["--nodes", "1", "--tg-role", "rollout=2,nodes=1:e", "train.py"], "needs a fixed port"),
+        (
+            ["--nodes", "1", "--tg-role", "rollout=1,nodes=1,port=8100,bind=a b:e", "train.py"],
+            "bind 'a b' is not an address",
+        ),
     ],
 )
 def test_cli_bad_input_one_line(

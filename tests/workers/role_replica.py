@@ -1,6 +1,6 @@
 """A tiny real HTTP server: the role replica of the role-supervisor tests (a real process).
 
-It serves ``GET /health`` on 127.0.0.1:$TRAINGUARD_ROLE_PORT with the engine contract's
+It serves ``GET /health`` on $TRAINGUARD_ROLE_HOST (default 127.0.0.1):$TRAINGUARD_ROLE_PORT with the engine contract's
 answer, ``{"status": ..., "weight_version": ...}``, and ``GET /whoami`` with its pid, role and
 replica. Behaviour knobs (argv):
 
@@ -46,12 +46,15 @@ def main() -> None:
         print("role_replica: exiting at once", flush=True)
         sys.exit(args.exit_at_once)
     port = int(os.environ["TRAINGUARD_ROLE_PORT"])
+    host = os.environ.get("TRAINGUARD_ROLE_HOST") or "127.0.0.1"
     started = time.monotonic()
     ident: dict[str, object] = {
         "pid": os.getpid(),
         "role": os.environ.get("TRAINGUARD_ROLE"),
         "replica": os.environ.get("TRAINGUARD_ROLE_REPLICA"),
         "run_dir": os.environ.get("TRAINGUARD_RUN_DIR"),
+        "host": host,
+        "slurm_node": os.environ.get("SLURMD_NODENAME"),
     }
     promote = os.environ.get("TRAINGUARD_ROLE_STANDBY")
     standby = bool(promote) and not args.ignore_standby
@@ -96,7 +99,7 @@ def main() -> None:
         def log_message(self, *a: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server = ThreadingHTTPServer((host, port), Handler)
     if standby and promote:
         threading.Thread(target=server.serve_forever, daemon=True).start()
         print(f"role_replica: standby on {port} pid {os.getpid()}", flush=True)
@@ -108,7 +111,7 @@ def main() -> None:
                 time.sleep(0.05)
         while True:
             try:
-                promoted = ThreadingHTTPServer(("127.0.0.1", int(order["port"])), Handler)
+                promoted = ThreadingHTTPServer((host, int(order["port"])), Handler)
                 break
             except OSError:  # the dead replica's port is not free yet
                 time.sleep(0.05)

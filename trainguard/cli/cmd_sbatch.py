@@ -5,7 +5,9 @@
         [--dry-run] [trainguard run options] script.py [script args]
 
 N nodes train, K more wait as hot spares. Roles (``--tg-role rollout=2:COMMAND``, or
-``[roles.*]`` in the config file) are started by every node's agent beside its workers. ``--dry-run`` prints the script; otherwise it is
+``[roles.*]`` in the config file) are started by every node's agent beside its workers; a role
+with ``nodes = R`` (``--tg-role rollout=2,nodes=1,port=8100:COMMAND``) runs on R nodes of its
+own, allocated besides (N + K + R nodes in all). ``--dry-run`` prints the script; otherwise it is
 checked (``sinfo``, ``sbatch --test-only``), submitted with ``sbatch --parsable`` and the job id
 printed. The [slurm] section of the config file sets the preemption grace time, resubmissions,
 blocklist, drain mode and rendezvous (see trainguard/core/config/slurm.py).
@@ -116,21 +118,28 @@ def _split(argv: list[str], own: argparse.ArgumentParser, run: argparse.Argument
     return own_opts, run_opts, argv[i], argv[i + 1 :]
 
 
-def _check_run_options(run: argparse.ArgumentParser, run_opts: list[str], script: str) -> None:
+def _check_run_options(
+    run: argparse.ArgumentParser, run_opts: list[str], script: str, config: str | None
+) -> int:
+    """Check the ``trainguard run`` options (role specs too: here, not on the nodes after the
+    job waited in the queue); the nodes the roles need of their own."""
+
     def error(message: str) -> NoReturn:
         raise _BadInput(f"trainguard run option: {message}")
 
     # argparse has no hook for its error exit but this method: replaced on this parser only
     run.error = error  # type: ignore[method-assign]
     parsed = run.parse_args([*run_opts, script])
-    if getattr(parsed, "tg_roles", None):
-        # a role spec is checked here, not on the nodes after the job waited in the queue
-        from trainguard.runtime.launcher import UsageError, role_overrides
+    from trainguard.runtime.launcher import UsageError, role_overrides
 
-        try:
-            role_overrides(parsed.tg_roles)
-        except UsageError as e:
-            raise _BadInput(str(e)) from None
+    overrides: dict[str, object] = {}
+    try:
+        if getattr(parsed, "tg_roles", None):
+            role_overrides(parsed.tg_roles)  # a malformed flag: its own line first
+            overrides = role_overrides(parsed.tg_roles, load_config(config))
+    except UsageError as e:
+        raise _BadInput(str(e)) from None
+    return load_config(config, overrides=overrides).roles.node_count()
 
 
 def _check_slurm(req: BatchRequest, slurm: SlurmCli) -> None:
@@ -149,9 +158,10 @@ def _check_slurm(req: BatchRequest, slurm: SlurmCli) -> None:
     name = req.partition or next((p.rstrip("*") for p in raw if p.endswith("*")), None)
     have = parts.get(name, 0) if name else max(parts.values(), default=0)
     if req.total_nodes > have:
+        roles = f" + {req.role_nodes} role node(s)" if req.role_nodes else ""
         raise _BadInput(
-            f"--nodes {req.nodes} + --spares {req.spares} = {req.total_nodes} nodes, but "
-            f"partition {name or '?'} has {have}: ask for fewer nodes or spares"
+            f"--nodes {req.nodes} + --spares {req.spares}{roles} = {req.total_nodes} nodes, but "
+            f"partition {name or '?'} has {have}: ask for fewer nodes, spares or role nodes"
         )
     try:
         slurm.submit(req.materialize(), test_only=True)
@@ -180,7 +190,7 @@ def main(argv: list[str], *, prog: str = "trainguard sbatch") -> int:
                 f"training script {script!r} not found (working directory {os.getcwd()}): "
                 "check the path"
             )
-        _check_run_options(build_parser(), run_opts, script)
+        role_nodes = _check_run_options(build_parser(), run_opts, script, args.config)
         cfg = load_config(args.config)
         req = BatchRequest(
             script=script,
@@ -198,6 +208,7 @@ def main(argv: list[str], *, prog: str = "trainguard sbatch") -> int:
             slurm=cfg.slurm,
             dir_mode=cfg.runtime.dir_mode,
             python=cfg.slurm.python or sys.executable,
+            role_nodes=role_nodes,
         )
         if args.dry_run:
             print(req.materialize(), end="")

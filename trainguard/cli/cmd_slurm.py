@@ -8,6 +8,10 @@ trainguard slurm agent [trainguard run options] script.py [args]
     hosts the c10d rendezvous store is the allocation's first. On the other nodes than the
     batch host it watches the batch beacon: when the batch host is lost, one agent resubmits
     the job without it and cancels this one (trainguard.slurm.finish.take_over)
+trainguard slurm roles [trainguard run options] script.py [args]
+    (in the batch script, one per node of the roles with ``nodes = K``, in a step of their own)
+    start and supervise the role replicas placed on this node, until the trainer is done
+    (trainguard.roles.node)
 trainguard slurm finish --run-dir DIR --rc RC --since T --script FILE [--config TOML]
     (in the batch script, after the step) requeue, resubmit without lost nodes, or end
 """
@@ -131,6 +135,33 @@ def _watch_batch_host(env: dict[str, str], node: str, prog: str) -> BatchBeaconW
     return watch
 
 
+def _roles(argv: list[str], prog: str) -> int:
+    node = os.environ.get("SLURMD_NODENAME")
+    if not node or not os.environ.get("SLURM_JOB_ID"):
+        print(
+            f"{prog}: error: runs inside a trainguard sbatch job step (srun): SLURM_JOB_ID/"
+            "SLURMD_NODENAME are not set",
+            file=sys.stderr,
+        )
+        return 2
+    from trainguard.runtime.launcher import UsageError, build_parser, load_tg_config
+
+    args = build_parser(prog).parse_args(argv)
+    try:
+        cfg = load_tg_config(args)
+    except (UsageError, ConfigError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if not args.tg_run_dir:
+        print(f"{prog}: error: --tg-run-dir is required (the job's run directory)", file=sys.stderr)
+        return 2
+    from pathlib import Path
+
+    from trainguard.roles.node import run_role_node
+
+    return run_role_node(cfg.roles, Path(args.tg_run_dir), node)
+
+
 def _finish(argv: list[str], prog: str) -> int:
     p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--run-dir", required=True)
@@ -192,7 +223,7 @@ def _status(argv: list[str], prog: str) -> int:
     return 0
 
 
-_SUB = {"agent": _agent, "finish": _finish, "status": _status}
+_SUB = {"agent": _agent, "roles": _roles, "finish": _finish, "status": _status}
 
 
 def main(argv: list[str], *, prog: str = "trainguard slurm") -> int:

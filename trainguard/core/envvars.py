@@ -45,7 +45,10 @@ ROLE = "TRAINGUARD_ROLE"
 ROLE_REPLICA = "TRAINGUARD_ROLE_REPLICA"
 """In a role replica: its index in the role (0-based), the same across its restarts."""
 ROLE_PORT = "TRAINGUARD_ROLE_PORT"
-"""In a role replica: the port it must serve on (127.0.0.1), the same across its restarts."""
+"""In a role replica: the port it must serve on, the same across its restarts."""
+ROLE_HOST = "TRAINGUARD_ROLE_HOST"
+"""In a role replica: the address it must bind (``127.0.0.1`` beside the trainer; on nodes of
+its own, the node's Slurm address, or the role's ``bind``)."""
 ROLE_RUN_DIR = "TRAINGUARD_RUN_DIR"
 """In a role replica: the run directory (its state file: ``roles/<role>/<i>.json``)."""
 ROLE_STANDBY = "TRAINGUARD_ROLE_STANDBY"
@@ -55,13 +58,22 @@ serves its health on ``TRAINGUARD_ROLE_PORT`` (its own port, never routed to) wi
 takes port ``p`` of the dead replica ``i`` and goes on as that replica (loading, then serving
 the current weights)."""
 ROLLOUT_URLS = "TRAINGUARD_ROLLOUT_URLS"
-"""In the trainer's workers: the rollout engines, ``http://127.0.0.1:<port>`` comma-separated,
-replica 0 first; stable across the engines' restarts."""
+"""In the trainer's workers: the rollout engines, ``http://<host>:<port>`` comma-separated,
+replica 0 first (host ``127.0.0.1`` beside the trainer, the node's address on nodes of their
+own); stable across the engines' restarts."""
 REWARD_URLS = "TRAINGUARD_REWARD_URLS"
 """In the trainer's workers: the reward servers, as :data:`ROLLOUT_URLS`."""
 
 ROLE_URLS = {"rollout": ROLLOUT_URLS, "reward": REWARD_URLS}
 """Role → the trainer's variable that lists its replicas' URLs."""
+SBATCH_ROLE_NODES = "TRAINGUARD_SBATCH_ROLE_NODES"
+"""In a ``trainguard sbatch`` job with roles on nodes of their own (``nodes = K``): those nodes,
+``name=address`` comma-separated in the allocation's order (set by the batch script)."""
+SBATCH_ROLES_STOP = "TRAINGUARD_SBATCH_ROLES_STOP"
+"""There: the file whose existence tells the role nodes' agents that the trainer is done."""
+SBATCH_ROLES_FAILED = "TRAINGUARD_SBATCH_ROLES_FAILED"
+"""There: the file a role node writes its role failure to (one line); the trainer's agents
+end the job with it."""
 
 ALL = (
     RUN_DIR,

@@ -4,7 +4,8 @@
 
 It runs on CPU (or one GPU) with ``transformers``' ``generate``; requests arriving together
 are generated as one batch. Under ``trainguard run`` it runs as a ``rollout`` role replica:
-it binds ``127.0.0.1:$TRAINGUARD_ROLE_PORT`` and reads the weights the trainer publishes in
+it binds ``$TRAINGUARD_ROLE_HOST:$TRAINGUARD_ROLE_PORT`` (``127.0.0.1`` beside the trainer, the
+node's address on nodes of its own) and reads the weights the trainer publishes in
 ``$TRAINGUARD_RUN_DIR/rl/weights`` (:mod:`trainguard.rl.weights`).
 
 The engine contract
@@ -525,7 +526,11 @@ def _parse(argv: list[str] | None) -> tuple[EngineConfig, bool]:
     p = argparse.ArgumentParser(
         prog="python -m trainguard.rl.engine", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--host",
+        default=os.environ.get(envvars.ROLE_HOST) or "127.0.0.1",
+        help=f"default: ${envvars.ROLE_HOST}, else 127.0.0.1",
+    )
     p.add_argument("--port", type=int, default=None, help=f"default: ${PORT_ENV}")
     p.add_argument("--model", default=TINY_MODEL, help="tiny-gpt2 or a local model directory")
     p.add_argument("--seed", type=int, default=0)

@@ -221,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--function", required=True, help="MODULE:FUNCTION(prompt, completion)")
     p.add_argument("--port", type=int, default=None, help="default: $TRAINGUARD_ROLE_PORT")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--host",
+        default=os.environ.get("TRAINGUARD_ROLE_HOST") or "127.0.0.1",
+        help="default: $TRAINGUARD_ROLE_HOST, else 127.0.0.1",
+    )
     a = p.parse_args(argv)
     port = a.port
     if port is None:

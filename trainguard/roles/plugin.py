@@ -5,15 +5,24 @@ across every restart of the trainer group (the agent's rendezvous rounds call
 ``before_rendezvous`` again: nothing happens), and is stopped, by PID and process group, when
 the agent finishes. A role failure ends the job with one line and exit code 2; the job's exit
 code is otherwise the trainer's.
+
+A role with ``nodes = K`` (``trainguard sbatch``) runs on nodes of its own
+(:mod:`trainguard.roles.node`): here it only gives the workers its replicas' URLs, derived
+from ``TRAINGUARD_SBATCH_ROLE_NODES``, and ends the job with the line a role node wrote to
+``TRAINGUARD_SBATCH_ROLES_FAILED``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
+from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
+from trainguard.core import envvars
+from trainguard.core.config.roles import parse_role_nodes, place_roles
 from trainguard.core.jobstate import JobState
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin
 from trainguard.roles.supervisor import RoleSupervisor
@@ -35,16 +44,33 @@ class RoleFailedError(AgentExit):
 class RolesPlugin(AgentPlugin):
     name = "roles"
 
-    def __init__(self, ctx: AgentContext) -> None:
+    def __init__(self, ctx: AgentContext, env: Mapping[str, str] | None = None) -> None:
+        env = os.environ if env is None else env
         self.supervisor = RoleSupervisor(ctx.config.roles, ctx.run_dir, ctx.events)
+        self.remote_env: dict[str, str] = {}
+        """The URLs of the roles on nodes of their own."""
+        self.failed_file: Path | None = None
+        remote = [s for s in ctx.config.roles.specs() if s.nodes]
+        if remote:
+            # the launcher refused nodes = K outside a trainguard sbatch job
+            nodes = parse_role_nodes(env.get(envvars.SBATCH_ROLE_NODES, ""))
+            for role, placed in place_roles(remote, nodes).items():
+                self.remote_env[envvars.ROLE_URLS[role]] = ",".join(p.url for p in placed)
+            failed = env.get(envvars.SBATCH_ROLES_FAILED)
+            self.failed_file = Path(failed) if failed else None
 
     def worker_env(self, ctx: AgentContext) -> Mapping[str, str]:
         # the engines' URLs in the trainer's workers, fixed for the whole job (a replica
         # keeps its port across restarts)
-        return self.supervisor.trainer_env()
+        return {**self.supervisor.trainer_env(), **self.remote_env}
 
     def _check(self) -> None:
         failure = self.supervisor.failure
+        if failure is None and self.failed_file is not None:
+            try:
+                failure = self.failed_file.read_text(encoding="utf-8").strip() or None
+            except OSError:  # none yet
+                failure = None
         if failure is not None:
             raise RoleFailedError(failure)
 

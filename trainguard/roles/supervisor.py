@@ -81,9 +81,9 @@ class Probe:
     detail: str = ""
 
 
-def probe_health(port: int, path: str, timeout: float) -> Probe:
-    """``GET http://127.0.0.1:<port><path>``; never raises."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+def probe_health(port: int, path: str, timeout: float, host: str = "127.0.0.1") -> Probe:
+    """``GET http://<host>:<port><path>``; never raises."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.request("GET", path)
         resp = conn.getresponse()
@@ -178,12 +178,14 @@ def _kill_group(pid: int, sig: int) -> None:
 class ReplicaState:
     """What the supervisor knows of one replica (written to its state file)."""
 
-    def __init__(self, spec: RoleSpec, index: int, port: int, node: str = "") -> None:
+    def __init__(
+        self, spec: RoleSpec, index: int, port: int, node: str = "", host: str = "127.0.0.1"
+    ) -> None:
         self.node = node
         self.role = spec.name
         self.index = index
         self.port = port
-        self.url = spec.url(port)
+        self.url = spec.url(port, host)
         self.state = "starting"
         self.pid: int | None = None
         self.restarts = 0
@@ -268,9 +270,24 @@ class RoleSupervisor:
         events: EventLog,
         *,
         env: Mapping[str, str] | None = None,
+        specs: list[RoleSpec] | None = None,
+        indices: Mapping[str, list[int]] | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
+        """``specs``: the roles this supervisor runs (default: those beside the trainer, without
+        ``nodes``); ``indices``: the replicas of each it runs (default: all); ``host``: this
+        node's address, the host of the URLs and the default bind of roles on nodes of their
+        own (replicas beside the trainer bind and are reached on ``127.0.0.1``)."""
         self.cfg = cfg
-        self.specs = cfg.specs()
+        self.specs = [s for s in cfg.specs() if not s.nodes] if specs is None else list(specs)
+        self._bind: dict[str, str] = {}
+        """Role → the address its replicas bind (``TRAINGUARD_ROLE_HOST``)."""
+        self._probe_host: dict[str, str] = {}
+        """Role → the address its health is probed on (``127.0.0.1`` when it binds every one)."""
+        for spec in self.specs:
+            bind = spec.bind or (host if spec.nodes else "127.0.0.1")
+            self._bind[spec.name] = bind
+            self._probe_host[spec.name] = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
         self.rundir = RunDir(run_dir)
         self.events = events
         self._env = dict(os.environ if env is None else env)
@@ -304,9 +321,13 @@ class RoleSupervisor:
             ]
             self._ready[spec.name] = []
         for spec in self.specs:
+            url_host = host if spec.nodes else "127.0.0.1"
+            mine = range(spec.replicas) if indices is None else indices.get(spec.name, [])
             self.replicas[spec.name] = [
-                ReplicaState(spec, i, spec.port + i if spec.port else _free_port(), events.node)
-                for i in range(spec.replicas)
+                ReplicaState(
+                    spec, i, spec.port + i if spec.port else _free_port(), events.node, url_host
+                )
+                for i in mine
             ]
             self.restarts[spec.name] = 0
         self.started = False
@@ -391,6 +412,7 @@ class RoleSupervisor:
         env[envvars.ROLE] = spec.name
         env[envvars.ROLE_REPLICA] = str(rep.index)
         env[envvars.ROLE_PORT] = str(rep.port)
+        env[envvars.ROLE_HOST] = self._bind[spec.name]
         env[envvars.ROLE_RUN_DIR] = str(self.rundir.root)
         log_path = self.rundir.role_log(spec.name, rep.index)
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -567,7 +589,9 @@ class RoleSupervisor:
                 return how
             now = time.monotonic()
             if now >= next_probe:
-                p = probe_health(rep.port, spec.health_path, cfg.probe_timeout_s)
+                p = probe_health(
+                    rep.port, spec.health_path, cfg.probe_timeout_s, self._probe_host[spec.name]
+                )
                 now = time.monotonic()
                 next_probe = now + cfg.probe_interval_s
                 dead = None
@@ -656,6 +680,7 @@ class RoleSupervisor:
         env.update(dict(spec.env))
         env[envvars.ROLE] = spec.name
         env[envvars.ROLE_PORT] = str(sb.port)
+        env[envvars.ROLE_HOST] = self._bind[spec.name]
         env[envvars.ROLE_RUN_DIR] = str(self.rundir.root)
         env[envvars.ROLE_STANDBY] = str(promote)
         log_path = self.rundir.role_standby(spec.name, sb.slot, "log")
@@ -713,7 +738,9 @@ class RoleSupervisor:
                 return end(f"exited with code {rc}" if rc >= 0 else f"was killed by signal {-rc}")
             now = time.monotonic()
             if now >= next_probe:
-                p = probe_health(sb.port, spec.health_path, cfg.probe_timeout_s)
+                p = probe_health(
+                    sb.port, spec.health_path, cfg.probe_timeout_s, self._probe_host[spec.name]
+                )
                 now = time.monotonic()
                 next_probe = now + cfg.probe_interval_s
                 if p.outcome == "ok" and p.status in ("starting", "standby"):

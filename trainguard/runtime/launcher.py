@@ -35,6 +35,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 
 from trainguard.chaos import faults as chaos
+from trainguard.core import envvars
 from trainguard.core.atomicfile import make_dirs
 from trainguard.core.config import ConfigError, TrainGuardConfig, load_config, write_effective
 from trainguard.core.events import EventLog
@@ -118,7 +119,9 @@ def build_parser(prog: str = "trainguard run") -> argparse.ArgumentParser:
         "rollout (generation engines) or reward (scoring servers); COMMAND, quoted, starts one "
         "replica (it serves on $TRAINGUARD_ROLE_PORT); OPT: port (base port: replica i uses "
         "port+i), budget (restarts of the role), policy (always, never), health (probe path, "
-        "default /health), ready (readiness timeout, s). Repeat for each role (torchrun's --role still names the workers' role); [roles.NAME] in "
+        "default /health), ready (readiness timeout, s), standby (warm standbys), nodes (under "
+        "trainguard sbatch: run on that many nodes of their own; needs port), bind (address "
+        "the replicas bind). Repeat for each role (torchrun's --role still names the workers' role); [roles.NAME] in "
         "--config holds the same. The workers get TRAINGUARD_ROLLOUT_URLS / "
         "TRAINGUARD_REWARD_URLS. E.g. --tg-role 'rollout=2:python -m trainguard.rl.engine'",
     )
@@ -549,11 +552,9 @@ def _print_recovery_summary(run_dir: Path) -> None:
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
-def prepare(
-    args: argparse.Namespace,
-) -> tuple[LaunchConfig, Callable[..., Any] | str, list[str], TrainGuardConfig, Path]:
-    """Validate and resolve everything; raises UsageError/ConfigError on bad input."""
-    _validate(args)
+def load_tg_config(args: argparse.Namespace) -> TrainGuardConfig:
+    """The trainguard config of parsed ``trainguard run`` options (``--config`` and the
+    ``--tg-*`` flags over it); UsageError/ConfigError on bad input."""
     overrides = {
         "runtime.run_dir": args.tg_run_dir,
         "ft.enabled": getattr(args, "tg_ft", None),
@@ -564,9 +565,25 @@ def prepare(
     if role_flags:
         role_overrides(role_flags)  # a malformed flag is its own line, before the file's errors
         overrides.update(role_overrides(role_flags, load_config(args.tg_config)))
-    tg_config = load_config(args.tg_config, overrides=overrides)
+    return load_config(args.tg_config, overrides=overrides)
+
+
+def prepare(
+    args: argparse.Namespace,
+) -> tuple[LaunchConfig, Callable[..., Any] | str, list[str], TrainGuardConfig, Path]:
+    """Validate and resolve everything; raises UsageError/ConfigError on bad input."""
+    _validate(args)
+    tg_config = load_tg_config(args)
     for spec in tg_config.roles.specs():
+        if spec.nodes and not os.environ.get(envvars.SBATCH_ROLE_NODES):
+            raise UsageError(
+                f"role {spec.name}: nodes = {spec.nodes} runs it on nodes of its own, which "
+                "only a trainguard sbatch job allocates; under trainguard run leave nodes out "
+                "(the replicas then run beside the trainer on every node)"
+            )
         exe = spec.command[0]
+        if spec.nodes:
+            continue  # it runs on the role's own nodes: their agent checks it there
         if not (shutil.which(exe) or (os.sep in exe and os.path.isfile(exe))):
             raise UsageError(
                 f"role {spec.name}: command {exe!r} not found (working directory "
@@ -624,4 +641,4 @@ def run(args: argparse.Namespace, *, plugin_factory: PluginFactory | None = None
             lighthouse.stop()
 
 
-__all__ += ["ConfigError", "prepare"]
+__all__ += ["ConfigError", "load_tg_config", "prepare"]

@@ -8,6 +8,15 @@ etcd-v3 backend, no rendezvous state on any node of the job) or, with no etcd na
 on the allocation's first node (c10d: that node's loss ends the round for every agent). Every
 value that comes from the user is shell-quoted.
 
+Roles with ``nodes = K`` (``[roles.<name>] nodes``, ``--tg-role rollout=2,nodes=1,...``) run on
+nodes of their own: the script allocates them besides the trainer's and spares (the last ones of
+the allocation's node list), names them with their Slurm address (``NodeAddr``) in
+``TRAINGUARD_SBATCH_ROLE_NODES``, and starts ``trainguard slurm roles`` there in a step of its
+own (``--kill-on-bad-exit``: the loss of one role node's agent ends that step). The trainer's
+step runs on the other nodes. When the trainer's step has ended the script creates the stop
+file (the role agents stop their replicas and exit); a role step that ends before (an agent
+killed, a node lost) writes the failure file, with which the trainer's agents end the job.
+
 The batch host (the allocation's first node) runs this script. Slurm keeps a ``--no-kill`` job
 RUNNING when its batch host fails, without the script that would end it (measured on Slurm
 22.05: the job keeps its other nodes, with no step, until its time limit). So the script also
@@ -43,6 +52,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 
+from trainguard.core import envvars
 from trainguard.core.config.slurm import SlurmConfig
 
 __all__ = ["BatchRequest", "TIME_FORMAT_HELP", "valid_time"]
@@ -115,10 +125,15 @@ class BatchRequest:
     """Mode of the run directory the script creates (``[runtime] dir_mode``)."""
     workdir: str | None = None
     """Directory the job runs in (``--chdir``); default: where ``sbatch`` was run."""
+    role_nodes: int = 0
+    """Nodes of the roles' own (``nodes = K`` of every role together), allocated besides the
+    trainer's and the spares."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ValueError(f"--nodes {self.nodes}: at least 1 node must train")
+        if self.role_nodes < 0:
+            raise ValueError(f"role nodes {self.role_nodes}: must be >= 0")
         if self.spares < 0:
             raise ValueError(f"--spares {self.spares}: must be >= 0")
         if self.gpus_per_node is not None and self.gpus_per_node < 0:
@@ -137,6 +152,11 @@ class BatchRequest:
 
     @property
     def total_nodes(self) -> int:
+        return self.nodes + self.spares + self.role_nodes
+
+    @property
+    def trainer_nodes(self) -> int:
+        """The nodes of the trainer's step: those that train and the spares."""
         return self.nodes + self.spares
 
     def _directives(self) -> list[str]:
@@ -170,8 +190,11 @@ class BatchRequest:
     def _agent_command(self) -> str:
         cfg = self.slurm
         tg = f"{_q(self.python)} -m trainguard"
-        parts = [
-            "srun --ntasks-per-node=1 --kill-on-bad-exit=0 --no-kill",
+        parts = ["srun --ntasks-per-node=1 --kill-on-bad-exit=0 --no-kill"]
+        if self.role_nodes:
+            t = self.trainer_nodes
+            parts.append(f'--nodes={t} --ntasks={t} --nodelist="$TRAIN_HOSTS"')
+        parts += [
             f'--output="$RUN_DIR/logs/agent-%j-%t.out" {tg} slurm agent',
             f"--nnodes {self.nodes}:{self.nodes}",
         ]
@@ -193,6 +216,53 @@ class BatchRequest:
         parts.append(" ".join(_q(a) for a in [self.script, *self.script_args]))
         return " \\\n    ".join(parts)
 
+    def _roles_command(self) -> str:
+        """The role nodes' step: ``trainguard slurm roles`` with the agents' options."""
+        r = self.role_nodes
+        tg = f"{_q(self.python)} -m trainguard"
+        parts = [
+            f'srun --nodes={r} --ntasks={r} --ntasks-per-node=1 --nodelist="$ROLE_HOSTS"',
+            "--kill-on-bad-exit=1 --no-kill",
+            f'--output="$RUN_DIR/logs/roles-%j-%t.out" {tg} slurm roles',
+            '--tg-run-dir "$RUN_DIR"',
+        ]
+        if self.config_file:
+            parts.append(f"--config {_q(self.config_file)}")
+        if self.run_args:
+            parts.append(" ".join(_q(a) for a in self.run_args))
+        parts.append(" ".join(_q(a) for a in [self.script, *self.script_args]))
+        return " \\\n    ".join(parts)
+
+    def _roles_lines(self) -> list[str]:
+        """Split the allocation (trainer and spares first, the role nodes last), name the role
+        nodes with their addresses and start their step in the background."""
+        t, r = self.trainer_nodes, self.role_nodes
+        return [
+            "# the roles' own nodes: the last of the allocation, named with their Slurm address",
+            'TG_HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+            f"TRAIN_HOSTS=$(printf '%s\\n' $TG_HOSTS | head -n {t} | paste -sd, -)",
+            f"ROLE_HOSTS=$(printf '%s\\n' $TG_HOSTS | tail -n {r} | paste -sd, -)",
+            "ROLE_NODES=",
+            f"for h in $(printf '%s\\n' $TG_HOSTS | tail -n {r}); do",
+            "  a=$(scontrol show node -o \"$h\" | sed -n 's/.* NodeAddr=\\([^ ]*\\).*/\\1/p')",
+            '  ROLE_NODES="$ROLE_NODES${ROLE_NODES:+,}$h=${a:-$h}"',
+            "done",
+            f'export {envvars.SBATCH_ROLE_NODES}="$ROLE_NODES"',
+            f'export {envvars.SBATCH_ROLES_STOP}="$RUN_DIR/roles-$SLURM_JOB_ID.stop"',
+            f'export {envvars.SBATCH_ROLES_FAILED}="$RUN_DIR/roles-$SLURM_JOB_ID.failed"',
+            f'rm -f "${envvars.SBATCH_ROLES_STOP}" "${envvars.SBATCH_ROLES_FAILED}"',
+            "# a role step that ends before the trainer's (an agent killed, a node lost) fails",
+            "# the job: the trainer's agents read the line and end it (never a trainer restart)",
+            "(",
+            "  " + self._roles_command().replace("\n", "\n  "),
+            "  rrc=$?",
+            f'  [ -e "${envvars.SBATCH_ROLES_STOP}" ] || [ -e "${envvars.SBATCH_ROLES_FAILED}" ] ||',
+            '    echo "role nodes $ROLE_HOSTS: their step ended with exit code $rrc before the '
+            f'trainer\'s" > "${envvars.SBATCH_ROLES_FAILED}"',
+            ") &",
+            "ROLES_PID=$!",
+        ]
+
     def materialize(self) -> str:
         """The batch script's text."""
         cfg = self.slurm
@@ -201,7 +271,8 @@ class BatchRequest:
         lines = [
             "#!/bin/bash",
             *self._directives(),
-            f"# generated by trainguard sbatch: {self.nodes} training node(s) + {self.spares} spare(s)",
+            f"# generated by trainguard sbatch: {self.nodes} training node(s) + {self.spares} spare(s)"
+            + (f" + {self.role_nodes} role node(s)" if self.role_nodes else ""),
             "set -u",
             "# Slurm sends the preemption signal to the agents and workers themselves (no B:);",
             "# the batch shell only notes it and waits for them to save and exit 75.",
@@ -245,8 +316,18 @@ class BatchRequest:
             "STARTED=$(date +%s.%N)",
             'echo "trainguard: job $SLURM_JOB_ID (run $RUN_ID, restart ${SLURM_RESTART_COUNT:-0},'
             " resubmit ${" + RESUBMITS_ENV + '}) on $SLURM_JOB_NODELIST" >&2',
+            *(self._roles_lines() if self.role_nodes else []),
             self._agent_command(),
             "rc=$?",
+            *(
+                [
+                    f'touch "${envvars.SBATCH_ROLES_STOP}"  # the role agents stop their replicas',
+                    "# (at most a minute: a role step still there then ends with the job)",
+                    'for _ in $(seq 60); do kill -0 "$ROLES_PID" 2>/dev/null || break; sleep 1; done',
+                ]
+                if self.role_nodes
+                else []
+            ),
             f'exec {tg} slurm finish --run-dir "$RUN_DIR" --rc "$rc" --since "$STARTED" \\\n'
             f'    --script "$RUN_DIR/job.sbatch"'
             + (f" --config {_q(self.config_file)}" if self.config_file else ""),

@@ -26,6 +26,8 @@ from enum import Enum
 from typing import Any
 
 from trainguard.chaos.faults import CHAOS_ENV
+from trainguard.core import envvars
+from trainguard.core.config.roles import parse_role_nodes
 from trainguard.core.config.slurm import SlurmConfig
 from trainguard.core.event_kinds import JOB_FINISHED, NODE_DRAINED
 from trainguard.core.events import EventLog, read_events
@@ -156,6 +158,9 @@ def finish(
     log = EventLog(run_dir, node=node)
     events = list(read_events(run_dir))
     allocation = slurm.hostnames(env.get("SLURM_JOB_NODELIST", ""))
+    # the roles' own nodes run no trainer agent (no job_finished of theirs): not lost for that
+    role_nodes = {n for n, _ in parse_role_nodes(env.get(envvars.SBATCH_ROLE_NODES, ""))}
+    allocation = [n for n in allocation if n not in role_nodes]
     try:
         unusable = [n.name for n in slurm.nodes(allocation) if n.unusable] if allocation else []
     except SlurmError:

@@ -15,6 +15,11 @@ restart budget and health check. Example::
     [roles]
     readiness_timeout_s = 300.0
 
+Under ``trainguard sbatch`` a role may run on nodes of its own (``nodes = 2``, with a fixed
+``port``): the job allocates them besides the trainer's, the replicas bind the node's Slurm
+address (or ``bind``) and the trainer's workers get ``http://<NodeAddr>:<port + i>``
+(:func:`place_roles`; docs/rl.md "Engines on nodes of their own").
+
 On the command line (one flag per role; it replaces that role's table of the file, keys it
 does not name keep the file's values)::
 
@@ -32,9 +37,12 @@ from typing import Any
 
 __all__ = [
     "ROLE_NAMES",
+    "Placed",
     "RoleSpec",
     "RolesConfig",
     "parse_role_flag",
+    "parse_role_nodes",
+    "place_roles",
 ]
 
 ROLE_NAMES = ("rollout", "reward")
@@ -54,10 +62,13 @@ _KEYS = {
     "ready": "readiness_timeout_s",
     "readiness_timeout_s": "readiness_timeout_s",
     "standby": "standby",
+    "nodes": "nodes",
+    "bind": "bind",
 }
 
 _FLAG_FORM = (
-    "NAME=REPLICAS[,port=P,budget=N,policy=always|never,health=/PATH,ready=S,standby=K]:COMMAND"
+    "NAME=REPLICAS[,port=P,budget=N,policy=always|never,health=/PATH,ready=S,standby=K,"
+    "nodes=K,bind=ADDR]:COMMAND"
 )
 
 
@@ -91,10 +102,20 @@ class RoleSpec:
     replaced by a ready standby (it takes the replica's port, then loads the current weights
     before it serves) instead of a cold start; a new standby is started behind it at low CPU
     priority (``[roles] standby_nice``). The command must honour the standby contract
-    (``python -m trainguard.rl.engine`` and ``trainguard.rl.reward`` do); 0: none."""
+    (``python -m trainguard.rl.engine`` and ``trainguard.rl.reward`` do); 0: none. On nodes
+    of its own (``nodes``), each node keeps this many."""
+    nodes: int = 0
+    """Under ``trainguard sbatch``: the replicas run on this many nodes of their own (the job
+    allocates them besides the trainer's), spread round-robin (replica ``i`` on the role's node
+    ``i % nodes``); needs a fixed ``port``. 0: the replicas run beside the trainer, started by
+    every node's agent."""
+    bind: str = ""
+    """The address the replicas bind (``TRAINGUARD_ROLE_HOST``); empty: ``127.0.0.1`` beside
+    the trainer, the node's Slurm address (``NodeAddr``) on nodes of its own. ``0.0.0.0`` binds
+    every interface: only when told."""
 
-    def url(self, port: int) -> str:
-        return f"http://127.0.0.1:{port}"
+    def url(self, port: int, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{port}"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -107,6 +128,8 @@ class RoleSpec:
             "readiness_timeout_s": self.readiness_timeout_s,
             "env": dict(self.env),
             "standby": self.standby,
+            "nodes": self.nodes,
+            "bind": self.bind,
         }
 
     @classmethod
@@ -135,11 +158,25 @@ class RoleSpec:
             raise ValueError(
                 f"{where}: role {name!r}: ports {port}..{port + replicas - 1} go past 65535"
             )
+        nodes = check.integer("nodes", 0, 0)
+        if nodes > replicas:
+            raise ValueError(
+                f"{where}: role {name!r}: nodes {nodes} > replicas {replicas}: each node of the "
+                "role runs at least one replica; give fewer nodes or more replicas"
+            )
+        if nodes and not port:
+            raise ValueError(
+                f"{where}: role {name!r} runs on nodes of its own (nodes = {nodes}) and needs a "
+                "fixed port (port = 8100: replica i on port + i), since the trainer's URLs are "
+                "known before its replicas start"
+            )
         return cls(
             name=name,
             command=command,
             replicas=replicas,
             port=port,
+            nodes=nodes,
+            bind=check.bind(),
             restart_budget=check.integer("restart_budget", 5, 0),
             restart_policy=check.restart_policy(),
             health_path=check.health_path(),
@@ -160,9 +197,13 @@ _TABLE_KEYS = frozenset(
         "readiness_timeout_s",
         "env",
         "standby",
+        "nodes",
+        "bind",
     }
 )
 """Keys of a ``[roles.<name>]`` table."""
+
+_BIND_RE = re.compile(r"\A[A-Za-z0-9.:_-]+\Z")
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +275,12 @@ class _Checker:
             raise self._error("readiness_timeout_s must be > 0")
         return seconds
 
+    def bind(self) -> str:
+        bind = str(self.table.get("bind", "") or "")
+        if bind and not _BIND_RE.match(bind):
+            raise self._error(f"bind {bind!r} is not an address (e.g. 10.0.0.5 or 0.0.0.0)")
+        return bind
+
     def env(self) -> tuple[tuple[str, str], ...]:
         env = self.table.get("env") or {}
         if not isinstance(env, dict):
@@ -263,7 +310,7 @@ def parse_role_flag(value: str) -> tuple[str, dict[str, Any]]:
         if not eq or key.strip() not in _KEYS:
             raise ValueError(
                 f"{where}: unknown option {opt!r}; options: port, budget, policy, health, "
-                "ready, standby"
+                "ready, standby, nodes, bind"
             )
         table[_KEYS[key.strip()]] = val.strip()
     cmd = m["cmd"].strip()
@@ -325,3 +372,57 @@ class RolesConfig:
 
     def readiness_timeout(self, spec: RoleSpec) -> float:
         return spec.readiness_timeout_s or self.readiness_timeout_s
+
+    def node_count(self) -> int:
+        """Nodes of their own the roles need (``nodes``, all roles together)."""
+        return sum(s.nodes for s in self.specs())
+
+
+def parse_role_nodes(value: str) -> list[tuple[str, str]]:
+    """``TRAINGUARD_SBATCH_ROLE_NODES`` (``name=addr,...``) → ``[(name, addr), ...]``."""
+    out = []
+    for item in value.split(","):
+        name, _, addr = item.strip().partition("=")
+        if name:
+            out.append((name, addr or name))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Where one replica of a role on nodes of its own runs."""
+
+    index: int
+    node: str
+    addr: str
+    """The node's address: the host of the replica's URL."""
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.addr}:{self.port}"
+
+
+def place_roles(specs: list[RoleSpec], nodes: list[tuple[str, str]]) -> dict[str, list[Placed]]:
+    """The replicas of the roles with ``nodes = K`` on the role nodes (in order): each role takes
+    the next K nodes, replica ``i`` runs on its node ``i % K`` on port ``port + i``. The same on
+    every node (the URLs the trainer gets, the replicas a node's agent starts); ValueError
+    (one line) when the nodes are fewer than the roles ask for."""
+    need = sum(s.nodes for s in specs)
+    if need > len(nodes):
+        raise ValueError(
+            f"the roles ask for {need} node(s) of their own, the job has {len(nodes)} "
+            f"({','.join(n for n, _ in nodes) or 'none'})"
+        )
+    out: dict[str, list[Placed]] = {}
+    at = 0
+    for spec in specs:
+        if not spec.nodes:
+            continue
+        mine = nodes[at : at + spec.nodes]
+        at += spec.nodes
+        out[spec.name] = [
+            Placed(i, mine[i % spec.nodes][0], mine[i % spec.nodes][1], spec.port + i)
+            for i in range(spec.replicas)
+        ]
+    return out
