@@ -202,3 +202,20 @@ def test_report_of_a_run_without_a_fleet_has_no_rollout_charts(tmp_path: Path) -
     fleet = html.split('<div id="fleet">', 1)[1].split("<h2>", 1)[0]
     assert "No engine fleet" in fleet and "<svg" not in fleet
     assert "tg-rollout-failures" not in fleet
+
+
+def test_summary_of_a_job_that_failed_without_a_worker_failure(tmp_path: Path) -> None:
+    """A job can end failed with no worker failing (a role that cannot be kept running, a
+    node taken out): the summary's first line must not read as a clean run."""
+    from trainguard.telemetry.summary import recovery_summary
+
+    def head(state: str) -> str:
+        evs = [{"time": 100.0, "kind": "launch", "node": "n", "attempt": 0},
+               {"time": 105.0, "kind": "job_finished", "node": "n", "attempt": 0,
+                "state": state, "restarts": 0}]  # fmt: skip
+        (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evs))
+        return recovery_summary(tmp_path)[0]
+
+    assert head("failed").startswith("trainguard run: no worker failures; job failed")
+    assert head("do_not_requeue").startswith("trainguard run: no worker failures; job stopped")
+    assert head("succeeded").startswith("trainguard run: no failures")

@@ -115,7 +115,14 @@ def _headline(data: Any, n_failures: int) -> str:
         outcome = "seen"
     head = f"trainguard run: {n_failures} failure{s} {outcome}"
     if not n_failures:
-        head = "trainguard run: no failures"
+        # a job can end without a worker failing: a role that cannot be kept running, a
+        # node taken out; the line must not read as a clean run then
+        ended = outcome.partition("; ")[2]
+        head = (
+            f"trainguard run: no worker failures; {ended}"
+            if ended
+            else "trainguard run: no failures"
+        )
     n_rb = sum(1 for e in data.events if e.get("kind") == LOSS_ROLLBACK)
     if n_rb:
         head += f", {n_rb} loss rollback{'s' if n_rb != 1 else ''}"
