@@ -186,9 +186,23 @@ def job_env(**extra: str) -> dict[str, str]:
 
 
 @pytest.mark.timeout(600)
-def test_lemon_refused_at_the_next_job_spare_runs_cli(tmp_path: Path) -> None:
+def test_lemon_refused_at_the_next_job_spare_runs_cli(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     runs = tmp_path / "runs"
     env = job_env(TRAINGUARD_RUNTIME_RUNS_ROOT=str(runs))
+    # the successful `trainguard fleet` reads run in-process (the CLI's main, same config from
+    # the environment); the one-line error at the end is one real launch
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRAINGUARD_RUNTIME_RUNS_ROOT", str(runs))
+
+    def fleet(*argv: str) -> tuple[int, str]:
+        from trainguard.cli.cmd_fleet import main
+
+        capsys.readouterr()
+        rc = main(list(argv))
+        return rc, capsys.readouterr().out
+
     # an earlier job's user error is recorded under the runs root
     r = tg("run", "--standalone", "--nproc-per-node", "1", "--max-restarts", "1",
            "--tg-run-dir", str(tmp_path / "first"), str(FAULTY), "--fault", "shape",
@@ -202,8 +216,8 @@ def test_lemon_refused_at_the_next_job_spare_runs_cli(tmp_path: Path) -> None:
     # three hardware incidents of n0 in earlier jobs
     with open_db("", runs_root=runs) as db:
         db.write([hw("n0", f"old{i}") for i in range(3)])
-    out = tg("fleet", "lemons", cwd=tmp_path, env=env)
-    assert out.returncode == 0 and out.stdout.split()[4:6] == ["n0", "3"], out.stdout
+    rc, out = fleet("lemons")
+    assert rc == 0 and out.split()[4:6] == ["n0", "3"], out
 
     # the next job: 2 nodes wanted; n1 (hosting the rendezvous store) and n0 start, n0 refuses
     # to join; the spare n2 started then takes its place
@@ -239,11 +253,11 @@ def test_lemon_refused_at_the_next_job_spare_runs_cli(tmp_path: Path) -> None:
     started = {e["node"] for e in evs if e["kind"] == "workers_started"}
     assert started == {"n1", "n2"}
 
-    out = tg("fleet", "nodes", cwd=tmp_path, env=env)
-    assert out.returncode == 0 and "n0" in out.stdout and "n1" in out.stdout
-    rel = tg("fleet", "release", "n0", cwd=tmp_path, env=env)
-    assert rel.returncode == 0 and "node n0 released (3 incident(s)" in rel.stdout
-    assert tg("fleet", "lemons", cwd=tmp_path, env=env).stdout.strip() == "no lemon nodes"
+    rc, out = fleet("nodes")
+    assert rc == 0 and "n0" in out and "n1" in out
+    rc, out = fleet("release", "n0")
+    assert rc == 0 and "node n0 released (3 incident(s)" in out
+    assert fleet("lemons")[1].strip() == "no lemon nodes"
     bad = tg("fleet", "--url", "postgresql://x@127.0.0.1:1/db", "nodes", cwd=tmp_path, env=env)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unreachable" in bad.stderr
 
