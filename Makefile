@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 DEMO   := trainguard-runs/demo
 
-.PHONY: demo test test-checks test-services test-soak test-torch-latest lint docs bench clean
+.PHONY: demo test test-suite test-checks test-services test-soak test-torch-latest lint docs bench clean
 
 # The venv sees system site-packages so a torch the user already has is kept; where no torch
 # is importable, the CPU build torch==2.13.0 is installed (a bare `torch` pulls CUDA, GBs).
@@ -27,26 +27,31 @@ demo: $(VENV)/.installed
 	@echo "Events:        $(VENV)/bin/trainguard events $(DEMO)"
 
 # Everything the tests run outside Python: these Debian packages and the rotel OTLP receiver,
-# installed while the venv is built and checked (lint, format, types; tests/services/preflight.py
-# names any binary still missing, in one line, before the first test). Then the suite in
-# parallel: one pytest-xdist worker per group of tests that share a service
-# (pytest.mark.xdist_group), the rest spread over TEST_WORKERS, the slow tests first.
+# installed while the venv is built (tests/services/preflight.py names any binary still missing,
+# in one line, before the first test). Then the suite and the checks (lint, format, types, docs)
+# side by side: the suite's jobs spend a quarter of their time waiting (restarts, timeouts), and
+# the checks use that CPU. The suite runs in parallel: one pytest-xdist worker per group of
+# tests that share a service (pytest.mark.xdist_group), the rest spread over TEST_WORKERS, the
+# slow tests first; 4 workers keep both cores busy to the end.
 # `make test TESTS=tests/test_spares.py` runs one file; `make test-soak` the soak tests. The
 # heaviest tests and files by CPU are printed at the end; the whole profile is build/test-profile.json.
 # The suite starts ~1500 Python processes; compileall first, so that none of them compiles the
 # package from source (where PYTHONDONTWRITEBYTECODE is set, none would write the cache).
 TEST_DEBS    := prometheus prometheus-alertmanager chromium slurm-wlm munge iproute2 etcd-server etcd-client
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 TESTS        ?=
 
 test:
-	@$(MAKE) --no-print-directory -j2 -O test-checks test-services
+	@$(MAKE) --no-print-directory -j2 -O $(VENV)/.installed test-services
+	@$(MAKE) --no-print-directory -j2 -Oline test-suite test-checks
+
+test-suite: $(VENV)/.installed
 	$(PY) -m compileall -q trainguard tests examples bench
 	mkdir -p build && TG_PROFILE_JSON=build/test-profile.json $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(TESTS)
 
 # Lint, format and type checks, and the documentation: the generated reference pages match
 # the code, and the site builds with warnings as errors (broken links and anchors included).
-# The Debian packages and the rotel receiver are installed meanwhile (stdlib only: no venv needed).
+# `make test` runs them beside the suite; `make test-checks` alone.
 test-checks: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
