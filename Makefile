@@ -29,10 +29,11 @@ demo: $(VENV)/.installed
 # Everything the tests run outside Python: these Debian packages and the rotel OTLP receiver,
 # installed while the venv is built (tests/services/preflight.py names any binary still missing,
 # in one line, before the first test). Then the suite and the checks (lint, format, types, docs)
-# side by side: the suite's jobs spend a quarter of their time waiting (restarts, timeouts), and
-# the checks use that CPU. The suite runs in parallel: one pytest-xdist worker per group of
-# tests that share a service (pytest.mark.xdist_group), the rest spread over TEST_WORKERS, the
-# slow tests first; 4 workers keep both cores busy to the end.
+# side by side, the checks' output (build/checks.log) printed after the suite's: the suite's
+# jobs spend a quarter of their time waiting (restarts, timeouts), and the checks use that CPU.
+# The suite runs in parallel: one pytest-xdist worker per group of tests that share a service
+# (pytest.mark.xdist_group), the rest spread over TEST_WORKERS, the slow tests first; 4 workers
+# keep both cores busy to the end.
 # `make test TESTS=tests/test_spares.py` runs one file; `make test-soak` the soak tests. The
 # heaviest tests and files by CPU are printed at the end; the whole profile is build/test-profile.json.
 # The suite starts ~1500 Python processes; compileall first, so that none of them compiles the
@@ -43,7 +44,12 @@ TESTS        ?=
 
 test:
 	@$(MAKE) --no-print-directory -j2 -O $(VENV)/.installed test-services
-	@$(MAKE) --no-print-directory -j2 -Oline test-suite test-checks
+	@mkdir -p build; rm -f build/checks.rc; \
+	($(MAKE) --no-print-directory test-checks > build/checks.log 2>&1; echo $$? > build/checks.rc) & \
+	$(MAKE) --no-print-directory test-suite; suite=$$?; wait; \
+	echo; echo "== the checks (build/checks.log) =="; cat build/checks.log; \
+	if [ "$$(cat build/checks.rc)" != 0 ]; then echo "make test: the checks failed (above)"; exit 1; fi; \
+	exit $$suite
 
 test-suite: $(VENV)/.installed
 	$(PY) -m compileall -q trainguard tests examples bench

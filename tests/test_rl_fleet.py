@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.ports import free_port
+from tests.procs import FIXTURE_PIDS
 from trainguard.rl import RolloutClient, RolloutConfig, RolloutError, WeightStore
 from trainguard.rl.local import LocalEngines, engine_health
 from trainguard.rl.tiny import tiny_gpt2
@@ -53,6 +54,7 @@ class Fleet:
             args=["--enable-fault-injection", "--poll-interval-s", "0.3"],
         )
         self.engines.start()
+        self.own()
         # (health, completion status, completion answer) of each replica before any version
         # was published, and the version each served first once version 0 was
         self.unpublished: list[tuple[dict[str, Any], int, Any]] = []
@@ -77,6 +79,11 @@ class Fleet:
     def alive(self) -> list[int]:
         return [i for i, p in enumerate(self.engines.procs) if p is not None and p.poll() is None]
 
+    def own(self) -> None:
+        """The replicas running now belong to the module's fleet (stopped at its teardown),
+        also those a test restarted."""
+        FIXTURE_PIDS.update(p.pid for p in self.engines.procs if p is not None)
+
     def publish(self) -> int:
         self.version += 1
         self.store.publish(self.version, self.model.state_dict())
@@ -95,6 +102,7 @@ class Fleet:
                     self.engines.restart(i)
             elif not keep_dead:
                 self.engines.start(i)
+        self.own()
         for i in self.alive():
             self.engines.wait_serving(i, version=self.version, timeout=120)
             for kind in ("http_500", "malformed", "hang"):
@@ -242,6 +250,7 @@ def test_restarted_engine_serves_only_after_loading_the_current_version(healthy:
         v = healthy.publish()  # published while replica 0 is down
         client.sync_weights(v)
         healthy.engines.start(0)
+        healthy.own()
         rejoined = healthy.engines.urls[0]
         seen: set[str] = set()
         deadline = time.monotonic() + 120

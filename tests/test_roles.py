@@ -567,9 +567,15 @@ def test_the_real_engine_as_a_rollout_replica(tmp_path: Path) -> None:
         state = json.loads(RunDir(tmp_path).role_state("rollout", 0).read_text())
         assert state["pid"] == new[0] and state["weight_version"] == 3 and state["restarts"] == 1
         assert state["url"] == rep.url and sup.failure is None
-        serving = [e for e in kinds(tmp_path, "role_replica_state") if e["state"] == "serving"]
-        # each incarnation served the published version from its first answer on
-        assert [(e["pid"], e["weight_version"]) for e in serving] == [(pid, 3), (new[0], 3)]
+
+        # each incarnation served the published version from its first answer on (the event
+        # follows the replica's state by a moment: the supervisor sets it, then emits)
+        def served() -> list[tuple[int, int]]:
+            events = kinds(tmp_path, "role_replica_state")
+            return [(e["pid"], e["weight_version"]) for e in events if e["state"] == "serving"]
+
+        wait_for("the replacement's serving event", lambda: len(served()) >= 2, timeout=10)
+        assert served() == [(pid, 3), (new[0], 3)]
     finally:
         sup.stop()
 
