@@ -90,7 +90,10 @@ def test_transient_faults_never_stop() -> None:
         a = attribute(failures, world_size=2, hang=hang)
         assert a.verdict is not Verdict.STOP, a
     a = attribute([killed, survivor], world_size=2)
-    assert a.cause in (Cause.NETWORK, Cause.TRANSIENT)
+    # the killed rank is the cause, its peer's lost connection the consequence
+    assert (a.cause, a.ranks) == (Cause.TRANSIENT, [0]), a
+    assert a.summary.startswith("rank(s) 0 ended by SIGKILL; rank(s) 1 lost the connection"), a
+    assert attribute([survivor], world_size=2).cause is Cause.NETWORK  # no kill: the network
     # a kill next to a user exception on every other rank: not decided at once
     a = attribute([killed, exc(1, SHAPE, _tb())], world_size=2)
     assert a.verdict is Verdict.RESTART

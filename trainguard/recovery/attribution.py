@@ -21,7 +21,8 @@ cause              verdict     evidence
                                message naming NaN): restart from the last checkpoint
 ``control_plane``  retry       the rendezvous / store / etcd the job depends on failed
 ``transient``      restart     killed (SIGKILL), stopped and killed by the hang detector,
-                               crashed (SIGSEGV...) or exited without saying why
+                               crashed (SIGSEGV...) or exited without saying why; the peers
+                               that lost their connection to a killed rank are its consequence
 =================  ==========  ================================================================
 
 Only ``user_code`` and ``out_of_memory`` stop a job, and only on an exception the script raised
@@ -259,6 +260,23 @@ def attribute(
             deterministic=deterministic,
             signature=sig,
             ranks=ranks,
+            evidence=evidence,
+        )
+    killed = [
+        f for f in own if f.kind in (FailureKind.KILLED, FailureKind.CRASHED) and not f.torn_down
+    ]
+    if killed and set(by_cause) == {Cause.NETWORK}:
+        # a peer's lost connection next to a rank that was killed is that kill's consequence
+        peers = sorted(causes)
+        site = sites[peers[0]]
+        how = sorted({f.signal or f"exit {f.exitcode}" for f in killed})
+        evidence.update(peer_exception=site.type, peer_message=site.text, peers=peers)
+        return Attribution(
+            Cause.TRANSIENT,
+            Verdict.RESTART,
+            f"rank(s) {_ranks(sorted(f.rank for f in killed))} ended by {', '.join(how)}; "
+            f"rank(s) {_ranks(peers)} lost the connection to it ({site.type})",
+            ranks=sorted(f.rank for f in killed),
             evidence=evidence,
         )
     for cause in (Cause.DATA, Cause.CONTROL_PLANE, Cause.NETWORK, Cause.TRANSIENT):
