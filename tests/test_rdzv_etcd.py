@@ -919,10 +919,12 @@ def test_the_round_store_retries_through_a_stall_right_after_the_round(etcd: Etc
     try:
         store = h.next_rendezvous().store
         results: dict[str, BaseException | None] = {}
+        sent = {"within": threading.Event(), "outside": threading.Event()}
 
         def write(name: str, window: float | None) -> None:
             try:
                 with h.after_round(window) if window else contextlib.nullcontext():
+                    sent[name].set()
                     store.set(f"k/{name}", "v")
                 results[name] = None
             except BaseException as e:  # asserted below
@@ -934,6 +936,8 @@ def test_the_round_store_retries_through_a_stall_right_after_the_round(etcd: Etc
                    for a in (("within", 30.0), ("outside", None))]  # fmt: skip
         for t in threads:
             t.start()
+        # the stall counts from the writes (a loaded machine may start a thread late)
+        assert all(e.wait(30) for e in sent.values())
         time.sleep(3.0)
         os.kill(etcd.proc.pid, signal.SIGCONT)
         stopped = False

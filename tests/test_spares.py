@@ -321,11 +321,12 @@ def _two_spares_one_dead_node(backend: str, endpoint: str) -> None:
         # the node that lost the race (a spare, or the survivor itself) waits in the redundancy
         # list, not the wait list: the active agents see nobody waiting and keep training
         # (torch alone leaves it in the wait list and every active agent restarts, in a loop)
-        inner = handlers[winners[0]]._inner  # type: ignore[attr-defined]
-        loser_node = handlers[loser]._inner._this_node  # type: ignore[attr-defined]
+        # Seen through the loser's handler: it waits in its rendezvous and follows the state's
+        # writes, where a winner's handler, done with its rendezvous, may serve a cached read
+        inner = handlers[loser]._inner  # type: ignore[attr-defined]
+        loser_node = inner._this_node
 
         def settled() -> bool:
-            inner._state_holder.sync()
             st = inner._state_holder.state
             return st.complete and not st.wait_list and loser_node in st.redundancy_list
 
