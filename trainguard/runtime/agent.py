@@ -345,7 +345,17 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._repair_error_files()  # torch's poll and the in-process restart read them
         self.inprocess.check(worker_group)  # before torch's poll, which stops every worker
-        result = super().monitor_workers(worker_group)
+        for _ in range(len(worker_group.workers)):
+            try:
+                result = super().monitor_workers(worker_group)
+                break
+            except (ValueError, LookupError, TypeError, RecursionError):
+                # a worker exited after the repair, before or while torch's poll stopped the
+                # group, and left an error file torch's reader raised on: repair, poll again
+                if not self._repair_error_files():
+                    raise
+        else:
+            result = super().monitor_workers(worker_group)
         if result.state == WorkerState.HEALTHY:
             for override in self._call("on_monitor", worker_group, result):
                 if override is not None:
@@ -598,17 +608,19 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         except Exception as e:
             logger.debug("cannot wait for the workers' own exits: %s", e)
 
-    def _repair_error_files(self, pcontext: Any = None) -> None:
+    def _repair_error_files(self, pcontext: Any = None) -> list[int]:
+        """The local ranks whose error file was replaced."""
         try:
             ranks = _torch.repair_error_files(pcontext or self.pcontext)
         except Exception as e:
             logger.debug("cannot check the workers' error files: %s", e)
-            return
+            return []
         if ranks:
             logger.warning(
                 "local rank(s) %s left an error file torch cannot read (cut short, or not in its format); replaced",
                 ",".join(map(str, ranks)),
             )
+        return ranks
 
     def _mark_teardown(self) -> None:
         path = getattr(self, "_teardown_file", None)
