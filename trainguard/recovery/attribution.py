@@ -267,16 +267,16 @@ def attribute(
     ]
     if killed and set(by_cause) == {Cause.NETWORK}:
         # a peer's lost connection next to a rank that was killed is that kill's consequence
-        peers = sorted(causes)
+        peers, ranks = sorted(causes), sorted(f.rank for f in killed)
         site = sites[peers[0]]
         how = sorted({f.signal or f"exit {f.exitcode}" for f in killed})
         evidence.update(peer_exception=site.type, peer_message=site.text, peers=peers)
         return Attribution(
             Cause.TRANSIENT,
             Verdict.RESTART,
-            f"rank(s) {_ranks(sorted(f.rank for f in killed))} ended by {', '.join(how)}; "
+            f"rank(s) {_ranks(ranks)} ended by {', '.join(how)}; "
             f"rank(s) {_ranks(peers)} lost the connection to it ({site.type})",
-            ranks=sorted(f.rank for f in killed),
+            ranks=ranks,
             evidence=evidence,
         )
     for cause in (Cause.DATA, Cause.CONTROL_PLANE, Cause.NETWORK, Cause.TRANSIENT):

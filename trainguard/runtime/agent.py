@@ -345,17 +345,16 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._repair_error_files()  # torch's poll and the in-process restart read them
         self.inprocess.check(worker_group)  # before torch's poll, which stops every worker
-        for _ in range(len(worker_group.workers)):
+        while True:
             try:
                 result = super().monitor_workers(worker_group)
                 break
             except (ValueError, LookupError, TypeError, RecursionError):
                 # a worker exited after the repair, before or while torch's poll stopped the
                 # group, and left an error file torch's reader raised on: repair, poll again
+                # (each pass replaces a file, which torch then reads: the loop ends)
                 if not self._repair_error_files():
                     raise
-        else:
-            result = super().monitor_workers(worker_group)
         if result.state == WorkerState.HEALTHY:
             for override in self._call("on_monitor", worker_group, result):
                 if override is not None:
