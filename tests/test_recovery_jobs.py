@@ -62,7 +62,13 @@ class Agent:
         return "".join(self.lines)
 
     def wait(self, timeout: float = 120) -> int:
-        rc = self.proc.wait(timeout=timeout)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"node {self.node}'s agent did not end in {timeout} s; its stderr ends:\n"
+                + self.stderr[-3000:]
+            ) from None
         self._reader.join(10)
         return rc
 

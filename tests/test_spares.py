@@ -109,6 +109,50 @@ def test_reaper_judges_silence_on_its_own_clock() -> None:
     assert foreign in st["participants"]  # never judged: it has no beacon
 
 
+def test_the_beacon_beats_while_the_agent_waits_in_torchs_exit_barrier() -> None:
+    """An agent whose workers finished waits in torch's exit barrier (a blocking ``wait`` on
+    the rendezvous store) for the slower nodes: its beacon still advances, so the spares do
+    not take it for dead (on the shared TCPStore connection the beats queued behind the wait,
+    and a spare removed a finishing node from the round: the job never ended)."""
+    from datetime import timedelta
+
+    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed.elastic.utils.store import barrier
+
+    params = RendezvousParameters(
+        backend="c10d", endpoint=f"127.0.0.1:{free_port()}", run_id="exitb", min_nodes=1,
+        max_nodes=2,
+    )  # fmt: skip
+    handler = rdzv_registry.get_rendezvous_handler(params)
+    store = handler._store  # type: ignore[attr-defined]
+    cfg = SparesConfig(beacon_interval_s=0.1, dead_after_s=0.5)
+    ctl = spares.SpareController(handler, cfg, lambda kind, **f: None)
+    assert ctl.beacon is not None
+    other = TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+    errors: list[BaseException] = []
+
+    def exit_barrier() -> None:  # what torch's agent runs after its workers succeeded
+        try:
+            barrier(PrefixStore("torch.rendezvous.exitb.0", store), 2, "terminal", 2.0)
+        except BaseException as e:
+            errors.append(e)
+
+    waiter = threading.Thread(target=exit_barrier)
+    try:
+        waiter.start()
+        time.sleep(0.4)  # the barrier's wait holds the shared connection now
+        first = int(other.get(ctl.beacon.key))
+        time.sleep(1.0)
+        during = int(other.get(ctl.beacon.key))
+        assert waiter.is_alive(), "the barrier returned early: nothing was measured"
+        assert during >= first + 4, f"beacon stood still in the exit barrier: {first} -> {during}"
+    finally:
+        waiter.join(10)
+        ctl.close()
+    assert errors and "timeout" in str(errors[0]).lower()  # the barrier did wait (one node)
+    assert other.get(ctl.beacon.key) == spares.LEFT.encode()
+
+
 def test_a_participant_judged_in_a_filling_round_stays_in_it_once_it_completed() -> None:
     """A reaper judges a node dead in a round that is filling; before its write, another
     node's write completes the round (real c10d store and state). The node keeps its slot:

@@ -56,6 +56,7 @@ __all__ = [
     "Reaper",
     "SpareController",
     "attach",
+    "own_connection",
 ]
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,24 @@ def _watched_by(me: str, state: RendezvousState) -> dict[str, NodeDesc]:
         if (lo < at < hi) if lo < hi else (at > lo or at < hi):
             mine[key] = node
     return mine
+
+
+def own_connection(store: Any) -> Any:
+    """A connection of the beacon's own to ``store`` (a TCPStore: ``clone()``, the same server).
+
+    A TCPStore client runs one request at a time: on the connection the agent shares with
+    torch, a beat waits behind any blocking call, such as the exit barrier's ``wait`` for the
+    other agents (as long as the slowest node takes to finish), and a node that waits there
+    longer than ``dead_after_s`` would look dead to the spares. Another store (a FileStore)
+    is used as it is."""
+    clone = getattr(store, "clone", None)
+    if clone is None:
+        return store
+    try:
+        return clone()
+    except Exception as e:  # a store that cannot clone: its shared connection
+        logger.debug("liveness beacon on the shared store connection: %s", e)
+        return store
 
 
 class LivenessBeacon:
@@ -559,7 +578,7 @@ class SpareController:
             self.reaper.leases = True
         else:
             self.beacon = LivenessBeacon(
-                _torch.handler_store(handler),
+                own_connection(_torch.handler_store(handler)),
                 prefix + repr(_torch.handler_node(handler)),
                 cfg.beacon_interval_s,
             )
