@@ -93,7 +93,15 @@ def _wait_event(run_dir: Path, pred, timeout: float, what: str) -> dict:
             if pred(ev):
                 return ev
         time.sleep(0.5)
-    raise TimeoutError(f"no {what} in {run_dir}/events.jsonl after {timeout:.0f} s")
+    tail = [
+        {k: ev.get(k) for k in ("time", "kind", "node", "state", "reason", "attempt") if k in ev}
+        for ev in _events(run_dir)[-25:]
+    ]
+    log = run_dir.parent / f"{run_dir.name}.out"
+    raise TimeoutError(
+        f"no {what} in {run_dir}/events.jsonl after {timeout:.0f} s; the last events: {tail}"
+        + (f"\nthe job's output ends:\n{log.read_text()[-3000:]}" if log.exists() else "")
+    )
 
 
 def _log(c: SlurmCluster, d: Path, job: str) -> str:
@@ -240,7 +248,7 @@ def test_spares_exhausted_resubmits_without_the_bad_node(
     nodes = c.run("scontrol", "show", "hostnames", c.job_field(job, "NodeList")).split()
     victim = next(n for n in nodes if n != first)
     c.node("crash", victim)
-    resub = _wait_event(run_dir, lambda e: e["kind"] == "resubmit", 180, "resubmission")
+    resub = _wait_event(run_dir, lambda e: e["kind"] == "resubmit", 300, "resubmission")
     assert resub["exclude"] == [victim]
     job2 = resub["new_job_id"]
     assert c.wait_job(job, {"FAILED", "COMPLETED", "CANCELLED"}, 60) == "FAILED"
