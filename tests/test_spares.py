@@ -7,10 +7,12 @@
 - Real jobs (agents and gloo workers as processes, kill -9 of an agent with its workers), 2
   active + 1 spare. etcd-v3: the agent that started first dies → the spare joins with no manual
   step, restores the lost shard from a survivor's memory copy, and the job finishes at full
-  world size with the weights of a fault-free run, bitwise. c10d: a node that does not host the
-  store dies → the spare takes its place and training goes on at full size; then the agent that
-  started first dies → the job dies with it (the rendezvous TCPStore is a server inside that
-  agent process: state, keep-alives and the spare list are gone), and says so in one line.
+  world size with the weights of a fault-free run, bitwise; the spare's and the survivor's new
+  workers come from their warm processes. c10d (cold starts, no warm processes): a node that
+  does not host the store dies → the spare takes its place and training goes on at full size;
+  then the agent that started first dies → the job dies with it (the rendezvous TCPStore is a
+  server inside that agent process: state, keep-alives and the spare list are gone), and says
+  so in one line.
 """
 
 from __future__ import annotations
@@ -392,9 +394,11 @@ class Job:
     """Three agents of one job (``--nnodes 2``): a and b train, c waits as a spare."""
 
     def __init__(
-        self, tmp: Path, backend: str, endpoint: str, run_id: str, *, warm_delay_s: float = 5.0
+        self, tmp: Path, backend: str, endpoint: str, run_id: str, *, warm: tuple[str, ...] = ()
     ) -> None:
-        self.warm_delay_s = warm_delay_s
+        # the agents named in ``warm`` start their worker's warm process at once; the others
+        # never start one (base_env's default: a torch import each, ~4 s of CPU, for nothing)
+        self.warm = warm
         self.tmp = tmp
         self.run_dir = tmp / "run"
         self.out = tmp / "final.pt"
@@ -413,10 +417,9 @@ class Job:
             "--out", str(self.out),
         ]  # fmt: skip
         log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        env = base_env(
-            TRAINGUARD_TELEMETRY_ENABLED="false",
-            TRAINGUARD_WARM_PRESTART_DELAY_S=str(self.warm_delay_s),
-        )
+        env = base_env(TRAINGUARD_TELEMETRY_ENABLED="false")
+        if name in self.warm:
+            env["TRAINGUARD_WARM_PRESTART_DELAY_S"] = "0"
         p = subprocess.Popen(
             args, cwd=self.tmp, env=env, stdout=log,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -525,8 +528,9 @@ def test_etcd_v3_the_agent_that_started_first_dies_the_spare_takes_over_bitwise(
 ) -> None:
     """With warm starts (``[warm]``, on by default): the spare starts its worker's warm process
     when it begins to wait, the survivor one after its start, and both start their new workers
-    from them (one pool serves a spare's first start and a restart)."""
-    job = Job(tmp_path, "etcd-v3", etcd.endpoint, "spare-etcd", warm_delay_s=0)
+    from them (one pool serves a spare's first start and a restart). The agent killed (a)
+    starts none: it would never be used."""
+    job = Job(tmp_path, "etcd-v3", etcd.endpoint, "spare-etcd", warm=("b", "c"))
     try:
         a, b, c = job.start_three()
         kill_tree(a)  # the node is gone, agent and worker (kill -9); on c10d this ends the job
