@@ -1,9 +1,10 @@
 """The etcd v3 rendezvous backend against a real etcd 3.4 (Debian etcd-server, on loopback).
 
 Backend compare-and-swap semantics (two writers race, one wins), the Store operations, the run's
-lease, a real 2-agent x 2-process gloo job over ``--rdzv-backend etcd-v3``, kill -9 of the
-rank-0 agent (the one that hosts the store under c10d) with its workers, and etcd stopped for
-10 s mid-run and started again on the same data directory.
+lease, a real 2-agent x 1-process gloo job over ``--rdzv-backend etcd-v3`` (the assertions are
+about the agents' rendezvous, so one worker per agent), kill -9 of the rank-0 agent (the one that
+hosts the store under c10d) with its worker, and etcd stopped for 10 s mid-run and started again
+on the same data directory.
 """
 
 from __future__ import annotations
@@ -235,19 +236,29 @@ def test_calls_fail_after_the_retry_deadline(tmp_path: Path) -> None:
 
 # -- real jobs ------------------------------------------------------------------------------------
 def _agent(
-    tmp: Path, name: str, etcd: Etcd, run_id: str, run_dir: Path, steps: int, *extra: str
+    tmp: Path,
+    name: str,
+    etcd: Etcd,
+    run_id: str,
+    run_dir: Path,
+    steps: int,
+    step_sleep: float,
+    *extra: str,
 ) -> subprocess.Popen[bytes]:
     args = [
         sys.executable, "-m", "trainguard", "run",
-        "--nnodes", "1:2", "--nproc-per-node", "2",
+        "--nnodes", "1:2", "--nproc-per-node", "1",
         "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id,
         "--max-restarts", "3", "--monitor-interval", "0.2",
         "--tg-run-dir", str(run_dir), *extra,
-        EXAMPLE, "--steps", str(steps), "--step-sleep", "0.05", "--ckpt-every", "10",
+        EXAMPLE, "--steps", str(steps), "--step-sleep", str(step_sleep), "--ckpt-every", "10",
     ]  # fmt: skip
     log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+    # no telemetry component (metrics endpoint, OTLP, the agent's reading of the workers'
+    # records): nothing here asserts on it; the workers' JSONL records the tests read stay on
+    env = base_env(TRAINGUARD_TELEMETRY_ENABLED="false")
     return subprocess.Popen(
-        args, cwd=tmp, env=base_env(), stdout=log, stderr=subprocess.STDOUT,
+        args, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
 
@@ -283,12 +294,14 @@ def _log(tmp: Path, name: str) -> str:
 
 
 def _two_agents(
-    tmp: Path, etcd: Etcd, run_id: str, steps: int, *extra: str
+    tmp: Path, etcd: Etcd, run_id: str, steps: int, step_sleep: float, *extra: str
 ) -> tuple[list[subprocess.Popen[bytes]], Path]:
+    """Two agents of one job, one worker each; every step sleeps ``step_sleep`` s, so a job of
+    N steps runs at least N * step_sleep s (the tests' faults land while it still runs)."""
     run_dir = tmp / "run"
-    a = _agent(tmp, "a", etcd, run_id, run_dir, steps, *extra)
+    a = _agent(tmp, "a", etcd, run_id, run_dir, steps, step_sleep, *extra)
     time.sleep(0.5)  # a starts first
-    b = _agent(tmp, "b", etcd, run_id, run_dir, steps, *extra)
+    b = _agent(tmp, "b", etcd, run_id, run_dir, steps, step_sleep, *extra)
     return [a, b], run_dir
 
 
@@ -305,7 +318,8 @@ FAST_RDZV = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=5"
 
 
 def test_kill9_of_the_rank0_agent_the_other_finishes(tmp_path: Path, etcd: Etcd) -> None:
-    procs, run_dir = _two_agents(tmp_path, etcd, "job-kill", 160, "--rdzv-conf", FAST_RDZV)
+    # 100 steps of >= 0.1 s: >= 7 s from step 30 to the end for the kill to land in
+    procs, run_dir = _two_agents(tmp_path, etcd, "job-kill", 100, 0.1, "--rdzv-conf", FAST_RDZV)
     try:
         _wait_steps(procs, tmp_path, run_dir, 30)
         first = [e for e in _events(run_dir) if e["kind"] == "rendezvous"]
@@ -325,7 +339,7 @@ def test_kill9_of_the_rank0_agent_the_other_finishes(tmp_path: Path, etcd: Etcd)
         assert survivor.wait(timeout=240) == 0, _log(tmp_path, "b")
     finally:
         _cleanup(procs)
-    assert steps_done(run_dir) == 159
+    assert steps_done(run_dir) == 99
     after = [
         e for e in _events(run_dir) if e["kind"] == "rendezvous" and e.get("group_world_size") == 1
     ]
@@ -336,7 +350,9 @@ def test_kill9_of_the_rank0_agent_the_other_finishes(tmp_path: Path, etcd: Etcd)
 def test_two_agent_job_over_etcd_v3_finishes_through_10s_of_etcd_down(
     tmp_path: Path, etcd: Etcd
 ) -> None:
-    procs, run_dir = _two_agents(tmp_path, etcd, "job-etcd-down", 400)
+    # 200 steps of >= 0.15 s: the job still runs >= 24 s after step 40, well past the 10 s
+    # etcd is down (the job must still be running when etcd comes back)
+    procs, run_dir = _two_agents(tmp_path, etcd, "job-etcd-down", 200, 0.15)
     try:
         _wait_steps(procs, tmp_path, run_dir, 40)
         etcd.stop()
@@ -356,7 +372,7 @@ def test_two_agent_job_over_etcd_v3_finishes_through_10s_of_etcd_down(
         if etcd.proc is None or etcd.proc.poll() is not None:
             etcd.start()  # the module's later tests need it
         _cleanup(procs)
-    assert steps_done(run_dir) == 399
+    assert steps_done(run_dir) == 199
     # training went on while etcd was down (the workers never need it)
     assert progressed > 0
     rdzv = [e for e in _events(run_dir) if e["kind"] == "rendezvous"]
