@@ -34,10 +34,11 @@ def run_example(
     env: dict[str, str] | None = None,
     max_restarts: int = 2,
     timeout: float = 420,
+    nproc: int = 2,
 ) -> subprocess.CompletedProcess[str]:
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
+        sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", str(nproc),
         "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
         "--tg-run-dir", str(run_dir), str(EXAMPLES / script), *args,
     ]  # fmt: skip

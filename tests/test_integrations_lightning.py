@@ -1,10 +1,11 @@
 """Lightning under `trainguard run`, real processes (2 ranks, gloo): a kill -9 after the first
 ModelCheckpoint redoes at most one step with the callback, metrics per rank reach the run
-directory, a preemption notice saves Lightning's last checkpoint and exits 75."""
+directory, a preemption notice saves Lightning's last checkpoint and exits 75. The kill job
+goes on to test_framework_breakage.py's renamed loop counter: a second kill -9 (attempt 1),
+and its attempt 2's restore meets the rename: the job finishes with resume off."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,36 +18,85 @@ from tests.integration_jobs import (
     job_env,
     logged_keys,
     records,
-    restored_steps,
     run_example,
     scraped_env,
 )
 from tests.ports import free_port
+from tests.test_framework_breakage import assert_degraded, renamed_env
+
+KILL_AT, RENAMED_AT = 17, 2  # attempt 0's kill -9 (the example's); the attempt renamed in
 
 
-@pytest.mark.slow
-def test_kill_after_first_checkpoint_resumes_from_the_snapshot(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def killed_then_renamed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """lightning_trainer.py with the callback line, 30 steps, a ModelCheckpoint every 10: rank
+    1 kill -9'ed at step 17 (attempt 0) and at step 24 (attempt 1, chaos), the loop counter
+    ``_batches_that_stepped`` renamed for trainguard in attempt 2 (test_framework_breakage's
+    rename); its agent's Prometheus endpoint scraped. Its run directory, the finished process
+    and the metric names scraped."""
+    tmp = tmp_path_factory.mktemp("pl_kill")
+    run_dir = tmp / "run"
     port = free_port()
+    env = scraped_env(
+        port,
+        TRAINGUARD_CHAOS="kill:rank=1,step=24,attempt=1",
+        RENAME_FROM_ATTEMPT=str(RENAMED_AT),
+    )
     with EndpointScraper(port) as scraper:
         p = run_example(
             run_dir,
             "lightning_trainer.py",
-            ["--steps", "30", "--save-steps", "10", "--fail-at-step", "17"],
-            env=scraped_env(port),
+            ["--steps", "30", "--save-steps", "10", "--fail-at-step", str(KILL_AT)],
+            env=renamed_env(tmp, "lightning", env),
+            max_restarts=3,  # one to spare, as with one kill and 2
         )
+    return {"run_dir": run_dir, "p": p, "seen": scraper.seen}
+
+
+@pytest.mark.xdist_group("lightning_kill")  # one worker runs the shared job once
+@pytest.mark.slow
+def test_kill_after_first_checkpoint_resumes_from_the_snapshot(
+    killed_then_renamed: dict[str, Any],
+) -> None:
+    run_dir, p = killed_then_renamed["run_dir"], killed_then_renamed["p"]
     assert p.returncode == 0, p.stderr[-3000:]
     # what Prometheus scrapes from the node: the framework's loss and the throughput (samples
     # per second: the example's model reads no tokens)
-    assert {"trainguard_train_loss", "trainguard_train_sample_throughput_per_second"} <= (
-        scraper.seen
-    ), sorted(scraper.seen)
-    restored = [s for src, s in restored_steps(run_dir) if s is not None]
+    seen = killed_then_renamed["seen"]
+    assert {"trainguard_train_loss", "trainguard_train_sample_throughput_per_second"} <= seen, (
+        sorted(seen)
+    )
+    # attempt 1 (after the kill at step 17) resumed from trainguard's snapshot
+    restored = [
+        e["step"]
+        for e in events(run_dir, "checkpoint_restored")
+        if e.get("attempt") == 1 and e.get("step") is not None
+    ]
     assert restored and 16 <= restored[-1] <= 17  # Lightning's own checkpoint had step 10
+    [attached] = [a for a in events(run_dir, "integration_attached") if a["attempt"] == 1]
+    assert attached["resume"] is True and 16 <= attached["resumed_step"] <= 17
+    # and trained on from there (until the second kill, at step 24)
+    assert max(r["step"] for r in records(run_dir, 0, "step") if r["attempt"] == 1) >= 20
     for rank in (0, 1):  # each rank logs its own values (Lightning does not reduce them)
         assert {"loss", "lr"} <= logged_keys(run_dir, rank)
         assert records(run_dir, rank, "step")[-1]["step"] == 29
         assert all(r["samples"] == 16 for r in records(run_dir, rank, "step"))
+
+
+@pytest.mark.xdist_group("lightning_kill")  # one worker runs the shared job once
+@pytest.mark.slow
+def test_lightning_renamed_loop_counter_finishes_the_job_with_resume_off(
+    killed_then_renamed: dict[str, Any],
+) -> None:
+    # test_framework_breakage's case: a Lightning release without the loop counter
+    run_dir, p = killed_then_renamed["run_dir"], killed_then_renamed["p"]
+    assert p.returncode == 0, p.stderr[-3000:]
+    # attempt 2's restore moved the loop counters: the renamed one failed there
+    assert_degraded(run_dir, p.stderr, "lightning", "restoring trainguard's snapshot")
+    attached = events(run_dir, "integration_attached")
+    assert [a["attempt"] for a in attached] == [0, 1, RENAMED_AT]
+    assert [a["resume"] for a in attached] == [True, True, False]
+    assert events(run_dir, "job_finished")[-1]["state"] == "succeeded"
 
 
 @pytest.fixture(scope="module")
