@@ -2,7 +2,8 @@
 ModelCheckpoint redoes at most one step with the callback, metrics per rank reach the run
 directory, a preemption notice saves Lightning's last checkpoint and exits 75. The kill job
 goes on to test_framework_breakage.py's renamed loop counter: a second kill -9 (attempt 1),
-and its attempt 2's restore meets the rename: the job finishes with resume off."""
+and its attempt 2's restore meets the rename: the job finishes with resume off, from
+Lightning's own checkpoint (nothing of trainguard's snapshot half-applied)."""
 
 from __future__ import annotations
 
@@ -91,11 +92,17 @@ def test_lightning_renamed_loop_counter_finishes_the_job_with_resume_off(
     # test_framework_breakage's case: a Lightning release without the loop counter
     run_dir, p = killed_then_renamed["run_dir"], killed_then_renamed["p"]
     assert p.returncode == 0, p.stderr[-3000:]
-    # attempt 2's restore moved the loop counters: the renamed one failed there
+    # attempt 2's restore looks up the loop counters first: the renamed one fails there
     assert_degraded(run_dir, p.stderr, "lightning", "restoring trainguard's snapshot")
     attached = events(run_dir, "integration_attached")
     assert [a["attempt"] for a in attached] == [0, 1, RENAMED_AT]
     assert [a["resume"] for a in attached] == [True, True, False]
+    # nothing of the snapshot (step 24) was applied: the loop's internals are found before the
+    # restore, so attempt 2 trains on from Lightning's own last.ckpt (step 20), consistently
+    assert not [e for e in events(run_dir, "checkpoint_restored") if e["attempt"] == RENAMED_AT]
+    for rank in (0, 1):
+        steps = [r["step"] for r in records(run_dir, rank, "step") if r["attempt"] == RENAMED_AT]
+        assert steps == list(range(20, 30)), steps
     assert events(run_dir, "job_finished")[-1]["state"] == "succeeded"
 
 

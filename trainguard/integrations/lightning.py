@@ -117,16 +117,25 @@ class _Mixin:
         newest = None if per_epoch is None else (done // per_epoch + 1) * per_epoch - 1
         if trainer.max_steps and trainer.max_steps > 0:
             newest = trainer.max_steps if newest is None else min(newest, trainer.max_steps)
+        # Every loop internal the resume moves, found before anything is restored: one that a
+        # Lightning release renamed raises here, and the framework's own resume stands as it
+        # is (not the snapshot's weights with half of the loop's counters moved).
+        loop = trainer.fit_loop.epoch_loop
+        optimizer = loop.automatic_optimization.optim_progress.optimizer
+        trackers = (
+            loop.batch_progress,
+            optimizer.step,
+            optimizer.zero_grad,
+            loop.scheduler_progress,
+        )
+        stepped = int(loop._batches_that_stepped)
         step = self._a.ckpt.restore(self._a.state, min_step=done + 1, max_step=newest)
         if step is None or step <= done:
             return None
         delta = step - done
-        loop = trainer.fit_loop.epoch_loop
-        _bump(loop.batch_progress, delta * accum)
-        _bump(loop.automatic_optimization.optim_progress.optimizer.step, delta)
-        _bump(loop.automatic_optimization.optim_progress.optimizer.zero_grad, delta)
-        _bump(loop.scheduler_progress, delta)
-        loop._batches_that_stepped += delta
+        for tracker, n in zip(trackers, (delta * accum, delta, delta, delta), strict=True):
+            _bump(tracker, n)
+        loop._batches_that_stepped = stepped + delta
         return step, done
 
     def on_train_batch_start(
