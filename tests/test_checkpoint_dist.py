@@ -1,6 +1,6 @@
 """trainguard.checkpoint across processes under ``trainguard run`` (gloo, CPU): exact resume of
-examples/train_mlp.py after a kill -9 (from disk and from the memory tier), and resharding
-2 → 1 and 2 → 4 ranks."""
+examples/train_mlp.py after a kill -9 (from disk and from the memory tier), resharding 2 → 1 and
+2 → 3 ranks, and the preemption signals (to the agent, then to the requeued job's workers)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 
 from tests.launch_utils import REPO, base_env, steps_done
 from tests.mlp_reference import assert_same_as_reference
+from tests.procs import kill_tree
 from trainguard.core.failures import REQUEUE_EXIT_CODE
 
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
@@ -165,7 +166,9 @@ RESHARD_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_reshard_2_to_1_and_2_to_4(tmp_path: Path) -> None:
+def test_reshard_2_to_1_and_2_to_3(tmp_path: Path) -> None:
+    # 2 → 3: rank 1 of three holds rows 16..31, across the two saved shards (0..23, 24..47),
+    # and three ranks read two ranks' files
     script = tmp_path / "reshard.py"
     script.write_text(RESHARD_SCRIPT)
     ckpt = tmp_path / "ckpt"
@@ -191,34 +194,49 @@ def test_reshard_2_to_1_and_2_to_4(tmp_path: Path) -> None:
     r = launch(2, "save", "save2")
     assert r.returncode == 0, r.stderr[-4000:]
     with ThreadPoolExecutor(2) as ex:
-        r1, r4 = ex.map(lambda a: launch(*a), [(1, "load", "load1"), (4, "load", "load4")])
+        r1, r3 = ex.map(lambda a: launch(*a), [(1, "load", "load1"), (3, "load", "load3")])
     assert r1.returncode == 0, r1.stderr[-4000:]
-    assert r4.returncode == 0, r4.stderr[-4000:]
+    assert r3.returncode == 0, r3.stderr[-4000:]
     assert r1.stdout.count("RESHARD_OK") == 1
-    assert r4.stdout.count("RESHARD_OK") == 4
-    for name in ("load1", "load4"):
+    assert r3.stdout.count("RESHARD_OK") == 3
+    for name in ("load1", "load3"):
         restored = [e for e in _events(tmp_path / name) if e["kind"] == "checkpoint_restored"]
         assert restored and all(e["source"] == "disk" and e["step"] == 3 for e in restored)
 
 
-def _start_long_job(tmp_path: Path, env: dict[str, str], *extra: str) -> subprocess.Popen:
+def _start_long_job(
+    tmp_path: Path, env: dict[str, str], run: str, *extra: str, past: int = 15
+) -> subprocess.Popen:
+    """A job of 2 ranks that trains until stopped; returned once it recorded step ``past``."""
     import time
 
     args = [
         sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
-        *extra, "--tg-run-dir", str(tmp_path / "run1"),
+        *extra, "--tg-run-dir", str(tmp_path / run),
         EXAMPLE, "--steps", "100000", "--step-sleep", "0.05", "--ckpt-every", "100000",
     ]  # fmt: skip
     p = subprocess.Popen(
         args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     deadline = time.monotonic() + 120
-    while steps_done(tmp_path / "run1") < 15:
-        assert time.monotonic() < deadline and p.poll() is None, (
-            p.stderr.read()[-3000:] if p.stderr else ""
-        )
+    while steps_done(tmp_path / run) < past:
+        if time.monotonic() > deadline or p.poll() is not None:
+            kill_tree(p)
+            raise AssertionError(p.communicate(timeout=30)[1][-3000:])
         time.sleep(0.2)
     return p
+
+
+def _requeued(p: subprocess.Popen) -> tuple[str, str]:
+    """The job's stdout and stderr once it exited with the requeue code; one that does not end
+    is killed (its workers with it) and its stderr shown."""
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        kill_tree(p)
+        raise AssertionError(f"no exit: {p.communicate(timeout=30)[1][-3000:]}") from None
+    assert p.returncode == REQUEUE_EXIT_CODE, err[-3000:]
+    return out, err
 
 
 def _preempt_saved_step(run_dir: Path, ckpt: Path) -> int:
@@ -236,7 +254,7 @@ def _preempt_saved_step(run_dir: Path, ckpt: Path) -> int:
 
 
 @pytest.mark.slow
-def test_signal_to_the_agent_saves_commits_and_exits_with_the_requeue_code(
+def test_signal_to_the_agent_or_its_workers_is_a_requeue_and_the_requeued_job_resumes(
     tmp_path: Path,
 ) -> None:
     """SIGUSR1 (Slurm's ``--signal=B:USR1@T``) reaches the agent; it forwards the signal, the
@@ -244,23 +262,30 @@ def test_signal_to_the_agent_saves_commits_and_exits_with_the_requeue_code(
     run`` exits 75 (torchrun's agent dies on SIGUSR1); the requeued job resumes from that
     checkpoint. SIGTERM (scancel, a time limit) takes the same path from torch's handler on,
     which the agent installs for SIGUSR1 (test_the_agent_handles_sigusr1_as_torch_does_sigterm);
-    a worker's save on each signal: test_checkpoint_core's preemption test."""
+    a worker's save on each signal: test_checkpoint_core's preemption test.
+
+    The requeued job then gets Slurm's ``--signal=USR1@T`` (no ``B:``), which signals every
+    process of the step, so the workers see it first: they save and exit 75, and the agent must
+    not spend a restart on them (``--max-restarts 3``) but exit 75 itself."""
     env = base_env(TRAINGUARD_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
-    p = _start_long_job(tmp_path, env)
+    p = _start_long_job(tmp_path, env, "run1")
     p.send_signal(signal.SIGUSR1)
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == REQUEUE_EXIT_CODE, err[-3000:]
+    _, err = _requeued(p)
     assert "requeue" in err.splitlines()[-1], err[-2000:]
     step = _preempt_saved_step(tmp_path / "run1", tmp_path / "ckpt")
-    # the requeued job resumes from the preemption checkpoint
-    r = _run(
-        ["--standalone", "--nproc-per-node", "2", "--tg-run-dir", str(tmp_path / "run2"),
-         EXAMPLE, "--steps", str(step + 3), "--ckpt-every", "100000"],
-        cwd=tmp_path,
-        env=env,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resumed at step {step}" in r.stdout
+
+    # the requeued job resumes from the preemption checkpoint; then its workers are signalled
+    p = _start_long_job(tmp_path, env, "run2", "--max-restarts", "3", past=step + 15)
+    started = [e for e in _events(tmp_path / "run2") if e["kind"] == "workers_started"]
+    for w in started[-1]["workers"]:
+        os.kill(w["pid"], signal.SIGUSR1)
+    out, _ = _requeued(p)
+    assert f"resumed at step {step}" in out, out[-2000:]
+    assert _preempt_saved_step(tmp_path / "run2", tmp_path / "ckpt") > step
+    failed = [e for e in _events(tmp_path / "run2") if e["kind"] == "worker_failed"]
+    # the first rank out exits 75; torch's teardown may SIGTERM a rank still on its way out
+    assert any(e["cause"] == "preempted" and e["exitcode"] == 75 for e in failed), failed
+    assert {e["cause"] for e in failed} <= {"preempted", "terminated"}, failed
 
 
 def test_the_agent_handles_sigusr1_as_torch_does_sigterm() -> None:
@@ -283,21 +308,3 @@ def test_the_agent_handles_sigusr1_as_torch_does_sigterm() -> None:
     finally:
         for s, h in before.items():
             signal.signal(s, h)
-
-
-def test_signal_to_the_workers_is_a_requeue_not_a_restart(tmp_path: Path) -> None:
-    """Slurm's ``--signal=USR1@T`` (no ``B:``) signals every process of the step, so the
-    workers see it first: they save and exit 75, and the agent must not spend a restart on
-    them (``--max-restarts 3``) but exit 75 itself."""
-    env = base_env(TRAINGUARD_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
-    p = _start_long_job(tmp_path, env, "--max-restarts", "3")
-    started = [e for e in _events(tmp_path / "run1") if e["kind"] == "workers_started"]
-    for w in started[-1]["workers"]:
-        os.kill(w["pid"], signal.SIGUSR1)
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == REQUEUE_EXIT_CODE, err[-3000:]
-    _preempt_saved_step(tmp_path / "run1", tmp_path / "ckpt")
-    failed = [e for e in _events(tmp_path / "run1") if e["kind"] == "worker_failed"]
-    # the first rank out exits 75; torch's teardown may SIGTERM a rank still on its way out
-    assert any(e["cause"] == "preempted" and e["exitcode"] == 75 for e in failed), failed
-    assert {e["cause"] for e in failed} <= {"preempted", "terminated"}, failed
