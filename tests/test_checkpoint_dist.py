@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -291,9 +292,15 @@ def test_signal_to_the_agent_or_its_workers_is_a_requeue_and_the_requeued_job_re
 def test_the_agent_handles_sigusr1_as_torch_does_sigterm() -> None:
     """The agent gives the preemption signals torch does not handle torch's own handler (it
     raises SignalException, on which torch's agent forwards the signal to the workers and
-    stops them); those torch handles (SIGTERM) are left to torch."""
+    stops them); those torch handles (SIGTERM) are left to torch, whose handler the agent
+    wraps after each start of the workers. Either records the signal first: a SignalException
+    that an ``except Exception`` on the main thread swallowed is raised again at the next
+    monitor pass (else the agent watched on, its workers never told)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from trainguard.core.config.checkpoint import CheckpointConfig
-    from trainguard.runtime._torch import terminate_process_handler
+    from trainguard.runtime import _torch
+    from trainguard.runtime.agent import raise_swallowed_signal
     from trainguard.runtime.launcher import _handle_preemption_signals
 
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
@@ -303,8 +310,27 @@ def test_the_agent_handles_sigusr1_as_torch_does_sigterm() -> None:
         configured = CheckpointConfig().preemption_signals
         assert {"SIGTERM", "SIGUSR1"} <= set(configured)
         assert _handle_preemption_signals(torchs, configured) == ["SIGUSR1"]
-        assert signal.getsignal(signal.SIGUSR1) is terminate_process_handler
+        assert signal.getsignal(signal.SIGUSR1) is _torch.recording_terminate_handler
         assert signal.getsignal(signal.SIGTERM) is before[signal.SIGTERM]
+        signal.signal(signal.SIGTERM, _torch.terminate_process_handler)  # torch's, at a start
+        _torch.record_terminate_signals()
+        assert signal.getsignal(signal.SIGTERM) is _torch.recording_terminate_handler
+
+        raise_swallowed_signal()  # no signal yet: nothing
+        with pytest.raises(SignalException) as got:  # delivered: torch's exception, as before
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(5)
+        assert got.value.sigval == signal.SIGUSR1
+        _torch.forget_signals_raised()
+        try:  # a plugin's broad handler on the main thread at that moment
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except Exception:
+            pass
+        with pytest.raises(SignalException) as got:  # the next monitor pass
+            raise_swallowed_signal()
+        assert got.value.sigval == signal.SIGTERM
     finally:
+        _torch.forget_signals_raised()
         for s, h in before.items():
             signal.signal(s, h)

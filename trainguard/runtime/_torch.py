@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -58,6 +59,7 @@ __all__ = [
     "StateHolderBase",
     "SubprocessHandlerBase",
     "cheap_rendezvous_event_names",
+    "forget_signals_raised",
     "handler_backend",
     "handler_node",
     "handler_settings",
@@ -69,8 +71,11 @@ __all__ = [
     "numa_options_of",
     "remove_participant_epilogue",
     "repair_error_files",
+    "record_terminate_signals",
+    "recording_terminate_handler",
     "reserved_bootstrap_port",
     "running_worker_pids",
+    "signal_raised",
     "take_reserved_port",
     "terminate_process_handler",
     "worker_exitcodes",
@@ -222,6 +227,41 @@ RendezvousState = _dr._RendezvousState
 """torch's rendezvous state (round, participants, wait list, redundancy list, ...)."""
 terminate_process_handler = _mp_api._terminate_process_handler
 """The handler torch installs for the signals it handles (raises ``SignalException``)."""
+
+_signals_raised: list[signal.Signals] = []
+"""The signals torch's handler raised ``SignalException`` for in this process, in order."""
+
+
+def recording_terminate_handler(signum: int, frame: Any) -> None:
+    """torch's handler, remembering the signal first: ``SignalException`` is an ``Exception``,
+    and an ``except Exception`` that the main thread happens to be in (a plugin hook, a
+    metrics read) swallows it; :func:`signal_raised` still says it came."""
+    _signals_raised.append(signal.Signals(signum))
+    terminate_process_handler(signum, frame)
+
+
+def record_terminate_signals() -> None:
+    """Put :func:`recording_terminate_handler` in place of torch's handler wherever torch
+    installed it (its process context does on every start of the workers). Main thread only,
+    like ``signal.signal``."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in signal.valid_signals():
+        try:
+            if signal.getsignal(sig) is terminate_process_handler:
+                signal.signal(sig, recording_terminate_handler)
+        except (OSError, ValueError, TypeError):
+            continue
+
+
+def forget_signals_raised() -> None:
+    """A new agent in this process (``launch`` called again): no signal came to it yet."""
+    _signals_raised.clear()
+
+
+def signal_raised() -> signal.Signals | None:
+    """The first signal torch's handler raised on in this process (None: none yet)."""
+    return _signals_raised[0] if _signals_raised else None
 
 
 def remove_participant_epilogue(state: RendezvousState, settings: RendezvousSettings) -> None:

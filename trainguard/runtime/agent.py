@@ -72,6 +72,18 @@ def _place(f: WorkerFailure) -> str | None:
     return site.place if site is not None else None
 
 
+def raise_swallowed_signal() -> None:
+    """Raise torch's ``SignalException`` again for a signal the agent got whose exception
+    never reached torch's ``run()`` (an ``except Exception`` on the main thread's path at that
+    moment swallowed it): the workers are stopped and the agent ends as signalled, instead of
+    watching on as if no signal had come. Called at each monitor pass, which a delivered
+    ``SignalException`` ends for good."""
+    sig = _torch.signal_raised()
+    if sig is not None:
+        logger.warning("%s reached the agent but was lost on its way; acting on it now", sig.name)
+        raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+
+
 class TrainGuardAgent(_torch.ElasticAgentBase):
     """A ``LocalElasticAgent`` that records lifecycle events, exposes each worker's progress
     and calls :class:`AgentPlugin` hooks with the node's :class:`AgentContext` (which it keeps
@@ -230,6 +242,8 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
                 if hook == "before_rendezvous":
                     raise
                 leave = leave or e
+            except SignalException:  # the agent was signalled while the hook ran: stop
+                raise
             except Exception:
                 self.num_plugin_errors += 1
                 logger.exception("plugin %s failed in %s", p.name, hook)
@@ -321,6 +335,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         serving = pool.serving_torch_workers() if pool is not None else contextlib.nullcontext({})
         with serving as started_warm:
             pids = super().start_workers(worker_group)
+        _torch.record_terminate_signals()  # torch's process context installed its handler
         self._mark_teardowns(self.pcontext)
         self._failed_reported = False
         self._released = False
@@ -343,6 +358,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         return pids
 
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        raise_swallowed_signal()
         self._repair_error_files()  # torch's poll and the in-process restart read them
         self.inprocess.check(worker_group)  # before torch's poll, which stops every worker
         while True:

@@ -44,7 +44,7 @@ from trainguard.core.jobstate import JobState
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin
 from trainguard.core.proctime import process_start_time
 from trainguard.core.timeouts import contradictions, timeout_chain
-from trainguard.runtime import etcd_v3, spares
+from trainguard.runtime import _torch, etcd_v3, spares
 from trainguard.runtime._torch import cheap_rendezvous_event_names
 from trainguard.runtime.agent import TrainGuardAgent
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
@@ -231,8 +231,6 @@ def _handle_preemption_signals(configured: str, preemption_signals: list[str]) -
     ``SignalException`` in the agent, which forwards the signal to the workers.
 
     ``TORCHELASTIC_SIGNALS_TO_HANDLE`` keeps torchrun's value: the workers inherit it."""
-    from trainguard.runtime._torch import terminate_process_handler
-
     names = {n.strip() for n in configured.split(",") if n.strip()}
     added: list[str] = []
     if threading.current_thread() is not threading.main_thread():
@@ -241,7 +239,7 @@ def _handle_preemption_signals(configured: str, preemption_signals: list[str]) -
         sig = getattr(signal, name, None)
         if name in names or not isinstance(sig, signal.Signals):
             continue
-        signal.signal(sig, terminate_process_handler)
+        signal.signal(sig, _torch.recording_terminate_handler)
         added.append(name)
     return added
 
@@ -292,6 +290,7 @@ def _worker_spec(
         **rdzv_configs,
     )
     master_addr, master_port = _master_addr_port(params)
+    _torch.forget_signals_raised()  # this agent's own, from here on
     if direct_signals:
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _direct_preemption_signals(
             config.signals_to_handle, preemption_signals
