@@ -392,12 +392,27 @@ def test_bad_input_submits_nothing(
     assert not (tmp_path / "trainguard-runs").exists()
 
 
-def test_missing_script_submits_nothing(cluster: SlurmCluster, tmp_path: Path) -> None:
+def test_missing_script_submits_nothing(
+    cluster: SlurmCluster,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # in this process, as test_bad_input_submits_nothing (no interpreter start for one line);
+    # that `python -m trainguard` exits with a subcommand's 2 is checked by `trainguard health
+    # --slurm` in test_fencer_and_health_drain_on_the_real_cluster
+    from trainguard.cli import cmd_sbatch
+
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
+    monkeypatch.chdir(tmp_path)
     before = cluster.jobs()
-    p = _sbatch(cluster, tmp_path, "--nodes", "2", "nope.py")
-    assert p.returncode == 2 and cluster.jobs() == before
-    (line,) = [x for x in p.stderr.splitlines() if x.strip()]
+    capsys.readouterr()
+    rc = cmd_sbatch.main(["--nodes", "2", "nope.py"])
+    out = capsys.readouterr()
+    assert rc == 2 and cluster.jobs() == before
+    (line,) = [x for x in out.err.splitlines() if x.strip()]
     assert "training script 'nope.py' not found" in line
+    assert out.out == "" and not (tmp_path / "trainguard-runs").exists()
 
 
 def test_fencer_and_health_drain_on_the_real_cluster(fresh: SlurmCluster, tmp_path: Path) -> None:
