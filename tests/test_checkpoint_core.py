@@ -385,61 +385,73 @@ def test_kill_9_while_persisting_never_leaves_a_bad_latest(tmp_path: Path) -> No
 # a kill at each of them leaves on disk is the same persist code's, checked at every point by
 # test_kill_9_while_persisting_never_leaves_a_bad_latest, and a kill at "written" in process
 # mode in a real job by test_checkpoint_dist's test_kill_9_resume_is_bitwise_identical_...
+# Here (step of the save, fault), in one job: one persister after the other is killed, each at
+# its point; the next kill's fault is set after the last one, before the manager starts the
+# next persister (each persister reads its fault when it starts).
 PERSISTER_POINTS = [
-    {"kill_after_bytes": 200_000, "step": 4},
-    {"kill_at": "committed", "step": 4},
-    {"kill_at": "retention", "step": 2},  # while deleting step 2 after committing step 4
+    (4, {"kill_after_bytes": 200_000, "step": 4}),
+    (6, {"kill_at": "committed", "step": 6}),
+    (8, {"kill_at": "retention", "step": 6}),  # while deleting step 6 after committing step 8
 ]
 
 
-@pytest.mark.parametrize("fault", PERSISTER_POINTS, ids=lambda f: f.get("kill_at", next(iter(f))))
 def test_kill_9_of_the_persister_process_fails_one_save_and_training_goes_on(
-    tmp_path: Path, fault: dict, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """persist_mode=process: SIGKILL of the persister process at a point of step 4's save.
-    ``latest`` stays loadable and exact, the manager starts a new persister, later saves
-    commit, and the last one restores exactly."""
-    monkeypatch.setenv("TRAINGUARD_TEST_CHECKPOINT_FAULT", json.dumps(fault))
+    """persist_mode=process: SIGKILL of the persister process at each point of
+    ``PERSISTER_POINTS`` in turn (step 4 mid-write, step 6 after its commit, step 8 in the
+    retention after it), one manager. After each kill ``latest`` stays loadable and exact and
+    the manager starts a new persister; a kill before the commit fails that save only, one
+    after it does not; later saves commit, and the last one restores exactly."""
+    points = dict(PERSISTER_POINTS)
     root = str(tmp_path / "ckpt")
     events = Events()
     m, opt = _torn_model()
+    monkeypatch.setenv("TRAINGUARD_TEST_CHECKPOINT_FAULT", json.dumps(points[4]))
     cfg = CheckpointConfig(dir=root, keep_last=2, persist_mode="process")
     mgr = CheckpointManager(config=cfg, events=events, install_signal_handlers=False)
     outcomes = {}
-    for step in range(6):
-        _torn_step(m, opt, step)
-        outcomes[step + 1] = mgr.save(step + 1, {"model": m, "optim": opt}).wait(timeout=120)
-        if step + 1 == 4 and fault.get("kill_at") == "retention":
-            # the kill comes after the reply, while the persister deletes step 2: let it land
-            # before step 5 (sent to a persister about to die, step 5 would fail instead)
-            proc = mgr._pipeline.supervisor.proc
-            assert proc is not None
-            proc.proc.wait(timeout=60)
-        if step + 1 == 4:  # right after the kill: latest names an exact, loadable checkpoint
-            monkeypatch.delenv("TRAINGUARD_TEST_CHECKPOINT_FAULT")
-            m2, opt2 = _torn_model()
-            other = CheckpointManager(
-                config=CheckpointConfig(dir=root, memory_tier=False), install_signal_handlers=False
-            )
-            got = other.restore({"model": m2, "optim": opt2}, use_memory=False)
-            other.close()
-            assert got in (3, 4), fault
-            assert _equal(_flat(m2, opt2), _torn_replay(got)), fault
+    for step in range(1, 11):
+        _torn_step(m, opt, step - 1)
+        outcomes[step] = mgr.save(step, {"model": m, "optim": opt}).wait(timeout=120)
+        if step not in points:
+            continue
+        fault = points[step]
+        proc = mgr._pipeline.supervisor.proc
+        assert proc is not None
+        # the persister of this save is killed (its successor starts at the next save). A kill
+        # in the retention comes after the reply, while the persister deletes step 6: let it
+        # land before step 9 (sent to a persister about to die, step 9 would fail instead)
+        assert proc.proc.wait(timeout=60) == -signal.SIGKILL, fault
+        # right after the kill: latest names an exact, loadable checkpoint
+        monkeypatch.delenv("TRAINGUARD_TEST_CHECKPOINT_FAULT")
+        m2, opt2 = _torn_model()
+        other = CheckpointManager(
+            config=CheckpointConfig(dir=root, memory_tier=False), install_signal_handlers=False
+        )
+        got = other.restore({"model": m2, "optim": opt2}, use_memory=False)
+        other.close()
+        assert got in (step - 1, step), fault
+        assert _equal(_flat(m2, opt2), _torn_replay(got)), fault
+        nxt = [s for s in points if s > step]
+        if nxt:  # the fault of the next persister, started at the next save
+            monkeypatch.setenv("TRAINGUARD_TEST_CHECKPOINT_FAULT", json.dumps(points[nxt[0]]))
     mgr.close()
-    # a persister killed after renaming the manifest in did commit, and the manager says so
-    after_commit = fault.get("kill_at") in ("committed", "retention")
+    # a persister killed after renaming the manifest in (steps 6 and 8) did commit, and the
+    # manager says so; the one killed mid-write (step 4) did not
     why = [(f["step"], f.get("error")) for f in events.kinds("checkpoint_failed")]
-    want = {1: True, 2: True, 3: True, 4: after_commit, 5: True, 6: True}
+    want = {s: s != 4 for s in range(1, 11)}
     assert outcomes == want, (outcomes, why)
     failed = [f["step"] for f in events.kinds("checkpoint_failed")]
-    assert failed == ([] if after_commit else [4]), failed
-    assert len(events.kinds("checkpoint_persister_started")) == 2  # the first and its successor
+    assert failed == [4], failed
+    # the first and a successor after each of the three kills
+    assert len(events.kinds("checkpoint_persister_started")) == 4
     assert all(f["persist_mode"] == "process" for f in events.kinds("checkpoint_committed"))
     m3, opt3 = _torn_model()
     last = CheckpointManager(config=CheckpointConfig(dir=root), install_signal_handlers=False)
-    assert last.restore({"model": m3, "optim": opt3}, use_memory=False) == 6
+    assert last.restore({"model": m3, "optim": opt3}, use_memory=False) == 10
     last.close()
-    assert _equal(_flat(m3, opt3), _torn_replay(6))
+    assert _equal(_flat(m3, opt3), _torn_replay(10))
 
 
 ORPHAN_SCRIPT = textwrap.dedent(

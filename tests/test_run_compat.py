@@ -265,20 +265,35 @@ def test_plain_exit_code_same(tmp_path: Path) -> None:
     assert codes["torchrun"] == codes["trainguard"] == 1
 
 
-def test_max_restarts_counts(tmp_path: Path) -> None:
-    res = {}
+@pytest.fixture(scope="module")
+def restarts_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """One job per launcher, shared by test_max_restarts_counts and
+    test_trainguard_run_writes_events_and_config: 2 processes, ``--max-restarts 2``, rank 1
+    exits 1 on the first two attempts; trainguard's writes its run directory (``--tg-run-dir``)."""
+    tmp = tmp_path_factory.mktemp("restarts")
+    out = {}
     for which in BOTH:
-        d = tmp_path / which
+        d = tmp / which
         d.mkdir()
-        env = base_env(DUMP_DIR=str(d / "dump"), EXIT_CODE="1", EXIT_UNTIL="2", EXIT_RANK="0")
+        env = base_env(DUMP_DIR=str(d / "dump"), EXIT_CODE="1", EXIT_UNTIL="2", EXIT_RANK="1")
+        run_dir = ["--tg-run-dir", str(d / "run")] if which == "trainguard" else []
         r = launch(
             which,
-            ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", DUMP],
+            ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", *run_dir, DUMP],
             cwd=d,
             env=env,
         )
+        out[which] = {"result": r, "dumps": read_dumps(d / "dump"), "dir": d, "env": env}
+    return out
+
+
+@pytest.mark.xdist_group("compat_restarts")  # one worker runs the module's job once
+def test_max_restarts_counts(restarts_job: dict[str, dict]) -> None:
+    res = {}
+    for which in BOTH:
+        r = restarts_job[which]["result"]
         assert r.returncode == 0, r.stderr[-3000:]
-        dumps = read_dumps(d / "dump")
+        dumps = restarts_job[which]["dumps"]
         res[which] = sorted({k[0] for k in dumps})
         for (restart, _), dump in dumps.items():
             assert dump["env"]["TORCHELASTIC_RESTART_COUNT"] == str(restart)
@@ -382,26 +397,12 @@ def test_train_mlp_bitwise_identical(tmp_path: Path) -> None:
     assert_same_as_reference(a, 30)
 
 
-def test_trainguard_run_writes_events_and_config(tmp_path: Path) -> None:
+@pytest.mark.xdist_group("compat_restarts")  # one worker runs the module's job once
+def test_trainguard_run_writes_events_and_config(restarts_job: dict[str, dict]) -> None:
     import json
 
-    run_dir = tmp_path / "run"
-    env = base_env(DUMP_DIR=str(tmp_path / "dump"), EXIT_CODE="1", EXIT_UNTIL="1", EXIT_RANK="1")
-    r = launch(
-        "trainguard",
-        [
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "--max-restarts",
-            "1",
-            "--tg-run-dir",
-            str(run_dir),
-            DUMP,
-        ],
-        cwd=tmp_path,
-        env=env,
-    )
+    job = restarts_job["trainguard"]
+    r, env, run_dir = job["result"], job["env"], job["dir"] / "run"
     assert r.returncode == 0, r.stderr[-3000:]
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     kinds = [e["kind"] for e in events]
@@ -413,17 +414,17 @@ def test_trainguard_run_writes_events_and_config(tmp_path: Path) -> None:
         assert {"time", "node", "attempt"} <= e.keys() and "restart_count" not in e
     agent_kinds = {"launch", "rendezvous", "workers_started", "worker_failed", "restart"}
     assert all("agent_restarts" in e for e in events if e["kind"] in agent_kinds)
-    assert [e["agent_restarts"] for e in events if e["kind"] == "restart"] == [1]
+    assert [e["agent_restarts"] for e in events if e["kind"] == "restart"] == [1, 2]
     # rank 0 may be reported too (terminated by the agent); the root cause is rank 1's exit
     failed = next(e for e in events if e["kind"] == "worker_failed" and e["root_cause"])
     assert failed["rank"] == 1 and failed["exitcode"] == 1 and failed["attempt"] == 0
-    assert events[-1]["state"] == "succeeded" and events[-1]["attempt"] == 1
+    assert events[-1]["state"] == "succeeded" and events[-1]["attempt"] == 2
     rdzv = [e for e in events if e["kind"] == "rendezvous"]
-    assert [e["attempt"] for e in rdzv] == [0, 1]
+    assert [e["attempt"] for e in rdzv] == [0, 1, 2]
     assert rdzv[0]["members"][0]["pid"] > 0
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["trainguard"]["runtime"]["run_dir"] == str(run_dir)
-    assert cfg["torchrun"]["max_restarts"] == 1
+    assert cfg["torchrun"]["max_restarts"] == 2
     # settings reach the workers through config.json only: besides the user's own variables
     # they inherit, the agent adds facts (TRAINGUARD_AGENT_*), never a setting
     from trainguard.core.config import TrainGuardConfig
@@ -431,7 +432,7 @@ def test_trainguard_run_writes_events_and_config(tmp_path: Path) -> None:
     sections = tuple(
         f"TRAINGUARD_{name.upper()}_" for name in TrainGuardConfig.__dataclass_fields__
     )
-    dumps = read_dumps(tmp_path / "dump")
+    dumps = job["dumps"]
     assert dumps
     for d in dumps.values():
         added = {k for k in d["env"] if k.startswith("TRAINGUARD_") and k not in env}
