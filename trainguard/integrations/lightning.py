@@ -121,20 +121,16 @@ class _Mixin:
         # Lightning release renamed raises here, and the framework's own resume stands as it
         # is (not the snapshot's weights with half of the loop's counters moved).
         loop = trainer.fit_loop.epoch_loop
+        batches, scheduler = loop.batch_progress, loop.scheduler_progress
         optimizer = loop.automatic_optimization.optim_progress.optimizer
-        trackers = (
-            loop.batch_progress,
-            optimizer.step,
-            optimizer.zero_grad,
-            loop.scheduler_progress,
-        )
         stepped = int(loop._batches_that_stepped)
         step = self._a.ckpt.restore(self._a.state, min_step=done + 1, max_step=newest)
         if step is None or step <= done:
             return None
         delta = step - done
-        for tracker, n in zip(trackers, (delta * accum, delta, delta, delta), strict=True):
-            _bump(tracker, n)
+        _bump(batches, delta * accum)
+        for tracker in (optimizer.step, optimizer.zero_grad, scheduler):
+            _bump(tracker, delta)
         loop._batches_that_stepped = stepped + delta
         return step, done
 
