@@ -209,8 +209,6 @@ def _start_long_job(
     tmp_path: Path, env: dict[str, str], run: str, *extra: str, past: int = 15
 ) -> subprocess.Popen:
     """A job of 2 ranks that trains until stopped; returned once it recorded step ``past``."""
-    import time
-
     args = [
         sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
         *extra, "--tg-run-dir", str(tmp_path / run),
