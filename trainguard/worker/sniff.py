@@ -18,6 +18,13 @@ allows: the agent's judge then has a full window of fresh sniffs within seconds 
 ``sniff_window`` intervals, and a noisy machine's one-off outlier costs a few cheap sniffs,
 not a flag.
 
+A sniff's cost is its wall time, the wait for the slowest rank included (everyone waits for
+it). That wait is known only once the all-reduce ends, so the timed payload all-reduce that
+follows carries the agreement again with it counted, and the next sniff is estimated to cost
+the larger of the last one and this one: a sniff that waited long on a throttled peer
+refuses the next confirming one. What no rank can foresee is the wait of the sniff under way,
+so the share may pass the budget by at most that one sniff.
+
 Each sniff appends a ``sniff`` record to the rank's metrics (``gemm_s``: one timed GEMM after a warm one
 on the first sniff: the judge wants ``sniff_patience`` slow sniffs in a row, so a single
 outlier is not a flag, and a sniff this cheap can run often within the budget), ``allreduce_s``, ``sniff_s``: the wall time of the whole sniff,
@@ -83,6 +90,8 @@ class SniffRunner:
         self.confirming = 0
         """Confirming sniffs still to run (a rank looked slow)."""
         self._next_confirms = False
+        self._agreed: list[float] = [0.0, 0.0, 0.0]
+        """The agreed [next regular sniff step, next confirming sniff step, refused]."""
 
     # -- scheduling ----------------------------------------------------------------------------
     def proposal(self, step: int, now: float, pending: float = 0.0) -> int:
@@ -93,7 +102,7 @@ class SniffRunner:
         per_step = elapsed / max(self.steps_since_first, 1)
         # the budget holds at the next sniff if (spent + its cost) <= budget * elapsed then;
         # regular sniffs keep to a share of it, the rest is for confirming sniffs
-        spent = self.spent_s + pending + self.last_cost_s
+        spent = self.spent_s + pending + max(self.last_cost_s, pending)
         budget_at = spent / (self.cfg.sniff_budget * _NORMAL_SHARE)
         wait_s = max(self.cfg.sniff_interval_s, budget_at - elapsed)
         return step + max(1, math.ceil(wait_s / per_step - 1e-9))
@@ -105,7 +114,7 @@ class SniffRunner:
         elapsed = max(now - self.t_first, 1e-9)
         per_step = elapsed / max(self.steps_since_first, 1)
         wait_s = self.cfg.sniff_interval_s / 3
-        spent = self.spent_s + pending + self.last_cost_s
+        spent = self.spent_s + pending + max(self.last_cost_s, pending)
         ok = spent <= self.cfg.sniff_budget * (elapsed + wait_s)
         return step + max(1, math.ceil(wait_s / per_step - 1e-9)), ok
 
@@ -171,7 +180,9 @@ class SniffRunner:
             logger.warning("rank %d: sniff tests stopped: %s: %s", self.rank, type(e).__name__, e)
 
     def _agree(self, dist: Any, dev: Any, step: int, t0: float, gemm_s: float | None) -> None:
-        """Agree the next sniff (a regular or a confirming one) with every rank."""
+        """Gather every rank's GEMM time (suspicion) and agree the next sniff (a regular or a
+        confirming one) with every rank; a payload all-reduce that follows agrees it again,
+        with this one's wait known (:meth:`_decide`)."""
         import torch
 
         # MAX-reduced: [next regular sniff, next confirming sniff, 1 where a rank's budget
@@ -179,24 +190,34 @@ class SniffRunner:
         world = dist.get_world_size()
         gather = world <= _MAX_GATHER
         agree = torch.zeros(3 + (world if gather else 0), dtype=torch.float64, device=dev)
-        t_now = time.perf_counter()
-        confirm_at, ok = self.confirm_proposal(step, t_now, t_now - t0)
-        agree[0] = float(self.proposal(step, t_now, t_now - t0))
-        agree[1] = float(confirm_at)
-        agree[2] = 0.0 if ok else 1.0
+        self._propose(agree, step, t0)
         if gather and gemm_s is not None:
             agree[3 + dist.get_rank()] = gemm_s
         dist.all_reduce(agree, op=dist.ReduceOp.MAX)  # also waits for every rank's GEMM
         got = agree.tolist()
         if gather and self.sniffs > 0 and self.suspect(got[3:]) and self.confirming == 0:
             self.confirming = self.cfg.sniff_window - 1  # enough for the judge's window
-        self._next_confirms = self.confirming > 0 and got[2] == 0.0
+        self._agreed = got[:3]
+
+    def _propose(self, into: Any, step: int, t0: float) -> None:
+        """This rank's proposals, in ``into[:3]``, counting the sniff under way so far."""
+        t_now = time.perf_counter()
+        confirm_at, ok = self.confirm_proposal(step, t_now, t_now - t0)
+        into[0] = float(self.proposal(step, t_now, t_now - t0))
+        into[1] = float(confirm_at)
+        into[2] = 0.0 if ok else 1.0
+
+    def _decide(self) -> None:
+        """Take the agreed next sniff: a confirming one while one is owed and every rank's
+        budget allows it, else the regular one."""
+        regular, confirm_at, refused = self._agreed
+        self._next_confirms = self.confirming > 0 and refused == 0.0
         if self._next_confirms:
             self.confirming -= 1
-            self.next_step = int(got[1])
+            self.next_step = int(confirm_at)
         else:
             self.confirming = 0
-            self.next_step = int(got[0])
+            self.next_step = int(regular)
 
     # -- one sniff -----------------------------------------------------------------------------
     def _device(self, dist: Any) -> Any:
@@ -257,12 +278,19 @@ class SniffRunner:
         if dist is not None:
             self._agree(dist, dev, step, t0, None if first else gemm_s)
             if not first and self.cfg.sniff_allreduce_kib > 0:
-                payload = torch.ones(self.cfg.sniff_allreduce_kib * 256, device=dev)
+                # the timed payload carries the agreement again, now that the wait for the
+                # slowest rank is known: a sniff that waited long refuses the next confirming
+                # one (MAX-reduced, the same bytes as a sum)
+                payload = torch.ones(self.cfg.sniff_allreduce_kib * 128, dtype=torch.float64,
+                                     device=dev)  # fmt: skip
+                self._propose(payload, step, t0)
                 t1 = time.perf_counter()
-                dist.all_reduce(payload)
+                dist.all_reduce(payload, op=dist.ReduceOp.MAX)
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 allreduce_s = time.perf_counter() - t1
+                self._agreed = payload[:3].tolist()
+            self._decide()
         cost = time.perf_counter() - t0
         self.spent_s += cost
         if not first:
