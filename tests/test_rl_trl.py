@@ -1,5 +1,7 @@
-"""TRL's GRPOTrainer generating on two real engine processes through ``rollout_func``
-(examples/trl_grpo_fleet.py), under trainguard run with 2 ranks."""
+"""TRL's GRPOTrainer generating on a real engine process through ``rollout_func``
+(examples/trl_grpo_fleet.py), under trainguard run with 2 ranks. One engine (a torch +
+transformers import): the client's routing across engines and its weight sync to every one of
+them are tests/test_rl_fleet.py's (three real engines); here TRL's side of the refit."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from trainguard.rl.local import LocalEngines, engine_health
 @pytest.mark.slow
 def test_trl_grpo_trains_on_the_fleet(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    engines = LocalEngines([free_port(), free_port()], run_dir=run_dir)
+    engines = LocalEngines([free_port()], run_dir=run_dir)
     engines.start()
     try:
         env = base_env(TRAINGUARD_ROLLOUT_URLS=",".join(engines.urls), OMP_NUM_THREADS="1")
@@ -30,7 +32,7 @@ def test_trl_grpo_trains_on_the_fleet(tmp_path: Path) -> None:
         assert "done: 3 steps, weight version 2, failures {}" in res.stdout
         cur = WeightStore(run_dir / "rl" / "weights").current()
         assert cur is not None and cur.version == 2  # published at steps 0, 1, 2
-        for port in engines.ports:  # every engine was refit to the trainer's last version
+        for port in engines.ports:  # the engine was refit to the trainer's last version
             h = engine_health(port)
             assert h is not None and h["weight_version"] == 2
     finally:
