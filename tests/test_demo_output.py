@@ -1,9 +1,11 @@
 """What `make demo` shows a person: no Python traceback when a worker is killed and the job
 recovers, one line per expected failure, and a recovery summary at the end of `trainguard run`
-(the report counts the root cause, not the ranks the restart's teardown stopped)."""
+(the report counts the root cause, not the ranks the restart's teardown stopped); the kill is
+attributed as transient and restarted once."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -33,6 +35,13 @@ def test_demo_run_prints_no_traceback_and_ends_with_the_recovery_summary(tmp_pat
         r"resumed from (memory|peer_memory|disk) at step \d+ \(\d+ steps? redone\)", detail
     )
     assert head + 2 == len(lines), lines[head:]  # the summary ends the output
+    # a SIGKILL is a transient fault: one restart, the job finishes (the kill case of
+    # test_recovery_verdicts' transient faults, on this job)
+    evs = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    attrs = [e for e in evs if e["kind"] == "failure_attributed"]
+    assert attrs and all(a["verdict"] != "stop" for a in attrs), attrs
+    assert attrs[0]["cause"] in ("transient", "network"), attrs[0]
+    assert len([e for e in evs if e["kind"] == "restart"]) == 1
     from trainguard.telemetry.report import write_report
 
     html = Path(write_report(run_dir)).read_text()

@@ -145,10 +145,12 @@ def check_stopped(agents: list[Agent], reason: str) -> None:
 @pytest.mark.timeout(400)
 def test_job_restart_budget_and_crash_loop_stop_every_agent_with_93(tmp_path: Path) -> None:
     """Two 2-node jobs side by side (they share nothing but the machine)."""
-    # 1. Rank 0 crashes at step 2 on every attempt: budget 2 → restarts 1 and 2, then stop.
+    # 1. Rank 0 crashes at step 2 on every attempt: budget 1 → restart 1, then stop (one
+    # restart shows the job-wide count; the backoff's growth from the second restart on and a
+    # budget of 2 are test_recovery_policy's, two agents' policies on one real TCPStore).
     budget_dir, budget = start_two_nodes(
         tmp_path, "budget", ["--steps", "50", "--crash-rank", "0", "--crash-at-step", "2"],
-        env=job_env(TRAINGUARD_HEALTH_ENABLED="false"), extra=["--tg-restart-budget", "2"],
+        env=job_env(TRAINGUARD_HEALTH_ENABLED="false"), extra=["--tg-restart-budget", "1"],
     )  # fmt: skip
     # 2. A crash loop: checkpoints at steps 2 and 4, then rank 1 crashes at step 5 on every
     # attempt; the restored job never gets past step 4: stop after 1 restart without progress,
@@ -160,7 +162,7 @@ def test_job_restart_budget_and_crash_loop_stop_every_agent_with_93(tmp_path: Pa
         extra=["--tg-restart-budget", "10"],
     )  # fmt: skip
     try:
-        check_stopped(budget, "job restart budget spent: 2 of 2 job-wide restarts made")
+        check_stopped(budget, "job restart budget spent: 1 of 1 job-wide restarts made")
         check_stopped(loop, "crash loop: 1 restarts without checkpoint progress")
     finally:
         for a in budget + loop:
@@ -175,10 +177,10 @@ def test_job_restart_budget_and_crash_loop_stop_every_agent_with_93(tmp_path: Pa
             by_attempt.setdefault(d["failed_attempt"], set()).add(
                 (d["action"], d["job_restarts"], d["backoff_s"], d["decided_by"], d["budget"])
             )
-    assert sorted(by_attempt) == [0, 1, 2] and all(len(v) == 1 for v in by_attempt.values())
-    summary = [next(iter(by_attempt[a]))[:3] for a in (0, 1, 2)]
-    assert summary == [("restart", 1, 0.0), ("restart", 2, 0.5), ("stop", 2, 0.0)]
-    assert all(next(iter(v))[4] == 2 for v in by_attempt.values())
+    assert sorted(by_attempt) == [0, 1] and all(len(v) == 1 for v in by_attempt.values())
+    summary = [next(iter(by_attempt[a]))[:3] for a in (0, 1)]
+    assert summary == [("restart", 1, 0.0), ("stop", 1, 0.0)]
+    assert all(next(iter(v))[4] == 1 for v in by_attempt.values())
     # every agent ends on the stop, the ones whose workers did not fail learn it from the store
     assert {d["node"] for d in decisions if d["action"] == "stop"} == {"n0", "n1"}
     assert {(e["node"], e["state"]) for e in events(budget_dir, "job_finished")} == {
@@ -186,9 +188,10 @@ def test_job_restart_budget_and_crash_loop_stop_every_agent_with_93(tmp_path: Pa
         ("n1", "do_not_requeue"),
     }
     # --max-restarts keeps torch's per-agent meaning: only failure restarts count against it
+    # (one job-wide restart: at most one of each agent's 10 spent)
     restarts = events(budget_dir, "restart")
-    assert len([r for r in restarts if r["reason"] == "failure"]) >= 2
-    assert all(r["remaining_restarts"] >= 8 for r in restarts)
+    assert len([r for r in restarts if r["reason"] == "failure"]) >= 1
+    assert all(r["remaining_restarts"] >= 9 for r in restarts)
 
     [stop] = [d for d in events(loop_dir, "recovery_decision") if d["action"] == "stop"][:1]
     assert "newest committed step 4" in stop["reason"] and stop["job_restarts"] == 1
