@@ -30,10 +30,9 @@ from trainguard.chaos import faults as chaos
 from trainguard.core.config.health import HealthConfig
 
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
-# the job's worker: the example's training, checkpoints and steps without the DDP wrapper (the
-# chaos faults, the hang detector and the checkpoint fallback are the subject, not DDP; DDP's
-# import is ~2 CPU s a worker start)
-PLAIN = str(REPO / "tests" / "workers" / "train_plain.py")
+# the job's worker: the example without the DDP wrapper (--no-ddp; the chaos faults, the hang
+# detector and the checkpoint fallback are the subject, not DDP; DDP's import is ~2 CPU s a
+# worker start)
 CHAOS = [sys.executable, "-m", "trainguard", "chaos"]
 
 
@@ -111,7 +110,7 @@ def _job(run_dir: Path, steps: int, env: dict[str, str]) -> subprocess.Completed
     cmd = [
         sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "1",
         "--max-restarts", "2", "--monitor-interval", "0.1", "--tg-run-dir", str(run_dir),
-        PLAIN, "--steps", str(steps), "--ckpt-every", "5", "--step-sleep", "0.05",
+        EXAMPLE, "--no-ddp", "--steps", str(steps), "--ckpt-every", "5", "--step-sleep", "0.05",
     ]  # fmt: skip
     p = subprocess.Popen(
         cmd, cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

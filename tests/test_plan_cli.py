@@ -96,12 +96,12 @@ def test_from_run_without_events(tmp_path: Path, capsys: pytest.CaptureFixture[s
 @pytest.fixture(scope="module")
 def failed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 1-rank job, 80 steps of ~55 ms, the rank kill -9'd at step 40 and restarted: the
-    example's training without DDP (tests/workers/train_plain.py; one rank, the planner reads a
+    example's training without DDP (``--no-ddp``; one rank, the planner reads a
     run's events and metrics whatever its size, DDP's import is ~2 CPU s a worker start)."""
     run_dir = tmp_path_factory.mktemp("plan") / "run"
     cmd = [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "1",
-           "--max-restarts", "3", "--tg-run-dir", str(run_dir), "tests/workers/train_plain.py",
-           "--steps", "80", "--step-sleep", "0.05", "--fail-at-step", "40", "--fail-rank", "0"]  # fmt: skip
+           "--max-restarts", "3", "--tg-run-dir", str(run_dir), "examples/train_mlp.py",
+           "--no-ddp", "--steps", "80", "--step-sleep", "0.05", "--fail-at-step", "40", "--fail-rank", "0"]  # fmt: skip
     p = subprocess.Popen(cmd, cwd=REPO, env=base_env(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     try:
