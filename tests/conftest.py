@@ -27,8 +27,10 @@ _BEFORE_CALL: dict[str, set[int]] = {}
 # CPU profile: per test, the CPU seconds of the pytest process and of every child it reaped
 # (it is a subreaper, so orphaned grandchildren count too) from setup to teardown, and the
 # wall time; the heaviest are printed at the end of the run (TG_PROFILE_TOP, default 15).
-_CPU_START: dict[str, tuple[float, float]] = {}
+_CPU_START: dict[str, tuple[float, float, float]] = {}
 _CPU: list[tuple[float, float, str]] = []
+_WHEN: dict[str, tuple[float, str]] = {}
+"""Each test's start (epoch seconds) and the xdist worker that ran it."""
 
 
 # Tests that start (or share) one kind of service carry its marker; each marker is also an
@@ -120,7 +122,7 @@ def _cpu_seconds() -> float:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    _CPU_START[item.nodeid] = (_cpu_seconds(), time.monotonic())
+    _CPU_START[item.nodeid] = (_cpu_seconds(), time.monotonic(), time.time())
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -154,7 +156,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     start = _CPU_START.pop(item.nodeid, None)
     if start is not None:
         cpu, wall = _cpu_seconds() - start[0], time.monotonic() - start[1]
-        outcome.get_result().user_properties.append(("tg_cpu", [cpu, wall]))
+        outcome.get_result().user_properties.append(("tg_cpu", [cpu, wall, start[2]]))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -163,6 +165,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             _LEFT.extend(f"{report.nodeid}: {line}" for line in value)
         elif key == "tg_cpu":
             _CPU.append((float(value[0]), float(value[1]), report.nodeid))
+            gateway = getattr(getattr(report, "node", None), "gateway", None)  # xdist's worker
+            _WHEN[report.nodeid] = (float(value[2]), getattr(gateway, "id", "main"))
 
 
 def _cmdline(pid: int) -> str:
@@ -203,7 +207,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.line(f"{cpu:8.1f} {wall:8.1f} {share:6.1%} {count:5.0f}  {path}")
         out = os.environ.get("TG_PROFILE_JSON")
         if out:  # the whole profile, for comparing two runs
-            rows = [{"test": n, "cpu_s": round(c, 2), "wall_s": round(w, 2)} for c, w, n in _CPU]
+            # each test's start (epoch seconds) and xdist worker: where the run's time went
+            rows = [{"test": n, "cpu_s": round(c, 2), "wall_s": round(w, 2),
+                     "start": round(_WHEN[n][0], 2), "worker": _WHEN[n][1]}
+                    for c, w, n in _CPU]  # fmt: skip
             Path(out).write_text(json.dumps(sorted(rows, key=lambda r: -r["cpu_s"]), indent=1))
             terminalreporter.line(f"whole profile: {out}")
     if _LEFT:
