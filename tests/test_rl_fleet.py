@@ -22,9 +22,11 @@ from trainguard.rl import RolloutClient, RolloutConfig, RolloutError, WeightStor
 from trainguard.rl.local import LocalEngines, engine_health
 from trainguard.rl.tiny import tiny_gpt2
 
-# Three engine processes (a torch + transformers import each), started once a run: the module
-# is one xdist group, so its tests share one fleet (the killing tests come last, so that a
-# replica they kill is not started again for nothing).
+# Two engine processes (a torch + transformers import each, ~7 CPU s), started once a run: the
+# module is one xdist group, so its tests share one fleet. The killing tests come last, in an
+# order where each kill is reused: the replica killed with requests in flight is the one the
+# restart test starts again (with a warm standby beside it), the standby test promotes that
+# standby, and the last test kills a replica for good (4 engine starts in all, not 7).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rl_fleet")]
 
 PROMPTS = [f"please write {i % 10} now" for i in range(12)]
@@ -81,18 +83,40 @@ class Fleet:
 
     def own(self) -> None:
         """The replicas running now belong to the module's fleet (stopped at its teardown),
-        also those a test restarted."""
-        FIXTURE_PIDS.update(p.pid for p in self.engines.procs if p is not None)
+        also those a test restarted, and their warm standbys."""
+        procs = [*self.engines.procs, *self.engines.spares]
+        FIXTURE_PIDS.update(p.pid for p in procs if p is not None)
+
+    def start_with_standby(self, i: int) -> None:
+        """Start replica ``i`` (dead) afresh, and a warm standby for it (``--standby``), as
+        ``LocalEngines(standby=True)`` does; later starts get none."""
+        self.engines.standby = True
+        try:
+            self.engines.start(i)
+        finally:
+            self.engines.standby = False
+        self.own()
+
+    def drop_spare(self) -> None:
+        """Stop the warm standbys (a promotion starts a new one): no test needs them later."""
+        for i, spare in enumerate(self.engines.spares):
+            if spare is not None:
+                if spare.poll() is None:
+                    os.kill(spare.pid, signal.SIGKILL)
+                spare.wait()
+                self.engines.spares[i] = None
 
     def publish(self) -> int:
         self.version += 1
         self.store.publish(self.version, self.model.state_dict())
         return self.version
 
-    def heal(self, keep_dead: bool = False) -> None:
+    def heal(self, min_alive: int | None = None) -> None:
         """Every replica running and serving the current version (after a test's faults);
-        ``keep_dead``: a replica a previous test killed stays dead while two others run."""
-        keep_dead = keep_dead and len(self.alive()) >= 2
+        ``min_alive``: a replica a previous test killed stays dead while that many others
+        run."""
+        self.drop_spare()
+        keep_dead = min_alive is not None and len(self.alive()) >= min_alive
         for i, p in enumerate(self.engines.procs):
             assert p is not None
             if p.poll() is None:
@@ -116,7 +140,7 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    f = Fleet(tmp_path_factory.mktemp("rl"), 3)
+    f = Fleet(tmp_path_factory.mktemp("rl"), 2)
     try:
         f.first_publish()
         yield f
@@ -136,8 +160,20 @@ def healthy(fleet: Fleet) -> Fleet:
 def serving(fleet: Fleet) -> Fleet:
     """The module's fleet healed like ``healthy``, except that a replica a previous test
     killed stays dead while two others run: for the tests that kill one themselves."""
-    fleet.heal(keep_dead=True)
+    fleet.heal(min_alive=2)
     return fleet
+
+
+@pytest.fixture
+def one_down(fleet: Fleet) -> tuple[Fleet, int]:
+    """The module's fleet with one replica dead, the others serving the current version: the
+    replica a previous test killed, else replica 0, killed here (kill -9)."""
+    fleet.heal(min_alive=1)
+    dead = [i for i in range(len(fleet.engines.ports)) if i not in fleet.alive()]
+    if not dead:
+        fleet.engines.kill(0, signal.SIGKILL)
+        dead = [0]
+    return fleet, dead[0]
 
 
 def check_real(groups: list[list[Any]], n: int, version: int) -> None:
@@ -155,11 +191,11 @@ def check_real(groups: list[list[Any]], n: int, version: int) -> None:
 def test_engine_without_a_published_version_stays_loading(fleet: Fleet) -> None:
     """The module's replicas started before any version was published (``first_publish``):
     each reported ``loading`` and answered 503; each served version 0 once it was published."""
-    assert len(fleet.unpublished) == 3
+    assert len(fleet.unpublished) == 2
     for h, code, err in fleet.unpublished:
         assert h["status"] == "loading" and h["weight_version"] is None
         assert code == 503 and "loading" in err["error"]["message"]
-    assert fleet.first_served == [0, 0, 0]
+    assert fleet.first_served == [0, 0]
 
 
 def test_engine_api_and_bad_input(healthy: Fleet) -> None:
@@ -214,9 +250,9 @@ def test_a_batch_that_cannot_be_generated_raises_never_fabricates(healthy: Fleet
 
 
 def test_frozen_engine_leaves_routing_within_10s_and_requests_move(healthy: Fleet) -> None:
-    frozen = healthy.engines.urls[2]
+    frozen = healthy.engines.urls[-1]
     with healthy.client(prompts_per_request=1) as client:
-        os.kill(healthy.engines.pid(2), signal.SIGSTOP)
+        os.kill(healthy.engines.pid(len(healthy.engines.ports) - 1), signal.SIGSTOP)
         t0 = time.monotonic()
         groups = client.generate(PROMPTS, n=2, max_tokens=6)
         check_real(groups, 2, healthy.version)
@@ -237,32 +273,11 @@ def test_weight_sync_does_not_wait_for_a_frozen_engine_which_refits_later(health
         groups = client.generate(PROMPTS, n=1, max_tokens=6)
         check_real(groups, 1, v)
         os.kill(healthy.engines.pid(0), signal.SIGCONT)  # it loads v from the store itself
-        client.wait_serving(3, timeout=60)
+        client.wait_serving(len(healthy.engines.ports), timeout=60)
         assert client.engines()[healthy.engines.urls[0]]["version"] == v
         for _ in range(3):  # the timeout follows the measured sync time
             assert client.sync_weights(healthy.publish()).missed == []
         assert client.sync_timeout_s() < 3.0  # 5 x the median measured sync, at least 0.2 s
-
-
-def test_restarted_engine_serves_only_after_loading_the_current_version(healthy: Fleet) -> None:
-    with healthy.client(prompts_per_request=1, health_interval_s=0.2) as client:
-        healthy.engines.kill(0, signal.SIGKILL)
-        v = healthy.publish()  # published while replica 0 is down
-        client.sync_weights(v)
-        healthy.engines.start(0)
-        healthy.own()
-        rejoined = healthy.engines.urls[0]
-        seen: set[str] = set()
-        deadline = time.monotonic() + 120
-        while rejoined not in seen:  # keep the fleet busy while replica 0 boots
-            assert time.monotonic() < deadline, client.engines()
-            groups = client.generate(PROMPTS, n=1, max_tokens=4)
-            check_real(groups, 1, v)
-            seen.update(c.engine for g in groups for c in g)
-        # never routed to it while it was loading, nor before it held the current version
-        assert client.failures["not_serving"] == client.failures["stale"] == 0
-        h = engine_health(healthy.engines.ports[0])
-        assert h is not None and h["weight_version"] == v
 
 
 def test_engine_killed_with_requests_in_flight_loses_them_to_the_others(serving: Fleet) -> None:
@@ -303,6 +318,68 @@ def test_engine_killed_with_requests_in_flight_loses_them_to_the_others(serving:
             time.sleep(0.1)
 
 
+def test_restarted_engine_serves_only_after_loading_the_current_version(
+    one_down: tuple[Fleet, int],
+) -> None:
+    """A replica down (kill -9: here, or by the test before, whose kill is reused), a version
+    published meanwhile; the replica started again joins the routing only once it holds that
+    version, while the others keep the fleet busy. It is started with a warm standby beside
+    it, for the next test."""
+    fleet, down = one_down
+    with fleet.client(prompts_per_request=1, health_interval_s=0.2) as client:
+        v = fleet.publish()  # published while the replica is down
+        client.sync_weights(v)
+        fleet.start_with_standby(down)
+        rejoined = fleet.engines.urls[down]
+        seen: set[str] = set()
+        deadline = time.monotonic() + 120
+        while rejoined not in seen:  # keep the fleet busy while the replica boots
+            assert time.monotonic() < deadline, client.engines()
+            groups = client.generate(PROMPTS, n=1, max_tokens=4)
+            check_real(groups, 1, v)
+            seen.update(c.engine for g in groups for c in g)
+        # never routed to it while it was loading, nor before it held the current version
+        assert client.failures["not_serving"] == client.failures["stale"] == 0
+        h = engine_health(fleet.engines.ports[down])
+        assert h is not None and h["weight_version"] == v
+
+
+def test_warm_standby_takes_the_port_of_a_killed_replica(fleet: Fleet) -> None:
+    """The warm standby the restart test started beside its replica (started here when this
+    test runs alone): built, waiting for the port; kill -9 of the replica promotes it."""
+    spares = fleet.engines.spares
+    i = next((k for k, s in enumerate(spares) if s is not None and s.poll() is None), None)
+    if i is None:
+        fleet.heal()
+        i = 0
+        fleet.engines.kill(i, signal.SIGKILL)
+        fleet.start_with_standby(i)
+    spare = spares[i]
+    assert spare is not None
+    engines = fleet.engines
+    engines.wait_serving(i, version=fleet.version, timeout=180)
+    deadline = time.monotonic() + 180  # the standby has built its model: it waits for the port
+    log = fleet.run_dir / "roles" / f"rollout_{i}.log"
+    while not any(
+        f"engine[{spare.pid}]" in ln and "standby for port" in ln
+        for ln in log.read_text().splitlines()
+    ):
+        assert time.monotonic() < deadline and spare.poll() is None
+        time.sleep(0.2)
+    old = engines.pid(i)
+    engines.restart(i)  # kill -9 the replica; the standby is promoted
+    fleet.own()
+    assert engines.pid(i) == spare.pid != old
+    new_spare = engines.spares[i]
+    assert new_spare is not None and new_spare.pid != spare.pid  # a new one
+    fleet.drop_spare()  # (not needed later: stopped before it imports much)
+    engines.wait_serving(i, version=fleet.version, timeout=60)
+    h = engine_health(engines.ports[i])
+    assert h is not None and h["pid"] == spare.pid
+    code, out = post(engines.ports[i], "/v1/completions", {"prompt": "write 7", "max_tokens": 3})
+    assert code == 200 and out["weight_version"] == fleet.version
+
+
 def test_dead_engine_request_is_retried_on_another(serving: Fleet) -> None:
     v = serving.alive()[0]  # the other running replicas answer in its place
     # probes rare: the client still believes the victim serves when it is already dead
@@ -321,34 +398,3 @@ def test_dead_engine_request_is_retried_on_another(serving: Fleet) -> None:
         assert client.engines()[dead]["state"] == "dead"
         check_real(client.generate(PROMPTS, n=2, max_tokens=6), 2, serving.version)
         assert client.failures["refused"] == refused  # out of routing at the first refusal
-
-
-def test_warm_standby_takes_the_port_of_a_killed_replica(tmp_path: Path) -> None:
-    WeightStore(tmp_path / "rl" / "weights").publish(3, tiny_gpt2(seed=0).state_dict())
-    engines = LocalEngines([free_port()], run_dir=tmp_path, standby=True)
-    engines.start()
-    try:
-        engines.wait_serving(0, version=3, timeout=180)
-        spare = engines.spares[0]
-        assert spare is not None
-        deadline = time.monotonic() + 180  # the standby has built its model: it waits for the port
-        log = tmp_path / "roles" / "rollout_0.log"
-        while (
-            f"engine[{spare.pid}]" not in log.read_text()
-            or "standby for port" not in log.read_text()
-        ):
-            assert time.monotonic() < deadline and spare.poll() is None
-            time.sleep(0.2)
-        old = engines.pid(0)
-        engines.restart(0)  # kill -9 the replica; the standby is promoted
-        assert engines.pid(0) == spare.pid != old
-        engines.wait_serving(0, version=3, timeout=60)
-        h = engine_health(engines.ports[0])
-        assert h is not None and h["pid"] == spare.pid
-        code, out = post(
-            engines.ports[0], "/v1/completions", {"prompt": "write 7", "max_tokens": 3}
-        )
-        assert code == 200 and out["weight_version"] == 3
-        assert engines.spares[0] is not None and engines.spares[0].pid != spare.pid  # a new one
-    finally:
-        engines.close()
