@@ -40,19 +40,20 @@ def _worker_pid(run_dir: Path, rank: int) -> int | None:
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-process GRPO run; rank 1 gets SIGKILL from outside after 12 steps; one restart
-    resumes from the last checkpoint."""
+    """A 2-process GRPO run; rank 1 gets SIGKILL from outside after 8 steps; one restart
+    resumes from the last checkpoint. Small batches (the cost is the 4 worker starts, not the
+    steps); the step sleep leaves the test >= 2 s to kill rank 1 before it ends."""
     tmp = tmp_path_factory.mktemp("killed")
     run_dir = tmp / "run"
     proc = popen(
         "trainguard",
         ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-         "--tg-run-dir", str(run_dir), GRPO, "--steps", "40", "--step-sleep", "0.05",
-         "--ckpt", str(tmp / "ckpt.pt"), "--ckpt-every", "5"],
+         "--tg-run-dir", str(run_dir), GRPO, "--steps", "24", "--prompts", "4", "--group", "8",
+         "--step-sleep", "0.15", "--ckpt", str(tmp / "ckpt.pt"), "--ckpt-every", "4"],
         cwd=tmp, env=base_env(),
     )  # fmt: skip
     try:
-        wait_until(lambda: _steps_done(run_dir, 1) >= 12, 120, "rank 1 at step 12")
+        wait_until(lambda: _steps_done(run_dir, 1) >= 8, 120, "rank 1 at step 8")
         pid = _worker_pid(run_dir, 1)
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
