@@ -39,14 +39,14 @@ def _stable(c: dict[str, str | None]) -> dict[str, str | None]:
 
 
 def _run_both(tmp_path: Path, args_for, env_extra=None) -> dict[str, dict]:
+    """``args_for(which, d)`` under both launchers (the exit code is the tests' to check)."""
     out = {}
     for which in BOTH:
         d = tmp_path / which
         d.mkdir()
         env = base_env(DUMP_DIR=str(d / "dump"), **(env_extra or {}))
         r = launch(which, args_for(which, d), cwd=d, env=env)
-        assert r.returncode == 0, f"{which} failed:\n{r.stderr[-3000:]}"
-        out[which] = {"result": r, "dumps": read_dumps(d / "dump"), "dir": d}
+        out[which] = {"result": r, "dumps": read_dumps(d / "dump"), "dir": d, "env": env}
     return out
 
 
@@ -67,31 +67,47 @@ def _entry(mode: str, d: Path) -> list[str]:
     return [DUMP, *SCRIPT_ARGS]
 
 
-# One exit-0 job per launcher for each entry mode, shared by the tests below (each job costs
-# two agent starts): (processes per node, log flags or None for no --log-dir, entry mode).
-JOBS: dict[str, tuple[int, list[str] | None, str]] = {
-    "script": (2, ["--redirects", "3"], "script"),
-    "module": (2, ["--tee", "3"], "module"),
-    "no_python": (2, ["-r", "0:1,1:2"], "no_python"),
+# One job per launcher for each entry mode, shared by the tests below (each job costs two
+# agent starts); each also carries one exit behaviour that torchrun and trainguard must share:
+# name -> (processes per node, log flags or None for no --log-dir, entry mode, extra launcher
+# flags, worker env knobs (tests/workers/dump_env.py), the launcher's exit code).
+JOBS: dict[str, tuple[int, list[str] | None, str, list[str], dict[str, str], int]] = {
+    # rank 1 exits 1 on the first two attempts, --max-restarts 2: the job succeeds on attempt 2
+    # (test_max_restarts_counts; trainguard's run directory: ..._writes_events_and_config)
+    "script": (2, ["--redirects", "3"], "script", ["--max-restarts", "2"],
+               {"EXIT_CODE": "1", "EXIT_UNTIL": "2", "EXIT_RANK": "1"}, 0),
+    # rank 1 raises under torch's @record: exit 1 and the failure report
+    # (test_worker_exit_1_same_exit_code_and_report)
+    "module": (2, ["--tee", "3"], "module", [],
+               {"RAISE_MESSAGE": "boom: the loss went NaN", "EXIT_RANK": "1"}, 1),
+    # every rank exits 3: the launcher exits 1 (test_plain_exit_code_same)
+    "no_python": (2, ["-r", "0:1,1:2"], "no_python", [], {"EXIT_CODE": "3"}, 1),
     # --run-path starts each worker as a function (multiprocessing): one torch import each
-    "run_path": (1, None, "run_path"),
-}
+    "run_path": (1, None, "run_path", [], {}, 0),
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """``jobs(name)``: the results of ``JOBS[name]`` under both launchers, run once."""
+    """``jobs(name)``: the results of ``JOBS[name]`` under both launchers, run once; each
+    exited with the job's exit code. trainguard's writes its run directory (``--tg-run-dir``)."""
     done: dict[str, dict[str, dict]] = {}
 
     def get(name: str) -> dict[str, dict]:
         if name not in done:
-            nproc, log_flags, mode = JOBS[name]
+            nproc, log_flags, mode, flags, knobs, code = JOBS[name]
 
             def args(which: str, d: Path) -> list[str]:
                 logs = [] if log_flags is None else ["--log-dir", str(d / "logs"), *log_flags]
-                return ["--standalone", "--nproc-per-node", str(nproc), *logs, *_entry(mode, d)]
+                run_dir = ["--tg-run-dir", str(d / "run")] if which == "trainguard" else []
+                return ["--standalone", "--nproc-per-node", str(nproc), *flags, *run_dir, *logs,
+                        *_entry(mode, d)]  # fmt: skip
 
-            done[name] = _run_both(tmp_path_factory.mktemp(name), args)
+            res = _run_both(tmp_path_factory.mktemp(name), args, knobs)
+            for which in BOTH:
+                r = res[which]["result"]
+                assert r.returncode == code, f"{which}: {r.returncode}\n{r.stderr[-3000:]}"
+            done[name] = res
         return done[name]
 
     return get
@@ -99,9 +115,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
 
 @pytest.mark.xdist_group("compat_jobs")  # one worker runs the module's jobs once each
 def test_standalone_worker_env_matches(jobs) -> None:  # type: ignore[no-untyped-def]
-    res = jobs("script")
+    res = jobs("script")  # three attempts (rank 1 exits 1 on the first two)
     tr, tg = res["torchrun"]["dumps"], res["trainguard"]["dumps"]
-    assert sorted(tr) == sorted(tg) == [(0, 0), (0, 1)]
+    assert sorted(tr) == sorted(tg) == [(a, r) for a in range(3) for r in (0, 1)]
     for key in tr:
         a, b = _contract(tr[key]), _contract(tg[key])
         assert {k for k, v in a.items() if v is not None} == {
@@ -217,17 +233,10 @@ def test_log_dir_layout(jobs, job: str) -> None:  # type: ignore[no-untyped-def]
             assert "hello from rank 1" in res[which]["result"].stdout
 
 
-def test_worker_exit_1_same_exit_code_and_report(tmp_path: Path) -> None:
-    results = {}
-    for which in BOTH:
-        d = tmp_path / which
-        d.mkdir()
-        env = base_env(
-            DUMP_DIR=str(d / "dump"), RAISE_MESSAGE="boom: the loss went NaN", EXIT_RANK="1"
-        )
-        results[which] = launch(
-            which, ["--standalone", "--nproc-per-node", "2", DUMP], cwd=d, env=env
-        )
+@pytest.mark.xdist_group("compat_jobs")  # one worker runs the module's jobs once each
+def test_worker_exit_1_same_exit_code_and_report(jobs) -> None:  # type: ignore[no-untyped-def]
+    # the module-entry job: rank 1 raises RuntimeError("boom: ...") under torch's @record
+    results = {which: res["result"] for which, res in jobs("module").items()}
     for which, r in results.items():
         assert r.returncode == 1, which
         assert "ChildFailedError" in r.stderr
@@ -253,42 +262,19 @@ def test_worker_exit_1_same_exit_code_and_report(tmp_path: Path) -> None:
     assert report(results["torchrun"].stderr) == report(results["trainguard"].stderr)
 
 
-def test_plain_exit_code_same(tmp_path: Path) -> None:
-    codes = {}
-    for which in BOTH:
-        d = tmp_path / which
-        d.mkdir()
-        env = base_env(DUMP_DIR=str(d / "dump"), EXIT_CODE="3")
-        codes[which] = launch(
-            which, ["--standalone", "--nproc-per-node", "1", DUMP], cwd=d, env=env
-        ).returncode
+@pytest.mark.xdist_group("compat_jobs")  # one worker runs the module's jobs once each
+def test_plain_exit_code_same(jobs) -> None:  # type: ignore[no-untyped-def]
+    # the --no-python job: every rank exits 3 (no error file); both launchers exit 1
+    res = jobs("no_python")
+    codes = {which: res[which]["result"].returncode for which in BOTH}
     assert codes["torchrun"] == codes["trainguard"] == 1
-
-
-@pytest.fixture(scope="module")
-def restarts_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """One job per launcher, shared by test_max_restarts_counts and
-    test_trainguard_run_writes_events_and_config: 2 processes, ``--max-restarts 2``, rank 1
-    exits 1 on the first two attempts; trainguard's writes its run directory (``--tg-run-dir``)."""
-    tmp = tmp_path_factory.mktemp("restarts")
-    out = {}
     for which in BOTH:
-        d = tmp / which
-        d.mkdir()
-        env = base_env(DUMP_DIR=str(d / "dump"), EXIT_CODE="1", EXIT_UNTIL="2", EXIT_RANK="1")
-        run_dir = ["--tg-run-dir", str(d / "run")] if which == "trainguard" else []
-        r = launch(
-            which,
-            ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", *run_dir, DUMP],
-            cwd=d,
-            env=env,
-        )
-        out[which] = {"result": r, "dumps": read_dumps(d / "dump"), "dir": d, "env": env}
-    return out
+        assert "exitcode  : 3" in res[which]["result"].stderr, which
 
 
-@pytest.mark.xdist_group("compat_restarts")  # one worker runs the module's job once
-def test_max_restarts_counts(restarts_job: dict[str, dict]) -> None:
+@pytest.mark.xdist_group("compat_jobs")  # one worker runs the module's jobs once each
+def test_max_restarts_counts(jobs) -> None:  # type: ignore[no-untyped-def]
+    restarts_job = jobs("script")  # --max-restarts 2, rank 1 exits 1 on attempts 0 and 1
     res = {}
     for which in BOTH:
         r = restarts_job[which]["result"]
@@ -397,11 +383,11 @@ def test_train_mlp_bitwise_identical(tmp_path: Path) -> None:
     assert_same_as_reference(a, 30)
 
 
-@pytest.mark.xdist_group("compat_restarts")  # one worker runs the module's job once
-def test_trainguard_run_writes_events_and_config(restarts_job: dict[str, dict]) -> None:
+@pytest.mark.xdist_group("compat_jobs")  # one worker runs the module's jobs once each
+def test_trainguard_run_writes_events_and_config(jobs) -> None:  # type: ignore[no-untyped-def]
     import json
 
-    job = restarts_job["trainguard"]
+    job = jobs("script")["trainguard"]  # --max-restarts 2, rank 1 exits 1 on attempts 0 and 1
     r, env, run_dir = job["result"], job["env"], job["dir"] / "run"
     assert r.returncode == 0, r.stderr[-3000:]
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
@@ -479,52 +465,70 @@ def test_a_survivor_torch_ends_in_the_same_second_is_never_the_root_cause(tmp_pa
     assert "rank 1" in r.stderr and "SIGKILL" in r.stderr, r.stderr[-3000:]
 
 
-def test_a_worker_killed_while_writing_its_error_file_is_restarted(tmp_path: Path) -> None:
-    # rank 1 of the first attempt leaves half an error file (empty) and dies by SIGKILL; torch's
-    # reader raises on it, which must not end the agent: the job restarts and finishes
-    r, events = _run_script(
-        tmp_path,
-        "import os, signal, time\n"
-        "if os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
-        "    open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w').close()\n"
-        "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "time.sleep(1.0)\n",
-        max_restarts=1,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "JSONDecodeError" not in r.stderr, r.stderr[-3000:]
-    failed = [e for e in events if e["kind"] == "worker_failed" and e["root_cause"]]
-    assert [(e["rank"], e["signal"]) for e in failed] == [(1, "SIGKILL")], failed
-
-
-def test_an_error_file_torch_cannot_parse_is_replaced_and_the_job_restarts(tmp_path: Path) -> None:
-    # attempt 0: rank 0 writes JSON torch's reader raises on ({}: KeyError 'message'), rank 1
-    # JSON nested past the recursion limit, and rank 1 plants a symlink at the name the repair
-    # once used for its temporary file; both exit 1. The agent replaces both files, never
-    # writes through the symlink, restarts, and reports each failure as worker_failed
-    victim = tmp_path / "victim.txt"
+@pytest.fixture(scope="module")
+def bad_error_files_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One 2-process job under ``trainguard run`` (``--max-restarts 2``) for the two tests below,
+    one fault per attempt. Attempt 0: rank 0 writes JSON torch's reader raises on ({}: KeyError
+    'message'), rank 1 JSON nested past the recursion limit, and rank 1 plants a symlink at the
+    name the repair once used for its temporary file; both exit 1. Attempt 1: rank 1 leaves half
+    an error file (empty) and dies by SIGKILL, rank 0 first writes a marker line to stderr.
+    Attempt 2 finishes. The result, the events and the symlink's target."""
+    tmp = tmp_path_factory.mktemp("bad_error_files")
+    victim = tmp / "victim.txt"
     victim.write_text("untouched\n")
     r, events = _run_script(
-        tmp_path,
-        "import os, sys, time\n"
-        "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
-        "    path = os.environ['TORCHELASTIC_ERROR_FILE']\n"
-        "    if os.environ['RANK'] == '0':\n"
+        tmp,
+        "import os, signal, sys, time\n"
+        "attempt, rank = os.environ['TORCHELASTIC_RESTART_COUNT'], os.environ['RANK']\n"
+        "path = os.environ['TORCHELASTIC_ERROR_FILE']\n"
+        "if attempt == '0':\n"
+        "    if rank == '0':\n"
         "        open(path, 'w').write('{}')\n"
         "    else:\n"
         f"        os.symlink({str(victim)!r}, path + '.tmp')\n"
         "        open(path, 'w').write('{\"message\": ' + '[' * 100000 + ']' * 100000 + '}')\n"
         "    time.sleep(0.5)\n"
         "    sys.exit(1)\n"
+        "if attempt == '1' and rank == '0':\n"
+        "    print('ATTEMPT 1 STARTED', file=sys.stderr, flush=True)\n"
+        "if attempt == '1' and rank == '1':\n"
+        "    open(path, 'w').close()\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "time.sleep(1.0)\n",
-        max_restarts=1,
+        max_restarts=2,
     )
+    return {"result": r, "events": events, "victim": victim}
+
+
+@pytest.mark.xdist_group("compat_error_files")  # one worker runs the module's job once
+def test_a_worker_killed_while_writing_its_error_file_is_restarted(bad_error_files_job) -> None:  # type: ignore[no-untyped-def]
+    # attempt 1 of the shared job: rank 1 leaves half an error file (empty) and dies by SIGKILL;
+    # torch's reader raises on it, which must not end the agent: the job restarts and finishes
+    r, events = bad_error_files_job["result"], bad_error_files_job["events"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "JSONDecodeError" not in r.stderr, r.stderr[-3000:]
+    failed = [
+        e for e in events if e["kind"] == "worker_failed" and e["root_cause"] and e["attempt"] == 1
+    ]
+    assert [(e["rank"], e["signal"]) for e in failed] == [(1, "SIGKILL")], failed
+    assert events[-1]["kind"] == "job_finished" and events[-1]["attempt"] == 2, events[-1]
+
+
+@pytest.mark.xdist_group("compat_error_files")  # one worker runs the module's job once
+def test_an_error_file_torch_cannot_parse_is_replaced_and_the_job_restarts(
+    bad_error_files_job,
+) -> None:  # type: ignore[no-untyped-def]
+    # attempt 0 of the shared job: both ranks leave an error file torch's reader raises on
+    # (KeyError, RecursionError) and exit 1. The agent replaces both files, never writes
+    # through the symlink, restarts, and reports each failure as worker_failed
+    r, events = bad_error_files_job["result"], bad_error_files_job["events"]
     assert r.returncode == 0, r.stderr[-3000:]
     assert "KeyError" not in r.stderr and "RecursionError" not in r.stderr, r.stderr[-3000:]
-    failed = sorted(e["rank"] for e in events if e["kind"] == "worker_failed")
+    failed = sorted(e["rank"] for e in events if e["kind"] == "worker_failed" and e["attempt"] == 0)
     assert failed == [0, 1], [e for e in events if e["kind"] == "worker_failed"]
-    assert "replaced" in r.stderr, r.stderr[-3000:]
-    assert victim.read_text() == "untouched\n"
+    # replaced before attempt 1 began (attempt 1's empty file is replaced too)
+    assert "replaced" in r.stderr[: r.stderr.index("ATTEMPT 1 STARTED")], r.stderr[-3000:]
+    assert bad_error_files_job["victim"].read_text() == "untouched\n"
 
 
 @pytest.mark.parametrize(
