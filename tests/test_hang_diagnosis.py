@@ -168,11 +168,11 @@ def test_plain_script_divergent_path_is_named_and_job_restarts(tmp_path: Path) -
     assert (hang_dir / "diagnosis.json").is_file()
     assert not (hang_dir / "diagnosis.json").is_symlink() and victim.read_text() == "untouched\n"
     assert len(events(run_dir, "restart")) == 1 and (tmp_path / "done").read_text() == "60"
-    # the HTML report has the verdict, the groups and the aggregated stacks
-    out = tmp_path / "report.html"
-    subprocess.run([sys.executable, "-m", "trainguard", "report", str(run_dir), "-o", str(out)],
-                   check=True, capture_output=True, timeout=120)  # fmt: skip
-    html = out.read_text()
+    # the HTML report has the verdict, the groups and the aggregated stacks (written in this
+    # process: test_report_chromium and test_planted_files run the ``trainguard report`` CLI)
+    from trainguard.telemetry.report import write_report
+
+    html = write_report(run_dir, tmp_path / "report.html").read_text()
     hangs = html.split('<div id="hangs">')[1].split("</div>")[0]
     assert (
         "ranks split: " in hangs and "stack of ranks" in hangs and "plain_collectives.py" in hangs
@@ -210,11 +210,13 @@ def _two_nodes(
 
 
 def test_two_nodes_stopped_rank_named_with_its_host_and_collective(tmp_path: Path) -> None:
-    """Two nodes of four ranks, rank 5 stopped: each node's verdict names the rank, its host and
-    the collective, and groups the stacks of all eight ranks into a few (the 64-rank version:
-    test_sixty_four_ranks_one_stopped_few_stack_groups, a soak test)."""
+    """Two nodes of three ranks, rank 4 stopped: each node's verdict names the rank, its host and
+    the collective, and groups the stacks of all six ranks into a few (the 64-rank version:
+    test_sixty_four_ranks_one_stopped_few_stack_groups, a soak test). Three ranks a node, not
+    four: one worker (a torch import) fewer per node; the stopped rank is still on the second node, with
+    ranks of both nodes waiting for it."""
     procs, run_dir = _two_nodes(
-        tmp_path, ["--stop-rank", "5", "--at-step", "20"], nproc=4,
+        tmp_path, ["--stop-rank", "4", "--at-step", "20"], nproc=3,
         hang_diagnosis_timeout_s=20, stack_dump="false",
     )  # fmt: skip
     try:
@@ -227,15 +229,16 @@ def test_two_nodes_stopped_rank_named_with_its_host_and_collective(tmp_path: Pat
             kill_tree(p)
     hang_at = float((tmp_path / "hang_at").read_text())
     started = events(run_dir, "workers_started")
-    host5 = next(e["node"] for e in started for w in e["workers"] if w["rank"] == 5)
+    host4 = next(e["node"] for e in started for w in e["workers"] if w["rank"] == 4)
     for d in diags:
         assert d["diagnosis"] == "missing", d["message"]
-        assert d["suspect_ranks"] == [5] and d["suspect_hosts"] == [host5]
+        assert d["suspect_ranks"] == [4] and d["suspect_hosts"] == [host4]
         assert d["op"] in ("all_reduce", "broadcast") and isinstance(d["seq"], int)
         assert f"{d['op']} #{d['seq']}" in d["message"]
-        assert f"rank 5 on {host5}" in d["message"]
-        assert 1 <= len(d["stack_groups"]) <= 5, [g["ranks"] for g in d["stack_groups"]]
-        assert sum(len(g["ranks"]) for g in d["stack_groups"]) == 8
+        assert f"rank 4 on {host4}" in d["message"]
+        # typically two groups: the five waiting ranks and the stopped one
+        assert 1 <= len(d["stack_groups"]) <= 4, [g["ranks"] for g in d["stack_groups"]]
+        assert sum(len(g["ranks"]) for g in d["stack_groups"]) == 6
     first = min(d["time"] for d in diags)
     assert first - hang_at <= 5 + 3, first - hang_at
     assert {d["node"] for d in diags} == {"nodeA", "nodeB"}

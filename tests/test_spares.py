@@ -412,7 +412,7 @@ class Job:
             "--rdzv-backend", self.backend, "--rdzv-endpoint", self.endpoint,
             "--rdzv-id", self.run_id, "--max-restarts", "3", "--monitor-interval", "0.1",
             "--tg-run-dir", str(self.run_dir), *extra,
-            EXAMPLE, "--steps", str(STEPS), "--step-sleep", "0.05",
+            EXAMPLE, "--no-ddp", "--steps", str(STEPS), "--step-sleep", "0.05",
             "--ckpt-every", "100000",  # memory tier only: the spare's shard comes from a peer
             "--out", str(self.out),
         ]  # fmt: skip
