@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import sys
 import time
@@ -50,6 +51,26 @@ def pytest_configure(config: pytest.Config) -> None:
     become_subreaper()
     for name, what in SERVICE_GROUPS.items():
         config.addinivalue_line("markers", f"{name}: tests that start {what} (one xdist group)")
+    if config.getoption("dist", "no") == "loadgroup":
+        _refuse_ungrouped_loadgroup()
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+
+
+def _refuse_ungrouped_loadgroup() -> None:
+    """The tests of one xdist group share their services and module jobs on one worker; with
+    pytest 9.2 (an item's nodeid read from a new field) pytest-xdist 3.8's ``--dist loadgroup``
+    no longer names the groups and silently schedules every test on its own."""
+    import xdist
+
+    if _version(pytest.__version__) >= (9, 2) and _version(xdist.__version__) <= (3, 8, 0):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__}: --dist "
+            "loadgroup would not group the tests; install the pytest that pyproject's test "
+            "extra names (pytest<9.2; make test does)"
+        )
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
