@@ -228,15 +228,17 @@ RendezvousState = _dr._RendezvousState
 terminate_process_handler = _mp_api._terminate_process_handler
 """The handler torch installs for the signals it handles (raises ``SignalException``)."""
 
-_signal_raised: dict[str, signal.Signals] = {}
-"""``{"first": signal}`` once torch's handler raised ``SignalException`` in this process."""
+_first_signal: signal.Signals | None = None
+"""The first signal torch's handler raised ``SignalException`` for in this process."""
 
 
 def recording_terminate_handler(signum: int, frame: Any) -> None:
     """torch's handler, remembering the signal first: ``SignalException`` is an ``Exception``,
     and an ``except Exception`` that the main thread happens to be in (a plugin hook, a
     metrics read) swallows it; :func:`signal_raised` still says it came."""
-    _signal_raised.setdefault("first", signal.Signals(signum))
+    global _first_signal
+    if _first_signal is None:
+        _first_signal = signal.Signals(signum)
     terminate_process_handler(signum, frame)
 
 
@@ -256,12 +258,13 @@ def record_terminate_signals() -> None:
 
 def forget_signals_raised() -> None:
     """A new agent in this process (``launch`` called again): no signal came to it yet."""
-    _signal_raised.clear()
+    global _first_signal
+    _first_signal = None
 
 
 def signal_raised() -> signal.Signals | None:
     """The first signal torch's handler raised on in this process (None: none yet)."""
-    return _signal_raised.get("first")
+    return _first_signal
 
 
 def remove_participant_epilogue(state: RendezvousState, settings: RendezvousSettings) -> None:

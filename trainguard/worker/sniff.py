@@ -90,8 +90,6 @@ class SniffRunner:
         self.confirming = 0
         """Confirming sniffs still to run (a rank looked slow)."""
         self._next_confirms = False
-        self._agreed: list[float] = [0.0, 0.0, 0.0]
-        """The agreed [next regular sniff step, next confirming sniff step, refused]."""
 
     # -- scheduling ----------------------------------------------------------------------------
     def proposal(self, step: int, now: float, pending: float = 0.0) -> int:
@@ -179,10 +177,12 @@ class SniffRunner:
             self._failed = True
             logger.warning("rank %d: sniff tests stopped: %s: %s", self.rank, type(e).__name__, e)
 
-    def _agree(self, dist: Any, dev: Any, step: int, t0: float, gemm_s: float | None) -> None:
-        """Gather every rank's GEMM time (suspicion) and agree the next sniff (a regular or a
-        confirming one) with every rank; a payload all-reduce that follows agrees it again,
-        with this one's wait known (:meth:`_decide`)."""
+    def _agree(
+        self, dist: Any, dev: Any, step: int, t0: float, gemm_s: float | None
+    ) -> list[float]:
+        """Gather every rank's GEMM time (suspicion) and agree the next sniff with every rank:
+        [next regular sniff step, next confirming sniff step, refused]. A payload all-reduce
+        that follows agrees it again, with this one's wait known (:meth:`_decide`)."""
         import torch
 
         # MAX-reduced: [next regular sniff, next confirming sniff, 1 where a rank's budget
@@ -197,7 +197,7 @@ class SniffRunner:
         got = agree.tolist()
         if gather and self.sniffs > 0 and self.suspect(got[3:]) and self.confirming == 0:
             self.confirming = self.cfg.sniff_window - 1  # enough for the judge's window
-        self._agreed = got[:3]
+        return got[:3]
 
     def _propose(self, into: Any, step: int, t0: float) -> None:
         """This rank's proposals, in ``into[:3]``, counting the sniff under way so far."""
@@ -207,10 +207,10 @@ class SniffRunner:
         into[1] = float(confirm_at)
         into[2] = 0.0 if ok else 1.0
 
-    def _decide(self) -> None:
+    def _decide(self, agreed: list[float]) -> None:
         """Take the agreed next sniff: a confirming one while one is owed and every rank's
         budget allows it, else the regular one."""
-        regular, confirm_at, refused = self._agreed
+        regular, confirm_at, refused = agreed
         self._next_confirms = self.confirming > 0 and refused == 0.0
         if self._next_confirms:
             self.confirming -= 1
@@ -276,7 +276,7 @@ class SniffRunner:
                 logger.warning("rank %d: sniff GEMM failed: %s: %s", self.rank,
                                type(e).__name__, e)  # fmt: skip
         if dist is not None:
-            self._agree(dist, dev, step, t0, None if first else gemm_s)
+            agreed = self._agree(dist, dev, step, t0, None if first else gemm_s)
             if not first and self.cfg.sniff_allreduce_kib > 0:
                 # the timed payload carries the agreement again, now that the wait for the
                 # slowest rank is known: a sniff that waited long refuses the next confirming
@@ -289,8 +289,8 @@ class SniffRunner:
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 allreduce_s = time.perf_counter() - t1
-                self._agreed = payload[:3].tolist()
-            self._decide()
+                agreed = payload[:3].tolist()
+            self._decide(agreed)
         cost = time.perf_counter() - t0
         self.spent_s += cost
         if not first:
