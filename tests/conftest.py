@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import resource
 import sys
 import time
@@ -29,9 +28,8 @@ _BEFORE_CALL: dict[str, set[int]] = {}
 # (it is a subreaper, so orphaned grandchildren count too) from setup to teardown, and the
 # wall time; the heaviest are printed at the end of the run (TG_PROFILE_TOP, default 15).
 _CPU_START: dict[str, tuple[float, float, float]] = {}
-_CPU: list[tuple[float, float, str]] = []
-_WHEN: dict[str, tuple[float, str]] = {}
-"""Each test's start (epoch seconds) and the xdist worker that ran it."""
+_CPU: list[tuple[float, float, str, float, str]] = []
+"""Per test: CPU s, wall s, nodeid, start (epoch seconds), the xdist worker that ran it."""
 
 
 # Tests that start (or share) one kind of service carry its marker; each marker is also an
@@ -55,17 +53,15 @@ def pytest_configure(config: pytest.Config) -> None:
         _refuse_ungrouped_loadgroup()
 
 
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
-
-
 def _refuse_ungrouped_loadgroup() -> None:
     """The tests of one xdist group share their services and module jobs on one worker; with
     pytest 9.2 (an item's nodeid read from a new field) pytest-xdist 3.8's ``--dist loadgroup``
     no longer names the groups and silently schedules every test on its own."""
     import xdist
+    from packaging.version import Version
 
-    if _version(pytest.__version__) >= (9, 2) and _version(xdist.__version__) <= (3, 8, 0):
+    known = Version(xdist.__version__) <= Version("3.8.0")  # the pytest-xdist seen to break
+    if Version(pytest.__version__) >= Version("9.2") and known:
         raise pytest.UsageError(
             f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__}: --dist "
             "loadgroup would not group the tests; install the pytest that pyproject's test "
@@ -185,9 +181,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         if key == "tg_left_processes":
             _LEFT.extend(f"{report.nodeid}: {line}" for line in value)
         elif key == "tg_cpu":
-            _CPU.append((float(value[0]), float(value[1]), report.nodeid))
             gateway = getattr(getattr(report, "node", None), "gateway", None)  # xdist's worker
-            _WHEN[report.nodeid] = (float(value[2]), getattr(gateway, "id", "main"))
+            worker = getattr(gateway, "id", "main")
+            _CPU.append((float(value[0]), float(value[1]), report.nodeid, float(value[2]), worker))
 
 
 def _cmdline(pid: int) -> str:
@@ -206,16 +202,16 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if _CPU:
         top = int(os.environ.get("TG_PROFILE_TOP", "15"))
-        total = sum(cpu for cpu, _, _ in _CPU)
+        total = sum(row[0] for row in _CPU)
         terminalreporter.section(
             f"heaviest tests by CPU (pytest + reaped children; all {len(_CPU)}: {total:.0f} CPU s)"
         )
         terminalreporter.line(f"{'CPU s':>8} {'wall s':>8} {'share':>6}  test")
-        for cpu, wall, nodeid in sorted(_CPU, reverse=True)[:top]:
+        for cpu, wall, nodeid, *_ in sorted(_CPU, reverse=True)[:top]:
             share = cpu / total if total else 0.0
             terminalreporter.line(f"{cpu:8.1f} {wall:8.1f} {share:6.1%}  {nodeid}")
         by_file: dict[str, list[float]] = {}
-        for cpu, wall, nodeid in _CPU:
+        for cpu, wall, nodeid, *_ in _CPU:
             entry = by_file.setdefault(nodeid.split("::")[0], [0.0, 0.0, 0.0])
             entry[0] += cpu
             entry[1] += wall
@@ -230,8 +226,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         if out:  # the whole profile, for comparing two runs
             # each test's start (epoch seconds) and xdist worker: where the run's time went
             rows = [{"test": n, "cpu_s": round(c, 2), "wall_s": round(w, 2),
-                     "start": round(_WHEN[n][0], 2), "worker": _WHEN[n][1]}
-                    for c, w, n in _CPU]  # fmt: skip
+                     "start": round(t, 2), "worker": worker}
+                    for c, w, n, t, worker in _CPU]  # fmt: skip
             Path(out).write_text(json.dumps(sorted(rows, key=lambda r: -r["cpu_s"]), indent=1))
             terminalreporter.line(f"whole profile: {out}")
     if _LEFT:
