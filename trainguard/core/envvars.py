@@ -11,6 +11,8 @@ warm-start variables a pre-started process gets before it becomes a worker are i
 :data:`ZYGOTE` (taken out of its environment before the script runs).
 """
 
+from trainguard.core.contract import ROLES
+
 PREFIX = "TRAINGUARD_AGENT_"
 """The agent→worker namespace (reserved: no config section may be called ``agent``)."""
 
@@ -64,7 +66,7 @@ own); stable across the engines' restarts."""
 REWARD_URLS = "TRAINGUARD_REWARD_URLS"
 """In the trainer's workers: the reward servers, as :data:`ROLLOUT_URLS`."""
 
-ROLE_URLS = {"rollout": ROLLOUT_URLS, "reward": REWARD_URLS}
+ROLE_URLS = dict(zip(ROLES, (ROLLOUT_URLS, REWARD_URLS), strict=True))
 """Role → the trainer's variable that lists its replicas' URLs."""
 SBATCH_ROLE_NODES = "TRAINGUARD_SBATCH_ROLE_NODES"
 """In a ``trainguard sbatch`` job with roles on nodes of their own (``nodes = K``): those nodes,
