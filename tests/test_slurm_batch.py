@@ -60,7 +60,7 @@ mkdir -p "$RUN_DIR/logs"
 [ -e "$RUN_DIR/job.sbatch" ] || cp "$0" "$RUN_DIR/job.sbatch"
 ln -sfn "slurm-$RUN_ID" trainguard-runs/"job-$SLURM_JOB_ID"
 export TRAINGUARD_RUNTIME_PREEMPTION_SIGNALS_DIRECT=1
-export TRAINGUARD_SBATCH_RUN_DIR="$RUN_DIR" TRAINGUARD_SBATCH_BATCH_HOST="${SLURMD_NODENAME:-}"
+export TRAINGUARD_AGENT_RUN_DIR="$RUN_DIR" TRAINGUARD_SBATCH_BATCH_HOST="${SLURMD_NODENAME:-}"
 export TRAINGUARD_SBATCH_BATCH_BEACON="$RUN_DIR/batch-$SLURM_JOB_ID.alive"
 # the batch beacon (while this shell, then its finish step, lives): when it stands
 # still, an agent on another node resubmits the job

@@ -55,7 +55,9 @@ VOCABULARIES = [
     Vocabulary(
         "role name (trainguard.core.contract.ROLES)",
         frozenset(contract.ROLES),
-        frozenset({("core/contract.py", "ROLES")}),
+        # envvars.ROLE_URLS: role → its URL variable, keyed by every role (held equal to
+        # ROLES below; envvars imports nothing of trainguard: workers read it at start-up)
+        frozenset({("core/contract.py", "ROLES"), ("core/envvars.py", "ROLE_URLS")}),
         2,
     ),
 ]

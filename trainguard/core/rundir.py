@@ -12,6 +12,9 @@
                                           a worker's stacks on the stack signal (appended)
     hangs/<a>/                            the diagnosis of a hang of attempt <a> (a DumpDir)
     debug/<id>/                           one ``trainguard debug`` look at a running job (a DumpDir)
+    health/straggler_scores.<node>.json   the latest step-time straggler scores of a node's ranks
+    rl/weights/                           the rollout fleet's weight store (trainguard.rl.weights)
+    logs/<step>-<job>-<task>.out          a ``trainguard sbatch`` job step's output (Slurm's)
     roles/<role>/<i>.json                 state of role replica i (rollout, reward engines)
     roles/<role>/<i>.log                  its output (stdout and stderr, every restart)
     roles/<role>/standby-<k>.json|.log    a warm standby's state and output (``standby = N``)
@@ -190,6 +193,31 @@ class RunDir:
             if not any(owned_dir(d, uid) for uid in owners):
                 return False
         return True
+
+    def straggler_scores(self, node: str) -> Path:
+        """The latest step-time straggler scores of ``node``'s ranks (JSON, replaced at each
+        evaluation), for people and tests: the plugins get them over the event bus."""
+        return self.root / "health" / f"straggler_scores.{node}.json"
+
+    def straggler_score_files(self) -> list[Path]:
+        """Every node's straggler scores file, sorted by name."""
+        return sorted((self.root / "health").glob("straggler_scores.*.json"))
+
+    @property
+    def weights(self) -> Path:
+        """The weight store of the rollout fleet (versions the trainer publishes and the
+        engines load: :mod:`trainguard.rl.weights`)."""
+        return self.root / "rl" / "weights"
+
+    @property
+    def logs(self) -> Path:
+        """The output of a ``trainguard sbatch`` job's steps (Slurm's ``--output``)."""
+        return self.root / "logs"
+
+    def step_log(self, step: str) -> Path:
+        """Slurm's ``--output`` pattern for job step ``step`` (``agent``, ``roles``): one file
+        per job id and task."""
+        return self.logs / f"{step}-%j-%t.out"
 
     @property
     def roles(self) -> Path:

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from trainguard.core.contract import METRICS
+from trainguard.core.handles import CheckpointHandle
 from trainguard.worker.api import RESERVED_LOG_KEYS, TrainGuard
 
 __all__ = [
@@ -232,7 +233,9 @@ class StepBeat:
             self._t.failed("the step record")
 
 
-def report_overhead(telemetry: SafeTelemetry | None, ckpt: Any, seconds: float) -> None:
+def report_overhead(
+    telemetry: SafeTelemetry | None, ckpt: CheckpointHandle | None, seconds: float
+) -> None:
     """Tell the checkpoint manager what one step cost: the time it spent in the integration's
     hooks and the metrics flusher's CPU time since the last report (its memory-tier cadence
     keeps the whole of it within its budget)."""

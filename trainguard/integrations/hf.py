@@ -114,7 +114,7 @@ class TrainGuardCallback(TrainerCallback):
     ) -> tuple[int, int] | None:
         """The newest trainguard snapshot newer than the step HF resumed from, in the same
         epoch (HF moves its data loader by epochs, trainguard by the steps in between)."""
-        ckpt = self._a.ckpt
+        _, ckpt = self._a.started()
         done = int(state.global_step)
         ga = max(1, int(args.gradient_accumulation_steps))
         per_epoch = None

@@ -124,7 +124,7 @@ class _Mixin:
         batches, scheduler = loop.batch_progress, loop.scheduler_progress
         optimizer = loop.automatic_optimization.optim_progress.optimizer
         stepped = int(loop._batches_that_stepped)
-        step = self._a.ckpt.restore(self._a.state, min_step=done + 1, max_step=newest)
+        step = self._a.started()[1].restore(self._a.state, min_step=done + 1, max_step=newest)
         if step is None or step <= done:
             return None
         delta = step - done
