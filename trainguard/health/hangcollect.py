@@ -41,7 +41,8 @@ def wait_for_files(paths: dict[int, Path], deadline: float) -> dict[int, Path]:
 
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        got: dict[str, Any] | None = json.loads(path.read_text(encoding="utf-8"))
+        return got
     except (OSError, ValueError) as e:
         logger.warning("cannot read %s: %s", path, e)
         return None

@@ -62,7 +62,8 @@ def _scalar(value: Any) -> float | int | str | None:
     """A loggable value: numbers (NaN and inf kept), strings, one-element tensors and arrays;
     None for what has no single value (None, multi-element tensors)."""
     if type(value) in _PLAIN:
-        return value
+        plain: float | int | str = value
+        return plain
     if value is None:
         return None
     if isinstance(value, bool):
@@ -73,7 +74,8 @@ def _scalar(value: Any) -> float | int | str | None:
     try:
         n = numel() if callable(numel) else numel
         if n == 1 and hasattr(value, "item"):
-            return value.item()
+            item: float | int | str = value.item()
+            return item
     except Exception:
         return None
     return None
