@@ -83,3 +83,16 @@ def test_rundir_owns_the_paths_of_the_features() -> None:
     assert r.straggler_scores("n1") == Path("/run/health/straggler_scores.n1.json")
     assert r.role_log("rollout", 2) == Path("/run/roles/rollout/2.log")
     assert str(RunDir("$RUN_DIR").step_log("agent")) == "$RUN_DIR/logs/agent-%j-%t.out"
+    assert r.telemetry_file("metrics", "n1") == Path("/run/telemetry/metrics_n1.jsonl")
+    assert r.telemetry_file("summary", "n1") == Path("/run/telemetry/summary_n1.json")
+    assert r.prometheus_endpoint("n1") == Path("/run/prometheus_n1.json")
+    assert r.report == Path("/run/report.html")
+
+
+def test_rundir_paths_are_where_the_features_write(tmp_path: Path) -> None:
+    from trainguard.telemetry.prometheus import endpoint_file
+
+    assert endpoint_file(tmp_path, "n1") == RunDir(tmp_path).prometheus_endpoint("n1")
+    (tmp_path / "health").mkdir()
+    (tmp_path / "health" / "straggler_scores.n1.json").write_text("{}")
+    assert RunDir(tmp_path).straggler_score_files() == [RunDir(tmp_path).straggler_scores("n1")]

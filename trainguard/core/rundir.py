@@ -16,6 +16,11 @@
     rl/weights/                           the rollout engines' weight store (trainguard.rl.weights)
     logs/<step>-<job>-<task>.out          a ``trainguard sbatch`` job step's output (Slurm's)
     heartbeats/<node>.json                an agent's heartbeat, for ``trainguard watch``
+    telemetry/metrics_<node>.jsonl        a node's exported metrics (OpenTelemetry, JSONL)
+    telemetry/traces_<node>.jsonl         its spans
+    telemetry/summary_<node>.json         its end-of-run summary (goodput, export failures)
+    prometheus_<node>.json                a running agent's Prometheus endpoint
+    report.html                           ``trainguard report``'s page
     roles/<role>/<i>.json                 state of role replica i (rollout, reward engines)
     roles/<role>/<i>.log                  its output (stdout and stderr, every restart)
     roles/<role>/standby-<k>.json|.log    a warm standby's state and output (``standby = N``)
@@ -203,6 +208,27 @@ class RunDir:
             if not any(owned_dir(d, uid) for uid in owners):
                 return False
         return True
+
+    @property
+    def telemetry(self) -> Path:
+        """The telemetry plugin's files (each node's metrics, traces and summary)."""
+        return self.root / "telemetry"
+
+    def telemetry_file(self, kind: str, node: str) -> Path:
+        """``kind`` = ``metrics`` or ``traces`` (JSONL, appended), ``summary`` (JSON, at the end)
+        of ``node``."""
+        suffix = "json" if kind == "summary" else "jsonl"
+        return self.telemetry / f"{kind}_{node}.{suffix}"
+
+    def prometheus_endpoint(self, node: str) -> Path:
+        """Where the agent of ``node`` writes its Prometheus endpoint (``host``, ``port``,
+        ``url``, ``pid``) while it runs."""
+        return self.root / f"prometheus_{node}.json"
+
+    @property
+    def report(self) -> Path:
+        """``trainguard report``'s HTML page (unless told another path)."""
+        return self.root / "report.html"
 
     def straggler_scores(self, node: str) -> Path:
         """The latest step-time straggler scores of ``node``'s ranks (JSON, replaced at each
