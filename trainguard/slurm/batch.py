@@ -312,6 +312,7 @@ class BatchRequest:
                 f"RDZV_PORT={cfg.rdzv_port}",
                 f'export {envvars.SBATCH_RDZV_NODE}="$RDZV_NODE"',
             ]
+        watch_log = _BATCH_RUN_DIR.logs / "watch.log"
         lines += [
             "STARTED=$(date +%s.%N)",
             'echo "trainguard: job $SLURM_JOB_ID (run $RUN_ID, restart ${SLURM_RESTART_COUNT:-0},'
@@ -320,7 +321,7 @@ class BatchRequest:
             *(
                 [
                     "# a watcher outside the job step: pages when the job goes silent",
-                    f'{tg} watch "$RUN_DIR" --if-configured >> "$RUN_DIR/logs/watch.log" 2>&1 &',
+                    f'{tg} watch "$RUN_DIR" --if-configured >> "{watch_log}" 2>&1 &',
                     "WATCH_PID=$!",
                 ]
                 if cfg.watch
@@ -333,7 +334,7 @@ class BatchRequest:
                     'kill "$WATCH_PID" 2>/dev/null',
                     "# the step ended: pages when it ended without the agents' final events",
                     f'{tg} watch "$RUN_DIR" --if-configured --step-ended "$rc" '
-                    '>> "$RUN_DIR/logs/watch.log" 2>&1',
+                    f'>> "{watch_log}" 2>&1',
                 ]
                 if cfg.watch
                 else []
