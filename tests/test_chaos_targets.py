@@ -208,6 +208,8 @@ def test_forged_launch_naming_init_a_bystander_or_the_callers_parent_is_refused(
     assert r.returncode == 2 and "is init (pid 1)" in r.stderr, r.stderr
     r = _drill(capsys, monkeypatch, "kill-agent", "--pid", "1")
     assert r.returncode == 2 and "is init (pid 1)" in r.stderr, r.stderr
+    r = _drill(capsys, monkeypatch, "pause", "--pid", "1", "--seconds", "1")
+    assert r.returncode == 2 and "is init (pid 1)" in r.stderr, r.stderr
     r = _drill(capsys, monkeypatch, "kill-rank", str(run_dir), "--rank", "0")
     assert r.returncode == 2 and "pid 1, recorded for rank 0, is init" in r.stderr, r.stderr
     r = _drill(capsys, monkeypatch, "kill-rank", str(run_dir), "--rank", "1")

@@ -182,3 +182,38 @@ def test_node_role_needs_postgres_and_a_node(
         monkeypatch.setenv("TRAINGUARD_FLEET_NODE_ROLE", role)
         rc, _, err = _fleet(capsys, "nodes")
         assert rc == 2 and err.count("\n") == 1 and why in err, err
+
+
+V1 = (  # the tables as schema version 1 made them
+    "CREATE TABLE trainguard_meta (key TEXT PRIMARY KEY, value TEXT)",
+    "INSERT INTO trainguard_meta VALUES ('schema_version', '1')",
+    "CREATE TABLE trainguard_records (uid TEXT PRIMARY KEY, time REAL, node TEXT, device TEXT, "
+    "job TEXT, attempt INTEGER, kind TEXT, cause TEXT, verdict TEXT, detail TEXT)",
+    "CREATE TABLE trainguard_releases (node TEXT, time REAL, by_whom TEXT, reason TEXT)",
+    "INSERT INTO trainguard_records VALUES ('old', 1e9, 'n9', '', 'j', 0, 'failure', "
+    "'hardware', 'evict', '{}')",
+)
+
+
+def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path, pg: Postgres) -> None:
+    import sqlite3
+
+    import psycopg
+
+    with sqlite3.connect(tmp_path / "fleet.db") as c:
+        for stmt in V1:
+            c.execute(stmt)
+    with psycopg.connect(pg.url, autocommit=True) as c:
+        c.execute("CREATE DATABASE fleet_v1")
+    with psycopg.connect(pg.url.rsplit("/", 1)[0] + "/fleet_v1") as c:
+        for stmt in V1:
+            c.execute(stmt)
+    for url in ("", pg.url.rsplit("/", 1)[0] + "/fleet_v1"):
+        with open_db(url, runs_root=tmp_path) as db:
+            (old,) = db.history("n9")
+            assert old.writer == ""  # written before: no node's role wrote it
+            db.write([hw("n9", "new")])
+            db.release("n9", by="op", reason="r")
+            new = db.history("n9")[-1]
+            assert new.job == "new" and new.writer == ("postgres" if url else "")
+            assert db._exec("SELECT value FROM trainguard_meta")[0] == ("2",)

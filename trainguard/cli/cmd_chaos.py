@@ -95,6 +95,14 @@ def _checkpoint_root(path: Path) -> Path:
 
 
 def _pause_targets(args: argparse.Namespace) -> list[int]:
+    pids = _pause_candidates(args)
+    for pid in pids:
+        if (why := chaos_ops.refuse_reason(pid)) is not None:
+            raise chaos_ops.ChaosTargetError(f"pid {pid} {why}: not stopped")
+    return pids
+
+
+def _pause_candidates(args: argparse.Namespace) -> list[int]:
     if args.pid:
         return list(args.pid)
     port, addresses = args.port, None

@@ -332,9 +332,13 @@ _STAMP = (
     "$$ BEGIN NEW.writer := session_user; RETURN NEW; END $$"
 )
 _TRIGGERS = tuple(
-    f"CREATE OR REPLACE TRIGGER {t}_writer BEFORE INSERT OR UPDATE ON {t} FOR EACH ROW "
-    "EXECUTE FUNCTION trainguard_stamp_writer()"
+    stmt
     for t in ("trainguard_records", "trainguard_releases")
+    for stmt in (
+        f"DROP TRIGGER IF EXISTS {t}_writer ON {t}",
+        f"CREATE TRIGGER {t}_writer BEFORE INSERT OR UPDATE ON {t} FOR EACH ROW "
+        "EXECUTE FUNCTION trainguard_stamp_writer()",
+    )
 )
 
 
