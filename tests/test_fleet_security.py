@@ -24,7 +24,7 @@ from tests.services.postgres_service import Postgres
 from tests.test_fleet import FAULTY, hw, job_env, tg
 from trainguard.core.config.fleet import FleetConfig
 from trainguard.core.failures import EVICTED_EXIT_CODE
-from trainguard.core.urls import scrub_secrets, url_secrets
+from trainguard.core.urls import scrub_secrets, url_secrets, userinfo_problem
 from trainguard.fleet.db import FleetDBError, Record, open_db
 from trainguard.fleet.lemons import lemon_status
 from trainguard.fleet.sniff import fleet_baseline
@@ -77,6 +77,10 @@ def test_url_password_is_never_in_error_text(tmp_path: Path, pg: Postgres) -> No
     secrets = url_secrets("postgresql://tg:p@ss%25word@h:5432/db?password=qs3cret")
     said = "invalid token: \"p@ss%25word\"; host 'ss%25word@h'; pass p@ss%word qs3cret"
     assert scrub_secrets(said, secrets) == "invalid token: \"***\"; host '***@h'; pass *** ***"
+    slash = "postgresql://tg:pass/word@h/db"  # read as host tg, port "pass"
+    assert "'/', '?' or '#'" in (userinfo_problem(slash) or "")
+    assert scrub_secrets('invalid port "pass"', url_secrets(slash)) == 'invalid port "***"'
+    assert userinfo_problem("postgresql://tg:p%40ss%2Fw@h/db") is None
 
 
 @pytest.fixture(scope="module")

@@ -30,10 +30,16 @@ def userinfo_problem(url: str) -> str | None:
     """What makes the ``user:password@`` part of ``url`` unusable as written (None: nothing):
     a ``@`` or a ``%`` that is not percent-encoded, or an encoding that is not UTF-8. Never
     quotes the user info itself."""
-    netloc = url.partition("://")[2].split("/", 1)[0].split("?", 1)[0]
+    rest = url.partition("://")[2]
+    netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
     userinfo = netloc.rpartition("@")[0]
     if "@" in userinfo:
         return "its user info (user:password@) holds a '@' that is not percent-encoded (%40)"
+    if "@" in rest and "@" not in netloc:
+        return (
+            "it has a '@' after the host: a '/', '?' or '#' in its user info must be "
+            "percent-encoded (%2F, %3F, %23), and so must a '@' elsewhere (%40)"
+        )
     if _BAD_PERCENT.search(userinfo):
         return "its user info (user:password@) holds a '%' that is not percent-encoded (%25)"
     try:
@@ -49,9 +55,11 @@ def url_secrets(url: str) -> list[str]:
     there), and ``password=`` values of its query; longest first."""
     out = {url}
     rest = url.partition("://")[2]
-    netloc = rest.split("/", 1)[0].split("?", 1)[0]
-    userinfo = netloc.rpartition("@")[0]
-    pieces = [userinfo, *userinfo.partition(":")[::2], *re.split(r"[:@]", userinfo)]
+    netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    pieces: list[str] = []
+    # the user info as a URL parser reads it, and up to the last '@' (a password holding '/')
+    for userinfo in (netloc.rpartition("@")[0], rest.rpartition("@")[0]):
+        pieces += [userinfo, *userinfo.partition(":")[::2], *re.split(r"[:@/?#]", userinfo)]
     query = rest.partition("?")[2]
     pieces += [v for k, v in parse_qsl(query, keep_blank_values=True) if k.lower() == "password"]
     for p in pieces:
