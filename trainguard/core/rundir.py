@@ -21,6 +21,7 @@
     telemetry/summary_<node>.json         its end-of-run summary (goodput, export failures)
     prometheus_<node>.json                a running agent's Prometheus endpoint
     report.html                           ``trainguard report``'s page
+    agent.mark                            held open by every live agent (trainguard.core.agentmark)
     roles/<role>/<i>.json                 state of role replica i (rollout, reward engines)
     roles/<role>/<i>.log                  its output (stdout and stderr, every restart)
     roles/<role>/standby-<k>.json|.log    a warm standby's state and output (``standby = N``)
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.agentmark import MARK_FILE
 from trainguard.core.atomicfile import owned_dir
 from trainguard.core.config import CONFIG_JSON
 from trainguard.core.events import EVENTS_FILE
@@ -224,6 +226,11 @@ class RunDir:
         """Where the agent of ``node`` writes its Prometheus endpoint (``host``, ``port``,
         ``url``, ``pid``) while it runs."""
         return self.root / f"prometheus_{node}.json"
+
+    @property
+    def agent_mark(self) -> Path:
+        """The file every live agent of the run holds open (:mod:`trainguard.core.agentmark`)."""
+        return self.root / MARK_FILE
 
     @property
     def report(self) -> Path:
