@@ -52,8 +52,10 @@ from typing import Any
 
 from trainguard.core.agentmark import MARK_FILE
 from trainguard.core.atomicfile import owned_dir
-from trainguard.core.config import CONFIG_JSON
 from trainguard.core.events import EVENTS_FILE
+
+CONFIG_JSON = "config.json"
+"""The run's effective configuration, written by the agent."""
 
 __all__ = ["DumpDir", "RunDir"]
 

@@ -45,6 +45,7 @@ from trainguard.core.config.slurm import SlurmConfig
 from trainguard.core.config.spares import SparesConfig
 from trainguard.core.config.telemetry import TelemetryConfig
 from trainguard.core.config.warm import WarmConfig
+from trainguard.core.rundir import CONFIG_JSON
 from trainguard.core.urls import redact_url
 
 __all__ = [
@@ -57,8 +58,6 @@ __all__ = [
     "worker_section_or_default",
     "write_effective",
 ]
-
-CONFIG_JSON = "config.json"
 
 ENV_PREFIX = envvars.NAMESPACE
 
