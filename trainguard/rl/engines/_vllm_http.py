@@ -28,7 +28,7 @@ class _Adapter(Protocol):
 
     def health(self) -> dict[str, Any]: ...
     def complete(self, body: Any) -> dict[str, Any]: ...
-    def refit(self, version: int, path: str | None = None) -> float: ...
+    def refit(self, version: int) -> float: ...
     def arm_fault(self, kind: str, count: int) -> None: ...
 
 
@@ -99,12 +99,16 @@ class _Handler(BaseHTTPRequestHandler):
         version = body.get("version") if isinstance(body, dict) else None
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise AdapterError(400, "'version' (the weight version to load, >= 0) is required")
-        path = body.get("path")
-        if path is not None and not isinstance(path, str):
-            raise AdapterError(400, "'path' must be a string (a safetensors file)")
+        if set(body) - {"version"}:
+            raise AdapterError(
+                400,
+                f"unknown fields {sorted(set(body) - {'version'})}: a weight update names only "
+                'a version of the job\'s weight store ({"version": v}); publish the weights '
+                "there first",
+            )
         if a.status in ("starting", "standby"):
             raise AdapterError(503, f"engine is {a.status}; it loads the current version itself")
-        load_s = a.refit(version, path)
+        load_s = a.refit(version)
         self._send(200, {"version": version, "load_s": round(load_s, 6)})
 
 

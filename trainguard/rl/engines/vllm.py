@@ -125,7 +125,8 @@ class VllmAdapter:
 
     def who(self, version: int | None = None) -> str:
         v = self.version if version is None else version
-        return f"vLLM replica {self.config.replica} (weight version {v})"
+        held = f"weight version {v}" if v is not None else "no weight version loaded"
+        return f"vLLM replica {self.config.replica} ({held})"
 
     def _model_dir(self, rl_dir: Path) -> str:
         m = self.config.model
@@ -170,7 +171,15 @@ class VllmAdapter:
                 )
             time.sleep(0.5)
         logger.info("vllm: vLLM answers /health on port %d (pid %s)", vport, self.server.pid)
-        self.generate_probe()  # on the model directory's weights: warm, not yet serving
+        try:  # on the model directory's weights: warm, not yet serving
+            self.generate_probe()
+        except AdapterError as e:
+            raise AdapterError(
+                503,
+                f"vLLM replica {c.replica}: vLLM started on model {self.model_dir} but its first "
+                f"generation failed ({e.message}); check the model (vLLM's CPU attention needs "
+                "a head size of 32, 64, 80, 96, 112, 128, ...) and vLLM's arguments",
+            ) from None
 
     def _check_alive(self, when: str) -> None:
         assert self.server is not None
@@ -221,8 +230,8 @@ class VllmAdapter:
                     raise AdapterError(503, self.fatal)
             except AdapterError as e:
                 logger.error("%s", e.message)
-                print(e.message, file=sys.stderr, flush=True)
                 self.close()
+                print(e.message, file=sys.stderr, flush=True)  # the log's last line
                 os._exit(3)  # the role supervisor restarts (or replaces) the replica
             try:
                 cur = self.store.current()
@@ -235,16 +244,16 @@ class VllmAdapter:
                 logger.exception("vllm: weight store check failed")
 
     # -- refit -------------------------------------------------------------------------------
-    def refit(self, version: int, path: str | None = None) -> float:
+    def refit(self, version: int) -> float:
         """Load ``version`` into vLLM; the seconds it took. AdapterError (404: not in the
         store; 422: not a whole file; 500: vLLM failed) with one line naming what to fix."""
         with self._refit_lock:
             t0 = time.perf_counter()
-            if version == self.version and path is None and self.status == "serving":
+            if version == self.version and self.status == "serving":
                 return 0.0  # already loaded (the store watcher was first)
             if self.fatal is not None:
                 raise AdapterError(503, self.fatal)
-            src = Path(path) if path else self.store.path_of(version)
+            src = self.store.path_of(version)
             if not src.is_file():
                 raise AdapterError(
                     404,
@@ -594,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         adapter.boot()
         threading.Event().wait()
     except AdapterError as e:
+        adapter.close()  # vLLM's last words before our line
         print(e.message, file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
