@@ -5,8 +5,9 @@ without pause, faults injected during the refits in turn:
 - ``kill``: kill -9 the adapter mid-refit (its vLLM dies with it); the standby is promoted on
   its port and a new standby started behind it;
 - ``freeze``: SIGSTOP the adapter mid-refit for ``--freeze-s``, then SIGCONT;
-- ``http_500``: vLLM fails the load half-way (``refit_partial``: a file with half of the
-  version's tensors), answering HTTP 500;
+- ``http_500``: vLLM fails the load half-way and answers HTTP 500 (``refit_500``: a tensor of
+  a wrong shape past the adapter's check); its engine dies, the adapter answers with one line
+  and exits, and the standby is promoted as after a kill;
 - ``truncated``: the version's file is published truncated, then republished whole.
 
 Figures: ``refit_s`` (median and p99 of the adapter's whole refit: pause, reload, version,
@@ -43,7 +44,10 @@ from trainguard.rl.weights import WeightStore  # noqa: E402
 
 VLLM_ARGS = ["--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8",
              "--dtype", "float32"]  # fmt: skip
-FAULTS = ("none", "http_500", "truncated", "freeze", "none", "kill")
+FAULTS = ("none", "http_500", "truncated", "freeze", "none", "kill", "none", "truncated", "freeze",
+          "none")  # fmt: skip
+"""The fault of refit ``v``: ``FAULTS[v % 10]`` (20 refits: 2 kills, 2 HTTP 500s, 4 freezes and
+4 truncated files; each kill and HTTP 500 ends the replica: its standby is promoted)."""
 PROMPT = "please write 3 4 now"
 TOL = 1e-3
 
@@ -175,12 +179,13 @@ def drill(root: Path, refits: int, freeze_s: float = 2.0) -> dict[str, Any]:
     client.start()
     refit_s: list[float] = []
     faults: dict[str, int] = {}
+    answers: dict[str, list[int]] = {}  # the push's HTTP statuses by fault
     g = torch.Generator().manual_seed(0)
     for v in range(1, refits + 1):
         fault = FAULTS[v % len(FAULTS)]
         states[v] = {k: t + 0.2 * torch.randn(t.shape, generator=g) for k, t in states[0].items()}
         if fault == "http_500":
-            _http(port, "POST", "/v1/faults", {"kind": "refit_partial", "count": 1})
+            _http(port, "POST", "/v1/faults", {"kind": "refit_500", "count": 1})
         store.publish(v, states[v])
         if fault == "truncated":  # the file torn after the pointer moved: refused, then fixed
             f = store.path_of(v)
@@ -204,23 +209,28 @@ def drill(root: Path, refits: int, freeze_s: float = 2.0) -> dict[str, Any]:
         elif fault == "kill":
             time.sleep(0.01)
             primary.kill()
+        t.join()
+        if fault == "http_500":  # the adapter answered 500 and exits: vLLM's engine died
+            primary.proc.wait(120)
+        if fault in ("kill", "http_500"):  # promote the standby onto the replica's port
             t0 = time.monotonic()
+            primary.kill()
             assert spare.promote is not None
             spare.promote.write_text(json.dumps({"replica": 0, "port": port}))
             primary, spare = spare, Engine(root, port, standby=True)
             primary.port = port
             ready["standby"].append(primary.wait("serving", v) - t0)
-        t.join()
         if fault == "truncated":
             store.publish(v, states[v])  # republished whole: the watcher loads it
         primary.wait("serving", v, timeout=600)
         code, ans = pushed["answer"]
+        answers[fault] = sorted({*answers.get(fault, []), code})
         if fault == "none" and code == 200:
             refit_s.append(ans["load_s"])
         if fault != "none":
             faults[fault] = faults.get(fault, 0) + 1
         time.sleep(0.3)  # completions on this version
-        if fault == "kill" and v < refits:
+        if fault in ("kill", "http_500") and v < refits:
             spare.wait("standby")
     client.stop.set()
     client.join(60)
@@ -245,6 +255,7 @@ def drill(root: Path, refits: int, freeze_s: float = 2.0) -> dict[str, Any]:
         "completions": len(client.answers),
         "client_errors": client.errors,
         "refit_faults": faults,
+        "refit_answers": answers,
         "requeued": h.get("requeued"),
         "engine_ready_s": {
             "cold": round(statistics.median(ready["cold"]), 2),

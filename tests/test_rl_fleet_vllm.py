@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,8 @@ def test_rl_job_on_vllm_engines_through_a_failed_refit_a_kill_and_a_freeze(tmp_p
     py = require_vllm()
     run = tmp_path / "run"
     adapter = (
-        "python -m trainguard.rl.engines.vllm --enable-fault-injection --poll-interval-s 0.3 -- "
-        + " ".join(VLLM_ARGS)
+        f"{sys.executable} -m trainguard.rl.engines.vllm --enable-fault-injection "
+        "--poll-interval-s 0.3 -- " + " ".join(VLLM_ARGS)
     )
     env = base_env(
         OMP_NUM_THREADS="1",

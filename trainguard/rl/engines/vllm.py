@@ -131,7 +131,16 @@ class VllmAdapter:
     def _model_dir(self, rl_dir: Path) -> str:
         m = self.config.model
         if m == TINY_LLAMA:
-            return str(save_tiny_llama(rl_dir / "models" / TINY_LLAMA, self.config.seed))
+            dest = rl_dir / "models" / TINY_LLAMA
+            try:
+                return str(save_tiny_llama(dest, self.config.seed))
+            except Exception as e:  # no torch/transformers here, a read-only run directory
+                raise AdapterError(
+                    400,
+                    f"vLLM replica {self.config.replica}: cannot build {TINY_LLAMA} in {dest} "
+                    f"({type(e).__name__}: {e}); run the adapter with the trainer's Python "
+                    "(torch, transformers), or give --model a model directory",
+                ) from None
         if not (Path(m) / "config.json").is_file():
             raise AdapterError(
                 400,
