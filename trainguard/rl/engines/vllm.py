@@ -46,11 +46,18 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from trainguard.core import envvars
+from trainguard.core.engine_contract import (
+    HealthAnswer,
+    MalformedAnswer,
+    ReplicaStatus,
+    own_identity,
+    parse_completion,
+)
+from trainguard.core.jsonhttp import JSONServer
 from trainguard.rl.engines._vllm_http import AdapterError, make_server
 from trainguard.rl.engines._vllm_server import (
     VllmServer,
@@ -112,6 +119,7 @@ class VllmAdapter:
             self._shapes = model_shapes(Path(self.model_dir))
         except WeightFileError as e:
             raise AdapterError(400, f"vLLM replica {config.replica}: {e}") from None
+        self.vocab_size = self._vocab_size()
         self.fatal: str | None = None
         """Set when vLLM holds no whole version and cannot be given one: the adapter exits."""
         self.server: VllmServer | None = None
@@ -148,6 +156,13 @@ class VllmAdapter:
                 "directory (no config.json); give a local model directory or tiny-llama",
             )
         return m
+
+    def _vocab_size(self) -> int | None:
+        try:
+            v = json.loads((Path(self.model_dir) / "config.json").read_text()).get("vocab_size")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
     # -- start-up ----------------------------------------------------------------------------
     def start_vllm(self) -> None:
@@ -376,6 +391,13 @@ class VllmAdapter:
             raise AdapterError(400, "the request body must be a JSON object")
         if body.get("stream"):
             raise AdapterError(400, "'stream' is not supported by this engine; leave it out")
+        prompt = body.get("prompt")
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(prompts, list) or not prompts:
+            raise AdapterError(400, "'prompt' must be a string or a non-empty list of strings")
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str) or not p.strip():
+                raise AdapterError(400, f"prompt {i} must be a non-empty string, got {p!r:.80}")
         if self.status != "serving":
             raise AdapterError(503, f"engine is {self.status}, not serving yet")
         fault = self._take_fault("http_500", "malformed", "hang")
@@ -436,26 +458,27 @@ class VllmAdapter:
             raise AdapterError(502, f"{bad}: {got} choices for {n_prompts * n}; check vLLM's log")
         out = []
         for c in choices:
-            ids = c.get("token_ids") if isinstance(c, dict) else None
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                raise AdapterError(502, f"{bad}: a choice without token_ids (vLLM too old?)")
-            if not ids:
-                raise AdapterError(502, f"{bad}: a choice with no generated token")
+            if not isinstance(c, dict):
+                raise AdapterError(502, f"{bad}: a choice that is not an object")
             lp = c.get("logprobs")
             logprobs = None
             if isinstance(lp, dict):
-                tl = lp.get("token_logprobs")
-                if not isinstance(tl, list) or len(tl) != len(ids):
-                    raise AdapterError(502, f"{bad}: {len(ids)} tokens, log-probs do not match")
-                if any(not isinstance(x, (int, float)) or x != x for x in tl):
-                    raise AdapterError(502, f"{bad}: a log-prob that is not a number")
-                logprobs = {"tokens": lp.get("tokens"), "token_logprobs": tl}
-            elif "logprobs" in body and body["logprobs"] is not None:
+                logprobs = {"tokens": lp.get("tokens"), "token_logprobs": lp.get("token_logprobs")}
+            elif body.get("logprobs") is not None:
                 raise AdapterError(502, f"{bad}: log-probs asked for and missing")
-            out.append({"index": c.get("index"), "text": c.get("text"), "token_ids": ids,
-                        "finish_reason": c.get("finish_reason"), "logprobs": logprobs})  # fmt: skip
-        return {"id": ans.get("id"), "object": "text_completion", "created": ans.get("created"),
-                "model": self.config.model, "choices": out, "usage": ans.get("usage")}  # fmt: skip
+            if not c.get("token_ids"):
+                raise AdapterError(502, f"{bad}: a choice without token ids (return_token_ids)")
+            out.append({"index": c.get("index"), "text": c.get("text"),
+                        "token_ids": c.get("token_ids"), "finish_reason": c.get("finish_reason"),
+                        "logprobs": logprobs})  # fmt: skip
+        answer = {"id": ans.get("id"), "object": "text_completion", "created": ans.get("created"),
+                  "model": self.config.model, "choices": out, "usage": ans.get("usage"),
+                  "weight_version": 0, "incarnation": own_identity().incarnation}  # fmt: skip
+        try:  # the contract's own parser: what the trainer's client will accept
+            parse_completion(answer, expected=n_prompts * n, vocab_size=self.vocab_size)
+        except MalformedAnswer as e:
+            raise AdapterError(502, f"{bad}: {e}; check vLLM's log") from None
+        return answer
 
     # -- faults and health -------------------------------------------------------------------
     def arm_fault(self, kind: str, count: int) -> None:
@@ -475,12 +498,18 @@ class VllmAdapter:
         return None
 
     def health(self) -> dict[str, Any]:
+        me = own_identity()
+        h = HealthAnswer(
+            status=ReplicaStatus(self.status),
+            weight_version=self.version,
+            inflight=self.inflight,
+            pid=me.pid,
+            incarnation=me.incarnation,
+            model=self.config.model,
+            vocab_size=self.vocab_size,
+        )
         return {
-            "status": self.status,
-            "weight_version": self.version,
-            "model": self.config.model,
-            "inflight": self.inflight,
-            "pid": os.getpid(),
+            **h.to_json(),
             "engine": "vllm",
             "engine_pid": self.server.pid if self.server else None,
             "refits": self.refits,
@@ -547,7 +576,7 @@ def _parse(argv: list[str] | None) -> AdapterConfig:
     return cfg
 
 
-def _bind_when_free(adapter: VllmAdapter, port: int) -> ThreadingHTTPServer:
+def _bind_when_free(adapter: VllmAdapter, port: int) -> JSONServer:
     while True:
         try:
             return make_server(adapter, adapter.config.host, port)
@@ -557,11 +586,11 @@ def _bind_when_free(adapter: VllmAdapter, port: int) -> ThreadingHTTPServer:
             time.sleep(0.05)
 
 
-def _serve(server: ThreadingHTTPServer) -> None:
+def _serve(server: JSONServer) -> None:
     threading.Thread(target=server.serve_forever, name="vllm-adapter-http", daemon=True).start()
 
 
-def _await_promotion(adapter: VllmAdapter, own: ThreadingHTTPServer, promote: Path) -> None:
+def _await_promotion(adapter: VllmAdapter, own: JSONServer, promote: Path) -> None:
     """A role's standby: vLLM started and warm, health ``standby`` on its own port, until the
     promotion file names the port of the replica it replaces; then serve there."""
     adapter.status = "standby"
@@ -593,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     except AdapterError as e:
         print(e.message, file=sys.stderr)
         return 2
-    own: ThreadingHTTPServer | None = None
+    own: JSONServer | None = None
     try:
         if not standby:  # health (starting) at once; a --standby binds only when promoted
             own = make_server(adapter, cfg.host, cfg.port)
