@@ -28,6 +28,7 @@ from trainguard.core import envvars
 __all__ = [
     "VllmServer",
     "WeightFileError",
+    "bad_shape_dir",
     "check_safetensors",
     "compare_shapes",
     "hf_version_dir",
@@ -150,6 +151,21 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def bad_shape_dir(root: Path, version: int, src: Path) -> Path:
+    """Fault injection (tests, benchmarks): ``root/bad-<version>/`` holding the version with its
+    last tensor cut to a wrong shape, past the adapter's check: vLLM loads the tensors before
+    it, then fails (HTTP 500) mid-update."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src))
+    last = sorted(tensors)[-1]
+    tensors[last] = tensors[last].flatten()[:7].clone()
+    d = root / f"bad-{version:08d}"
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(d / MODEL_FILE))
+    return d
 
 
 class VllmServer:

@@ -62,6 +62,7 @@ from trainguard.rl.engines._vllm_http import AdapterError, make_server
 from trainguard.rl.engines._vllm_server import (
     VllmServer,
     WeightFileError,
+    bad_shape_dir,
     check_safetensors,
     compare_shapes,
     hf_version_dir,
@@ -127,6 +128,8 @@ class VllmAdapter:
         self._refitting = False
         self._epoch = 0
         self._refit_lock = threading.Lock()
+        self._refused: tuple[int, int, int] | None = None
+        """(version, size, mtime) of the last file refused: not checked again until it changes."""
         self._dirs: dict[int, Path] = {}
         self._faults: dict[str, int] = {}
         self._stop = threading.Event()
@@ -238,9 +241,9 @@ class VllmAdapter:
                 except AdapterError as e:
                     if self.fatal is not None:
                         raise
-                    if e.code != 404:  # pruned while we looked: read the pointer again
+                    if e.code not in (404, 422):  # 404: pruned meanwhile; 422: logged once
                         logger.error("%s", e.message)
-                        self._check_alive("while loading weights")
+                    self._check_alive("while loading weights")
             self._stop.wait(self.config.poll_interval_s / 2)
         self.status = "serving"
         logger.info("vllm: %s serving", self.who())
@@ -262,7 +265,7 @@ class VllmAdapter:
                 if cur is not None and (cur.version != self.version or self.status != "serving"):
                     self.refit(cur.version)
             except AdapterError as e:
-                if e.code != 404:
+                if e.code not in (404, 422):  # 422: logged once, by _failed
                     logger.error("%s", e.message)
             except Exception:  # a torn pointer never stops serving the version we hold
                 logger.exception("vllm: weight store check failed")
@@ -285,18 +288,23 @@ class VllmAdapter:
                     f"(the store keeps the newest {self.store.keep}); publish it, or refit to "
                     "a version the store holds",
                 )
+            st = src.stat()
+            key = (version, st.st_size, st.st_mtime_ns)
+            if key == self._refused and self.last_error is not None:
+                raise AdapterError(422, self.last_error)  # the same file: refused once, no retry
             try:
                 why = compare_shapes(check_safetensors(src), self._shapes)
             except WeightFileError as e:
                 why = str(e)
             if why is not None:
+                self._refused = key
                 self._failed(
                     f"{self.who()}: weight version {version} refused: {why}; republish it whole"
                 )
                 raise AdapterError(422, str(self.last_error))
             d = hf_version_dir(self.work, version, src)
             if self._take_fault("refit_500"):
-                d = self._bad_shape_dir(version, src)
+                d = bad_shape_dir(self.work, version, src)
             prev = self.version
             try:
                 self._load(d, version)
@@ -365,19 +373,6 @@ class VllmAdapter:
         self.refits_failed += 1
         self.last_error = msg
         logger.error("%s", msg)
-
-    def _bad_shape_dir(self, version: int, src: Path) -> Path:
-        """Fault injection: the version with its last tensor cut to a wrong shape, past the
-        adapter's check: vLLM loads the tensors before it, then fails (HTTP 500) mid-update."""
-        from safetensors.torch import load_file, save_file
-
-        tensors = load_file(str(src))
-        last = sorted(tensors)[-1]
-        tensors[last] = tensors[last].flatten()[:7].clone()
-        d = self.work / f"bad-{version:08d}"
-        d.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(d / "model.safetensors"))
-        return d
 
     def _prune(self) -> None:
         keep = {self.version}
