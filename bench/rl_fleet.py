@@ -75,7 +75,7 @@ ENGINE = [sys.executable, "-m", "trainguard.rl.engine", "--enable-fault-injectio
           "--poll-interval-s", "0.3"]  # fmt: skip
 VLLM_ENGINE = [sys.executable, "-m", "trainguard.rl.engines.vllm", "--enable-fault-injection",
                "--poll-interval-s", "0.3", "--", "--enforce-eager", "--max-model-len", "256",
-               "--max-num-seqs", "8", "--dtype", "float32"]  # fmt: skip
+               "--max-num-seqs", "8", "--dtype", "float32", "--kv-cache-memory-bytes", "67108864"]  # fmt: skip
 
 
 class Fleet:

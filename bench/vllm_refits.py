@@ -43,7 +43,7 @@ from trainguard.rl.tiny import TINY_LLAMA, load_model, save_tiny_llama  # noqa: 
 from trainguard.rl.weights import WeightStore  # noqa: E402
 
 VLLM_ARGS = ["--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8",
-             "--dtype", "float32"]  # fmt: skip
+             "--dtype", "float32", "--kv-cache-memory-bytes", "67108864"]  # fmt: skip
 FAULTS = ("none", "http_500", "truncated", "freeze", "none", "kill", "none", "truncated", "freeze",
           "none")  # fmt: skip
 """The fault of refit ``v``: ``FAULTS[v % 10]`` (20 refits: 2 kills, 2 HTTP 500s, 4 freezes and

@@ -20,9 +20,10 @@ import pytest
 from tests.launch_utils import REPO
 
 VLLM_ARGS = ["--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8",
-             "--dtype", "float32"]  # fmt: skip
+             "--dtype", "float32", "--kv-cache-memory-bytes", "67108864"]  # fmt: skip
 """vLLM's arguments in these tests: eager (the first generation after start-up takes ~30 s
-instead of a 50 s compile on 2 cores), float32 (log-probs comparable with the trainer's)."""
+instead of a 50 s compile on 2 cores), float32 (log-probs comparable with the trainer's), 64 MiB
+of KV cache (the tiny Llama needs 1 KiB a token; vLLM's CPU default here is 1 GiB)."""
 
 
 def vllm_python() -> str | None:

@@ -198,7 +198,8 @@ class VllmServer:
 
     def start(self) -> None:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if not any(a.startswith("--kv-cache-memory-bytes") for a in self.args):
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; it overrides the argument
         env.pop("PYTHONPATH", None)  # vLLM's environment, not the trainer's
         self.proc = subprocess.Popen(
             self.command(),

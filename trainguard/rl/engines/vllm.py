@@ -29,8 +29,8 @@ arguments after ``--`` go to vLLM as they are). What it maps:
   (``loading``) and reloads the store's current version.
 
 Every error is one line naming the replica, the version and the fix. vLLM runs with
-``VLLM_SERVER_DEV_MODE=1`` (its pause, reload and version endpoints) and, unless set,
-``VLLM_CPU_KVCACHE_SPACE=1``.
+``VLLM_SERVER_DEV_MODE=1`` (its pause, reload and version endpoints) and, unless it is set or
+``--kv-cache-memory-bytes`` is given, ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache on CPU).
 """
 
 from __future__ import annotations
