@@ -126,7 +126,7 @@ VLLM_PIP_ARGS ?=
 ENGINE_TESTS  ?= tests/test_engine_conformance.py tests/test_engine_vllm.py tests/test_rl_fleet_vllm.py
 
 $(VLLM_VENV)/.installed: Makefile
-	$(PYTHON) -m venv $(VLLM_VENV)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_PIP_ARGS) '$(VLLM_PACKAGE)'
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
