@@ -19,12 +19,10 @@ from trainguard.core.engine_contract import (
     HEALTH_PATH,
     MALFORMED,
     MAX_ANSWER_BYTES,
-    MAX_HEALTH_BYTES,
     Identity,
-    MalformedAnswer,
     error_message,
     identity_mismatch,
-    parse_health,
+    probe_health,
 )
 from trainguard.rl.rollout_types import EngineState, RolloutConfig, RolloutError
 
@@ -161,21 +159,22 @@ class EngineTable:
 
     def probe(self, eng: EngineRecord, expected: Identity | None = None) -> None:
         """One health probe of ``eng``: its state, version and load from the answer."""
-        try:
-            raw = self.call(
-                eng, "GET", HEALTH_PATH, None, self.config.health_timeout_s, MAX_HEALTH_BYTES
-            )
-            h = parse_health(raw)
-            wrong = identity_mismatch(h.identity, expected)
-            if wrong is not None:
-                raise RequestFailure(
-                    MALFORMED, f"not the replica the supervisor started there: {wrong}"
-                )
-        except MalformedAnswer as e:
-            self._probe_failed(eng, RequestFailure(MALFORMED, e.detail))
+        p = probe_health(
+            eng.port,
+            HEALTH_PATH,
+            self.config.health_timeout_s,
+            eng.host,
+            headers=self.request_headers(),
+        )
+        if p.health is None:
+            reason = p.outcome if p.outcome in ("refused", "timeout", MALFORMED) else "connection"
+            self._probe_failed(eng, RequestFailure(reason, p.detail))
             return
-        except RequestFailure as f:
-            self._probe_failed(eng, f)
+        h = p.health
+        wrong = identity_mismatch(h.identity, expected)
+        if wrong is not None:
+            why = f"not the replica the supervisor started there: {wrong}"
+            self._probe_failed(eng, RequestFailure(MALFORMED, why))
             return
         with self.lock:
             eng.probe_failures = 0
