@@ -479,8 +479,9 @@ def main() -> None:
     from bench.vllm_refits import drill
 
     out = figures(root, args, "vllm")
-    print("vLLM refit drill:", flush=True)
-    out.update(drill(root / "vllm-refits", args.refits))
+    if args.refits > 0:
+        print("vLLM refit drill:", flush=True)
+        out.update(drill(root / "vllm-refits", args.refits))
     out["embedded"] = embedded
     print(json.dumps(out), flush=True)
 
