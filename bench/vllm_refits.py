@@ -1,5 +1,5 @@
-"""Refits of a real vLLM engine under faults: ``python -m trainguard.rl.engines.vllm`` with a
-warm standby, ``--refits`` weight versions published and pushed while a client generates
+"""Refits of a real vLLM engine under faults: ``python -m trainguard.rl.engines.vllm`` with two
+warm standbys, ``--refits`` weight versions published and pushed while a client generates
 without pause, faults injected during the refits in turn:
 
 - ``kill``: kill -9 the adapter mid-refit (its vLLM dies with it); the standby is promoted on
@@ -17,6 +17,9 @@ version they report, checked against the trainer's own model: must be 0), ``comp
 ``standby``: promotion → serving). Run on its own or from ``bench/rl_fleet.py --engine vllm``.
 
     TRAINGUARD_VLLM_PYTHON=.venv-vllm/bin/python python bench/vllm_refits.py --refits 20
+
+``engines_lost``: engines that died of a fault they must survive (a truncated file, a freeze):
+0 expected.
 """
 
 from __future__ import annotations
@@ -44,10 +47,21 @@ from trainguard.rl.weights import WeightStore  # noqa: E402
 
 VLLM_ARGS = ["--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8",
              "--dtype", "float32", "--kv-cache-memory-bytes", "67108864"]  # fmt: skip
-FAULTS = ("none", "http_500", "truncated", "freeze", "none", "kill", "none", "truncated", "freeze",
-          "none")  # fmt: skip
-"""The fault of refit ``v``: ``FAULTS[v % 10]`` (20 refits: 2 kills, 2 HTTP 500s, 4 freezes and
-4 truncated files; each kill and HTTP 500 ends the replica: its standby is promoted)."""
+CYCLE = ("none", "truncated", "freeze", "none")
+
+
+def fault_of(v: int, refits: int) -> str:
+    """The fault of refit ``v`` of ``refits``: an HTTP 500 mid-update at the middle one, a kill
+    at the last, otherwise truncated files and freezes in turn (20 refits: 5 truncated, 4
+    frozen, 1 HTTP 500, 1 kill; each kill and HTTP 500 ends the replica: a standby, started
+    warm at the beginning, is promoted)."""
+    if v == refits:
+        return "kill"
+    if v == refits // 2:
+        return "http_500"
+    return CYCLE[v % len(CYCLE)]
+
+
 PROMPT = "please write 3 4 now"
 TOL = 1e-3
 
@@ -170,19 +184,21 @@ def drill(root: Path, refits: int, freeze_s: float = 2.0) -> dict[str, Any]:
     store.publish(0, states[0])
     port = _free_port()
     primary = Engine(root, port, standby=False)
-    spare = Engine(root, port, standby=True)
+    spares = [Engine(root, port, standby=True) for _ in range(2)]
     ready: dict[str, list[float]] = {"cold": [], "standby": []}
     ready["cold"].append(primary.wait("serving", 0) - primary.t0)
     print(f"  vLLM engine serving after {ready['cold'][0]:.1f} s", flush=True)
-    spare.wait("standby")
+    for sp in spares:
+        sp.wait("standby")
     client = Client(port)
     client.start()
     refit_s: list[float] = []
     faults: dict[str, int] = {}
     answers: dict[str, list[int]] = {}  # the push's HTTP statuses by fault
+    lost: dict[str, int] = {}
     g = torch.Generator().manual_seed(0)
     for v in range(1, refits + 1):
-        fault = FAULTS[v % len(FAULTS)]
+        fault = fault_of(v, refits)
         states[v] = {k: t + 0.2 * torch.randn(t.shape, generator=g) for k, t in states[0].items()}
         if fault == "http_500":
             _http(port, "POST", "/v1/faults", {"kind": "refit_500", "count": 1})
@@ -212,12 +228,19 @@ def drill(root: Path, refits: int, freeze_s: float = 2.0) -> dict[str, Any]:
         t.join()
         if fault == "http_500":  # the adapter answered 500 and exits: vLLM's engine died
             primary.proc.wait(120)
-        if fault in ("kill", "http_500"):  # promote the standby onto the replica's port
+        gone = primary.proc.poll() is not None
+        if gone and fault not in ("kill", "http_500"):
+            lost[fault] = lost.get(fault, 0) + 1  # an engine lost to a fault it should survive
+        if gone or fault == "kill":  # promote a standby onto the replica's port
             t0 = time.monotonic()
             primary.kill()
+            if not spares:
+                spares.append(Engine(root, port, standby=True))
+                spares[0].wait("standby")
+            spare = spares.pop(0)
             assert spare.promote is not None
             spare.promote.write_text(json.dumps({"replica": 0, "port": port}))
-            primary, spare = spare, Engine(root, port, standby=True)
+            primary = spare
             primary.port = port
             ready["standby"].append(primary.wait("serving", v) - t0)
         if fault == "truncated":
@@ -230,8 +253,6 @@ def drill(root: Path, refits: int, freeze_s: float = 2.0) -> dict[str, Any]:
         if fault != "none":
             faults[fault] = faults.get(fault, 0) + 1
         time.sleep(0.3)  # completions on this version
-        if fault in ("kill", "http_500") and v < refits:
-            spare.wait("standby")
     client.stop.set()
     client.join(60)
     stale = 0
@@ -241,7 +262,8 @@ def drill(root: Path, refits: int, freeze_s: float = 2.0) -> dict[str, Any]:
             stale += 1
     h = primary.health() or {}
     primary.kill()
-    spare.kill()
+    for sp in spares:
+        sp.kill()
     # every clean refit is timed inside the adapter too; a p99 of a few values is their max
     q = sorted(refit_s)
     return {
@@ -256,6 +278,7 @@ def drill(root: Path, refits: int, freeze_s: float = 2.0) -> dict[str, Any]:
         "client_errors": client.errors,
         "refit_faults": faults,
         "refit_answers": answers,
+        "engines_lost": lost,
         "requeued": h.get("requeued"),
         "engine_ready_s": {
             "cold": round(statistics.median(ready["cold"]), 2),

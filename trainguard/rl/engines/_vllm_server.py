@@ -127,17 +127,15 @@ def compare_shapes(got: dict[str, tuple[int, ...]], want: dict[str, tuple[int, .
 
 
 def hf_version_dir(root: Path, version: int, weights: Path) -> Path:
-    """A Hugging Face checkpoint directory ``root/v<version>/`` holding ``weights`` as its
-    ``model.safetensors`` (a hard link: the store may prune the file meanwhile; a copy across
-    file systems), what vLLM's ``reload_weights`` reads. Rebuilt when it exists."""
+    """A Hugging Face checkpoint directory ``root/v<version>/`` holding a copy of ``weights`` as
+    its ``model.safetensors``, what vLLM's ``reload_weights`` reads. A copy, not a link: the
+    adapter checks the copy, so the file vLLM reads is the one checked, whatever happens to the
+    store's file meanwhile (pruned, or damaged in place). Rebuilt when it exists."""
     d = root / f"v{version:08d}"
     tmp = root / f".v{version:08d}.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    try:
-        os.link(weights, tmp / MODEL_FILE)
-    except OSError:
-        shutil.copyfile(weights, tmp / MODEL_FILE)
+    shutil.copyfile(weights, tmp / MODEL_FILE)
     shutil.rmtree(d, ignore_errors=True)
     tmp.rename(d)
     return d

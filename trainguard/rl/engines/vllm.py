@@ -21,8 +21,9 @@ arguments after ``--`` go to vLLM as they are). What it maps:
   ``/pause?mode=keep``, resumed on the new weights) is generated again on the new version,
   never answered with tokens of two versions and never lost.
 - ``POST /v1/weights/update`` and the store watcher: version ``v`` of the weight store
-  (:mod:`trainguard.rl.weights`) is checked whole (a truncated file is refused before vLLM sees
-  it), linked into a Hugging Face checkpoint directory, and loaded by vLLM's own APIs:
+  (:mod:`trainguard.rl.weights`) is copied into a Hugging Face checkpoint directory and the copy
+  checked whole, every tensor at the model's shape (anything else is refused before vLLM sees
+  it), then loaded by vLLM's own APIs:
   ``/pause?mode=keep``, ``/collective_rpc`` ``reload_weights``, ``/update_weight_version``,
   ``/resume``, then one generation on ``v``. A failed load restores the previous version (the
   engine keeps serving it and says so); when that fails too the engine leaves routing
@@ -60,6 +61,7 @@ from trainguard.core.engine_contract import (
 from trainguard.core.jsonhttp import JSONServer
 from trainguard.rl.engines._vllm_http import AdapterError, make_server
 from trainguard.rl.engines._vllm_server import (
+    MODEL_FILE,
     VllmServer,
     WeightFileError,
     bad_shape_dir,
@@ -292,17 +294,18 @@ class VllmAdapter:
             key = (version, st.st_size, st.st_mtime_ns)
             if key == self._refused and self.last_error is not None:
                 raise AdapterError(422, self.last_error)  # the same file: refused once, no retry
+            d = hf_version_dir(self.work, version, src)  # the copy checked is the copy loaded
             try:
-                why = compare_shapes(check_safetensors(src), self._shapes)
+                why = compare_shapes(check_safetensors(d / MODEL_FILE), self._shapes)
             except WeightFileError as e:
-                why = str(e)
+                why = str(e).replace(str(d / MODEL_FILE), str(src))
             if why is not None:
+                shutil.rmtree(d, ignore_errors=True)
                 self._refused = key
                 self._failed(
                     f"{self.who()}: weight version {version} refused: {why}; republish it whole"
                 )
                 raise AdapterError(422, str(self.last_error))
-            d = hf_version_dir(self.work, version, src)
             if self._take_fault("refit_500"):
                 d = bad_shape_dir(self.work, version, src)
             prev = self.version
