@@ -105,7 +105,7 @@ class Engine:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainguard.rl.engines.vllm", "--enable-fault-injection",
              "--poll-interval-s", "0.3", "--", *VLLM_ARGS],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT,
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 
     def health(self) -> dict[str, Any] | None:
@@ -128,10 +128,14 @@ class Engine:
             time.sleep(0.1)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        """kill -9 of the adapter's process group, as the role supervisor ends a replica (the
+        adapter alone: vLLM's API server dies with it, its engine core would not)."""
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+        self.proc.wait()
         self.log.close()
 
 

@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import threading
@@ -620,6 +621,12 @@ def main(argv: list[str] | None = None) -> int:
     except AdapterError as e:
         print(e.message, file=sys.stderr)
         return 2
+
+    def _terminate(signum: int, frame: Any) -> None:  # SIGTERM: vLLM ends its engine core too
+        adapter.close()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, _terminate)
     own: JSONServer | None = None
     try:
         if not standby:  # health (starting) at once; a --standby binds only when promoted
