@@ -260,6 +260,8 @@ class VllmAdapter:
                     raise AdapterError(503, self.fatal)
             except AdapterError as e:
                 logger.error("%s", e.message)
+                with self._refit_lock:  # a refit that failed answers its request first
+                    time.sleep(0.5)
                 self.close()
                 print(e.message, file=sys.stderr, flush=True)  # the log's last line
                 os._exit(3)  # the role supervisor restarts (or replaces) the replica
