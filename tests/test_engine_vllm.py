@@ -233,11 +233,15 @@ def test_bad_refits_are_one_line_and_leave_a_whole_version_serving(engine: Any) 
     assert again["weight_version"] == v
     assert again["choices"][0]["token_ids"] == first["token_ids"]
     assert again["choices"][0]["logprobs"] == first["logprobs"]
-    # and the same version, written whole, loads
-    save_file({k: t.contiguous() for k, t in states[50].items()}, str(store.path_of(50)))
+    # and the same version, published whole (the pointer on it: the store watcher keeps the
+    # engine on the pointer's version), loads
+    store.publish(50, states[50])
     code, ans = http_json(a.port, "POST", "/v1/weights/update", {"version": 50})
     assert code == 200
-    c = complete(a, max_tokens=8, temperature=0.0, logprobs=0)["choices"][0]
+    a.wait("serving", 50, timeout=30)
+    got = complete(a, max_tokens=8, temperature=0.0, logprobs=0)
+    assert got["weight_version"] == 50
+    c = got["choices"][0]
     ref = hf_logprobs(states[50], PROMPT, c["token_ids"])
     assert max(abs(x - y) for x, y in zip(ref, c["logprobs"]["token_logprobs"], strict=True)) < 1e-3
 
