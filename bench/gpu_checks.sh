@@ -23,3 +23,17 @@ step mfu 130 python3 bench/gpu_mfu.py
 if [ -f bench/checkpoint.py ]; then
   step checkpoint 270 python3 bench/checkpoint.py --device cuda
 fi
+# Real inference engines, where their packages are on the GPU machine (nothing is fetched there):
+# the vLLM adapter's tests against the ordinary CUDA vllm package, and SGLang's side of the
+# engine contract's mapping (docs/rl.md "SGLang").
+if python3 -c "import vllm" 2>/dev/null; then
+  step vllm_adapter 600 env TRAINGUARD_VLLM_PYTHON="$(command -v python3)" TRAINGUARD_REQUIRE_ENGINES=1 \
+    python3 -m pytest -q -n 0 -m engines -p no:cacheprovider tests/test_engine_vllm.py
+else
+  echo "=== vllm_adapter: vllm is not installed on this machine; skipped" | tee -a "$out/summary.log"
+fi
+if python3 -c "import sglang" 2>/dev/null; then
+  step sglang 600 python3 bench/sglang_check.py
+else
+  echo "=== sglang: sglang is not installed on this machine; skipped" | tee -a "$out/summary.log"
+fi

@@ -4,6 +4,14 @@ with faults arriving at random against the same run without faults.
 
     python bench/rl_fleet.py                 # the scenarios + two 300 s ETTR runs (~20 min)
     python bench/rl_fleet.py --ettr-s 120    # shorter ETTR runs
+    TRAINGUARD_VLLM_PYTHON=.venv-vllm/bin/python python bench/rl_fleet.py --engine vllm
+
+``--engine vllm`` runs the same scenarios on vLLM engines (``python -m
+trainguard.rl.engines.vllm``, the tiny Llama, ``make engines``) after the embedded engine's,
+adds the refit drill of ``bench/vllm_refits.py`` (``--refits`` refits under kill -9, SIGSTOP,
+HTTP 500 mid-update and truncated files: ``refit_s``, ``stale_served``, ``engine_ready_s`` cold
+and from a standby), and prints vLLM's figures with the embedded engine's beside them
+(``embedded``) in its one JSON line.
 
 Faults (real): ``engine_kill`` (kill -9 an engine mid-generation), ``engine_freeze``
 (SIGSTOP), ``engine_500`` (the engine answers HTTP 500 to its next requests),
@@ -45,6 +53,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from trainguard.core.config.warm import WarmConfig  # noqa: E402
+from trainguard.core.envvars import VLLM_PYTHON  # noqa: E402
 from trainguard.core.rundir import RunDir  # noqa: E402
 from trainguard.rl import ConsumedLog, PromptLedger, audit  # noqa: E402
 from trainguard.rl.local import engine_health  # noqa: E402
@@ -64,6 +73,9 @@ uses (``[warm] preload``): transformers' GPT-2 is most of a cold worker's start-
 
 ENGINE = [sys.executable, "-m", "trainguard.rl.engine", "--enable-fault-injection",
           "--poll-interval-s", "0.3"]  # fmt: skip
+VLLM_ENGINE = [sys.executable, "-m", "trainguard.rl.engines.vllm", "--enable-fault-injection",
+               "--poll-interval-s", "0.3", "--", "--enforce-eager", "--max-model-len", "256",
+               "--max-num-seqs", "8", "--dtype", "float32", "--kv-cache-memory-bytes", "67108864"]  # fmt: skip
 
 
 class Fleet:
@@ -151,7 +163,14 @@ def _records(run_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
 
 class Run:
     def __init__(
-        self, root: Path, name: str, *, steps: int, engines: int = 2, standby: int = 1
+        self,
+        root: Path,
+        name: str,
+        *,
+        steps: int,
+        engines: int = 2,
+        standby: int = 1,
+        engine: str = "embedded",
     ) -> None:
         self.name = name
         self.run_dir = root / name
@@ -170,12 +189,18 @@ class Run:
             OMP_NUM_THREADS="1",
             PYTHONPATH=str(REPO),
         )
+        command, model, ready = ENGINE, [], ""
+        if engine == "vllm":
+            command, model, ready = VLLM_ENGINE, ["--model", "tiny-llama"], ",ready=1800"
+            env[VLLM_PYTHON] = os.environ.get(VLLM_PYTHON) or str(REPO / ".venv-vllm/bin/python")
+            env["TRAINGUARD_WARM_PRELOAD"] += ",transformers.models.llama.modeling_llama"
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         self.t_launch = time.time()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
              "--max-restarts", "100", "--tg-run-dir", str(self.run_dir), "--tg-role",
-             f"rollout={engines},standby={standby},budget=1000:{shlex.join(ENGINE)}",
-             str(REPO / "examples" / "rl_fleet.py"), "--steps", str(steps), "--prompts",
+             f"rollout={engines},standby={standby},budget=1000{ready}:{shlex.join(command)}",
+             str(REPO / "examples" / "rl_fleet.py"), *model, "--steps", str(steps), "--prompts",
              str(PROMPTS), "--batch", str(BATCH), "--group", "8", "--max-tokens", "16",
              "--request-timeout", "20"],
             env=env, stdout=subprocess.DEVNULL, stderr=open(self.run_dir / "launcher.err", "wb"),  # noqa: SIM115
@@ -302,17 +327,17 @@ class Run:
         return out
 
 
-def scenario(root: Path, kinds: list[str], *, steps: int, seed: int) -> Run:
+def scenario(root: Path, kinds: list[str], *, steps: int, seed: int, engine: str) -> Run:
     """One run with ``kinds`` injected in turn, each once the previous one has been recovered
     from (an engine back and serving, four more steps); stopped ``steps`` steps after the last."""
-    run = Run(root, "+".join(kinds) or "fault_free", steps=100000)
+    run = Run(root, "+".join(kinds) or "fault_free", steps=100000, engine=engine)
     rng = random.Random(seed)
     at = 4
     for kind in kinds:
         if not run.wait_step(at):
             break
         run.inject(kind, rng)
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + (180 if engine == "embedded" else 1800)
         while run.sup.pending() and time.monotonic() < deadline and run.proc.poll() is None:
             time.sleep(0.2)  # the engine fault is recovered (replacement serving)
         at = run.step() + 4
@@ -322,11 +347,13 @@ def scenario(root: Path, kinds: list[str], *, steps: int, seed: int) -> Run:
     return run
 
 
-def ettr_run(root: Path, name: str, duration_s: float, mtbf_s: float | None, seed: int) -> Run:
+def ettr_run(
+    root: Path, name: str, duration_s: float, mtbf_s: float | None, seed: int, engine: str
+) -> Run:
     """A run of ``duration_s`` counted from its first completed step (the start-up, the same
     with or without faults, is left out), faults every ``mtbf_s`` on average (exponential),
     the kinds in an even shuffled mix. ``run.window_steps``: steps kept in the window."""
-    run = Run(root, name, steps=100000)
+    run = Run(root, name, steps=100000, engine=engine)
     rng = random.Random(seed)
     kinds: list[str] = []  # evenly mixed: each round of five has every kind once, shuffled
     for _ in range(100):
@@ -334,7 +361,7 @@ def ettr_run(root: Path, name: str, duration_s: float, mtbf_s: float | None, see
         rng.shuffle(block)
         kinds.extend(block)
     kinds.reverse()  # popped from the end
-    run.wait_step(0)
+    run.wait_step(0, timeout=600 if engine == "embedded" else 3600)
     start_steps = run.step() + 1
     t0 = time.time()
     t_end = t0 + duration_s
@@ -349,27 +376,23 @@ def ettr_run(root: Path, name: str, duration_s: float, mtbf_s: float | None, see
     return run
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=20, help="steps of each scenario run")
-    p.add_argument("--ettr-s", type=float, default=300.0)
-    p.add_argument("--mtbf-s", type=float, default=30.0)
-    p.add_argument("--only", default=None, help="comma-separated scenarios (debugging)")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="rl-fleet-bench-"))
-    print(f"runs in {root}", flush=True)
+def figures(root: Path, args: argparse.Namespace, engine: str) -> dict[str, Any]:
+    """Every scenario and the two ETTR runs on ``engine``: the figures of the JSON line."""
+    root = root / engine
     plan = [[], *[[k] for k in KINDS], list(KINDS)]
     if args.only:
         wanted = args.only.split(",")
         plan = [k for k in plan if "+".join(k) in wanted or (not k and "fault_free" in wanted)]
     runs = [
-        scenario(root, kinds, steps=args.steps, seed=args.seed + i) for i, kinds in enumerate(plan)
+        scenario(root, kinds, steps=args.steps, seed=args.seed + i, engine=engine)
+        for i, kinds in enumerate(plan)
     ]
     ettr: dict[str, Run] = {}
     if args.ettr_s > 0:
-        ettr["fault_free"] = ettr_run(root, "ettr_fault_free", args.ettr_s, None, args.seed)
-        ettr["failures"] = ettr_run(root, "ettr_failures", args.ettr_s, args.mtbf_s, args.seed)
+        ettr["fault_free"] = ettr_run(root, "ettr_fault_free", args.ettr_s, None, args.seed, engine)
+        ettr["failures"] = ettr_run(
+            root, "ettr_failures", args.ettr_s, args.mtbf_s, args.seed, engine
+        )
     audits = {r.name: r.audit() for r in [*runs, *ettr.values()]}
     by = {r.name: r for r in runs}
     free = by.get("fault_free")
@@ -434,6 +457,32 @@ def main() -> None:
         )
         out["ettr_run_s"] = args.ettr_s
         out["ettr_faults"] = len(ettr["failures"].faults)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20, help="steps of each scenario run")
+    p.add_argument("--ettr-s", type=float, default=300.0)
+    p.add_argument("--mtbf-s", type=float, default=30.0)
+    p.add_argument("--only", default=None, help="comma-separated scenarios (debugging)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", choices=("embedded", "vllm"), default="embedded")
+    p.add_argument("--refits", type=int, default=20, help="--engine vllm: refits of the drill")
+    args = p.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="rl-fleet-bench-"))
+    print(f"runs in {root}", flush=True)
+    embedded = figures(root, args, "embedded")
+    if args.engine == "embedded":
+        print(json.dumps(embedded), flush=True)
+        return
+    from bench.vllm_refits import drill
+
+    out = figures(root, args, "vllm")
+    if args.refits > 0:
+        print("vLLM refit drill:", flush=True)
+        out.update(drill(root / "vllm-refits", args.refits))
+    out["embedded"] = embedded
     print(json.dumps(out), flush=True)
 
 

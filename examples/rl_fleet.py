@@ -8,7 +8,9 @@
         trainguard run --standalone --nproc-per-node 2 --tg-run-dir runs/rl examples/rl_fleet.py
 
 The policy is the tiny random-weight GPT-2 of ``examples/trl_grpo.py`` (built in code, nothing
-downloaded). Prompt ``i`` reads ``please write A B now``; the verifiable reward is the share of
+downloaded), or with ``--model tiny-llama`` the tiny Llama that vLLM engines serve
+(``python -m trainguard.rl.engines.vllm``; built into ``RUN_DIR/rl/models/tiny-llama``, the
+directory the engines load too). Prompt ``i`` reads ``please write A B now``; the verifiable reward is the share of
 the completion's words equal to the digit A (``trainguard.rl.tiny.digit_reward``, in-process,
 or on reward servers: ``--reward-urls`` or a ``reward`` role, the ``trainguard.rl.reward``
 client retrying on another server). Each step every rank takes the same global batch
@@ -57,7 +59,7 @@ from trainguard.rl import (
 )
 from trainguard.rl.client import REWARD_URLS_ENV
 from trainguard.rl.reward import RewardClient
-from trainguard.rl.tiny import digit_reward, tiny_gpt2, tiny_tokenizer
+from trainguard.rl.tiny import TINY_LLAMA, digit_reward, load_model, save_tiny_llama
 
 
 def prompt_text(i: int) -> str:
@@ -77,6 +79,12 @@ def seq_logprobs(
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument(
+        "--model",
+        default="tiny-gpt2",
+        help="tiny-gpt2 (the embedded engine's) or tiny-llama (a vLLM fleet's, built into "
+        "RUN_DIR/rl/models/ as the engines build it)",
+    )
     p.add_argument("--prompts", type=int, default=64, help="prompts in the data set")
     p.add_argument("--batch", type=int, default=8, help="prompts per step (all ranks)")
     p.add_argument("--group", type=int, default=4, help="completions per prompt")
@@ -103,8 +111,10 @@ def main() -> None:
     if world > 1:
         dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    tok = tiny_tokenizer()
-    policy = tiny_gpt2(seed=0)
+    name = args.model
+    if name == TINY_LLAMA:  # the directory the engines serve: one tokenizer, one architecture
+        name = str(save_tiny_llama(tg.run_dir / "rl" / "models" / TINY_LLAMA, seed=0))
+    policy, tok = load_model(name, seed=0)
     reference = copy.deepcopy(policy).requires_grad_(False)
     opt = torch.optim.Adam(policy.parameters(), lr=args.lr)
     ledger = PromptLedger(args.prompts, seed=0)

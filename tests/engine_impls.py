@@ -14,10 +14,25 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.ports import free_port
 from trainguard.core import envvars
 from trainguard.core.engine_contract import HealthAnswer, probe_health
+
+
+def _tiny_gpt2_state() -> dict[str, Any]:
+    from trainguard.rl.tiny import tiny_gpt2
+
+    return dict(tiny_gpt2(seed=0).state_dict())
+
+
+def _tiny_llama_state() -> dict[str, Any]:
+    from trainguard.rl.tiny import tiny_llama
+
+    return dict(tiny_llama(seed=0).state_dict())
 
 
 @dataclass(frozen=True)
@@ -28,6 +43,10 @@ class EngineImpl:
     startup_s: float = 120.0
     vocab_size: int | None = None
     """The vocabulary the implementation's health must report (None: not checked)."""
+    state: Callable[[], dict[str, Any]] = _tiny_gpt2_state
+    """The weights of version 0 (the model the implementation serves)."""
+    marks: tuple[Any, ...] = ()
+    """pytest marks of its parameter (``engines``: only under ``make test-engines``)."""
 
 
 def _embedded(port: int, weights: Path) -> list[str]:
@@ -47,9 +66,25 @@ def _stub(port: int, weights: Path) -> list[str]:
     ]
 
 
+def _vllm(port: int, weights: Path) -> list[str]:
+    from tests.vllm_engine import VLLM_ARGS, require_vllm
+
+    require_vllm()  # a skip with its reason (a failure under make test-engines)
+    return [sys.executable, "-m", "trainguard.rl.engines.vllm", "--port", str(port),
+            "--weights-dir", str(weights), "--poll-interval-s", "0.2", "--", *VLLM_ARGS]  # fmt: skip
+
+
 IMPLS = [
     EngineImpl("embedded", _embedded, vocab_size=17),
     EngineImpl("stub", _stub, startup_s=30.0, vocab_size=17),
+    EngineImpl(
+        "vllm",
+        _vllm,
+        startup_s=1200.0,
+        vocab_size=512,
+        state=_tiny_llama_state,
+        marks=(pytest.mark.engines, pytest.mark.timeout(1800)),  # vLLM starts in minutes
+    ),
 ]
 """Every engine the suite checks against the contract (add an adapter here)."""
 

@@ -30,14 +30,12 @@ class Subject:
     """One running implementation and what it answered before any version was published."""
 
     def __init__(self, impl: EngineImpl, root: Path) -> None:
-        from trainguard.rl.tiny import tiny_gpt2
-
         self.impl = impl
         self.store = WeightStore(root / "weights")
         self.engine = RunningEngine(impl, self.store.root, root / f"{impl.name}.log")
         self.early = self.engine.wait_health(lambda h: h.status is not S.STARTING, impl.startup_s)
         self.early_completion = self.post(ec.COMPLETIONS_PATH, {"prompt": "write"})
-        self.state = tiny_gpt2(seed=0).state_dict()
+        self.state = impl.state()
         self.store.publish(0, self.state)
         self.engine.wait_health(lambda h: h.status is S.SERVING, impl.startup_s)
 
@@ -64,7 +62,7 @@ class Subject:
         return ec.parse_completion(r.body, expected=want, vocab_size=self.health().vocab_size)
 
 
-@pytest.fixture(scope="module", params=IMPLS, ids=[i.name for i in IMPLS])
+@pytest.fixture(scope="module", params=[pytest.param(i, marks=i.marks, id=i.name) for i in IMPLS])
 def subject(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Subject]:

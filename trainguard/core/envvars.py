@@ -86,6 +86,10 @@ REWARD_URLS = "TRAINGUARD_REWARD_URLS"
 
 ROLE_URLS = {"rollout": ROLLOUT_URLS, "reward": REWARD_URLS}
 """Role → the trainer's variable that lists its replicas' URLs."""
+VLLM_PYTHON = "TRAINGUARD_VLLM_PYTHON"
+"""Set by the user for the vLLM engine adapter (``python -m trainguard.rl.engines.vllm``): the
+Python interpreter of the environment that has vLLM (``make engines`` builds
+``.venv-vllm``); unset: the adapter's own interpreter, when it can import vLLM."""
 SBATCH_ROLE_NODES = "TRAINGUARD_SBATCH_ROLE_NODES"
 """In a ``trainguard sbatch`` job with roles on nodes of their own (``nodes = K``): those nodes,
 ``name=address`` comma-separated in the allocation's order (set by the batch script)."""

@@ -42,12 +42,10 @@ an adapter in front of vLLM or SGLang); the statuses, endpoints, answer schemas 
     refits itself when the pointer names another version (an engine that missed an update,
     or restarted, catches up without the trainer).
 
-vLLM and SGLang fit this contract through an adapter process that forwards
-``/v1/completions`` and maps health and weight updates onto their own APIs (vLLM's
-weight-transfer endpoints ``/init_weight_transfer_engine``, ``/start_weight_update``,
-``/update_weights``, ``/finish_weight_update``; SGLang's ``/update_weights_from_disk``,
-``/update_weights_from_tensor``, ``/update_weights_from_distributed``): docs/rl.md says what
-each needs. trainguard ships no such adapter yet: they need a GPU to be tested.
+vLLM fits this contract through the adapter ``python -m trainguard.rl.engines.vllm``
+(:mod:`trainguard.rl.engines.vllm`), which starts vLLM's OpenAI server as its child and maps
+health, completions and weight updates onto vLLM's own APIs; docs/rl.md says what SGLang's
+mapping would be.
 
 A warm replacement (``--standby``): a second process per replica imports everything and
 builds the model while the replica serves, binds the port the moment it is free (the replica

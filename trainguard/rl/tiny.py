@@ -1,5 +1,13 @@
-"""The built-in tiny policy: a random-weight GPT-2 (2 layers, 32 wide) with a word-level
-tokenizer built in code, so that examples, tests and benchmarks download nothing.
+"""The built-in tiny policies, built in code so that examples, tests and benchmarks download
+nothing:
+
+- ``tiny-gpt2``: a random-weight GPT-2 (2 layers, 32 wide) with a word-level tokenizer; the
+  embedded engine's model.
+- ``tiny-llama``: a random-weight Llama (hidden 128, 2 layers, 4 heads of 32, 2 KV heads,
+  vocab 512, ~0.43 M parameters) with a byte-level BPE tokenizer trained here on a fixed
+  corpus; the model a real engine (vLLM) serves, saved as a Hugging Face model directory
+  (:func:`save_tiny_llama`) that the trainer and the engines load alike. Its head size (32) is
+  the smallest vLLM's CPU attention supports.
 
 The same ``seed`` gives the same initial weights in the trainer and in every engine; the
 engines then take their weights from the trainer's weight store anyway.
@@ -7,11 +15,27 @@ engines then take their weights from the trainer's weight store anyway.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_MODEL", "WORDS", "digit_reward", "load_model", "tiny_gpt2", "tiny_tokenizer"]
+__all__ = [
+    "TINY_LLAMA",
+    "TINY_MODEL",
+    "WORDS",
+    "digit_reward",
+    "load_model",
+    "save_tiny_llama",
+    "tiny_gpt2",
+    "tiny_llama",
+    "tiny_llama_tokenizer",
+    "tiny_tokenizer",
+]
 
 TINY_MODEL = "tiny-gpt2"
+TINY_LLAMA = "tiny-llama"
 WORDS = ["<pad>", "<eos>", "<unk>", *map(str, range(10)), "write", "digits", "please", "now"]
 
 
@@ -41,11 +65,84 @@ def tiny_gpt2(seed: int = 0) -> Any:
         return GPT2LMHeadModel(config)
 
 
+_LLAMA_WORDS = ("please", "write", "digits", "now", "the", "a", "number", "and", "is", "of",
+                "to", "in", "it", "you", "that", "one", "two", "three")  # fmt: skip
+
+
+def _llama_corpus() -> list[str]:
+    """The fixed corpus the tiny Llama's tokenizer is trained on (the task's prompts and a few
+    words): the same merges on every machine."""
+    out = [f"please write {i % 10} {(i // 10) % 10} now" for i in range(100)]
+    w = list(_LLAMA_WORDS)
+    out += [" ".join(w[i:] + w[:i]) for i in range(len(w))]
+    return out
+
+
+def tiny_llama_tokenizer() -> Any:
+    """A byte-level BPE tokenizer (``<pad>`` 0, ``<eos>`` 1, no BOS) trained on a fixed corpus;
+    training is deterministic, so every process builds the same vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<pad>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_llama_corpus(), trainer)
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    out.padding_side = "left"
+    return out
+
+
+def tiny_llama(seed: int = 0) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+def save_tiny_llama(path: str | os.PathLike[str], seed: int = 0) -> Path:
+    """The tiny Llama and its tokenizer as a Hugging Face model directory at ``path`` (what
+    ``from_pretrained`` and vLLM's ``--model`` load). Built in a temporary directory beside it
+    and renamed into place, so that processes building it at once (a trainer and its engines)
+    all end up reading one whole directory; an existing directory is kept."""
+    dest = Path(path)
+    if (dest / "config.json").is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        tiny_llama(seed).save_pretrained(tmp)
+        tiny_llama_tokenizer().save_pretrained(tmp)
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process renamed its copy first: the same model
+            if not (dest / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
 def load_model(name: str, seed: int = 0) -> tuple[Any, Any]:
-    """``(model, tokenizer)``: the built-in ``tiny-gpt2``, or a local Hugging Face model
-    directory (``from_pretrained``; nothing is downloaded: ``local_files_only``)."""
+    """``(model, tokenizer)``: the built-in ``tiny-gpt2`` or ``tiny-llama``, or a local Hugging
+    Face model directory (``from_pretrained``; nothing is downloaded: ``local_files_only``)."""
     if name == TINY_MODEL:
         return tiny_gpt2(seed), tiny_tokenizer()
+    if name == TINY_LLAMA:
+        return tiny_llama(seed), tiny_llama_tokenizer()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(name, local_files_only=True)

@@ -1,0 +1,96 @@
+"""The HTTP side of the vLLM adapter: the engine contract's endpoints on the shared JSON server
+(:mod:`trainguard.core.jsonhttp`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+from trainguard.core.engine_contract import (
+    COMPLETIONS_PATH,
+    HEALTH_PATH,
+    MODELS_PATH,
+    WEIGHT_UPDATE_PATH,
+    WEIGHTS_PATH,
+)
+from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
+
+__all__ = ["AdapterError", "make_server"]
+
+
+class AdapterError(HTTPError):
+    """An answer with HTTP status ``code`` and a one-line ``message`` (what, where, the fix)."""
+
+
+class _Adapter(Protocol):
+    version: int | None
+    status: str
+    config: Any
+
+    def health(self) -> dict[str, Any]: ...
+    def complete(self, body: Any) -> dict[str, Any]: ...
+    def refit(self, version: int) -> float: ...
+    def arm_fault(self, kind: str, count: int) -> None: ...
+
+
+class _Handler(JSONHandler):
+    server_version = "trainguard-vllm-adapter"
+    max_body_bytes = 8 << 20
+    adapter: _Adapter
+    get_routes = {HEALTH_PATH: "_health", WEIGHTS_PATH: "_weights", MODELS_PATH: "_models"}
+    post_routes = {
+        COMPLETIONS_PATH: "_completions",
+        WEIGHT_UPDATE_PATH: "_update",
+        "/v1/faults": "_faults",
+    }
+
+    def _health(self) -> None:
+        self.send_json(200, self.adapter.health())
+
+    def _weights(self) -> None:
+        self.send_json(200, {"version": self.adapter.version})
+
+    def _models(self) -> None:
+        model = self.adapter.config.model
+        self.send_json(200, {"object": "list", "data": [{"id": model, "object": "model"}]})
+
+    def _completions(self) -> None:
+        ans = self.adapter.complete(self.read_json())
+        if ans.pop("truncate", False):  # fault injection: a torn answer
+            data = json.dumps(ans).encode()
+            self.send_json(200, None, raw=data[: len(data) // 2])
+        else:
+            self.send_json(200, ans)
+
+    def _faults(self) -> None:
+        if not self.adapter.config.fault_injection:
+            raise HTTPError(404, f"no such endpoint: POST {self.path}")
+        body = self.read_object()
+        count = body.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise HTTPError(400, "'count' must be an integer >= 0")
+        self.adapter.arm_fault(str(body.get("kind")), count)
+        self.send_json(200, {"armed": body.get("kind")})
+
+    def _update(self) -> None:
+        a = self.adapter
+        body = self.read_object()
+        version = body.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise AdapterError(400, "'version' (the weight version to load, >= 0) is required")
+        if set(body) - {"version"}:
+            raise AdapterError(
+                400,
+                f"unknown fields {sorted(set(body) - {'version'})}: a weight update names only "
+                'a version of the job\'s weight store ({"version": v}); publish the weights '
+                "there first",
+            )
+        if a.status in ("starting", "standby"):
+            raise AdapterError(503, f"engine is {a.status}; it loads the current version itself")
+        load_s = a.refit(version)
+        self.send_json(200, {"version": version, "load_s": round(load_s, 6)})
+
+
+def make_server(adapter: _Adapter, host: str, port: int) -> JSONServer:
+    handler = type("Handler", (_Handler,), {"adapter": adapter})
+    return JSONServer((host, port), handler)
