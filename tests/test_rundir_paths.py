@@ -18,6 +18,9 @@ STILL_SPELLED = {
     # the weight store (RunDir.weights); empty this set then.
     ("rl/local.py", "roles"),
     ("rl/weights.py", "rl"),
+    # A Hugging Face checkpoint directory's own config.json (the model's), not the run's
+    ("rl/engines/vllm.py", "config.json"),
+    ("rl/tiny.py", "config.json"),
 }
 """(module, name) joins left outside RunDir."""
 
