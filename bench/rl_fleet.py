@@ -45,6 +45,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from trainguard.core.config.warm import WarmConfig  # noqa: E402
+from trainguard.core.fleetauth import (  # noqa: E402
+    load_secret_file,
+    role_token,
+    secret_path,
+    sign,
+)
 from trainguard.core.rundir import RunDir  # noqa: E402
 from trainguard.rl import ConsumedLog, PromptLedger, audit  # noqa: E402
 from trainguard.rl.local import engine_health  # noqa: E402
@@ -77,6 +83,10 @@ class Fleet:
         self.run_dir = run_dir
         self.faults: list[tuple[int, int, float, str]] = []
         """(replica, its pid at the fault, time, kind) of each engine death injected"""
+
+    def token(self) -> str:
+        """The job's rollout token (the agent wrote the job secret into the run directory)."""
+        return role_token(load_secret_file(secret_path(self.run_dir)), "rollout")
 
     def states(self) -> list[dict[str, Any]]:
         return self.rundir.role_states().get("rollout", [])
@@ -204,7 +214,7 @@ class Run:
         if kind == "engine_kill":  # mid-generation: once it has a request in flight
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                h = engine_health(self.sup.port(i), timeout=1.0)
+                h = engine_health(self.sup.port(i), timeout=1.0, token=self.sup.token())
                 if h is not None and h.get("inflight"):
                     break
                 time.sleep(0.02)
@@ -219,7 +229,10 @@ class Run:
 
             c = http.client.HTTPConnection("127.0.0.1", self.sup.port(i), timeout=5)
             try:
-                c.request("POST", "/v1/faults", body=json.dumps({"kind": "http_500", "count": 4}))
+                body = json.dumps({"kind": "http_500", "count": 4})
+                port, token = self.sup.port(i), self.sup.token()
+                sig = sign(token, "POST", "/v1/faults", port, body.encode())
+                c.request("POST", "/v1/faults", body=body, headers=sig)
                 c.getresponse().read()
             except OSError:
                 pass

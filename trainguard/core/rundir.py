@@ -12,6 +12,7 @@
                                           a worker's stacks on the stack signal (appended)
     hangs/<a>/                            the diagnosis of a hang of attempt <a> (a DumpDir)
     debug/<id>/                           one ``trainguard debug`` look at a running job (a DumpDir)
+    roles/secret                          the fleet's job secret (0600; trainguard.core.fleetauth)
     roles/<role>/<i>.json                 state of role replica i (rollout, reward engines)
     roles/<role>/<i>.log                  its output (stdout and stderr, every restart)
     roles/<role>/standby-<k>.json|.log    a warm standby's state and output (``standby = N``)

@@ -48,6 +48,13 @@ from urllib.parse import urlsplit
 
 from trainguard.core import envvars
 from trainguard.core.contract import ROLLOUT_FAILURE_REASONS
+from trainguard.core.fleetauth import (
+    ANSWER_HEADER,
+    answer_message,
+    answer_ok,
+    sign,
+    token_from_env,
+)
 
 __all__ = [
     "FAILURE_REASONS",
@@ -242,7 +249,13 @@ class RolloutClient:
         config: RolloutConfig | None = None,
         events: Callable[..., Any] | None = None,
         start: bool = True,
+        token: str | None = None,
     ) -> None:
+        """``token``: the job's ``rollout`` token (default: ``$TRAINGUARD_ROLLOUT_TOKEN``): every
+        request is signed with it, every answer must be signed with it."""
+        self._token = token or token_from_env("rollout")
+        self.auth_error: str | None = None
+        """The last refusal of this client's token by an engine (HTTP 401), one line."""
         urls = list(urls) if urls is not None else urls_from_env()
         if not urls:
             raise ValueError(
@@ -305,7 +318,8 @@ class RolloutClient:
         try:
             data = json.dumps(body).encode() if body is not None else None
             headers = {"Content-Type": "application/json"} if data is not None else {}
-            conn.request(method, path, body=data, headers=headers)
+            sig = sign(self._token, method, path, eng.port, data)
+            conn.request(method, path, body=data, headers={**headers, **sig})
             resp = conn.getresponse()
             raw = resp.read()
         except ConnectionRefusedError as e:
@@ -320,6 +334,11 @@ class RolloutClient:
             raise _Failure("not_serving", raw[:200].decode(errors="replace"))
         if resp.status >= 500:
             raise _Failure("http_5xx", f"HTTP {resp.status}: {raw[:200].decode(errors='replace')}")
+        if resp.status == 401:
+            self.auth_error = f"{eng.url} refused this client's token: {answer_message(raw)}"
+            raise _Failure("unauthorized", self.auth_error)
+        if not answer_ok(self._token, sig, resp.status, raw, resp.getheader(ANSWER_HEADER)):
+            raise _Failure("malformed", "the answer is not signed with the job's rollout token")
         if resp.status >= 400:
             raise _Failure("http_4xx", f"HTTP {resp.status}: {raw[:300].decode(errors='replace')}")
         try:
@@ -416,7 +435,8 @@ class RolloutClient:
                 return n
             if time.monotonic() > deadline:
                 raise RolloutError(
-                    f"{n} of {len(self._engines)} engines serving after {timeout:.0f} s: {self.engines()}"
+                    f"{n} of {len(self._engines)} engines serving after {timeout:.0f} s: "
+                    f"{self.auth_error or self.engines()}"
                 )
             with self._lock:
                 self._lock.wait(0.2)
@@ -583,6 +603,7 @@ class RolloutClient:
             raise RolloutError(
                 f"prompts {chunk.indices[0]}..{chunk.indices[-1]}: no real generation after "
                 f"{chunk.attempts} attempts ({'; '.join(chunk.reasons)})"
+                + (f"; {self.auth_error}" if reason == "unauthorized" else "")
             )
         self.retries += 1
         self._m_retries += 1
@@ -669,9 +690,9 @@ class RolloutClient:
                 if e.version == version and e.state is not EngineState.DEAD
             ]
 
-    def sync_weights(self, version: int, path: str | None = None) -> SyncResult:
+    def sync_weights(self, version: int) -> SyncResult:
         """Make ``version`` the trainer's version and push it to every live engine in
-        parallel. Returns after every engine confirmed or the timeout passed; an engine
+        parallel (each loads it from the job's weight store: publish it there first). Returns after every engine confirmed or the timeout passed; an engine
         that did not confirm stays out of routing until it reports the version."""
         self.set_policy_version(version)
         timeout = self.sync_timeout_s()
@@ -681,9 +702,7 @@ class RolloutClient:
                 for e in self._engines.values()
                 if e.state not in (EngineState.DEAD, EngineState.LOADING, EngineState.UNKNOWN)
             ]
-        body: dict[str, Any] = {"version": version}
-        if path is not None:
-            body["path"] = path
+        body = {"version": version}
         t0 = time.perf_counter()
         futs = {
             self._pool.submit(self._http, e, "POST", "/v1/weights/update", body, timeout): e

@@ -16,6 +16,11 @@ serves a reward function ``f(prompt: str, completion: str) -> float`` over HTTP 
 job with a ``reward`` role) sends each request to the next server in turn and retries a failed
 one (refused, timeout, HTTP 5xx, a malformed answer) on another, at most ``max_attempts`` times;
 then :class:`RewardError`: a reward is never made up. Failures are counted by reason.
+
+Every request, health included, is signed with the job's ``reward`` token (the server's
+``$TRAINGUARD_ROLE_TOKEN``; the client signs with ``$TRAINGUARD_REWARD_TOKEN`` and checks the
+answer's signature); a request without a valid one is answered 401 with one line
+(:mod:`trainguard.core.fleetauth`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from trainguard.core import envvars
+from trainguard.core.fleetauth import (
+    ANSWER_HEADER,
+    Authenticator,
+    answer_message,
+    answer_ok,
+    sign,
+    token_from_env,
+)
 from trainguard.rl.client import REWARD_URLS_ENV, urls_from_env
 
 __all__ = ["RewardClient", "RewardError", "load_function", "main"]
@@ -64,7 +78,9 @@ def load_function(spec: str) -> RewardFn:
     return fn
 
 
-def _handler(fn: RewardFn, spec: str) -> type[BaseHTTPRequestHandler]:
+def _handler(fn: RewardFn, spec: str, token: str | None) -> type[BaseHTTPRequestHandler]:
+    auth = Authenticator("reward", token) if token else None
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -76,6 +92,8 @@ def _handler(fn: RewardFn, spec: str) -> type[BaseHTTPRequestHandler]:
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            for k, v in Authenticator.answer_header(self, code, data).items():
+                self.send_header(k, v)
             self.end_headers()
             self.wfile.write(data)
 
@@ -83,17 +101,25 @@ def _handler(fn: RewardFn, spec: str) -> type[BaseHTTPRequestHandler]:
             self._send(code, {"error": {"message": message, "code": code}})
 
         def do_GET(self) -> None:
+            if auth is not None and not auth.check(self):
+                return
             if self.path == "/health":
                 self._send(200, {"status": "serving", "function": spec, "pid": os.getpid()})
             else:
                 self._error(404, f"no such endpoint: GET {self.path}")
 
         def do_POST(self) -> None:
+            if auth is not None and not auth.check(self):
+                return
             if self.path != "/v1/rewards":
                 self._error(404, f"no such endpoint: POST {self.path}")
                 return
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if not Authenticator.body_ok(self, raw):
+                self._error(400, "the request body is not the one its signature names")
+                return
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                body = json.loads(raw)
             except ValueError as e:
                 self._error(400, f"the request body is not JSON ({e})")
                 return
@@ -130,7 +156,10 @@ class RewardClient:
         timeout_s: float = 30.0,
         max_attempts: int = 6,
         retry_wait_s: float = 0.5,
+        token: str | None = None,
     ) -> None:
+        """``token``: the job's ``reward`` token (default: ``$TRAINGUARD_REWARD_TOKEN``)."""
+        self._token = token or token_from_env("reward")
         urls = list(urls) if urls is not None else urls_from_env(REWARD_URLS_ENV)
         if not urls:
             raise ValueError(
@@ -154,13 +183,17 @@ class RewardClient:
     def _post(self, host: str, port: int, body: Any) -> Any:
         conn = http.client.HTTPConnection(host, port, timeout=self.timeout_s)
         try:
-            conn.request(
-                "POST", "/v1/rewards", json.dumps(body), {"Content-Type": "application/json"}
-            )
+            data = json.dumps(body).encode()
+            sig = sign(self._token, "POST", "/v1/rewards", port, data)
+            conn.request("POST", "/v1/rewards", data, {"Content-Type": "application/json", **sig})
             resp = conn.getresponse()
             raw = resp.read()
         finally:
             conn.close()
+        if resp.status == 401:
+            raise _Failed("unauthorized", answer_message(raw))
+        if not answer_ok(self._token, sig, resp.status, raw, resp.getheader(ANSWER_HEADER)):
+            raise _Failed("malformed", "the answer is not signed with the job's reward token")
         if resp.status >= 400:
             raise _Failed(
                 "http_4xx" if resp.status < 500 else "http_5xx",
@@ -177,6 +210,7 @@ class RewardClient:
             return []
         body = {"prompts": list(prompts), "completions": list(completions)}
         reasons: list[str] = []
+        refused = ""
         for attempt in range(self.max_attempts):
             with self._lock:
                 url, host, port = self._hosts[next(self._next)]
@@ -187,7 +221,7 @@ class RewardClient:
                     raise _Failed("malformed", "the answer has no reward per completion")
                 return [float(r) for r in rewards]
             except _Failed as f:
-                reason, detail = f.reason, str(f)
+                reason, detail = f.reason, f.detail
             except ConnectionRefusedError as e:
                 reason, detail = "refused", str(e)
             except TimeoutError:
@@ -197,6 +231,8 @@ class RewardClient:
             self.failures[reason] += 1
             reasons.append(f"{url}: {reason}")
             logger.warning("reward request to %s failed (%s): %s", url, reason, detail)
+            if reason == "unauthorized":  # retried: a process on a dead server's port says so too
+                refused = f"; {url} refused this client's signature: {detail}"
             if reason == "http_4xx":
                 raise RewardError(f"a reward server refused the request as invalid: {detail}")
             if attempt + 1 < self.max_attempts:
@@ -204,14 +240,14 @@ class RewardClient:
                 time.sleep(self.retry_wait_s * (attempt // len(self._hosts)))
         raise RewardError(
             f"{len(prompts)} completions: no reward after {self.max_attempts} attempts "
-            f"({'; '.join(reasons)})"
+            f"({'; '.join(reasons)}){refused}"
         )
 
 
 class _Failed(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
-        self.reason = reason
+        self.reason, self.detail = reason, detail
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,8 +275,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"reward: {e}", file=sys.stderr)
         return 2
+    token = os.environ.get(envvars.ROLE_TOKEN, "").strip()
+    if len(token) < 16:
+        print(
+            f"reward: no job token: {envvars.ROLE_TOKEN} is unset or too short; run it as a "
+            "role of `trainguard run`, or set it to the token its clients send "
+            "(docs/security.md)",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        server = ThreadingHTTPServer((a.host, port), _handler(fn, a.function))
+        server = ThreadingHTTPServer((a.host, port), _handler(fn, a.function, token))
     except OSError as e:
         print(f"reward: cannot bind {a.host}:{port}: {e.strerror}", file=sys.stderr)
         return 2
