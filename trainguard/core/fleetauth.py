@@ -281,8 +281,11 @@ class Authenticator:
         if auth is None or auth[1] is None:
             return {}
         me, f = auth
-        digest = hashlib.sha256(body).hexdigest()
-        return {ANSWER_HEADER: _mac(me._token, "TG1 answer", f["n"], str(status), digest)}
+        return {ANSWER_HEADER: me.sign_answer(f["n"], status, body)}
+
+    def sign_answer(self, nonce: str, status: int, body: bytes) -> str:
+        """The signature of an answer to the request with ``nonce``."""
+        return _mac(self._token, "TG1 answer", nonce, str(status), hashlib.sha256(body).hexdigest())
 
 
 def answer_message(raw: bytes) -> str:
