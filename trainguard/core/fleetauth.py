@@ -189,7 +189,7 @@ def _parse(header: str | None) -> dict[str, str] | None:
 
 class Authenticator:
     """The server side: checks each request of a ``role`` server against its ``token``
-    (:meth:`check`, before the body is read; :meth:`body_ok`, after), remembers the nonces of
+    (:meth:`authorize`, before the body is read; :meth:`body_ok`, after), remembers the nonces of
     the last :data:`WINDOW_S` (a replayed request is refused) and signs the answers
     (:meth:`answer_header`)."""
 
@@ -238,31 +238,19 @@ class Authenticator:
             return "a replayed request: its nonce was seen before; sign every request anew"
         return None
 
-    def check(self, handler: BaseHTTPRequestHandler) -> bool:
-        """Whether ``handler``'s request is signed; else answer 401 with one line and close
-        the connection (its body is never read)."""
+    def authorize(self, handler: BaseHTTPRequestHandler) -> str | None:
+        """None when ``handler``'s request is signed, fresh and new (remembered for
+        :meth:`body_ok` and :meth:`answer_header`); else the one-line reason (the caller
+        answers 401 and closes the connection, the body unread)."""
         header = handler.headers.get(AUTH_HEADER)
         addr = handler.server.server_address
         port = int(addr[1]) if isinstance(addr, tuple) else 0
         why = self.verify(handler.command, handler.path, port, header)
-        f = _parse(header)
-        handler.tg_auth = (self, f)  # type: ignore[attr-defined]
-        if why is None and f is not None:
-            return True
-        handler.tg_auth = (self, None)  # type: ignore[attr-defined]  # the 401 is not signed
-        with self._lock:
-            self.refused += 1
-        handler.close_connection = True
-        error = {"message": why, "type": "authentication_error", "code": 401}
-        data = json.dumps({"error": error}).encode()
-        handler.send_response(401)
-        handler.send_header("WWW-Authenticate", f'{_SCHEME} realm="trainguard"')
-        handler.send_header("Content-Type", "application/json")
-        handler.send_header("Content-Length", str(len(data)))
-        handler.send_header("Connection", "close")
-        handler.end_headers()
-        handler.wfile.write(data)
-        return False
+        handler.tg_auth = (self, _parse(header) if why is None else None)  # type: ignore[attr-defined]
+        if why is not None:
+            with self._lock:
+                self.refused += 1
+        return why
 
     @staticmethod
     def body_ok(handler: BaseHTTPRequestHandler, body: bytes) -> bool:
@@ -270,7 +258,7 @@ class Authenticator:
         without authentication)."""
         auth = getattr(handler, "tg_auth", None)
         if auth is None or auth[1] is None:
-            return auth is None
+            return auth is None  # a server without authentication; else a refused request
         digest = hashlib.sha256(body).hexdigest() if body else _EMPTY_SHA
         return hmac.compare_digest(digest.encode(), auth[1]["b"].encode())
 

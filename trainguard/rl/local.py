@@ -10,8 +10,6 @@ there as ``trainguard run``'s agent does): pass :attr:`LocalEngines.token` to th
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import signal
 import subprocess
@@ -23,7 +21,8 @@ from typing import IO, Any
 
 from trainguard.core import envvars
 from trainguard.core.atomicfile import open_append
-from trainguard.core.fleetauth import job_secret, role_token, sign
+from trainguard.core.engine_contract import HEALTH_PATH, ReplicaStatus, probe_health
+from trainguard.core.fleetauth import job_secret, role_token
 
 __all__ = ["LocalEngines", "engine_health"]
 
@@ -31,18 +30,11 @@ __all__ = ["LocalEngines", "engine_health"]
 def engine_health(
     port: int, timeout: float = 2.0, *, token: str | None = None
 ) -> dict[str, Any] | None:
-    """``GET /health`` of the engine on ``127.0.0.1:port`` with the job's ``token``; None when
-    it does not answer 200."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("GET", "/health", headers=sign(token, "GET", "/health", port))
-        resp = conn.getresponse()
-        data = json.loads(resp.read())
-        return data if resp.status == 200 and isinstance(data, dict) else None
-    except (OSError, ValueError, http.client.HTTPException):
-        return None
-    finally:
-        conn.close()
+    """The health answer of the engine on ``127.0.0.1:port`` (parsed by the contract's one
+    probe, as a dict; the request signed with the job's ``token``, the answer checked); None
+    when it does not answer well."""
+    p = probe_health(port, HEALTH_PATH, timeout, token=token)
+    return p.health.to_json() if p.health is not None else None
 
 
 class LocalEngines:
@@ -63,7 +55,7 @@ class LocalEngines:
         self.role = role
         self.module = module
         self.token = role_token(job_secret(run_dir), role)
-        """The bearer token of this fleet's role (what its clients must send)."""
+        """The token of this fleet's role (what its clients must sign with)."""
         self.ports = list(ports)
         self.run_dir = Path(run_dir)
         self.args = list(args)
@@ -142,7 +134,7 @@ class LocalEngines:
         for k in range(len(self.ports)) if i is None else [i]:
             while True:
                 h = engine_health(self.ports[k], token=self.token)
-                if h and h.get("status") == "serving":
+                if h and h.get("status") == ReplicaStatus.SERVING:
                     if version is None or h.get("weight_version") == version:
                         break
                 p = self.procs[k]
