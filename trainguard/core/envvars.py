@@ -86,6 +86,18 @@ REWARD_URLS = "TRAINGUARD_REWARD_URLS"
 
 ROLE_URLS = {"rollout": ROLLOUT_URLS, "reward": REWARD_URLS}
 """Role → the trainer's variable that lists its replicas' URLs."""
+ROLE_TOKEN = "TRAINGUARD_ROLE_TOKEN"
+"""In a role replica: the bearer token every request to it must carry (``Authorization:
+Bearer <token>``; its role's, derived from the job secret: :mod:`trainguard.core.fleetauth`).
+A request without it is answered 401."""
+ROLLOUT_TOKEN = "TRAINGUARD_ROLLOUT_TOKEN"
+"""In the trainer's workers: the token of the ``rollout`` role (what
+:class:`trainguard.rl.RolloutClient` sends to the engines)."""
+REWARD_TOKEN = "TRAINGUARD_REWARD_TOKEN"
+"""In the trainer's workers: the token of the ``reward`` role (what
+:class:`trainguard.rl.RewardClient` sends to the reward servers)."""
+ROLE_TOKENS = {"rollout": ROLLOUT_TOKEN, "reward": REWARD_TOKEN}
+"""Role → the trainer's variable that holds its token."""
 SBATCH_ROLE_NODES = "TRAINGUARD_SBATCH_ROLE_NODES"
 """In a ``trainguard sbatch`` job with roles on nodes of their own (``nodes = K``): those nodes,
 ``name=address`` comma-separated in the allocation's order (set by the batch script)."""
@@ -107,6 +119,8 @@ ALL = (
     TRACEPARENT,
     ROLLOUT_URLS,
     REWARD_URLS,
+    ROLLOUT_TOKEN,
+    REWARD_TOKEN,
 )
 """Every variable the agent may add to a worker's environment (documented in the generated
 docs/reference/environment.md); :data:`WORKER_HOOKS` is removed again before the script runs."""

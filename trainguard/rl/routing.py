@@ -72,9 +72,15 @@ class EngineTable:
         config: RolloutConfig,
         *,
         identities: IdentitySource | None = None,
+        token: str | None = None,
     ) -> None:
+        """``token``: the job's ``rollout`` token: every request signed with it, every answer
+        checked against it."""
         self.config = config
         self.identities = identities
+        self.token = token
+        self.auth_error: str | None = None
+        """The last refusal of this client's signature by an engine (HTTP 401), one line."""
         self.engines: dict[str, EngineRecord] = {}
         for u in urls:
             parts = urlsplit(u.rstrip("/"))
@@ -114,10 +120,14 @@ class EngineTable:
                 timeout=timeout,
                 max_bytes=max_bytes,
                 headers=self.request_headers(),
+                token=self.token,
             )
         except jsonhttp.TransportError as e:
             reason = MALFORMED if e.reason == "too_large" else e.reason
             raise RequestFailure(reason, e.detail) from None
+        if resp.status == 401:  # retried elsewhere: a process on a dead engine's port says it too
+            self.auth_error = f"{eng.url} refused this client's token: {error_message(resp.body)}"
+            raise RequestFailure("unauthorized", self.auth_error)
         if resp.status == 503:
             raise RequestFailure("not_serving", error_message(resp.body))
         if resp.status >= 500:
@@ -277,7 +287,7 @@ class EngineTable:
             if time.monotonic() > deadline:
                 raise RolloutError(
                     f"{n} of {len(self.engines)} engines serving after {timeout:.0f} s: "
-                    f"{self.summary()}"
+                    f"{self.auth_error or self.summary()}"
                 )
             with self.lock:
                 self.lock.wait(0.2)
