@@ -98,6 +98,15 @@ REWARD_TOKEN = "TRAINGUARD_REWARD_TOKEN"
 :class:`trainguard.rl.RewardClient` sends to the reward servers)."""
 ROLE_TOKENS = {"rollout": ROLLOUT_TOKEN, "reward": REWARD_TOKEN}
 """Role → the trainer's variable that holds its token."""
+FLEET_URL = "TRAINGUARD_FLEET_URL"
+"""In the trainer's workers and the role replicas (environments, reward servers): the fleet
+endpoint, ``http://127.0.0.1:<port>``: one OpenAI-compatible URL (``/v1/completions``,
+``/v1/models``, ``/health``) that routes to the serving rollout engines and survives their
+restarts (``[roles] router``; :mod:`trainguard.rl.router`)."""
+FLEET_TOKEN = "TRAINGUARD_FLEET_TOKEN"
+"""Beside :data:`FLEET_URL`: the token every request to the fleet endpoint is signed with (the
+``fleet`` role's, derived from the job secret: :mod:`trainguard.core.fleetauth`); it lets its
+holder generate through the endpoint, never drive an engine directly."""
 SBATCH_ROLE_NODES = "TRAINGUARD_SBATCH_ROLE_NODES"
 """In a ``trainguard sbatch`` job with roles on nodes of their own (``nodes = K``): those nodes,
 ``name=address`` comma-separated in the allocation's order (set by the batch script)."""
@@ -121,6 +130,8 @@ ALL = (
     REWARD_URLS,
     ROLLOUT_TOKEN,
     REWARD_TOKEN,
+    FLEET_URL,
+    FLEET_TOKEN,
 )
 """Every variable the agent may add to a worker's environment (documented in the generated
 docs/reference/environment.md); :data:`WORKER_HOOKS` is removed again before the script runs."""

@@ -1,0 +1,213 @@
+"""The fleet endpoint (trainguard.rl.router) as a real process in front of real engine
+processes (tests/stub_engine.py: generation is not the subject): engines killed -9 and
+restarted behind it with no client error, a re-placed replica followed from the published
+placement, the job's fleet token required, and its settings checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.ports import free_port
+from trainguard.core import envvars, jsonhttp
+from trainguard.core.atomicfile import write_atomic
+from trainguard.core.config.roles import RolesConfig
+from trainguard.core.engine_contract import parse_completion
+from trainguard.rl.weights import WeightStore
+
+ROLLOUT_TOKEN = secrets.token_hex(32)
+FLEET_TOKEN = secrets.token_hex(32)
+
+
+class Proc:
+    def __init__(self, cmd: list[str], port: int, log: Path, env: dict[str, str]) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = log.open("ab")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def kill9(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def close(self) -> None:
+        self.kill9()
+        self._log.close()
+
+
+class Fleet:
+    def __init__(self, root: Path) -> None:
+        import torch
+
+        self.root = root
+        store = WeightStore(root / "weights")
+        store.publish(0, {"w": torch.zeros(1)})
+        self.weights = store.root
+        self.run_dir = root / "run"
+        (self.run_dir / "roles" / "rollout").mkdir(parents=True)
+        self.engines = [self.engine(free_port(), f"e{i}") for i in range(2)]
+        self.port = free_port()
+        env = {
+            **os.environ,
+            envvars.ROLLOUT_URLS: ",".join(e.url for e in self.engines),
+            envvars.ROLLOUT_TOKEN: ROLLOUT_TOKEN,
+            envvars.FLEET_TOKEN: FLEET_TOKEN,
+            envvars.ROLE_RUN_DIR: str(self.run_dir),
+        }
+        cmd = [sys.executable, "-m", "trainguard.rl.router", "--port", str(self.port),
+               "--health-interval-s", "0.2"]  # fmt: skip
+        self.router = Proc(cmd, self.port, root / "router.log", env)
+        self.wait_serving(2, 60)
+
+    def engine(self, port: int, name: str) -> Proc:
+        env = {**os.environ, envvars.ROLE_TOKEN: ROLLOUT_TOKEN}
+        cmd = [sys.executable, "-m", "tests.stub_engine", "--port", str(port),
+               "--weights-dir", str(self.weights)]  # fmt: skip
+        return Proc(cmd, port, self.root / f"{name}.log", env)
+
+    def call(self, method: str, path: str, body: Any = None, token: str | None = FLEET_TOKEN):
+        return jsonhttp.request(
+            "127.0.0.1", self.port, method, path, body, timeout=10, max_bytes=1 << 20,
+            token=token,
+        )  # fmt: skip
+
+    def health(self) -> dict[str, Any]:
+        try:
+            r = self.call("GET", "/health")
+        except jsonhttp.TransportError:
+            return {}
+        return json.loads(r.body) if r.status == 200 else {}
+
+    def wait_serving(self, n: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.health().get("serving_engines", 0) < n:
+            assert self.router.proc.poll() is None, (self.root / "router.log").read_text()
+            assert time.monotonic() < deadline, self.health()
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        for p in [self.router, *self.engines]:
+            p.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(tmp_path_factory.mktemp("router"))
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+class Looper:
+    """A client calling the endpoint in a loop (one request at a time, as an environment
+    does), counting its answers and errors."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.ok = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        body = {"prompt": ["a", "b"], "n": 2, "max_tokens": 4, "logprobs": 0}
+        while not self._stop.is_set():
+            try:
+                r = self.fleet.call("POST", "/v1/completions", body)
+                if r.status != 200:
+                    self.errors.append(f"HTTP {r.status}: {r.body[:200]!r}")
+                else:
+                    parse_completion(r.body, expected=4)
+                    self.ok += 1
+            except Exception as e:
+                self.errors.append(f"{type(e).__name__}: {e}")
+
+    def wait_answers(self, n: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        target = self.ok + n
+        while self.ok < target and not self.errors:
+            assert time.monotonic() < deadline, f"{self.ok} answers"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def test_unsigned_or_other_role_requests_are_refused(fleet: Fleet) -> None:
+    body = {"prompt": "a", "max_tokens": 2}
+    for token in (None, ROLLOUT_TOKEN, secrets.token_hex(32)):
+        r = fleet.call("POST", "/v1/completions", body, token=token)
+        assert r.status == 401, r.body
+        assert b"choices" not in r.body
+        assert fleet.call("GET", "/health", token=token).status == 401
+    models = json.loads(fleet.call("GET", "/v1/models").body)
+    assert models["object"] == "list" and models["data"]
+    bad = fleet.call("POST", "/v1/completions", {"prompt": 3})
+    assert bad.status == 400 and b"prompt" in bad.body
+
+
+def test_engines_killed_behind_the_endpoint_cost_no_client_error(fleet: Fleet) -> None:
+    loop = Looper(fleet)
+    try:
+        loop.wait_answers(5)
+        for k in range(2):  # each engine once: killed -9 mid-traffic, restarted on its port
+            i = k % 2
+            old = fleet.engines[i]
+            old.kill9()
+            loop.wait_answers(5)  # answered by the survivor meanwhile
+            fleet.engines[i] = fleet.engine(old.port, f"e{i}-{k}")
+            fleet.wait_serving(2, 60)
+            loop.wait_answers(5)
+    finally:
+        loop.stop()
+    assert loop.errors == [], loop.errors[:5]
+    stats = json.loads(fleet.call("GET", "/stats").body)
+    assert stats.get("failed", 0) == 0
+    assert stats["answered"] >= loop.ok
+
+
+def test_a_replaced_replica_is_followed_from_the_published_placement(fleet: Fleet) -> None:
+    """Replica 1 moves to another port (as a re-placement on another node does): the
+    supervisor's state file names the new URL; the old process dies; no client error."""
+    moved = fleet.engine(free_port(), "e1-moved")
+    try:
+        state = {"role": "rollout", "replica": 1, "url": moved.url, "state": "serving"}
+        write_atomic(fleet.run_dir / "roles" / "rollout" / "1.json", json.dumps(state))
+        loop = Looper(fleet)
+        try:
+            loop.wait_answers(3)
+            fleet.engines[1].kill9()
+            deadline = time.monotonic() + 30
+            while fleet.health().get("engines") != 2 or fleet.health().get("serving_engines") != 2:
+                assert time.monotonic() < deadline, fleet.health()
+                time.sleep(0.1)
+            loop.wait_answers(5)
+        finally:
+            loop.stop()
+        assert loop.errors == [], loop.errors[:5]
+    finally:
+        (fleet.run_dir / "roles" / "rollout" / "1.json").unlink()
+        fleet.engines[1].close()
+        fleet.engines[1] = moved
+
+
+def test_router_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"declare \[roles.rollout\]"):
+        RolesConfig(router=True)
+    with pytest.raises(ValueError, match="router_port 70000"):
+        RolesConfig(router=True, router_port=70000, rollout={"command": "x"})
