@@ -31,6 +31,14 @@ that latency). The trainer's warm processes preload transformers (``[warm] prelo
 with one JSON line.
 
     python bench/rl_fleet.py --auth-only     # only the authentication figures (~1 min)
+
+``router_client_errors``: a client looping on the fleet endpoint (``python -m
+trainguard.rl.router``) in front of 3 engines while 5 of them in turn are killed -9 and
+restarted: requests without a valid answer (0 expected), with ``router_requests`` answered
+and ``router_retries`` the endpoint's retries on another engine (bench/rl_fleet_scale.py,
+which also measures the fleet at 8 to 64 engines).
+
+    python bench/rl_fleet.py --router-only   # only the endpoint figures (~1 min)
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.rl_fleet_scale import router_client_errors  # noqa: E402
 from trainguard.core.config.warm import WarmConfig  # noqa: E402
 from trainguard.core.fleetauth import (  # noqa: E402
     load_secret_file,
@@ -529,9 +538,15 @@ def main() -> None:
     p.add_argument("--only", default=None, help="comma-separated scenarios (debugging)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--auth-only", action="store_true", help="only the auth_overhead figures")
+    p.add_argument("--router-only", action="store_true", help="only the fleet endpoint figures")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rl-fleet-bench-"))
     print(f"runs in {root}", flush=True)
+    router = {} if args.auth_only else router_client_errors(root)
+    print(f"fleet endpoint under engine kills: {router}", flush=True)
+    if args.router_only:
+        print(json.dumps(router), flush=True)
+        return
     auth = auth_overhead(root)
     print(f"authentication: {auth}", flush=True)
     if args.auth_only:
@@ -589,6 +604,7 @@ def main() -> None:
         else None,
         "weight_sync_s": round(statistics.median(syncs), 4) if syncs else None,
         **auth,
+        **router,
     }
     print(
         "\nrun                             steps  skipped  dup  same-order  fabricated  faults",

@@ -211,3 +211,75 @@ def test_router_settings_are_checked() -> None:
         RolesConfig(router=True)
     with pytest.raises(ValueError, match="router_port 70000"):
         RolesConfig(router=True, router_port=70000, rollout={"command": "x"})
+
+
+def test_the_roles_plugin_runs_the_endpoint_and_keeps_it_running(tmp_path: Path) -> None:
+    """``[roles] router = true``: the plugin starts the endpoint with the engines, gives its
+    URL and token to the workers and the replicas, restarts it when it is killed -9, and
+    stops it with the job."""
+    import torch
+
+    from tests.launch_utils import base_env
+    from trainguard.core.config import load_config
+    from trainguard.core.events import EventLog
+    from trainguard.core.fleetauth import job_secret, role_token
+    from trainguard.core.plugin import AgentContext
+    from trainguard.roles.plugin import RolesPlugin
+
+    WeightStore(tmp_path / "weights").publish(0, {"w": torch.zeros(1)})
+    port = free_port()
+    engine = [sys.executable, "-m", "tests.stub_engine", "--port", str(port),
+              "--weights-dir", str(tmp_path / "weights")]  # fmt: skip
+    ctx = AgentContext(config=load_config(env={}), run_dir=tmp_path, events=EventLog(tmp_path))
+    ctx.config.roles = RolesConfig(
+        rollout={"command": engine, "replicas": 1, "port": port},
+        router=True,
+        probe_interval_s=0.25,
+        probe_timeout_s=1.0,
+        stop_timeout_s=3.0,
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in base_env().items():
+            mp.setenv(k, v)
+        plugin = RolesPlugin(ctx)
+    try:
+        env = plugin.worker_env(ctx)
+        token = role_token(job_secret(tmp_path), "fleet")
+        assert env[envvars.FLEET_TOKEN] == token
+        url = env[envvars.FLEET_URL]
+        fleet_port = int(url.rsplit(":", 1)[1])
+        assert url == f"http://127.0.0.1:{fleet_port}"
+        plugin.before_rendezvous(ctx)
+        assert plugin.router is not None and plugin.router.proc is not None
+
+        def answer() -> bool:
+            try:
+                r = jsonhttp.request(
+                    "127.0.0.1", fleet_port, "POST", "/v1/completions",
+                    {"prompt": "a", "max_tokens": 2}, timeout=5, max_bytes=1 << 20, token=token,
+                )  # fmt: skip
+            except jsonhttp.TransportError:
+                return False
+            return r.status == 200 and bool(parse_completion(r.body, expected=1).choices)
+
+        def wait(what: str, cond: Any, timeout: float = 60) -> None:
+            deadline = time.monotonic() + timeout
+            while not cond():
+                assert time.monotonic() < deadline, what
+                plugin.on_monitor(ctx, None, None)  # type: ignore[arg-type]
+                time.sleep(0.1)
+
+        wait("an answer through the endpoint", answer)
+        rep = plugin.supervisor.replicas["rollout"][0]
+        assert rep.pid is not None
+        environ = Path(f"/proc/{rep.pid}/environ").read_bytes().split(b"\0")
+        assert f"{envvars.FLEET_URL}={url}".encode() in environ  # environments find it
+        first = plugin.router.proc.pid
+        os.kill(first, signal.SIGKILL)
+        wait("the endpoint restarted", lambda: plugin.router.proc.pid != first and answer())
+        assert plugin.router.starts == 2
+    finally:
+        plugin.close()
+    assert plugin.router.proc is None
+    with pytest.raises(jsonhttp.TransportError):
+        jsonhttp.request("127.0.0.1", fleet_port, "GET", "/health", timeout=2, max_bytes=1 << 10)
