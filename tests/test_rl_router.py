@@ -19,12 +19,20 @@ from typing import Any
 
 import pytest
 
+from tests.launch_utils import base_env
 from tests.ports import free_port
 from trainguard.core import envvars, jsonhttp
 from trainguard.core.atomicfile import write_atomic
+from trainguard.core.config import load_config
 from trainguard.core.config.roles import RolesConfig
 from trainguard.core.engine_contract import parse_completion
+from trainguard.core.events import EventLog
+from trainguard.core.fleetauth import job_secret, role_token
+from trainguard.core.plugin import AgentContext
+from trainguard.rl.rollout_types import RolloutConfig
+from trainguard.rl.router import FleetRouter
 from trainguard.rl.weights import WeightStore
+from trainguard.roles.plugin import RolesPlugin
 
 ROLLOUT_TOKEN = secrets.token_hex(32)
 FLEET_TOKEN = secrets.token_hex(32)
@@ -219,13 +227,6 @@ def test_the_roles_plugin_runs_the_endpoint_and_keeps_it_running(tmp_path: Path)
     stops it with the job."""
     import torch
 
-    from tests.launch_utils import base_env
-    from trainguard.core.config import load_config
-    from trainguard.core.events import EventLog
-    from trainguard.core.fleetauth import job_secret, role_token
-    from trainguard.core.plugin import AgentContext
-    from trainguard.roles.plugin import RolesPlugin
-
     WeightStore(tmp_path / "weights").publish(0, {"w": torch.zeros(1)})
     port = free_port()
     engine = [sys.executable, "-m", "tests.stub_engine", "--port", str(port),
@@ -283,3 +284,28 @@ def test_the_roles_plugin_runs_the_endpoint_and_keeps_it_running(tmp_path: Path)
     assert plugin.router.proc is None
     with pytest.raises(jsonhttp.TransportError):
         jsonhttp.request("127.0.0.1", fleet_port, "GET", "/health", timeout=2, max_bytes=1 << 10)
+
+
+def test_the_placement_follows_what_the_supervisors_published(tmp_path: Path) -> None:
+
+    a, b = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
+    router = FleetRouter([a, b], RolloutConfig(), run_dir=str(tmp_path), node="n1")
+    states = tmp_path / "roles" / "rollout"
+    states.mkdir(parents=True)
+
+    def publish(i: int, url: str, state: str = "serving", node: str = "n1") -> None:
+        rep = {"role": "rollout", "replica": i, "url": url, "state": state, "node": node}
+        write_atomic(states / f"{i}.json", json.dumps(rep))
+
+    assert router.placement() == [a, b]  # nothing published yet: the configured URLs
+    publish(1, "http://127.0.0.1:9003")  # replica 1 restarted elsewhere on this node
+    assert router.placement() == [a, "http://127.0.0.1:9003"]
+    publish(1, "http://127.0.0.1:9009", node="n2")  # another trainer node's own replica
+    assert router.placement() == [a, b]
+    publish(1, "http://10.0.0.7:8101", node="role-node-2")  # re-placed on a role node
+    assert router.placement() == [a, "http://10.0.0.7:8101"]
+    publish(0, a, state="failed")  # out of the role for good
+    assert router.placement() == ["http://10.0.0.7:8101"]
+    router.refresh()
+    assert list(router.table.engines) == ["http://10.0.0.7:8101"]
+    router.close()

@@ -37,6 +37,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from trainguard.core import envvars
 from trainguard.core.engine_contract import (
@@ -62,6 +63,11 @@ _GONE = frozenset({"failed", "stopped", "retired"})
 """Published replica states that are no longer part of the placement."""
 
 
+def _loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
 class FleetRouter:
     """The routing of the fleet endpoint (see the module docstring): ``urls`` (replica ``i``
     first, as ``TRAINGUARD_ROLLOUT_URLS``) until the run directory's published placement
@@ -74,8 +80,12 @@ class FleetRouter:
         *,
         run_dir: str | None = None,
         engine_token: str | None = None,
+        node: str = "",
     ) -> None:
+        """``node``: this node's name in the job; a replica published on loopback by another
+        node's supervisor (beside another trainer node) is that node's, never followed here."""
         self.config = config
+        self.node = node
         self.base = [u.rstrip("/") for u in urls]
         self.run_dir = run_dir
         self.table = EngineTable(
@@ -108,6 +118,9 @@ class FleetRouter:
             idx, url, state = rep.get("replica"), rep.get("url"), rep.get("state")
             if not isinstance(idx, int) or not isinstance(url, str):
                 continue
+            node = rep.get("node")
+            if self.node and node and node != self.node and _loopback(url):
+                continue  # another trainer node's own replica, on its own loopback
             if state in _GONE:
                 by_index.pop(idx, None)
             else:
@@ -274,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--health-interval-s", type=float, default=0.5)
     p.add_argument("--request-timeout-s", type=float, default=60.0)
     p.add_argument("--max-attempts", type=int, default=4)
+    p.add_argument("--node", default="", help="this node's name in the job (its agent's)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s fleet endpoint: %(message)s")
     urls = [u for u in (a.urls or "").split(",") if u.strip()] if a.urls else urls_from_env()
@@ -296,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             config,
             run_dir=run_dir,
             engine_token=os.environ.get(envvars.ROLLOUT_TOKEN) or None,
+            node=a.node,
         )
     except ValueError as e:
         print(f"fleet endpoint: {e}", file=sys.stderr)

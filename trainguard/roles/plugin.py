@@ -57,7 +57,7 @@ class RolesPlugin(AgentPlugin):
         replica_env: dict[str, str] | None = None
         if cfg.router:
             fleet_token = role_token(job_secret(ctx.run_dir), "fleet")
-            self.router = RouterProcess(cfg, ctx.run_dir, fleet_token)
+            self.router = RouterProcess(cfg, ctx.run_dir, fleet_token, ctx.events.node)
             replica_env = {**os.environ, **self.router.env()}  # environments call the endpoint
         self.supervisor = RoleSupervisor(cfg, ctx.run_dir, ctx.events, env=replica_env)
         self.remote_env: dict[str, str] = {}

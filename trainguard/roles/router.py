@@ -76,13 +76,14 @@ class RouterProcess:
     """The endpoint's process: its port and URL chosen at construction, started by
     :meth:`start`, kept running by :meth:`check`, ended by :meth:`stop`."""
 
-    def __init__(self, cfg: RolesConfig, run_dir: Path, fleet_token: str) -> None:
+    def __init__(self, cfg: RolesConfig, run_dir: Path, fleet_token: str, node: str = "") -> None:
         self.host = cfg.router_bind
         self.port = cfg.router_port or _free_port(self.host)
         url_host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
         self.url = f"http://{url_host}:{self.port}"
         self.run_dir = run_dir
         self.fleet_token = fleet_token
+        self.node = node
         self.health_interval_s = min(cfg.probe_interval_s, 0.5)
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -112,6 +113,7 @@ class RouterProcess:
         cmd = [
             sys.executable, "-m", "trainguard.rl.router", "--host", self.host,
             "--port", str(self.port), "--health-interval-s", str(self.health_interval_s),
+            "--node", self.node,
         ]  # fmt: skip
         with log_path.open("ab") as log:
             self.proc = subprocess.Popen(
