@@ -29,8 +29,24 @@ logs), ``prompts_skipped``/``prompts_duplicated`` (the consumed-prompt audit of 
 ``engine_restarts_on_trainer_kill``, ``trainer_kill_to_next_update_s`` (kill → the next
 completed step), ``weight_sync_s`` (median push time, fault-free run), ``rl_ettr_failures`` /
 ``rl_ettr_fault_free`` (steps kept at the end of the window × the fault-free median step /
-``--ettr-s``, the window counted from the run's first completed step). The trainer's warm
-processes preload transformers (``[warm] preload``). Ends with one JSON line.
+``--ettr-s``, the window counted from the run's first completed step), ``auth_overhead``
+(a rollout request of the runs' size, 4 prompts x 8 completions x 16 tokens, to the same
+engine process through a server that checks the job's signature and one that does not, in
+pairs: the median over rounds of the pairs' median CPU-time difference over the CPU time;
+``auth_overhead_wall`` the same with wall times;
+``auth_cpu_fraction`` the CPU time of signing and checking one request and its answer over
+that latency). The trainer's warm processes preload transformers (``[warm] preload``). Ends
+with one JSON line.
+
+    python bench/rl_fleet.py --auth-only     # only the authentication figures (~1 min)
+
+``router_client_errors``: a client looping on the fleet endpoint (``python -m
+trainguard.rl.router``) in front of 3 engines while 5 of them in turn are killed -9 and
+restarted: requests without a valid answer (0 expected), with ``router_requests`` answered
+and ``router_retries`` the endpoint's retries on another engine (bench/rl_fleet_scale.py,
+which also measures the fleet at 8 to 64 engines).
+
+    python bench/rl_fleet.py --router-only   # only the endpoint figures (~1 min)
 """
 
 from __future__ import annotations
@@ -52,8 +68,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.rl_fleet_scale import router_client_errors  # noqa: E402
 from trainguard.core.config.warm import WarmConfig  # noqa: E402
 from trainguard.core.envvars import VLLM_PYTHON  # noqa: E402
+from trainguard.core.fleetauth import (  # noqa: E402
+    load_secret_file,
+    role_token,
+    secret_path,
+    sign,
+)
 from trainguard.core.rundir import RunDir  # noqa: E402
 from trainguard.rl import ConsumedLog, PromptLedger, audit  # noqa: E402
 from trainguard.rl.local import engine_health  # noqa: E402
@@ -89,6 +112,10 @@ class Fleet:
         self.run_dir = run_dir
         self.faults: list[tuple[int, int, float, str]] = []
         """(replica, its pid at the fault, time, kind) of each engine death injected"""
+
+    def token(self) -> str:
+        """The job's rollout token (the agent wrote the job secret into the run directory)."""
+        return role_token(load_secret_file(secret_path(self.run_dir)), "rollout")
 
     def states(self) -> list[dict[str, Any]]:
         return self.rundir.role_states().get("rollout", [])
@@ -229,7 +256,7 @@ class Run:
         if kind == "engine_kill":  # mid-generation: once it has a request in flight
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                h = engine_health(self.sup.port(i), timeout=1.0)
+                h = engine_health(self.sup.port(i), timeout=1.0, token=self.sup.token())
                 if h is not None and h.get("inflight"):
                     break
                 time.sleep(0.02)
@@ -244,7 +271,10 @@ class Run:
 
             c = http.client.HTTPConnection("127.0.0.1", self.sup.port(i), timeout=5)
             try:
-                c.request("POST", "/v1/faults", body=json.dumps({"kind": "http_500", "count": 4}))
+                body = json.dumps({"kind": "http_500", "count": 4})
+                port, token = self.sup.port(i), self.sup.token()
+                sig = sign(token, "POST", "/v1/faults", port, body.encode())
+                c.request("POST", "/v1/faults", body=body, headers=sig)
                 c.getresponse().read()
             except OSError:
                 pass
@@ -376,6 +406,154 @@ def ettr_run(
     return run
 
 
+AUTH_PROMPTS_PER_REQUEST, AUTH_GROUP, AUTH_MAX_TOKENS = 4, 8, 16
+"""A rollout request of the runs above: ``prompts_per_request`` prompts (RolloutConfig's
+default) of ``--group 8`` completions, ``--max-tokens 16``."""
+
+
+def _auth_pair_server(weights: str, port_file: str) -> None:
+    """One engine (tiny-gpt2, the store's version 0) behind two HTTP servers: one checks the
+    job's token, the other nothing; writes ``{"on": port, "off": port, "token": ...}``."""
+    import secrets
+    import threading
+
+    from trainguard.core.atomicfile import write_atomic
+    from trainguard.rl.engine import Engine, EngineConfig, serve
+
+    class NoAuth:
+        """The engine, seen without its authenticator (the server that checks nothing)."""
+
+        auth = None
+
+        def __init__(self, engine: Engine) -> None:
+            self._engine = engine
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._engine, name)
+
+    token = secrets.token_hex(32)
+    engine = Engine(EngineConfig(weights_dir=Path(weights), token=token, poll_interval_s=60))
+    on, off = serve(engine), serve(NoAuth(engine))  # type: ignore[arg-type]
+    for srv in (on, off):
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    engine.boot()
+    ports = {"on": on.server_address[1], "off": off.server_address[1], "token": token}
+    write_atomic(Path(port_file), json.dumps(ports))
+    threading.Event().wait()
+
+
+def auth_overhead(root: Path, rounds: int = 9, pairs: int = 24) -> dict[str, Any]:
+    """Authentication's share of a rollout request's cost: the same engine process behind a
+    server that checks the job's signature and one that does not, a client that signs (and
+    checks the answers' signatures) and one that does not, the same request (prompts, seed)
+    through each, back to back, in turn first. ``auth_overhead``: per round, the median of the
+    pairs' differences in CPU time (every thread of the engine process and of the clients) over
+    the median CPU time without authentication; the median of the rounds. On an idle machine a
+    request's latency is its CPU time (the tiny model generates on one thread); CPU time is what
+    a loaded machine leaves measurable. ``auth_overhead_wall``: the same with wall times.
+    ``auth_cpu_fraction``: the CPU time of signing and checking one request and its answer,
+    timed alone, over the median request latency."""
+    import hashlib
+
+    from trainguard.core.fleetauth import Authenticator, answer_ok
+    from trainguard.rl import RolloutClient, RolloutConfig, WeightStore
+    from trainguard.rl.tiny import tiny_gpt2
+
+    weights = root / "auth" / "weights"
+    WeightStore(weights).publish(0, tiny_gpt2(seed=0).state_dict())
+    port_file = root / "auth" / "ports.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--auth-pair-server", str(weights), str(port_file)], env=env
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not port_file.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the engine for auth_overhead did not start")
+            time.sleep(0.2)
+        ports = json.loads(port_file.read_text())
+        cfg = RolloutConfig(prompts_per_request=AUTH_PROMPTS_PER_REQUEST)
+        on = RolloutClient([f"http://127.0.0.1:{ports['on']}"], config=cfg, token=ports["token"])
+        off = RolloutClient([f"http://127.0.0.1:{ports['off']}"], config=cfg)
+        on.wait_serving(1, timeout=300)
+        off.wait_serving(1, timeout=300)
+        prompts = [f"please write {i} now" for i in range(AUTH_PROMPTS_PER_REQUEST)]
+
+        def one(client: RolloutClient, seed: int) -> float:
+            t0 = time.perf_counter()
+            groups = client.generate(
+                prompts, n=AUTH_GROUP, max_tokens=AUTH_MAX_TOKENS, temperature=1.0, seed=seed
+            )
+            dt = time.perf_counter() - t0
+            assert sum(len(g) for g in groups) == AUTH_PROMPTS_PER_REQUEST * AUTH_GROUP
+            return dt
+
+        for seed in range(3):  # warm-up
+            one(on, seed), one(off, seed)
+
+        def cpu_s() -> float:
+            """CPU seconds of every thread of the engine process (``schedstat``: ns) and of
+            this process (both clients)."""
+            ns = 0
+            for task in Path(f"/proc/{proc.pid}/task").iterdir():
+                try:
+                    ns += int((task / "schedstat").read_text().split()[0])
+                except (OSError, ValueError):  # a thread that ended
+                    pass
+            return ns / 1e9 + time.process_time()
+
+        ratios, wall_ratios, lat_on, lat_off, cpu_off = [], [], [], [], []
+        for r in range(rounds):
+            t_on, t_off, d_cpu, d_wall, c_off = [], [], [], [], []
+            for k in range(pairs):
+                seed, got = 1000 * r + k, {}
+                for client in (on, off) if k % 2 == 0 else (off, on):
+                    c0 = cpu_s()
+                    got[client is on] = (one(client, seed), cpu_s() - c0)
+                t_on.append(got[True][0])
+                t_off.append(got[False][0])
+                c_off.append(got[False][1])
+                d_cpu.append(got[True][1] - got[False][1])
+                d_wall.append(got[True][0] - got[False][0])
+            lat_on += t_on
+            lat_off += t_off
+            cpu_off += c_off
+            # paired: the two requests of a pair ran back to back (the machine's load drifts)
+            ratios.append(statistics.median(d_cpu) / statistics.median(c_off))
+            wall_ratios.append(statistics.median(d_wall) / statistics.median(t_off))
+        on.close()
+        off.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    # the authentication's own CPU time per request: sign, check, body digest, answer, verify
+    body = json.dumps({"prompt": prompts, "n": AUTH_GROUP, "max_tokens": AUTH_MAX_TOKENS}).encode()
+    answer = b"x" * (AUTH_PROMPTS_PER_REQUEST * AUTH_GROUP * 400)
+    token, reps = "t" * 64, 2000
+    auth = Authenticator("rollout", token, window_s=1e9)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        sig = sign(token, "POST", "/v1/completions", 1, body)
+        assert auth.verify("POST", "/v1/completions", 1, sig["Authorization"]) is None
+        hashlib.sha256(body).hexdigest()  # the server's check of the body it read
+        header = auth.sign_answer(sig.nonce, 200, answer)
+        assert answer_ok(token, sig, 200, answer, header)
+    cpu_us = (time.perf_counter() - t0) / reps * 1e6
+    med_off = statistics.median(lat_off)
+    return {
+        "auth_overhead": round(statistics.median(ratios), 5),
+        "auth_overhead_rounds": [round(x, 5) for x in ratios],
+        "auth_overhead_wall": round(statistics.median(wall_ratios), 5),
+        "auth_overhead_wall_rounds": [round(x, 5) for x in wall_ratios],
+        "auth_request_s": {"on": round(statistics.median(lat_on), 5), "off": round(med_off, 5)},
+        "auth_cpu_us_per_request": round(cpu_us, 1),
+        "auth_cpu_fraction": round(cpu_us / 1e6 / med_off, 6),
+        "auth_request_shape": f"{AUTH_PROMPTS_PER_REQUEST} prompts x n={AUTH_GROUP} x "
+        f"{AUTH_MAX_TOKENS} tokens",
+    }
+
+
 def figures(root: Path, args: argparse.Namespace, engine: str) -> dict[str, Any]:
     """Every scenario and the two ETTR runs on ``engine``: the figures of the JSON line."""
     root = root / engine
@@ -461,6 +639,9 @@ def figures(root: Path, args: argparse.Namespace, engine: str) -> dict[str, Any]
 
 
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--auth-pair-server":
+        _auth_pair_server(sys.argv[2], sys.argv[3])
+        return
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20, help="steps of each scenario run")
     p.add_argument("--ettr-s", type=float, default=300.0)
@@ -469,10 +650,22 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine", choices=("embedded", "vllm"), default="embedded")
     p.add_argument("--refits", type=int, default=20, help="--engine vllm: refits of the drill")
+    p.add_argument("--auth-only", action="store_true", help="only the auth_overhead figures")
+    p.add_argument("--router-only", action="store_true", help="only the fleet endpoint figures")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rl-fleet-bench-"))
     print(f"runs in {root}", flush=True)
-    embedded = figures(root, args, "embedded")
+    router = {} if args.auth_only else router_client_errors(root)
+    print(f"fleet endpoint under engine kills: {router}", flush=True)
+    if args.router_only:
+        print(json.dumps(router), flush=True)
+        return
+    auth = auth_overhead(root)
+    print(f"authentication: {auth}", flush=True)
+    if args.auth_only:
+        print(json.dumps(auth), flush=True)
+        return
+    embedded = {**figures(root, args, "embedded"), **router, **auth}
     if args.engine == "embedded":
         print(json.dumps(embedded), flush=True)
         return

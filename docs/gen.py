@@ -231,7 +231,13 @@ def environment_reference() -> str:
     ]
     for value in envvars.ALL:
         out.append(f"| `{value}` | {_md(docs.get(by_value[value], ''))} |")
-    roles = (envvars.ROLE, envvars.ROLE_REPLICA, envvars.ROLE_PORT, envvars.ROLE_RUN_DIR)
+    roles = (
+        envvars.ROLE,
+        envvars.ROLE_REPLICA,
+        envvars.ROLE_PORT,
+        envvars.ROLE_RUN_DIR,
+        envvars.ROLE_TOKEN,
+    )
     out += [
         "",
         "A role replica (a rollout engine or reward server started by `[roles]`) gets these:",

@@ -1,7 +1,8 @@
 """The engine implementations the conformance suite (tests/test_engine_conformance.py) runs
 against: one line each. An implementation is a command that serves the engine contract on
 ``--port`` with the weight store in ``--weights-dir`` (it loads the store's current version
-by itself and reports ``serving`` only then)."""
+by itself and reports ``serving`` only then), checking every request against the job's token
+in ``TRAINGUARD_ROLE_TOKEN``."""
 
 from __future__ import annotations
 
@@ -98,7 +99,14 @@ class RunningEngine:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.incarnation = secrets.token_hex(8)
-        env = {**os.environ, envvars.ROLE_INCARNATION: self.incarnation, "OMP_NUM_THREADS": "1"}
+        self.token = secrets.token_hex(32)
+        """The job's rollout token, as the role supervisor gives it (every request signed)."""
+        env = {
+            **os.environ,
+            envvars.ROLE_INCARNATION: self.incarnation,
+            envvars.ROLE_TOKEN: self.token,
+            "OMP_NUM_THREADS": "1",
+        }
         self._log = log.open("ab")
         self.proc = subprocess.Popen(
             impl.command(self.port, weights), env=env, stdout=self._log, stderr=subprocess.STDOUT
@@ -107,7 +115,7 @@ class RunningEngine:
     def wait_health(self, until: Callable[[HealthAnswer], bool], timeout: float) -> HealthAnswer:
         deadline = time.monotonic() + timeout
         while True:
-            p = probe_health(self.port, timeout=2.0)
+            p = probe_health(self.port, timeout=2.0, token=self.token)
             if p.health is not None and until(p.health):
                 return p.health
             rc = self.proc.poll()

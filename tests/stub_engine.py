@@ -32,6 +32,7 @@ from trainguard.core.engine_contract import (
     own_identity,
 )
 from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.core.fleetauth import Authenticator
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
 from trainguard.rl.tiny import WORDS
 from trainguard.rl.weights import WeightStore
@@ -192,6 +193,8 @@ class Handler(JSONHandler):
         if e.hostile and e.shape in ("deep", "not_json", "huge_version"):
             self.send_json(200, None, raw=_hostile(e.shape, 1))
             return
+        if set(body) - {"version"}:
+            raise HTTPError(400, f"unknown fields {sorted(set(body) - {'version'})}")
         if not e.store.path_of(version).exists():
             raise HTTPError(404, f"weight version {version} is not in {e.store.root}")
         e.version = version
@@ -222,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hostile", action="store_true")
     a = p.parse_args(argv)
     engine = StubEngine(WeightStore(Path(a.weights_dir)), a.hostile)
-    handler = type("StubHandler", (Handler,), {"engine": engine})
+    token = os.environ.get("TRAINGUARD_ROLE_TOKEN")  # the job's: every request signed with it
+    auth = Authenticator("rollout", token) if token else None
+    handler = type("StubHandler", (Handler,), {"engine": engine, "authenticator": auth})
     try:
         server = JSONServer(("127.0.0.1", a.port), handler)
     except OSError as e:

@@ -58,7 +58,13 @@ def test_environment_reference_has_every_name_a_worker_may_get() -> None:
 
     page = _gen().environment_reference()
     rows = set(re.findall(r"^\| `(TRAINGUARD_\w+)` \|", page, re.M))
-    roles = {envvars.ROLE, envvars.ROLE_REPLICA, envvars.ROLE_PORT, envvars.ROLE_RUN_DIR}
+    roles = {
+        envvars.ROLE,
+        envvars.ROLE_REPLICA,
+        envvars.ROLE_PORT,
+        envvars.ROLE_RUN_DIR,
+        envvars.ROLE_TOKEN,
+    }
     assert rows == set(envvars.ALL) | roles
     assert "| `TRAINGUARD_ROLLOUT_URLS` | In the trainer's workers" in page
 

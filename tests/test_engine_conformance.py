@@ -18,6 +18,7 @@ import pytest
 from tests.engine_impls import IMPLS, EngineImpl, RunningEngine
 from trainguard.core import engine_contract as ec
 from trainguard.core import jsonhttp
+from trainguard.core.fleetauth import sign
 from trainguard.rl import RolloutClient, RolloutConfig
 from trainguard.rl.weights import WeightStore
 
@@ -41,13 +42,15 @@ class Subject:
 
     def post(self, path: str, body: Any) -> jsonhttp.Response:
         return jsonhttp.request(
-            "127.0.0.1", self.engine.port, "POST", path, body, timeout=30.0, max_bytes=1 << 24
-        )
+            "127.0.0.1", self.engine.port, "POST", path, body, timeout=30.0, max_bytes=1 << 24,
+            token=self.engine.token,
+        )  # fmt: skip
 
     def get(self, path: str) -> jsonhttp.Response:
         return jsonhttp.request(
-            "127.0.0.1", self.engine.port, "GET", path, timeout=30.0, max_bytes=1 << 24
-        )
+            "127.0.0.1", self.engine.port, "GET", path, timeout=30.0, max_bytes=1 << 24,
+            token=self.engine.token,
+        )  # fmt: skip
 
     def health(self) -> ec.HealthAnswer:
         r = self.get(ec.HEALTH_PATH)
@@ -136,6 +139,27 @@ def test_weight_update_by_version(subject: Subject) -> None:
     assert subject.complete(max_tokens=2).weight_version == 1
 
 
+def test_every_request_needs_the_jobs_signature(subject: Subject) -> None:
+    """Without the job's signature (or signed with another token) every request is 401 with
+    one line, health included, and the body unread; a signed answer is signed back; a weight
+    update names a version of the store, never a file."""
+    port = subject.engine.port
+    for token in (None, "0" * 64):
+        for method, path, body in (
+            ("GET", ec.HEALTH_PATH, None),
+            ("POST", ec.COMPLETIONS_PATH, {"prompt": "write"}),
+            ("POST", ec.WEIGHT_UPDATE_PATH, {"version": 0}),
+        ):
+            r = jsonhttp.request(
+                "127.0.0.1", port, method, path, body, timeout=30.0, max_bytes=1 << 20, token=token
+            )
+            assert r.status == 401 and "\n" not in error_of(r)["message"], (token, path)
+            assert "weight_version" not in r.body.decode() and b"serving" not in r.body
+    file = str(subject.store.path_of(0))
+    r = subject.post(ec.WEIGHT_UPDATE_PATH, {"version": 0, "path": file})
+    assert r.status == 400 and "unknown fields ['path']" in error_of(r)["message"]
+
+
 def test_errors_answer_in_one_schema(subject: Subject) -> None:
     assert error_of(subject.post(ec.COMPLETIONS_PATH, {"prompt": 5}))["code"] == 400
     assert error_of(subject.post(ec.COMPLETIONS_PATH, ["not", "an", "object"]))["code"] == 400
@@ -143,8 +167,15 @@ def test_errors_answer_in_one_schema(subject: Subject) -> None:
 
 
 def test_request_bodies_and_depth_are_capped(subject: Subject) -> None:
-    with socket.create_connection(("127.0.0.1", subject.engine.port), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 268435456\r\n\r\n")
+    port = subject.engine.port
+    auth = "".join(
+        f"{k}: {v}\r\n"
+        for k, v in sign(subject.engine.token, "POST", "/v1/completions", port).items()
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 268435456\r\n\r\n".encode()
+        )
         head = b""
         while chunk := s.recv(65536):  # the server answers and closes, the body unread
             head += chunk
@@ -160,7 +191,9 @@ def test_the_rollout_client_generates_from_it(subject: Subject) -> None:
     assert version is not None
     expected = {subject.engine.url: ec.Identity(None, subject.engine.incarnation)}
     cfg = RolloutConfig(health_interval_s=0.2, prompts_per_request=2)
-    with RolloutClient([subject.engine.url], config=cfg, identities=lambda: expected) as client:
+    with RolloutClient(
+        [subject.engine.url], config=cfg, identities=lambda: expected, token=subject.engine.token
+    ) as client:
         client.set_policy_version(version)
         client.wait_serving(1, timeout=30)
         out = client.generate(["write", "please write 1 now", "now"], n=2, max_tokens=3, seed=5)

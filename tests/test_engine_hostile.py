@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -26,11 +27,15 @@ from tests.ports import free_port
 from tests.stub_engine import SHAPES
 from trainguard.core import engine_contract as ec
 from trainguard.core import envvars, jsonhttp
+from trainguard.core.fleetauth import sign
 from trainguard.rl import RolloutClient, RolloutConfig
 from trainguard.rl.reward import RewardClient
 from trainguard.rl.weights import WeightStore
 
 pytestmark = pytest.mark.xdist_group("engine_hostile")
+
+TOKEN = secrets.token_hex(32)
+"""The job's token every server here checks (a hostile engine of the job holds it too)."""
 
 
 class Proc:
@@ -38,18 +43,23 @@ class Proc:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self._log = log.open("ab")
-        env = {**os.environ, envvars.ROLE_INCARNATION: f"nonce-{port}"}
+        env = {**os.environ, envvars.ROLE_INCARNATION: f"nonce-{port}", envvars.ROLE_TOKEN: TOKEN}
         self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
-        while ec.probe_health(port, timeout=1.0).outcome in ("refused", "timeout", "error"):
+        while ec.probe_health(port, timeout=1.0, token=TOKEN).outcome in (
+            "refused",
+            "timeout",
+            "error",
+        ):
             assert self.proc.poll() is None, f"{argv} exited; see {log}"
             assert time.monotonic() < deadline, argv
             time.sleep(0.05)
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
         r = jsonhttp.request(
-            "127.0.0.1", self.port, method, path, body, timeout=10, max_bytes=1 << 20
-        )
+            "127.0.0.1", self.port, method, path, body, timeout=10, max_bytes=1 << 20,
+            token=TOKEN,
+        )  # fmt: skip
         return json.loads(r.body)
 
     def shape(self, shape: str) -> None:
@@ -108,6 +118,7 @@ def client(servers: Servers, events: list[dict[str, Any]], **cfg: Any) -> Rollou
         config=RolloutConfig(**settings),
         events=lambda kind, **f: events.append({"kind": kind, **f}),
         identities=identities,
+        token=TOKEN,
     )
     c.set_policy_version(0)
     return c
@@ -202,6 +213,7 @@ def test_a_malformed_reward_is_counted_and_scored_by_the_next_server(
         [servers.hostile.url, servers.reward.url],
         retry_wait_s=0.0,
         events=lambda kind, **f: events.append({"kind": kind, **f}),
+        token=TOKEN,
     )
     rewards = rc.score(["please write 3 now"] * 2, ["3 3", "4"])
     assert rewards == [1.0, 0.0]  # the real function's, never NaN / inf / a made-up value
@@ -220,12 +232,16 @@ def test_the_reward_server_caps_request_bodies_and_stays_small(servers: Servers)
         raise AssertionError("no VmRSS")
 
     before = rss_kib(servers.reward.proc.pid)
-    with socket.create_connection(("127.0.0.1", servers.reward.port), timeout=10) as s:
+    port = servers.reward.port
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         # 256 MiB announced, none sent: the answer comes at once, the body is never read
-        s.sendall(b"POST /v1/rewards HTTP/1.1\r\nHost: x\r\nContent-Length: 268435456\r\n\r\n")
+        auth = "".join(f"{k}: {v}\r\n" for k, v in sign(TOKEN, "POST", "/v1/rewards", port).items())
+        s.sendall(
+            f"POST /v1/rewards HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 268435456\r\n\r\n".encode()
+        )
         answer = b""
         while chunk := s.recv(65536):
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 413") and b"limit" in answer
     assert rss_kib(servers.reward.proc.pid) - before < 32 << 10  # not the 256 MiB claimed
-    assert ec.probe_health(servers.reward.port).outcome == "ok"
+    assert ec.probe_health(servers.reward.port, token=TOKEN).outcome == "ok"

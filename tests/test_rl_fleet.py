@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
+from tests.intruder import intrude, refusal
 from tests.ports import free_port
 from tests.procs import FIXTURE_PIDS
+from trainguard.core.fleetauth import sign
 from trainguard.rl import RolloutClient, RolloutConfig, RolloutError, WeightStore
 from trainguard.rl.local import LocalEngines, engine_health
 from trainguard.rl.tiny import tiny_gpt2
@@ -32,12 +34,33 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rl_fleet")]
 PROMPTS = [f"please write {i % 10} now" for i in range(12)]
 
 
-def post(port: int, path: str, body: Any, timeout: float = 30) -> tuple[int, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+TOKENS: dict[int, str] = {}
+"""Port → the job token of the engine on it (what the trainer's client sends)."""
+
+
+def health(port: int, timeout: float = 2.0) -> dict[str, Any] | None:
+    return engine_health(port, timeout, token=TOKENS.get(port))
+
+
+def raw_post(port: int, path: str, data: bytes, headers: dict[str, str]) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         conn.request(
-            "POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"}
+            "POST", path, body=data, headers={"Content-Type": "application/json", **headers}
         )
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def post(port: int, path: str, body: Any, timeout: float = 30) -> tuple[int, Any]:
+    """``POST`` as the trainer's client: with the job's token."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = json.dumps(body).encode()
+        sig = sign(TOKENS.get(port), "POST", path, port, data)
+        conn.request("POST", path, body=data, headers={"Content-Type": "application/json", **sig})
         resp = conn.getresponse()
         return resp.status, json.loads(resp.read())
     finally:
@@ -55,6 +78,7 @@ class Fleet:
             run_dir=run_dir,
             args=["--enable-fault-injection", "--poll-interval-s", "0.3"],
         )
+        TOKENS.update(dict.fromkeys(self.engines.ports, self.engines.token))
         self.engines.start()
         self.own()
         # (health, completion status, completion answer) of each replica before any version
@@ -67,16 +91,14 @@ class Fleet:
         and a completion; then version 0 is published and they serve it."""
         deadline = time.monotonic() + 180
         for port in self.engines.ports:
-            while (h := engine_health(port)) is None or h["status"] == "starting":
+            while (h := health(port)) is None or h["status"] == "starting":
                 assert time.monotonic() < deadline, h
                 time.sleep(0.2)
             code, answer = post(port, "/v1/completions", {"prompt": "write"})
             self.unpublished.append((h, code, answer))
         self.store.publish(0, self.model.state_dict())
         self.engines.wait_serving(version=0, timeout=120)
-        self.first_served = [
-            (engine_health(p) or {}).get("weight_version") for p in self.engines.ports
-        ]
+        self.first_served = [(health(p) or {}).get("weight_version") for p in self.engines.ports]
 
     def alive(self) -> list[int]:
         return [i for i, p in enumerate(self.engines.procs) if p is not None and p.poll() is None]
@@ -121,7 +143,7 @@ class Fleet:
             assert p is not None
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
-                h = engine_health(self.engines.ports[i], timeout=5)
+                h = health(self.engines.ports[i], timeout=5)
                 if h is None:
                     self.engines.restart(i)
             elif not keep_dead:
@@ -133,7 +155,7 @@ class Fleet:
                 post(self.engines.ports[i], "/v1/faults", {"kind": kind, "count": 0})
 
     def client(self, **cfg: Any) -> RolloutClient:
-        c = RolloutClient(self.engines.urls, config=RolloutConfig(**cfg))
+        c = RolloutClient(self.engines.urls, config=RolloutConfig(**cfg), token=self.engines.token)
         c.set_policy_version(self.version)
         return c
 
@@ -200,7 +222,7 @@ def test_engine_without_a_published_version_stays_loading(fleet: Fleet) -> None:
 
 def test_engine_api_and_bad_input(healthy: Fleet) -> None:
     port = healthy.engines.ports[0]
-    h = engine_health(port)
+    h = health(port)
     assert h is not None and h["status"] == "serving" and h["weight_version"] == healthy.version
     code, out = post(port, "/v1/completions", {"prompt": ["please write 7 now", "write 3"], "n": 3,
                                                "max_tokens": 5, "logprobs": 1, "seed": 1})  # fmt: skip
@@ -224,6 +246,58 @@ def test_engine_api_and_bad_input(healthy: Fleet) -> None:
         assert code == 400 and words in err["error"]["message"], (body, err)
     code, err = post(port, "/v1/weights/update", {"version": 999})
     assert code == 404 and "999" in err["error"]["message"]
+
+
+def test_an_engine_refuses_every_request_without_the_job_token(
+    healthy: Fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another local process knows the port, the trainer's version and has weights of its own
+    (the model's tensors, zeroed): without the job's token (or with another) every request is
+    401 with the same line, health included, and the engine goes on generating with the
+    trainer's weights. With the token, a weight update naming a file is refused too."""
+    from safetensors.torch import save_file
+
+    port = healthy.engines.ports[0]
+    evil = tmp_path / "evil.safetensors"
+    save_file({k: v.detach().clone().zero_() for k, v in healthy.model.state_dict().items()}, evil)
+    ask = {"prompt": PROMPTS[:2], "max_tokens": 5, "seed": 3, "logprobs": 1}
+    code, before = post(port, "/v1/completions", ask)
+    assert code == 200
+    none, wrong = (
+        intrude(port, healthy.version, evil),
+        intrude(port, healthy.version, evil, "0" * 64),
+    )
+    assert refusal(none).startswith("no job signature: every request to a rollout server must")
+    assert refusal(wrong).startswith("a wrong job signature: ")
+    # the trainer's own requests: a path is no part of a weight update, a version must be stored
+    code, err = post(port, "/v1/weights/update", {"version": healthy.version, "path": str(evil)})
+    assert code == 400 and "unknown fields ['path']" in err["error"]["message"]
+    code, err = post(port, "/v1/weights/update", {"version": healthy.version + 50})
+    msg = err["error"]["message"]
+    assert code == 404 and f"weight version {healthy.version + 50} is not in the job's" in msg
+    assert "publish it there first" in msg
+    code, after = post(port, "/v1/completions", ask)
+    assert code == 200 and after["weight_version"] == before["weight_version"] == healthy.version
+    assert [c["token_ids"] for c in after["choices"]] == [c["token_ids"] for c in before["choices"]]
+    # a request of the trainer's seen on the way: sent again, for another port, another body
+    data = json.dumps({"prompt": "write 7", "max_tokens": 3}).encode()
+    sig = sign(healthy.engines.token, "POST", "/v1/completions", port, data)
+    assert raw_post(port, "/v1/completions", data, sig)[0] == 200
+    code, err = raw_post(port, "/v1/completions", data, sig)
+    assert code == 401 and err["error"]["message"].startswith("a replayed request")
+    other = healthy.engines.ports[1]
+    sig = sign(healthy.engines.token, "POST", "/v1/completions", port, data)
+    code, err = raw_post(other, "/v1/completions", data, sig)
+    assert code == 401 and err["error"]["message"].startswith("a wrong job signature")
+    code, err = raw_post(port, "/v1/completions", data.replace(b"7", b"3"), sig)
+    assert code == 400 and "not the one its signature names" in err["error"]["message"]
+    # a client without the token: one line saying so, no engine counted as serving
+    monkeypatch.delenv("TRAINGUARD_ROLLOUT_TOKEN", raising=False)
+    cfg = RolloutConfig(health_interval_s=0.2, health_timeout_s=2.0)
+    with RolloutClient([healthy.engines.urls[0]], config=cfg) as client:
+        with pytest.raises(RolloutError, match="refused this client's token: no job sig") as e:
+            client.wait_serving(1, timeout=2)
+        assert "\n" not in str(e.value)
 
 
 def test_http_500_and_malformed_answers_are_counted_and_retried(healthy: Fleet) -> None:
@@ -340,7 +414,7 @@ def test_restarted_engine_serves_only_after_loading_the_current_version(
             seen.update(c.engine for g in groups for c in g)
         # never routed to it while it was loading, nor before it held the current version
         assert client.failures["not_serving"] == client.failures["stale"] == 0
-        h = engine_health(fleet.engines.ports[down])
+        h = health(fleet.engines.ports[down])
         assert h is not None and h["weight_version"] == v
 
 
@@ -374,7 +448,7 @@ def test_warm_standby_takes_the_port_of_a_killed_replica(fleet: Fleet) -> None:
     assert new_spare is not None and new_spare.pid != spare.pid  # a new one
     fleet.drop_spare()  # (not needed later: stopped before it imports much)
     engines.wait_serving(i, version=fleet.version, timeout=60)
-    h = engine_health(engines.ports[i])
+    h = health(engines.ports[i])
     assert h is not None and h["pid"] == spare.pid
     code, out = post(engines.ports[i], "/v1/completions", {"prompt": "write 7", "max_tokens": 3})
     assert code == 200 and out["weight_version"] == fleet.version

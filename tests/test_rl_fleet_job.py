@@ -121,6 +121,7 @@ def test_rl_fleet_job_with_engines_as_a_role(tmp_path: Path) -> None:
         TRAINGUARD_TELEMETRY_PROMETHEUS_PORT=str(prom_port),
         TRAINGUARD_TELEMETRY_POLL_INTERVAL_S="0.2",
         TRAINGUARD_REWARD_URLS=",".join(rewards.urls),
+        TRAINGUARD_REWARD_TOKEN=rewards.token,
     )
     job = popen(
         "trainguard",

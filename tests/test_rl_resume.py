@@ -70,6 +70,8 @@ def test_exactly_once_prompts_through_trainer_kills_async(tmp_path: Path) -> Non
     env = base_env(
         TRAINGUARD_ROLLOUT_URLS=",".join(engines.urls),
         TRAINGUARD_REWARD_URLS=",".join(rewards.urls),
+        TRAINGUARD_ROLLOUT_TOKEN=engines.token,
+        TRAINGUARD_REWARD_TOKEN=rewards.token,
         OMP_NUM_THREADS="1",
     )
     p = popen(

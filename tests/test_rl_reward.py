@@ -4,6 +4,7 @@ the cap (never a made-up reward), bad input is one line."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.intruder import intrude, refusal
 from tests.ports import free_port
 from trainguard.rl.local import LocalEngines
 from trainguard.rl.reward import RewardClient, RewardError
@@ -18,7 +20,10 @@ from trainguard.rl.reward import RewardClient, RewardError
 FN = "trainguard.rl.tiny:digit_reward"
 
 
-def test_reward_servers_fail_over_and_never_make_up_a_reward(tmp_path: Path) -> None:
+def test_reward_servers_fail_over_and_never_make_up_a_reward(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TRAINGUARD_REWARD_TOKEN", raising=False)
     servers = LocalEngines(
         [free_port(), free_port()], run_dir=tmp_path, role="reward",
         module="trainguard.rl.reward", args=["--function", FN],
@@ -26,9 +31,18 @@ def test_reward_servers_fail_over_and_never_make_up_a_reward(tmp_path: Path) -> 
     servers.start()
     try:
         servers.wait_serving(timeout=120)
-        client = RewardClient(servers.urls, max_attempts=4, retry_wait_s=0.05)
+        client = RewardClient(servers.urls, max_attempts=4, retry_wait_s=0.05, token=servers.token)
         prompts, texts = ["please write 7 3 now", "please write 2 0 now"], ["7 7 3", "2"]
         assert client.score(prompts, texts) == pytest.approx([2 / 3, 1.0])
+        # another local process without the job's token, or signing with its own: 401, one line
+        junk = tmp_path / "w.safetensors"
+        for token, line in ((None, "no job signature: "), ("0" * 64, "a wrong job signature")):
+            got = refusal(intrude(servers.ports[0], 0, junk, token))
+            assert got.startswith(line) and "reward" in got
+        unsigned = RewardClient(servers.urls, max_attempts=2, retry_wait_s=0.0)
+        with pytest.raises(RewardError, match="refused this client's signature: no job sig") as e:
+            unsigned.score(prompts, texts)
+        assert "\n" not in str(e.value) and unsigned.failures["unauthorized"] == 2
         servers.kill(0, signal.SIGKILL)
         for _ in range(3):  # every other request goes to the dead one first
             assert client.score(prompts, texts) == pytest.approx([2 / 3, 1.0])
@@ -50,4 +64,14 @@ def test_bad_reward_function_is_one_line_and_exit_2(function: str, words: str) -
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 2 and words in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_reward_server_without_a_job_token_does_not_start() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD")}
+    out = subprocess.run(
+        [sys.executable, "-m", "trainguard.rl.reward", "--function", FN, "--port", "1"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert out.returncode == 2 and "no job token: TRAINGUARD_ROLE_TOKEN is unset" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -21,7 +21,11 @@ def test_trl_grpo_trains_on_the_fleet(tmp_path: Path) -> None:
     engines = LocalEngines([free_port()], run_dir=run_dir)
     engines.start()
     try:
-        env = base_env(TRAINGUARD_ROLLOUT_URLS=",".join(engines.urls), OMP_NUM_THREADS="1")
+        env = base_env(
+            TRAINGUARD_ROLLOUT_URLS=",".join(engines.urls),
+            TRAINGUARD_ROLLOUT_TOKEN=engines.token,
+            OMP_NUM_THREADS="1",
+        )
         res = launch(
             "trainguard",
             ["--standalone", "--nproc-per-node", "2", "--tg-run-dir", str(run_dir),
@@ -33,7 +37,7 @@ def test_trl_grpo_trains_on_the_fleet(tmp_path: Path) -> None:
         cur = WeightStore(run_dir / "rl" / "weights").current()
         assert cur is not None and cur.version == 2  # published at steps 0, 1, 2
         for port in engines.ports:  # the engine was refit to the trainer's last version
-            h = engine_health(port)
+            h = engine_health(port, token=engines.token)
             assert h is not None and h["weight_version"] == 2
     finally:
         engines.close()

@@ -32,6 +32,7 @@ from trainguard.core.config.roles import (
     place_roles,
 )
 from trainguard.core.events import EventLog, read_events
+from trainguard.core.fleetauth import job_secret, role_token
 from trainguard.core.plugin import AgentContext
 from trainguard.core.rundir import RunDir
 from trainguard.roles.node import run_role_node
@@ -241,9 +242,11 @@ def test_role_node_agent_runs_its_replicas_and_reports_a_failure(tmp_path: Path)
     ctx.config.roles = cfg
     plugin = RolesPlugin(ctx, env=env)
     try:
+        # the role node's replicas check the token of the job secret both agents read
         assert plugin.worker_env(ctx) == {
             "TRAINGUARD_ROLLOUT_URLS": f"http://127.0.0.1:{port},http://127.0.0.2:{port + 1},"
-            f"http://127.0.0.1:{port + 2}"
+            f"http://127.0.0.1:{port + 2}",
+            "TRAINGUARD_ROLLOUT_TOKEN": role_token(job_secret(tmp_path), "rollout"),
         }
         with pytest.raises(RoleFailedError, match="command 'no-such-engine' not found"):
             plugin.before_rendezvous(ctx)
@@ -287,8 +290,11 @@ def test_killed_replica_restarts_alone_on_its_port(
     who = [json.loads(_get(p, "/whoami")) for p in ports]
     assert [w["replica"] for w in who] == ["0", "1"] and {w["role"] for w in who} == {"rollout"}
     assert who[0]["pid"] == pids[0] and who[0]["run_dir"] == str(tmp_path)
+    token = role_token(job_secret(tmp_path), "rollout")  # from the run dir's job secret
+    assert [w["token"] for w in who] == [token, token]
     assert sup.trainer_env() == {
-        "TRAINGUARD_ROLLOUT_URLS": ",".join(f"http://127.0.0.1:{p}" for p in ports)
+        "TRAINGUARD_ROLLOUT_URLS": ",".join(f"http://127.0.0.1:{p}" for p in ports),
+        "TRAINGUARD_ROLLOUT_TOKEN": token,
     }
 
     os.kill(pids[0], signal.SIGKILL)
@@ -391,7 +397,14 @@ def test_each_role_has_its_own_budget_and_urls(tmp_path: Path) -> None:
     sup = RoleSupervisor(cfg, tmp_path, EventLog(tmp_path), env=base_env())
     try:
         env = sup.trainer_env()
-        assert set(env) == {"TRAINGUARD_ROLLOUT_URLS", "TRAINGUARD_REWARD_URLS"}
+        assert set(env) == {
+            "TRAINGUARD_ROLLOUT_URLS",
+            "TRAINGUARD_REWARD_URLS",
+            "TRAINGUARD_ROLLOUT_TOKEN",
+            "TRAINGUARD_REWARD_TOKEN",
+        }
+        # each role its own token: a reward server cannot sign requests to the engines
+        assert env["TRAINGUARD_ROLLOUT_TOKEN"] != env["TRAINGUARD_REWARD_TOKEN"]
         assert env["TRAINGUARD_REWARD_URLS"] == sup.replicas["reward"][0].url
         sup.start()
         failure = wait_for("the reward role failure", lambda: sup.failure)

@@ -116,3 +116,22 @@ def test_config_is_directory(tmp_path: Path, run) -> None:
 def test_bad_env_value(run) -> None:
     r = run(["--standalone", DUMP], TRAINGUARD_RUNTIME_HEARTBEAT_INTERVAL_S="-1")
     _check(r, "heartbeat_interval_s")
+
+
+def test_router_port_taken(run, tmp_path: Path) -> None:
+    """The fleet endpoint's port already taken: one line at submission, nothing started."""
+    import socket
+    import sys
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        cfg = tmp_path / "tg.toml"
+        cfg.write_text(
+            f"[roles]\nrouter = true\nrouter_port = {port}\n"
+            f'[roles.rollout]\ncommand = "{sys.executable} -m tests.stub_engine"\n'
+        )
+        r = run(["--config", str(cfg), "--tg-run-dir", str(tmp_path / "run"), DUMP])
+    _check(r, f"router_port {port}", "choose a free port")
+    assert not (tmp_path / "run" / "roles").exists()

@@ -53,6 +53,7 @@ def main() -> None:
         "role": os.environ.get("TRAINGUARD_ROLE"),
         "replica": os.environ.get("TRAINGUARD_ROLE_REPLICA"),
         "run_dir": os.environ.get("TRAINGUARD_RUN_DIR"),
+        "token": os.environ.get("TRAINGUARD_ROLE_TOKEN"),
         "host": host,
         "slurm_node": os.environ.get("SLURMD_NODENAME"),
     }

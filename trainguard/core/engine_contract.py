@@ -496,12 +496,18 @@ def probe_health(
     timeout: float = 2.0,
     host: str = "127.0.0.1",
     headers: dict[str, str] | None = None,
+    *,
+    token: str | None = None,
+    verify_answer: bool = True,
 ) -> Probe:
-    """``GET http://<host>:<port><path>`` parsed by :func:`parse_health`; never raises."""
+    """``GET http://<host>:<port><path>`` parsed by :func:`parse_health`, signed with the
+    role's ``token`` (and its answer checked, unless ``verify_answer`` is False); never
+    raises."""
     try:
         resp = jsonhttp.request(
-            host, port, "GET", path, timeout=timeout, max_bytes=MAX_HEALTH_BYTES, headers=headers
-        )
+            host, port, "GET", path, timeout=timeout, max_bytes=MAX_HEALTH_BYTES,
+            headers=headers, token=token, verify_answer=verify_answer,
+        )  # fmt: skip
     except jsonhttp.TransportError as e:
         outcome = {"refused": "refused", "timeout": "timeout", "too_large": "malformed"}
         return Probe(outcome.get(e.reason, "error"), detail=e.detail)

@@ -90,6 +90,27 @@ VLLM_PYTHON = "TRAINGUARD_VLLM_PYTHON"
 """Set by the user for the vLLM engine adapter (``python -m trainguard.rl.engines.vllm``): the
 Python interpreter of the environment that has vLLM (``make engines`` builds
 ``.venv-vllm``); unset: the adapter's own interpreter, when it can import vLLM."""
+ROLE_TOKEN = "TRAINGUARD_ROLE_TOKEN"
+"""In a role replica: the bearer token every request to it must carry (``Authorization:
+Bearer <token>``; its role's, derived from the job secret: :mod:`trainguard.core.fleetauth`).
+A request without it is answered 401."""
+ROLLOUT_TOKEN = "TRAINGUARD_ROLLOUT_TOKEN"
+"""In the trainer's workers: the token of the ``rollout`` role (what
+:class:`trainguard.rl.RolloutClient` sends to the engines)."""
+REWARD_TOKEN = "TRAINGUARD_REWARD_TOKEN"
+"""In the trainer's workers: the token of the ``reward`` role (what
+:class:`trainguard.rl.RewardClient` sends to the reward servers)."""
+ROLE_TOKENS = {"rollout": ROLLOUT_TOKEN, "reward": REWARD_TOKEN}
+"""Role → the trainer's variable that holds its token."""
+FLEET_URL = "TRAINGUARD_FLEET_URL"
+"""In the trainer's workers and the role replicas (environments, reward servers): the fleet
+endpoint, ``http://127.0.0.1:<port>``: one OpenAI-compatible URL (``/v1/completions``,
+``/v1/models``, ``/health``) that routes to the serving rollout engines and survives their
+restarts (``[roles] router``; :mod:`trainguard.rl.router`)."""
+FLEET_TOKEN = "TRAINGUARD_FLEET_TOKEN"
+"""Beside :data:`FLEET_URL`: the token every request to the fleet endpoint is signed with (the
+``fleet`` role's, derived from the job secret: :mod:`trainguard.core.fleetauth`); it lets its
+holder generate through the endpoint, never drive an engine directly."""
 SBATCH_ROLE_NODES = "TRAINGUARD_SBATCH_ROLE_NODES"
 """In a ``trainguard sbatch`` job with roles on nodes of their own (``nodes = K``): those nodes,
 ``name=address`` comma-separated in the allocation's order (set by the batch script)."""
@@ -111,6 +132,10 @@ ALL = (
     TRACEPARENT,
     ROLLOUT_URLS,
     REWARD_URLS,
+    ROLLOUT_TOKEN,
+    REWARD_TOKEN,
+    FLEET_URL,
+    FLEET_TOKEN,
 )
 """Every variable the agent may add to a worker's environment (documented in the generated
 docs/reference/environment.md); :data:`WORKER_HOOKS` is removed again before the script runs."""

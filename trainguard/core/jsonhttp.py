@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
+from trainguard.core.fleetauth import ANSWER_HEADER, Authenticator, answer_ok, sign
+
 __all__ = [
     "HTTPError",
     "JSONHandler",
@@ -93,10 +95,18 @@ class JSONHandler(BaseHTTPRequestHandler):
         logger.debug("%s " + format, self.address_string(), *args)
 
     # -- the one request check ---------------------------------------------------------------
+    authenticator: Authenticator | None = None
+    """Set on a server's handler class: every request must be signed with the job's token
+    (:mod:`trainguard.core.fleetauth`); None: every request is allowed."""
+    auth_refusal: str | None = None
+
     def authorize(self) -> bool:
         """Whether this request may be served (called before any route, health included);
-        False: answered 401. Every request is allowed here."""
-        return True
+        False: answered 401 with :attr:`auth_refusal`, the body never read."""
+        if self.authenticator is None:
+            return True
+        self.auth_refusal = self.authenticator.authorize(self)
+        return self.auth_refusal is None
 
     # -- dispatch ----------------------------------------------------------------------------
     def do_GET(self) -> None:
@@ -109,7 +119,9 @@ class JSONHandler(BaseHTTPRequestHandler):
         try:
             if not self.authorize():
                 self.close_connection = True
-                raise HTTPError(401, "unauthorized: this server needs the job's credentials")
+                raise HTTPError(
+                    401, self.auth_refusal or "unauthorized: this server needs the job's token"
+                )
             name = routes.get(self.path.split("?", 1)[0])
             if name is None:
                 raise HTTPError(404, f"no such endpoint: {method} {self.path[:200]}")
@@ -140,7 +152,10 @@ class JSONHandler(BaseHTTPRequestHandler):
                 f"request body of {n} bytes is larger than this server's limit of "
                 f"{self.max_body_bytes} bytes; send smaller requests",
             )
-        return self.rfile.read(n) if n else b""
+        raw = self.rfile.read(n) if n else b""
+        if not Authenticator.body_ok(self, raw):
+            raise HTTPError(400, "the request body is not the one its signature names")
+        return raw
 
     def read_json(self) -> Any:
         """The request body as bounded JSON (``null`` when empty); 400 when it is not."""
@@ -161,6 +176,8 @@ class JSONHandler(BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for k, v in Authenticator.answer_header(self, code, data).items():
+            self.send_header(k, v)
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
@@ -229,8 +246,8 @@ class JSONServer(ThreadingHTTPServer):
 
 # -- client ------------------------------------------------------------------------------------
 class TransportError(Exception):
-    """No usable HTTP answer: ``reason`` is ``refused``, ``timeout``, ``connection`` or
-    ``too_large``."""
+    """No usable HTTP answer: ``reason`` is ``refused``, ``timeout``, ``connection``,
+    ``too_large`` or ``malformed`` (not signed with the job's token)."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -254,16 +271,21 @@ def request(
     timeout: float,
     max_bytes: int,
     headers: Mapping[str, str] | None = None,
+    token: str | None = None,
+    verify_answer: bool = True,
 ) -> Response:
     """One JSON request; the answer's status and at most ``max_bytes`` of body, read within
     ``timeout`` per socket operation and ``2 × timeout`` in all. :class:`TransportError`
-    for anything else."""
+    for anything else. With the role's ``token``: the request signed, and (``verify_answer``)
+    an answer other than a 401 not signed with it is a :class:`TransportError` ``malformed``."""
     deadline = time.monotonic() + 2 * timeout
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         data = json.dumps(body).encode() if body is not None else None
         hdrs = {"Content-Type": "application/json"} if data is not None else {}
         hdrs.update(headers or {})
+        sig = sign(token, method, path, port, data)
+        hdrs.update(sig)
         conn.request(method, path, body=data, headers=hdrs)
         resp = conn.getresponse()
         declared = resp.getheader("Content-Length") or ""
@@ -281,7 +303,17 @@ def request(
                 raise TransportError("too_large", f"answer of more than {max_bytes} bytes")
             if time.monotonic() > deadline:
                 raise TransportError("timeout", f"answer not complete in {2 * timeout:g} s")
-        return Response(resp.status, b"".join(chunks))
+        raw = b"".join(chunks)
+        if (
+            verify_answer
+            and resp.status != 401
+            and not answer_ok(token, sig, resp.status, raw, resp.getheader(ANSWER_HEADER))
+        ):
+            raise TransportError(
+                "malformed",
+                "the answer is not signed with the job's token (another process on the port?)",
+            )
+        return Response(resp.status, raw)
     except ConnectionRefusedError as e:
         raise TransportError("refused", str(e)) from None
     except TimeoutError as e:

@@ -22,6 +22,7 @@
     prometheus_<node>.json                a running agent's Prometheus endpoint
     report.html                           ``trainguard report``'s page
     agent.mark                            held open by every live agent (trainguard.core.agentmark)
+    roles/secret                          the fleet's job secret (0600; trainguard.core.fleetauth)
     roles/<role>/<i>.json                 state of role replica i (rollout, reward engines)
     roles/<role>/<i>.log                  its output (stdout and stderr, every restart)
     roles/<role>/standby-<k>.json|.log    a warm standby's state and output (``standby = N``)

@@ -401,7 +401,9 @@ def _job_rules(p: RuleParams) -> list[AlertRule]:
             runbook="The rollout-failures-by-reason panel names the reason: timeout or "
             "engine_dead (engines overloaded or frozen), refused or connection (engines "
             "restarting), not_serving (engines loading weights), http_5xx / malformed (an "
-            "engine bug), http_4xx (the trainer's requests are invalid), stale (engines behind "
+            "engine bug, or another process on an engine's port), http_4xx (the trainer's requests "
+            "are invalid), unauthorized (the trainer's rollout token is not the engines': "
+            "TRAINGUARD_ROLLOUT_TOKEN), stale (engines behind "
             "the staleness bound); check the engines' logs (RUN_DIR/roles/rollout/<i>.log).",
         ),
         AlertRule(

@@ -51,6 +51,7 @@ from typing import Any
 
 from trainguard.core import envvars
 from trainguard.core.engine_contract import Identity
+from trainguard.core.fleetauth import token_from_env
 from trainguard.core.rundir import RunDir
 from trainguard.rl.dispatch import Batch, BatchDispatcher, RolloutCounters, request_params
 from trainguard.rl.rollout_types import (
@@ -133,7 +134,10 @@ class RolloutClient:
         events: Callable[..., Any] | None = None,
         start: bool = True,
         identities: IdentitySource | None = None,
+        token: str | None = None,
     ) -> None:
+        """``token``: the job's ``rollout`` token (default: ``$TRAINGUARD_ROLLOUT_TOKEN``): every
+        request is signed with it, every answer must be signed with it."""
         urls = list(urls) if urls is not None else urls_from_env()
         if not urls:
             raise ValueError(
@@ -143,7 +147,10 @@ class RolloutClient:
         self.config = config or RolloutConfig()
         self._events = events
         self.table = EngineTable(
-            urls, self.config, identities=identities or supervisor_identities()
+            urls,
+            self.config,
+            identities=identities or supervisor_identities(),
+            token=token or token_from_env("rollout"),
         )
         self._pool = ThreadPoolExecutor(
             max_workers=max(8, 4 * len(urls)), thread_name_prefix="rollout"
@@ -246,11 +253,11 @@ class RolloutClient:
         """Engines last seen serving ``version``."""
         return self.table.urls_at(version)
 
-    def sync_weights(self, version: int, path: str | None = None) -> SyncResult:
+    def sync_weights(self, version: int) -> SyncResult:
         """Make ``version`` the trainer's version and push it to every live engine in
-        parallel. Returns after every engine confirmed or the timeout passed; an engine
+        parallel (each loads it from the job's weight store: publish it there first). Returns after every engine confirmed or the timeout passed; an engine
         that did not confirm stays out of routing until it reports the version."""
-        return self.weight_sync.sync(version, path)
+        return self.weight_sync.sync(version)
 
     # -- metrics -----------------------------------------------------------------------------
     def take_metrics(self) -> dict[str, float]:

@@ -239,6 +239,7 @@ class BatchDispatcher:
             raise RolloutError(
                 f"prompts {chunk.indices[0]}..{chunk.indices[-1]}: no real generation after "
                 f"{chunk.attempts} attempts ({'; '.join(chunk.reasons)})"
+                + (f"; {self.table.auth_error}" if reason == "unauthorized" else "")
             )
         self.counters.retried()
         batch.todo.append(chunk)

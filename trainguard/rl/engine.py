@@ -35,12 +35,18 @@ an adapter in front of vLLM or SGLang); the statuses, endpoints, answer schemas 
 ``GET /v1/weights``
     ``{"version": v}``.
 ``POST /v1/weights/update``
-    ``{"version": v}`` (optionally ``"path"``: a safetensors file; default: version ``v`` of
-    the weight store) → loads it and confirms ``{"version": v, "load_s": ...}``. Any version
-    is accepted, older ones too: a trainer that resumed from a checkpoint refits the fleet
+    ``{"version": v}`` → loads version ``v`` of the job's weight store and confirms
+    ``{"version": v, "load_s": ...}``; a version the store does not hold is a 404 naming it,
+    any other field a 400 (an update never names a file). Any stored version is accepted,
+    older ones too: a trainer that resumed from a checkpoint refits the fleet
     to its own version. Independently of updates, the engine polls the store's pointer and
     refits itself when the pointer names another version (an engine that missed an update,
     or restarted, catches up without the trainer).
+
+Every request, health included, is signed with the job's ``rollout`` token
+(``$TRAINGUARD_ROLE_TOKEN``, set by the role supervisor; :mod:`trainguard.core.fleetauth`),
+and every answer to a signed request is signed back; a request without a valid signature is
+answered 401 with one line, whatever the endpoint.
 
 vLLM fits this contract through the adapter ``python -m trainguard.rl.engines.vllm``
 (:mod:`trainguard.rl.engines.vllm`), which starts vLLM's OpenAI server as its child and maps
@@ -89,6 +95,7 @@ from trainguard.core.engine_contract import (
     own_identity,
 )
 from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.core.fleetauth import Authenticator
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
 from trainguard.rl.tiny import TINY_MODEL, load_model
 from trainguard.rl.weights import WeightStore, default_weight_dir
@@ -123,6 +130,9 @@ class EngineConfig:
     poll_interval_s: float = 0.5
     """How often the engine checks the weight store's pointer for another version."""
     fault_injection: bool = False
+    token: str | None = field(default=None, repr=False)
+    """The token every request must be signed with (the ``rollout`` role's); None: no check
+    (an engine in a process of its own always has one: ``$TRAINGUARD_ROLE_TOKEN``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -183,6 +193,7 @@ class Engine:
         self.model: Any = None
         self.tokenizer: Any = None
         self.store = WeightStore(config.weights_dir or default_weight_dir())
+        self.auth = Authenticator("rollout", config.token) if config.token else None
         self._model_lock = threading.Lock()
         self._count_lock = threading.Lock()
         self._jobs: queue.Queue[_Job] = queue.Queue()
@@ -223,12 +234,13 @@ class Engine:
         except FileNotFoundError:  # pruned or not yet renamed: the pointer moved on
             return False
 
-    def load_weights(self, version: int, path: str | None = None) -> float:
-        """Load ``version`` (from ``path`` or the store); the seconds it took."""
+    def load_weights(self, version: int) -> float:
+        """Load ``version`` from the job's weight store; the seconds it took.
+        FileNotFoundError when the store does not hold it."""
         from safetensors.torch import load_file
 
         t0 = time.perf_counter()
-        file = path or str(self.store.path_of(version))
+        file = str(self.store.path_of(version))
         tensors = load_file(file)
         with self._model_lock:
             missing, unexpected = self.model.load_state_dict(tensors, strict=False)
@@ -500,22 +512,31 @@ class _Handler(JSONHandler):
             raise HTTPError(400, str(err)) from None
         if version is None:
             raise HTTPError(400, "'version' (the weight version to load) is required")
-        path = body.get("path")
-        if path is not None and not isinstance(path, str):
-            raise HTTPError(400, "'path' must be a string (a safetensors file)")
+        if set(body) - {"version"}:
+            raise HTTPError(
+                400,
+                f"unknown fields {sorted(set(body) - {'version'})}: a weight update names only "
+                'a version of the job\'s weight store ({"version": v}); publish the weights '
+                "there first",
+            )
         if e.status in (S.STARTING, S.STANDBY):
             raise HTTPError(503, f"engine is {e.status}; it loads the current version itself")
         try:
-            load_s = e.load_weights(version, path)
+            load_s = e.load_weights(version)
         except FileNotFoundError:
-            raise HTTPError(404, f"weight version {version} is not in {e.store.root}") from None
+            raise HTTPError(
+                404,
+                f"weight version {version} is not in the job's weight store ({e.store.root}): "
+                "publish it there first (the trainer's WeightStore.publish), or name a version "
+                "it holds",
+            ) from None
         except Exception as err:
             raise HTTPError(500, f"could not load weight version {version}: {err}") from None
         self.send_json(200, {"version": version, "load_s": round(load_s, 6)})
 
 
 def serve(engine: Engine) -> JSONServer:
-    handler = type("Handler", (_Handler,), {"engine": engine})
+    handler = type("Handler", (_Handler,), {"engine": engine, "authenticator": engine.auth})
     return JSONServer((engine.config.host, engine.config.port), handler)
 
 
@@ -563,6 +584,7 @@ def _parse(argv: list[str] | None) -> tuple[EngineConfig, bool]:
             batch_window_s=a.batch_window_ms / 1000,
             poll_interval_s=a.poll_interval_s,
             fault_injection=a.enable_fault_injection,
+            token=_token(p),
         )
     except ValueError as e:
         p.error(str(e))
@@ -570,6 +592,16 @@ def _parse(argv: list[str] | None) -> tuple[EngineConfig, bool]:
 
     torch.set_num_threads(max(1, a.threads))
     return cfg, a.standby
+
+
+def _token(p: argparse.ArgumentParser) -> str:
+    token = os.environ.get(envvars.ROLE_TOKEN, "").strip()
+    if len(token) < 16:
+        p.error(
+            f"no job token: {envvars.ROLE_TOKEN} is unset or too short; run the engine as a "
+            "role of `trainguard run`, or set it to the token its clients send (docs/security.md)"
+        )
+    return token
 
 
 def _bind_when_free(engine: Engine) -> JSONServer:

@@ -3,7 +3,9 @@ starts them (same command, same environment contract), for tests and benchmarks 
 the fleet themselves: kill one, restart it on its port, wait for it to serve.
 
 Each replica gets ``TRAINGUARD_ROLE=rollout``, ``TRAINGUARD_ROLE_REPLICA=<i>``,
-``TRAINGUARD_ROLE_PORT=<port>`` (kept across restarts) and ``TRAINGUARD_RUN_DIR``.
+``TRAINGUARD_ROLE_PORT=<port>`` (kept across restarts), ``TRAINGUARD_RUN_DIR`` and
+``TRAINGUARD_ROLE_TOKEN``, its role's token from the run directory's fleet secret (created
+there as ``trainguard run``'s agent does): pass :attr:`LocalEngines.token` to the clients.
 """
 
 from __future__ import annotations
@@ -17,16 +19,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from trainguard.core import envvars
 from trainguard.core.atomicfile import open_append
 from trainguard.core.engine_contract import HEALTH_PATH, ReplicaStatus, probe_health
+from trainguard.core.fleetauth import job_secret, role_token
 
 __all__ = ["LocalEngines", "engine_health"]
 
 
-def engine_health(port: int, timeout: float = 2.0) -> dict[str, Any] | None:
+def engine_health(
+    port: int, timeout: float = 2.0, *, token: str | None = None
+) -> dict[str, Any] | None:
     """The health answer of the engine on ``127.0.0.1:port`` (parsed by the contract's one
-    probe, as a dict); None when it does not answer well."""
-    p = probe_health(port, HEALTH_PATH, timeout)
+    probe, as a dict; the request signed with the job's ``token``, the answer checked); None
+    when it does not answer well."""
+    p = probe_health(port, HEALTH_PATH, timeout, token=token)
     return p.health.to_json() if p.health is not None else None
 
 
@@ -47,6 +54,8 @@ class LocalEngines:
         ``role``/``module``: another fleet, e.g. ``reward`` servers (``trainguard.rl.reward``)."""
         self.role = role
         self.module = module
+        self.token = role_token(job_secret(run_dir), role)
+        """The token of this fleet's role (what its clients must sign with)."""
         self.ports = list(ports)
         self.run_dir = Path(run_dir)
         self.args = list(args)
@@ -69,6 +78,7 @@ class LocalEngines:
             "TRAINGUARD_ROLE_REPLICA": str(k),
             "TRAINGUARD_ROLE_PORT": str(self.ports[k]),
             "TRAINGUARD_RUN_DIR": str(self.run_dir),
+            envvars.ROLE_TOKEN: self.token,
             "OMP_NUM_THREADS": "1",
         }
         logs = self.run_dir / "roles"
@@ -123,7 +133,7 @@ class LocalEngines:
         deadline = time.monotonic() + timeout
         for k in range(len(self.ports)) if i is None else [i]:
             while True:
-                h = engine_health(self.ports[k])
+                h = engine_health(self.ports[k], token=self.token)
                 if h and h.get("status") == ReplicaStatus.SERVING:
                     if version is None or h.get("weight_version") == version:
                         break

@@ -16,6 +16,11 @@ serves a reward function ``f(prompt: str, completion: str) -> float`` over HTTP 
 job with a ``reward`` role) sends each request to the next server in turn and retries a failed
 one (refused, timeout, HTTP 5xx, a malformed answer) on another, at most ``max_attempts`` times;
 then :class:`RewardError`: a reward is never made up. Failures are counted by reason.
+
+Every request, health included, is signed with the job's ``reward`` token (the server's
+``$TRAINGUARD_ROLE_TOKEN``; the client signs with ``$TRAINGUARD_REWARD_TOKEN`` and checks the
+answer's signature); a request without a valid one is answered 401 with one line
+(:mod:`trainguard.core.fleetauth`).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from trainguard.core.engine_contract import (
     parse_rewards,
 )
 from trainguard.core.event_kinds import REWARD_FAILED
+from trainguard.core.fleetauth import Authenticator, token_from_env
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
 from trainguard.rl.client import REWARD_URLS_ENV, urls_from_env
 
@@ -111,9 +117,12 @@ class _RewardHandler(JSONHandler):
         self.send_json(200, {"rewards": rewards})
 
 
-def serve(fn: RewardFn, spec: str, host: str, port: int) -> JSONServer:
-    """The reward server for ``fn`` on ``host:port`` (not yet serving: call serve_forever)."""
-    handler = type("Handler", (_RewardHandler,), {"fn": staticmethod(fn), "spec": spec})
+def serve(fn: RewardFn, spec: str, host: str, port: int, token: str | None) -> JSONServer:
+    """The reward server for ``fn`` on ``host:port`` (not yet serving: call serve_forever);
+    every request signed with the ``reward`` role's ``token`` (None: no check)."""
+    auth = Authenticator("reward", token) if token else None
+    attrs = {"fn": staticmethod(fn), "spec": spec, "authenticator": auth}
+    handler = type("Handler", (_RewardHandler,), attrs)
     return JSONServer((host, port), handler)
 
 
@@ -128,7 +137,11 @@ class RewardClient:
         max_attempts: int = 6,
         retry_wait_s: float = 0.5,
         events: Callable[..., Any] | None = None,
+        token: str | None = None,
     ) -> None:
+        """``token``: the job's ``reward`` token (default: ``$TRAINGUARD_REWARD_TOKEN``): every
+        request is signed with it, every answer must be signed with it."""
+        self._token = token or token_from_env("reward")
         urls = list(urls) if urls is not None else urls_from_env(REWARD_URLS_ENV)
         if not urls:
             raise ValueError(
@@ -160,11 +173,13 @@ class RewardClient:
             resp = jsonhttp.request(
                 host, port, "POST", REWARDS_PATH, body,
                 timeout=self.timeout_s, max_bytes=MAX_ANSWER_BYTES,
-                headers=self.request_headers(),
+                headers=self.request_headers(), token=self._token,
             )  # fmt: skip
         except jsonhttp.TransportError as e:
             reason = MALFORMED if e.reason == "too_large" else e.reason
             raise _Failed(reason, e.detail) from None
+        if resp.status == 401:  # retried: a process on a dead server's port says it too
+            raise _Failed("unauthorized", error_message(resp.body))
         if resp.status >= 400:
             raise _Failed(
                 "http_4xx" if resp.status < 500 else "http_5xx",
@@ -191,6 +206,7 @@ class RewardClient:
             return []
         body = {"prompts": list(prompts), "completions": list(completions)}
         reasons: list[str] = []
+        refused = ""
         for attempt in range(self.max_attempts):
             with self._lock:
                 url, host, port = self._hosts[next(self._next)]
@@ -198,6 +214,8 @@ class RewardClient:
                 return self._post(host, port, body, len(prompts))
             except _Failed as f:
                 reason, detail = f.reason, str(f)
+                if reason == "unauthorized":
+                    refused = f"; {url} refused this client's signature: {f.detail}"
             self.failures[reason] += 1
             reasons.append(f"{url}: {reason}")
             logger.warning("reward request to %s failed (%s): %s", url, reason, detail)
@@ -215,14 +233,14 @@ class RewardClient:
                 time.sleep(self.retry_wait_s * (attempt // len(self._hosts)))
         raise RewardError(
             f"{len(prompts)} completions: no reward after {self.max_attempts} attempts "
-            f"({'; '.join(reasons)})"
+            f"({'; '.join(reasons)}){refused}"
         )
 
 
 class _Failed(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
-        self.reason = reason
+        self.reason, self.detail = reason, detail
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,8 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"reward: {e}", file=sys.stderr)
         return 2
+    token = os.environ.get(envvars.ROLE_TOKEN, "").strip()
+    if len(token) < 16:
+        print(
+            f"reward: no job token: {envvars.ROLE_TOKEN} is unset or too short; run it as a "
+            "role of `trainguard run`, or set it to the token its clients send "
+            "(docs/security.md)",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        server = serve(fn, a.function, a.host, port)
+        server = serve(fn, a.function, a.host, port, token)
     except OSError as e:
         print(f"reward: cannot bind {a.host}:{port}: {e.strerror}", file=sys.stderr)
         return 2

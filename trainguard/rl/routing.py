@@ -19,10 +19,12 @@ from trainguard.core.engine_contract import (
     HEALTH_PATH,
     MALFORMED,
     MAX_ANSWER_BYTES,
+    MAX_HEALTH_BYTES,
     Identity,
+    MalformedAnswer,
     error_message,
     identity_mismatch,
-    probe_health,
+    parse_health,
 )
 from trainguard.rl.rollout_types import EngineState, RolloutConfig, RolloutError
 
@@ -61,6 +63,14 @@ class EngineRecord:
     pid: int | None = None
     incarnation: str | None = None
     vocab_size: int | None = None
+    model: str | None = None
+
+
+def _record(url: str) -> EngineRecord:
+    parts = urlsplit(url.rstrip("/"))
+    if parts.scheme != "http" or not parts.hostname or not parts.port:
+        raise ValueError(f"rollout engine URL {url!r}: expected http://HOST:PORT")
+    return EngineRecord(url.rstrip("/"), parts.hostname, parts.port)
 
 
 class EngineTable:
@@ -72,19 +82,23 @@ class EngineTable:
         config: RolloutConfig,
         *,
         identities: IdentitySource | None = None,
+        token: str | None = None,
     ) -> None:
+        """``token``: the job's ``rollout`` token: every request signed with it, every answer
+        checked against it."""
         self.config = config
         self.identities = identities
+        self.token = token
+        self.auth_error: str | None = None
+        """The last refusal of this client's signature by an engine (HTTP 401), one line."""
         self.engines: dict[str, EngineRecord] = {}
         for u in urls:
-            parts = urlsplit(u.rstrip("/"))
-            if parts.scheme != "http" or not parts.hostname or not parts.port:
-                raise ValueError(f"rollout engine URL {u!r}: expected http://HOST:PORT")
-            self.engines[u.rstrip("/")] = EngineRecord(u.rstrip("/"), parts.hostname, parts.port)
+            rec = _record(u)
+            self.engines[rec.url] = rec
         self.lock = threading.Condition()
         self.policy_version: int | None = None
         self._probe_pool = ThreadPoolExecutor(
-            max_workers=len(self.engines), thread_name_prefix="rollout-health"
+            max_workers=max(len(self.engines), 16), thread_name_prefix="rollout-health"
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -114,10 +128,14 @@ class EngineTable:
                 timeout=timeout,
                 max_bytes=max_bytes,
                 headers=self.request_headers(),
+                token=self.token,
             )
         except jsonhttp.TransportError as e:
             reason = MALFORMED if e.reason == "too_large" else e.reason
             raise RequestFailure(reason, e.detail) from None
+        if resp.status == 401:  # retried elsewhere: a process on a dead engine's port says it too
+            self.auth_error = f"{eng.url} refused this client's token: {error_message(resp.body)}"
+            raise RequestFailure("unauthorized", self.auth_error)
         if resp.status == 503:
             raise RequestFailure("not_serving", error_message(resp.body))
         if resp.status >= 500:
@@ -153,28 +171,27 @@ class EngineTable:
                 logger.exception("cannot read the role supervisor's replica identities")
         futures = [
             self._probe_pool.submit(self.probe, e, published.get(e.url))
-            for e in self.engines.values()
+            for e in list(self.engines.values())
         ]
         wait(futures, timeout=self.config.health_timeout_s + 1)
 
     def probe(self, eng: EngineRecord, expected: Identity | None = None) -> None:
         """One health probe of ``eng``: its state, version and load from the answer."""
-        p = probe_health(
-            eng.port,
-            HEALTH_PATH,
-            self.config.health_timeout_s,
-            eng.host,
-            headers=self.request_headers(),
-        )
-        if p.health is None:
-            reason = p.outcome if p.outcome in ("refused", "timeout", MALFORMED) else "connection"
-            self._probe_failed(eng, RequestFailure(reason, p.detail))
+        try:
+            raw = self.call(
+                eng, "GET", HEALTH_PATH, None, self.config.health_timeout_s, MAX_HEALTH_BYTES
+            )
+            h = parse_health(raw)
+            wrong = identity_mismatch(h.identity, expected)
+            if wrong is not None:
+                raise RequestFailure(
+                    MALFORMED, f"not the replica the supervisor started there: {wrong}"
+                )
+        except MalformedAnswer as e:
+            self._probe_failed(eng, RequestFailure(MALFORMED, e.detail))
             return
-        h = p.health
-        wrong = identity_mismatch(h.identity, expected)
-        if wrong is not None:
-            why = f"not the replica the supervisor started there: {wrong}"
-            self._probe_failed(eng, RequestFailure(MALFORMED, why))
+        except RequestFailure as f:
+            self._probe_failed(eng, f)
             return
         with self.lock:
             eng.probe_failures = 0
@@ -186,6 +203,7 @@ class EngineTable:
             eng.pid = h.pid if h.pid is not None else eng.pid
             eng.incarnation = h.incarnation
             eng.vocab_size = h.vocab_size
+            eng.model = h.model
             eng.version = h.weight_version
             if h.status is EngineState.SERVING and eng.version is not None:
                 eng.state = EngineState.SERVING if self.in_bound(eng.version) else EngineState.STALE
@@ -212,6 +230,27 @@ class EngineTable:
         eng.state = EngineState.DEAD
         eng.epoch += 1
         eng.version = None
+
+    def set_urls(self, urls: Sequence[str]) -> bool:
+        """Follow a new placement of the engines: those not in ``urls`` leave the table (their
+        requests in flight are abandoned and retried elsewhere), new ones join it (routed once
+        a probe finds them serving). Whether anything changed; ValueError for a bad URL."""
+        records = [_record(u) for u in urls]
+        with self.lock:
+            want = {r.url: r for r in records}
+            gone = [u for u in self.engines if u not in want]
+            new = [r for u, r in want.items() if u not in self.engines]
+            for u in gone:
+                eng = self.engines.pop(u)
+                eng.epoch += 1
+                eng.state = EngineState.DEAD
+                logger.info("rollout engine %s left the placement", u)
+            for r in new:
+                self.engines[r.url] = r
+                logger.info("rollout engine %s joined the placement", r.url)
+            if gone or new:
+                self.lock.notify_all()
+            return bool(gone or new)
 
     # -- routing -----------------------------------------------------------------------------
     def in_bound(self, version: int | None) -> bool:
@@ -277,7 +316,7 @@ class EngineTable:
             if time.monotonic() > deadline:
                 raise RolloutError(
                     f"{n} of {len(self.engines)} engines serving after {timeout:.0f} s: "
-                    f"{self.summary()}"
+                    f"{self.auth_error or self.summary()}"
                 )
             with self.lock:
                 self.lock.wait(0.2)

@@ -43,7 +43,7 @@ class WeightSync:
         raw = self.table.call(eng, "POST", WEIGHT_UPDATE_PATH, body, timeout)
         return parse_weight_update(raw).version
 
-    def sync(self, version: int, path: str | None = None) -> SyncResult:
+    def sync(self, version: int) -> SyncResult:
         table = self.table
         table.set_policy_version(version)
         timeout = self.timeout_s()
@@ -53,9 +53,7 @@ class WeightSync:
                 for e in table.engines.values()
                 if e.state not in (EngineState.DEAD, EngineState.LOADING, EngineState.UNKNOWN)
             ]
-        body: dict[str, Any] = {"version": version}
-        if path is not None:
-            body["path"] = path
+        body: dict[str, Any] = {"version": version}  # a version of the store, never a path
         t0 = time.perf_counter()
         futs = {self.pool.submit(self._update, e, body, timeout): e for e in targets}
         done, _ = wait(list(futs), timeout=timeout)

@@ -85,8 +85,13 @@ def run_role_node(
                 f"role {spec.name}: command {exe!r} not found (working directory "
                 f"{os.getcwd()}): check the path or PATH of --tg-role / [roles.{spec.name}]"
             )
-    events = EventLog(run_dir, node=node)
-    sup = RoleSupervisor(cfg, run_dir, events, env=env, specs=mine, indices=indices, host=addr)
+    try:
+        sup = RoleSupervisor(
+            cfg, run_dir, EventLog(run_dir, node=node), env=env, specs=mine, indices=indices,
+            host=addr,
+        )  # fmt: skip
+    except ValueError as e:  # the fleet's secret file is unsafe
+        return fail(f"error: {e}")
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

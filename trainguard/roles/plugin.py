@@ -10,6 +10,10 @@ A role with ``nodes = K`` (``trainguard sbatch``) runs on nodes of its own
 (:mod:`trainguard.roles.node`): here it only gives the workers its replicas' URLs, derived
 from ``TRAINGUARD_SBATCH_ROLE_NODES``, and ends the job with the line a role node wrote to
 ``TRAINGUARD_SBATCH_ROLES_FAILED``.
+
+With ``[roles] router = true`` it also runs the fleet endpoint (:mod:`trainguard.roles.router`)
+on this node, routing to the rollout engines the workers are told of, and gives its URL and
+token (``TRAINGUARD_FLEET_URL``, ``TRAINGUARD_FLEET_TOKEN``) to the workers and the replicas.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 from trainguard.core import envvars
 from trainguard.core.config.roles import parse_role_nodes, place_roles
+from trainguard.core.fleetauth import job_secret, role_token
 from trainguard.core.jobstate import JobState
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin
+from trainguard.roles.router import RouterProcess
 from trainguard.roles.supervisor import RoleSupervisor
 
 __all__ = ["RoleFailedError", "RolesPlugin"]
@@ -46,7 +52,14 @@ class RolesPlugin(AgentPlugin):
 
     def __init__(self, ctx: AgentContext, env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
-        self.supervisor = RoleSupervisor(ctx.config.roles, ctx.run_dir, ctx.events)
+        cfg = ctx.config.roles
+        self.router: RouterProcess | None = None
+        replica_env: dict[str, str] | None = None
+        if cfg.router:
+            fleet_token = role_token(job_secret(ctx.run_dir), "fleet")
+            self.router = RouterProcess(cfg, ctx.run_dir, fleet_token, ctx.events.node)
+            replica_env = {**os.environ, **self.router.env()}  # environments call the endpoint
+        self.supervisor = RoleSupervisor(cfg, ctx.run_dir, ctx.events, env=replica_env)
         self.remote_env: dict[str, str] = {}
         """The URLs of the roles on nodes of their own."""
         self.failed_file: Path | None = None
@@ -62,7 +75,10 @@ class RolesPlugin(AgentPlugin):
     def worker_env(self, ctx: AgentContext) -> Mapping[str, str]:
         # the engines' URLs in the trainer's workers, fixed for the whole job (a replica
         # keeps its port across restarts)
-        return {**self.supervisor.trainer_env(), **self.remote_env}
+        env = {**self.supervisor.trainer_env(), **self.remote_env}
+        if self.router is not None:
+            env.update(self.router.env())
+        return env
 
     def _check(self) -> None:
         failure = self.supervisor.failure
@@ -76,16 +92,25 @@ class RolesPlugin(AgentPlugin):
 
     def before_rendezvous(self, ctx: AgentContext) -> None:
         self.supervisor.start()  # once: a restarted trainer group finds its engines running
+        if self.router is not None:  # once, as the engines
+            env = {**self.supervisor.trainer_env(), **self.remote_env}
+            self.router.start(
+                {k: env[k] for k in (envvars.ROLLOUT_URLS, envvars.ROLLOUT_TOKEN) if k in env}
+            )
         self._check()
 
     def on_monitor(
         self, ctx: AgentContext, group: WorkerGroup, result: RunResult
     ) -> RunResult | None:
         self._check()
+        if self.router is not None:
+            self.router.check()
         return None
 
     def on_finish(self, ctx: AgentContext, state: JobState) -> None:
-        self.supervisor.stop()
+        self.close()
 
     def close(self) -> None:
+        if self.router is not None:
+            self.router.stop()
         self.supervisor.stop()

@@ -62,9 +62,12 @@ from trainguard.core.event_kinds import (
     ROLE_STANDBY_STATE,
 )
 from trainguard.core.events import EventLog
+from trainguard.core.fleetauth import job_secret, role_token
 from trainguard.core.rundir import RunDir
 
 __all__ = ["Probe", "ReplicaState", "RoleSupervisor", "StandbyState", "probe_health"]
+
+_TOKEN_VARS = (envvars.ROLE_TOKEN, *envvars.ROLE_TOKENS.values())
 
 logger = logging.getLogger(__name__)
 
@@ -256,8 +259,11 @@ class RoleSupervisor:
         """The environment the replicas start from: the agent's before it prepared its workers'
         (never the workers' hooks or the agent→worker names of :mod:`trainguard.core.envvars`)."""
         for var in list(self._env):
-            if var.startswith(envvars.PREFIX):
+            if var.startswith(envvars.PREFIX) or var in _TOKEN_VARS:
                 del self._env[var]
+        secret = job_secret(run_dir)  # ValueError (one line) when the file is unsafe
+        self.tokens = {s.name: role_token(secret, s.name) for s in cfg.specs()}
+        """Role → its token (each replica gets its own role's only)."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -300,7 +306,8 @@ class RoleSupervisor:
 
     def trainer_env(self) -> dict[str, str]:
         """``TRAINGUARD_ROLLOUT_URLS`` / ``TRAINGUARD_REWARD_URLS`` for the trainer's workers."""
-        return {envvars.ROLE_URLS[name]: ",".join(self.urls(name)) for name in self.replicas}
+        env = {envvars.ROLE_URLS[name]: ",".join(self.urls(name)) for name in self.replicas}
+        return {**env, **{envvars.ROLE_TOKENS[name]: tok for name, tok in self.tokens.items()}}
 
     def pids(self, role: str) -> list[int | None]:
         return [r.pid for r in self.replicas.get(role, [])]
@@ -376,6 +383,7 @@ class RoleSupervisor:
         env[envvars.ROLE_PORT] = str(rep.port)
         env[envvars.ROLE_HOST] = self._bind[spec.name]
         env[envvars.ROLE_RUN_DIR] = str(self.rundir.root)
+        env[envvars.ROLE_TOKEN] = self.tokens[spec.name]
         log_path = self.rundir.role_log(spec.name, rep.index)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -552,8 +560,9 @@ class RoleSupervisor:
             now = time.monotonic()
             if now >= next_probe:
                 p = probe_health(
-                    rep.port, spec.health_path, cfg.probe_timeout_s, self._probe_host[spec.name]
-                )
+                    rep.port, spec.health_path, cfg.probe_timeout_s, self._probe_host[spec.name],
+                    token=self.tokens[spec.name], verify_answer=False,
+                )  # fmt: skip
                 now = time.monotonic()
                 next_probe = now + cfg.probe_interval_s
                 dead = None
@@ -644,6 +653,7 @@ class RoleSupervisor:
         env[envvars.ROLE_PORT] = str(sb.port)
         env[envvars.ROLE_HOST] = self._bind[spec.name]
         env[envvars.ROLE_RUN_DIR] = str(self.rundir.root)
+        env[envvars.ROLE_TOKEN] = self.tokens[spec.name]
         env[envvars.ROLE_STANDBY] = str(promote)
         log_path = self.rundir.role_standby(spec.name, sb.slot, "log")
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -701,8 +711,9 @@ class RoleSupervisor:
             now = time.monotonic()
             if now >= next_probe:
                 p = probe_health(
-                    sb.port, spec.health_path, cfg.probe_timeout_s, self._probe_host[spec.name]
-                )
+                    sb.port, spec.health_path, cfg.probe_timeout_s, self._probe_host[spec.name],
+                    token=self.tokens[spec.name], verify_answer=False,
+                )  # fmt: skip
                 now = time.monotonic()
                 next_probe = now + cfg.probe_interval_s
                 if p.outcome == "ok" and p.status in (S.STARTING, S.STANDBY):

@@ -591,6 +591,12 @@ def prepare(
                 f"role {spec.name}: command {exe!r} not found (working directory "
                 f"{os.getcwd()}): check the path or PATH of --tg-role / [roles.{spec.name}]"
             )
+    if tg_config.roles.router:
+        from trainguard.roles.router import check_router_port
+
+        taken = check_router_port(tg_config.roles)  # before anything starts
+        if taken is not None:
+            raise UsageError(taken)
     _apply_torchrun_defaults(args)
     try:
         config, cmd, cmd_args = torchrun.config_from_args(args)

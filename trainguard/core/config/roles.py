@@ -347,6 +347,16 @@ class RolesConfig:
     model build) yields the CPU to the trainer and the serving replicas. A promoted standby
     is set back to the supervisor's priority (where the OS lets it: root, or RLIMIT_NICE).
     0: the standbys start at normal priority."""
+    router: bool = False
+    """Start the fleet endpoint beside the trainer: one OpenAI-compatible URL
+    (``TRAINGUARD_FLEET_URL`` in the trainer's workers and the role replicas) that routes
+    ``/v1/completions`` to the serving rollout engines, retries a failed answer on another one
+    and follows their restarts and re-placements (needs a ``rollout`` role)."""
+    router_port: int = 0
+    """The fleet endpoint's port; 0: a free one. A port already taken stops the job at
+    submission (one line, exit 2)."""
+    router_bind: str = "127.0.0.1"
+    """The address the fleet endpoint binds; ``0.0.0.0`` (every interface) only when told."""
 
     def __post_init__(self) -> None:
         for key in ("readiness_timeout_s", "probe_interval_s", "probe_timeout_s", "dead_after_s"):
@@ -361,7 +371,16 @@ class RolesConfig:
                 f"dead_after_s ({self.dead_after_s}) must be >= probe_timeout_s "
                 f"({self.probe_timeout_s})"
             )
-        self.specs()  # every role's table is checked when the config is built
+        if not 0 <= self.router_port <= 65535:
+            raise ValueError(f"router_port {self.router_port} must be in 0..65535 (0: a free one)")
+        if not _BIND_RE.match(self.router_bind):
+            raise ValueError(f"router_bind {self.router_bind!r} is not an address")
+        specs = self.specs()  # every role's table is checked when the config is built
+        if self.router and not any(s.name == "rollout" for s in specs):
+            raise ValueError(
+                "router = true routes to the rollout engines: declare [roles.rollout] "
+                "(or --tg-role rollout=...), or leave the router out"
+            )
 
     def specs(self) -> list[RoleSpec]:
         """The declared roles, validated, ``rollout`` first."""
