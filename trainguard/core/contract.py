@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from trainguard.core.actions import Cause
 from trainguard.core.engine_contract import REPLICA_STATES
 
 __all__ = [
@@ -702,16 +703,9 @@ request in flight; HTTP 5xx; HTTP 4xx; HTTP 401 (the request's signature refused
 (loading); not JSON, an incomplete answer, or one not signed with the job's token; generated
 by a weight version outside the staleness bound."""
 
-ATTRIBUTION_CAUSES = (
-    "user_code",
-    "out_of_memory",
-    "hardware",
-    "network",
-    "data",
-    "control_plane",
-    "transient",
-)
-"""Values of the ``cause`` attribute of ``trainguard.fleet.failures`` (exported from 0)."""
+ATTRIBUTION_CAUSES = tuple(c.value for c in Cause)
+"""Values of the ``cause`` attribute of ``trainguard.fleet.failures`` (exported from 0): the
+members of :class:`trainguard.core.actions.Cause`."""
 
 NODE_STATES = ("ok", "degraded", "excluded", "evicted", "lemon")
 """Values of the ``state`` attribute of ``trainguard.fleet.node.state``."""

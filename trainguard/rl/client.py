@@ -84,14 +84,20 @@ logger = logging.getLogger(__name__)
 
 
 def supervisor_identities() -> IdentitySource | None:
-    """What the role supervisor published of its replicas, read from the run directory
-    (``$TRAINGUARD_AGENT_RUN_DIR``, set in the trainer's workers); None outside a job."""
+    """The incarnation the role supervisor published for each replica's URL, read from the
+    run directory (``$TRAINGUARD_AGENT_RUN_DIR``, set in the trainer's workers); None outside
+    a job."""
     run_dir = os.environ.get(envvars.RUN_DIR)
     if not run_dir:
         return None
 
     def read() -> Mapping[str, Identity]:
-        return published_identities(run_dir)
+        # the nonce only: it passes through a wrapper process, the pid would not
+        return {
+            url: Identity(None, i.incarnation)
+            for url, i in published_identities(run_dir).items()
+            if i.incarnation is not None
+        }
 
     return read
 

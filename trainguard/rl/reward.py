@@ -163,12 +163,17 @@ class RewardClient:
         self.retries = 0
         self._events = events
 
+    def request_headers(self) -> dict[str, str]:
+        """Headers every request to a reward server carries (none here)."""
+        return {}
+
     def _post(self, host: str, port: int, body: Any, expected: int) -> list[float]:
         """One request's rewards, parsed by the contract's parser; _Failed otherwise."""
         try:
             resp = jsonhttp.request(
                 host, port, "POST", REWARDS_PATH, body,
-                timeout=self.timeout_s, max_bytes=MAX_ANSWER_BYTES, token=self._token,
+                timeout=self.timeout_s, max_bytes=MAX_ANSWER_BYTES,
+                headers=self.request_headers(), token=self._token,
             )  # fmt: skip
         except jsonhttp.TransportError as e:
             reason = MALFORMED if e.reason == "too_large" else e.reason

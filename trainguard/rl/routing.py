@@ -19,12 +19,10 @@ from trainguard.core.engine_contract import (
     HEALTH_PATH,
     MALFORMED,
     MAX_ANSWER_BYTES,
-    MAX_HEALTH_BYTES,
     Identity,
-    MalformedAnswer,
     error_message,
     identity_mismatch,
-    parse_health,
+    probe_health,
 )
 from trainguard.rl.rollout_types import EngineState, RolloutConfig, RolloutError
 
@@ -171,21 +169,27 @@ class EngineTable:
 
     def probe(self, eng: EngineRecord, expected: Identity | None = None) -> None:
         """One health probe of ``eng``: its state, version and load from the answer."""
-        try:
-            raw = self.call(
-                eng, "GET", HEALTH_PATH, None, self.config.health_timeout_s, MAX_HEALTH_BYTES
-            )
-            h = parse_health(raw)
-            wrong = identity_mismatch(h.identity, expected)
-            if wrong is not None:
-                raise RequestFailure(
-                    MALFORMED, f"not the replica the supervisor started there: {wrong}"
-                )
-        except MalformedAnswer as e:
-            self._probe_failed(eng, RequestFailure(MALFORMED, e.detail))
+        p = probe_health(
+            eng.port,
+            HEALTH_PATH,
+            self.config.health_timeout_s,
+            eng.host,
+            headers=self.request_headers(),
+            token=self.token,
+        )
+        if p.health is None and p.detail.startswith("HTTP 401"):
+            self.auth_error = f"{eng.url} refused this client's token: {p.detail[10:]}"
+            self._probe_failed(eng, RequestFailure("unauthorized", self.auth_error))
             return
-        except RequestFailure as f:
-            self._probe_failed(eng, f)
+        if p.health is None:
+            reason = p.outcome if p.outcome in ("refused", "timeout", MALFORMED) else "connection"
+            self._probe_failed(eng, RequestFailure(reason, p.detail))
+            return
+        h = p.health
+        wrong = identity_mismatch(h.identity, expected)
+        if wrong is not None:
+            why = f"not the replica the supervisor started there: {wrong}"
+            self._probe_failed(eng, RequestFailure(MALFORMED, why))
             return
         with self.lock:
             eng.probe_failures = 0

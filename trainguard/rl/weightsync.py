@@ -66,6 +66,9 @@ class WeightSync:
                         ok = fut.result() == version
                     except (RequestFailure, MalformedAnswer):
                         ok = False
+                    except Exception:  # any other failure: not confirmed, never raised
+                        logger.exception("weight update of %s failed", eng.url)
+                        ok = False
                 if ok:
                     eng.version = version
                     if eng.state is EngineState.STALE:
