@@ -39,6 +39,7 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 from trainguard.core import envvars
+from trainguard.core.rundir import RunDir
 
 __all__ = [
     "ANSWER_HEADER",
@@ -66,12 +67,11 @@ _SCHEME = "TG1"
 _EMPTY_SHA = hashlib.sha256(b"").hexdigest()
 MIN_SECRET_BYTES = 16
 _CONTEXT = b"trainguard fleet\0"
-_SECRET_NAME = "secret"
 
 
 def secret_path(run_dir: str | os.PathLike[str]) -> Path:
     """``RUN_DIR/roles/secret``: the job secret of the fleet (the agents' only)."""
-    return Path(run_dir) / "roles" / _SECRET_NAME
+    return RunDir(run_dir).role_secret
 
 
 def load_secret_file(path: str | os.PathLike[str]) -> bytes:
@@ -115,7 +115,7 @@ def job_secret(run_dir: str | os.PathLike[str]) -> bytes:
     path = secret_path(run_dir)
     if not path.exists() and not path.is_symlink():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{_SECRET_NAME}.{os.getpid()}.{secrets.token_hex(4)}")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.write(fd, secrets.token_hex(32).encode() + b"\n")

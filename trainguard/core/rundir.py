@@ -270,6 +270,11 @@ class RunDir:
         """Where the role supervisor keeps its replicas' state files and logs."""
         return self.root / "roles"
 
+    @property
+    def role_secret(self) -> Path:
+        """The rollout fleet's job secret (0600; :mod:`trainguard.core.fleetauth`)."""
+        return self.roles / "secret"
+
     def role_state(self, role: str, replica: int) -> Path:
         """The state of one replica (JSON: pid, port, url, state, restarts, weight_version,
         timestamps), replaced atomically at each change."""
