@@ -203,6 +203,7 @@ class CheckpointManager:
             memory_dir = os.environ.get(MEMORY_DIR_ENV) or None
         tier_dir = Path(memory_dir) if memory_dir else None
         self._process_mode = False
+        self._no_persister = False  # "auto": some rank cannot run a persister
         self._private_dir: Path | None = None  # process mode without the memory tier stages here
         self._private_lock: int | None = None  # its owner lock (see memtier.sweep)
         if self.config.persist_mode != "thread":  # "process", or "auto": where it can run
@@ -560,12 +561,22 @@ class CheckpointManager:
         ``persist_mode = "auto"`` only once some rank stages :data:`AUTO_PROCESS_MIN_BYTES`
         or more (below that, the persist thread's time on the interpreter is a fraction of a
         millisecond, less than what a persister process costs to start)."""
-        if not self._process_mode or self._supervisor.started:
+        if self._supervisor.started or self._no_persister:
             return
-        if self.config.persist_mode == "auto":
-            (big,) = self.consensus.agree(self._pipeline.staged_bytes >= AUTO_PROCESS_MIN_BYTES)
-            if not big:
-                return
+        if self.config.persist_mode == "process":
+            if self._process_mode:
+                self._supervisor.start()
+            return
+        if self.config.persist_mode != "auto":
+            return
+        # the persisters form one group: all ranks start theirs, or none does
+        big, unusable = self.consensus.agree(
+            self._pipeline.staged_bytes >= AUTO_PROCESS_MIN_BYTES, not self._process_mode
+        )
+        if unusable:
+            self._no_persister = True
+            return
+        if big:
             if self.memory_dir is None and self._private_dir is None:
                 # the persister maps the staged slots: from now on they are shared memory
                 from trainguard.checkpoint import persist_proc
@@ -576,7 +587,7 @@ class CheckpointManager:
                 )
                 self._supervisor.cleanup_dir = self._private_dir
                 self._pipeline.stage_into(self._private_dir)
-        self._supervisor.start()
+            self._supervisor.start()
 
     def _check_persister(self) -> bool:
         """Collective (process mode): replace the persisters when any rank's died
