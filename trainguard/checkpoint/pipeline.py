@@ -58,7 +58,8 @@ logger = logging.getLogger(__name__)
 
 INLINE_STAGING_BYTES = 1 << 20
 """A CPU state up to this size is copied and published on the caller's thread: waking the
-stager thread (and handing the interpreter to it and back) costs more than the copy."""
+stager thread (and handing the interpreter to it and back) costs more than the copy, and the
+snapshot is complete when ``save`` returns (a worker killed right after it resumes from it)."""
 
 EventFn = Callable[..., Any]
 MetricFn = Callable[..., Any]
