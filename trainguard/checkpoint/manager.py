@@ -227,8 +227,9 @@ class CheckpointManager:
         """**Collective**: every rank calls it (directly or through ``save``, ``maybe_save``,
         ``restore``, ``restore_or_init``). Creates the checkpoint process groups, waits until
         rank 0 removed what a dead attempt left uncommitted, installs the preemption signal
-        handlers and the optimizer hook. Idempotent. (The persister process starts at the
-        first save to disk: a job that never persists does not pay for one.)"""
+        handlers and the optimizer hook, starts the persister process of ``persist_mode =
+        "process"`` (``"auto"`` starts it at the first save to disk of a large state: a job
+        that never persists one does not pay for it). Idempotent."""
         if self._is_setup:
             return
         if self._closed:
@@ -246,6 +247,8 @@ class CheckpointManager:
             self.preemption.install()
         if self._pg is not None:  # rank 0 removed what a dead attempt left (constructor)
             dist.barrier(group=self._pg)
+        if self._process_mode and self.config.persist_mode == "process":
+            self._supervisor.start()  # asked for: ready by the first save ("auto": at it)
 
     def on_restore(self, fn: Callable[[int], None]) -> None:
         """Call ``fn(step)`` after a successful restore (the worker handle sets its step)."""

@@ -97,9 +97,10 @@ class CheckpointConfig:
     persist_mode: Literal["auto", "thread", "process"] = "auto"
     """Where persisting runs: a persister process per rank that maps the staged buffers
     (shared memory, zero copy) and writes them, so that serialisation never holds the
-    training process's GIL (``process``; started at the first save to disk), or a background
-    thread of the worker (``thread``). ``auto``: the process where this worker can run one,
-    else the thread (the choice and why are logged once per process)."""
+    training process's GIL (``process``), or a background thread of the worker (``thread``).
+    ``auto``: the process for a state of 64 MiB or more per rank where every rank can run one
+    (started at its first save to disk; the thread persists until it is ready), else the
+    thread. The choice and why are logged once per process."""
     persist_timeout_s: float = 1800.0
     """Longest a save may take to persist (the persister's answer, the wait for the save in
     flight): after it the save fails (``checkpoint_failed``, counted), a persister process
