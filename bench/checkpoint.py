@@ -248,6 +248,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out["ratio_stall_vs_raw_copy"] = ratio("trainguard_stall_s", "raw_copy_s")
     out["ratio_commit_vs_dcp_save"] = ratio("trainguard_commit_s", "dcp_save_s")
     out["restore_speedup_memory_vs_disk"] = ratio("restore_disk_s", "restore_memory_s")
+    out["ratio_memory_snapshot_vs_raw_copy"] = ratio("memory_snapshot_stall_s", "raw_copy_s")
+    for mode in ("thread", "process"):
+        out[f"ratio_stall_{mode}_vs_raw_copy"] = ratio(f"trainguard_{mode}_stall_s", "raw_copy_s")
     if not args.root:
         shutil.rmtree(b.root, ignore_errors=True)
     dist.destroy_process_group()
@@ -326,15 +329,16 @@ def _trainguard(b: Bench, out: dict[str, Any], T: int) -> None:
     # DCP's thread_count knob; on a GPU host there are cores to spare
     io_threads = 4 if b.device == "cuda" else None  # None: the automatic value
     state = {"model": b.model, "optim": b.opt}
-    for mode in ("thread", "process"):
+    default = CheckpointConfig().persist_mode
+    for mode in ("thread", "process", default):
         cfg = CheckpointConfig(
             dir=str(b.root / "tg"), keep_last=1, io_threads=io_threads, persist_mode=mode
         )
         mgr = CheckpointManager(config=cfg, memory_dir=mem, install_signal_handlers=False)
-        mgr.save(0, state).wait()  # warm-up: allocates the slots (steps only grow from here)
+        out[f"trainguard_{mode}_resolved"] = _warm_up(mgr, state)
         slow: list[float] = []
         stalls, commits = b.measure(
-            lambda i: mgr.save(i + 1, state),  # noqa: B023 (called within this iteration)
+            lambda i: mgr.save(1000 + i, state),  # noqa: B023 (called within this iteration)
             lambda r: r.wait(),
             trials=T,
             slowdown=slow,
@@ -350,7 +354,7 @@ def _trainguard(b: Bench, out: dict[str, Any], T: int) -> None:
             idle = []
             for i in range(T):
                 t0 = time.perf_counter()
-                assert mgr.save(100 + i, state).wait()
+                assert mgr.save(1100 + i, state).wait()
                 idle.append(time.perf_counter() - t0)
             out[f"trainguard_{mode}_commit_s"] = _median(idle)
         # steps while a persist runs vs the steps without a save measured around them
@@ -358,9 +362,17 @@ def _trainguard(b: Bench, out: dict[str, Any], T: int) -> None:
             round(statistics.median(slow) / statistics.median(b.bases), 3) if slow else None
         )
         out[f"persist_steps_observed_{mode}"] = len(slow)
+        if mode == default:
+            # the memory tier's snapshot (persist=False), what its cadence charges per snapshot
+            stalls, _ = b.measure(
+                lambda i: mgr.save(1200 + i, state, persist=False),  # noqa: B023
+                lambda r: r.wait_staged(),
+                trials=T,
+                cleanup=False,
+            )
+            out["memory_snapshot_stall_s"] = _median(stalls)
         mgr.close()
     # the headline figures are those of the default mode
-    default = CheckpointConfig().persist_mode
     out["persist_mode"] = default
     out["trainguard_stall_s"] = out[f"trainguard_{default}_stall_s"]
     out["trainguard_commit_s"] = out[f"trainguard_{default}_commit_s"]
@@ -403,6 +415,63 @@ def _trainguard(b: Bench, out: dict[str, Any], T: int) -> None:
     b.clean()
 
 
+def _warm_up(mgr: Any, state: dict[str, Any]) -> str:
+    """Allocate the slots and, where the mode starts a persister process, wait until saves
+    go through it (a job's first saves persist in the thread while it starts). Returns where
+    the saves persist: "thread" or "process"."""
+    mgr.save(0, state, persist=False).wait_staged()  # the state's size, for "auto"
+    deadline = time.monotonic() + 300
+    for step in range(1000):
+        r = mgr.save(step, state)
+        r.wait()
+        if r.via_process or mgr._supervisor.proc is None or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    return "process" if r.via_process else "thread"
+
+
+def _headline(out: dict[str, Any]) -> str:
+    """The default mode's figures, then every mode's, side by side."""
+
+    def f(key: str) -> str:
+        v = out.get(key)
+        return "-" if v is None else f"{v:.4f}"
+
+    mode = out["persist_mode"]
+    lines = [
+        f"default persist_mode={mode} (persists in: {out.get(f'trainguard_{mode}_resolved')}): "
+        f"stall {f('trainguard_stall_s')} s = {out.get('ratio_stall_vs_raw_copy')} x raw copy "
+        f"({f('raw_copy_s')} s), {out.get('ratio_stall_vs_dcp_best')} x DCP best "
+        f"({f('dcp_best_stall_s')} s); commit {f('trainguard_commit_s')} s = "
+        f"{out.get('ratio_commit_vs_dcp_save')} x dcp.save; memory snapshot stall "
+        f"{f('memory_snapshot_stall_s')} s = {out.get('ratio_memory_snapshot_vs_raw_copy')} x "
+        f"raw copy; restore memory {f('restore_memory_s')} s vs disk {f('restore_disk_s')} s",
+        f"{'path':<34}{'stall s':>10}{'commit s':>10}",
+    ]
+    rows = [
+        (f"trainguard {m}", f"trainguard_{m}_stall_s", f"trainguard_{m}_commit_s")
+        for m in dict.fromkeys(("thread", "process", mode))
+    ]
+    rows += [
+        (
+            "DCP async (thread)",
+            "dcp_async_thread_stall_s",
+            "dcp_async_thread_commit_while_training_s",
+        ),
+        (
+            "DCP async (process)",
+            "dcp_async_process_stall_s",
+            "dcp_async_process_commit_while_training_s",
+        ),
+        ("DCP best (shm staging, process)", "dcp_best_stall_s", "dcp_best_commit_while_training_s"),
+        ("DCP sync save", "dcp_save_s", "dcp_save_s"),
+        ("torch.save", "torch_save_s", "torch_save_s"),
+        ("raw copy", "raw_copy_s", "raw_copy_s"),
+    ]
+    lines += [f"{name:<34}{f(a):>10}{f(c):>10}" for name, a, c in rows]
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -424,7 +493,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: CUDA is not available")
-    print(json.dumps(run(args)), flush=True)
+    out = run(args)
+    print(_headline(out), flush=True)
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from trainguard.checkpoint.interval import (
 )
 from trainguard.checkpoint.memory_cadence import MemoryCadence
 from trainguard.checkpoint.persist import Writer
+from trainguard.checkpoint.persist_proc import AUTO_PROCESS_MIN_BYTES
 from trainguard.checkpoint.pipeline import EventFn, MetricFn, SavePipeline, SaveResult
 from trainguard.checkpoint.preemption import Preemption
 from trainguard.checkpoint.staging import SlotPool, rank_dir
@@ -202,13 +203,15 @@ class CheckpointManager:
             memory_dir = os.environ.get(MEMORY_DIR_ENV) or None
         tier_dir = Path(memory_dir) if memory_dir else None
         self._process_mode = False
+        self._no_persister = False  # "auto": some rank cannot run a persister
         self._private_dir: Path | None = None  # process mode without the memory tier stages here
         self._private_lock: int | None = None  # its owner lock (see memtier.sweep)
-        if self.config.persist_mode == "process":
+        if self.config.persist_mode != "thread":  # "process", or "auto": where it can run
             from trainguard.checkpoint import persist_proc
 
             self._process_mode = persist_proc.usable(self.config, self.world_size, self._fs_factory)
-            if self._process_mode and tier_dir is None:
+            # "auto" makes the directory when its persister starts (a small state never does)
+            if self._process_mode and tier_dir is None and self.config.persist_mode == "process":
                 self._private_dir, self._private_lock = persist_proc.private_staging_dir(
                     self.config.memory_root
                 )
@@ -224,7 +227,9 @@ class CheckpointManager:
         """**Collective**: every rank calls it (directly or through ``save``, ``maybe_save``,
         ``restore``, ``restore_or_init``). Creates the checkpoint process groups, waits until
         rank 0 removed what a dead attempt left uncommitted, installs the preemption signal
-        handlers and the optimizer hook, starts the persister process. Idempotent."""
+        handlers and the optimizer hook, starts the persister process of ``persist_mode =
+        "process"`` (``"auto"`` starts it at the first save to disk of a large state: a job
+        that never persists one does not pay for it). Idempotent."""
         if self._is_setup:
             return
         if self._closed:
@@ -242,8 +247,8 @@ class CheckpointManager:
             self.preemption.install()
         if self._pg is not None:  # rank 0 removed what a dead attempt left (constructor)
             dist.barrier(group=self._pg)
-        if self._process_mode:
-            self._supervisor.start()
+        if self._process_mode and self.config.persist_mode == "process":
+            self._supervisor.start()  # asked for: ready by the first save ("auto": at it)
 
     def on_restore(self, fn: Callable[[int], None]) -> None:
         """Call ``fn(step)`` after a successful restore (the worker handle sets its step)."""
@@ -288,9 +293,16 @@ class CheckpointManager:
             # a dead peer persister fails it fast (gloo sees the close); a stuck one at the deadline
             if not self._pipeline.wait_persist():
                 return self._pipeline.refuse(step, "the previous save is still persisting")
+        via_process = False
         if persist:
-            self._check_persister()
-        return self._pipeline.save(step, state, persist=persist)
+            self._start_persister()
+            ready = self._check_persister()
+            # "process": every save goes to the persister (the first waits for it to start);
+            # "auto": the thread persists until every rank's persister is ready
+            via_process = self._supervisor.proc is not None and (
+                ready or self.config.persist_mode == "process"
+            )
+        return self._pipeline.save(step, state, persist=persist, via_process=via_process)
 
     def maybe_save(
         self,
@@ -547,10 +559,43 @@ class CheckpointManager:
             self._private_lock = None
 
     # -- persister supervision -------------------------------------------------------------------
-    def _check_persister(self) -> None:
+    def _start_persister(self) -> None:
+        """Collective: start the persister processes at the first save to disk, and with
+        ``persist_mode = "auto"`` only once some rank stages :data:`AUTO_PROCESS_MIN_BYTES`
+        or more (below that, the persist thread's time on the interpreter is a fraction of a
+        millisecond, less than what a persister process costs to start)."""
+        if self._supervisor.started or self._no_persister:
+            return
+        if self.config.persist_mode == "process":
+            if self._process_mode:
+                self._supervisor.start()
+            return
+        if self.config.persist_mode != "auto":
+            return
+        # the persisters form one group: all ranks start theirs, or none does
+        big, unusable = self.consensus.agree(
+            self._pipeline.staged_bytes >= AUTO_PROCESS_MIN_BYTES, not self._process_mode
+        )
+        if unusable:
+            self._no_persister = True
+            return
+        if big:
+            if self.memory_dir is None and self._private_dir is None:
+                # the persister maps the staged slots: from now on they are shared memory
+                from trainguard.checkpoint import persist_proc
+
+                self._pipeline.wait_staged()
+                self._private_dir, self._private_lock = persist_proc.private_staging_dir(
+                    self.config.memory_root
+                )
+                self._supervisor.cleanup_dir = self._private_dir
+                self._pipeline.stage_into(self._private_dir)
+            self._supervisor.start()
+
+    def _check_persister(self) -> bool:
         """Collective (process mode): replace the persisters when any rank's died
-        (:meth:`PersisterSupervisor.check`)."""
-        self._supervisor.check(settle=self._after_persisters_killed)
+        (:meth:`PersisterSupervisor.check`); whether every rank's persister is ready."""
+        return self._supervisor.check(settle=self._after_persisters_killed)
 
     def _after_persisters_killed(self) -> None:
         """Every rank killed its persister: the save in flight ends (failed), no rank's old

@@ -37,13 +37,19 @@ if TYPE_CHECKING:
     from trainguard.core.config.checkpoint import CheckpointConfig
 
 __all__ = [
+    "AUTO_PROCESS_MIN_BYTES",
     "PRIVATE_DIR_PREFIX",
     "PersisterProcess",
     "main",
     "private_staging_dir",
     "sweep_private_dirs",
+    "unusable_reason",
     "usable",
 ]
+
+AUTO_PROCESS_MIN_BYTES = 64 << 20
+"""``persist_mode = "auto"``: the state per rank from which saves persist in a persister
+process (where one can run); smaller states persist in the worker's thread."""
 
 PRIVATE_DIR_PREFIX = "trainguard-persist-"
 """``<memory_root>/trainguard-persist-<worker pid>-<random>``: process mode's staging slots when
@@ -67,17 +73,44 @@ def sweep_private_dirs(root: str) -> list[str]:
     return removed
 
 
-def usable(config: CheckpointConfig, world_size: int, fs_factory: Any) -> bool:
-    """Whether process mode can work for this worker (else it persists in a thread, logged)."""
-    why = None
+def unusable_reason(config: CheckpointConfig, world_size: int, fs_factory: Any) -> str | None:
+    """Why process mode cannot work for this worker (None: it can)."""
     if fs_factory is not None:
-        why = "a filesystem factory was given (it cannot cross into another process)"
-    elif world_size > 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-        why = "MASTER_ADDR/MASTER_PORT are not set (the persisters meet through that store)"
-    elif not os.path.isdir(config.memory_root):
-        why = f"{config.memory_root} does not exist"
-    if why:
-        logger.warning("persist_mode=process unavailable: %s; persisting in a thread", why)
+        return "a filesystem factory was given (it cannot cross into another process)"
+    if world_size > 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        return "MASTER_ADDR/MASTER_PORT are not set (the persisters meet through that store)"
+    if not os.path.isdir(config.memory_root):
+        return f"{config.memory_root} does not exist"
+    if not os.access(config.memory_root, os.W_OK | os.X_OK):
+        return f"{config.memory_root} is not writable"
+    return None
+
+
+_logged_choices: set[tuple[str, str, str | None]] = set()
+
+
+def usable(config: CheckpointConfig, world_size: int, fs_factory: Any) -> bool:
+    """Whether this worker persists in a persister process (``persist_mode`` ``process`` or
+    ``auto``) or in a thread; the choice is logged once per process (a warning where
+    ``process`` was asked for and cannot be had)."""
+    why = unusable_reason(config, world_size, fs_factory)
+    key = (config.persist_mode, "thread" if why else "process", why)
+    if key not in _logged_choices:
+        _logged_choices.add(key)
+        if why is None and config.persist_mode == "auto":
+            logger.info(
+                "checkpoint persist_mode=auto: persisting in a persister process per rank "
+                "(a state of %d MiB or more per rank; a smaller one in a thread)",
+                AUTO_PROCESS_MIN_BYTES >> 20,
+            )
+        elif why is None:
+            logger.info("checkpoint persist_mode=process: persisting in a persister process")
+        elif config.persist_mode == "process":
+            logger.warning("persist_mode=process unavailable: %s; persisting in a thread", why)
+        else:
+            logger.info(
+                "checkpoint persist_mode=%s: persisting in a thread (%s)", config.persist_mode, why
+            )
     return why is None
 
 
@@ -149,8 +182,8 @@ class PersisterProcess:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while b"\n" not in self._buf:
             if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                left = max(deadline - time.monotonic(), 0.0)
+                if not select.select([fd], [], [], left)[0]:
                     raise TimeoutError(
                         f"persister process {self.proc.pid} did not answer within {timeout_s:g} s"
                     )
@@ -164,6 +197,29 @@ class PersisterProcess:
             self._buf += chunk
         line, _, self._buf = self._buf.partition(b"\n")
         return json.loads(line)
+
+    def poll_ready(self) -> bool:
+        """Whether the persister said it is ready, without waiting (False: not yet, or it
+        failed to start: then :attr:`broken` and :attr:`start_failed` say so)."""
+        if self._ready:
+            return True
+        if self.broken is not None or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            reply = self._recv(0.0)
+        except TimeoutError:
+            return False
+        except (OSError, EOFError, ValueError) as e:
+            self.broken = str(e)
+            return False
+        finally:
+            self._lock.release()
+        if not reply.get("ready"):
+            self.start_failed = True
+            self.broken = f"persister failed to start: {reply.get('error')}"
+            return False
+        self._ready = True
+        return True
 
     def persist(self, request: dict[str, Any]) -> tuple[bool, str | None]:
         """Send one save and wait for its outcome; a dead child marks the handle broken."""
@@ -279,6 +335,15 @@ def _serve(rx: IO[str], tx: IO[str]) -> bool:
     except Exception as e:  # the parent reports it and falls back to its thread
         reply(ready=False, error=f"{type(e).__name__}: {e}")
         return True
+    # every byte this process writes is checksummed on its way out (ChecksummingWriter) and
+    # verified against the manifest on restore; torch.save's own CRC32 of each zip record is
+    # a second pass over the bytes that no reader checks (its loader skips it)
+    try:
+        import torch.utils.serialization.config as serialization
+
+        serialization.save.compute_crc32 = False
+    except (ImportError, AttributeError):  # an older torch: it computes it
+        pass
     reply(ready=True)
     maps: dict[str, Any] = {}
     for line in rx:

@@ -56,6 +56,11 @@ __all__ = ["SavePipeline", "SaveResult"]
 
 logger = logging.getLogger(__name__)
 
+INLINE_STAGING_BYTES = 1 << 20
+"""A CPU state up to this size is copied and published on the caller's thread: waking the
+stager thread (and handing the interpreter to it and back) costs more than the copy, and the
+snapshot is complete when ``save`` returns (a worker killed right after it resumes from it)."""
+
 EventFn = Callable[..., Any]
 MetricFn = Callable[..., Any]
 CopyPairs = list[tuple[torch.Tensor, torch.Tensor]]
@@ -88,6 +93,8 @@ class SaveResult:
         self.persist_s = 0.0
         self.commit_s = 0.0
         self.num_bytes = 0
+        self.via_process = False
+        """Persisted by the persister process (else in the worker's persist thread)."""
 
     @property
     def staged(self) -> bool:
@@ -167,16 +174,22 @@ class SavePipeline:
         self.persisting: SaveResult | None = None
         """The persisting save in flight (None once it ended)."""
         self.num_failures = 0
+        self.staged_bytes = 0
+        """The size of the last save's state on this rank."""
         self.last_result: SaveResult | None = None
         """The last persisting save."""
 
     # -- staging (main and stager threads) -------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any], *, persist: bool) -> SaveResult:
-        """Stage ``state`` as of ``step`` and queue its persist when ``persist``; returns
-        once the caller may go on (see the module docstring)."""
+    def save(
+        self, step: int, state: Mapping[str, Any], *, persist: bool, via_process: bool = False
+    ) -> SaveResult:
+        """Stage ``state`` as of ``step`` and queue its persist when ``persist`` (through the
+        persister process when ``via_process``, else in the persist thread); returns once the
+        caller may go on (see the module docstring)."""
         t0 = time.perf_counter()
         self.wait_staged()
         result = SaveResult(step, persist)
+        result.via_process = via_process
         self.last_result = result if persist else (self.last_result or None)
         sd = build_state_dict(state)
         sd["_trainguard_step"] = step
@@ -189,20 +202,32 @@ class SavePipeline:
         if persist:
             slot.persisting = True
             self.persisting = result
-        result.num_bytes = layout.nbytes
-        late, event = self._copy_early(state, tensors, slot.views)
+        result.num_bytes = self.staged_bytes = layout.nbytes
+        inline = layout.nbytes <= INLINE_STAGING_BYTES and not any(
+            local_tensor(t).is_cuda for t in tensors
+        )
+        late, event = self._copy_early(state, tensors, slot.views, inline=inline)
         infos = dtensor_infos(tensors)
         self._staging_result = result
-        self._cuda_event = event
-        self._staging = self._stager.submit(
-            self._finish_staging, result, slot, late, event, skeleton, infos, t0
-        )
-        if not self.config.overlap_staging:
-            self.wait_staged()
+        if inline:  # a small state: copying it costs less than waking the stager
+            self._finish_staging(result, slot, late, event, skeleton, infos, t0)
+            result.staging_cpu_s = 0.0  # on this thread: part of the stall
+        else:
+            self._cuda_event = event
+            self._staging = self._stager.submit(
+                self._finish_staging, result, slot, late, event, skeleton, infos, t0
+            )
+            if not self.config.overlap_staging:
+                self.wait_staged()
         result.stall_s += time.perf_counter() - t0
         if self._staging is None:
             self._record_stall(result)
         return result
+
+    def stage_into(self, directory: Path) -> None:
+        """Stage into files in ``directory`` from the next save on (no save in flight)."""
+        self.pool.close()
+        self.pool = SlotPool(directory=directory, pin=self.pool.pin)
 
     def _acquire_slot(self, layout: Layout) -> Any:
         """A free staging slot for ``layout``; private buffers when the memory tier fails."""
@@ -222,11 +247,23 @@ class SavePipeline:
         return slot
 
     def _copy_early(
-        self, state: Mapping[str, Any], tensors: list[Any], views: list[torch.Tensor]
+        self,
+        state: Mapping[str, Any],
+        tensors: list[Any],
+        views: list[torch.Tensor],
+        *,
+        inline: bool = False,
     ) -> tuple[CopyPairs, Any]:
         """Copy what must be copied before returning to training; the optimizer's tensors
-        (``overlap_staging``) are left for the stager (CPU) or a copy stream whose CUDA event
-        the next ``optimizer.step()`` waits for. Returns the stager's copies and that event."""
+        (``overlap_staging``, not ``inline``) are left for the stager (CPU) or a copy stream
+        whose CUDA event the next ``optimizer.step()`` waits for. Returns the stager's copies
+        and that event (``inline``: no copies left, one call for all of them)."""
+        if inline:
+            pairs = [
+                (local_tensor(src).detach(), dst) for src, dst in zip(tensors, views, strict=True)
+            ]
+            _copy_all(pairs)
+            return [], None
         late_ptrs = optimizer_tensor_ptrs(state) if self.config.overlap_staging else set()
         late: CopyPairs = []
         cuda_late: CopyPairs = []
@@ -397,7 +434,7 @@ class SavePipeline:
                 result.error = result.error or f"{type(e).__name__}: {e}"
         finally:
             slot.persisting = False
-            in_process = self.supervisor.proc is not None
+            in_process = result.via_process and self.supervisor.proc is not None
             if result.timed_out and in_process:  # the persister did not answer
                 self._failed(result.step, "timeout", result.error)
             elif not result.committed and not result.timed_out:
@@ -405,7 +442,7 @@ class SavePipeline:
             result.done.set()
             if self.persisting is result:
                 self.persisting = None
-        if result.committed and self.rank == 0 and self.supervisor.proc is None:
+        if result.committed and self.rank == 0 and not in_process:
             try:  # after the outcome: deleting old checkpoints is not part of the commit
                 self.writer.retention()
             except Exception:
@@ -415,7 +452,7 @@ class SavePipeline:
         self, result: SaveResult, slot: Any, skeleton: Any, infos: list[Any], t0: float
     ) -> None:
         tp = time.perf_counter()
-        proc = self.supervisor.proc
+        proc = self.supervisor.proc if result.via_process else None
         if proc is not None and slot.directory is not None and not any(infos):
             committed, error = proc.persist(
                 {

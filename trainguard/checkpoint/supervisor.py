@@ -56,11 +56,15 @@ class PersisterSupervisor:
         self._emit = emit
         self.proc: PersisterProcess | None = None
         self.generation = 0
+        self.started = False
+        """The first persister was started (at the first save to disk)."""
+        self._all_ready = False
 
     def start(self) -> None:
         """Start this rank's persister process of generation :attr:`generation`."""
         from trainguard.checkpoint.persist_proc import PersisterProcess
 
+        self.started = True
         attempt = os.environ.get(envvars.ATTEMPT) or os.environ.get("TORCHELASTIC_RESTART_COUNT")
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
         init = {
@@ -83,30 +87,36 @@ class PersisterSupervisor:
         """This rank's persister died (local; :meth:`check` is the collective reaction)."""
         return self.proc is not None and self.proc.check() is not None
 
-    def check(self, settle: Callable[[], None]) -> None:
+    def check(self, settle: Callable[[], None]) -> bool:
         """Collective. If any rank's persister died, every rank kills its own (their saves in
         flight fail), calls ``settle`` (the manager waits until nothing of the old generation
         is writing and removes what it left uncommitted), and starts a new generation; if one
-        could not start at all, every rank persists in a thread from now on."""
+        could not start at all, every rank persists in a thread from now on. Returns whether
+        every rank's persister is ready (False also without one)."""
         proc = self.proc
         if proc is None:
-            return
-        broken, failed = self.consensus.agree(proc.check() is not None, proc.start_failed)
+            return False
+        broken, failed, waiting = self.consensus.agree(
+            proc.check() is not None, proc.start_failed, not proc.poll_ready()
+        )
         if not broken:
-            return
+            self._all_ready = not waiting
+            return self._all_ready
+        self._all_ready = False
         reason = proc.broken
         proc.kill()
         settle()
         if failed:
             logger.warning("persister process unavailable (%s); persisting in a thread", reason)
             self.proc = None
-            return
+            return False
         logger.warning("rank %s: replacing the persister processes (%s)", self.rank, reason)
         self._emit_rank0(
             "checkpoint_persister_replaced", reason=reason or "another rank's persister died"
         )
         self.generation += 1
         self.start()
+        return False
 
     def close(self) -> None:
         if self.proc is not None:

@@ -111,7 +111,7 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("checkpoint_memory_fill_timeout", ("checkpoint.memtier.plugin",), ("rank", "timeout_s"), "Filling the memory tier from peers ran out of time."),
     EventSpec("checkpoint_peer_push_failed", ("checkpoint.memtier.replication",), ("consecutive", "error", "failures", "peer", "rank", "retry_in_s"), "Replicating a snapshot to the peer node failed (backs off)."),
     EventSpec("checkpoint_peer_skipped", ("checkpoint.memtier.plugin",), ("during", "group_ranks", "reasons", "wait_s"), "A peer did not answer the fill in time: skipped."),
-    EventSpec("checkpoint_persister_started", ("checkpoint.supervisor",), ("gen", "pid"), "The persister processes (``persist_mode = \"process\"``) started."),
+    EventSpec("checkpoint_persister_started", ("checkpoint.supervisor",), ("gen", "pid"), "The persister processes started (``persist_mode`` ``process``, or ``auto`` for a large state)."),
     EventSpec("checkpoint_persister_replaced", ("checkpoint.supervisor",), ("reason",), "A persister process died or hung and was replaced."),
     EventSpec("checkpoint_preempted", ("checkpoint.manager",), ("signal", "step"), "A preemption signal arrived: save at the next step boundary."),
     EventSpec("checkpoint_preempt_saved", ("checkpoint.manager",), ("committed", "error", "step"), "The preemption save finished (committed or not)."),

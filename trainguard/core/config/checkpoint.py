@@ -94,10 +94,13 @@ class CheckpointConfig:
     """Verify file checksums against the manifest before loading from disk."""
     sync_files: bool = True
     """fsync every checkpoint file before the commit."""
-    persist_mode: Literal["thread", "process"] = "thread"
-    """Where persisting runs: a background thread of the worker, or a persister process per
-    rank that maps the staged buffers (shared memory, zero copy) and writes them, so that
-    serialisation never contends with training for the GIL."""
+    persist_mode: Literal["auto", "thread", "process"] = "auto"
+    """Where persisting runs: a persister process per rank that maps the staged buffers
+    (shared memory, zero copy) and writes them, so that serialisation never holds the
+    training process's GIL (``process``), or a background thread of the worker (``thread``).
+    ``auto``: the process for a state of 64 MiB or more per rank where every rank can run one
+    (started at its first save to disk; the thread persists until it is ready), else the
+    thread. The choice and why are logged once per process."""
     persist_timeout_s: float = 1800.0
     """Longest a save may take to persist (the persister's answer, the wait for the save in
     flight): after it the save fails (``checkpoint_failed``, counted), a persister process
@@ -144,8 +147,8 @@ class CheckpointConfig:
             raise ValueError("in_flight_policy must be 'wait' or 'skip'")
         if self.memory_slots < 2:
             raise ValueError("memory_slots must be >= 2")
-        if self.persist_mode not in ("thread", "process"):
-            raise ValueError("persist_mode must be 'thread' or 'process'")
+        if self.persist_mode not in ("auto", "thread", "process"):
+            raise ValueError("persist_mode must be 'auto', 'thread' or 'process'")
         if self.io_threads is not None and self.io_threads < 1:
             raise ValueError("io_threads must be >= 1")
         if not 0 <= self.peer_port <= 65535:
