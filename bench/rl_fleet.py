@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 from trainguard.core.config.warm import WarmConfig  # noqa: E402
 from trainguard.core.rundir import RunDir  # noqa: E402
 from trainguard.rl import ConsumedLog, PromptLedger, audit  # noqa: E402
-from trainguard.rl.local import engine_health  # noqa: E402
+from trainguard.roles.health import health_answer  # noqa: E402
 
 KINDS = ("engine_kill", "engine_freeze", "engine_500", "trainer_rank_kill", "trainer_group_kill")
 PROMPTS, BATCH = 64, 16
@@ -204,7 +204,7 @@ class Run:
         if kind == "engine_kill":  # mid-generation: once it has a request in flight
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                h = engine_health(self.sup.port(i), timeout=1.0)
+                h = health_answer(self.sup.port(i), timeout=1.0)
                 if h is not None and h.get("inflight"):
                     break
                 time.sleep(0.02)

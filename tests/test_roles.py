@@ -58,6 +58,19 @@ def kinds(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in read_events(run_dir) if e["kind"] == kind]
 
 
+def path_of(run_dir: Path, kind: str, last: str, **match: Any) -> list[str]:
+    """The states of one replica (or standby) once its events end in ``last``, without
+    ``suspect``: a probe that timed out on a loaded machine, then an answer again, is
+    behaviour too, not a death."""
+
+    def states() -> list[str] | None:
+        got = [e["state"] for e in kinds(run_dir, kind)
+               if all(e[k] == v for k, v in match.items()) and e["state"] != "suspect"]  # fmt: skip
+        return got if got and got[-1] == last else None
+
+    return list(wait_for(f"{kind} {match} ending in {last}", states, timeout=30))
+
+
 @pytest.fixture
 def supervisor(tmp_path: Path) -> Iterator[Callable[..., RoleSupervisor]]:
     made: list[RoleSupervisor] = []
@@ -304,7 +317,7 @@ def test_killed_replica_restarts_alone_on_its_port(
     assert [(e["replica"], e["pid"], e["reason"]) for e in failed] == [
         (0, pids[0], "was killed by signal 9")
     ]
-    states = [e["state"] for e in kinds(tmp_path, "role_replica_state") if e["replica"] == 0]
+    states = path_of(tmp_path, "role_replica_state", "serving", replica=0)
     assert states[:3] == ["starting", "loading", "serving"]
     assert states[3:] == ["dead", "restarting", "starting", "loading", "serving"]
     state = json.loads(RunDir(tmp_path).role_state("rollout", 0).read_text())
@@ -349,7 +362,7 @@ def test_dead_replica_is_replaced_by_the_warm_standby(
     if os.geteuid() == 0:  # a user without RLIMIT_NICE cannot lower it again
         assert who["nice"] == mine
     # refit-gated: the promoted standby reported loading before it served
-    states = [e["state"] for e in kinds(tmp_path, "role_replica_state") if e["replica"] == 0]
+    states = path_of(tmp_path, "role_replica_state", "serving", replica=0)
     assert states[3:] == ["dead", "restarting", "starting", "loading", "serving"]
     started = kinds(tmp_path, "role_replica_started")
     assert [(e["replica"], e["standby"]) for e in started][-1] == (0, 0)
@@ -357,7 +370,7 @@ def test_dead_replica_is_replaced_by_the_warm_standby(
     # a new standby behind it
     again = wait_for("a new standby ready", lambda: _standby(sup, spare["pid"]))
     assert again["pid"] not in (*pids, spare["pid"])
-    sb_states = [e["state"] for e in kinds(tmp_path, "role_standby_state")]
+    sb_states = path_of(tmp_path, "role_standby_state", "standby")
     assert sb_states == ["starting", "standby", "promoted", "starting", "standby"]
 
     sup.stop()
@@ -749,16 +762,10 @@ def test_frozen_promoted_standby_does_not_make_its_successor_ready_or_dead(
         os.kill(spare["pid"], signal.SIGCONT)
     wait_for("the promoted standby serving", lambda: serving_pids(sup) == [spare["pid"]])
     again = wait_for("a new standby ready", lambda: _standby(sup, spare["pid"]), timeout=60)
-    sb_events = kinds(tmp_path, "role_standby_state")
-    assert [e["state"] for e in sb_events] == [
-        "starting",
-        "standby",
-        "promoted",
-        "starting",
-        "standby",
-    ]
-    ready = [e for e in sb_events if e["state"] == "standby"]
-    assert [e["pid"] for e in ready] == [spare["pid"], again["pid"]]
+    states = path_of(tmp_path, "role_standby_state", "standby")
+    assert states == ["starting", "standby", "promoted", "starting", "standby"]
+    ready = {e["pid"] for e in kinds(tmp_path, "role_standby_state") if e["state"] == "standby"}
+    assert ready == {spare["pid"], again["pid"]}  # each by its own answer
 
 
 def test_back_to_back_deaths_are_each_covered_by_the_standby_pool(
@@ -809,10 +816,15 @@ def test_stopped_standby_is_out_of_the_pool_not_dead(
         time.sleep(3 * 1.5)  # stopped well past dead_after_s
     finally:
         os.kill(spare["pid"], signal.SIGCONT)
-    wait_for("the standby back", lambda: sb.state == "standby", timeout=30)
+
+    # never dead, never started again: out of the pool while silent, the same process back
+    def back() -> list[str] | None:
+        got = [e["state"] for e in kinds(tmp_path, "role_standby_state")]
+        return got if "suspect" in got and got[-1] == "standby" else None
+
+    states = wait_for("the standby back", back, timeout=30)
+    assert "dead" not in states and states.count("starting") == 1, states
     assert sb.pid == spare["pid"]
-    states = [e["state"] for e in kinds(tmp_path, "role_standby_state")]
-    assert states == ["starting", "standby", "suspect", "standby"]
     (started,) = kinds(tmp_path, "role_replica_started")[1:]
     assert started["standby"] is None and started["pid"] == cold
 

@@ -37,6 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from trainguard.core import envvars
 from trainguard.rl.client import REWARD_URLS_ENV, urls_from_env
 
 __all__ = ["RewardClient", "RewardError", "load_function", "main"]
@@ -84,7 +85,15 @@ def _handler(fn: RewardFn, spec: str) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             if self.path == "/health":
-                self._send(200, {"status": "serving", "function": spec, "pid": os.getpid()})
+                self._send(
+                    200,
+                    {
+                        "status": "serving",
+                        "function": spec,
+                        "pid": os.getpid(),
+                        "incarnation": os.environ.get(envvars.ROLE_INCARNATION),
+                    },
+                )
             else:
                 self._error(404, f"no such endpoint: GET {self.path}")
 

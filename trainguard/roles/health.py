@@ -14,8 +14,9 @@ import http.client
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Probe", "Whose", "probe_health", "whose"]
+__all__ = ["Probe", "Whose", "health_answer", "probe_health", "whose"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,23 @@ class Probe:
     def identity(self) -> str:
         """How the answer names its process, for events and messages."""
         return f"pid {self.pid}, incarnation {self.incarnation}"
+
+
+def health_answer(
+    port: int, path: str = "/health", timeout: float = 2.0, host: str = "127.0.0.1"
+) -> dict[str, Any] | None:
+    """The whole JSON object a replica's health answers (e.g. an engine's ``inflight``);
+    None when it does not answer one."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        data = json.loads(resp.read(65536))
+        return data if resp.status == 200 and isinstance(data, dict) else None
+    except (OSError, ValueError, RecursionError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
 
 
 def probe_health(port: int, path: str, timeout: float, host: str = "127.0.0.1") -> Probe:

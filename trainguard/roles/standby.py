@@ -65,6 +65,7 @@ class StandbyPool:
                 sb.promoted = True
                 sup.procs.pop((spec.name, f"standby-{sb.slot}"), None)
                 sup.procs[(spec.name, str(rep.index))] = proc
+                sup.set_standby(sb, "promoted", reason=f"replaces replica {rep.index}")
             break
         order = {
             "replica": rep.index,
@@ -83,15 +84,10 @@ class StandbyPool:
                     proc.pid,
                     sb_nice,
                 )
-        sup.set_standby(sb, "promoted", reason=f"replaces replica {rep.index}")
         return proc, sb
 
     def handed(self, sb: StandbyState) -> None:
         sb.handed.set()
-
-    def _unready(self, proc: subprocess.Popen[bytes]) -> None:
-        with self.sup.lock:
-            self._ready[:] = [(s, p) for s, p in self._ready if p is not proc]
 
     # -- one slot -------------------------------------------------------------------------------
     def run_slot(self, sb: StandbyState) -> None:
@@ -202,15 +198,20 @@ class StandbyPool:
             if time.monotonic() >= next_probe:
                 p = sup.probe(spec, sb.port)
                 next_probe = time.monotonic() + cfg.probe_interval_s
+                with sup.lock:
+                    if sb.promoted:  # taken while the probe waited: the answer is stale
+                        return "promoted"
                 j = inc.judge(p, ready=sb.ready_at is not None)
                 if j.verdict == "ok" and j.status in ("starting", "standby"):
                     if j.status == "standby":
                         if sb.ready_at is None:
                             sb.ready_at = time.time()
-                        with sup.lock:
-                            if not sb.promoted and all(q is not proc for _, q in self._ready):
+                        with sup.lock:  # a promotion comes between, or after the event
+                            if sb.promoted:
+                                return "promoted"
+                            if all(q is not proc for _, q in self._ready):
                                 self._ready.append((sb, proc))
-                        sup.set_standby(sb, "standby")
+                            sup.set_standby(sb, "standby")
                 elif j.verdict == "ok":
                     return end(
                         f"answered {j.status!r} as a standby: its command does not honour "
@@ -219,7 +220,10 @@ class StandbyPool:
                 elif j.verdict in ("dead", "late"):
                     return end(j.detail)
                 elif j.suspect:
-                    self._unready(proc)
-                    sup.set_standby(sb, "suspect", reason=j.detail)
+                    with sup.lock:
+                        if sb.promoted:
+                            return "promoted"
+                        self._ready[:] = [(s, q) for s, q in self._ready if q is not proc]
+                        sup.set_standby(sb, "suspect", reason=j.detail)
             sup.stopping.wait(_POLL_S)
         return "stopped"
