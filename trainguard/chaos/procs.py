@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 
-__all__ = ["alive", "become_subreaper", "descendants", "kill_tree", "reap"]
+__all__ = ["alive", "become_subreaper", "descendants", "kill_tree", "lineage", "reap"]
 
 
 def _stat_fields(pid: int | str) -> list[bytes]:
@@ -43,6 +43,17 @@ def alive(pid: int) -> bool:
     return bool(fields) and fields[0] not in (b"Z", b"X")
 
 
+def lineage(pid: int | None = None) -> list[int]:
+    """``pid`` (default: this process) and its ancestors, up to init."""
+    out: list[int] = []
+    p = os.getpid() if pid is None else pid
+    while p > 0 and p not in out:
+        out.append(p)
+        fields = _stat_fields(p)
+        p = int(fields[1]) if len(fields) > 1 else 0
+    return out
+
+
 def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (children first), zombies excluded."""
     children: dict[int, list[int]] = {}
@@ -58,7 +69,10 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill_tree(
-    proc: subprocess.Popen | int, sig: int = signal.SIGKILL, *, wait_s: float = 30.0
+    proc: subprocess.Popen[bytes] | subprocess.Popen[str] | int,
+    sig: int = signal.SIGKILL,
+    *,
+    wait_s: float = 30.0,
 ) -> list[int]:
     """Send ``sig`` to ``proc`` and all its descendants (found first, so none is missed once
     the parent dies; stopped ones too); returns the PIDs signalled. A ``Popen`` is waited for
@@ -84,7 +98,7 @@ def become_subreaper() -> bool:
     worker whose launcher was killed is still found by :func:`descendants`."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+        return bool(libc.prctl(36, 1, 0, 0, 0) == 0)  # PR_SET_CHILD_SUBREAPER
     except (OSError, AttributeError):
         return False
 

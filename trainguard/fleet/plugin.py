@@ -25,13 +25,16 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
-from trainguard.core.actions import HealthAction
+from trainguard.core.actions import Cause, HealthAction, Verdict
 from trainguard.core.config.fleet import FleetConfig
 from trainguard.core.event_kinds import (
     FAILURE_ATTRIBUTED,
+    FLEET_RECORDS,
     HEALTH_UNHEALTHY,
     NODE_EVICTED,
     NODE_EXCLUDED,
+    NODE_REFUSED,
+    SNIFF_DEGRADED,
     SNIFF_RESULTS,
 )
 from trainguard.core.jsonl import JsonlTail
@@ -46,16 +49,19 @@ __all__ = ["FleetPlugin", "fleet_db"]
 
 logger = logging.getLogger(__name__)
 
-_WATCHED = ["failure_attributed", "node_evicted", "health_unhealthy", "node_excluded"]
+_WATCHED = [FAILURE_ATTRIBUTED, NODE_EVICTED, HEALTH_UNHEALTHY, NODE_EXCLUDED]
 
 
-def fleet_db(cfg: FleetConfig, runs_root: str) -> FleetDB:
-    return open_db(cfg.url, runs_root=runs_root, connect_timeout_s=cfg.connect_timeout_s)
+def fleet_db(cfg: FleetConfig, runs_root: str, *, node: str | None = None) -> FleetDB:
+    """The fleet database; as ``node``'s role (``[fleet] node_role``) for that node's agent."""
+    role = cfg.role_of(node) if node is not None else ""
+    return open_db(cfg.url, runs_root=runs_root, connect_timeout_s=cfg.connect_timeout_s, role=role)
 
 
 def _eviction_cause(reason: str) -> str:
     r = reason.lower()
-    return "hardware" if r.startswith("health") or "hardware" in r else "repeated_failures"
+    hardware = Cause.HARDWARE.value
+    return hardware if r.startswith("health") or hardware in r else "repeated_failures"
 
 
 class FleetPlugin(AgentPlugin):
@@ -67,12 +73,14 @@ class FleetPlugin(AgentPlugin):
         node, changed = safe_node_name(ctx.node)
         self.node = node
         self.warnings = 0
+        self.gate_error: str | None = None
+        """Why the lemon check was skipped (one line, scrubbed), for ``fleet_records``."""
         if changed:
             self.warnings += 1
             logger.warning("fleet database: node name %r recorded as %r", ctx.node, node)
         self.job = ctx.run_id
         self.writer = FleetWriter(
-            lambda: fleet_db(self.cfg, self.runs_root),
+            lambda: fleet_db(self.cfg, self.runs_root, node=self.node),
             queue_max=self.cfg.queue_max,
             retry_s=self.cfg.retry_s,
         )
@@ -125,7 +133,7 @@ class FleetPlugin(AgentPlugin):
                     "eviction",
                     event,
                     cause=_eviction_cause(reason),
-                    verdict="evict",
+                    verdict=Verdict.EVICT.value,
                     detail={"reason": reason, "until": event.get("until")},
                 )
             elif kind == HEALTH_UNHEALTHY:
@@ -133,7 +141,7 @@ class FleetPlugin(AgentPlugin):
                 self._record(
                     "health",
                     event,
-                    cause="hardware",
+                    cause=Cause.HARDWARE.value,
                     verdict=str(event.get("action") or ""),
                     detail={"summary": "; ".join(map(str, reasons))[:1000], "reasons": reasons},
                 )
@@ -157,21 +165,30 @@ class FleetPlugin(AgentPlugin):
         if self.cfg.lemon_failures <= 0:
             return
         try:
-            with fleet_db(self.cfg, self.runs_root) as db:
+            with fleet_db(self.cfg, self.runs_root, node=self.node) as db:
                 status = lemon_status(db, self.node, self.cfg)
         except FleetDBError as e:
             self.warnings += 1
+            self.gate_error = str(e)
             logger.warning("fleet database: lemon check skipped, node admitted: %s", e)
             return
         except Exception as e:
             self.warnings += 1
             logger.warning("fleet database: lemon check skipped, node admitted: %s", e)
             return
+        if status.ignored:
+            self.warnings += 1
+            logger.warning(
+                "fleet database: %d record(s) of node %s not written by its role %s: not counted",
+                status.ignored,
+                self.node,
+                self.cfg.role_of(self.node),
+            )
         if not status.is_lemon:
             return
         reason = status.reason()
         ctx.events.emit(
-            "node_refused",
+            NODE_REFUSED,
             reason=reason,
             lemon=True,
             incidents=status.incidents,
@@ -193,8 +210,8 @@ class FleetPlugin(AgentPlugin):
     # -- sniff tests ---------------------------------------------------------------------------
     def _load_baseline(self) -> None:
         try:
-            with fleet_db(self.cfg, self.runs_root) as db:
-                self.baseline = fleet_baseline(db)
+            with fleet_db(self.cfg, self.runs_root, node=self.node) as db:
+                self.baseline = fleet_baseline(db, cfg=self.cfg)
         except Exception as e:  # FleetDBError or a driver's: no fleet reference this attempt
             self.warnings += 1
             logger.warning("fleet database: no sniff history to compare with: %s", e)
@@ -238,7 +255,7 @@ class FleetPlugin(AgentPlugin):
                 for f in found
             ]
             ctx.events.emit(
-                "node_excluded",
+                NODE_EXCLUDED,
                 reason="sniff",
                 reasons=reasons,
                 ranks=[f["rank"] for f in found],
@@ -273,7 +290,7 @@ class FleetPlugin(AgentPlugin):
                 f"{len(f['window'])} sniffs slow"
             )
             logger.warning("%s", msg)
-            ctx.events.emit("sniff_degraded", message=msg, policy=self.straggler_policy, **f)
+            ctx.events.emit(SNIFF_DEGRADED, message=msg, policy=self.straggler_policy, **f)
             self.writer.put(
                 Record(node=self.node, kind="sniff", cause="slow", verdict=self.straggler_policy,
                        job=self.job, attempt=self._sniff_attempt, detail={"summary": msg, **f})
@@ -305,12 +322,12 @@ class FleetPlugin(AgentPlugin):
             self._summarize(ctx)
         left = self._close()
         ctx.events.emit(
-            "fleet_records",
+            FLEET_RECORDS,
             written=self.writer.written,
             waiting=left,
             dropped=self.writer.dropped,
             warnings=self.warnings,
-            error=self.writer.last_error,
+            error=self.writer.last_error or self.gate_error,
         )
         return None
 
