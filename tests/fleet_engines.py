@@ -24,6 +24,7 @@ from typing import IO, Any
 
 from trainguard.core import envvars
 from trainguard.core.atomicfile import open_append, write_atomic
+from trainguard.core.rundir import RunDir
 from trainguard.roles.procs import free_port, new_incarnation
 
 __all__ = ["LocalEngines", "engine_health"]
@@ -90,15 +91,15 @@ class LocalEngines:
             "OMP_NUM_THREADS": "1",
         }
         if standby:
-            order = self.run_dir / "roles" / f"{self.role}_{k}.{self._starts}.promote"
+            order = RunDir(self.run_dir).role_standby(self.role, k, f"{self._starts}.promote")
             self._orders[k] = order
             env[envvars.ROLE_PORT] = str(free_port())
             env[envvars.ROLE_STANDBY] = str(order)
             del env[envvars.ROLE_REPLICA]
-        logs = self.run_dir / "roles"
-        logs.mkdir(parents=True, exist_ok=True)
+        log = RunDir(self.run_dir).role_log(self.role, k)
+        log.parent.mkdir(parents=True, exist_ok=True)
         if self._logs[k] is None:  # closed in close(); appended, no symlink followed
-            self._logs[k] = os.fdopen(open_append(logs / f"{self.role}_{k}.log"), "ab")
+            self._logs[k] = os.fdopen(open_append(log), "ab")
         return subprocess.Popen(
             [sys.executable, "-m", self.module, *self.args],
             env=env,

@@ -19,6 +19,7 @@ import pytest
 from tests.fleet_engines import LocalEngines, engine_health
 from tests.ports import free_port
 from tests.procs import FIXTURE_PIDS
+from trainguard.core.rundir import RunDir
 from trainguard.rl import RolloutClient, RolloutConfig, RolloutError, WeightStore
 from trainguard.rl.tiny import tiny_gpt2
 
@@ -359,7 +360,7 @@ def test_warm_standby_takes_the_port_of_a_killed_replica(fleet: Fleet) -> None:
     engines = fleet.engines
     engines.wait_serving(i, version=fleet.version, timeout=180)
     deadline = time.monotonic() + 180  # the standby has built its model: it waits for its order
-    log = fleet.run_dir / "roles" / f"rollout_{i}.log"
+    log = RunDir(fleet.run_dir).role_log("rollout", i)
     while not any(
         f"engine[{spare.pid}]" in ln and "standby ready" in ln
         for ln in log.read_text().splitlines()

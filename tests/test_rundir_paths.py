@@ -16,7 +16,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trainguard"
 STILL_SPELLED = {
     # The rollout fleet's modules, being restructured: LocalEngines' logs (RunDir.role_log) and
     # the weight store (RunDir.weights); empty this set then.
-    ("rl/local.py", "roles"),
     ("rl/weights.py", "rl"),
 }
 """(module, name) joins left outside RunDir."""
