@@ -45,9 +45,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from trainguard.core.config.warm import WarmConfig  # noqa: E402
+from trainguard.core.engine_contract import probe_health  # noqa: E402
 from trainguard.core.rundir import RunDir  # noqa: E402
 from trainguard.rl import ConsumedLog, PromptLedger, audit  # noqa: E402
-from trainguard.roles.health import health_answer  # noqa: E402
 
 KINDS = ("engine_kill", "engine_freeze", "engine_500", "trainer_rank_kill", "trainer_group_kill")
 PROMPTS, BATCH = 64, 16
@@ -204,8 +204,8 @@ class Run:
         if kind == "engine_kill":  # mid-generation: once it has a request in flight
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                h = health_answer(self.sup.port(i), timeout=1.0)
-                if h is not None and h.get("inflight"):
+                h = probe_health(self.sup.port(i), timeout=1.0).health
+                if h is not None and h.inflight:
                     break
                 time.sleep(0.02)
             now = time.time()

@@ -25,8 +25,6 @@ ALLOWED = {
     ("rl/local.py", envvars.ROLE_REPLICA),
     ("rl/local.py", envvars.ROLE_PORT),
     ("rl/local.py", envvars.ROLE_RUN_DIR),
-    ("rl/reward.py", envvars.ROLE_HOST),
-    ("rl/reward.py", envvars.ROLE_PORT),
 }
 """(module relative to trainguard/, the literal) pairs allowed outside the owners: each a copy of
 a constant of envvars."""

@@ -31,6 +31,7 @@ from trainguard.core.config.roles import (
     parse_role_nodes,
     place_roles,
 )
+from trainguard.core.engine_contract import ReplicaStatus as S
 from trainguard.core.events import EventLog, read_events
 from trainguard.core.plugin import AgentContext
 from trainguard.core.rundir import RunDir
@@ -865,7 +866,7 @@ def test_squatter_on_a_replica_port_is_never_the_replica(
         rep0, rep1 = sup.replicas["rollout"]
         wait_for("replica 0 retired", lambda: rep0.state == "retired", timeout=30)
         wait_for("replica 1 serving", lambda: rep1.state == "serving")
-        taken = kinds(tmp_path, "role_port_taken")
+        taken = [e for e in kinds(tmp_path, "role_port_taken") if e["replica"] == 0]
         assert taken and {(e["port"], e["holder_pid"]) for e in taken} == {(port, squatter.pid)}
         assert "role_replica.py --squat-incarnation forged" in taken[0]["holder"]
         states = [e["state"] for e in kinds(tmp_path, "role_replica_state") if e["replica"] == 0]
@@ -900,21 +901,25 @@ def test_replica_that_dies_after_every_load_is_retired_then_the_floor_stops_the_
 
 def test_health_answers_count_only_from_the_process_started() -> None:
     """The identity rule, for every kind of answer (the real-process cases are above)."""
-    from trainguard.roles.health import Probe, Whose, whose
+    from trainguard.core.engine_contract import HealthAnswer, Probe
+    from trainguard.roles.health import Whose, whose
     from trainguard.roles.liveness import Incarnation
 
+    def ok(status: str, pid: int | None = None, incarnation: str | None = None) -> Probe:
+        return Probe("ok", HealthAnswer(S(status), pid=pid, incarnation=incarnation))
+
     me = os.getpid()
-    assert whose(Probe("ok", "serving", incarnation="abc"), me, "abc") is Whose.OWN
-    assert whose(Probe("ok", "serving", pid=me, incarnation="xyz"), me, "abc") is Whose.FOREIGN
-    assert whose(Probe("ok", "serving", pid=me), os.getpgid(me), "abc") is Whose.OWN
-    assert whose(Probe("ok", "serving", pid=1), me, "abc") is Whose.FOREIGN
-    assert whose(Probe("ok", "serving"), me, "abc") is Whose.ANONYMOUS
+    assert whose(ok("serving", incarnation="abc"), me, "abc") is Whose.OWN
+    assert whose(ok("serving", pid=me, incarnation="xyz"), me, "abc") is Whose.FOREIGN
+    assert whose(ok("serving", pid=me), os.getpgid(me), "abc") is Whose.OWN
+    assert whose(ok("serving", pid=1), me, "abc") is Whose.FOREIGN
+    assert whose(ok("serving"), me, "abc") is Whose.ANONYMOUS
     inc = Incarnation(me, "abc", ready_deadline_s=10, dead_after_s=2, slow_limit_s=8,
-                      ready_statuses=("serving",))  # fmt: skip
+                      ready_statuses=(S.SERVING,))  # fmt: skip
     t0 = inc.started
-    assert inc.judge(Probe("ok", "serving", incarnation="other"), False, t0).verdict == "foreign"
+    assert inc.judge(ok("serving", incarnation="other"), False, t0).verdict == "foreign"
     assert inc.judge(Probe("timeout"), False, t0 + 5).verdict == "wait"  # start-up: no death
-    assert inc.judge(Probe("ok", "starting", incarnation="abc"), False, t0 + 11).verdict == "late"
-    assert inc.judge(Probe("ok", "serving", incarnation="abc"), False, t0 + 1).verdict == "ok"
-    assert inc.judge(Probe("ok", "serving", incarnation="other"), True, t0 + 2).verdict == "dead"
-    assert inc.judge(Probe("ok", "serving"), True, t0 + 4).verdict == "dead"  # anonymous
+    assert inc.judge(ok("starting", incarnation="abc"), False, t0 + 11).verdict == "late"
+    assert inc.judge(ok("serving", incarnation="abc"), False, t0 + 1).verdict == "ok"
+    assert inc.judge(ok("serving", incarnation="other"), True, t0 + 2).verdict == "dead"
+    assert inc.judge(ok("serving"), True, t0 + 4).verdict == "dead"  # anonymous

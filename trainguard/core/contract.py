@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainguard.core.actions import Cause
+from trainguard.core.engine_contract import REPLICA_STATES
 
 __all__ = [
     "METRICS",
@@ -727,18 +728,10 @@ def by_name(name: str) -> MetricSpec:
 ROLES = ("rollout", "reward")
 """The roles a job may declare besides ``trainer`` (whose workers are the SPMD group)."""
 
-ROLE_STATES = (
-    "starting",
-    "loading",
-    "serving",
-    "suspect",
-    "dead",
-    "restarting",
-    "failed",
-    "stopped",
-)
-"""Lifecycle states of a role replica: starting → loading (weights) → serving → suspect →
-dead → restarting (→ starting); ``failed``: not restarted (the role's restart budget is spent,
-or its policy is ``never``); ``stopped``: ended with the job."""
+ROLE_STATES = tuple(s.value for s in REPLICA_STATES)
+"""Lifecycle states of a role replica (:data:`trainguard.core.engine_contract.REPLICA_STATES`):
+starting → loading (weights) → serving → suspect → dead → restarting (→ starting); ``failed``:
+not restarted (the role's restart budget is spent, or its policy is ``never``); ``stopped``:
+ended with the job."""
 
 __all__ += ["ROLES", "ROLE_STATES"]

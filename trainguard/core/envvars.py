@@ -62,10 +62,6 @@ ROLE_PORT = "TRAINGUARD_ROLE_PORT"
 ROLE_HOST = "TRAINGUARD_ROLE_HOST"
 """In a role replica: the address it must bind (``127.0.0.1`` beside the trainer; on nodes of
 its own, the node's Slurm address, or the role's ``bind``)."""
-ROLE_INCARNATION = "TRAINGUARD_ROLE_INCARNATION"
-"""In a role replica or standby: the nonce of this start, given by the supervisor. Its health
-answer names it (``"incarnation"``, beside its ``"pid"``): the supervisor counts an answer only
-from the process it started."""
 ROLE_RUN_DIR = "TRAINGUARD_RUN_DIR"
 """In a role replica: the run directory (its state file: ``roles/<role>/<i>.json``). Read only
 as a compatibility name of :data:`RUN_DIR` (an engine started by hand with it set, or by a
@@ -74,9 +70,14 @@ ROLE_STANDBY = "TRAINGUARD_ROLE_STANDBY"
 """In a role's warm standby only (``standby = N``): the file that promotes it. The standby
 serves its health on ``TRAINGUARD_ROLE_PORT`` (its own port, never routed to) with status
 ``standby`` once it is loaded; when the file appears (JSON ``{"replica": i, "port": p,
-"incarnation": s, "port_wait_s": w}``) it takes port ``p`` of the dead replica ``i`` (waiting
-at most ``w`` seconds for it, then exiting with a line that says who holds it) and goes on as
-that replica with incarnation ``s`` (loading, then serving the current weights)."""
+"port_wait_s": w}``) it takes port ``p`` of the dead replica ``i`` (waiting at most ``w``
+seconds for it, then exiting with a line that names the port) and goes on as that replica
+(loading, then serving the current weights)."""
+ROLE_INCARNATION = "TRAINGUARD_ROLE_INCARNATION"
+"""In a role replica (and a standby): a nonce the supervisor draws for this process alone. The
+replica reports it in its health answer (``incarnation``, beside its ``pid``), so that the
+supervisor and the trainer's clients count an answer only from the process that was started
+(never from another process on a dead replica's port)."""
 ROLLOUT_URLS = "TRAINGUARD_ROLLOUT_URLS"
 """In the trainer's workers: the rollout engines, ``http://<host>:<port>`` comma-separated,
 replica 0 first (host ``127.0.0.1`` beside the trainer, the node's address on nodes of their

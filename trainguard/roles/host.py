@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from trainguard.core.config.roles import RolesConfig, RoleSpec
+from trainguard.core.engine_contract import ReplicaStatus as S
 from trainguard.core.rundir import RunDir
 from trainguard.roles.health import Probe
 from trainguard.roles.state import ReplicaState, StandbyState
@@ -81,7 +82,7 @@ class SupervisorHost(Protocol):
     def set_state(
         self,
         rep: ReplicaState,
-        state: str,
+        state: S,
         *,
         reason: str = "",
         weight_version: int | None = None,
@@ -89,5 +90,5 @@ class SupervisorHost(Protocol):
     ) -> None: ...
 
     def set_standby(
-        self, sb: StandbyState, state: str, *, reason: str = "", force: bool = False
+        self, sb: StandbyState, state: S, *, reason: str = "", force: bool = False
     ) -> None: ...

@@ -15,7 +15,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from trainguard.roles.health import Probe, Whose, whose
+from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.roles.health import Probe, Whose, identity, whose
 from trainguard.roles.procs import progress
 
 __all__ = ["Incarnation", "Judgement"]
@@ -32,7 +33,7 @@ class Judgement:
     """``ok`` (an answer of its own: ``status``), ``wait`` (nothing decided: start-up, or
     suspect but not dead yet), ``foreign`` (another process answered: ``detail`` names it),
     ``dead`` (``detail``: why), ``late`` (missed its readiness deadline)."""
-    status: str | None = None
+    status: S | None = None
     detail: str = ""
     suspect: bool = False
     """A failed probe after it answered (the replica is ``suspect``)."""
@@ -78,16 +79,16 @@ class Incarnation:
                     return late
                 return Judgement("ok", status=p.status)
             if who is Whose.FOREIGN:
-                detail = f"port answered by another process ({p.identity()})"
+                detail = f"port answered by another process ({identity(p)})"
                 if self.answered:
-                    return Judgement("dead", detail=detail)
+                    return Judgement(S.DEAD, detail=detail)
                 return self._deadline(ready, now) or Judgement("foreign", detail=detail)
             detail = "health answer names no process (pid, incarnation)"
             return self._up_failure(p, detail, ready, now, no_answer=False)
         if not self.answered:
             return self._deadline(ready, now) or Judgement("wait")
         if p.outcome == "refused":
-            return Judgement("dead", detail="refused connections")
+            return Judgement(S.DEAD, detail="refused connections")
         return self._up_failure(p, p.detail, ready, now, no_answer=p.outcome in _NO_ANSWER)
 
     def _deadline(self, ready: bool, now: float) -> Judgement | None:
@@ -106,7 +107,7 @@ class Incarnation:
         why = f"no good health answer for {silent:.1f} s ({detail})"
         if no_answer and silent < self.slow_limit_s and self._progressing():
             return Judgement("wait", detail=f"slow: {detail}; its process runs", suspect=True)
-        return Judgement("dead", detail=why)
+        return Judgement(S.DEAD, detail=why)
 
     def _progressing(self) -> bool:
         """Whether the process group used CPU since the last look and is not stopped."""

@@ -26,6 +26,9 @@ import subprocess
 import time
 
 from trainguard.core.config.roles import RoleSpec
+from trainguard.core.engine_contract import READY_STATUSES
+from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.roles.health import identity
 from trainguard.roles.host import SupervisorHost
 from trainguard.roles.liveness import Incarnation
 from trainguard.roles.procs import new_incarnation, port_holder, port_is_free, reap, spawn
@@ -35,9 +38,7 @@ __all__ = ["ReplicaLoop"]
 
 logger = logging.getLogger(__name__)
 
-READY_STATUSES = ("loading", "serving")
-"""Health statuses that count as ready (the process is up; ``loading`` waits for weights)."""
-_STATUSES = ("starting", "loading", "serving")
+_STATUSES = (S.STARTING, S.LOADING, S.SERVING)
 _POLL_S = 0.05
 _MAX_BACKOFF_S = 5.0
 _PORT_GRACE_S = 2.0
@@ -82,7 +83,7 @@ class ReplicaLoop:
                     assert incarnation is not None
                     sup.replica_started(spec, rep, proc.pid, incarnation, standby=sb.slot)
                     pool.handed(sb)
-                    sup.set_state(rep, "starting", force=True)
+                    sup.set_state(rep, S.STARTING, force=True)
                     started, fresh = (proc, incarnation), False
             if started is None:
                 started = self._spawn()
@@ -113,14 +114,14 @@ class ReplicaLoop:
             if not was_ready and not self._port_free_soon():
                 # it could not bind: another process took the port; not the replica's fault
                 # and not a restart of the budget: wait for the port (bounded), then retire
-                sup.set_state(rep, "dead", reason=f"{reason}; its port {rep.port} is taken")
+                sup.set_state(rep, S.DEAD, reason=f"{reason}; its port {rep.port} is taken")
                 continue
             unready_failures = 0 if was_ready else unready_failures + 1
             sup.replica_failed(spec, rep, reason, was_ready)
             if not sup.allow_restart(spec, rep, reason, was_ready):
                 return
             rep.restarts += 1
-            sup.set_state(rep, "restarting", reason=reason)
+            sup.set_state(rep, S.RESTARTING, reason=reason)
             backoff = 0.0 if was_ready else min(_MAX_BACKOFF_S, 0.25 * 2 ** (unready_failures - 1))
             if sup.stopping.wait(backoff):
                 return
@@ -144,7 +145,7 @@ class ReplicaLoop:
         pid, cmd = port_holder(rep.port)
         if not cmd:
             p = sup.probe(spec, rep.port)
-            cmd = f"health answer: {p.identity()}" if p.outcome == "ok" else "unknown process"
+            cmd = f"health answer: {identity(p)}" if p.outcome == "ok" else "unknown process"
         t0 = time.monotonic()
         sup.port_taken(spec, rep, pid, cmd, 0.0)
         while not sup.stopping.wait(0.25):
@@ -173,7 +174,7 @@ class ReplicaLoop:
         with sup.lock:
             sup.procs[(spec.name, str(rep.index))] = proc
         sup.replica_started(spec, rep, proc.pid, incarnation, standby=None)
-        sup.set_state(rep, "starting", force=True)
+        sup.set_state(rep, S.STARTING, force=True)
         return proc, incarnation
 
     def _watch(
@@ -194,13 +195,13 @@ class ReplicaLoop:
         next_probe = time.monotonic()
         while True:
             if sup.stopping.is_set():
-                return "stopped"
+                return S.STOPPED
             rc = proc.poll()
             if rc is not None:
                 rep.exitcode = rc
                 reap(proc)  # what it left in its group
                 how = f"exited with code {rc}" if rc >= 0 else f"was killed by signal {-rc}"
-                sup.set_state(rep, "dead", reason=how)
+                sup.set_state(rep, S.DEAD, reason=how)
                 return how
             if time.monotonic() < next_probe:
                 sup.stopping.wait(_POLL_S)
@@ -211,8 +212,8 @@ class ReplicaLoop:
             dead: str | None = None
             if j.verdict == "ok":
                 rep.last_ok = time.time()
-                if j.status not in _STATUSES:
-                    sup.set_state(rep, "suspect", reason=f"unknown status {j.status!r}")
+                if j.status is None or j.status not in _STATUSES:
+                    sup.set_state(rep, S.SUSPECT, reason=f"unknown status {str(j.status)!r}")
                 else:
                     if j.status in READY_STATUSES and rep.ready_at is None:
                         rep.ready_at = time.time()
@@ -222,20 +223,21 @@ class ReplicaLoop:
                     sup.set_state(rep, j.status, weight_version=p.weight_version)
             elif j.verdict == "foreign" and not squatter_told:
                 squatter_told = True
-                sup.port_taken(spec, rep, p.pid, f"health answer: {p.identity()}", 0.0)
+                pid = p.health.pid if p.health is not None else None
+                sup.port_taken(spec, rep, pid, f"health answer: {identity(p)}", 0.0)
             elif j.verdict == "wait" and j.suspect:
-                sup.set_state(rep, "suspect", reason=j.detail)
+                sup.set_state(rep, S.SUSPECT, reason=j.detail)
             elif j.verdict == "late":
                 if not rep.ever_ready:
                     reap(proc)
                     rep.exitcode = proc.returncode
-                    sup.set_state(rep, "dead", reason="never ready")
+                    sup.set_state(rep, S.DEAD, reason="never ready")
                     return None
                 dead = f"was not ready {deadline:g} s after its restart"
-            elif j.verdict == "dead":
+            elif j.verdict == S.DEAD:
                 dead = j.detail
             if dead is not None:
                 reap(proc)
                 rep.exitcode = proc.returncode
-                sup.set_state(rep, "dead", reason=dead)
+                sup.set_state(rep, S.DEAD, reason=dead)
                 return dead

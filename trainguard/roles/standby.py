@@ -24,6 +24,7 @@ import time
 from trainguard.core import envvars
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config.roles import RoleSpec
+from trainguard.core.engine_contract import ReplicaStatus as S
 from trainguard.roles.host import SupervisorHost
 from trainguard.roles.liveness import Incarnation
 from trainguard.roles.procs import new_incarnation, reap, renice, spawn
@@ -65,7 +66,7 @@ class StandbyPool:
                 sb.promoted = True
                 sup.procs.pop((spec.name, f"standby-{sb.slot}"), None)
                 sup.procs[(spec.name, str(rep.index))] = proc
-                sup.set_standby(sb, "promoted", reason=f"replaces replica {rep.index}")
+                sup.set_standby(sb, S.PROMOTED, reason=f"replaces replica {rep.index}")
             break
         order = {
             "replica": rep.index,
@@ -95,7 +96,7 @@ class StandbyPool:
             self._keep(sb)
         except Exception as e:  # the role goes on with cold restarts; never silent
             logger.exception("role %s standby %d: supervisor error", self.spec.name, sb.slot)
-            self.sup.set_standby(sb, "failed", reason=f"supervisor error: {type(e).__name__}: {e}")
+            self.sup.set_standby(sb, S.FAILED, reason=f"supervisor error: {type(e).__name__}: {e}")
         finally:
             # the processes this thread started (promoted ones too: replicas now) die with it
             # (their parent-death signal): it ends only once stop() ended them its own way
@@ -109,7 +110,7 @@ class StandbyPool:
             why = self._watch(sb, proc) if proc is not None else sb.reason
             if sup.stopping.is_set():
                 return
-            if why == "promoted":
+            if why == S.PROMOTED:
                 failures = 0
                 sb.handed.wait(30.0)
                 sb.handed.clear()
@@ -118,12 +119,12 @@ class StandbyPool:
             if sb.ready_at is None and (why.startswith("answered") or failures >= _GIVE_UP):
                 sup.set_standby(
                     sb,
-                    "failed",
+                    S.FAILED,
                     reason=f"{why}; the role goes on without this standby (cold restarts); "
                     f"see {sup.rundir.role_standby(spec.name, sb.slot, 'log')}",
                 )
                 return
-            sup.set_standby(sb, "dead", reason=why)
+            sup.set_standby(sb, S.DEAD, reason=why)
             backoff = 0.0 if sb.ready_at is not None else min(_MAX_BACKOFF_S, 0.5 * 2**failures)
             if sup.stopping.wait(backoff):
                 return
@@ -158,11 +159,11 @@ class StandbyPool:
             sup.procs[(spec.name, f"standby-{sb.slot}")] = proc
         sb.pid = proc.pid
         sb.started_at = time.time()
-        sup.set_standby(sb, "starting", force=True)
+        sup.set_standby(sb, S.STARTING, force=True)
         return proc
 
     def _watch(self, sb: StandbyState, proc: subprocess.Popen[bytes]) -> str:
-        """Follow one standby until it is promoted (``"promoted"``) or dead (why; its
+        """Follow one standby until it is promoted (``S.PROMOTED``) or dead (why; its
         process group is gone then)."""
         sup, spec, cfg = self.sup, self.spec, self.sup.cfg
         timeout = cfg.readiness_timeout(spec)
@@ -174,7 +175,7 @@ class StandbyPool:
             sb.incarnation,
             ready_deadline_s=timeout,
             dead_after_s=timeout,
-            ready_statuses=("standby",),
+            ready_statuses=(S.STANDBY,),
             slow_limit_s=timeout,
         )
         next_probe = time.monotonic()
@@ -182,7 +183,7 @@ class StandbyPool:
         def end(why: str) -> str:
             with sup.lock:
                 if sb.promoted:
-                    return "promoted"
+                    return S.PROMOTED
                 sup.procs.pop((spec.name, f"standby-{sb.slot}"), None)
                 self._ready[:] = [(s, p) for s, p in self._ready if p is not proc]
             reap(proc)
@@ -191,7 +192,7 @@ class StandbyPool:
         while not sup.stopping.is_set():
             with sup.lock:
                 if sb.promoted:
-                    return "promoted"
+                    return S.PROMOTED
             rc = proc.poll()
             if rc is not None:
                 return end(f"exited with code {rc}" if rc >= 0 else f"was killed by signal {-rc}")
@@ -200,30 +201,30 @@ class StandbyPool:
                 next_probe = time.monotonic() + cfg.probe_interval_s
                 with sup.lock:
                     if sb.promoted:  # taken while the probe waited: the answer is stale
-                        return "promoted"
+                        return S.PROMOTED
                 j = inc.judge(p, ready=sb.ready_at is not None)
-                if j.verdict == "ok" and j.status in ("starting", "standby"):
-                    if j.status == "standby":
+                if j.verdict == "ok" and j.status in (S.STARTING, S.STANDBY):
+                    if j.status == S.STANDBY:
                         if sb.ready_at is None:
                             sb.ready_at = time.time()
                         with sup.lock:  # a promotion comes between, or after the event
                             if sb.promoted:
-                                return "promoted"
+                                return S.PROMOTED
                             if all(q is not proc for _, q in self._ready):
                                 self._ready.append((sb, proc))
-                            sup.set_standby(sb, "standby")
+                            sup.set_standby(sb, S.STANDBY)
                 elif j.verdict == "ok":
                     return end(
-                        f"answered {j.status!r} as a standby: its command does not honour "
+                        f"answered {str(j.status)!r} as a standby: its command does not honour "
                         f"the standby contract ({envvars.ROLE_STANDBY})"
                     )
-                elif j.verdict in ("dead", "late"):
+                elif j.verdict in (S.DEAD, "late"):
                     return end(j.detail)
                 elif j.suspect:
                     with sup.lock:
                         if sb.promoted:
-                            return "promoted"
+                            return S.PROMOTED
                         self._ready[:] = [(s, q) for s, q in self._ready if q is not proc]
-                        sup.set_standby(sb, "suspect", reason=j.detail)
+                        sup.set_standby(sb, S.SUSPECT, reason=j.detail)
             sup.stopping.wait(_POLL_S)
-        return "stopped"
+        return S.STOPPED

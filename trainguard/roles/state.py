@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core.config.roles import RoleSpec
+from trainguard.core.engine_contract import ReplicaStatus as S
 
 __all__ = ["ReplicaState", "StandbyState"]
 
@@ -24,7 +25,7 @@ class ReplicaState:
         self.index = index
         self.port = port
         self.url = spec.url(port, host)
-        self.state = "starting"
+        self.state = S.STARTING
         self.pid: int | None = None
         self.incarnation: str | None = None
         """The nonce of the running start (its health answers name it)."""
@@ -68,7 +69,7 @@ class StandbyState:
         self.port = 0
         """Its own port, a fresh one for each start (never routed to): a promoted standby that
         still answers on its old port is never taken for its successor."""
-        self.state = "starting"
+        self.state = S.STARTING
         self.pid: int | None = None
         self.incarnation: str | None = None
         self.starts = 0

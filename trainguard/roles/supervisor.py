@@ -33,6 +33,7 @@ from pathlib import Path
 from trainguard.core import envvars
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config.roles import RolesConfig, RoleSpec
+from trainguard.core.engine_contract import ReplicaStatus as S
 from trainguard.core.event_kinds import (
     ROLE_PORT_TAKEN,
     ROLE_REPLICA_FAILED,
@@ -144,7 +145,7 @@ class RoleSupervisor:
         return [r.pid for r in self.replicas.get(role, [])]
 
     def serving(self, role: str) -> int:
-        return sum(r.state == "serving" for r in self.replicas.get(role, []))
+        return sum(r.state == S.SERVING for r in self.replicas.get(role, []))
 
     @property
     def pools(self) -> dict[str, StandbyPool]:
@@ -197,11 +198,11 @@ class RoleSupervisor:
             t.join(timeout=5.0)
         for spec in self.specs:
             for rep in self.replicas[spec.name]:
-                if rep.state not in ("failed", "retired", "stopped"):
-                    self.set_state(rep, "stopped", reason="the job ended")
+                if rep.state not in (S.FAILED, S.RETIRED, S.STOPPED):
+                    self.set_state(rep, S.STOPPED, reason="the job ended")
             for sb in self.standbys.get(spec.name, []):
-                if sb.state not in ("failed", "stopped"):
-                    self.set_standby(sb, "stopped", reason="the job ended")
+                if sb.state not in (S.FAILED, S.STOPPED):
+                    self.set_standby(sb, S.STOPPED, reason="the job ended")
 
     # -- what the replicas and standbys share ------------------------------------------------
     def role_env(
@@ -335,9 +336,9 @@ class RoleSupervisor:
 
     def retire(self, spec: RoleSpec, rep: ReplicaState, reason: str) -> None:
         """Replica ``rep`` is not restarted again; the role goes on while it keeps its floor."""
-        self.set_state(rep, "retired", reason=reason)
+        self.set_state(rep, S.RETIRED, reason=reason)
         with self.lock:
-            left = sum(r.state not in ("retired", "failed") for r in self.replicas[spec.name])
+            left = sum(r.state not in (S.RETIRED, S.FAILED) for r in self.replicas[spec.name])
         self.events.emit(
             ROLE_REPLICA_RETIRED,
             role=spec.name,
@@ -358,7 +359,7 @@ class RoleSupervisor:
             )
 
     def set_standby(
-        self, sb: StandbyState, state: str, *, reason: str = "", force: bool = False
+        self, sb: StandbyState, state: S, *, reason: str = "", force: bool = False
     ) -> None:
         if state == sb.state and not force:
             return
@@ -411,14 +412,14 @@ class RoleSupervisor:
                 message=line,
             )
         if not keep_state:
-            self.set_state(rep, "failed", reason=message)
+            self.set_state(rep, S.FAILED, reason=message)
         logger.debug("%s", line)  # the agent ends the job with this line
 
     # -- state ----------------------------------------------------------------------------------
     def set_state(
         self,
         rep: ReplicaState,
-        state: str,
+        state: S,
         *,
         reason: str = "",
         weight_version: int | None = None,
