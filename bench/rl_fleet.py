@@ -70,6 +70,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.rl_fleet_scale import router_client_errors  # noqa: E402
 from trainguard.core.config.warm import WarmConfig  # noqa: E402
+from trainguard.core.engine_contract import probe_health  # noqa: E402
 from trainguard.core.envvars import VLLM_PYTHON  # noqa: E402
 from trainguard.core.fleetauth import (  # noqa: E402
     load_secret_file,
@@ -79,7 +80,6 @@ from trainguard.core.fleetauth import (  # noqa: E402
 )
 from trainguard.core.rundir import RunDir  # noqa: E402
 from trainguard.rl import ConsumedLog, PromptLedger, audit  # noqa: E402
-from trainguard.rl.local import engine_health  # noqa: E402
 
 KINDS = ("engine_kill", "engine_freeze", "engine_500", "trainer_rank_kill", "trainer_group_kill")
 PROMPTS, BATCH = 64, 16
@@ -256,8 +256,8 @@ class Run:
         if kind == "engine_kill":  # mid-generation: once it has a request in flight
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                h = engine_health(self.sup.port(i), timeout=1.0, token=self.sup.token())
-                if h is not None and h.get("inflight"):
+                h = probe_health(self.sup.port(i), timeout=1.0, token=self.sup.token()).health
+                if h is not None and h.inflight:
                     break
                 time.sleep(0.02)
             now = time.time()

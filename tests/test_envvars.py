@@ -19,12 +19,6 @@ ALLOWED = {
     # Runs at every Python start in a worker's environment: it imports nothing of trainguard
     # (a copy of envvars.ZYGOTE_FD; the test below holds it equal).
     ("runtime/_zygote/sitecustomize.py", envvars.ZYGOTE_FD),
-    # The rollout fleet's modules, being restructured: to be read from envvars (ROLE,
-    # ROLE_REPLICA, ROLE_PORT, ROLE_HOST, run_dir()); empty this list then.
-    ("rl/local.py", envvars.ROLE),
-    ("rl/local.py", envvars.ROLE_REPLICA),
-    ("rl/local.py", envvars.ROLE_PORT),
-    ("rl/local.py", envvars.ROLE_RUN_DIR),
 }
 """(module relative to trainguard/, the literal) pairs allowed outside the owners: each a copy of
 a constant of envvars."""

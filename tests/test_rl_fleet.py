@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 
+from tests.fleet_engines import LocalEngines, engine_health
 from tests.intruder import intrude, refusal
 from tests.ports import free_port
 from tests.procs import FIXTURE_PIDS
 from trainguard.core.fleetauth import sign
+from trainguard.core.rundir import RunDir
 from trainguard.rl import RolloutClient, RolloutConfig, RolloutError, WeightStore
-from trainguard.rl.local import LocalEngines, engine_health
 from trainguard.rl.tiny import tiny_gpt2
 
 # Two engine processes (a torch + transformers import each, ~7 CPU s), started once a run: the
@@ -110,8 +111,8 @@ class Fleet:
         FIXTURE_PIDS.update(p.pid for p in procs if p is not None)
 
     def start_with_standby(self, i: int) -> None:
-        """Start replica ``i`` (dead) afresh, and a warm standby for it (``--standby``), as
-        ``LocalEngines(standby=True)`` does; later starts get none."""
+        """Start replica ``i`` (dead) afresh, and a warm standby for it (the role's standby
+        protocol), as ``LocalEngines(standby=True)`` does; later starts get none."""
         self.engines.standby = True
         try:
             self.engines.start(i)
@@ -420,7 +421,7 @@ def test_restarted_engine_serves_only_after_loading_the_current_version(
 
 def test_warm_standby_takes_the_port_of_a_killed_replica(fleet: Fleet) -> None:
     """The warm standby the restart test started beside its replica (started here when this
-    test runs alone): built, waiting for the port; kill -9 of the replica promotes it."""
+    test runs alone): built, waiting for its promotion; kill -9 of the replica promotes it."""
     spares = fleet.engines.spares
     i = next((k for k, s in enumerate(spares) if s is not None and s.poll() is None), None)
     if i is None:
@@ -432,10 +433,10 @@ def test_warm_standby_takes_the_port_of_a_killed_replica(fleet: Fleet) -> None:
     assert spare is not None
     engines = fleet.engines
     engines.wait_serving(i, version=fleet.version, timeout=180)
-    deadline = time.monotonic() + 180  # the standby has built its model: it waits for the port
-    log = fleet.run_dir / "roles" / f"rollout_{i}.log"
+    deadline = time.monotonic() + 180  # the standby has built its model: it waits for its order
+    log = RunDir(fleet.run_dir).role_log("rollout", i)
     while not any(
-        f"engine[{spare.pid}]" in ln and "standby for port" in ln
+        f"engine[{spare.pid}]" in ln and "standby ready" in ln
         for ln in log.read_text().splitlines()
     ):
         assert time.monotonic() < deadline and spare.poll() is None

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from tests.fleet_engines import LocalEngines
 from tests.launch_utils import REPO, base_env, popen
 from tests.ports import free_port
 from tests.procs import alive, kill_tree
@@ -31,7 +32,6 @@ from trainguard.core.contract import by_name
 from trainguard.core.events import read_events
 from trainguard.core.rundir import RunDir
 from trainguard.rl import ConsumedLog, PromptLedger, audit
-from trainguard.rl.local import LocalEngines
 from trainguard.telemetry.report import write_report
 
 RL_FLEET = str(REPO / "examples" / "rl_fleet.py")

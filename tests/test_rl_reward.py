@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.fleet_engines import LocalEngines
 from tests.intruder import intrude, refusal
 from tests.ports import free_port
-from trainguard.rl.local import LocalEngines
 from trainguard.rl.reward import RewardClient, RewardError
 
 FN = "trainguard.rl.tiny:digit_reward"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.fleet_engines import LocalEngines, engine_health
 from tests.launch_utils import REPO, base_env, launch
 from tests.ports import free_port
 from trainguard.rl import WeightStore
-from trainguard.rl.local import LocalEngines, engine_health
 
 
 @pytest.mark.slow

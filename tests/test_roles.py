@@ -31,6 +31,7 @@ from trainguard.core.config.roles import (
     parse_role_nodes,
     place_roles,
 )
+from trainguard.core.engine_contract import ReplicaStatus as S
 from trainguard.core.events import EventLog, read_events
 from trainguard.core.fleetauth import job_secret, role_token
 from trainguard.core.plugin import AgentContext
@@ -57,6 +58,19 @@ def wait_for(what: str, cond: Callable[[], Any], timeout: float = 60.0) -> Any:
 
 def kinds(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in read_events(run_dir) if e["kind"] == kind]
+
+
+def path_of(run_dir: Path, kind: str, last: str, **match: Any) -> list[str]:
+    """The states of one replica (or standby) once its events end in ``last``, without
+    ``suspect``: a probe that timed out on a loaded machine, then an answer again, is
+    behaviour too, not a death."""
+
+    def states() -> list[str] | None:
+        got = [e["state"] for e in kinds(run_dir, kind)
+               if all(e[k] == v for k, v in match.items()) and e["state"] != "suspect"]  # fmt: skip
+        return got if got and got[-1] == last else None
+
+    return list(wait_for(f"{kind} {match} ending in {last}", states, timeout=30))
 
 
 @pytest.fixture
@@ -310,9 +324,15 @@ def test_killed_replica_restarts_alone_on_its_port(
     assert [(e["replica"], e["pid"], e["reason"]) for e in failed] == [
         (0, pids[0], "was killed by signal 9")
     ]
-    states = [e["state"] for e in kinds(tmp_path, "role_replica_state") if e["replica"] == 0]
-    assert states[:3] == ["starting", "loading", "serving"]
-    assert states[3:] == ["dead", "restarting", "starting", "loading", "serving"]
+    states = path_of(tmp_path, "role_replica_state", "serving", replica=0)
+    assert _lifecycle(states) == [
+        "starting",
+        "serving",
+        "dead",
+        "restarting",
+        "starting",
+        "serving",
+    ]
     state = json.loads(RunDir(tmp_path).role_state("rollout", 0).read_text())
     assert state["pid"] == new[0] and state["restarts"] == 1 and state["state"] == "serving"
     assert state["port"] == ports[0] and state["weight_version"] == 0
@@ -320,6 +340,12 @@ def test_killed_replica_restarts_alone_on_its_port(
     sup.stop()
     assert not alive(new[0]) and not alive(new[1])
     assert {s["state"] for s in RunDir(tmp_path).role_states()["rollout"]} == {"stopped"}
+
+
+def _lifecycle(states: list[str]) -> list[str]:
+    """The states without ``loading``: this replica's half second of it (``--loading-s``) is
+    wall-clock time a loaded machine's probes may miss."""
+    return [s for s in states if s != "loading"]
 
 
 def _standby(sup: RoleSupervisor, pid: int | None = None) -> dict[str, Any] | None:
@@ -354,16 +380,24 @@ def test_dead_replica_is_replaced_by_the_warm_standby(
     assert who["pid"] == spare["pid"] and who["replica"] == "0"
     if os.geteuid() == 0:  # a user without RLIMIT_NICE cannot lower it again
         assert who["nice"] == mine
-    # refit-gated: the promoted standby reported loading before it served
-    states = [e["state"] for e in kinds(tmp_path, "role_replica_state") if e["replica"] == 0]
-    assert states[3:] == ["dead", "restarting", "starting", "loading", "serving"]
+    # the promoted standby starts as the replica (the engine's refit gate, loading before
+    # serving: test_the_real_engine_as_a_rollout_replica, tests/test_rl_fleet_job.py)
+    states = path_of(tmp_path, "role_replica_state", "serving", replica=0)
+    assert _lifecycle(states) == [
+        "starting",
+        "serving",
+        "dead",
+        "restarting",
+        "starting",
+        "serving",
+    ]
     started = kinds(tmp_path, "role_replica_started")
     assert [(e["replica"], e["standby"]) for e in started][-1] == (0, 0)
     assert sup.restarts["rollout"] == 1 and sup.failure is None
     # a new standby behind it
     again = wait_for("a new standby ready", lambda: _standby(sup, spare["pid"]))
     assert again["pid"] not in (*pids, spare["pid"])
-    sb_states = [e["state"] for e in kinds(tmp_path, "role_standby_state")]
+    sb_states = path_of(tmp_path, "role_standby_state", "standby")
     assert sb_states == ["starting", "standby", "promoted", "starting", "standby"]
 
     sup.stop()
@@ -742,3 +776,163 @@ def test_role_failure_ends_the_job_with_one_line(tmp_path: Path) -> None:
     assert not any(alive(p) for p in trainer_pids)
     assert kinds(run, "job_finished")[-1]["state"] == "failed"
     assert "role rollout failed: replica 0" in write_report(run).read_text()
+
+
+def test_frozen_promoted_standby_does_not_make_its_successor_ready_or_dead(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
+) -> None:
+    """The standby is SIGSTOPped (starved) when it is promoted: it still answers nothing and
+    moves nowhere. Its successor is never ``standby`` from its predecessor's answers, never
+    ``dead`` while it starts, and is ready by its own answer."""
+    sup = supervisor({"command": REPLICA + ["--loading-s", "0.5"], "replicas": 1, "standby": 1})
+    (pid,) = wait_for("the replica serving", lambda: serving_pids(sup))
+    spare = wait_for("the standby ready", lambda: _standby(sup))
+    os.kill(spare["pid"], signal.SIGSTOP)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        wait_for("the standby promoted", lambda: sup.replicas["rollout"][0].pid == spare["pid"])
+        time.sleep(3.0)  # the successor starts while its predecessor holds its old port
+    finally:
+        os.kill(spare["pid"], signal.SIGCONT)
+    wait_for("the promoted standby serving", lambda: serving_pids(sup) == [spare["pid"]])
+    again = wait_for("a new standby ready", lambda: _standby(sup, spare["pid"]), timeout=60)
+    states = path_of(tmp_path, "role_standby_state", "standby")
+    assert states == ["starting", "standby", "promoted", "starting", "standby"]
+    ready = {e["pid"] for e in kinds(tmp_path, "role_standby_state") if e["state"] == "standby"}
+    assert ready == {spare["pid"], again["pid"]}  # each by its own answer
+
+
+def test_back_to_back_deaths_are_each_covered_by_the_standby_pool(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
+) -> None:
+    """A pool of 2 standbys for the role: two replicas killed 2 s apart are both replaced by
+    a standby (no cold start), each by one that proved its readiness with its own answer."""
+    sup = supervisor({"command": REPLICA, "replicas": 2, "standby": 2})
+    pids = wait_for("both replicas serving", lambda: serving_pids(sup))
+    slots = sup.standbys["rollout"]
+    wait_for("both standbys ready", lambda: all(s.state == "standby" for s in slots))
+    spares = {s.pid for s in slots}
+    os.kill(pids[0], signal.SIGKILL)
+    time.sleep(2.0)
+    os.kill(pids[1], signal.SIGKILL)
+    new = wait_for(
+        "both replicas replaced and serving",
+        lambda: (p := serving_pids(sup)) and not set(p) & set(pids) and p,
+    )
+    assert set(new) == spares  # both were standbys: no cold start
+    started = kinds(tmp_path, "role_replica_started")[2:]
+    assert sorted(e["replica"] for e in started) == [0, 1]
+    assert all(e["standby"] is not None for e in started)
+    ready = {e["pid"]: e["incarnation"] for e in kinds(tmp_path, "role_standby_state")
+             if e["state"] == "standby"}  # fmt: skip
+    assert {e["pid"]: e["incarnation"] for e in started} == {p: ready[p] for p in new}
+    assert sup.restarts["rollout"] == 2 and sup.failure is None
+    wait_for("two new standbys ready", lambda: all(
+        s.state == "standby" and s.pid not in spares for s in slots))  # fmt: skip
+
+
+def test_stopped_standby_is_out_of_the_pool_not_dead(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
+) -> None:
+    """A standby SIGSTOPped for longer than ``dead_after_s`` (a starved low-priority process) is
+    ``suspect``, not promoted: the replica killed meanwhile restarts cold; continued, the
+    standby answers again and is back in the pool, the same process."""
+    sup = supervisor({"command": REPLICA, "replicas": 1, "standby": 1}, dead_after_s=1.5)
+    (pid,) = wait_for("the replica serving", lambda: serving_pids(sup))
+    spare = wait_for("the standby ready", lambda: _standby(sup))
+    sb = sup.standbys["rollout"][0]
+    os.kill(spare["pid"], signal.SIGSTOP)
+    try:
+        wait_for("the standby suspect", lambda: sb.state == "suspect", timeout=30)
+        os.kill(pid, signal.SIGKILL)
+        (cold,) = wait_for("a cold restart", lambda: (p := serving_pids(sup)) and p != [pid] and p)
+        assert cold != spare["pid"]
+        time.sleep(3 * 1.5)  # stopped well past dead_after_s
+    finally:
+        os.kill(spare["pid"], signal.SIGCONT)
+
+    # never dead, never started again: out of the pool while silent, the same process back
+    def back() -> list[str] | None:
+        got = [e["state"] for e in kinds(tmp_path, "role_standby_state")]
+        return got if "suspect" in got and got[-1] == "standby" else None
+
+    states = wait_for("the standby back", back, timeout=30)
+    assert "dead" not in states and states.count("starting") == 1, states
+    assert sb.pid == spare["pid"]
+    (started,) = kinds(tmp_path, "role_replica_started")[1:]
+    assert started["standby"] is None and started["pid"] == cold
+
+
+def test_squatter_on_a_replica_port_is_never_the_replica(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
+) -> None:
+    """Another process answers health on replica 0's port, claiming the engine contract: it
+    is never counted as the replica; one event names the port and the squatter; the replica
+    waits for its port (bounded), is retired, and the role goes on with replica 1 without
+    spending its restart budget."""
+    port = free_port()
+    env = base_env(TRAINGUARD_ROLE_PORT=str(port))
+    squatter = subprocess.Popen(REPLICA + ["--squat-incarnation", "forged"], env=env)
+    try:
+        wait_for("the squatter", lambda: probe_health(port, "/health", 1.0).outcome == "ok")
+        sup = supervisor({"command": REPLICA, "replicas": 2, "port": port}, port_wait_s=2.0)
+        rep0, rep1 = sup.replicas["rollout"]
+        wait_for("replica 0 retired", lambda: rep0.state == "retired", timeout=30)
+        wait_for("replica 1 serving", lambda: rep1.state == "serving")
+        taken = [e for e in kinds(tmp_path, "role_port_taken") if e["replica"] == 0]
+        assert taken and {(e["port"], e["holder_pid"]) for e in taken} == {(port, squatter.pid)}
+        assert "role_replica.py --squat-incarnation forged" in taken[0]["holder"]
+        states = [e["state"] for e in kinds(tmp_path, "role_replica_state") if e["replica"] == 0]
+        assert "serving" not in states and "loading" not in states
+        (retired,) = kinds(tmp_path, "role_replica_retired")
+        assert (retired["replica"], retired["left"], retired["floor"]) == (0, 1, 1)
+        assert f"port {port} stayed taken" in retired["reason"]
+        assert sup.failure is None and sup.restarts["rollout"] == 0
+        assert kinds(tmp_path, "role_replica_started")[0]["replica"] == 1  # never started 0
+    finally:
+        squatter.kill()
+        squatter.wait()
+
+
+def test_replica_that_dies_after_every_load_is_retired_then_the_floor_stops_the_role(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
+) -> None:
+    sup = supervisor(
+        {"command": REPLICA + ["--die-after-s", "0.3"], "replicas": 1, "retire_after": 2,
+         "restart_budget": 10},
+    )  # fmt: skip
+    failure = wait_for("the floor failure", lambda: sup.failure, timeout=60)
+    assert failure.startswith("role rollout failed: 0 of 1 replicas left, below its floor of 1")
+    assert "replica 0 (" in failure and "exited with code 5, after 2 restarts" in failure
+    assert "\n" not in failure
+    assert sup.restarts["rollout"] == 2  # the role's budget was not what stopped it
+    (retired,) = kinds(tmp_path, "role_replica_retired")
+    assert (retired["restarts"], retired["left"]) == (2, 0)
+    assert len(kinds(tmp_path, "role_replica_failed")) == 3
+    assert sup.replicas["rollout"][0].state == "retired"
+
+
+def test_health_answers_count_only_from_the_process_started() -> None:
+    """The identity rule, for every kind of answer (the real-process cases are above)."""
+    from trainguard.core.engine_contract import HealthAnswer, Probe
+    from trainguard.roles.health import Whose, whose
+    from trainguard.roles.liveness import Incarnation
+
+    def ok(status: str, pid: int | None = None, incarnation: str | None = None) -> Probe:
+        return Probe("ok", HealthAnswer(S(status), pid=pid, incarnation=incarnation))
+
+    me = os.getpid()
+    assert whose(ok("serving", incarnation="abc"), me, "abc") is Whose.OWN
+    assert whose(ok("serving", pid=me, incarnation="xyz"), me, "abc") is Whose.FOREIGN
+    assert whose(ok("serving", pid=me), os.getpgid(me), "abc") is Whose.OWN
+    assert whose(ok("serving", pid=1), me, "abc") is Whose.FOREIGN
+    assert whose(ok("serving"), me, "abc") is Whose.ANONYMOUS
+    inc = Incarnation(me, "abc", ready_deadline_s=10, dead_after_s=2, slow_limit_s=8,
+                      ready_statuses=(S.SERVING,))  # fmt: skip
+    t0 = inc.started
+    assert inc.judge(ok("serving", incarnation="other"), False, t0).verdict == "foreign"
+    assert inc.judge(Probe("timeout"), False, t0 + 5).verdict == "wait"  # start-up: no death
+    assert inc.judge(ok("starting", incarnation="abc"), False, t0 + 11).verdict == "late"
+    assert inc.judge(ok("serving", incarnation="abc"), False, t0 + 1).verdict == "ok"
+    assert inc.judge(ok("serving", incarnation="other"), True, t0 + 2).verdict == "dead"
+    assert inc.judge(ok("serving"), True, t0 + 4).verdict == "dead"  # anonymous

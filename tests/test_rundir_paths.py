@@ -16,7 +16,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trainguard"
 STILL_SPELLED = {
     # The rollout fleet's modules, being restructured: LocalEngines' logs (RunDir.role_log) and
     # the weight store (RunDir.weights); empty this set then.
-    ("rl/local.py", "roles"),
     ("rl/weights.py", "rl"),
     # A Hugging Face checkpoint directory's own config.json (the model's), not the run's
     ("rl/engines/vllm.py", "config.json"),

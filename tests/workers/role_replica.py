@@ -1,7 +1,7 @@
 """A tiny real HTTP server: the role replica of the role-supervisor tests (a real process).
 
 It serves ``GET /health`` on $TRAINGUARD_ROLE_HOST (default 127.0.0.1):$TRAINGUARD_ROLE_PORT with the engine contract's
-answer, ``{"status": ..., "weight_version": ...}``, and ``GET /whoami`` with its pid, role and
+answer, ``{"status": ..., "weight_version": ..., "pid": ..., "incarnation": ...}``, and ``GET /whoami`` with its pid, role and
 replica. Behaviour knobs (argv):
 
 --exit-at-once CODE   exit with CODE before serving (a command that exits at once)
@@ -13,6 +13,8 @@ replica. Behaviour knobs (argv):
 --close-after S       after S seconds, close the listening socket and stay alive (refuses)
 --ignore-standby      serve as a replica even when started as a standby (a command that does
                       not honour the standby contract)
+--squat-incarnation X answer health naming incarnation X ("none": no incarnation): a squatter
+--die-after-s S       exit 5, S seconds after it serves (an engine that dies after every load)
 
 Started as a role's warm standby (``$TRAINGUARD_ROLE_STANDBY`` set, unless
 ``--ignore-standby``) it answers ``standby`` on its own port until the promotion file appears,
@@ -41,6 +43,8 @@ def main() -> None:
     p.add_argument("--bad-health", choices=("malformed", "500"), default="malformed")
     p.add_argument("--close-after", type=float, default=None)
     p.add_argument("--ignore-standby", action="store_true")
+    p.add_argument("--squat-incarnation", default=None)
+    p.add_argument("--die-after-s", type=float, default=None)
     args = p.parse_args()
     if args.exit_at_once is not None:
         print("role_replica: exiting at once", flush=True)
@@ -57,6 +61,9 @@ def main() -> None:
         "host": host,
         "slurm_node": os.environ.get("SLURMD_NODENAME"),
     }
+    incarnation = os.environ.get("TRAINGUARD_ROLE_INCARNATION")
+    if args.squat_incarnation:  # a squatter: another process's identity, or none at all
+        incarnation = None if args.squat_incarnation == "none" else args.squat_incarnation
     promote = os.environ.get("TRAINGUARD_ROLE_STANDBY")
     standby = bool(promote) and not args.ignore_standby
 
@@ -75,8 +82,9 @@ def main() -> None:
                 self.end_headers()
                 self.wfile.write(data)
                 return
+            me = {"pid": os.getpid(), "incarnation": incarnation}
             if self.path == "/health" and standby:
-                body: dict[str, object] = {"status": "standby", "weight_version": None}
+                body: dict[str, object] = {"status": "standby", "weight_version": None, **me}
             elif self.path == "/health":
                 if args.never_ready:
                     status = "starting"
@@ -84,7 +92,7 @@ def main() -> None:
                     status = "loading"
                 else:
                     status = "serving"
-                body = {"status": status, "weight_version": args.weight_version}
+                body = {"status": status, "weight_version": args.weight_version, **me}
             elif self.path == "/whoami":
                 body = {**ident, "nice": os.getpriority(os.PRIO_PROCESS, 0)}
             else:
@@ -110,11 +118,15 @@ def main() -> None:
                 break
             except (OSError, ValueError):
                 time.sleep(0.05)
+        give_up = time.monotonic() + float(order.get("port_wait_s", 30.0))
         while True:
             try:
                 promoted = ThreadingHTTPServer((host, int(order["port"])), Handler)
                 break
             except OSError:  # the dead replica's port is not free yet
+                if time.monotonic() > give_up:
+                    print(f"role_replica: port {order['port']} stayed taken", flush=True)
+                    sys.exit(2)
                 time.sleep(0.05)
         server.shutdown()
         server.server_close()
@@ -123,6 +135,10 @@ def main() -> None:
         standby = False
         started = time.monotonic()  # loading for --loading-s from here
     print(f"role_replica: serving on {port} pid {os.getpid()}", flush=True)
+    if args.die_after_s is not None:  # dies after every load
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        time.sleep(args.die_after_s)
+        os._exit(5)
     if args.close_after is None:
         server.serve_forever()
         return

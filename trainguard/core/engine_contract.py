@@ -89,8 +89,11 @@ class ReplicaStatus(str, enum.Enum):
     """Exited, refused a connection, or without a good answer for too long."""
     RESTARTING = "restarting"
     """Counted against the role's restart budget, being started again."""
+    RETIRED = "retired"
+    """Not restarted again (it died ``retire_after`` times, or its port stayed taken); the
+    role goes on with the others while they keep its floor."""
     FAILED = "failed"
-    """Not restarted (budget spent, policy ``never``, never ready)."""
+    """Not restarted (budget spent, policy ``never``, never ready, below the role's floor)."""
     STOPPED = "stopped"
     """Ended with the job."""
 
@@ -113,13 +116,14 @@ REPLICA_STATES = (
     S.SUSPECT,
     S.DEAD,
     S.RESTARTING,
+    S.RETIRED,
     S.FAILED,
     S.STOPPED,
 )
 """A role replica's states as the role supervisor keeps them (state files, events,
 ``trainguard.role.replica.state``): starting → loading → serving → suspect → dead →
-restarting (→ starting); failed; stopped."""
-STANDBY_STATES = (S.STARTING, S.STANDBY, S.PROMOTED, S.DEAD, S.FAILED, S.STOPPED)
+restarting (→ starting); retired; failed; stopped."""
+STANDBY_STATES = (S.STARTING, S.STANDBY, S.SUSPECT, S.PROMOTED, S.DEAD, S.FAILED, S.STOPPED)
 """A role's warm standby slot as the role supervisor keeps it."""
 CLIENT_STATES = (S.UNKNOWN, S.LOADING, S.SERVING, S.STALE, S.SUSPECT, S.DEAD)
 """An engine as the trainer's rollout client sees it: UNKNOWN → LOADING → SERVING ⇄ SUSPECT →

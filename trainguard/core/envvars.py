@@ -69,9 +69,10 @@ supervisor that sets only it): read both with :func:`run_dir`."""
 ROLE_STANDBY = "TRAINGUARD_ROLE_STANDBY"
 """In a role's warm standby only (``standby = N``): the file that promotes it. The standby
 serves its health on ``TRAINGUARD_ROLE_PORT`` (its own port, never routed to) with status
-``standby`` once it is loaded; when the file appears (JSON ``{"replica": i, "port": p}``) it
-takes port ``p`` of the dead replica ``i`` and goes on as that replica (loading, then serving
-the current weights)."""
+``standby`` once it is loaded; when the file appears (JSON ``{"replica": i, "port": p,
+"port_wait_s": w}``) it takes port ``p`` of the dead replica ``i`` (waiting at most ``w``
+seconds for it, then exiting with a line that names the port) and goes on as that replica
+(loading, then serving the current weights)."""
 ROLE_INCARNATION = "TRAINGUARD_ROLE_INCARNATION"
 """In a role replica (and a standby): a nonce the supervisor draws for this process alone. The
 replica reports it in its health answer (``incarnation``, beside its ``pid``), so that the

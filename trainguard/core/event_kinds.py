@@ -39,7 +39,9 @@ __all__ = [
     "RECOVERY_DECISION",
     "RENDEZVOUS",
     "RESTART",
+    "ROLE_PORT_TAKEN",
     "ROLE_REPLICA_FAILED",
+    "ROLE_REPLICA_RETIRED",
     "ROLE_REPLICA_STARTED",
     "ROLE_REPLICA_STATE",
     "ROLE_RESTART_BUDGET_EXHAUSTED",
@@ -91,9 +93,11 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("spare_waiting", ("runtime.spares",), ("reason", "round"), "This node waits as a spare (no slot in the round)."),
     EventSpec("spare_joined", ("runtime.spares",), ("round", "waited_s"), "A node that waited as a spare got a slot."),
     # -- roles (engine fleets beside the trainer) -----------------------------------------------
-    EventSpec("role_replica_started", ("roles.supervisor",), ("command", "pid", "port", "replica", "restarts", "role", "role_restarts", "standby", "total", "url"), "A role replica (rollout engine, reward server) was started (``restarts``: this replica's so far; ``role_restarts``: the role's, against its budget; ``standby``: the slot of the warm standby promoted in its place, null for a fresh start)."),
-    EventSpec("role_standby_state", ("roles.supervisor",), ("pid", "port", "previous", "reason", "role", "slot", "starts", "state"), "A role's warm standby (``standby = N``) changed state: starting (started at low priority), standby (loaded, kept out of routing), promoted (it replaces a dead replica), dead (restarted), failed (the role goes on without it), stopped."),
-    EventSpec("role_replica_state", ("roles.supervisor",), ("pid", "previous", "reason", "replica", "role", "serving", "state", "total", "weight_version"), "A role replica changed state (starting, loading, serving, suspect, dead, restarting, failed, stopped) or reports another weight version; ``serving``/``total``: the role's fleet on this node."),
+    EventSpec("role_replica_started", ("roles.supervisor",), ("command", "incarnation", "pid", "port", "replica", "restarts", "role", "role_restarts", "standby", "total", "url"), "A role replica (rollout engine, reward server) was started (``restarts``: this replica's so far; ``role_restarts``: the role's, against its budget; ``standby``: the slot of the warm standby promoted in its place, null for a fresh start; ``incarnation``: the nonce its health answers must name)."),
+    EventSpec("role_standby_state", ("roles.supervisor",), ("incarnation", "pid", "port", "previous", "reason", "role", "slot", "starts", "state"), "A role's warm standby (``standby = N``, a pool for the role) changed state: starting (started at low priority), standby (loaded: its own health answer said so; kept out of routing), suspect (no answer: not promoted until it answers again; a slow standby is not dead), promoted (it replaces a dead replica), dead (restarted), failed (the role goes on without it), stopped."),
+    EventSpec("role_port_taken", ("roles.supervisor",), ("holder", "holder_pid", "port", "replica", "role", "waited_s"), "Another process holds a replica's port (``holder``: its command line or what its health answer said): it is never taken for the replica; the start waits for the port (``[roles] port_wait_s``), then the replica is retired."),
+    EventSpec("role_replica_retired", ("roles.supervisor",), ("floor", "left", "reason", "replica", "restarts", "role"), "A role replica is not restarted again (it died ``retire_after`` times, or its port stayed taken): the role goes on with the ``left`` others while they are at least its ``floor``."),
+    EventSpec("role_replica_state", ("roles.supervisor",), ("pid", "previous", "reason", "replica", "role", "serving", "state", "total", "weight_version"), "A role replica changed state (starting, loading, serving, suspect, dead, restarting, retired, failed, stopped) or reports another weight version; ``serving``/``total``: the role's fleet on this node."),
     EventSpec("role_replica_failed", ("roles.supervisor",), ("exitcode", "pid", "reason", "replica", "restart_budget", "restarts", "role", "was_ready"), "A role replica died (exited, refused connections, froze, or was not ready in time after a restart); the trainer is not touched."),
     EventSpec("role_restart_budget_exhausted", ("roles.supervisor",), ("message", "replica", "restart_budget", "restarts", "role"), "A role replica died with its role's restart budget spent (or its policy ``never``): the role failed and the job ends."),
     EventSpec("ft_lighthouse", ("runtime.registry",), ("pid", "replica_group", "started", "url"), "torchft's lighthouse this job uses (started here or found)."),
@@ -210,6 +214,8 @@ ROLE_REPLICA_STATE = _kind("role_replica_state")
 ROLE_REPLICA_FAILED = _kind("role_replica_failed")
 ROLE_RESTART_BUDGET_EXHAUSTED = _kind("role_restart_budget_exhausted")
 ROLE_STANDBY_STATE = _kind("role_standby_state")
+ROLE_PORT_TAKEN = _kind("role_port_taken")
+ROLE_REPLICA_RETIRED = _kind("role_replica_retired")
 PREFLIGHT = _kind("preflight")
 HEALTH_PROBE = _kind("health_probe")
 FAILURE_ATTRIBUTED = _kind("failure_attributed")

@@ -53,16 +53,16 @@ vLLM fits this contract through the adapter ``python -m trainguard.rl.engines.vl
 health, completions and weight updates onto vLLM's own APIs; docs/rl.md says what SGLang's
 mapping would be.
 
-A warm replacement (``--standby``): a second process per replica imports everything and
-builds the model while the replica serves, binds the port the moment it is free (the replica
-died or was killed), then loads the current version and serves: a rejoin without the start-up.
-
 A role's warm standby (``standby = N`` of the ``rollout`` role; ``$TRAINGUARD_ROLE_STANDBY``
 names its promotion file): the engine serves ``/health`` on its own port
 (``$TRAINGUARD_ROLE_PORT``, never routed to) with status ``standby`` once the model is built;
-when the supervisor writes the promotion file (``{"replica": i, "port": p}``) it binds port
-``p`` (free once the dead replica is gone), closes its own, loads the current weight version
-(``loading``) and serves: the replica's rejoin without the start-up.
+when the supervisor writes the promotion file (``{"replica": i, "port": p, "port_wait_s": w}``)
+it binds port ``p`` (free once the dead replica is gone; after ``w`` seconds of another process
+holding it, it exits with one line naming the port), closes its own, loads the current weight
+version (``loading``) and serves: the replica's rejoin without the start-up.
+
+Every health answer names its process: ``"pid"`` and ``"incarnation"`` (the nonce the supervisor
+gave this start in ``$TRAINGUARD_ROLE_INCARNATION``); the supervisor counts no other answer.
 
 Fault injection (tests and benchmarks only, ``--enable-fault-injection``): ``POST /v1/faults``
 ``{"kind": "http_500"|"malformed"|"hang", "count": n}`` makes the next ``n`` completion
@@ -540,7 +540,7 @@ def serve(engine: Engine) -> JSONServer:
     return JSONServer((engine.config.host, engine.config.port), handler)
 
 
-def _parse(argv: list[str] | None) -> tuple[EngineConfig, bool]:
+def _parse(argv: list[str] | None) -> EngineConfig:
     p = argparse.ArgumentParser(
         prog="python -m trainguard.rl.engine", description=__doc__.split("\n")[0]
     )
@@ -557,12 +557,6 @@ def _parse(argv: list[str] | None) -> tuple[EngineConfig, bool]:
     p.add_argument("--poll-interval-s", type=float, default=0.5)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--enable-fault-injection", action="store_true", help="tests only")
-    p.add_argument(
-        "--standby",
-        action="store_true",
-        help="a warm replacement: import and build the model, then wait until the port is free "
-        "(the replica on it died), take it, load the current weights and serve",
-    )
     a = p.parse_args(argv)
     port = a.port
     if port is None:
@@ -591,7 +585,7 @@ def _parse(argv: list[str] | None) -> tuple[EngineConfig, bool]:
     import torch
 
     torch.set_num_threads(max(1, a.threads))
-    return cfg, a.standby
+    return cfg
 
 
 def _token(p: argparse.ArgumentParser) -> str:
@@ -604,13 +598,15 @@ def _token(p: argparse.ArgumentParser) -> str:
     return token
 
 
-def _bind_when_free(engine: Engine) -> JSONServer:
-    """A standby's bind: retried while the replica it replaces still holds the port."""
+def _bind_when_free(engine: Engine, wait_s: float) -> JSONServer:
+    """A promoted standby's bind: retried while the dead replica's port is not free yet, at
+    most ``wait_s`` seconds (then OSError naming the port)."""
+    give_up = time.monotonic() + wait_s
     while True:
         try:
             return serve(engine)
         except OSError as e:
-            if e.errno != errno.EADDRINUSE:
+            if e.errno != errno.EADDRINUSE or time.monotonic() > give_up:
                 raise
             time.sleep(0.05)
 
@@ -628,6 +624,7 @@ def _await_promotion(engine: Engine, promote: Path) -> JSONServer:
         try:
             order = json.loads(promote.read_text())
             port = int(order["port"])
+            wait_s = float(order.get("port_wait_s", 30.0))
         except FileNotFoundError:
             time.sleep(0.05)
             continue
@@ -637,7 +634,7 @@ def _await_promotion(engine: Engine, promote: Path) -> JSONServer:
         break
     engine.config.port = port
     engine.status = S.STARTING  # until the current weights are loaded (boot: loading)
-    server = _bind_when_free(engine)
+    server = _bind_when_free(engine, wait_s)
     own.shutdown()
     own.server_close()
     logger.info("engine: promoted to replica %s on port %d", order.get("replica"), port)
@@ -646,16 +643,12 @@ def _await_promotion(engine: Engine, promote: Path) -> JSONServer:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine[%(process)d] %(message)s")
-    cfg, standby = _parse(argv)
+    cfg = _parse(argv)
     engine = Engine(cfg)
     promote = os.environ.get(ROLE_STANDBY_ENV)
     try:
         if promote:
             server = _await_promotion(engine, Path(promote))
-        elif standby:  # warm: imports and model first, then take the port once it is free
-            engine.build()
-            logger.info("engine: standby for port %d", cfg.port)
-            server = _bind_when_free(engine)
         else:
             server = serve(engine)
     except OSError as e:

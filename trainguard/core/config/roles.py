@@ -66,11 +66,14 @@ _KEYS = {
     "standby": "standby",
     "nodes": "nodes",
     "bind": "bind",
+    "retire": "retire_after",
+    "retire_after": "retire_after",
+    "floor": "floor",
 }
 
 _FLAG_FORM = (
     "NAME=REPLICAS[,port=P,budget=N,policy=always|never,health=/PATH,ready=S,standby=K,"
-    "nodes=K,bind=ADDR]:COMMAND"
+    "nodes=K,bind=ADDR,retire=N,floor=N]:COMMAND"
 )
 
 
@@ -115,6 +118,14 @@ class RoleSpec:
     """The address the replicas bind (``TRAINGUARD_ROLE_HOST``); empty: ``127.0.0.1`` beside
     the trainer, the node's Slurm address (``NodeAddr``) on nodes of its own. ``0.0.0.0`` binds
     every interface: only when told."""
+    retire_after: int = 3
+    """Restarts of one replica after which, dying again, it is ``retired`` (not restarted: a
+    replica that dies after every load) and the role goes on with the others; 0: never
+    retired (only the role's ``restart_budget`` counts)."""
+    floor: int = 1
+    """Replicas of the role that must be left (not retired): a role below its floor fails
+    and ends the job, with one line naming the role, the floor and what was lost. On nodes
+    of their own each node's agent counts the replicas it runs."""
 
     def url(self, port: int, host: str = "127.0.0.1") -> str:
         return f"http://{host}:{port}"
@@ -132,6 +143,8 @@ class RoleSpec:
             "standby": self.standby,
             "nodes": self.nodes,
             "bind": self.bind,
+            "retire_after": self.retire_after,
+            "floor": self.floor,
         }
 
     @classmethod
@@ -172,8 +185,16 @@ class RoleSpec:
                 "fixed port (port = 8100: replica i on port + i), since the trainer's URLs are "
                 "known before its replicas start"
             )
+        floor = check.integer("floor", 1, 0)
+        if floor > replicas:
+            raise ValueError(
+                f"{where}: role {name!r}: floor {floor} > replicas {replicas}: the role could "
+                "never run; give a floor of at most the replica count"
+            )
         return cls(
             name=name,
+            retire_after=check.integer("retire_after", 3, 0),
+            floor=floor,
             command=command,
             replicas=replicas,
             port=port,
@@ -201,6 +222,8 @@ _TABLE_KEYS = frozenset(
         "standby",
         "nodes",
         "bind",
+        "retire_after",
+        "floor",
     }
 )
 """Keys of a ``[roles.<name>]`` table."""
@@ -312,7 +335,7 @@ def parse_role_flag(value: str) -> tuple[str, dict[str, Any]]:
         if not eq or key.strip() not in _KEYS:
             raise ValueError(
                 f"{where}: unknown option {opt!r}; options: port, budget, policy, health, "
-                "ready, standby, nodes, bind"
+                "ready, standby, nodes, bind, retire, floor"
             )
         table[_KEYS[key.strip()]] = val.strip()
     cmd = m["cmd"].strip()
@@ -331,8 +354,19 @@ class RolesConfig:
     reward: dict[str, Any] = field(default_factory=dict)
     """``[roles.reward]``: the scoring servers (empty: no such role)."""
     readiness_timeout_s: float = 300.0
-    """Seconds a started replica has to answer its health probe with ``loading`` or
-    ``serving``; a replica that never did is a role failure naming it (one line)."""
+    """Seconds a replica's first start has to answer its health probe with ``loading`` or
+    ``serving`` (a standby: ``standby``); a replica that never did is a role failure naming
+    it (one line). Until then only the process's exit counts: probes that get no answer are
+    its start-up, never its death."""
+    startup_grace_factor: float = 4.0
+    """A restarted replica's readiness deadline: this many times the longest start-up measured
+    in the role (start to its first ready answer), at least ``startup_grace_min_s`` and at
+    most ``readiness_timeout_s``."""
+    startup_grace_min_s: float = 30.0
+    """The shortest readiness deadline of a restart (see ``startup_grace_factor``)."""
+    port_wait_s: float = 30.0
+    """How long a replica's start (or a promoted standby) waits for its port while another
+    process holds it (a ``role_port_taken`` event names it); then the replica is retired."""
     probe_interval_s: float = 1.0
     """How often each replica's health endpoint is probed."""
     probe_timeout_s: float = 2.0
@@ -359,7 +393,15 @@ class RolesConfig:
     """The address the fleet endpoint binds; ``0.0.0.0`` (every interface) only when told."""
 
     def __post_init__(self) -> None:
-        for key in ("readiness_timeout_s", "probe_interval_s", "probe_timeout_s", "dead_after_s"):
+        for key in (
+            "readiness_timeout_s",
+            "probe_interval_s",
+            "probe_timeout_s",
+            "dead_after_s",
+            "startup_grace_factor",
+            "startup_grace_min_s",
+            "port_wait_s",
+        ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0")
         if self.stop_timeout_s < 0:
@@ -393,6 +435,14 @@ class RolesConfig:
 
     def readiness_timeout(self, spec: RoleSpec) -> float:
         return spec.readiness_timeout_s or self.readiness_timeout_s
+
+    def restart_deadline(self, spec: RoleSpec, measured_s: float | None) -> float:
+        """A restart's readiness deadline from the role's longest measured start-up (None:
+        none measured yet: the first start's)."""
+        first = self.readiness_timeout(spec)
+        if measured_s is None:
+            return first
+        return min(first, max(self.startup_grace_min_s, self.startup_grace_factor * measured_s))
 
     def node_count(self) -> int:
         """Nodes of their own the roles need (``nodes``, all roles together)."""

@@ -1,15 +1,18 @@
 """Engine replicas as local processes, started the way ``trainguard run``'s ``rollout`` role
-starts them (same command, same environment contract), for tests and benchmarks that drive
-the fleet themselves: kill one, restart it on its port, wait for it to serve.
+starts them (same command, same environment contract), for the tests that drive the fleet
+themselves: kill one, restart it on its port, wait for it to serve.
 
 Each replica gets ``TRAINGUARD_ROLE=rollout``, ``TRAINGUARD_ROLE_REPLICA=<i>``,
-``TRAINGUARD_ROLE_PORT=<port>`` (kept across restarts), ``TRAINGUARD_RUN_DIR`` and
-``TRAINGUARD_ROLE_TOKEN``, its role's token from the run directory's fleet secret (created
-there as ``trainguard run``'s agent does): pass :attr:`LocalEngines.token` to the clients.
+``TRAINGUARD_ROLE_PORT=<port>`` (kept across restarts), ``TRAINGUARD_ROLE_INCARNATION``,
+``TRAINGUARD_RUN_DIR`` and ``TRAINGUARD_ROLE_TOKEN``, its role's token from the run directory's
+fleet secret (created there as ``trainguard run``'s agent does: pass :attr:`LocalEngines.token`
+to the clients); a warm standby the role's standby contract (``TRAINGUARD_ROLE_STANDBY``: a port
+of its own, then the promotion file), as the role supervisor gives it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,9 +23,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from trainguard.core import envvars
-from trainguard.core.atomicfile import open_append
+from trainguard.core.atomicfile import open_append, write_atomic
 from trainguard.core.engine_contract import HEALTH_PATH, ReplicaStatus, probe_health
 from trainguard.core.fleetauth import job_secret, role_token
+from trainguard.core.rundir import RunDir
+from trainguard.roles.procs import free_port, new_incarnation
 
 __all__ = ["LocalEngines", "engine_health"]
 
@@ -49,8 +54,8 @@ class LocalEngines:
         role: str = "rollout",
         module: str = "trainguard.rl.engine",
     ) -> None:
-        """``standby``: keep a warm replacement per replica (``--standby``), promoted by
-        :meth:`restart` (the new primary takes the port as soon as the old one is gone).
+        """``standby``: keep a warm standby per replica, promoted by :meth:`restart` (it takes
+        the port as soon as the old replica is gone).
         ``role``/``module``: another fleet, e.g. ``reward`` servers (``trainguard.rl.reward``)."""
         self.role = role
         self.module = module
@@ -65,28 +70,39 @@ class LocalEngines:
         self._logs: list[IO[bytes] | None] = [None] * len(self.ports)
         self.standby = standby
         self.spares: list[subprocess.Popen[bytes] | None] = [None] * len(self.ports)
+        self._orders: list[Path | None] = [None] * len(self.ports)
+        """Each spare's promotion file."""
+        self._starts = 0
 
     @property
     def urls(self) -> list[str]:
         return [f"http://127.0.0.1:{p}" for p in self.ports]
 
-    def _spawn(self, k: int, extra: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, k: int, standby: bool = False) -> subprocess.Popen[bytes]:
+        self._starts += 1
         env = {
             **os.environ,
             **self.env,
-            "TRAINGUARD_ROLE": self.role,
-            "TRAINGUARD_ROLE_REPLICA": str(k),
-            "TRAINGUARD_ROLE_PORT": str(self.ports[k]),
-            "TRAINGUARD_RUN_DIR": str(self.run_dir),
+            envvars.ROLE: self.role,
+            envvars.ROLE_REPLICA: str(k),
+            envvars.ROLE_PORT: str(self.ports[k]),
+            envvars.ROLE_RUN_DIR: str(self.run_dir),
+            envvars.ROLE_INCARNATION: new_incarnation(),
             envvars.ROLE_TOKEN: self.token,
             "OMP_NUM_THREADS": "1",
         }
-        logs = self.run_dir / "roles"
-        logs.mkdir(parents=True, exist_ok=True)
+        if standby:
+            order = RunDir(self.run_dir).role_standby(self.role, k, f"{self._starts}.promote")
+            self._orders[k] = order
+            env[envvars.ROLE_PORT] = str(free_port())
+            env[envvars.ROLE_STANDBY] = str(order)
+            del env[envvars.ROLE_REPLICA]
+        log = RunDir(self.run_dir).role_log(self.role, k)
+        log.parent.mkdir(parents=True, exist_ok=True)
         if self._logs[k] is None:  # closed in close(); appended, no symlink followed
-            self._logs[k] = os.fdopen(open_append(logs / f"{self.role}_{k}.log"), "ab")
+            self._logs[k] = os.fdopen(open_append(log), "ab")
         return subprocess.Popen(
-            [sys.executable, "-m", self.module, *self.args, *extra],
+            [sys.executable, "-m", self.module, *self.args],
             env=env,
             stdout=self._logs[k],
             stderr=subprocess.STDOUT,
@@ -94,9 +110,9 @@ class LocalEngines:
 
     def start(self, i: int | None = None) -> None:
         for k in range(len(self.ports)) if i is None else [i]:
-            self.procs[k] = self._spawn(k, [])
+            self.procs[k] = self._spawn(k)
             if self.standby and self.spares[k] is None:
-                self.spares[k] = self._spawn(k, ["--standby"])
+                self.spares[k] = self._spawn(k, standby=True)
 
     def pid(self, i: int) -> int:
         p = self.procs[i]
@@ -118,10 +134,12 @@ class LocalEngines:
         if p is not None:
             p.wait()
         self.restarts[i] += 1
-        spare = self.spares[i]
-        if spare is not None and spare.poll() is None:
+        spare, order = self.spares[i], self._orders[i]
+        if spare is not None and spare.poll() is None and order is not None:
+            body = {"replica": i, "port": self.ports[i], "role": self.role, "port_wait_s": 30}
+            write_atomic(order, json.dumps(body) + "\n")
             self.procs[i] = spare
-            self.spares[i] = self._spawn(i, ["--standby"])
+            self.spares[i] = self._spawn(i, standby=True)
         else:
             self.spares[i] = None
             self.start(i)
