@@ -21,8 +21,11 @@ logs), ``prompts_skipped``/``prompts_duplicated`` (the consumed-prompt audit of 
 ``engine_restarts_on_trainer_kill``, ``trainer_kill_to_next_update_s`` (kill → the next
 completed step), ``weight_sync_s`` (median push time, fault-free run), ``rl_ettr_failures`` /
 ``rl_ettr_fault_free`` (steps kept at the end of the window × the fault-free median step /
-``--ettr-s``, the window counted from the run's first completed step). The trainer's warm
-processes preload transformers (``[warm] preload``). Ends with one JSON line.
+``--ettr-s``, the window counted from the run's first completed step),
+``replay_bitwise_equal`` (a run of ``--replay-steps`` with ``--replay-faults`` random faults,
+every kind at least once, ends with the final weights of the fault-free run with the same
+seed, compared tensor by tensor; ``replay_tensors_differing`` counts the others). The
+trainer's warm processes preload transformers (``[warm] preload``). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -151,7 +154,14 @@ def _records(run_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
 
 class Run:
     def __init__(
-        self, root: Path, name: str, *, steps: int, engines: int = 2, standby: int = 1
+        self,
+        root: Path,
+        name: str,
+        *,
+        steps: int,
+        engines: int = 2,
+        standby: int = 1,
+        seed: int = 0,
     ) -> None:
         self.name = name
         self.run_dir = root / name
@@ -177,7 +187,7 @@ class Run:
              f"rollout={engines},standby={standby},budget=1000:{shlex.join(ENGINE)}",
              str(REPO / "examples" / "rl_fleet.py"), "--steps", str(steps), "--prompts",
              str(PROMPTS), "--batch", str(BATCH), "--group", "8", "--max-tokens", "16",
-             "--request-timeout", "20"],
+             "--request-timeout", "20", "--seed", str(seed)],
             env=env, stdout=subprocess.DEVNULL, stderr=open(self.run_dir / "launcher.err", "wb"),  # noqa: SIM115
         )  # fmt: skip
         self.faults: list[tuple[str, float, int]] = []  # kind, time, attempt at the fault
@@ -349,6 +359,54 @@ def ettr_run(root: Path, name: str, duration_s: float, mtbf_s: float | None, see
     return run
 
 
+def replay_runs(root: Path, *, steps: int, faults: int, seed: int) -> dict[str, Any]:
+    """The fault-free run and a run with ``faults`` random faults (every kind at least once,
+    in a shuffled order, at random steps), both ``--steps steps`` with the same run seed,
+    each to its end; their final weights (the weight store's version ``steps``) compared
+    tensor by tensor."""
+    import torch
+    from safetensors.torch import load_file
+
+    rng = random.Random(seed)
+    kinds = list(KINDS) * (faults // len(KINDS) + 1)
+    rng.shuffle(kinds)
+    kinds = kinds[: max(faults, len(KINDS))]
+    if set(kinds) != set(KINDS):
+        kinds = [*KINDS, *kinds[len(KINDS) :]]
+        rng.shuffle(kinds)
+    at = sorted(rng.sample(range(2, steps - 2), len(kinds)))
+    finals = {}
+    for name, plan in (
+        ("replay_fault_free", []),
+        ("replay_faults", list(zip(at, kinds, strict=True))),
+    ):
+        run = Run(root, name, steps=steps, seed=seed)
+        for step, kind in plan:
+            if not run.wait_step(max(step, run.step() + 1)):
+                break
+            run.inject(kind, rng)
+        rc = run.finish(timeout=1800)
+        path = run.run_dir / "rl" / "weights" / f"v{steps:08d}.safetensors"
+        finals[name] = load_file(str(path)) if rc == 0 and path.exists() else None
+        print(f"  [{name}] rc {rc}, {len(run.faults)} faults, {run.audit()}", flush=True)
+    a, b = finals["replay_fault_free"], finals["replay_faults"]
+    differ = (
+        None
+        if a is None or b is None
+        else [
+            k
+            for k in sorted(set(a) | set(b))
+            if k not in a or k not in b or not torch.equal(a[k], b[k])
+        ]
+    )
+    return {
+        "replay_bitwise_equal": differ == [],
+        "replay_tensors_differing": None if differ is None else len(differ),
+        "replay_faults": len(kinds),
+        "replay_steps": steps,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20, help="steps of each scenario run")
@@ -356,6 +414,8 @@ def main() -> None:
     p.add_argument("--mtbf-s", type=float, default=30.0)
     p.add_argument("--only", default=None, help="comma-separated scenarios (debugging)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replay-steps", type=int, default=40, help="0: no replay runs")
+    p.add_argument("--replay-faults", type=int, default=6)
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rl-fleet-bench-"))
     print(f"runs in {root}", flush=True)
@@ -434,6 +494,10 @@ def main() -> None:
         )
         out["ettr_run_s"] = args.ettr_s
         out["ettr_faults"] = len(ettr["failures"].faults)
+    if args.replay_steps > 0:
+        out.update(
+            replay_runs(root, steps=args.replay_steps, faults=args.replay_faults, seed=args.seed)
+        )
     print(json.dumps(out), flush=True)
 
 

@@ -23,7 +23,9 @@ Resume is lossless: the ledger (prompt position, pending prompts) and the weight
 in the ``tg.checkpoint`` state saved every step (memory tier); rank 0 appends each committed
 step's prompts to ``RUN_DIR/rl/consumed.jsonl`` (the audit trail of exactly-once training).
 A restarted trainer reattaches to the running engines, refits them to its restored version
-when theirs differs, and goes on.
+when theirs differs, and goes on. Every sample is seeded from (``--seed``, the epoch, the
+prompt id, its index in the group) and dropout per step: an on-policy run through faults
+ends with the weights of the fault-free run with the same seed, bit for bit.
 
 TRL: ``GRPOTrainer`` (trl 1.16) generates through vLLM in server mode with TRL's own
 ``VLLMClient`` (``/generate/``, ``/init_communicator/``, ``/update_named_param/`` of
@@ -57,6 +59,7 @@ from trainguard.rl import (
 )
 from trainguard.rl.client import REWARD_URLS_ENV
 from trainguard.rl.reward import RewardClient
+from trainguard.rl.sampling import prompt_seed
 from trainguard.rl.tiny import digit_reward, tiny_gpt2, tiny_tokenizer
 
 
@@ -93,6 +96,12 @@ def main() -> None:
         help="reward servers (python -m trainguard.rl.reward --function "
         "trainguard.rl.tiny:digit_reward); default: $TRAINGUARD_REWARD_URLS, else in-process",
     )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the run's seed: initial policy, prompt order, every sample's random stream",
+    )
     p.add_argument("--fail-at-step", type=int, default=-1)
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.0)
@@ -104,10 +113,10 @@ def main() -> None:
         dist.init_process_group("gloo")
     torch.set_num_threads(1)
     tok = tiny_tokenizer()
-    policy = tiny_gpt2(seed=0)
+    policy = tiny_gpt2(seed=args.seed)
     reference = copy.deepcopy(policy).requires_grad_(False)
     opt = torch.optim.Adam(policy.parameters(), lr=args.lr)
-    ledger = PromptLedger(args.prompts, seed=0)
+    ledger = PromptLedger(args.prompts, seed=args.seed)
     state = {"model": policy, "optim": opt, "ledger": ledger}
     ckpt = tg.checkpoint
     resumed = ckpt.restore_or_init(state)  # sets tg.step_num; the weight version = steps done
@@ -175,8 +184,15 @@ def main() -> None:
                    refit=bool(attach["weight_refit"]), engines_before=before)  # fmt: skip
     client.wait_serving(1, timeout=300)
 
-    def generate(ids: list[int]) -> list[list[Completion]]:
-        return client.generate([prompt_text(i) for i in ids], n=args.group,
+    def generate(positions: list[int]) -> list[list[Completion]]:
+        """Each sample seeded from (run seed, epoch, prompt id, its index in the group): a
+        step regenerated after a resume gets the same completions from any engine."""
+        ids = [ledger.prompt_id(g) for g in positions]
+        seeds = [
+            prompt_seed(args.seed, g // args.prompts, i)
+            for g, i in zip(positions, ids, strict=True)
+        ]
+        return client.generate([prompt_text(i) for i in ids], n=args.group, seed=seeds,
                                max_tokens=args.max_tokens, temperature=1.0)  # fmt: skip
 
     # async (--max-staleness >= 1): the next batch is generated while this one trains; its
@@ -191,14 +207,15 @@ def main() -> None:
             prefetch = None
         else:
             positions, pending = ledger.take(args.batch), None
-        ids = [ledger.prompt_id(g) for g in positions[tg.rank :: world]]
+        mine = positions[tg.rank :: world]
+        ids = [ledger.prompt_id(g) for g in mine]
         with tg.step(samples=len(ids) * args.group) as step:
+            torch.manual_seed(prompt_seed(args.seed, step, -1 - tg.rank))  # dropout, per step
             with tg.span("rollout"):
-                comps = pending.result() if pending is not None else generate(ids)
+                comps = pending.result() if pending is not None else generate(mine)
             if args.max_staleness > 0 and step + 1 < args.steps:
                 nxt = ledger.take(args.batch)
-                nxt_ids = [ledger.prompt_id(g) for g in nxt[tg.rank :: world]]
-                prefetch = (nxt, pool.submit(generate, nxt_ids))
+                prefetch = (nxt, pool.submit(generate, nxt[tg.rank :: world]))
             with tg.span("reward"):
                 rewards = score(ids, comps)
                 adv = (rewards - rewards.mean(1, keepdim=True)) / (

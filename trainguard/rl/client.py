@@ -48,6 +48,7 @@ from urllib.parse import urlsplit
 
 from trainguard.core import envvars
 from trainguard.core.contract import ROLLOUT_FAILURE_REASONS
+from trainguard.rl.sampling import request_seed
 
 __all__ = [
     "FAILURE_REASONS",
@@ -214,7 +215,9 @@ class _Batch:
     prompts: list[str]
     params: dict[str, Any]
     n: int
-    seed: int | None
+    seed: int | list[int] | None
+    """An int: prompt ``i`` of the batch is seeded ``request_seed(seed, i)``; a list: one
+    per prompt."""
     chunk_size: int
     deadline: float
     todo: list[_Chunk] = field(default_factory=list)
@@ -227,8 +230,10 @@ class _Batch:
 
     def body(self, chunk: _Chunk) -> dict[str, Any]:
         b: dict[str, Any] = {"prompt": [self.prompts[i] for i in chunk.indices], **self.params}
-        if self.seed is not None:
-            b["seed"] = self.seed + chunk.indices[0]
+        if isinstance(self.seed, list):
+            b["seed"] = [self.seed[i] for i in chunk.indices]
+        elif self.seed is not None:  # the same seeds however the batch is cut into requests
+            b["seed"] = [request_seed(self.seed, i) for i in chunk.indices]
         return b
 
 
@@ -465,13 +470,24 @@ class RolloutClient:
         temperature: float = 1.0,
         top_p: float = 1.0,
         logprobs: bool = False,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
     ) -> list[list[Completion]]:
         """``n`` real completions for each prompt (outer list in prompt order), or
         :class:`RolloutError` after ``max_attempts`` failed attempts of one request or
-        ``batch_timeout_s``. An HTTP 4xx (the request itself is bad) raises at once."""
+        ``batch_timeout_s``. An HTTP 4xx (the request itself is bad) raises at once.
+
+        ``seed``: reproducible sampling (:mod:`trainguard.rl.sampling`): one seed per prompt
+        (e.g. :func:`~trainguard.rl.sampling.prompt_seed` of the run's seed, the epoch and
+        the prompt's id), or an int ``s`` seeding prompt ``i`` with
+        :func:`~trainguard.rl.sampling.request_seed` ``(s, i)``. Sample ``j``
+        of a prompt seeded ``t`` draws from the stream ``t + j``, whichever engine serves it
+        and whatever else it generates at the same time."""
         if not prompts:
             return []
+        if seed is not None and not isinstance(seed, int):
+            seed = [int(x) for x in seed]
+            if len(seed) != len(prompts):
+                raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts: give one each")
         batch = _Batch(
             prompts=list(prompts),
             params=_request_params(n, max_tokens, temperature, top_p, logprobs),

@@ -28,7 +28,11 @@ an adapter in front of vLLM or SGLang):
     ``logprobs``, ``logprobs.token_logprobs``, one per token id) and
     ``weight_version``, the version of the weights that generated every choice (a weight
     update waits for the batch in progress). 503 while not serving; 4xx with
-    ``{"error": {"message": ...}}`` for bad input.
+    ``{"error": {"message": ...}}`` for bad input. ``seed``: an int, or a list with one seed
+    per prompt; sample ``j`` of a prompt seeded ``s`` draws from a stream of its own seeded
+    ``s + j`` (:mod:`trainguard.rl.sampling`), and the rows of seeded requests are batched
+    only with rows of prompts of the same token length, so a seeded sample is the same
+    whatever else the engine generates beside it.
 ``GET /v1/weights``
     ``{"version": v}``.
 ``POST /v1/weights/update``
@@ -79,6 +83,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core import envvars
+from trainguard.rl.sampling import SEED_MAX, SeededSampler, request_seed, sample_seed
 from trainguard.rl.tiny import TINY_MODEL, load_model
 from trainguard.rl.weights import WeightStore, default_weight_dir
 
@@ -107,6 +112,9 @@ class EngineConfig:
     batch_window_s: float = 0.01
     """How long the batcher waits for more requests after the first one of a batch."""
     max_batch_prompts: int = 256
+    seeded_batch_rows: int = 32
+    """Rows per batch of seeded (reproducible) generation, always this many (see
+    ``Engine._seeded_rows``)."""
     max_tokens_limit: int = 256
     max_n: int = 64
     poll_interval_s: float = 0.5
@@ -126,11 +134,24 @@ class _Sampling:
     temperature: float
     top_p: float
     n: int
-    seed: int | None
+    seed: int | tuple[int, ...] | None
+    """An int: prompt ``k`` of the request is seeded ``request_seed(seed, k)``; a list: one
+    seed per prompt."""
     logprobs: int | None
 
     def key(self) -> tuple[Any, ...]:
-        return (self.max_tokens, self.temperature, self.top_p, self.seed)
+        return (self.max_tokens, self.temperature, self.top_p, self.seed is None)
+
+    def prompt_seeds(self, count: int) -> list[int] | None:
+        if self.seed is None:
+            return None
+        if isinstance(self.seed, int):
+            return [request_seed(self.seed, k) for k in range(count)]
+        return list(self.seed)
+
+
+_Row = tuple[str, list[int], list[float], str]
+"""A generated row: text, token ids, log-probs, finish reason."""
 
 
 @dataclass(slots=True)
@@ -158,6 +179,18 @@ def _float_field(body: dict[str, Any], name: str, default: float, lo: float, hi:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
         raise BadRequest(f"'{name}' must be a number in {lo}..{hi}, got {v!r}")
     return float(v)
+
+
+def _seed_field(body: dict[str, Any], prompts: int) -> int | tuple[int, ...] | None:
+    v = body.get("seed")
+    if v is None or not isinstance(v, list):
+        return _int_field(body, "seed", None, 0, SEED_MAX)
+    ok = all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= SEED_MAX for x in v)
+    if not ok or len(v) != prompts:
+        raise BadRequest(
+            f"'seed' as a list must hold {prompts} integers in 0..{SEED_MAX} (one per prompt)"
+        )
+    return tuple(v)
 
 
 class Engine:
@@ -255,7 +288,7 @@ class Engine:
             temperature=_float_field(body, "temperature", 1.0, 0.0, 10.0),
             top_p=_float_field(body, "top_p", 1.0, 1e-6, 1.0),
             n=_int_field(body, "n", 1, 1, c.max_n),
-            seed=_int_field(body, "seed", None, 0, 2**63 - 1),
+            seed=_seed_field(body, len(prompts)),
             logprobs=_int_field(body, "logprobs", None, 0, 5),
         )
         if len(prompts) * s.n > c.max_batch_prompts:
@@ -309,10 +342,49 @@ class Engine:
                         job.done.set()
 
     def _generate(self, jobs: list[_Job]) -> None:
-        import torch
-
         s = jobs[0].sampling
-        texts = [p for job in jobs for p in job.prompts for _ in range(job.sampling.n)]
+        with self._model_lock:
+            version = self.version
+            if s.seed is None:
+                texts = [p for job in jobs for p in job.prompts for _ in range(job.sampling.n)]
+                rows, n_prompt = self._rows(texts, s, None)
+            else:
+                rows, n_prompt = self._seeded_rows(jobs)
+        self._finish(jobs, rows, n_prompt, version)
+
+    def _seeded_rows(self, jobs: list[_Job]) -> tuple[list[_Row], int]:
+        """Reproducible rows: sample ``j`` of a prompt seeded ``s`` draws from the stream
+        ``s + j`` alone, and rows are batched only with rows of prompts of the same token
+        length (no padding), ``seeded_batch_rows`` at a time (the last batch filled up with
+        copies): every batch has the same shapes, so the kernels that compute a row, and
+        its numbers, do not depend on what else is in the batch."""
+        s = jobs[0].sampling
+        todo: list[tuple[str, int]] = []
+        for job in jobs:
+            seeds = job.sampling.prompt_seeds(len(job.prompts)) or []
+            for p, seed in zip(job.prompts, seeds, strict=True):
+                todo += [(p, sample_seed(seed, j)) for j in range(job.sampling.n)]
+        by_len: dict[int, list[int]] = {}
+        for i, (p, _) in enumerate(todo):
+            by_len.setdefault(len(self.tokenizer(p)["input_ids"]), []).append(i)
+        rows: list[_Row | None] = [None] * len(todo)
+        k = self.config.seeded_batch_rows
+        for same_len in by_len.values():
+            for at in range(0, len(same_len), k):
+                idx = same_len[at : at + k]
+                fill = [idx[0]] * (k - len(idx))  # always k rows: same shapes, same kernels
+                texts = [todo[i][0] for i in idx + fill]
+                got, _ = self._rows(texts, s, [todo[i][1] for i in idx + fill])
+                for i, row in zip(idx, got, strict=False):
+                    rows[i] = row
+        return [r for r in rows if r is not None], sum(by_len) // max(1, len(by_len))
+
+    def _rows(
+        self, texts: list[str], s: _Sampling, seeds: list[int] | None
+    ) -> tuple[list[_Row], int]:
+        """Generate ``texts`` as one batch: ``(text, token_ids, logprobs, finish_reason)`` per
+        row and the prompt tokens per row. With ``seeds``, row ``b`` samples from its own
+        stream seeded ``seeds[b]`` (:class:`SeededSampler`)."""
         tok = self.tokenizer
         enc = tok(texts, return_tensors="pt", padding=True)
         kwargs: dict[str, Any] = {
@@ -321,30 +393,42 @@ class Engine:
             "eos_token_id": tok.eos_token_id,
             "return_dict_in_generate": True,
             "output_scores": True,
+            "do_sample": False,
         }
-        if s.temperature > 0:
+        sampler = None
+        if s.temperature > 0 and seeds is not None:
+            sampler = SeededSampler(seeds, s.temperature, s.top_p)
+            kwargs["logits_processor"] = [sampler]
+        elif s.temperature > 0:
             kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0)
-        else:
-            kwargs.update(do_sample=False)
-        with self._model_lock:
-            version = self.version
-            if s.seed is not None:
-                torch.manual_seed(s.seed)
-            out = self.model.generate(**enc, **kwargs)
+        out = self.model.generate(**enc, **kwargs)
+        if sampler is None:
             scores = self.model.compute_transition_scores(
                 out.sequences, out.scores, normalize_logits=True
-            )
+            ).tolist()
+        else:
+            scores = sampler.logprobs
         new = out.sequences[:, enc["input_ids"].shape[1] :]
         rows = []
         for i in range(new.shape[0]):
             ids = new[i].tolist()
-            lps = scores[i].tolist()
+            lps = scores[i][: len(ids)]
             finish, end = "length", len(ids)
             if tok.eos_token_id in ids:  # kept in token_ids (as vLLM does), not in the text
                 end = ids.index(tok.eos_token_id)
                 ids, lps, finish = ids[: end + 1], lps[: end + 1], "stop"
             text = tok.decode(ids[:end], skip_special_tokens=True)
             rows.append((text, ids, lps, finish))
+        return rows, int(enc["attention_mask"].sum().item()) // max(1, len(texts))
+
+    def _finish(
+        self,
+        jobs: list[_Job],
+        rows: list[_Row],
+        n_prompt: int,
+        version: int | None,
+    ) -> None:
+        tok = self.tokenizer
         self.num_generated += len(rows)
         at = 0
         for job in jobs:
@@ -365,7 +449,6 @@ class Engine:
                     }
                 choices.append(choice)
             at += len(choices)
-            n_prompt = int(enc["attention_mask"].sum().item()) // max(1, len(texts))
             job.result = {
                 "id": f"cmpl-{os.getpid()}-{id(job):x}",
                 "object": "text_completion",
