@@ -61,6 +61,10 @@ from trainguard.rl.client import REWARD_URLS_ENV
 from trainguard.rl.reward import RewardClient
 from trainguard.rl.sampling import prompt_seed
 from trainguard.rl.tiny import digit_reward, tiny_gpt2, tiny_tokenizer
+from trainguard.rl.verify import fingerprint
+
+FINGERPRINT = ["please write 3 7 now 3 3 3", "write digits 1 2 now 9 0 1", "now now 5 <eos>"]
+"""Fixed texts whose log-probs tell one weight version from another (trainguard.rl.verify)."""
 
 
 def prompt_text(i: int) -> str:
@@ -132,7 +136,14 @@ def main() -> None:
             max_attempts=args.max_attempts,
         ),
         events=tg.events.emit,
+        # verified refit: an engine is routed a version once its log-probs of these texts
+        # match what the trainer computed when it wrote the version
+        fingerprints=lambda v: store.meta(v).get("fingerprint"),
     )
+
+    def write(v: int) -> None:
+        store.publish(v, policy.state_dict(), fingerprint=fingerprint(policy, tok, FINGERPRINT))
+
     consumed = ConsumedLog(tg.run_dir / "rl" / "consumed.jsonl")
     scorer = RewardClient(args.reward_urls.split(",")) if args.reward_urls else None
 
@@ -161,9 +172,9 @@ def main() -> None:
                 info = [{"confirmed": client.urls_at(v), "publish_s": 0.0, "sync_s": 0.0,
                          "missed": 0, "timeout_s": 0.0, "refit": False}]  # fmt: skip
             else:
-                store.publish(v, policy.state_dict())
+                write(v)
                 pub = time.perf_counter() - t0
-                res = client.sync_weights(v)
+                res = client.sync_weights(v, rewrite=lambda: write(v))
                 info = [{"confirmed": res.confirmed, "publish_s": pub, "sync_s": res.duration_s,
                          "missed": len(res.missed), "timeout_s": res.timeout_s, "refit": True}]  # fmt: skip
         if world > 1:

@@ -289,6 +289,23 @@ METRICS: tuple[MetricSpec, ...] = (
         attributes=("node", "reason"),
     ),
     MetricSpec(
+        name="trainguard.rl.refit.verified",
+        unit="{refit}",
+        kind="counter",
+        description=_RL + "refits checked by a client before it routed to the engine (the "
+        "engine's log-probs of the trainer's fingerprint texts matched), per engine.",
+        attributes=("node", "engine"),
+    ),
+    MetricSpec(
+        name="trainguard.rl.refit.quarantined",
+        unit="{refit}",
+        kind="counter",
+        description=_RL + "failed refits (an update error, or log-probs that did not match "
+        "the trainer's fingerprint): the engine quarantined, out of routing, refit again; per "
+        "engine.",
+        attributes=("node", "engine"),
+    ),
+    MetricSpec(
         name="trainguard.rl.rollout.retried",
         unit="{request}",
         kind="counter",
@@ -736,6 +753,7 @@ ROLE_STATES = (
     "starting",
     "loading",
     "serving",
+    "quarantined",
     "suspect",
     "dead",
     "restarting",
@@ -743,7 +761,9 @@ ROLE_STATES = (
     "stopped",
 )
 """Lifecycle states of a role replica: starting → loading (weights) → serving → suspect →
-dead → restarting (→ starting); ``failed``: not restarted (the role's restart budget is spent,
-or its policy is ``never``); ``stopped``: ended with the job."""
+dead → restarting (→ starting); ``quarantined``: its refit failed a client's check, it
+serves nothing until a refit is verified (counted against the restart budget); ``failed``:
+not restarted (the role's restart budget is spent, or its policy is ``never``); ``stopped``:
+ended with the job."""
 
 __all__ += ["ROLES", "ROLE_STATES"]

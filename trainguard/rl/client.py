@@ -48,7 +48,9 @@ from urllib.parse import urlsplit
 
 from trainguard.core import envvars
 from trainguard.core.contract import ROLLOUT_FAILURE_REASONS
+from trainguard.core.event_kinds import ROLLOUT_ENGINE_QUARANTINED, ROLLOUT_REFIT_VERIFIED
 from trainguard.rl.sampling import request_seed
+from trainguard.rl.verify import compare, fingerprint_request
 
 __all__ = [
     "FAILURE_REASONS",
@@ -81,6 +83,9 @@ class EngineState(enum.Enum):
     STALE = "stale"
     SUSPECT = "suspect"
     DEAD = "dead"
+    QUARANTINED = "quarantined"
+    """Its weights failed a refit check (:mod:`trainguard.rl.verify`): out of routing until
+    a refit is verified."""
 
 
 def urls_from_env(name: str = ROLLOUT_URLS_ENV) -> list[str]:
@@ -115,6 +120,8 @@ class RolloutConfig:
     sync_timeout_factor: float = 5.0
     sync_timeout_min_s: float = 3.0
     """Sync timeout = max(min, factor × median of the measured sync times)."""
+    refit_attempts: int = 3
+    """Refits of an engine whose refit failed its check (quarantined) within one sync."""
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
@@ -166,6 +173,9 @@ class _Engine:
     epoch: int = 0
     """Bumped when the engine is declared dead: requests of an older epoch are abandoned."""
     pid: int | None = None
+    verified: tuple[int | None, int] | None = None
+    """(pid, version) this client last verified (with a fingerprint source)."""
+    checking: bool = False
 
 
 class _Failure(Exception):
@@ -247,7 +257,12 @@ class RolloutClient:
         config: RolloutConfig | None = None,
         events: Callable[..., Any] | None = None,
         start: bool = True,
+        fingerprints: Callable[[int], dict[str, Any] | None] | None = None,
     ) -> None:
+        """``fingerprints``: the trainer's fingerprint of a weight version (e.g.
+        ``lambda v: store.meta(v).get("fingerprint")``); given, an engine is routed version
+        ``v`` only once its answers matched it (:mod:`trainguard.rl.verify`), and one that
+        does not match is quarantined and refit."""
         urls = list(urls) if urls is not None else urls_from_env()
         if not urls:
             raise ValueError(
@@ -256,6 +271,9 @@ class RolloutClient:
             )
         self.config = config or RolloutConfig()
         self._events = events
+        self._fingerprints = fingerprints
+        self.refits_verified: Counter[str] = Counter()
+        self.refits_quarantined: Counter[str] = Counter()
         self._engines: dict[str, _Engine] = {}
         for u in urls:
             parts = urlsplit(u.rstrip("/"))
@@ -380,13 +398,23 @@ class RolloutClient:
                 eng.epoch += 1  # a new process behind the same port: old requests are gone
             eng.pid = pid if isinstance(pid, int) else eng.pid
             eng.version = version if isinstance(version, int) else None
-            if status == "serving" and eng.version is not None:
+            check = False
+            if status == "quarantined":
+                eng.state = EngineState.QUARANTINED
+            elif status == "serving" and eng.version is not None:
+                check = self._needs_check(eng)
                 eng.state = (
-                    EngineState.SERVING if self._in_bound(eng.version) else EngineState.STALE
+                    EngineState.LOADING
+                    if check
+                    else EngineState.SERVING
+                    if self._in_bound(eng.version)
+                    else EngineState.STALE
                 )
             else:
                 eng.state = EngineState.LOADING
             self._lock.notify_all()
+        if check and eng.version is not None:  # a version it loaded by itself: checked first
+            self._check_refit(eng, eng.version)
 
     def _probe_all(self) -> None:
         futures = [self._probe_pool.submit(self._probe, e) for e in self._engines.values()]
@@ -671,8 +699,11 @@ class RolloutClient:
         with self._lock:
             for u in urls:
                 e = self._engines.get(u)
-                if e is not None and e.state in (EngineState.SERVING, EngineState.STALE):
+                if e is not None and e.state in (
+                    EngineState.SERVING, EngineState.STALE, EngineState.LOADING
+                ):  # fmt: skip
                     e.version = version
+                    e.verified = (e.pid, version)  # the client that confirmed it checked it
                     e.state = EngineState.SERVING
             self._lock.notify_all()
 
@@ -685,10 +716,17 @@ class RolloutClient:
                 if e.version == version and e.state is not EngineState.DEAD
             ]
 
-    def sync_weights(self, version: int, path: str | None = None) -> SyncResult:
+    def sync_weights(
+        self, version: int, path: str | None = None, *, rewrite: Callable[[], Any] | None = None
+    ) -> SyncResult:
         """Make ``version`` the trainer's version and push it to every live engine in
         parallel. Returns after every engine confirmed or the timeout passed; an engine
-        that did not confirm stays out of routing until it reports the version."""
+        that did not confirm stays out of routing until it reports the version.
+
+        With ``fingerprints``, each confirmation is checked; an engine whose refit failed
+        (its update answered an error, or its answers did not match) is quarantined and
+        refit again; ``rewrite`` (the trainer publishing ``version`` again) is called once
+        first when an engine found the file not to be what was written."""
         self.set_policy_version(version)
         timeout = self.sync_timeout_s()
         with self._lock:
@@ -707,17 +745,23 @@ class RolloutClient:
         }
         done, _ = wait(list(futs), timeout=timeout)
         confirmed, missed = [], []
+        failed: dict[str, str] = {}
         with self._lock:
             for fut, eng in futs.items():
                 ok = False
                 if fut in done:
                     try:
                         ok = fut.result().get("version") == version
-                    except (_Failure, AttributeError):
+                    except _Failure as f:
+                        if f.reason == "http_5xx":  # the engine tried and failed to load it
+                            failed[eng.url] = str(f)
+                    except AttributeError:
                         ok = False
                 if ok:
                     eng.version = version
-                    if eng.state is EngineState.STALE:
+                    if self._fingerprints is not None:  # routed once checked (below)
+                        eng.state = EngineState.LOADING
+                    elif eng.state is EngineState.STALE:
                         eng.state = EngineState.SERVING
                     confirmed.append(eng.url)
                 else:
@@ -725,6 +769,10 @@ class RolloutClient:
                         eng.state = EngineState.STALE
                     missed.append(eng.url)
             self._lock.notify_all()
+        if self._fingerprints is not None:
+            confirmed, missed = self._verify_refits(
+                version, body, confirmed, missed, timeout, failed, rewrite
+            )
         dt = time.perf_counter() - t0
         if confirmed and not missed:
             self._sync_times.append(dt)
@@ -736,6 +784,139 @@ class RolloutClient:
                 timeout,
             )
         return SyncResult(version, dt, timeout, confirmed, missed)
+
+    # -- refit checks ------------------------------------------------------------------------
+    def _needs_check(self, eng: _Engine) -> bool:
+        return (
+            self._fingerprints is not None
+            and eng.verified != (eng.pid, eng.version)
+            and self._in_bound(eng.version)
+        )
+
+    def _check_refit(self, eng: _Engine, version: int) -> str | None:
+        """Check that ``eng`` holds ``version`` (its answers against the trainer's
+        fingerprint): verified → routable; otherwise quarantined (the engine told, an event
+        naming it, the version and what differed). None when verified, else what differed."""
+        assert self._fingerprints is not None
+        with self._lock:
+            if eng.checking:
+                return "another check of it is under way"
+            eng.checking = True
+        try:
+            return self._check_refit_once(eng, version)
+        finally:
+            with self._lock:
+                eng.checking = False
+
+    def _check_refit_once(self, eng: _Engine, version: int) -> str | None:
+        assert self._fingerprints is not None
+        why: str | None
+        try:
+            fp = self._fingerprints(version)
+        except (OSError, ValueError) as e:
+            fp, why = None, f"no fingerprint of version {version}: {e}"
+        else:
+            why = None
+        worst = float("nan")
+        if fp is None and why is None:  # written without one: the engine's digest check only
+            with self._lock:
+                eng.verified = (eng.pid, version)
+                if eng.state is EngineState.LOADING and eng.version == version:
+                    eng.state = (
+                        EngineState.SERVING if self._in_bound(version) else EngineState.STALE
+                    )
+                self._lock.notify_all()
+            return None
+        if fp is not None:
+            try:
+                answer = self._http(
+                    eng, "POST", "/v1/completions", fingerprint_request(fp),
+                    self.config.request_timeout_s,
+                )  # fmt: skip
+                why, worst = compare(fp, answer, version)
+            except _Failure as f:
+                return f"the check request failed ({f})"  # not a verdict: checked again later
+        if why is not None:
+            self._quarantine(eng, version, why)
+            return why
+        try:
+            self._http(eng, "POST", "/v1/weights/verified", {"version": version}, 5.0)
+        except _Failure as f:
+            return f"the engine did not take the verdict ({f})"
+        with self._lock:
+            eng.verified = (eng.pid, version)
+            eng.version = version
+            eng.state = EngineState.SERVING if self._in_bound(version) else EngineState.STALE
+            self.refits_verified[eng.url] += 1
+            self._lock.notify_all()
+        self._emit(ROLLOUT_REFIT_VERIFIED, engine=eng.url, version=version,
+                   max_logprob_diff=worst, verified=self.refits_verified[eng.url])  # fmt: skip
+        return None
+
+    def _verify_refits(
+        self,
+        version: int,
+        body: dict[str, Any],
+        confirmed: list[str],
+        missed: list[str],
+        timeout: float,
+        failed: dict[str, str],
+        rewrite: Callable[[], Any] | None,
+    ) -> tuple[list[str], list[str]]:
+        """Check every engine that confirmed ``version``; quarantine those whose update
+        failed; refit again (up to ``refit_attempts`` in all) the quarantined ones: only
+        checked engines are routed."""
+        ok, todo = [], list(confirmed)
+        for url, why in failed.items():
+            self._quarantine(self._engines[url], version, f"the refit failed: {why}")
+        redo = list(failed)
+        for attempt in range(self.config.refit_attempts):
+            engines = [self._engines[u] for u in todo]
+            verdicts = list(self._pool.map(lambda e: self._check_refit(e, version), engines))
+            ok += [e.url for e, why in zip(engines, verdicts, strict=True) if why is None]
+            redo += [e.url for e, why in zip(engines, verdicts, strict=True) if why is not None]
+            if not redo or attempt + 1 == self.config.refit_attempts:
+                break
+            if rewrite is not None and any("not what the trainer wrote" in failed.get(u, "")
+                                           for u in redo):  # fmt: skip
+                rewrite()  # the file was changed after it was written: write it again
+                rewrite = None
+            again = list(self._pool.map(  # refit again: the update, then the check
+                lambda u: self._refit(self._engines[u], body, version, timeout), redo
+            ))  # fmt: skip
+            failed = {u: why for u, why in zip(redo, again, strict=True) if why is not None}
+            for url, why in failed.items():
+                self._quarantine(self._engines[url], version, f"the refit failed again: {why}")
+            todo, redo = [u for u in redo if u not in failed], list(failed)
+        return ok, [u for u in [*missed, *confirmed, *failed] if u not in ok]
+
+    def _refit(
+        self, eng: _Engine, body: dict[str, Any], version: int, timeout: float
+    ) -> str | None:
+        """Ask ``eng`` to load ``version`` again; None when it confirmed, else why not."""
+        try:
+            got = self._http(eng, "POST", "/v1/weights/update", body, timeout)
+        except _Failure as f:
+            return str(f)
+        if not isinstance(got, dict) or got.get("version") != version:
+            return f"it confirmed {got!r:.100}"
+        return None
+
+    def _quarantine(self, eng: _Engine, version: int, why: str) -> None:
+        with self._lock:
+            eng.verified = None
+            if eng.state is not EngineState.DEAD:
+                eng.state = EngineState.QUARANTINED
+            self.refits_quarantined[eng.url] += 1
+            self._lock.notify_all()
+        try:
+            self._http(eng, "POST", "/v1/weights/quarantine", {"version": version,
+                       "reason": why[:500]}, 5.0)  # fmt: skip
+        except _Failure:
+            pass  # out of this client's routing anyway; its own health says the rest
+        logger.warning("rollout engine %s quarantined at version %d: %s", eng.url, version, why)
+        self._emit(ROLLOUT_ENGINE_QUARANTINED, engine=eng.url, version=version, reason=why,
+                   quarantined=self.refits_quarantined[eng.url])  # fmt: skip
 
     # -- metrics -----------------------------------------------------------------------------
     def take_metrics(self) -> dict[str, float]:

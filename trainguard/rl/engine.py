@@ -14,8 +14,8 @@ What the launcher and :class:`trainguard.rl.RolloutClient` expect of any engine 
 an adapter in front of vLLM or SGLang):
 
 ``GET /health``
-    200 ``{"status": "starting"|"loading"|"serving"|"standby", "weight_version": int|null,
-    "model": str, "inflight": int}``. ``starting``: the process is up, the model is being
+    200 ``{"status": "starting"|"loading"|"serving"|"standby"|"quarantined",
+    "weight_version": int|null, "model": str, "inflight": int, "quarantines": int}``. ``starting``: the process is up, the model is being
     built; ``loading``: waiting for / loading the trainer's current weight version;
     ``serving``: it holds a published version and generates; ``standby``: a role's warm
     standby, built, not routed to. An engine reports ``serving`` only after it loaded the
@@ -33,6 +33,8 @@ an adapter in front of vLLM or SGLang):
     ``s + j`` (:mod:`trainguard.rl.sampling`), and the rows of seeded requests are batched
     only with rows of prompts of the same token length, so a seeded sample is the same
     whatever else the engine generates beside it.
+    ``prompt_logprobs``: each choice also has ``prompt_token_ids`` and ``prompt_logprobs``
+    (one per prompt token, the first None), under the weights of ``weight_version``.
 ``GET /v1/weights``
     ``{"version": v}``.
 ``POST /v1/weights/update``
@@ -41,7 +43,15 @@ an adapter in front of vLLM or SGLang):
     is accepted, older ones too: a trainer that resumed from a checkpoint refits the fleet
     to its own version. Independently of updates, the engine polls the store's pointer and
     refits itself when the pointer names another version (an engine that missed an update,
-    or restarted, catches up without the trainer).
+    or restarted, catches up without the trainer). A version is loaded only when its file's
+    SHA-256 is the one the trainer wrote (:meth:`WeightStore.check_digest`; HTTP 500 naming
+    the version otherwise, the engine keeping what it holds).
+``POST /v1/weights/quarantine`` ``{"version": v, "reason": ...}``
+    a client's refit check found this engine's weights not to be ``v``: status
+    ``quarantined``, completions answered 503 (except a client's check, marked
+    ``"refit_check": true``), until ``POST /v1/weights/verified``
+    ``{"version": v}`` (after a refit that a client checked) makes it serve again (409 when
+    it holds another version). :mod:`trainguard.rl.verify` says what is checked.
 
 vLLM and SGLang fit this contract through an adapter process that forwards
 ``/v1/completions`` and maps health and weight updates onto their own APIs (vLLM's
@@ -63,7 +73,9 @@ when the supervisor writes the promotion file (``{"replica": i, "port": p}``) it
 
 Fault injection (tests and benchmarks only, ``--enable-fault-injection``): ``POST /v1/faults``
 ``{"kind": "http_500"|"malformed"|"hang", "count": n}`` makes the next ``n`` completion
-requests answer HTTP 500, a truncated JSON body, or nothing at all (``n`` = 0 disarms).
+requests answer HTTP 500, a truncated JSON body, or nothing at all (``n`` = 0 disarms);
+``"partial_refit"``: the next ``n`` weight loads load half of the tensors and claim the
+version (a refit that stopped half-way).
 """
 
 from __future__ import annotations
@@ -85,7 +97,7 @@ from typing import Any
 from trainguard.core import envvars
 from trainguard.rl.sampling import SEED_MAX, SeededSampler, request_seed, sample_seed
 from trainguard.rl.tiny import TINY_MODEL, load_model
-from trainguard.rl.weights import WeightStore, default_weight_dir
+from trainguard.rl.weights import WeightDigestError, WeightStore, default_weight_dir
 
 __all__ = ["Engine", "EngineConfig", "main"]
 
@@ -93,7 +105,7 @@ logger = logging.getLogger(__name__)
 
 PORT_ENV = envvars.ROLE_PORT
 ROLE_STANDBY_ENV = envvars.ROLE_STANDBY
-FAULT_KINDS = ("http_500", "malformed", "hang")
+FAULT_KINDS = ("http_500", "malformed", "hang", "partial_refit")
 
 
 class BadRequest(ValueError):
@@ -138,6 +150,9 @@ class _Sampling:
     """An int: prompt ``k`` of the request is seeded ``request_seed(seed, k)``; a list: one
     seed per prompt."""
     logprobs: int | None
+    prompt_logprobs: int | None = None
+    """Set: each choice also has ``prompt_token_ids`` and ``prompt_logprobs`` (the first
+    None), computed under the same weights as the choice (what a refit check compares)."""
 
     def key(self) -> tuple[Any, ...]:
         return (self.max_tokens, self.temperature, self.top_p, self.seed is None)
@@ -211,6 +226,7 @@ class Engine:
         self._faults: dict[str, int] = {}
         self._stop = threading.Event()
         self.num_generated = 0
+        self.quarantines = 0
 
     # -- startup and weights -----------------------------------------------------------------
     def build(self) -> None:
@@ -251,7 +267,12 @@ class Engine:
 
         t0 = time.perf_counter()
         file = path or str(self.store.path_of(version))
+        if path is None:
+            self.store.check_digest(version)  # never load bytes the trainer did not write
         tensors = load_file(file)
+        if self.config.fault_injection and self.take_fault("partial_refit"):
+            keep = sorted(tensors)[: len(tensors) // 2]  # a refit that stopped half-way
+            tensors = {k: tensors[k] for k in keep}
         with self._model_lock:
             missing, unexpected = self.model.load_state_dict(tensors, strict=False)
             if unexpected:
@@ -259,13 +280,35 @@ class Engine:
             self.version = version
         return time.perf_counter() - t0
 
+    def quarantine(self, version: int | None, reason: str) -> None:
+        """A client found this engine's weights not to be ``version``: answer no completion
+        (503, health ``quarantined``) until a client verified a version again."""
+        if self.status in ("serving", "quarantined"):
+            self.status = "quarantined"
+        self.quarantines += 1
+        logger.warning("engine: quarantined at weight version %s: %s", version, reason)
+
+    def verified(self, version: int) -> bool:
+        """A client verified ``version``: serve again (False: this engine holds another)."""
+        if self.version != version:
+            return False
+        if self.status == "quarantined":
+            self.status = "serving"
+            logger.info("engine: weight version %d verified; serving again", version)
+        return True
+
     def _watch(self) -> None:
+        refused: int | None = None
         while not self._stop.wait(self.config.poll_interval_s):
             try:
                 cur = self.store.current()
                 if cur is not None and cur.version != self.version:
                     if self._load_published(cur.version):
                         logger.info("engine: refit to weight version %d", cur.version)
+            except WeightDigestError as e:  # told once per version: it is retried each poll
+                if refused != (cur.version if cur is not None else None):
+                    refused = cur.version if cur is not None else None
+                    logger.warning("engine: %s", e)
             except Exception:  # a torn or bad store never stops serving the version we hold
                 logger.exception("engine: weight store check failed")
 
@@ -290,6 +333,7 @@ class Engine:
             n=_int_field(body, "n", 1, 1, c.max_n),
             seed=_seed_field(body, len(prompts)),
             logprobs=_int_field(body, "logprobs", None, 0, 5),
+            prompt_logprobs=_int_field(body, "prompt_logprobs", None, 0, 5),
         )
         if len(prompts) * s.n > c.max_batch_prompts:
             raise BadRequest(
@@ -350,7 +394,24 @@ class Engine:
                 rows, n_prompt = self._rows(texts, s, None)
             else:
                 rows, n_prompt = self._seeded_rows(jobs)
-        self._finish(jobs, rows, n_prompt, version)
+            scored = [
+                self._score(job.prompts) if job.sampling.prompt_logprobs is not None else None
+                for job in jobs
+            ]
+        self._finish(jobs, rows, n_prompt, version, scored)
+
+    def _score(self, prompts: list[str]) -> list[tuple[list[int], list[float | None]]]:
+        """Each prompt's token ids and the log-prob of each token given those before it (the
+        first None), the prompt alone (no padding)."""
+        import torch
+
+        out: list[tuple[list[int], list[float | None]]] = []
+        for p in prompts:
+            ids = self.tokenizer(p, return_tensors="pt")["input_ids"]
+            logits = self.model(input_ids=ids).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+            out.append((ids[0].tolist(), [None, *lp.tolist()]))
+        return out
 
     def _seeded_rows(self, jobs: list[_Job]) -> tuple[list[_Row], int]:
         """Reproducible rows: sample ``j`` of a prompt seeded ``s`` draws from the stream
@@ -427,11 +488,12 @@ class Engine:
         rows: list[_Row],
         n_prompt: int,
         version: int | None,
+        scored: list[list[tuple[list[int], list[float | None]]] | None],
     ) -> None:
         tok = self.tokenizer
         self.num_generated += len(rows)
         at = 0
-        for job in jobs:
+        for job, prompt_lps in zip(jobs, scored, strict=True):
             choices = []
             for idx in range(len(job.prompts) * job.sampling.n):
                 text, ids, lps, finish = rows[at + idx]
@@ -447,6 +509,9 @@ class Engine:
                         "tokens": [tok.convert_ids_to_tokens(t) for t in ids],
                         "token_logprobs": lps,
                     }
+                if prompt_lps is not None:
+                    p_ids, p_lps = prompt_lps[idx // job.sampling.n]
+                    choice.update(prompt_token_ids=p_ids, prompt_logprobs=p_lps)
                 choices.append(choice)
             at += len(choices)
             job.result = {
@@ -470,10 +535,11 @@ class Engine:
         with self._count_lock:
             self._faults[kind] = count
 
-    def take_fault(self) -> str | None:
+    def take_fault(self, only: str | None = None) -> str | None:
+        """The next armed fault (of kind ``only``; otherwise of any request-time kind)."""
         with self._count_lock:
             for kind, left in self._faults.items():
-                if left > 0:
+                if left > 0 and (kind == only if only else kind != "partial_refit"):
                     self._faults[kind] = left - 1
                     return kind
         return None
@@ -485,6 +551,7 @@ class Engine:
             "model": self.config.model,
             "inflight": self.inflight,
             "pid": os.getpid(),
+            "quarantines": self.quarantines,
         }
 
 
@@ -533,6 +600,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._completions()
             elif self.path == "/v1/weights/update":
                 self._update()
+            elif self.path in ("/v1/weights/quarantine", "/v1/weights/verified"):
+                self._verdict()
             elif self.path == "/v1/faults" and self.engine.config.fault_injection:
                 body = self._body()
                 if not isinstance(body, dict):
@@ -547,8 +616,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _completions(self) -> None:
         e = self.engine
         body = self._body()
-        if e.status != "serving":
-            self._error(503, f"engine is {e.status}, not serving yet")
+        check = isinstance(body, dict) and body.get("refit_check") is True
+        if e.status != "serving" and not (check and e.status == "quarantined"):
+            self._error(503, f"engine is {e.status}, not serving")
             return
         prompts, sampling = e.parse(body)
         fault = e.take_fault() if e.config.fault_injection else None
@@ -573,6 +643,9 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(200, job.result)
 
+    def _verdict(self) -> None:
+        _verdict_handler(self)
+
     def _update(self) -> None:
         e = self.engine
         body = self._body()
@@ -589,6 +662,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             load_s = e.load_weights(version, path)
+        except WeightDigestError as err:
+            self._error(500, str(err))
+            return
         except FileNotFoundError:
             self._error(404, f"weight version {version} is not in {e.store.root}")
             return
@@ -596,6 +672,25 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(500, f"could not load weight version {version}: {err}")
             return
         self._send(200, {"version": version, "load_s": round(load_s, 6)})
+
+
+def _verdict_handler(h: _Handler) -> None:
+    """``POST /v1/weights/quarantine`` ``{"version", "reason"}`` / ``/v1/weights/verified``
+    ``{"version"}``: a client's refit check of this engine."""
+    e = h.engine
+    body = h._body()
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    version = _int_field(body, "version", None, 0, 2**63 - 1)
+    if version is None:
+        raise BadRequest("'version' (the weight version checked) is required")
+    if h.path.endswith("/quarantine"):
+        e.quarantine(version, str(body.get("reason", ""))[:500])
+        h._send(200, {"status": e.status, "version": e.version})
+    elif e.verified(version):
+        h._send(200, {"status": e.status, "version": e.version})
+    else:
+        h._error(409, f"this engine holds weight version {e.version}, not {version}")
 
 
 def serve(engine: Engine) -> ThreadingHTTPServer:

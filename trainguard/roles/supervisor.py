@@ -64,6 +64,9 @@ __all__ = ["Probe", "ReplicaState", "RoleSupervisor", "StandbyState", "probe_hea
 
 logger = logging.getLogger(__name__)
 
+_STATUSES = ("starting", "loading", "serving", "quarantined")
+"""Health statuses of a replica (``quarantined``: its refit failed a client's check; it
+refits again and serves nothing meanwhile)."""
 READY_STATUSES = ("loading", "serving")
 """Health statuses that count as ready (the process is up; ``loading`` waits for weights)."""
 _POLL_S = 0.05
@@ -599,14 +602,14 @@ class RoleSupervisor:
                     answered = True
                     last_ok = now
                     rep.last_ok = time.time()
-                    status = p.status if p.status in ("starting", "loading", "serving") else None
+                    status = p.status if p.status in _STATUSES else None
                     if status is None:
                         self._set_state(rep, "suspect", reason=f"unknown status {p.status!r}")
                     else:
                         if status in READY_STATUSES and rep.ready_at is None:
                             rep.ready_at = time.time()
                             rep.ever_ready = True
-                        self._set_state(rep, status, weight_version=p.weight_version)
+                        dead = self._answered(spec, rep, status, p.weight_version)
                 elif p.outcome == "refused" and answered:
                     dead = "refused connections"
                 elif answered:
@@ -820,6 +823,23 @@ class RoleSupervisor:
         logger.debug("%s", line)  # the agent ends the job with this line
 
     # -- state ----------------------------------------------------------------------------------
+    def _answered(
+        self, spec: RoleSpec, rep: ReplicaState, status: str, version: int | None
+    ) -> str | None:
+        """Record a health answer's status. A replica newly ``quarantined`` (its weights
+        failed a client's refit check; it refits again, serving nothing meanwhile) is
+        counted against the role's restart budget: the reason to end it once it is spent."""
+        dead = None
+        if status == "quarantined" and rep.state != "quarantined":
+            with self._lock:
+                spent = self.restarts[spec.name] >= spec.restart_budget
+                if not spent:
+                    self.restarts[spec.name] += 1
+            if spent:
+                dead = "quarantined (a failed refit) with the restart budget spent"
+        self._set_state(rep, status, weight_version=version)
+        return dead
+
     def _set_state(
         self,
         rep: ReplicaState,
