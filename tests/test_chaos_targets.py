@@ -1,7 +1,11 @@
 """``trainguard chaos`` signals only what is verifiably the job's, on real processes: a pid
-written into events.jsonl that is not a process of one of the job's agents (checked by the
-agent's recorded start time and the process tree) is refused and stays alive; ``pause
---endpoint HOST:PORT`` acts only on a listener of that host."""
+written into events.jsonl that is not a process of one of the job's agents (an agent holds the
+run directory's agent mark open, is run by its owner, is neither init nor the caller or one of
+its ancestors, and started when its ``launch`` event says; a worker is in the process tree of
+its node's agent) is refused with one line and stays alive, even with a forged ``launch`` line
+carrying its real start time; ``pause --endpoint HOST:PORT`` acts only on a listener of that
+host. (The agents here are stand-ins holding the mark; a real agent is signalled through
+``kill-agent --group-rank`` in test_rdzv_etcd.)"""
 
 from __future__ import annotations
 
@@ -22,7 +26,12 @@ from trainguard.core.events import node_name
 from trainguard.core.proctime import process_start_time
 
 CHAOS = [sys.executable, "-m", "trainguard", "chaos"]
-SPAWNER = "import subprocess, time; subprocess.Popen(['sleep', '600']); time.sleep(600)"
+# an agent's stand-in: holds the run directory's agent mark (as trainguard.runtime.launcher does)
+# and starts a child standing in for a worker
+SPAWNER = (
+    "import subprocess, sys, time; from trainguard.core.agentmark import hold_mark; "
+    "assert hold_mark(sys.argv[1]) is not None; subprocess.Popen(['sleep', '600']); time.sleep(600)"
+)
 
 
 @pytest.fixture
@@ -40,9 +49,10 @@ def _start(procs: list[subprocess.Popen[bytes]], *argv: str) -> subprocess.Popen
     return p
 
 
-def _agent_with_worker(procs: list[subprocess.Popen[bytes]]) -> tuple[int, int]:
-    """A process standing in for an agent and its child standing in for a worker."""
-    agent = _start(procs, sys.executable, "-c", SPAWNER)
+def _agent_with_worker(procs: list[subprocess.Popen[bytes]], run_dir: Path) -> tuple[int, int]:
+    """A process standing in for an agent of ``run_dir`` and its child standing in for a worker."""
+    run_dir.mkdir(exist_ok=True)
+    agent = _start(procs, sys.executable, "-c", SPAWNER, str(run_dir))
     deadline = time.monotonic() + 60
     while not descendants(agent.pid):
         assert time.monotonic() < deadline
@@ -68,7 +78,7 @@ def _chaos(*args: str) -> subprocess.CompletedProcess[str]:
 def test_kill_rank_signals_the_jobs_worker_only(
     tmp_path: Path, procs: list[subprocess.Popen[bytes]]
 ) -> None:
-    agent, worker = _agent_with_worker(procs)
+    agent, worker = _agent_with_worker(procs, tmp_path / "run")
     bystander = _start(procs, "sleep", "600").pid  # any process whose pid got into the log
     run_dir = _run_dir(
         tmp_path,
@@ -93,7 +103,7 @@ def test_kill_rank_signals_the_jobs_worker_only(
 def test_kill_agent_checks_the_recorded_start_time(
     tmp_path: Path, procs: list[subprocess.Popen[bytes]]
 ) -> None:
-    agent, _ = _agent_with_worker(procs)
+    agent, _ = _agent_with_worker(procs, tmp_path / "run")
     bystander = _start(procs, "sleep", "600").pid
     members = [{"node": node_name(), "pid": bystander}, {"node": node_name(), "pid": agent}]
     run_dir = _run_dir(
@@ -115,6 +125,108 @@ def test_kill_agent_checks_the_recorded_start_time(
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert alive(bystander)
+
+
+# the caller's parent as the "agent": it holds the mark, its launch line carries its real start
+# time, it runs the drill and reports what the drill said (were it signalled, it would die -9)
+ANCESTOR = """
+import json, os, subprocess, sys, time
+from trainguard.core.agentmark import hold_mark
+from trainguard.core.events import node_name
+from trainguard.core.proctime import process_start_time
+run_dir = sys.argv[1]
+assert hold_mark(run_dir) is not None
+with open(os.path.join(run_dir, "events.jsonl"), "a") as f:
+    for ev in ({"kind": "launch", "pid": os.getpid(), "process_start": process_start_time()},
+               {"kind": "rendezvous", "members": [{"node": node_name(), "pid": os.getpid()}]}):
+        f.write(json.dumps({"time": time.time(), "node": node_name(), **ev}) + "\\n")
+r = subprocess.run([sys.executable, "-m", "trainguard", "chaos", "kill-agent", run_dir,
+                    "--group-rank", "0"], capture_output=True, text=True, timeout=120)
+print(json.dumps({"rc": r.returncode, "err": r.stderr}))
+"""
+
+
+def _drill(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """``trainguard chaos`` in this process, for refusals only (its command line is tested
+    above): a signal it would send is recorded and fails the test instead of reaching init or
+    the bystanders (a drill that took pid 1 would kill every process of the machine)."""
+    from trainguard.cli import cmd_chaos
+
+    sent: list[tuple[int, int]] = []
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        m.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+        rc = cmd_chaos.main(list(args))
+    out = capsys.readouterr()
+    assert not sent, f"{args} signalled {sent}: {out}"
+    return subprocess.CompletedProcess(args, rc, out.out, out.err)
+
+
+def test_forged_launch_naming_init_a_bystander_or_the_callers_parent_is_refused(
+    tmp_path: Path,
+    procs: list[subprocess.Popen[bytes]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    agent, worker = _agent_with_worker(procs, tmp_path / "run")  # a real mark in the run dir
+    bystander = _start(procs, "sleep", "600").pid
+    forged = [1, bystander]
+    if os.geteuid() == 0:  # a process of another user that holds the mark (given to it)
+        fd = os.open(tmp_path / "run" / "agent.mark", os.O_RDONLY)
+        other = subprocess.Popen(["sleep", "600"], user="nobody", pass_fds=[fd],
+                                 start_new_session=True)  # fmt: skip
+        os.close(fd)
+        procs.append(other)
+        forged.append(other.pid)
+    members = [{"node": node_name(), "pid": p} for p in forged]
+    run_dir = _run_dir(
+        tmp_path,
+        # each with its real start time, as anyone can read it from /proc/<pid>/stat
+        *({"kind": "launch", "pid": p, "process_start": process_start_time(p)} for p in forged),
+        {"kind": "rendezvous", "members": members},
+        {"kind": "workers_started", "workers": [{"rank": 0, "pid": 1}]},
+        # the worker of this node's agent, recorded by another node: not that node's agent's
+        {"kind": "workers_started", "node": "elsewhere", "workers": [{"rank": 1, "pid": worker}]},
+    )
+    whys = [
+        "is init (pid 1), never a process of a job",
+        "does not hold the run directory's agent.mark open (not an agent of it)",
+        "is not run by the run directory's owner (uid 0)",
+    ]
+    for i, why in enumerate(whys[: len(forged)]):
+        r = _drill(capsys, monkeypatch, "kill-agent", str(run_dir), "--group-rank", str(i))
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stderr.strip() == (
+            f"trainguard chaos: error: pid {forged[i]}, recorded for group rank {i}, {why}: "
+            "not signalled"
+        ), r.stderr
+    r = _drill(
+        capsys, monkeypatch, "kill-agent", str(run_dir), "--pid", "1"
+    )  # named on the command line too
+    assert r.returncode == 2 and "is init (pid 1)" in r.stderr, r.stderr
+    r = _drill(capsys, monkeypatch, "kill-agent", "--pid", "1")
+    assert r.returncode == 2 and "is init (pid 1)" in r.stderr, r.stderr
+    r = _drill(capsys, monkeypatch, "pause", "--pid", "1", "--seconds", "1")
+    assert r.returncode == 2 and "is init (pid 1)" in r.stderr, r.stderr
+    r = _drill(capsys, monkeypatch, "kill-rank", str(run_dir), "--rank", "0")
+    assert r.returncode == 2 and "pid 1, recorded for rank 0, is init" in r.stderr, r.stderr
+    r = _drill(capsys, monkeypatch, "kill-rank", str(run_dir), "--rank", "1")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "is not in the process tree of an agent of this job" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    # the drill's own parent, holding the mark, with a launch line of its real start
+    wrapper = subprocess.run([sys.executable, "-c", ANCESTOR, str(run_dir)], env=base_env(),
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert wrapper.returncode == 0, wrapper.stdout + wrapper.stderr
+    said = json.loads(wrapper.stdout)
+    assert (
+        said["rc"] == 2
+        and "is this command or one of its ancestors: not signalled" in (said["err"])
+    ), said
+    time.sleep(0.3)
+    assert all(alive(p) for p in (agent, worker, *forged[1:]))
 
 
 def _state(pid: int) -> str:

@@ -161,8 +161,8 @@ def test_postgres_concurrent_writers_and_an_outage(pg: Postgres) -> None:
     with open_db(url, runs_root=".") as db:
         assert len(db.history("down")) == 100
         # another schema version on PostgreSQL too
-        db._exec("UPDATE trainguard_meta SET value = '2' WHERE key = 'schema_version'")
-    with pytest.raises(FleetDBError, match="schema version 2"):
+        db._exec("UPDATE trainguard_meta SET value = '99' WHERE key = 'schema_version'")
+    with pytest.raises(FleetDBError, match="schema version 99"):
         open_db(url, runs_root=".").connect()
 
 
@@ -264,12 +264,13 @@ def test_lemon_refused_at_the_next_job_spare_runs_cli(
 
 @pytest.mark.timeout(400)
 def test_job_runs_when_the_database_is_unusable(tmp_path: Path) -> None:
-    """A corrupt SQLite file and an unreachable PostgreSQL: the job trains and finishes, the
-    lemon gate admits the node with one warning line."""
+    """A corrupt SQLite file and a PostgreSQL URL whose password has a stray ``%``: the job
+    trains and finishes, the lemon gate admits the node with one warning line; no part of the
+    password reaches the agent's output, events.jsonl or config.json."""
     runs = tmp_path / "runs"
     runs.mkdir()
     (runs / "fleet.db").write_bytes(b"corrupt" * 200)
-    for extra in ({}, {"TRAINGUARD_FLEET_URL": "postgresql://tg@127.0.0.1:1/fleet"}):
+    for extra in ({}, {"TRAINGUARD_FLEET_URL": "postgresql://tg:s3cr%zzet@127.0.0.1:1/fleet"}):
         env = job_env(TRAINGUARD_RUNTIME_RUNS_ROOT=str(runs), TRAINGUARD_FLEET_FLUSH_TIMEOUT_S="1",
                       **extra)  # fmt: skip
         r = tg("run", "--standalone", "--nproc-per-node", "1", "--tg-run-dir",
@@ -278,3 +279,10 @@ def test_job_runs_when_the_database_is_unusable(tmp_path: Path) -> None:
         assert r.returncode == 0, r.stderr[-2000:]
         assert "fleet database: lemon check skipped, node admitted" in r.stderr
         assert "Traceback" not in r.stderr
+        run_dir = tmp_path / f"job{len(extra)}"
+        files = "".join(p.read_text() for p in (run_dir / "events.jsonl", run_dir / "config.json"))
+        assert "s3cr" not in r.stderr + r.stdout + files
+        if extra:
+            (rec,) = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()
+                      if '"fleet_records"' in x]  # fmt: skip
+            assert "a password in the URL must be percent-encoded" in rec["error"], rec

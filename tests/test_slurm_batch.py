@@ -73,6 +73,9 @@ export TRAINGUARD_SBATCH_RDZV_NODE="$RDZV_NODE"
 STARTED=$(date +%s.%N)
 echo "trainguard: job $SLURM_JOB_ID (run $RUN_ID, restart ${SLURM_RESTART_COUNT:-0}, \
 resubmit ${TRAINGUARD_SBATCH_RESUBMITS}) on $SLURM_JOB_NODELIST" >&2
+# a watcher outside the job step: pages when the job goes silent
+/opt/py/bin/python -m trainguard watch "$RUN_DIR" --if-configured >> "$RUN_DIR/logs/watch.log" 2>&1 &
+WATCH_PID=$!
 srun --ntasks-per-node=1 --kill-on-bad-exit=0 --no-kill \\
     --output="$RUN_DIR/logs/agent-%j-%t.out" /opt/py/bin/python -m trainguard slurm agent \\
     --nnodes 2:2 \\
@@ -82,6 +85,10 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=0 --no-kill \\
     --max-restarts 3 \\
     train.py
 rc=$?
+kill "$WATCH_PID" 2>/dev/null
+# the step ended: pages when it ended without the agents' final events
+/opt/py/bin/python -m trainguard watch "$RUN_DIR" --if-configured --step-ended "$rc" >> \
+"$RUN_DIR/logs/watch.log" 2>&1
 exec /opt/py/bin/python -m trainguard slurm finish --run-dir "$RUN_DIR" --rc "$rc" \
 --since "$STARTED" \\
     --script "$RUN_DIR/job.sbatch"
@@ -273,8 +280,13 @@ def test_hostile_arguments_stay_inert(tmp_path: Path) -> None:
     rdzv_id = tail[tail.index("--rdzv-id") + 1]
     assert re.fullmatch(r"slurm\.42\.0\.[0-9a-f]{16}", rdzv_id), rdzv_id
     assert (work / run_dir).stat().st_mode & 0o777 == 0o700  # private by default
-    (fin,) = [f for f in rec.glob("python.*")]
-    fargv = fin.read_bytes().decode().split("\0")[:-1]
+    calls = [f.read_bytes().decode().split("\0")[:-1] for f in rec.glob("python.*")]
+    (fargv,) = [a for a in calls if a[:4] == ["-m", "trainguard", "slurm", "finish"]]
+    watches = [a for a in calls if a[:3] == ["-m", "trainguard", "watch"]]
+    assert sorted(a[3:] for a in watches) == [
+        [run_dir, "--if-configured"],
+        [run_dir, "--if-configured", "--step-ended", "0"],
+    ]  # the watcher beside the step, then its check once the step ended
     assert fargv[:4] == ["-m", "trainguard", "slurm", "finish"]
     assert fargv[fargv.index("--run-dir") + 1] == run_dir
     assert fargv[fargv.index("--script") + 1] == run_dir + "/job.sbatch"

@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from trainguard.chaos.procs import alive, descendants
+from trainguard.chaos.procs import alive, descendants, lineage
+from trainguard.core.agentmark import MARK_FILE, holds_mark, mark_identity
 from trainguard.core.event_kinds import LAUNCH, RENDEZVOUS, WORKERS_STARTED
 from trainguard.core.events import node_name
 from trainguard.core.proctime import process_start_time
@@ -35,6 +36,7 @@ __all__ = [
     "listening_pids",
     "local_addresses",
     "pause",
+    "refuse_reason",
     "worker_pid",
 ]
 
@@ -148,10 +150,14 @@ def _events(run_dir: Path) -> list[dict[str, Any]]:
 
 
 # A pid read from events.jsonl is only a claim: anyone who can write the run directory can
-# write any pid there, and the pid of a process that ended is soon another process's. A target
-# is signalled only when it is verifiably this job's and on this machine: an agent is a live
-# process whose start time is the one its ``launch`` event recorded (a pid reused since, or
-# one written in by hand, has another); a worker is a live descendant of such an agent.
+# write any pid there, with that process's start time (public in /proc/<pid>/stat), and the pid
+# of a process that ended is soon another process's. A target is signalled only when it is
+# verifiably this job's and on this machine. An agent: a live process, not init and not the
+# caller or one of its ancestors, run by the run directory's owner, that holds the run
+# directory's agent mark open (trainguard.core.agentmark: a fact about the process itself, which
+# no line of the log can give) and whose start time is the one its ``launch`` event recorded.
+# A worker: a live process of the same owner in the process tree of such an agent of the node
+# that recorded it.
 _START_SLACK_S = 1.0
 
 
@@ -163,40 +169,105 @@ def _pid(value: Any) -> int | None:
     return pid if pid > 0 else None
 
 
-def _agents(events: list[dict[str, Any]], node: str | None = None) -> list[int]:
-    """The live agents (of ``node``, or any) whose start time is the one their ``launch``
-    event recorded, newest first."""
-    out: list[int] = []
-    for ev in reversed(events):
-        pid = _pid(ev.get("pid"))
-        if ev.get("kind") != LAUNCH or pid is None or pid in out:
-            continue
-        if node is not None and ev.get("node") != node:
-            continue
-        started = process_start_time(pid) if alive(pid) else None
+def _uids(pid: int) -> tuple[int, ...]:
+    """Real, effective, saved and filesystem uids of ``pid`` (empty when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return tuple(int(x) for x in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return ()
+
+
+def refuse_reason(pid: int) -> str | None:
+    """Why ``pid`` is never a target, whatever names it (None: it may be one)."""
+    if pid <= 1:
+        return "is init (pid 1), never a process of a job"
+    if pid in lineage():  # the drill would end itself, or the shell or job that runs it
+        return "is this command or one of its ancestors"
+    if not alive(pid):
+        return "is not a live process"
+    return None
+
+
+class _Verifier:
+    """Checks pids named in the events of one run directory against the processes themselves."""
+
+    def __init__(self, run_dir: Path, events: list[dict[str, Any]]) -> None:
+        self.events = events
         try:
-            if started is not None and abs(float(ev["process_start"]) - started) <= _START_SLACK_S:
+            self.owner: int | None = os.stat(run_dir).st_uid
+        except OSError:
+            self.owner = None
+        self.mark = None if self.owner is None else mark_identity(run_dir, self.owner)
+
+    def _owned(self, pid: int) -> bool:
+        uids = _uids(pid)
+        return bool(uids) and self.owner is not None and all(u == self.owner for u in uids[:2])
+
+    def agent_reason(self, pid: int) -> str | None:
+        """Why ``pid`` is not a verified agent of this run (None: it is one)."""
+        why = refuse_reason(pid)
+        if why is not None:
+            return why
+        if not self._owned(pid):
+            return f"is not run by the run directory's owner (uid {self.owner})"
+        if self.mark is None or not holds_mark(pid, self.mark):
+            return f"does not hold the run directory's {MARK_FILE} open (not an agent of it)"
+        started = process_start_time(pid)
+        for ev in self.events:
+            if ev.get("kind") != LAUNCH or _pid(ev.get("pid")) != pid:
+                continue
+            try:
+                if started is not None and abs(float(ev["process_start"]) - started) <= (
+                    _START_SLACK_S
+                ):
+                    return None
+            except (KeyError, TypeError, ValueError):
+                continue
+        return "started at another time than its launch event says (a pid reused since)"
+
+    def agents(self, node: str | None = None) -> list[int]:
+        """The verified agents (of ``node``, or any) named by ``launch`` events, newest first."""
+        out: list[int] = []
+        for ev in reversed(self.events):
+            pid = _pid(ev.get("pid"))
+            if ev.get("kind") != LAUNCH or pid is None or pid in out:
+                continue
+            if node is not None and ev.get("node") != node:
+                continue
+            if self.agent_reason(pid) is None:
                 out.append(pid)
-        except (KeyError, TypeError, ValueError):
-            continue
-    return out
+        return out
+
+    def worker_reason(self, pid: int, node: Any) -> str | None:
+        """Why ``pid`` is not in the process tree of a verified agent of ``node``."""
+        why = refuse_reason(pid)
+        if why is not None:
+            return why
+        if not self._owned(pid):
+            return f"is not run by the run directory's owner (uid {self.owner})"
+        agents = self.agents(node if isinstance(node, str) else None)
+        if not any(pid in descendants(agent) for agent in agents):
+            return "is not in the process tree of an agent of this job on this machine"
+        return None
 
 
-def _not_ours(pid: int | None, what: str, node: Any) -> ChaosTargetError:
+def _not_ours(pid: int | None, what: str, node: Any, why: str) -> ChaosTargetError:
     here = node_name()
     where = (
         "" if node in (None, here) else f" (its node is {node!r}, this is {here!r}: run this there)"
     )
-    return ChaosTargetError(
-        f"pid {pid}, recorded for {what}, is not a live process of a trainguard agent of this "
-        f"job on this machine: not signalled{where}"
-    )
+    return ChaosTargetError(f"pid {pid}, recorded for {what}, {why}: not signalled{where}")
 
 
 def worker_pid(run_dir: Path, rank: int) -> int:
     """The live worker of global ``rank`` (from the newest ``workers_started`` event that
-    names it), if it is a descendant of a verified agent of this job on this machine."""
+    names it), if it is in the process tree of a verified agent of its node on this machine."""
     events = _events(run_dir)
+    check = _Verifier(run_dir, events)
     for ev in reversed(events):
         if ev.get("kind") != WORKERS_STARTED:
             continue
@@ -204,35 +275,48 @@ def worker_pid(run_dir: Path, rank: int) -> int:
             if w.get("rank") != rank:
                 continue
             pid = _pid(w.get("pid"))
-            if pid is not None and alive(pid):
-                if any(pid in descendants(agent) for agent in _agents(events)):
-                    return pid
-            raise _not_ours(pid, f"rank {rank}", ev.get("node"))
+            why = "is not a pid" if pid is None else check.worker_reason(pid, ev.get("node"))
+            if why is None and pid is not None:
+                return pid
+            raise _not_ours(pid, f"rank {rank}", ev.get("node"), why or "")
     raise ChaosTargetError(f"no worker of rank {rank} in {run_dir}/events.jsonl")
 
 
-def agent_pid(run_dir: Path, *, group_rank: int | None = None, node: str | None = None) -> int:
-    """The live agent of ``group_rank`` (newest ``rendezvous`` event's members) or of ``node``
-    (its ``launch`` events); one of the two. Only a verified agent of this job on this
-    machine (its start time is the one its ``launch`` event recorded)."""
+def agent_pid(
+    run_dir: Path,
+    *,
+    group_rank: int | None = None,
+    node: str | None = None,
+    pid: int | None = None,
+) -> int:
+    """The live agent of ``group_rank`` (newest ``rendezvous`` event's members), of ``node``
+    (its ``launch`` events) or ``pid``; one of the three. Only a verified agent of this job on
+    this machine (see above)."""
     events = _events(run_dir)
+    check = _Verifier(run_dir, events)
+    if pid is not None:
+        why = check.agent_reason(pid)
+        if why is None:
+            return pid
+        raise _not_ours(pid, "--pid", None, why)
     if group_rank is not None:
         for ev in reversed(events):
             members = ev.get("members") if ev.get("kind") == RENDEZVOUS else None
             if not members or group_rank >= len(members):
                 continue
             member = members[group_rank] or {}
-            pid = _pid(member.get("pid"))
-            if pid is not None and pid in _agents(events):
-                return pid
-            raise _not_ours(pid, f"group rank {group_rank}", member.get("node"))
+            named = _pid(member.get("pid"))
+            why = "is not a pid" if named is None else check.agent_reason(named)
+            if why is None and named is not None:
+                return named
+            raise _not_ours(named, f"group rank {group_rank}", member.get("node"), why or "")
         raise ChaosTargetError(f"no agent of group rank {group_rank} in {run_dir}")
-    agents = _agents(events, node)
+    agents = check.agents(node)
     if agents:
         return agents[0]
     raise ChaosTargetError(
         f"no live agent of node {node!r} on this machine in {run_dir} (an agent is signalled "
-        "only where it runs)"
+        "only where it runs, and only when it holds the run directory's agent mark)"
     )
 
 

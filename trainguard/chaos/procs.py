@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 
-__all__ = ["alive", "become_subreaper", "descendants", "kill_tree", "reap"]
+__all__ = ["alive", "become_subreaper", "descendants", "kill_tree", "lineage", "reap"]
 
 
 def _stat_fields(pid: int | str) -> list[bytes]:
@@ -41,6 +41,17 @@ def alive(pid: int) -> bool:
     """Running (or stopped): neither gone nor a zombie."""
     fields = _stat_fields(pid)
     return bool(fields) and fields[0] not in (b"Z", b"X")
+
+
+def lineage(pid: int | None = None) -> list[int]:
+    """``pid`` (default: this process) and its ancestors, up to init."""
+    out: list[int] = []
+    p = os.getpid() if pid is None else pid
+    while p > 0 and p not in out:
+        out.append(p)
+        fields = _stat_fields(p)
+        p = int(fields[1]) if len(fields) > 1 else 0
+    return out
 
 
 def descendants(pid: int) -> list[int]:

@@ -59,7 +59,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     who = a.add_mutually_exclusive_group(required=True)
     who.add_argument("--group-rank", type=int, help="the agent of this node rank (last round)")
     who.add_argument("--node", help="the agent of this node name (its launch event)")
-    who.add_argument("--pid", type=int, help="this agent pid")
+    who.add_argument(
+        "--pid", type=int, help="this agent pid (with RUN_DIR: checked to be one of its agents)"
+    )
 
     s = sub.add_parser("pause", help="SIGSTOP a service for a while, then SIGCONT (e.g. etcd)")
     what = s.add_mutually_exclusive_group(required=True)
@@ -93,6 +95,14 @@ def _checkpoint_root(path: Path) -> Path:
 
 
 def _pause_targets(args: argparse.Namespace) -> list[int]:
+    pids = _pause_candidates(args)
+    for pid in pids:
+        if (why := chaos_ops.refuse_reason(pid)) is not None:
+            raise chaos_ops.ChaosTargetError(f"pid {pid} {why}: not stopped")
+    return pids
+
+
+def _pause_candidates(args: argparse.Namespace) -> list[int]:
     if args.pid:
         return list(args.pid)
     port, addresses = args.port, None
@@ -134,12 +144,16 @@ def _run(args: argparse.Namespace, prog: str) -> int:
         print(f"{prog}: sent {name} to rank {args.rank} (pid {pid})", flush=True)
         return 0
     if args.cmd == "kill-agent":
-        if args.pid is not None:
-            pid = args.pid
-        elif args.run_dir is None:
+        if args.run_dir is not None:
+            pid = chaos_ops.agent_pid(
+                args.run_dir, group_rank=args.group_rank, node=args.node, pid=args.pid
+            )
+        elif args.pid is None:
             raise chaos_ops.ChaosTargetError("--group-rank and --node need the run directory")
+        elif (why := chaos_ops.refuse_reason(args.pid)) is not None:
+            raise chaos_ops.ChaosTargetError(f"pid {args.pid} {why}: not signalled")
         else:
-            pid = chaos_ops.agent_pid(args.run_dir, group_rank=args.group_rank, node=args.node)
+            pid = args.pid  # named by the caller, without a run directory to check it against
         killed = procs.kill_tree(pid)
         if not killed:
             raise chaos_ops.ChaosTargetError(f"no process {pid}")

@@ -7,9 +7,13 @@
     trainguard fleet release NODE --slurm   ... and, once this node's health check passes,
                                             resume it in Slurm if trainguard drained it
                                             (run it on the node: srun -w NODE ...)
+    trainguard fleet grant --nodes ROLE     PostgreSQL, as the tables' owner: the node roles'
+                                            group may read and add records, [fleet]
+                                            operator_role may release
 
 The database is ``[fleet] url`` (``--config``, ``TRAINGUARD_FLEET_URL``), else
-``<runs_root>/fleet.db``. Exit code 0; 2 on a bad setting or an unusable database (one line).
+``<runs_root>/fleet.db``. With ``[fleet] node_role``, ``release`` logs in as ``[fleet]
+operator_role``. Exit code 0; 2 on a bad setting or an unusable database (one line).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="run this node's health check, then resume NODE in Slurm (scontrol, operator rights)",
     )
     r.add_argument("--force", action="store_true", help="resume a node drained by someone else")
+    g = sub.add_parser("grant", help="PostgreSQL: grant the node roles and the operator role")
+    g.add_argument("--nodes", required=True, help="the role every node role is a member of")
     return p
 
 
@@ -79,9 +85,8 @@ def _when(t: float) -> str:
 
 def main(argv: list[str], *, prog: str = "trainguard fleet") -> int:
     args = _parser(prog).parse_args(argv)
-    from trainguard.fleet.db import FleetDBError, safe_node_name
+    from trainguard.fleet.db import FleetDBError, PostgresFleetDB, open_db, safe_node_name
     from trainguard.fleet.lemons import lemon_status
-    from trainguard.fleet.plugin import fleet_db
 
     try:
         full = load_config(args.config, overrides={"fleet.url": args.url})
@@ -89,8 +94,24 @@ def main(argv: list[str], *, prog: str = "trainguard fleet") -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     cfg = full.fleet
+    role = cfg.operator_role if args.what == "release" and cfg.node_role else ""
     try:
-        with fleet_db(cfg, full.runtime.runs_root) as db:
+        opened = open_db(
+            cfg.url, runs_root=full.runtime.runs_root, connect_timeout_s=cfg.connect_timeout_s,
+            role=role,
+        )  # fmt: skip
+        with opened as db:
+            if args.what == "grant":
+                if not isinstance(db, PostgresFleetDB):
+                    raise FleetDBError(
+                        "grant needs a postgresql:// [fleet] url (SQLite has no roles)"
+                    )
+                db.grant_roles(nodes=args.nodes, operator=cfg.operator_role)
+                print(
+                    f"{db.where}: {args.nodes} may read and add records, {cfg.operator_role} may "
+                    "release"
+                )
+                return 0
             if args.what == "release":
                 node, _ = safe_node_name(args.node)
                 before = lemon_status(db, node, cfg)
@@ -122,7 +143,7 @@ def main(argv: list[str], *, prog: str = "trainguard fleet") -> int:
     if args.json:
         out = [
             {"node": s.node, "incidents": s.incidents, "records": total.get(s.node, 0),
-             "lemon": s.is_lemon, "history": s.history}
+             "lemon": s.is_lemon, "history": s.history, "ignored": s.ignored}
             for s in rows
         ]  # fmt: skip
         print(json.dumps(out, indent=2))

@@ -29,6 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "chaos": ("trainguard.cli.cmd_chaos", "inject faults: kill/hang ranks, agents, etcd, XIDs"),
     "fleet": ("trainguard.cli.cmd_fleet", "node history across jobs: nodes, lemons, release"),
+    "watch": ("trainguard.cli.cmd_watch", "page when a job goes silent (a watcher outside it)"),
 }
 
 

@@ -12,6 +12,7 @@
                                           a worker's stacks on the stack signal (appended)
     hangs/<a>/                            the diagnosis of a hang of attempt <a> (a DumpDir)
     debug/<id>/                           one ``trainguard debug`` look at a running job (a DumpDir)
+    heartbeats/<node>.json                an agent's heartbeat, for ``trainguard watch``
     roles/<role>/<i>.json                 state of role replica i (rollout, reward engines)
     roles/<role>/<i>.log                  its output (stdout and stderr, every restart)
     roles/<role>/standby-<k>.json|.log    a warm standby's state and output (``standby = N``)
@@ -122,6 +123,15 @@ class RunDir:
             return int(path.stem.split("_", 1)[1])
         except (IndexError, ValueError):
             return None
+
+    @property
+    def heartbeats(self) -> Path:
+        """The agents' heartbeat files (one per node), read by ``trainguard watch``."""
+        return self.root / "heartbeats"
+
+    def heartbeat(self, node: str) -> Path:
+        """Node ``node``'s agent heartbeat."""
+        return self.heartbeats / f"{node.replace(os.sep, '_')}.json"
 
     @property
     def checkpoints(self) -> Path:

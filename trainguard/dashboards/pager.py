@@ -115,6 +115,25 @@ def alertmanager_payload(page: Page) -> dict[str, Any]:
     }
 
 
+def alertmanager_api_payload(page: Page) -> list[dict[str, Any]]:
+    """The page as an alert posted to Alertmanager's ``/api/v2/alerts`` (what Prometheus
+    sends): Alertmanager groups, routes and repeats it by its own configuration."""
+    annotations = {"summary": page.summary}
+    if page.details:
+        annotations["details"] = json.dumps(page.details, sort_keys=True, default=str)
+        if isinstance(page.details.get("runbook"), str):
+            annotations["runbook"] = page.details["runbook"]
+    alert: dict[str, Any] = {
+        "labels": {"alertname": page.alertname, **page.labels},
+        "annotations": annotations,
+        "startsAt": _iso(page.starts_at),
+        "generatorURL": "",
+    }
+    if page.status == "resolved":
+        alert["endsAt"] = _iso(page.ends_at)
+    return [alert]
+
+
 def pagerduty_payload(page: Page, routing_key: str) -> dict[str, Any]:
     body: dict[str, Any] = {
         "routing_key": routing_key,
@@ -150,6 +169,8 @@ class Pager:
         assert cfg.webhook_url, "a Pager needs alerts.webhook_url"
         self.cfg = cfg
         self.url = cfg.webhook_url
+        if cfg.format == "alertmanager_api":
+            self.url = cfg.webhook_url.rstrip("/") + "/api/v2/alerts"
         self.shown_url = redact_url(cfg.webhook_url)
         """The URL as logs show it (its path and query may hold the token)."""
         self.secret = secret
@@ -216,8 +237,13 @@ class Pager:
     # -- sending -------------------------------------------------------------------------------
     def _body(self, page: Page) -> tuple[bytes, dict[str, str]]:
         headers = {"Content-Type": "application/json", "User-Agent": "trainguard-pager"}
+        payload: Any
         if self.cfg.format == "pagerduty":
             payload = pagerduty_payload(page, self.secret or "")
+        elif self.cfg.format == "alertmanager_api":
+            payload = alertmanager_api_payload(page)
+            if self.secret:
+                headers["Authorization"] = f"Bearer {self.secret}"
         else:
             payload = alertmanager_payload(page)
             if self.secret:

@@ -4,6 +4,10 @@ A lemon has ``lemon_failures`` incidents whose cause is one of ``lemon_causes`` 
 ``lemon_window_days``, counted since an operator last released it (``trainguard fleet release``).
 An incident is one failed attempt of one job, however many records it left (the health
 finding, the attribution, the eviction of one XID count once).
+
+With ``[fleet] node_role`` only what the database stamped as written by the node's own role
+counts (a record another writer planted for the node is left out, and counted as such), and
+only a release by ``operator_role`` starts the count again.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ class Lemon:
     window_days: float
     since: float
     history: list[dict[str, Any]] = field(default_factory=list)
+    ignored: int = 0
+    """Records of the node in the window left out: not written by the node's role."""
 
     @property
     def is_lemon(self) -> bool:
@@ -58,10 +64,13 @@ def incidents(records: list[Record], causes: list[str]) -> list[Record]:
 def lemon_status(db: FleetDB, node: str, cfg: FleetConfig, *, now: float | None = None) -> Lemon:
     now = time.time() if now is None else now
     since = now - cfg.lemon_window_days * 86400.0
-    released = db.last_release(node)
+    role = cfg.role_of(node)
+    released = db.last_release(node, writer=cfg.operator_role if role else None)
     if released is not None:
         since = max(since, released)
-    found = incidents(db.history(node, since=since), list(cfg.lemon_causes))
+    records = db.history(node, since=since)
+    trusted = [r for r in records if r.writer == role] if role else records
+    found = incidents(trusted, list(cfg.lemon_causes))
     history = [
         {
             "time": r.time,
@@ -74,4 +83,7 @@ def lemon_status(db: FleetDB, node: str, cfg: FleetConfig, *, now: float | None 
         }
         for r in found
     ]
-    return Lemon(node, len(found), cfg.lemon_failures, cfg.lemon_window_days, since, history)
+    return Lemon(
+        node, len(found), cfg.lemon_failures, cfg.lemon_window_days, since, history,
+        ignored=len(records) - len(trusted),
+    )  # fmt: skip

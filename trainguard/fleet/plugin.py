@@ -49,8 +49,10 @@ logger = logging.getLogger(__name__)
 _WATCHED = ["failure_attributed", "node_evicted", "health_unhealthy", "node_excluded"]
 
 
-def fleet_db(cfg: FleetConfig, runs_root: str) -> FleetDB:
-    return open_db(cfg.url, runs_root=runs_root, connect_timeout_s=cfg.connect_timeout_s)
+def fleet_db(cfg: FleetConfig, runs_root: str, *, node: str | None = None) -> FleetDB:
+    """The fleet database; as ``node``'s role (``[fleet] node_role``) for that node's agent."""
+    role = cfg.role_of(node) if node is not None else ""
+    return open_db(cfg.url, runs_root=runs_root, connect_timeout_s=cfg.connect_timeout_s, role=role)
 
 
 def _eviction_cause(reason: str) -> str:
@@ -67,12 +69,14 @@ class FleetPlugin(AgentPlugin):
         node, changed = safe_node_name(ctx.node)
         self.node = node
         self.warnings = 0
+        self.gate_error: str | None = None
+        """Why the lemon check was skipped (one line, scrubbed), for ``fleet_records``."""
         if changed:
             self.warnings += 1
             logger.warning("fleet database: node name %r recorded as %r", ctx.node, node)
         self.job = ctx.run_id
         self.writer = FleetWriter(
-            lambda: fleet_db(self.cfg, self.runs_root),
+            lambda: fleet_db(self.cfg, self.runs_root, node=self.node),
             queue_max=self.cfg.queue_max,
             retry_s=self.cfg.retry_s,
         )
@@ -157,16 +161,25 @@ class FleetPlugin(AgentPlugin):
         if self.cfg.lemon_failures <= 0:
             return
         try:
-            with fleet_db(self.cfg, self.runs_root) as db:
+            with fleet_db(self.cfg, self.runs_root, node=self.node) as db:
                 status = lemon_status(db, self.node, self.cfg)
         except FleetDBError as e:
             self.warnings += 1
+            self.gate_error = str(e)
             logger.warning("fleet database: lemon check skipped, node admitted: %s", e)
             return
         except Exception as e:
             self.warnings += 1
             logger.warning("fleet database: lemon check skipped, node admitted: %s", e)
             return
+        if status.ignored:
+            self.warnings += 1
+            logger.warning(
+                "fleet database: %d record(s) of node %s not written by its role %s: not counted",
+                status.ignored,
+                self.node,
+                self.cfg.role_of(self.node),
+            )
         if not status.is_lemon:
             return
         reason = status.reason()
@@ -193,8 +206,8 @@ class FleetPlugin(AgentPlugin):
     # -- sniff tests ---------------------------------------------------------------------------
     def _load_baseline(self) -> None:
         try:
-            with fleet_db(self.cfg, self.runs_root) as db:
-                self.baseline = fleet_baseline(db)
+            with fleet_db(self.cfg, self.runs_root, node=self.node) as db:
+                self.baseline = fleet_baseline(db, cfg=self.cfg)
         except Exception as e:  # FleetDBError or a driver's: no fleet reference this attempt
             self.warnings += 1
             logger.warning("fleet database: no sniff history to compare with: %s", e)
@@ -310,7 +323,7 @@ class FleetPlugin(AgentPlugin):
             waiting=left,
             dropped=self.writer.dropped,
             warnings=self.warnings,
-            error=self.writer.last_error,
+            error=self.writer.last_error or self.gate_error,
         )
         return None
 

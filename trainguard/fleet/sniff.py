@@ -33,13 +33,18 @@ def _key(model: str, size: int) -> str:
     return f"{model}|{size}"
 
 
-def fleet_baseline(db: FleetDB, *, now: float | None = None) -> dict[str, float]:
+def fleet_baseline(
+    db: FleetDB, *, now: float | None = None, cfg: FleetConfig | None = None
+) -> dict[str, float]:
     """Median GEMM seconds of the fleet's sniff records per device model and GEMM size
-    (``"<model>|<size>"``), from unflagged records of the last 30 days."""
+    (``"<model>|<size>"``), from unflagged records of the last 30 days (with ``[fleet]
+    node_role``, only those the database stamped as written by their node's role)."""
     now = time.time() if now is None else now
     seen: dict[str, list[float]] = {}
     for r in db.history_of_kind("sniff", since=now - _BASELINE_DAYS * 86400.0):
         if r.cause != "ok":
+            continue
+        if cfg is not None and cfg.node_role and r.writer != cfg.role_of(r.node):
             continue
         d = r.detail
         try:

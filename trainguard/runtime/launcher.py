@@ -36,6 +36,7 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from trainguard.chaos import faults as chaos
 from trainguard.core import envvars
+from trainguard.core.agentmark import hold_mark, release_mark
 from trainguard.core.atomicfile import make_dirs
 from trainguard.core.config import ConfigError, TrainGuardConfig, load_config, write_effective
 from trainguard.core.events import EventLog
@@ -519,6 +520,7 @@ def launch(
         process_start=process_start_time(),
     )
     _announce_chaos(events)
+    mark = hold_mark(run_dir)  # this process is an agent of run_dir (trainguard chaos checks it)
     outcome = Outcome(JobState.FAILED)
     try:
         outcome = _exit_hooks(plugins, ctx, _run_agent(agent, config, name))
@@ -534,6 +536,7 @@ def launch(
             spare_ctl.close()  # a tombstone: the others remove this node at once
         if outcome.shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+        release_mark(mark)
     if agent.attempt >= 0:
         _print_recovery_summary(run_dir)
     return _conclude(outcome, name)

@@ -75,6 +75,11 @@ def default_plugins(ctx: AgentContext) -> list[AgentPlugin]:
         pager = create_pager_plugin(cfg.alerts, ctx.run_dir, ctx.events)
         if pager is not None:
             plugins.append(pager)
+    from trainguard.dashboards.watch import heartbeat_plugin
+
+    beat = heartbeat_plugin(ctx, cfg.alerts)
+    if beat is not None:
+        plugins.append(beat)
     if cfg.integrations.auto:
         # trainguard attaches itself to transformers' / Lightning's Trainer in the workers
         plugins.append(WorkerHooksPlugin("integrations", INTEGRATIONS_HOOK))

@@ -317,8 +317,27 @@ class BatchRequest:
             'echo "trainguard: job $SLURM_JOB_ID (run $RUN_ID, restart ${SLURM_RESTART_COUNT:-0},'
             " resubmit ${" + RESUBMITS_ENV + '}) on $SLURM_JOB_NODELIST" >&2',
             *(self._roles_lines() if self.role_nodes else []),
+            *(
+                [
+                    "# a watcher outside the job step: pages when the job goes silent",
+                    f'{tg} watch "$RUN_DIR" --if-configured >> "$RUN_DIR/logs/watch.log" 2>&1 &',
+                    "WATCH_PID=$!",
+                ]
+                if cfg.watch
+                else []
+            ),
             self._agent_command(),
             "rc=$?",
+            *(
+                [
+                    'kill "$WATCH_PID" 2>/dev/null',
+                    "# the step ended: pages when it ended without the agents' final events",
+                    f'{tg} watch "$RUN_DIR" --if-configured --step-ended "$rc" '
+                    '>> "$RUN_DIR/logs/watch.log" 2>&1',
+                ]
+                if cfg.watch
+                else []
+            ),
             *(
                 [
                     f'touch "${envvars.SBATCH_ROLES_STOP}"  # the role agents stop their replicas',

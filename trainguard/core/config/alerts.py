@@ -16,8 +16,11 @@ class AlertsConfig:
     webhook_url: str | None = None
     """Where to send pages; unset: no direct paging. E.g. an Alertmanager-webhook receiver or
     ``https://events.pagerduty.com/v2/enqueue``."""
-    format: Literal["alertmanager", "pagerduty"] = "alertmanager"
-    """Payload format: Alertmanager's webhook JSON (version 4) or PagerDuty Events API v2."""
+    format: Literal["alertmanager", "pagerduty", "alertmanager_api"] = "alertmanager"
+    """Payload format: Alertmanager's webhook JSON (version 4), PagerDuty Events API v2, or
+    ``alertmanager_api``: ``webhook_url`` is an Alertmanager (``http://am:9093``) and pages are
+    posted to its ``/api/v2/alerts`` as alerts, routed by its own configuration (the generated
+    ``alertmanager.yml``)."""
     routing_key_env: str = "TRAINGUARD_PAGER_ROUTING_KEY"
     """Environment variable holding the PagerDuty routing key (or the webhook bearer token);
     not TRAINGUARD_ALERTS_*, which the config loader reads as settings."""
@@ -35,6 +38,12 @@ class AlertsConfig:
     """At most this many pages a minute from one agent; the rest are dropped (logged, counted)."""
     dedup_window_s: float = 300.0
     """A page with the same dedup key as one sent within this window is not sent again."""
+    heartbeat_s: float = 5.0
+    """Every agent writes ``heartbeats/<node>.json`` in the run directory this often, for
+    ``trainguard watch`` (a watcher outside the job); 0 turns the heartbeat off."""
+    silence_s: float | None = None
+    """``trainguard watch`` pages when no agent wrote a heartbeat or an event for this long;
+    default: three heartbeats plus 5 s."""
 
     def __post_init__(self) -> None:
         if self.webhook_url is not None and not self.webhook_url.startswith(
@@ -48,5 +57,12 @@ class AlertsConfig:
             )
         if self.timeout_s <= 0 or self.retry_backoff_s < 0 or self.max_retries < 0:
             raise ValueError("timeout_s must be > 0, retry_backoff_s and max_retries >= 0")
+        if self.heartbeat_s < 0:
+            raise ValueError(f"heartbeat_s {self.heartbeat_s} must be >= 0 (0: no heartbeat)")
+        if self.silence_s is not None and self.silence_s <= max(self.heartbeat_s, 0.0):
+            raise ValueError(
+                f"silence_s {self.silence_s} must be longer than heartbeat_s {self.heartbeat_s}"
+                " (the watcher would page between two heartbeats)"
+            )
         if self.rate_limit_per_min < 1:
             raise ValueError("rate_limit_per_min must be >= 1")

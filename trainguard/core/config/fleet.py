@@ -9,7 +9,8 @@ Example::
     lemon_causes = ["hardware"]
 
 The database password is best left out of the URL: libpq's ``PGPASSWORD`` / ``~/.pgpass`` are
-read as usual (the URL is redacted in the run's config.json either way).
+read as usual (the URL is redacted in the run's config.json either way); a password in the URL
+must be percent-encoded (``%40`` for ``@``, ``%25`` for ``%``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ class FleetConfig:
     flush_timeout_s: float = 5.0
     """At the end of a job, how long the agent waits for waiting records to be written."""
     connect_timeout_s: float = 3.0
+    node_role: str = ""
+    """Per-node writer identity (PostgreSQL): a role name holding ``{node}``, e.g.
+    ``tg_node_{node}``. Set, each agent logs in as its node's role (its password from the
+    node's ``~/.pgpass``/``PGPASSFILE`` or a client certificate), the database stamps every
+    row with the role that wrote it, and a record counts (lemon verdicts, ``trainguard fleet``,
+    the sniff baseline) only when its node's role wrote it. Empty: every writer of the
+    database is trusted with every node's history."""
+    operator_role: str = "trainguard_operator"
+    """With ``node_role``: the role whose releases count (``trainguard fleet release``
+    connects as it; grant it INSERT on ``trainguard_releases``, and the node roles none)."""
 
     # -- sniff tests -------------------------------------------------------------------------
     sniff_interval_s: float = 0.0
@@ -78,6 +89,16 @@ class FleetConfig:
             raise ValueError("lemon_failures must be >= 0 and lemon_window_days > 0")
         if self.queue_max < 1 or self.retry_s <= 0 or self.flush_timeout_s < 0:
             raise ValueError("queue_max must be >= 1, retry_s > 0 and flush_timeout_s >= 0")
+        if self.node_role and "{node}" not in self.node_role:
+            raise ValueError(
+                f"node_role {self.node_role!r} names no node: write {{node}} where the node's "
+                "name goes, e.g. 'tg_node_{node}'"
+            )
+        if self.node_role and not self.url.startswith(("postgresql://", "postgres://")):
+            raise ValueError(
+                "node_role needs a postgresql:// url (SQLite has no roles: whoever can write "
+                "its file is trusted with all of it)"
+            )
         if self.sniff_interval_s < 0 or not 0.0 < self.sniff_budget <= 1.0:
             raise ValueError("sniff_interval_s must be >= 0 and sniff_budget in (0, 1]")
         if self.sniff_gemm_size < 0 or self.sniff_allreduce_kib < 0 or self.sniff_record_s < 0:
@@ -89,3 +110,7 @@ class FleetConfig:
                 "url must be postgresql://user@host:port/db or sqlite:///path "
                 "(empty: SQLite under the runs root)"
             )
+
+    def role_of(self, node: str) -> str:
+        """The role of ``node`` (``node_role`` with its name), or '' without ``node_role``."""
+        return self.node_role.replace("{node}", node) if self.node_role else ""

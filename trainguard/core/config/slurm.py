@@ -64,6 +64,10 @@ class SlurmConfig:
     ``<runs_root>/slurm-<job id>.out`` (relative to the submit directory)."""
     python: str | None = None
     """Python interpreter the nodes run trainguard with (default: the submitting one)."""
+    watch: bool = True
+    """The batch script runs ``trainguard watch`` on the batch host beside the job step (where
+    a pager is configured, ``[alerts]``): it pages when the job goes silent, and when the step
+    ends without the agents' final events (every agent killed, the step cancelled)."""
 
     def __post_init__(self) -> None:
         if not _SIGNAL.match(self.signal):
