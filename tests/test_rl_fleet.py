@@ -289,7 +289,7 @@ def test_refits_are_verified_and_a_failed_one_quarantines_until_refit(
         write(v)
         res = client.sync_weights(v)
         assert sorted(res.confirmed) == [a, b] and res.missed == []
-        assert sorted(e["engine"] for k, e in events if k == "rollout_refit_verified") == [a, b]
+        assert {e["engine"] for k, e in events if k == "rollout_refit_verified"} == {a, b}
 
         # a refit that stops half-way, every time: engine 0 stays quarantined, never serves
         post(f.engines.ports[0], "/v1/faults", {"kind": "partial_refit", "count": 100})
@@ -336,8 +336,9 @@ def test_refits_are_verified_and_a_failed_one_quarantines_until_refit(
         quarantined = [e for k, e in events if k == "rollout_engine_quarantined"]
         assert {e["engine"] for e in quarantined} == {a, b}
         assert all("not what the trainer wrote" in e["reason"] for e in quarantined)
-        assert sorted(e["engine"] for k, e in events if k == "rollout_refit_verified") == [a, b]
-        assert client.refits_quarantined[a] >= 4 and client.refits_verified[b] == 4  # 1, 2, 2, 3
+        assert {e["engine"] for k, e in events if k == "rollout_refit_verified"} == {a, b}
+        # every version b was asked for was verified (by a sync, or a probe after a self-refit)
+        assert client.refits_quarantined[a] >= 4 and client.refits_verified[b] >= 4
     finally:
         client.close()
 

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from trainguard.core.engine_contract import REPLICA_STATES
+
 __all__ = [
     "METRICS",
     "MetricSpec",
@@ -749,20 +751,9 @@ def by_name(name: str) -> MetricSpec:
 ROLES = ("rollout", "reward")
 """The roles a job may declare besides ``trainer`` (whose workers are the SPMD group)."""
 
-ROLE_STATES = (
-    "starting",
-    "loading",
-    "serving",
-    "quarantined",
-    "suspect",
-    "dead",
-    "restarting",
-    "failed",
-    "stopped",
-)
-"""Lifecycle states of a role replica: starting → loading (weights) → serving → suspect →
-dead → restarting (→ starting); ``quarantined``: its refit failed a client's check, it
-serves nothing until a refit is verified (counted against the restart budget); ``failed``:
+ROLE_STATES = tuple(s.value for s in REPLICA_STATES)
+"""Lifecycle states of a role replica (:data:`trainguard.core.engine_contract.REPLICA_STATES`):
+starting → loading (weights) → serving → suspect → dead → restarting (→ starting); ``failed``:
 not restarted (the role's restart budget is spent, or its policy is ``never``); ``stopped``:
 ended with the job."""
 

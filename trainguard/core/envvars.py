@@ -57,6 +57,11 @@ serves its health on ``TRAINGUARD_ROLE_PORT`` (its own port, never routed to) wi
 ``standby`` once it is loaded; when the file appears (JSON ``{"replica": i, "port": p}``) it
 takes port ``p`` of the dead replica ``i`` and goes on as that replica (loading, then serving
 the current weights)."""
+ROLE_INCARNATION = "TRAINGUARD_ROLE_INCARNATION"
+"""In a role replica (and a standby): a nonce the supervisor draws for this process alone. The
+replica reports it in its health answer (``incarnation``, beside its ``pid``), so that the
+supervisor and the trainer's clients count an answer only from the process that was started
+(never from another process on a dead replica's port)."""
 ROLLOUT_URLS = "TRAINGUARD_ROLLOUT_URLS"
 """In the trainer's workers: the rollout engines, ``http://<host>:<port>`` comma-separated,
 replica 0 first (host ``127.0.0.1`` beside the trainer, the node's address on nodes of their
