@@ -185,6 +185,9 @@ class Handler(JSONHandler):
         version = body.get("version")
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise HTTPError(400, "'version' (the weight version to load) is required")
+        if e.hostile and e.shape in ("deep", "not_json", "huge_version"):
+            self.send_json(200, None, raw=_hostile(e.shape, 1))
+            return
         if not e.store.path_of(version).exists():
             raise HTTPError(404, f"weight version {version} is not in {e.store.root}")
         e.version = version

@@ -138,6 +138,18 @@ def test_a_malformed_completion_is_counted_and_retried_on_the_healthy_engine(
         assert all(e["engine"] == servers.hostile.url and e["retried"] for e in failed)
 
 
+@pytest.mark.parametrize("shape", ["deep", "not_json", "huge_version"])
+def test_a_malformed_weight_update_answer_is_not_a_confirmation(
+    servers: Servers, shape: str
+) -> None:
+    servers.hostile.shape(shape)
+    with client(servers, []) as c:
+        c.wait_serving(2, timeout=20)
+        result = c.sync_weights(0)
+        # not confirmed (out of routing until its health reports the version), never raised
+        assert result.confirmed == [servers.healthy.url] and result.missed == [servers.hostile.url]
+
+
 def test_an_engine_reporting_an_absurd_load_attracts_nothing(servers: Servers) -> None:
     servers.hostile.shape("absurd_inflight")  # "inflight": -10**9, completions well-formed
     with client(servers, []) as c:

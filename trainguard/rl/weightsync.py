@@ -101,6 +101,9 @@ class WeightSync:
                             failed[eng.url] = str(f)
                     except MalformedAnswer:
                         ok = False
+                    except Exception:  # any other failure: not confirmed, never raised
+                        logger.exception("weight update of %s failed", eng.url)
+                        ok = False
                 if ok:
                     eng.version = version
                     if self.fingerprints is not None:  # routed once checked (below)

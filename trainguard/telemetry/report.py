@@ -699,6 +699,6 @@ def write_report(
     """Write the report (default ``<run_dir>/report.html``) and return its path."""
     data = load_run(run_dir, progress)
     html = render_report(data, peak_override=peak_override, progress=progress)
-    path = Path(out) if out else Path(run_dir) / "report.html"
+    path = Path(out) if out else RunDir(run_dir).report
     # the run directory may be another user's: never a fixed temporary name, never a symlink
     return write_atomic(path, html)
