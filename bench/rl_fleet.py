@@ -164,6 +164,7 @@ class Run:
         seed: int = 0,
     ) -> None:
         self.name = name
+        self.seed = seed
         self.run_dir = root / name
         self.run_dir.mkdir(parents=True)
         self.sup = Fleet(self.run_dir)
@@ -276,7 +277,7 @@ class Run:
 
     def audit(self) -> dict[str, Any]:
         a = audit(self.log, PROMPTS)
-        fault_free = [PromptLedger(PROMPTS, seed=0).prompt_id(g) for g in range(a.trained)]
+        fault_free = [PromptLedger(PROMPTS, seed=self.seed).prompt_id(g) for g in range(a.trained)]
         logs = [
             r
             for r in _records(self.run_dir) + _records(self.run_dir, 1)
