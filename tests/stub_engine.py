@@ -188,7 +188,11 @@ class Handler(JSONHandler):
         ):
             raise HTTPError(400, "'seed' as a list must hold one integer >= 0 per prompt")
         choices = _choices(want, max_tokens, seed, body.get("logprobs") is not None, n)
-        self.send_json(200, {"choices": choices, "weight_version": e.version})
+        answer = {"choices": choices, "weight_version": e.version}
+        answer["incarnation"] = own_identity().incarnation
+        if e.hostile and e.shape == "other_incarnation":  # another process answers the port
+            answer["incarnation"] = "someone-else"
+        self.send_json(200, answer)
 
     def _update(self) -> None:
         e = self.engine
