@@ -29,7 +29,10 @@ logs), ``prompts_skipped``/``prompts_duplicated`` (the consumed-prompt audit of 
 ``engine_restarts_on_trainer_kill``, ``trainer_kill_to_next_update_s`` (kill → the next
 completed step), ``weight_sync_s`` (median push time, fault-free run), ``rl_ettr_failures`` /
 ``rl_ettr_fault_free`` (steps kept at the end of the window × the fault-free median step /
-``--ettr-s``, the window counted from the run's first completed step), ``auth_overhead``
+``--ettr-s``, the window counted from the run's first completed step),
+``replay_bitwise_equal`` (a run of ``--replay-steps`` with ``--replay-faults`` random faults,
+every kind at least once, ends with the final weights of the fault-free run with the same
+seed, compared tensor by tensor; ``replay_tensors_differing`` counts the others), ``auth_overhead``
 (a rollout request of the runs' size, 4 prompts x 8 completions x 16 tokens, to the same
 engine process through a server that checks the job's signature and one that does not, in
 pairs: the median over rounds of the pairs' median CPU-time difference over the CPU time;
@@ -198,8 +201,10 @@ class Run:
         engines: int = 2,
         standby: int = 1,
         engine: str = "embedded",
+        seed: int = 0,
     ) -> None:
         self.name = name
+        self.seed = seed
         self.run_dir = root / name
         self.run_dir.mkdir(parents=True)
         self.sup = Fleet(self.run_dir)
@@ -229,7 +234,7 @@ class Run:
              f"rollout={engines},standby={standby},budget=1000{ready}:{shlex.join(command)}",
              str(REPO / "examples" / "rl_fleet.py"), *model, "--steps", str(steps), "--prompts",
              str(PROMPTS), "--batch", str(BATCH), "--group", "8", "--max-tokens", "16",
-             "--request-timeout", "20"],
+             "--request-timeout", "20", "--seed", str(seed)],
             env=env, stdout=subprocess.DEVNULL, stderr=open(self.run_dir / "launcher.err", "wb"),  # noqa: SIM115
         )  # fmt: skip
         self.faults: list[tuple[str, float, int]] = []  # kind, time, attempt at the fault
@@ -321,7 +326,7 @@ class Run:
 
     def audit(self) -> dict[str, Any]:
         a = audit(self.log, PROMPTS)
-        fault_free = [PromptLedger(PROMPTS, seed=0).prompt_id(g) for g in range(a.trained)]
+        fault_free = [PromptLedger(PROMPTS, seed=self.seed).prompt_id(g) for g in range(a.trained)]
         logs = [
             r
             for r in _records(self.run_dir) + _records(self.run_dir, 1)
@@ -554,6 +559,54 @@ def auth_overhead(root: Path, rounds: int = 9, pairs: int = 24) -> dict[str, Any
     }
 
 
+def replay_runs(root: Path, *, steps: int, faults: int, seed: int) -> dict[str, Any]:
+    """The fault-free run and a run with ``faults`` random faults (every kind at least once,
+    in a shuffled order, at random steps), both ``--steps steps`` with the same run seed,
+    each to its end; their final weights (the weight store's version ``steps``) compared
+    tensor by tensor."""
+    import torch
+    from safetensors.torch import load_file
+
+    rng = random.Random(seed)
+    kinds = list(KINDS) * (faults // len(KINDS) + 1)
+    rng.shuffle(kinds)
+    kinds = kinds[: max(faults, len(KINDS))]
+    if set(kinds) != set(KINDS):
+        kinds = [*KINDS, *kinds[len(KINDS) :]]
+        rng.shuffle(kinds)
+    at = sorted(rng.sample(range(2, steps - 2), len(kinds)))
+    finals = {}
+    for name, plan in (
+        ("replay_fault_free", []),
+        ("replay_faults", list(zip(at, kinds, strict=True))),
+    ):
+        run = Run(root, name, steps=steps, seed=seed)
+        for step, kind in plan:
+            if not run.wait_step(max(step, run.step() + 1)):
+                break
+            run.inject(kind, rng)
+        rc = run.finish(timeout=1800)
+        path = run.run_dir / "rl" / "weights" / f"v{steps:08d}.safetensors"
+        finals[name] = load_file(str(path)) if rc == 0 and path.exists() else None
+        print(f"  [{name}] rc {rc}, {len(run.faults)} faults, {run.audit()}", flush=True)
+    a, b = finals["replay_fault_free"], finals["replay_faults"]
+    differ = (
+        None
+        if a is None or b is None
+        else [
+            k
+            for k in sorted(set(a) | set(b))
+            if k not in a or k not in b or not torch.equal(a[k], b[k])
+        ]
+    )
+    return {
+        "replay_bitwise_equal": differ == [],
+        "replay_tensors_differing": None if differ is None else len(differ),
+        "replay_faults": len(kinds),
+        "replay_steps": steps,
+    }
+
+
 def figures(root: Path, args: argparse.Namespace, engine: str) -> dict[str, Any]:
     """Every scenario and the two ETTR runs on ``engine``: the figures of the JSON line."""
     root = root / engine
@@ -652,6 +705,8 @@ def main() -> None:
     p.add_argument("--refits", type=int, default=20, help="--engine vllm: refits of the drill")
     p.add_argument("--auth-only", action="store_true", help="only the auth_overhead figures")
     p.add_argument("--router-only", action="store_true", help="only the fleet endpoint figures")
+    p.add_argument("--replay-steps", type=int, default=40, help="0: no replay runs")
+    p.add_argument("--replay-faults", type=int, default=6)
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rl-fleet-bench-"))
     print(f"runs in {root}", flush=True)
@@ -666,6 +721,10 @@ def main() -> None:
         print(json.dumps(auth), flush=True)
         return
     embedded = {**figures(root, args, "embedded"), **router, **auth}
+    if args.replay_steps > 0:
+        embedded.update(
+            replay_runs(root, steps=args.replay_steps, faults=args.replay_faults, seed=args.seed)
+        )
     if args.engine == "embedded":
         print(json.dumps(embedded), flush=True)
         return

@@ -25,7 +25,9 @@ Resume is lossless: the ledger (prompt position, pending prompts) and the weight
 in the ``tg.checkpoint`` state saved every step (memory tier); rank 0 appends each committed
 step's prompts to ``RUN_DIR/rl/consumed.jsonl`` (the audit trail of exactly-once training).
 A restarted trainer reattaches to the running engines, refits them to its restored version
-when theirs differs, and goes on.
+when theirs differs, and goes on. Every sample is seeded from (``--seed``, the epoch, the
+prompt id, its index in the group) and dropout per step: an on-policy run through faults
+ends with the weights of the fault-free run with the same seed, bit for bit.
 
 TRL: ``GRPOTrainer`` (trl 1.16) generates through vLLM in server mode with TRL's own
 ``VLLMClient`` (``/generate/``, ``/init_communicator/``, ``/update_named_param/`` of
@@ -59,7 +61,12 @@ from trainguard.rl import (
 )
 from trainguard.rl.client import REWARD_URLS_ENV
 from trainguard.rl.reward import RewardClient
+from trainguard.rl.sampling import prompt_seed
 from trainguard.rl.tiny import TINY_LLAMA, digit_reward, load_model, save_tiny_llama
+from trainguard.rl.verify import fingerprint
+
+FINGERPRINT = ["please write 3 7 now 3 3 3", "write digits 1 2 now 9 0 1", "now now 5 <eos>"]
+"""Fixed texts whose log-probs tell one weight version from another (trainguard.rl.verify)."""
 
 
 def prompt_text(i: int) -> str:
@@ -101,6 +108,12 @@ def main() -> None:
         help="reward servers (python -m trainguard.rl.reward --function "
         "trainguard.rl.tiny:digit_reward); default: $TRAINGUARD_REWARD_URLS, else in-process",
     )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the run's seed: initial policy, prompt order, every sample's random stream",
+    )
     p.add_argument("--fail-at-step", type=int, default=-1)
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.0)
@@ -114,10 +127,10 @@ def main() -> None:
     name = args.model
     if name == TINY_LLAMA:  # the directory the engines serve: one tokenizer, one architecture
         name = str(save_tiny_llama(tg.run_dir / "rl" / "models" / TINY_LLAMA, seed=0))
-    policy, tok = load_model(name, seed=0)
+    policy, tok = load_model(name, seed=args.seed)
     reference = copy.deepcopy(policy).requires_grad_(False)
     opt = torch.optim.Adam(policy.parameters(), lr=args.lr)
-    ledger = PromptLedger(args.prompts, seed=0)
+    ledger = PromptLedger(args.prompts, seed=args.seed)
     state = {"model": policy, "optim": opt, "ledger": ledger}
     ckpt = tg.checkpoint
     resumed = ckpt.restore_or_init(state)  # sets tg.step_num; the weight version = steps done
@@ -133,7 +146,14 @@ def main() -> None:
             max_attempts=args.max_attempts,
         ),
         events=tg.events.emit,
+        # verified refit: an engine is routed a version once its log-probs of these texts
+        # match what the trainer computed when it wrote the version
+        fingerprints=lambda v: store.meta(v).get("fingerprint"),
     )
+
+    def write(v: int) -> None:
+        store.publish(v, policy.state_dict(), fingerprint=fingerprint(policy, tok, FINGERPRINT))
+
     consumed = ConsumedLog(tg.run_dir / "rl" / "consumed.jsonl")
     scorer = RewardClient(args.reward_urls.split(",")) if args.reward_urls else None
 
@@ -162,9 +182,9 @@ def main() -> None:
                 info = [{"confirmed": client.urls_at(v), "publish_s": 0.0, "sync_s": 0.0,
                          "missed": 0, "timeout_s": 0.0, "refit": False}]  # fmt: skip
             else:
-                store.publish(v, policy.state_dict())
+                write(v)
                 pub = time.perf_counter() - t0
-                res = client.sync_weights(v)
+                res = client.sync_weights(v, rewrite=lambda: write(v))
                 info = [{"confirmed": res.confirmed, "publish_s": pub, "sync_s": res.duration_s,
                          "missed": len(res.missed), "timeout_s": res.timeout_s, "refit": True}]  # fmt: skip
         if world > 1:
@@ -185,8 +205,15 @@ def main() -> None:
                    refit=bool(attach["weight_refit"]), engines_before=before)  # fmt: skip
     client.wait_serving(1, timeout=300)
 
-    def generate(ids: list[int]) -> list[list[Completion]]:
-        return client.generate([prompt_text(i) for i in ids], n=args.group,
+    def generate(positions: list[int]) -> list[list[Completion]]:
+        """Each sample seeded from (run seed, epoch, prompt id, its index in the group): a
+        step regenerated after a resume gets the same completions from any engine."""
+        ids = [ledger.prompt_id(g) for g in positions]
+        seeds = [
+            prompt_seed(args.seed, g // args.prompts, i)
+            for g, i in zip(positions, ids, strict=True)
+        ]
+        return client.generate([prompt_text(i) for i in ids], n=args.group, seed=seeds,
                                max_tokens=args.max_tokens, temperature=1.0)  # fmt: skip
 
     # async (--max-staleness >= 1): the next batch is generated while this one trains; its
@@ -201,14 +228,15 @@ def main() -> None:
             prefetch = None
         else:
             positions, pending = ledger.take(args.batch), None
-        ids = [ledger.prompt_id(g) for g in positions[tg.rank :: world]]
+        mine = positions[tg.rank :: world]
+        ids = [ledger.prompt_id(g) for g in mine]
         with tg.step(samples=len(ids) * args.group) as step:
+            torch.manual_seed(prompt_seed(args.seed, step, -1 - tg.rank))  # dropout, per step
             with tg.span("rollout"):
-                comps = pending.result() if pending is not None else generate(ids)
+                comps = pending.result() if pending is not None else generate(mine)
             if args.max_staleness > 0 and step + 1 < args.steps:
                 nxt = ledger.take(args.batch)
-                nxt_ids = [ledger.prompt_id(g) for g in nxt[tg.rank :: world]]
-                prefetch = (nxt, pool.submit(generate, nxt_ids))
+                prefetch = (nxt, pool.submit(generate, nxt[tg.rank :: world]))
             with tg.span("reward"):
                 rewards = score(ids, comps)
                 adv = (rewards - rewards.mean(1, keepdim=True)) / (

@@ -40,10 +40,17 @@ from trainguard.rl.weights import WeightStore
 VOCAB = len(WORDS)
 
 
-def _choices(n_seq: int, max_tokens: int, seed: int | None, logprobs: bool) -> list[dict[str, Any]]:
+def _choices(
+    n_seq: int, max_tokens: int, seed: int | list[int] | None, logprobs: bool, n: int = 1
+) -> list[dict[str, Any]]:
+    """``seed``: an int, or one per prompt (sample ``j`` of prompt ``k`` seeded from
+    ``seed[k]`` and ``j``: the same whatever else the request holds)."""
     out = []
     for i in range(n_seq):
-        rng = random.Random(None if seed is None else seed * 1000 + i)
+        if isinstance(seed, list):
+            rng = random.Random(seed[i // n] * 1000 + i % n)
+        else:
+            rng = random.Random(None if seed is None else seed * 1000 + i)
         ids = [rng.randrange(3, VOCAB) for _ in range(max_tokens)]
         c: dict[str, Any] = {
             "index": i,
@@ -177,7 +184,11 @@ class Handler(JSONHandler):
         if e.hostile and e.shape in SHAPES:
             self.send_json(200, None, raw=_hostile(e.shape, want))
             return
-        choices = _choices(want, max_tokens, seed, body.get("logprobs") is not None)
+        if isinstance(seed, list) and (
+            len(seed) != len(prompts) or not all(type(x) is int and x >= 0 for x in seed)
+        ):
+            raise HTTPError(400, "'seed' as a list must hold one integer >= 0 per prompt")
+        choices = _choices(want, max_tokens, seed, body.get("logprobs") is not None, n)
         answer = {"choices": choices, "weight_version": e.version}
         answer["incarnation"] = own_identity().incarnation
         if e.hostile and e.shape == "other_incarnation":  # another process answers the port

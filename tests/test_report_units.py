@@ -148,6 +148,12 @@ def test_engine_fleet_section_draws_the_rollout_figures_and_failures(tmp_path: P
          "engine": "http://127.0.0.1:8101"},
         {"time": T0 + 2.3, "kind": "rollout_failed", "node": "n", "rank": 1, "reason": "timeout",
          "engine": "http://127.0.0.1:8102", "retried": False},
+        {"time": T0 + 3, "kind": "rollout_refit_verified", "engine": "http://127.0.0.1:8101",
+         "version": 1},
+        {"time": T0 + 3, "kind": "rollout_engine_quarantined", "version": 2,
+         "engine": "http://127.0.0.1:8102", "reason": "log-probs differ by 0.1 > 0.001"},
+        {"time": T0 + 3, "kind": "rollout_refit_verified", "engine": "http://127.0.0.1:8102",
+         "version": 2},
         {"time": T0 + 4, "kind": "job_finished", "node": "n", "attempt": 0, "state": "succeeded"},
     ]  # fmt: skip
     records: dict[int, list[dict]] = {0: [], 1: []}
@@ -193,6 +199,13 @@ def test_engine_fleet_section_draws_the_rollout_figures_and_failures(tmp_path: P
     )
     assert rows == [("refused", "http://127.0.0.1:8101", "2", "2"),
                     ("timeout", "http://127.0.0.1:8102", "1", "0")]  # fmt: skip
+    checks = fleet.split('<table class="tg-refit-checks">', 1)[1].split("</table>", 1)[0]
+    assert re.findall(
+        r"<tr><td>([^<]+)</td><td>(\d+)</td><td>(\d+)</td><td>([^<]*)</td>", checks
+    ) == [
+        ("http://127.0.0.1:8101", "1", "0", ""),
+        ("http://127.0.0.1:8102", "1", "1", "version 2: log-probs differ by 0.1 &gt; 0.001"),
+    ]
     training = html.split('<div class="charts" id="training">', 1)[1].split("</div>", 1)[0]
     assert "Reward std" in training and "Response length" in training
 
@@ -201,7 +214,7 @@ def test_report_of_a_run_without_a_fleet_has_no_rollout_charts(tmp_path: Path) -
     html = render_report(load_run(_run(tmp_path)))
     fleet = html.split('<div id="fleet">', 1)[1].split("<h2>", 1)[0]
     assert "No engine fleet" in fleet and "<svg" not in fleet
-    assert "tg-rollout-failures" not in fleet
+    assert "tg-rollout-failures" not in fleet and "tg-refit-checks" not in fleet
 
 
 def test_summary_of_a_job_that_failed_without_a_worker_failure(tmp_path: Path) -> None:

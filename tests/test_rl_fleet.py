@@ -152,7 +152,7 @@ class Fleet:
         self.own()
         for i in self.alive():
             self.engines.wait_serving(i, version=self.version, timeout=120)
-            for kind in ("http_500", "malformed", "hang"):
+            for kind in ("http_500", "malformed", "hang", "partial_refit"):
                 post(self.engines.ports[i], "/v1/faults", {"kind": kind, "count": 0})
 
     def client(self, **cfg: Any) -> RolloutClient:
@@ -322,6 +322,100 @@ def test_a_batch_that_cannot_be_generated_raises_never_fabricates(healthy: Fleet
             client.generate(PROMPTS, n=2, max_tokens=6)
         # 3 requests in parallel, each up to 3 attempts; the first to run out ends the batch
         assert 3 <= client.failures["http_5xx"] <= 9
+
+
+FINGERPRINT = ["please write 3 7 now 3 3", "write digits 1 2 now 9 0"]
+
+
+def test_refits_are_verified_and_a_failed_one_quarantines_until_refit(
+    healthy: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Verified refit with the real engines: a version is routed only once the engine's
+    prompt log-probs match the trainer's fingerprint. A refit that loads half of the tensors
+    (the engine's ``partial_refit`` fault) is quarantined (503, out of routing) and refit
+    again; a weight file truncated between write and load is never loaded, the engines are
+    quarantined, the trainer writes it again and they refit to it."""
+    import torch
+
+    from trainguard.rl import weights as weights_mod
+    from trainguard.rl.verify import fingerprint
+
+    f, tok = healthy, __import__("trainguard.rl.tiny", fromlist=["x"]).tiny_tokenizer()
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    def write(v: int) -> None:
+        f.store.publish(v, f.model.state_dict(), fingerprint=fingerprint(f.model, tok, FINGERPRINT))
+
+    def step() -> int:  # a new version: the weights move as a training step would
+        with torch.no_grad():
+            for p in f.model.parameters():
+                p.add_(torch.randn_like(p) * 1e-2)
+        f.version += 1
+        return f.version
+
+    client = RolloutClient(
+        f.engines.urls, config=RolloutConfig(refit_attempts=3, failure_cooldown_s=0.0),
+        events=lambda kind, **kw: events.append((kind, kw)),
+        fingerprints=lambda v: f.store.meta(v).get("fingerprint"),
+    )  # fmt: skip
+    a, b = f.engines.urls
+    try:
+        v = step()
+        write(v)
+        res = client.sync_weights(v)
+        assert sorted(res.confirmed) == [a, b] and res.missed == []
+        assert {e["engine"] for k, e in events if k == "rollout_refit_verified"} == {a, b}
+
+        # a refit that stops half-way, every time: engine 0 stays quarantined, never serves
+        post(f.engines.ports[0], "/v1/faults", {"kind": "partial_refit", "count": 100})
+        events.clear()
+        v = step()
+        write(v)
+        res = client.sync_weights(v)
+        assert res.confirmed == [b] and res.missed == [a]
+        quarantined = [e for k, e in events if k == "rollout_engine_quarantined"]
+        assert {e["engine"] for e in quarantined} == {a} and len(quarantined) >= 3
+        assert all(e["version"] == v and "log-probs differ" in e["reason"] for e in quarantined)
+        assert engine_health(f.engines.ports[0])["status"] == "quarantined"  # type: ignore[index]
+        code, err = post(f.engines.ports[0], "/v1/completions", {"prompt": "write"})
+        assert code == 503 and "quarantined" in err["error"]["message"]
+        groups = client.generate(PROMPTS[:4], n=2, max_tokens=4)
+        assert {c.engine for g in groups for c in g} == {b}  # never routed to the quarantined
+        # the fault gone, the next sync refits it again and it serves once verified
+        post(f.engines.ports[0], "/v1/faults", {"kind": "partial_refit", "count": 0})
+        events.clear()
+        res = client.sync_weights(v)
+        assert sorted(res.confirmed) == [a, b]
+        assert engine_health(f.engines.ports[0])["status"] == "serving"  # type: ignore[index]
+
+        # the file truncated between write and load (before the pointer names it)
+        real = weights_mod.write_atomic
+        truncated: list[Path] = []
+
+        def corrupt_then_point(path: Path, data: str) -> None:
+            if path.name == weights_mod.POINTER and not truncated:
+                file = f.store.path_of(json.loads(data)["version"])
+                file.write_bytes(file.read_bytes()[:-100])
+                truncated.append(file)
+            real(path, data)
+
+        monkeypatch.setattr(weights_mod, "write_atomic", corrupt_then_point)
+        v = step()
+        write(v)
+        monkeypatch.setattr(weights_mod, "write_atomic", real)
+        assert truncated and f.store.current().version == v  # type: ignore[union-attr]
+        rewrites: list[int] = []
+        events.clear()
+        res = client.sync_weights(v, rewrite=lambda: (rewrites.append(v), write(v)))
+        assert sorted(res.confirmed) == [a, b] and rewrites == [v]
+        quarantined = [e for k, e in events if k == "rollout_engine_quarantined"]
+        assert {e["engine"] for e in quarantined} == {a, b}
+        assert all("not what the trainer wrote" in e["reason"] for e in quarantined)
+        assert {e["engine"] for k, e in events if k == "rollout_refit_verified"} == {a, b}
+        # every version b was asked for was verified (by a sync, or a probe after a self-refit)
+        assert client.refits_quarantined[a] >= 4 and client.refits_verified[b] >= 4
+    finally:
+        client.close()
 
 
 def test_frozen_engine_leaves_routing_within_10s_and_requests_move(healthy: Fleet) -> None:

@@ -512,6 +512,31 @@ def test_replica_with_bad_health_answers_is_suspect_then_replaced(
     assert not alive(pid) and sup.restarts["rollout"] >= 1
 
 
+def test_quarantined_replica_counts_against_the_budget_and_is_kept(
+    tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
+) -> None:
+    """A replica whose refit failed a client's check answers ``quarantined`` (it refits and
+    serves nothing meanwhile): the supervisor records the state, counts it against the
+    role's restart budget and keeps the process; once the budget is spent, a quarantine
+    ends the replica like a death (here: the role fails)."""
+    cmd = REPLICA + ["--quarantined", "1.5", "3", "--quarantined", "5", "100"]
+    sup = supervisor({"command": cmd, "replicas": 1, "restart_budget": 1})
+    (pid,) = wait_for("the replica serving", lambda: serving_pids(sup))
+    wait_for("quarantined", lambda: sup.replicas["rollout"][0].state == "quarantined")
+    assert sup.restarts["rollout"] == 1 and sup.replicas["rollout"][0].pid == pid
+
+    def states() -> list[str]:
+        return [e["state"] for e in kinds(tmp_path, "role_replica_state") if e["pid"] == pid]
+
+    wait_for("serving again", lambda: states()[-2:] == ["quarantined", "serving"])
+    assert sup.replicas["rollout"][0].pid == pid  # the same process
+    # the budget spent: its next quarantine ends it, and the role with it
+    wait_for("the role failed", lambda: kinds(tmp_path, "role_restart_budget_exhausted"), 30)
+    (failed,) = kinds(tmp_path, "role_replica_failed")
+    assert failed["pid"] == pid and "quarantined" in failed["reason"]
+    assert not alive(pid)
+
+
 def test_replica_that_refuses_connections_is_dead_at_once(
     tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
 ) -> None:

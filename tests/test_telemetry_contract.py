@@ -118,6 +118,8 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
             "engine": "e1",
             "retried": False,
         },
+        {"time": T0 + 5.6, "kind": "rollout_refit_verified", "engine": "e0", "version": 3},
+        {"time": T0 + 5.6, "kind": "rollout_engine_quarantined", "engine": "e1", "version": 3},
         {
             "time": T0 + 5.4,
             "kind": "role_replica_started",

@@ -11,6 +11,8 @@ replica. Behaviour knobs (argv):
 --bad-health-after S  after S seconds, answer /health with BAD (below) instead
 --bad-health KIND     ``malformed`` (200, not JSON) or ``500`` (HTTP 500)
 --close-after S       after S seconds, close the listening socket and stay alive (refuses)
+--quarantined S1 S2   answer ``quarantined`` (a refit that failed its check) from S1 to S2
+                      seconds after the start (repeatable), ``serving`` otherwise
 --ignore-standby      serve as a replica even when started as a standby (a command that does
                       not honour the standby contract)
 --squat-incarnation X answer health naming incarnation X ("none": no incarnation): a squatter
@@ -45,6 +47,7 @@ def main() -> None:
     p.add_argument("--ignore-standby", action="store_true")
     p.add_argument("--squat-incarnation", default=None)
     p.add_argument("--die-after-s", type=float, default=None)
+    p.add_argument("--quarantined", type=float, nargs=2, action="append", default=[])
     args = p.parse_args()
     if args.exit_at_once is not None:
         print("role_replica: exiting at once", flush=True)
@@ -92,6 +95,9 @@ def main() -> None:
                     status = "loading"
                 else:
                     status = "serving"
+                age = time.monotonic() - started
+                if any(a <= age < b for a, b in args.quarantined):
+                    status = "quarantined"
                 body = {"status": status, "weight_version": args.weight_version, **me}
             elif self.path == "/whoami":
                 body = {**ident, "nice": os.getpriority(os.PRIO_PROCESS, 0)}

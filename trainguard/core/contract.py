@@ -292,6 +292,23 @@ METRICS: tuple[MetricSpec, ...] = (
         attributes=("node", "reason"),
     ),
     MetricSpec(
+        name="trainguard.rl.refit.verified",
+        unit="{refit}",
+        kind="counter",
+        description=_RL + "refits checked by a client before it routed to the engine (the "
+        "engine's log-probs of the trainer's fingerprint texts matched), per engine.",
+        attributes=("node", "engine"),
+    ),
+    MetricSpec(
+        name="trainguard.rl.refit.quarantined",
+        unit="{refit}",
+        kind="counter",
+        description=_RL + "failed refits (an update error, or log-probs that did not match "
+        "the trainer's fingerprint): the engine quarantined, out of routing, refit again; per "
+        "engine.",
+        attributes=("node", "engine"),
+    ),
+    MetricSpec(
         name="trainguard.rl.rollout.retried",
         unit="{request}",
         kind="counter",

@@ -32,6 +32,8 @@ __all__ = [
     "COMPLETIONS_PATH",
     "ENGINE_STATUSES",
     "HEALTH_PATH",
+    "QUARANTINE_PATH",
+    "VERIFIED_PATH",
     "MALFORMED",
     "READY_STATUSES",
     "REPLICA_STATES",
@@ -45,6 +47,7 @@ __all__ = [
     "Identity",
     "MalformedAnswer",
     "Probe",
+    "PromptLogprobs",
     "ReplicaStatus",
     "RewardAnswer",
     "WeightUpdateAnswer",
@@ -53,6 +56,7 @@ __all__ = [
     "own_identity",
     "parse_completion",
     "parse_health",
+    "parse_prompt_logprobs",
     "parse_rewards",
     "parse_weight_update",
     "parse_weights",
@@ -83,6 +87,10 @@ class ReplicaStatus(str, enum.Enum):
     """A standby that has just been promoted in place of a dead replica."""
     STALE = "stale"
     """Serving a version outside the trainer's staleness bound (back after a refit)."""
+    QUARANTINED = "quarantined"
+    """Its refit failed a client's check (an update error, or log-probs other than the
+    trainer's fingerprint): out of routing, answering no completion, refit again; counted
+    against the role's restart budget (:mod:`trainguard.rl.verify`)."""
     SUSPECT = "suspect"
     """A probe or request failed after it had answered well."""
     DEAD = "dead"
@@ -105,7 +113,7 @@ class ReplicaStatus(str, enum.Enum):
 
 
 S = ReplicaStatus
-ENGINE_STATUSES = (S.STARTING, S.LOADING, S.SERVING, S.STANDBY)
+ENGINE_STATUSES = (S.STARTING, S.LOADING, S.SERVING, S.STANDBY, S.QUARANTINED)
 """What an engine may answer in ``GET /health``'s ``status``."""
 READY_STATUSES = (S.LOADING, S.SERVING)
 """Health statuses that count as ready (the process is up; ``loading`` waits for weights)."""
@@ -113,6 +121,7 @@ REPLICA_STATES = (
     S.STARTING,
     S.LOADING,
     S.SERVING,
+    S.QUARANTINED,
     S.SUSPECT,
     S.DEAD,
     S.RESTARTING,
@@ -122,18 +131,22 @@ REPLICA_STATES = (
 )
 """A role replica's states as the role supervisor keeps them (state files, events,
 ``trainguard.role.replica.state``): starting → loading → serving → suspect → dead →
-restarting (→ starting); retired; failed; stopped."""
+restarting (→ starting); quarantined (a refit that failed a client's check, counted against
+the restart budget); retired; failed; stopped."""
 STANDBY_STATES = (S.STARTING, S.STANDBY, S.SUSPECT, S.PROMOTED, S.DEAD, S.FAILED, S.STOPPED)
 """A role's warm standby slot as the role supervisor keeps it."""
-CLIENT_STATES = (S.UNKNOWN, S.LOADING, S.SERVING, S.STALE, S.SUSPECT, S.DEAD)
+CLIENT_STATES = (S.UNKNOWN, S.LOADING, S.SERVING, S.STALE, S.SUSPECT, S.DEAD, S.QUARANTINED)
 """An engine as the trainer's rollout client sees it: UNKNOWN → LOADING → SERVING ⇄ SUSPECT →
-DEAD → (restarted) LOADING → SERVING; SERVING ⇄ STALE."""
+DEAD → (restarted) LOADING → SERVING; SERVING ⇄ STALE; LOADING → QUARANTINED (a refit that
+failed its check) → LOADING (refit again) → SERVING once verified."""
 
 # -- endpoints ---------------------------------------------------------------------------------
 HEALTH_PATH = "/health"
 COMPLETIONS_PATH = "/v1/completions"
 WEIGHTS_PATH = "/v1/weights"
 WEIGHT_UPDATE_PATH = "/v1/weights/update"
+QUARANTINE_PATH = "/v1/weights/quarantine"
+VERIFIED_PATH = "/v1/weights/verified"
 MODELS_PATH = "/v1/models"
 REWARDS_PATH = "/v1/rewards"
 
@@ -410,6 +423,49 @@ def parse_completion(
         out[idx] = Choice(idx, text, list(ids), lps, finish)
     incarnation = _str(a.get("incarnation"), "incarnation", 128, optional=True)
     return CompletionAnswer([c for c in out if c is not None], version, incarnation)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A completion answer asked with ``prompt_logprobs``: per prompt, its token ids (None
+    where the engine does not say) and the log-prob of each token given those before it
+    (the first None)."""
+
+    weight_version: int
+    prompts: list[tuple[list[int] | None, list[float | None]]]
+
+
+@guarded
+def parse_prompt_logprobs(raw: bytes | str | dict[str, Any], *, expected: int) -> PromptLogprobs:
+    """The one parser of a completion answer's prompt log-probs (``expected`` choices, n = 1):
+    a list of numbers (the embedded engine) or of ``{token_id: {"logprob": x}}`` (vLLM) per
+    choice, the first entry None; every log-prob finite and <= :data:`MAX_LOGPROB`."""
+    a = _obj(raw, "completion", MAX_ANSWER_BYTES)
+    version = _int(a.get("weight_version"), "weight_version", 0, MAX_VERSION)
+    choices = a.get("choices")
+    if not isinstance(choices, list) or len(choices) != expected:
+        got = len(choices) if isinstance(choices, list) else type(choices).__name__
+        raise MalformedAnswer(f"{got} choices for {expected} requested")
+    out: list[tuple[list[int] | None, list[float | None]]] = [([], [])] * expected
+    for k, c in enumerate(choices):
+        if not isinstance(c, dict):
+            raise MalformedAnswer(f"choice {k} is not an object")
+        idx = _int(c.get("index", k), f"choice {k}: index", 0, expected - 1)
+        raw_lps = c.get("prompt_logprobs")
+        if not isinstance(raw_lps, list) or len(raw_lps) > TOKEN_ID_LIMIT:
+            raise MalformedAnswer(f"choice {idx} has no prompt_logprobs list")
+        lps: list[float | None] = []
+        for j, x in enumerate(raw_lps):
+            if isinstance(x, dict) and x:
+                x = next(iter(x.values()))
+                x = x.get("logprob") if isinstance(x, dict) else x
+            lps.append(None if x is None else _num(x, f"choice {idx}: prompt log-prob {j}",
+                                                   -1e9, MAX_LOGPROB))  # fmt: skip
+        ids = c.get("prompt_token_ids")
+        if ids is not None and (not isinstance(ids, list) or not all(type(t) is int for t in ids)):
+            raise MalformedAnswer(f"choice {idx}: prompt_token_ids is not a list of integers")
+        out[idx] = (list(ids) if ids is not None else None, lps)
+    return PromptLogprobs(version, out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,6 +164,8 @@ EVENTS: tuple[EventSpec, ...] = (
     # -- reinforcement learning (trainguard.rl) --------------------------------------------------
     EventSpec("rollout_failed", ("rl.dispatch",), ("detail", "engine", "reason", "retried"), "A rollout request to an engine failed (``reason``: one of ROLLOUT_FAILURE_REASONS in the metric contract); ``retried``: it is sent again to another engine, else its batch fails (the cap of attempts, or an invalid request). Never replaced by a made-up sample."),
     EventSpec("reward_failed", ("rl.reward",), ("detail", "reason", "retried", "server"), "A reward request to a reward server failed (``reason``: one of ROLLOUT_FAILURE_REASONS; ``malformed``: an answer that is not one finite reward per completion); ``retried``: sent again to the next server, else the batch raises RewardError. A reward is never made up."),
+    EventSpec("rollout_refit_verified", ("rl.weightsync",), ("engine", "max_logprob_diff", "verified", "version"), "A client checked that an engine holds this weight version (its log-probs of the trainer's fingerprint texts within the tolerance) before routing to it; ``verified``: the engine's count of verified refits in this client."),
+    EventSpec("rollout_engine_quarantined", ("rl.weightsync",), ("engine", "quarantined", "reason", "version"), "An engine's refit to this version failed (the update answered an error, or its log-probs did not match the trainer's fingerprint: ``reason`` says what differed): out of routing, told to answer no completion, refit again; ``quarantined``: the engine's count in this client."),
 )  # fmt: skip
 
 _BY_NAME = {s.name: s for s in EVENTS}
@@ -224,5 +226,7 @@ NODE_REFUSED = _kind("node_refused")
 NODE_READMITTED = _kind("node_readmitted")
 ROLLOUT_FAILED = _kind("rollout_failed")
 REWARD_FAILED = _kind("reward_failed")
+ROLLOUT_REFIT_VERIFIED = _kind("rollout_refit_verified")
+ROLLOUT_ENGINE_QUARANTINED = _kind("rollout_engine_quarantined")
 HANG_DIAGNOSIS = _kind("hang_diagnosis")
 RECOVERY_DECISION = _kind("recovery_decision")

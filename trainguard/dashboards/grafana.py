@@ -339,6 +339,14 @@ def job_dashboard() -> dm.Dashboard:
         description="Failed rollout requests per second by reason, and those of them sent again "
         "to another engine; the rest failed their batch. None is replaced by a made-up "
         "sample.")  # fmt: skip
+    d.timeseries("Refit checks per engine", [
+        (_j(f'sum by (instance, engine) '
+            f'(increase({tg("trainguard.rl.refit.verified", NODE)}[1h]))'), "verified {{engine}}"),
+        (_j(f'sum by (instance, engine) (increase('
+            f'{tg("trainguard.rl.refit.quarantined", NODE)}[1h]))'), "quarantined {{engine}}"),
+    ], description="Refits in the last hour that a client verified before routing to the "
+       "engine, and those quarantined (an update error or log-probs that did not match the "
+       "trainer's fingerprint; refit again, never served meanwhile).")  # fmt: skip
     d.timeseries("Rollout retries and routable engines", [
         (_j(tg("trainguard.rl.rollout.retries", r)), "retries rank {{rank}}"),
         (_j(tg("trainguard.rl.rollout.engines_routable", r)), "routable rank {{rank}}"),

@@ -135,9 +135,14 @@ class RolloutClient:
         start: bool = True,
         identities: IdentitySource | None = None,
         token: str | None = None,
+        fingerprints: Callable[[int], dict[str, Any] | None] | None = None,
     ) -> None:
         """``token``: the job's ``rollout`` token (default: ``$TRAINGUARD_ROLLOUT_TOKEN``): every
-        request is signed with it, every answer must be signed with it."""
+        request is signed with it, every answer must be signed with it. ``fingerprints``: the
+        trainer's fingerprint of a weight version (e.g. ``lambda v:
+        store.meta(v).get("fingerprint")``); given, an engine is routed version ``v`` only once
+        its answers matched it (:mod:`trainguard.rl.verify`), and one that does not match is
+        quarantined and refit."""
         urls = list(urls) if urls is not None else urls_from_env()
         if not urls:
             raise ValueError(
@@ -159,7 +164,9 @@ class RolloutClient:
         self.dispatcher = BatchDispatcher(
             self.table, self._pool, self.config, self.counters, self._emit
         )
-        self.weight_sync = WeightSync(self.table, self._pool, self.config)
+        self.weight_sync = WeightSync(
+            self.table, self._pool, self.config, fingerprints=fingerprints, events=self._emit
+        )
         if start:
             self.start()
 
@@ -219,13 +226,24 @@ class RolloutClient:
         temperature: float = 1.0,
         top_p: float = 1.0,
         logprobs: bool = False,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
     ) -> list[list[Completion]]:
         """``n`` real completions for each prompt (outer list in prompt order), or
         :class:`RolloutError` after ``max_attempts`` failed attempts of one request or
-        ``batch_timeout_s``. An HTTP 4xx (the request itself is bad) raises at once."""
+        ``batch_timeout_s``. An HTTP 4xx (the request itself is bad) raises at once.
+
+        ``seed``: reproducible sampling (:mod:`trainguard.rl.sampling`): one seed per prompt
+        (e.g. :func:`~trainguard.rl.sampling.prompt_seed` of the run's seed, the epoch and
+        the prompt's id), or an int ``s`` seeding prompt ``i`` with
+        :func:`~trainguard.rl.sampling.request_seed` ``(s, i)``. Sample ``j`` of a prompt
+        seeded ``t`` draws from the stream ``t + j``, whichever engine serves it and
+        whatever else it generates at the same time."""
         if not prompts:
             return []
+        if seed is not None and not isinstance(seed, int):
+            seed = [int(x) for x in seed]
+            if len(seed) != len(prompts):
+                raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts: give one each")
         batch = Batch(
             prompts=list(prompts),
             params=request_params(n, max_tokens, temperature, top_p, logprobs),
@@ -253,11 +271,27 @@ class RolloutClient:
         """Engines last seen serving ``version``."""
         return self.table.urls_at(version)
 
-    def sync_weights(self, version: int) -> SyncResult:
+    def sync_weights(self, version: int, *, rewrite: Callable[[], Any] | None = None) -> SyncResult:
         """Make ``version`` the trainer's version and push it to every live engine in
-        parallel (each loads it from the job's weight store: publish it there first). Returns after every engine confirmed or the timeout passed; an engine
-        that did not confirm stays out of routing until it reports the version."""
-        return self.weight_sync.sync(version)
+        parallel (each loads it from the job's weight store: publish it there first). Returns
+        after every engine confirmed or the timeout passed; an engine
+        that did not confirm stays out of routing until it reports the version.
+
+        With ``fingerprints``, each confirmation is checked; an engine whose refit failed
+        (its update answered an error, or its answers did not match) is quarantined and
+        refit again; ``rewrite`` (the trainer publishing ``version`` again) is called once
+        first when an engine found the file not to be what was written."""
+        return self.weight_sync.sync(version, rewrite=rewrite)
+
+    @property
+    def refits_verified(self) -> Counter[str]:
+        """Verified refits per engine URL, since the client started."""
+        return self.weight_sync.verified
+
+    @property
+    def refits_quarantined(self) -> Counter[str]:
+        """Quarantines per engine URL, since the client started."""
+        return self.weight_sync.quarantined
 
     # -- metrics -----------------------------------------------------------------------------
     def take_metrics(self) -> dict[str, float]:

@@ -25,6 +25,7 @@ from trainguard.core.engine_contract import Identity as _Identity
 from trainguard.core.event_kinds import ROLLOUT_FAILED
 from trainguard.rl.rollout_types import Completion, RolloutConfig, RolloutError
 from trainguard.rl.routing import EngineRecord, EngineTable, RequestFailure
+from trainguard.rl.sampling import request_seed
 
 __all__ = ["Batch", "BatchDispatcher", "RolloutCounters", "request_params"]
 
@@ -94,7 +95,9 @@ class Batch:
     prompts: list[str]
     params: dict[str, Any]
     n: int
-    seed: int | None
+    seed: int | list[int] | None
+    """An int: prompt ``i`` of the batch is seeded ``request_seed(seed, i)``; a list: one
+    per prompt."""
     chunk_size: int
     deadline: float
     todo: list[_Chunk] = field(default_factory=list)
@@ -107,8 +110,10 @@ class Batch:
 
     def body(self, chunk: _Chunk) -> dict[str, Any]:
         b: dict[str, Any] = {"prompt": [self.prompts[i] for i in chunk.indices], **self.params}
-        if self.seed is not None:
-            b["seed"] = self.seed + chunk.indices[0]
+        if isinstance(self.seed, list):
+            b["seed"] = [self.seed[i] for i in chunk.indices]
+        elif self.seed is not None:  # the same seeds however the batch is cut into requests
+            b["seed"] = [request_seed(self.seed, i) for i in chunk.indices]
         return b
 
 

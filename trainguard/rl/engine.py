@@ -15,11 +15,14 @@ an adapter in front of vLLM or SGLang); the statuses, endpoints, answer schemas 
 :mod:`trainguard.core.engine_contract`, the HTTP server :mod:`trainguard.core.jsonhttp`:
 
 ``GET /health``
-    200 ``{"status": "starting"|"loading"|"serving"|"standby", "weight_version": int|null,
-    "model": str, "inflight": int, "pid": int, "incarnation": str|null, "vocab_size": int}``.
+    200 ``{"status": "starting"|"loading"|"serving"|"standby"|"quarantined",
+    "weight_version": int|null, "model": str, "inflight": int, "pid": int,
+    "incarnation": str|null, "vocab_size": int}``.
     ``starting``: the process is up, the model is being built; ``loading``: waiting for /
     loading the trainer's current weight version; ``serving``: it holds a published version
-    and generates; ``standby``: a role's warm standby, built, not routed to. An engine reports
+    and generates; ``standby``: a role's warm standby, built, not routed to;
+    ``quarantined``: a client's refit check failed, it answers no completion until a refit is
+    verified. An engine reports
     ``serving`` only after it loaded the version the weight store's pointer names
     (refit-gated (re)join). ``incarnation``: the nonce the supervisor gave this process
     (``$TRAINGUARD_ROLE_INCARNATION``).
@@ -31,7 +34,13 @@ an adapter in front of vLLM or SGLang); the statuses, endpoints, answer schemas 
     ``logprobs``, ``logprobs.token_logprobs``, one per token id) and
     ``weight_version``, the version of the weights that generated every choice (a weight
     update waits for the batch in progress). 503 while not serving; 4xx with
-    ``{"error": {"message": ...}}`` for bad input.
+    ``{"error": {"message": ...}}`` for bad input. ``seed``: an int, or a list with one seed
+    per prompt; sample ``j`` of a prompt seeded ``s`` draws from a stream of its own seeded
+    ``s + j`` (:mod:`trainguard.rl.sampling`), and the rows of seeded requests are batched
+    only with rows of prompts of the same token length, so a seeded sample is the same
+    whatever else the engine generates beside it.
+    ``prompt_logprobs``: each choice also has ``prompt_token_ids`` and ``prompt_logprobs``
+    (one per prompt token, the first None), under the weights of ``weight_version``.
 ``GET /v1/weights``
     ``{"version": v}``.
 ``POST /v1/weights/update``
@@ -41,7 +50,15 @@ an adapter in front of vLLM or SGLang); the statuses, endpoints, answer schemas 
     older ones too: a trainer that resumed from a checkpoint refits the fleet
     to its own version. Independently of updates, the engine polls the store's pointer and
     refits itself when the pointer names another version (an engine that missed an update,
-    or restarted, catches up without the trainer).
+    or restarted, catches up without the trainer). A version is loaded only when its file's
+    SHA-256 is the one the trainer wrote (:meth:`WeightStore.check_digest`; HTTP 500 naming
+    the version otherwise, the engine keeping what it holds).
+``POST /v1/weights/quarantine`` ``{"version": v, "reason": ...}``
+    a client's refit check found this engine's weights not to be ``v``: status
+    ``quarantined``, completions answered 503 (except a client's check, marked
+    ``"refit_check": true``), until ``POST /v1/weights/verified``
+    ``{"version": v}`` (after a refit that a client checked) makes it serve again (409 when
+    it holds another version). :mod:`trainguard.rl.verify` says what is checked.
 
 Every request, health included, is signed with the job's ``rollout`` token
 (``$TRAINGUARD_ROLE_TOKEN``, set by the role supervisor; :mod:`trainguard.core.fleetauth`),
@@ -66,7 +83,9 @@ gave this start in ``$TRAINGUARD_ROLE_INCARNATION``); the supervisor counts no o
 
 Fault injection (tests and benchmarks only, ``--enable-fault-injection``): ``POST /v1/faults``
 ``{"kind": "http_500"|"malformed"|"hang", "count": n}`` makes the next ``n`` completion
-requests answer HTTP 500, a truncated JSON body, or nothing at all (``n`` = 0 disarms).
+requests answer HTTP 500, a truncated JSON body, or nothing at all (``n`` = 0 disarms);
+``"partial_refit"``: the next ``n`` weight loads load half of the tensors and claim the
+version (a refit that stopped half-way).
 """
 
 from __future__ import annotations
@@ -89,6 +108,8 @@ from trainguard.core.engine_contract import (
     COMPLETIONS_PATH,
     HEALTH_PATH,
     MODELS_PATH,
+    QUARANTINE_PATH,
+    VERIFIED_PATH,
     WEIGHT_UPDATE_PATH,
     WEIGHTS_PATH,
     HealthAnswer,
@@ -97,8 +118,9 @@ from trainguard.core.engine_contract import (
 from trainguard.core.engine_contract import ReplicaStatus as S
 from trainguard.core.fleetauth import Authenticator
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
+from trainguard.rl.sampling import SEED_MAX, SeededSampler, request_seed, sample_seed
 from trainguard.rl.tiny import TINY_MODEL, load_model
-from trainguard.rl.weights import WeightStore, default_weight_dir
+from trainguard.rl.weights import WeightDigestError, WeightStore, default_weight_dir
 
 __all__ = ["Engine", "EngineConfig", "main"]
 
@@ -106,7 +128,7 @@ logger = logging.getLogger(__name__)
 
 PORT_ENV = envvars.ROLE_PORT
 ROLE_STANDBY_ENV = envvars.ROLE_STANDBY
-FAULT_KINDS = ("http_500", "malformed", "hang")
+FAULT_KINDS = ("http_500", "malformed", "hang", "partial_refit")
 
 
 class BadRequest(ValueError):
@@ -125,6 +147,9 @@ class EngineConfig:
     batch_window_s: float = 0.01
     """How long the batcher waits for more requests after the first one of a batch."""
     max_batch_prompts: int = 256
+    seeded_batch_rows: int = 32
+    """Rows per batch of seeded (reproducible) generation, always this many (see
+    ``Engine._seeded_rows``)."""
     max_tokens_limit: int = 256
     max_n: int = 64
     poll_interval_s: float = 0.5
@@ -147,11 +172,27 @@ class _Sampling:
     temperature: float
     top_p: float
     n: int
-    seed: int | None
+    seed: int | tuple[int, ...] | None
+    """An int: prompt ``k`` of the request is seeded ``request_seed(seed, k)``; a list: one
+    seed per prompt."""
     logprobs: int | None
+    prompt_logprobs: int | None = None
+    """Set: each choice also has ``prompt_token_ids`` and ``prompt_logprobs`` (the first
+    None), computed under the same weights as the choice (what a refit check compares)."""
 
     def key(self) -> tuple[Any, ...]:
-        return (self.max_tokens, self.temperature, self.top_p, self.seed)
+        return (self.max_tokens, self.temperature, self.top_p, self.seed is None)
+
+    def prompt_seeds(self, count: int) -> list[int] | None:
+        if self.seed is None:
+            return None
+        if isinstance(self.seed, int):
+            return [request_seed(self.seed, k) for k in range(count)]
+        return list(self.seed)
+
+
+_Row = tuple[str, list[int], list[float], str]
+"""A generated row: text, token ids, log-probs, finish reason."""
 
 
 @dataclass(slots=True)
@@ -181,6 +222,18 @@ def _float_field(body: dict[str, Any], name: str, default: float, lo: float, hi:
     return float(v)
 
 
+def _seed_field(body: dict[str, Any], prompts: int) -> int | tuple[int, ...] | None:
+    v = body.get("seed")
+    if v is None or not isinstance(v, list):
+        return _int_field(body, "seed", None, 0, SEED_MAX)
+    ok = all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= SEED_MAX for x in v)
+    if not ok or len(v) != prompts:
+        raise BadRequest(
+            f"'seed' as a list must hold {prompts} integers in 0..{SEED_MAX} (one per prompt)"
+        )
+    return tuple(v)
+
+
 class Engine:
     """Model, batcher and weight watcher of one engine process (the HTTP layer is
     :class:`_Handler`)."""
@@ -200,6 +253,7 @@ class Engine:
         self._faults: dict[str, int] = {}
         self._stop = threading.Event()
         self.num_generated = 0
+        self.quarantines = 0
 
     # -- startup and weights -----------------------------------------------------------------
     def build(self) -> None:
@@ -241,7 +295,11 @@ class Engine:
 
         t0 = time.perf_counter()
         file = str(self.store.path_of(version))
+        self.store.check_digest(version)  # never load bytes the trainer did not write
         tensors = load_file(file)
+        if self.config.fault_injection and self.take_fault("partial_refit"):
+            keep = sorted(tensors)[: len(tensors) // 2]  # a refit that stopped half-way
+            tensors = {k: tensors[k] for k in keep}
         with self._model_lock:
             missing, unexpected = self.model.load_state_dict(tensors, strict=False)
             if unexpected:
@@ -249,13 +307,35 @@ class Engine:
             self.version = version
         return time.perf_counter() - t0
 
+    def quarantine(self, version: int | None, reason: str) -> None:
+        """A client found this engine's weights not to be ``version``: answer no completion
+        (503, health ``quarantined``) until a client verified a version again."""
+        if self.status in (S.SERVING, S.QUARANTINED):
+            self.status = S.QUARANTINED
+        self.quarantines += 1
+        logger.warning("engine: quarantined at weight version %s: %s", version, reason)
+
+    def verified(self, version: int) -> bool:
+        """A client verified ``version``: serve again (False: this engine holds another)."""
+        if self.version != version:
+            return False
+        if self.status is S.QUARANTINED:
+            self.status = S.SERVING
+            logger.info("engine: weight version %d verified; serving again", version)
+        return True
+
     def _watch(self) -> None:
+        refused: int | None = None
         while not self._stop.wait(self.config.poll_interval_s):
             try:
                 cur = self.store.current()
                 if cur is not None and cur.version != self.version:
                     if self._load_published(cur.version):
                         logger.info("engine: refit to weight version %d", cur.version)
+            except WeightDigestError as e:  # told once per version: it is retried each poll
+                if refused != (cur.version if cur is not None else None):
+                    refused = cur.version if cur is not None else None
+                    logger.warning("engine: %s", e)
             except Exception:  # a torn or bad store never stops serving the version we hold
                 logger.exception("engine: weight store check failed")
 
@@ -278,8 +358,9 @@ class Engine:
             temperature=_float_field(body, "temperature", 1.0, 0.0, 10.0),
             top_p=_float_field(body, "top_p", 1.0, 1e-6, 1.0),
             n=_int_field(body, "n", 1, 1, c.max_n),
-            seed=_int_field(body, "seed", None, 0, 2**63 - 1),
+            seed=_seed_field(body, len(prompts)),
             logprobs=_int_field(body, "logprobs", None, 0, 5),
+            prompt_logprobs=_int_field(body, "prompt_logprobs", None, 0, 5),
         )
         if len(prompts) * s.n > c.max_batch_prompts:
             raise BadRequest(
@@ -332,10 +413,66 @@ class Engine:
                         job.done.set()
 
     def _generate(self, jobs: list[_Job]) -> None:
+        s = jobs[0].sampling
+        with self._model_lock:
+            version = self.version
+            if s.seed is None:
+                texts = [p for job in jobs for p in job.prompts for _ in range(job.sampling.n)]
+                rows, n_prompt = self._rows(texts, s, None)
+            else:
+                rows, n_prompt = self._seeded_rows(jobs)
+            scored = [
+                self._score(job.prompts) if job.sampling.prompt_logprobs is not None else None
+                for job in jobs
+            ]
+        self._finish(jobs, rows, n_prompt, version, scored)
+
+    def _score(self, prompts: list[str]) -> list[tuple[list[int], list[float | None]]]:
+        """Each prompt's token ids and the log-prob of each token given those before it (the
+        first None), the prompt alone (no padding)."""
         import torch
 
+        out: list[tuple[list[int], list[float | None]]] = []
+        for p in prompts:
+            ids = self.tokenizer(p, return_tensors="pt")["input_ids"]
+            logits = self.model(input_ids=ids).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+            out.append((ids[0].tolist(), [None, *lp.tolist()]))
+        return out
+
+    def _seeded_rows(self, jobs: list[_Job]) -> tuple[list[_Row], int]:
+        """Reproducible rows: sample ``j`` of a prompt seeded ``s`` draws from the stream
+        ``s + j`` alone, and rows are batched only with rows of prompts of the same token
+        length (no padding), ``seeded_batch_rows`` at a time (the last batch filled up with
+        copies): every batch has the same shapes, so the kernels that compute a row, and
+        its numbers, do not depend on what else is in the batch."""
         s = jobs[0].sampling
-        texts = [p for job in jobs for p in job.prompts for _ in range(job.sampling.n)]
+        todo: list[tuple[str, int]] = []
+        for job in jobs:
+            seeds = job.sampling.prompt_seeds(len(job.prompts)) or []
+            for p, seed in zip(job.prompts, seeds, strict=True):
+                todo += [(p, sample_seed(seed, j)) for j in range(job.sampling.n)]
+        by_len: dict[int, list[int]] = {}
+        for i, (p, _) in enumerate(todo):
+            by_len.setdefault(len(self.tokenizer(p)["input_ids"]), []).append(i)
+        rows: list[_Row | None] = [None] * len(todo)
+        k = self.config.seeded_batch_rows
+        for same_len in by_len.values():
+            for at in range(0, len(same_len), k):
+                idx = same_len[at : at + k]
+                fill = [idx[0]] * (k - len(idx))  # always k rows: same shapes, same kernels
+                texts = [todo[i][0] for i in idx + fill]
+                got, _ = self._rows(texts, s, [todo[i][1] for i in idx + fill])
+                for i, row in zip(idx, got, strict=False):
+                    rows[i] = row
+        return [r for r in rows if r is not None], sum(by_len) // max(1, len(by_len))
+
+    def _rows(
+        self, texts: list[str], s: _Sampling, seeds: list[int] | None
+    ) -> tuple[list[_Row], int]:
+        """Generate ``texts`` as one batch: ``(text, token_ids, logprobs, finish_reason)`` per
+        row and the prompt tokens per row. With ``seeds``, row ``b`` samples from its own
+        stream seeded ``seeds[b]`` (:class:`SeededSampler`)."""
         tok = self.tokenizer
         enc = tok(texts, return_tensors="pt", padding=True)
         kwargs: dict[str, Any] = {
@@ -344,33 +481,46 @@ class Engine:
             "eos_token_id": tok.eos_token_id,
             "return_dict_in_generate": True,
             "output_scores": True,
+            "do_sample": False,
         }
-        if s.temperature > 0:
+        sampler = None
+        if s.temperature > 0 and seeds is not None:
+            sampler = SeededSampler(seeds, s.temperature, s.top_p)
+            kwargs["logits_processor"] = [sampler]
+        elif s.temperature > 0:
             kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0)
-        else:
-            kwargs.update(do_sample=False)
-        with self._model_lock:
-            version = self.version
-            if s.seed is not None:
-                torch.manual_seed(s.seed)
-            out = self.model.generate(**enc, **kwargs)
+        out = self.model.generate(**enc, **kwargs)
+        if sampler is None:
             scores = self.model.compute_transition_scores(
                 out.sequences, out.scores, normalize_logits=True
-            )
+            ).tolist()
+        else:
+            scores = sampler.logprobs
         new = out.sequences[:, enc["input_ids"].shape[1] :]
         rows = []
         for i in range(new.shape[0]):
             ids = new[i].tolist()
-            lps = scores[i].tolist()
+            lps = scores[i][: len(ids)]
             finish, end = "length", len(ids)
             if tok.eos_token_id in ids:  # kept in token_ids (as vLLM does), not in the text
                 end = ids.index(tok.eos_token_id)
                 ids, lps, finish = ids[: end + 1], lps[: end + 1], "stop"
             text = tok.decode(ids[:end], skip_special_tokens=True)
             rows.append((text, ids, lps, finish))
+        return rows, int(enc["attention_mask"].sum().item()) // max(1, len(texts))
+
+    def _finish(
+        self,
+        jobs: list[_Job],
+        rows: list[_Row],
+        n_prompt: int,
+        version: int | None,
+        scored: list[list[tuple[list[int], list[float | None]]] | None],
+    ) -> None:
+        tok = self.tokenizer
         self.num_generated += len(rows)
         at = 0
-        for job in jobs:
+        for job, prompt_lps in zip(jobs, scored, strict=True):
             choices = []
             for idx in range(len(job.prompts) * job.sampling.n):
                 text, ids, lps, finish = rows[at + idx]
@@ -386,9 +536,11 @@ class Engine:
                         "tokens": [tok.convert_ids_to_tokens(t) for t in ids],
                         "token_logprobs": lps,
                     }
+                if prompt_lps is not None:
+                    p_ids, p_lps = prompt_lps[idx // job.sampling.n]
+                    choice.update(prompt_token_ids=p_ids, prompt_logprobs=p_lps)
                 choices.append(choice)
             at += len(choices)
-            n_prompt = int(enc["attention_mask"].sum().item()) // max(1, len(texts))
             job.result = {
                 "id": f"cmpl-{os.getpid()}-{id(job):x}",
                 "object": "text_completion",
@@ -411,10 +563,11 @@ class Engine:
         with self._count_lock:
             self._faults[kind] = count
 
-    def take_fault(self) -> str | None:
+    def take_fault(self, only: str | None = None) -> str | None:
+        """The next armed fault (of kind ``only``; otherwise of any request-time kind)."""
         with self._count_lock:
             for kind, left in self._faults.items():
-                if left > 0:
+                if left > 0 and (kind == only if only else kind != "partial_refit"):
                     self._faults[kind] = left - 1
                     return kind
         return None
@@ -447,6 +600,8 @@ class _Handler(JSONHandler):
     post_routes = {
         COMPLETIONS_PATH: "_completions",
         WEIGHT_UPDATE_PATH: "_update",
+        QUARANTINE_PATH: "_verdict",
+        VERIFIED_PATH: "_verdict",
         "/v1/faults": "_faults",
     }
 
@@ -476,8 +631,9 @@ class _Handler(JSONHandler):
     def _completions(self) -> None:
         e = self.engine
         body = self.read_json()
-        if e.status is not S.SERVING:
-            raise HTTPError(503, f"engine is {e.status}, not serving yet")
+        check = isinstance(body, dict) and body.get("refit_check") is True
+        if e.status is not S.SERVING and not (check and e.status is S.QUARANTINED):
+            raise HTTPError(503, f"engine is {e.status}, not serving")
         try:
             prompts, sampling = e.parse(body)
         except BadRequest as err:
@@ -503,6 +659,23 @@ class _Handler(JSONHandler):
         else:
             self.send_json(200, job.result)
 
+    def _verdict(self) -> None:
+        """``POST /v1/weights/quarantine`` ``{"version", "reason"}`` / ``/v1/weights/verified``
+        ``{"version"}``: a client's refit check of this engine."""
+        e = self.engine
+        body = self.read_object()
+        try:
+            version = _int_field(body, "version", None, 0, 2**63 - 1)
+        except BadRequest as err:
+            raise HTTPError(400, str(err)) from None
+        if version is None:
+            raise HTTPError(400, "'version' (the weight version checked) is required")
+        if self.path == QUARANTINE_PATH:
+            e.quarantine(version, str(body.get("reason", ""))[:500])
+        elif not e.verified(version):
+            raise HTTPError(409, f"this engine holds weight version {e.version}, not {version}")
+        self.send_json(200, {"status": e.status.value, "version": e.version})
+
     def _update(self) -> None:
         e = self.engine
         body = self.read_object()
@@ -523,6 +696,8 @@ class _Handler(JSONHandler):
             raise HTTPError(503, f"engine is {e.status}; it loads the current version itself")
         try:
             load_s = e.load_weights(version)
+        except WeightDigestError as err:
+            raise HTTPError(500, str(err)) from None
         except FileNotFoundError:
             raise HTTPError(
                 404,

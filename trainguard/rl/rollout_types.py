@@ -67,6 +67,8 @@ class RolloutConfig:
     sync_timeout_factor: float = 5.0
     sync_timeout_min_s: float = 3.0
     """Sync timeout = max(min, factor × median of the measured sync times)."""
+    refit_attempts: int = 3
+    """Refits of an engine whose refit failed its check (quarantined) within one sync."""
     vocab_size: int | None = None
     """The policy's vocabulary size: a token id outside ``0..vocab_size-1`` makes an answer
     malformed (None: the engine's reported ``vocab_size``, else any id below 2**31)."""

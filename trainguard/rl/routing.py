@@ -64,6 +64,9 @@ class EngineRecord:
     incarnation: str | None = None
     vocab_size: int | None = None
     model: str | None = None
+    verified: tuple[int | None, int] | None = None
+    """(pid, version) the refit check last verified (with a ``checker``)."""
+    checking: bool = False
 
 
 def _record(url: str) -> EngineRecord:
@@ -102,6 +105,9 @@ class EngineTable:
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.checker: Callable[[EngineRecord, int], str | None] | None = None
+        """The refit check (set by the weight sync with fingerprints): an engine reporting
+        a version it was not verified at is checked before it is routed."""
 
     # -- HTTP --------------------------------------------------------------------------------
     def request_headers(self) -> dict[str, str]:
@@ -205,11 +211,26 @@ class EngineTable:
             eng.vocab_size = h.vocab_size
             eng.model = h.model
             eng.version = h.weight_version
-            if h.status is EngineState.SERVING and eng.version is not None:
-                eng.state = EngineState.SERVING if self.in_bound(eng.version) else EngineState.STALE
+            check = False
+            if h.status is EngineState.QUARANTINED:
+                eng.state = EngineState.QUARANTINED
+            elif h.status is EngineState.SERVING and eng.version is not None:
+                check = self.checker is not None and self.unverified(eng)
+                if check:
+                    eng.state = EngineState.LOADING
+                else:
+                    ok = self.in_bound(eng.version)
+                    eng.state = EngineState.SERVING if ok else EngineState.STALE
             else:
                 eng.state = EngineState.LOADING
             self.lock.notify_all()
+        if check and self.checker is not None and eng.version is not None:
+            self.checker(eng, eng.version)  # a version it loaded by itself: checked first
+
+    def unverified(self, eng: EngineRecord) -> bool:
+        """``eng`` reports a version in the bound that no refit check verified (under the
+        lock)."""
+        return eng.verified != (eng.pid, eng.version) and self.in_bound(eng.version)
 
     def _probe_failed(self, eng: EngineRecord, f: RequestFailure) -> None:
         with self.lock:
@@ -333,8 +354,11 @@ class EngineTable:
         with self.lock:
             for u in urls:
                 e = self.engines.get(u)
-                if e is not None and e.state in (EngineState.SERVING, EngineState.STALE):
+                if e is not None and e.state in (
+                    EngineState.SERVING, EngineState.STALE, EngineState.LOADING
+                ):  # fmt: skip
                     e.version = version
+                    e.verified = (e.pid, version)  # the client that confirmed it checked it
                     e.state = EngineState.SERVING
             self.lock.notify_all()
 

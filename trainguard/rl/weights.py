@@ -3,7 +3,8 @@
 Layout under ``RUN_DIR/rl/weights/`` (or any directory, e.g. a node-local ``/dev/shm`` tier)::
 
     v00000003.safetensors   the tensors of version 3 (safetensors: no pickle, mmap-able)
-    v00000003.json          its metadata (version, tensor count, bytes, time)
+    v00000003.json          its metadata (version, tensor count, bytes, time, the SHA-256 of
+                            the file as written, and the trainer's log-prob fingerprint)
     current.json            the pointer {"version": 3, "file": "v00000003.safetensors", ...}
 
 Publishing writes the tensors and the metadata first and replaces ``current.json`` last,
@@ -18,6 +19,7 @@ CPU box safetensors loads in about half of torch.load's time).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -29,7 +31,7 @@ from typing import Any
 from trainguard.core import envvars
 from trainguard.core.atomicfile import atomic_open, write_atomic
 
-__all__ = ["POINTER", "PublishedVersion", "WeightStore", "default_weight_dir"]
+__all__ = ["POINTER", "PublishedVersion", "WeightDigestError", "WeightStore", "default_weight_dir"]
 
 POINTER = "current.json"
 
@@ -69,10 +71,19 @@ class WeightStore:
     def _file(self, version: int) -> Path:
         return self.root / f"v{version:08d}.safetensors"
 
-    def publish(self, version: int, state_dict: Mapping[str, Any]) -> PublishedVersion:
+    def publish(
+        self,
+        version: int,
+        state_dict: Mapping[str, Any],
+        *,
+        fingerprint: Mapping[str, Any] | None = None,
+    ) -> PublishedVersion:
         """Write ``state_dict`` as ``version`` and make it the current one. Tensors are
         saved contiguous, detached, on the CPU; tied parameters (one storage, two names)
-        are saved once per name."""
+        are saved once per name. The metadata keeps the SHA-256 of the bytes written (an
+        engine checks the file against it before loading) and ``fingerprint``
+        (:func:`trainguard.rl.verify.fingerprint`: what a client checks an engine's
+        answers against before routing to it)."""
         from safetensors.torch import save
 
         if version < 0:
@@ -80,12 +91,19 @@ class WeightStore:
         self.root.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
         path = self._file(version)
+        data = save(tensors, metadata={"version": str(version)})
         with atomic_open(path, binary=True) as f:  # never through a symlink
-            f.write(save(tensors, metadata={"version": str(version)}))
+            f.write(data)
         size = path.stat().st_size
         now = time.time()
         meta = {"version": version, "file": path.name, "bytes": size, "time": now}
-        write_atomic(path.with_suffix(".json"), json.dumps({**meta, "tensors": len(tensors)}))
+        extra: dict[str, Any] = {
+            "tensors": len(tensors),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+        if fingerprint is not None:
+            extra["fingerprint"] = dict(fingerprint)
+        write_atomic(path.with_suffix(".json"), json.dumps({**meta, **extra}))
         write_atomic(self.root / POINTER, json.dumps(meta))
         self._prune(version)
         return PublishedVersion(version, path, size, now)
@@ -133,3 +151,40 @@ class WeightStore:
 
     def path_of(self, version: int) -> Path:
         return self._file(version)
+
+    def meta(self, version: int) -> dict[str, Any]:
+        """The metadata written with ``version`` (FileNotFoundError when it is not in the
+        store; ValueError naming the file when it is not JSON)."""
+        path = self._file(version).with_suffix(".json")
+        raw = path.read_text()
+        try:
+            meta = json.loads(raw)
+        except ValueError as e:
+            raise ValueError(f"{path}: not weight-version metadata ({e})") from None
+        if not isinstance(meta, dict):
+            raise ValueError(f"{path}: not weight-version metadata (not a JSON object)")
+        return meta
+
+    def check_digest(self, version: int) -> None:
+        """Raise :class:`WeightDigestError` when the file of ``version`` is not the bytes the
+        trainer wrote (truncated, overwritten, corrupted); nothing when they are, or when
+        the metadata has no digest (written by an older trainguard)."""
+        want = self.meta(version).get("sha256")
+        if not isinstance(want, str):
+            return
+        path = self._file(version)
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        if h.hexdigest() != want:
+            raise WeightDigestError(
+                f"weight version {version}: {path} is not what the trainer wrote (SHA-256 "
+                f"{h.hexdigest()[:12]}…, {path.stat().st_size} bytes; written {want[:12]}…): "
+                "the file was truncated or changed after it was published; the trainer "
+                "publishes it again"
+            )
+
+
+class WeightDigestError(ValueError):
+    """A weight file whose bytes are not those the trainer wrote for its version."""

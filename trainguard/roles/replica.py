@@ -38,7 +38,7 @@ __all__ = ["ReplicaLoop"]
 
 logger = logging.getLogger(__name__)
 
-_STATUSES = (S.STARTING, S.LOADING, S.SERVING)
+_STATUSES = (S.STARTING, S.LOADING, S.SERVING, S.QUARANTINED)
 _POLL_S = 0.05
 _MAX_BACKOFF_S = 5.0
 _PORT_GRACE_S = 2.0
@@ -220,7 +220,7 @@ class ReplicaLoop:
                         rep.ever_ready = True
                         if fresh:
                             sup.note_startup(spec, inc.startup_s())
-                    sup.set_state(rep, j.status, weight_version=p.weight_version)
+                    dead = sup.answered(spec, rep, j.status, p.weight_version)
             elif j.verdict == "foreign" and not squatter_told:
                 squatter_told = True
                 pid = p.health.pid if p.health is not None else None

@@ -425,6 +425,23 @@ class RoleSupervisor:
         logger.debug("%s", line)  # the agent ends the job with this line
 
     # -- state ----------------------------------------------------------------------------------
+    def answered(
+        self, spec: RoleSpec, rep: ReplicaState, status: S, version: int | None
+    ) -> str | None:
+        """Record a health answer's status. A replica newly ``quarantined`` (its weights
+        failed a client's refit check; it refits again, serving nothing meanwhile) is
+        counted against the role's restart budget: the reason to end it once it is spent."""
+        dead = None
+        if status is S.QUARANTINED and rep.state != S.QUARANTINED:
+            with self.lock:
+                spent = self.restarts[spec.name] >= spec.restart_budget
+                if not spent:
+                    self.restarts[spec.name] += 1
+            if spent:
+                dead = "quarantined (a failed refit) with the restart budget spent"
+        self.set_state(rep, status, weight_version=version)
+        return dead
+
     def set_state(
         self,
         rep: ReplicaState,

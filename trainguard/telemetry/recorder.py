@@ -40,7 +40,9 @@ from trainguard.core.event_kinds import (
     RESTART,
     ROLE_REPLICA_STARTED,
     ROLE_REPLICA_STATE,
+    ROLLOUT_ENGINE_QUARANTINED,
     ROLLOUT_FAILED,
+    ROLLOUT_REFIT_VERIFIED,
     SLURM_SCHEDULE,
     WORKER_FAILED,
     WORKERS_STARTED,
@@ -316,6 +318,17 @@ class MetricsRecorder:
                 self._inst[name].record(v, {"node": self.node})
 
     # -- lifecycle events -------------------------------------------------------------------
+    def _rollout_event(self, kind: str, ev: Mapping[str, Any], node: dict[str, str]) -> None:
+        if kind == ROLLOUT_FAILED:
+            reason = str(ev.get("reason") or "other")
+            self._inst["trainguard.rl.rollout.failed"].add(1, {**node, "reason": reason})
+            if ev.get("retried") is not False:  # older events did not say: retried
+                self._inst["trainguard.rl.rollout.retried"].add(1, {**node, "reason": reason})
+        else:  # a refit check, per engine
+            name = "verified" if kind == ROLLOUT_REFIT_VERIFIED else "quarantined"
+            engine = str(ev.get("engine") or "?")
+            self._inst[f"trainguard.rl.refit.{name}"].add(1, {**node, "engine": engine})
+
     def event(self, ev: Mapping[str, Any]) -> None:
         """Feed one lifecycle event of this node (checkpoint durations come from the
         ``checkpoint_stall_s``/``checkpoint_persist_s`` log records, not from events)."""
@@ -327,11 +340,8 @@ class MetricsRecorder:
                 self._inst["trainguard.job.failures"].add(1, {**node, "cause": cause})
                 if self._pending_cause is None and cause != "terminated":
                     self._pending_cause = cause
-            elif kind == ROLLOUT_FAILED:
-                reason = str(ev.get("reason") or "other")
-                self._inst["trainguard.rl.rollout.failed"].add(1, {**node, "reason": reason})
-                if ev.get("retried") is not False:  # older events did not say: retried
-                    self._inst["trainguard.rl.rollout.retried"].add(1, {**node, "reason": reason})
+            elif kind in (ROLLOUT_FAILED, ROLLOUT_REFIT_VERIFIED, ROLLOUT_ENGINE_QUARANTINED):
+                self._rollout_event(kind, ev, node)
             elif kind == LOSS_ROLLBACK:
                 reason = str(ev.get("reason") or "other")
                 self._inst["trainguard.job.rollbacks"].add(1, {**node, "reason": reason})

@@ -36,7 +36,9 @@ from trainguard.core.event_kinds import (
     ROLE_REPLICA_STATE,
     ROLE_RESTART_BUDGET_EXHAUSTED,
     ROLLBACK_EXHAUSTED,
+    ROLLOUT_ENGINE_QUARANTINED,
     ROLLOUT_FAILED,
+    ROLLOUT_REFIT_VERIFIED,
     SLURM_SCHEDULE,
     WORKER_FAILED,
     WORKER_GROUP_UNHEALTHY,
@@ -356,6 +358,32 @@ def _rollout_failures(data: RunData) -> str:
     )
 
 
+def _refit_checks(data: RunData) -> str:
+    """Refit checks per engine (``rollout_refit_verified`` / ``rollout_engine_quarantined``
+    events of every rank's client) and the last reason an engine was quarantined; empty
+    without any."""
+    counts: dict[str, list[Any]] = {}
+    for e in data.events:
+        kind = e.get("kind")
+        if kind in (ROLLOUT_REFIT_VERIFIED, ROLLOUT_ENGINE_QUARANTINED):
+            n = counts.setdefault(str(e.get("engine") or "?"), [0, 0, ""])
+            if kind == ROLLOUT_REFIT_VERIFIED:
+                n[0] += 1
+            else:
+                n[1] += 1
+                n[2] = f"version {e.get('version')}: {e.get('reason')}"
+    if not counts:
+        return ""
+    rows = "".join(
+        f"<tr><td>{escape(engine)}</td><td>{v}</td><td>{q}</td><td>{escape(why)}</td></tr>"
+        for engine, (v, q, why) in sorted(counts.items())
+    )
+    return (
+        '<table class="tg-refit-checks"><tr><th>engine</th><th>refits verified</th>'
+        f"<th>quarantined</th><th>last quarantine</th></tr>{rows}</table>"
+    )
+
+
 def _heatmap(data: RunData) -> str:
     rows_raw = {r: {int(s["step"]): float(s["step_time_s"]) for s in _steps(recs)}
                 for r, recs in sorted(data.records.items())}  # fmt: skip
@@ -469,7 +497,7 @@ h1{font-size:20px}h2{font-size:16px;margin-top:28px;border-bottom:1px solid #ddd
 .tg-attempt{fill:#98df8a}.tg-attempt-failed{fill:#ff9896}
 .tg-role-starting{fill:#c7c7c7}.tg-role-loading{fill:#aec7e8}.tg-role-serving{fill:#2ca02c}
 .tg-role-suspect{fill:#ffbb78}.tg-role-dead{fill:#d62728}.tg-role-restarting{fill:#ff7f0e}
-.tg-role-failed{fill:#7f0000}
+.tg-role-failed{fill:#7f0000}.tg-role-quarantined{fill:#9467bd}
 .tg-glyph{font-size:14px;text-anchor:middle}.tg-failure{fill:#d62728}.tg-hang{fill:#9467bd}
 .tg-restart{fill:#ff7f0e}.tg-rendezvous{fill:#7f7f7f}.tg-checkpoint,.tg-restore{fill:#1f77b4}
 .tg-health{fill:#9467bd}.tg-rollback{fill:#e377c2}.tg-seglabel{font-size:11px;fill:#fff}.tg-empty{fill:#999}
@@ -647,7 +675,7 @@ def render_report(
 <h2>Timeline</h2><div id="timeline">{_timeline(data, t0, t_end)}</div>
 <h2>Engine fleet</h2><div id="fleet">{_fleet(data, t0, t_end)}
 {_table(fleet_failures, ["time", "kind", "role", "replica", "pid", "exitcode", "reason", "message"], t0, "tg-failure-row") if fleet_failures else ""}
-<div class="charts" id="rollout">{"".join(rollout)}</div>{_rollout_failures(data)}</div>
+<div class="charts" id="rollout">{"".join(rollout)}</div>{_rollout_failures(data)}{_refit_checks(data)}</div>
 <h2>Step time per rank</h2><div id="heatmap">{_heatmap(data)}</div>
 <h2>Failures</h2><div id="failures">{_table(failures, ["time", "kind", "attempt", "rank", "cause", "exitcode", "signal", "place", "message"], t0, "tg-failure-row")}</div>
 <h2>Failure verdicts</h2><div id="verdicts">{_table(verdicts, ["time", "node", "failed_attempt", "cause", "verdict", "deterministic", "ranks", "summary"], t0, "tg-verdict-row")}</div>
