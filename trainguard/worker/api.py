@@ -36,6 +36,7 @@ from trainguard.worker.sniff import SniffRunner
 if TYPE_CHECKING:
     from trainguard.checkpoint.manager import CheckpointManager
     from trainguard.worker.rollback import LossGuard
+    from trainguard.worker.sdc import SdcGuard
 
 __all__ = ["RESERVED_LOG_KEYS", "TrainGuard", "init"]
 
@@ -139,7 +140,7 @@ class TrainGuard:
         self._device: str | None = None
         self._cuda_available: bool | None = None
         self._current_step: int | None = None  # the step the next tg.log values belong to
-        self._rollback = self._make_rollback()
+        self._rollback, self._sdc = self._make_rollback(), self._make_sdc()
         self._sniff = self._make_sniff()
         self._progress: ProgressWriter | None = None
         if self.under_agent:
@@ -174,6 +175,15 @@ class TrainGuard:
         guard = LossGuard(self, cfg)
         self.step_num = guard.ledger.next_step(self.step_num)
         return guard
+
+    def _make_sdc(self) -> SdcGuard | None:
+        """Silent-data-corruption checks (``[sdc]``): with more than one rank."""
+        cfg = load_worker_section(self.run_dir, "sdc")
+        if not cfg.enabled or self.world_size < 2:
+            return None
+        from trainguard.worker.sdc import SdcGuard
+
+        return SdcGuard(self, cfg)
 
     @property
     def skip_ranges(self) -> list[tuple[int, int]]:
@@ -243,6 +253,7 @@ class TrainGuard:
             self._checkpoint = for_worker(self)
             self._checkpoint.on_restore(self._after_restore)
             self._checkpoint.rollback_hook = self._rollback
+            self._checkpoint.sdc_hook = self._sdc
         return self._checkpoint
 
     def ft_wrap(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:
