@@ -254,6 +254,8 @@ class TrainGuard:
             self._checkpoint.on_restore(self._after_restore)
             self._checkpoint.rollback_hook = self._rollback
             self._checkpoint.sdc_hook = self._sdc
+            if self._sdc is not None:
+                self._checkpoint.on_restore(self._sdc.restored)
         return self._checkpoint
 
     def ft_wrap(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:

@@ -56,8 +56,6 @@ from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE
 if TYPE_CHECKING:
     import torch
 
-    from trainguard.worker.api import TrainGuard
-
 __all__ = ["SdcGuard", "digest", "known_answer_gemm_ok", "replicated_tensors"]
 
 logger = logging.getLogger(__name__)
@@ -199,7 +197,8 @@ class SdcGuard:
     """One per worker handle (``tg._sdc``), called by the checkpoint manager at the step
     boundaries the ranks agreed on (see the module docstring)."""
 
-    def __init__(self, tg: TrainGuard, config: SdcConfig) -> None:
+    def __init__(self, tg: Any, config: SdcConfig) -> None:
+        """``tg``: the worker handle (trainguard.worker.api.TrainGuard)."""
         self.tg = tg
         self.config = config
         self.next_check: int | None = None  # None: at the first boundary
@@ -219,16 +218,26 @@ class SdcGuard:
         """(the suspect step being replayed, the tensors that disagreed there, this rank's
         first values of them)."""
         self.verdicts = 0
+        self.generation = tg.generation
 
     # -- schedule --------------------------------------------------------------------------
     @property
     def active(self) -> bool:
         return self.off is None
 
+    def restored(self, step: int) -> None:
+        """A restore (collective: every rank) loaded the state of ``step``: it was saved from
+        state that passed a check, and the next boundary checks again."""
+        self.last_ok, self.next_check, self._prev_step = step, None, step
+        self.generation = self.tg.generation
+
     def due(self, step: int, *, persist: bool) -> bool:
         """Whether the boundary ``step`` is checked: the agreed cadence, a persisting save, the
         step under replay. The same on every rank (from agreed values only)."""
         now = time.perf_counter()
+        if self.generation != self.tg.generation:  # an in-process restart: the group starts over
+            self.generation = self.tg.generation
+            self.next_check, self.last_ok, self._replay = None, None, None
         if self.t_first is None:
             self.t_first = now
         elif self._prev_step is not None and step > self._prev_step:
