@@ -50,7 +50,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.procs import kill_tree  # noqa: E402
+from trainguard.chaos.procs import kill_tree  # noqa: E402
 
 WORKER = REPO / "bench" / "fast_restart_worker.py"
 CKPT_EVERY = 20

@@ -17,7 +17,7 @@ PostgreSQL (Debian's ``postgresql``, a throwaway cluster on loopback).
   default sniff settings (``sniff_interval_s = 5``, ``sniff_budget = 0.005``, window 5) trains
   ``--sniff-warm-s`` (90 s) unthrottled (``sniff_overhead``: the largest share of a rank's time since
   its first step spent in sniffs, at its last sniff before the throttle), then rank 1 is
-  throttled to about half speed for real (tests/throttle.py: a cgroup's quota and half weight,
+  throttled to about half speed for real (trainguard.chaos.throttle: a cgroup's quota and half weight,
   else taskset onto a core a spinning process keeps busy): ``degraded_rank_flagged_s`` is the
   time from the throttle to the ``sniff_degraded`` event naming rank 1 (null if not in 120 s;
   a sniff at which a rank looks slow is followed by confirming sniffs 5/3 s apart).
@@ -47,10 +47,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.launch_utils import base_env, free_port, wait_listening  # noqa: E402
-from tests.procs import kill_tree  # noqa: E402
-from tests.services.postgres_service import Postgres  # noqa: E402
-from tests.throttle import throttle  # noqa: E402
+from bench._support import Postgres, base_env, free_port, wait_listening  # noqa: E402
+from trainguard.chaos.procs import kill_tree  # noqa: E402
+from trainguard.chaos.throttle import throttle  # noqa: E402
 
 FAULTY = REPO / "tests" / "workers" / "faulty.py"
 STEPPER = REPO / "tests" / "workers" / "recovery_worker.py"

@@ -49,7 +49,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from tests.lineage import chain, productive_s, read_timing  # noqa: E402
-from tests.procs import descendants, kill_tree  # noqa: E402
+from trainguard.chaos.procs import descendants, kill_tree  # noqa: E402
 
 TOY = REPO / "examples" / "fault_toy.py"
 LAUNCHERS = {

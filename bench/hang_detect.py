@@ -37,7 +37,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from tests.procs import kill_tree  # noqa: E402  (ends workers in their own sessions, by PID)
+from trainguard.chaos.procs import kill_tree  # noqa: E402  (ends workers in their own sessions, by PID)
 
 WORKER = REPO / "tests" / "health_fixtures" / "health_worker.py"
 WORKER_ARGS = [
@@ -245,7 +245,7 @@ def release_once(base: Path, which: str, how: str, wait_s: float) -> dict[str, f
     args += ["--keep-sockets"] if how == "kill" else []
     import torch.distributed as dist
 
-    from tests.ports import free_port
+    from bench._support import free_port
 
     # the rendezvous store lives here, as on a node that is not the one lost (were it hosted
     # by the dead rank's agent, its exit would end torchrun's other agent through the store)

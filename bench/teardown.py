@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from tests.procs import kill_tree  # noqa: E402
+from trainguard.chaos.procs import kill_tree  # noqa: E402
 
 WORKER = REPO / "bench" / "teardown_worker.py"
 LAUNCHERS = {

@@ -1,6 +1,7 @@
 """The generated reference pages: configuration (from the config dataclasses in
-``trainguard/core/config/``), events (from ``trainguard/core/event_kinds.py``) and the worker
-environment (from ``trainguard/core/envvars.py``).
+``trainguard/core/config/``), events (from ``trainguard/core/event_kinds.py``), the worker
+environment (from ``trainguard/core/envvars.py``) and the feature map (from
+``docs/featuremap.toml``: which modules make up each feature, by layer).
 
     python docs/gen.py --write   # regenerate docs/reference/*.md (make docs runs it)
     python docs/gen.py --check   # exit 1 when they differ from the code (make test runs it)
@@ -28,6 +29,22 @@ from trainguard.core import envvars, event_kinds
 CONFIG_PAGE = "reference/configuration.md"
 EVENTS_PAGE = "reference/events.md"
 ENV_PAGE = "reference/environment.md"
+FEATURES_PAGE = "reference/features.md"
+FEATURE_MAP = Path(__file__).resolve().parent / "featuremap.toml"
+PACKAGE = Path(__file__).resolve().parents[1] / "trainguard"
+
+LAYERS = (
+    ("CLI", ("cli",)),
+    ("integrations", ("integrations",)),
+    ("agent", ("runtime",)),
+    ("worker", ("worker",)),
+    ("feature", ("checkpoint", "health", "telemetry", "recovery", "slurm", "dashboards", "ft",
+                 "rl", "roles", "fleet")),
+    ("plan, testing", ("plan", "testing")),
+    ("chaos", ("chaos",)),
+    ("core", ("core", "__init__", "__main__")),
+)  # fmt: skip
+"""The layers of docs/architecture.md, top to bottom, and the top-level names in each."""
 
 
 def _md(text: str) -> str:
@@ -227,10 +244,54 @@ def environment_reference() -> str:
     return "\n".join(out) + "\n"
 
 
+def feature_map() -> list[dict[str, Any]]:
+    """The features of docs/featuremap.toml, in its order (name, doc, what, modules)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.10 only
+        import tomli as tomllib
+    with FEATURE_MAP.open("rb") as f:
+        features: list[dict[str, Any]] = tomllib.load(f)["feature"]
+    return features
+
+
+def product_modules() -> list[str]:
+    """Every module of trainguard/, as the feature map names it (``core/rundir``)."""
+    return sorted(str(p.relative_to(PACKAGE).with_suffix("")) for p in PACKAGE.rglob("*.py"))
+
+
+def layer_of(module: str) -> str:
+    top = module.split("/", 1)[0]
+    return next(name for name, tops in LAYERS if top in tops)
+
+
+def features_reference() -> str:
+    out = [
+        "# Feature map",
+        "",
+        "Generated from `docs/featuremap.toml` at every docs build: the modules (under",
+        "`trainguard/`) that make up each feature, by layer (top to bottom, as in",
+        "[the layout](../architecture.md)). Every module is in exactly one row",
+        "(`tests/test_featuremap.py`).",
+        "",
+        "| feature | " + " | ".join(name for name, _ in LAYERS) + " |",
+        "| --- | " + " | ".join("---" for _ in LAYERS) + " |",
+    ]
+    for feature in feature_map():
+        by_layer: dict[str, list[str]] = {}
+        for module in feature["modules"]:
+            by_layer.setdefault(layer_of(module), []).append(f"`{module}`")
+        title = f"[{feature['name']}](../{feature['doc']}): {_md(feature['what'])}"
+        cells = [", ".join(by_layer.get(name, [])) for name, _ in LAYERS]
+        out.append("| " + " | ".join([title, *cells]) + " |")
+    return "\n".join(out) + "\n"
+
+
 PAGES = {
     CONFIG_PAGE: config_reference,
     EVENTS_PAGE: events_reference,
     ENV_PAGE: environment_reference,
+    FEATURES_PAGE: features_reference,
 }
 
 

@@ -42,6 +42,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from trainguard.core import envvars
 from trainguard.core.config import ConfigError
 
 __all__ = [
@@ -54,7 +55,7 @@ __all__ = [
     "parse_spec",
 ]
 
-CHAOS_ENV = "TRAINGUARD_CHAOS"
+CHAOS_ENV = envvars.CHAOS
 KINDS = ("kill", "hang", "slow", "exit", "sdc")
 _KEYS: dict[str, frozenset[str]] = {
     "kill": frozenset({"rank", "step", "after", "attempt", "node", "signal"}),

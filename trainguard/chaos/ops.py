@@ -242,7 +242,7 @@ class _Verifier:
                 out.append(pid)
         return out
 
-    def worker_reason(self, pid: int, node: Any) -> str | None:
+    def worker_reason(self, pid: int, node: object) -> str | None:
         """Why ``pid`` is not in the process tree of a verified agent of ``node``."""
         why = refuse_reason(pid)
         if why is not None:
@@ -255,7 +255,7 @@ class _Verifier:
         return None
 
 
-def _not_ours(pid: int | None, what: str, node: Any, why: str) -> ChaosTargetError:
+def _not_ours(pid: int | None, what: str, node: object, why: str) -> ChaosTargetError:
     here = node_name()
     where = (
         "" if node in (None, here) else f" (its node is {node!r}, this is {here!r}: run this there)"

@@ -69,7 +69,10 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill_tree(
-    proc: subprocess.Popen | int, sig: int = signal.SIGKILL, *, wait_s: float = 30.0
+    proc: subprocess.Popen[bytes] | subprocess.Popen[str] | int,
+    sig: int = signal.SIGKILL,
+    *,
+    wait_s: float = 30.0,
 ) -> list[int]:
     """Send ``sig`` to ``proc`` and all its descendants (found first, so none is missed once
     the parent dies; stopped ones too); returns the PIDs signalled. A ``Popen`` is waited for
@@ -95,7 +98,7 @@ def become_subreaper() -> bool:
     worker whose launcher was killed is still found by :func:`descendants`."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+        return bool(libc.prctl(36, 1, 0, 0, 0) == 0)  # PR_SET_CHILD_SUBREAPER
     except (OSError, AttributeError):
         return False
 

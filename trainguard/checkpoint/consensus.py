@@ -9,9 +9,12 @@ on the same all-reduce: the smallest anomalous step any rank reports (:class:`Ro
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 import torch.distributed as dist
 
 __all__ = ["Agreement", "Consensus", "RollbackHook", "SdcHook"]
@@ -53,7 +56,7 @@ class Consensus:
     (a single process, or before ``setup``) each rank's own flags are the answer."""
 
     def __init__(self) -> None:
-        self.pg: Any = None
+        self.pg: ProcessGroup | None = None
 
     def agree(self, *flags: bool) -> list[bool]:
         """Each flag: True on every rank when it is True on any rank."""

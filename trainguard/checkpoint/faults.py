@@ -26,7 +26,7 @@ __all__ = ["FAULT_ENV", "Faults"]
 
 logger = logging.getLogger(__name__)
 
-FAULT_ENV = "TRAINGUARD_TEST_CHECKPOINT_FAULT"
+FAULT_ENV = envvars.CHECKPOINT_FAULT
 ATTEMPT_ENV = envvars.ATTEMPT
 
 

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -32,6 +32,9 @@ from trainguard.checkpoint.storage import (
 from trainguard.core.config.checkpoint import CheckpointConfig, writer_threads
 from trainguard.core.failures import peer_failure
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["Writer"]
 
 logger = logging.getLogger(__name__)
@@ -44,7 +47,7 @@ class Writer:
     config: CheckpointConfig
     rank: int
     world_size: int
-    pg: Any = None
+    pg: ProcessGroup | None = None
     """The gloo group of the persist collectives (None: one process, no collectives)."""
     faults: Faults
     fs_factory: Callable[[], ChecksummingFileSystem] | None = None

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from trainguard.checkpoint.ownerlock import hold_owner_lock, orphaned
+from trainguard.core import envvars
 
 if TYPE_CHECKING:
     from trainguard.core.config.checkpoint import CheckpointConfig
@@ -303,7 +304,7 @@ def _serve(rx: IO[str], tx: IO[str]) -> bool:
 
 
 _cleanup_dir: str | None = None
-_PARENT_ENV = "TRAINGUARD_PERSIST_PARENT_PID"
+_PARENT_ENV = envvars.PERSIST_PARENT_PID
 
 
 def _exit_with_parent(parent: int) -> None:

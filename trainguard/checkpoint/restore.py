@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from trainguard.checkpoint.state import apply_state, build_state_dict, rng_key, 
 from trainguard.checkpoint.storage import Storage
 from trainguard.core.config.checkpoint import CheckpointConfig, writer_threads
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["Restorer"]
 
 logger = logging.getLogger(__name__)
@@ -49,7 +52,7 @@ class Restorer:
     root: str
     storage: Storage
     memory_dir: Path | None
-    pg: Any
+    pg: ProcessGroup | None
     """The checkpoint gloo group (None: one process)."""
     gather: Callable[[Any], list[Any]]
     emit: Callable[..., Any]

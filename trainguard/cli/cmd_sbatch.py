@@ -77,7 +77,9 @@ def _own_parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
-def _split(argv: list[str], own: argparse.ArgumentParser, run: argparse.ArgumentParser):
+def _split(
+    argv: list[str], own: argparse.ArgumentParser, run: argparse.ArgumentParser
+) -> tuple[list[str], list[str], str | None, list[str]]:
     """(own options, trainguard run options, script, script args)."""
     own_opts: list[str] = []
     run_opts: list[str] = []

@@ -25,6 +25,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from trainguard.chaos.faults import CHAOS_ENV
+from trainguard.core import envvars
 from trainguard.core.config import ConfigError, load_config
 from trainguard.core.procs import exit_now
 
@@ -70,7 +71,7 @@ def _agent(argv: list[str], prog: str) -> int:
             file=sys.stderr,
             flush=True,
         )
-    rdzv_node = env.get("TRAINGUARD_SBATCH_RDZV_NODE")
+    rdzv_node = env.get(envvars.SBATCH_RDZV_NODE)
     if rdzv_node:
         # All nodes of a test cluster may share one address: say which one hosts the store.
         argv = _with_is_host(argv, node == rdzv_node)
@@ -97,9 +98,9 @@ def _agent(argv: list[str], prog: str) -> int:
 def _watch_batch_host(env: dict[str, str], node: str, prog: str) -> BatchBeaconWatch | None:
     """On a node other than the batch host: watch the batch beacon; when it stands still, take
     over what the batch script would do (resubmit without the batch host, cancel this job)."""
-    from trainguard.slurm.batch import BATCH_HOST_ENV, BEACON_ENV, CONFIG_ENV, RUN_DIR_ENV
+    from trainguard.slurm.batch import BATCH_HOST_ENV, BEACON_ENV, CONFIG_ENV
 
-    beacon, host, run_dir = env.get(BEACON_ENV), env.get(BATCH_HOST_ENV), env.get(RUN_DIR_ENV)
+    beacon, host, run_dir = env.get(BEACON_ENV), env.get(BATCH_HOST_ENV), envvars.run_dir(env)
     if not beacon or not host or not run_dir or host == node:
         return None
     run_dir, beacon = os.path.abspath(run_dir), os.path.abspath(beacon)

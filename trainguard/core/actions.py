@@ -1,14 +1,25 @@
-"""The action vocabularies that cross package lines: what the health policy does about a finding
-(:class:`HealthAction`, also the values of ``[health]`` policy tables) and what the recovery
-policy decides about a failure (:class:`RecoveryAction`, also the ``action`` of the
-``recovery_decision`` event). Both serialize as their values.
+"""The vocabularies of findings and decisions that cross package lines, each spelled here once:
+
+- :class:`HealthAction`: what the health policy does about a finding (also the values of
+  ``[health]`` policy tables);
+- :class:`RecoveryAction`: what the recovery policy decides about a failure (the ``action`` of
+  the ``recovery_decision`` event);
+- :class:`Cause`: what a failure is attributed to (the ``cause`` of ``failure_attributed``, of
+  the metric ``trainguard.fleet.failures`` and of the fleet database's records);
+- :class:`Verdict`: what the attribution advises for its cause (the ``verdict`` of
+  ``failure_attributed``). A verdict is advice, an action is a decision: the verdicts that are
+  actions (``stop``, ``evict``, ``restart``) are :class:`RecoveryAction`'s members' values, and
+  :attr:`Verdict.action` is the action each verdict asks of the policy.
+
+All serialize as their values; ``tests/test_vocabularies.py`` fails where another module
+spells one of them again.
 """
 
 from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["HealthAction", "RecoveryAction"]
+__all__ = ["Cause", "HealthAction", "RecoveryAction", "Verdict"]
 
 
 class HealthAction(str, Enum):
@@ -48,3 +59,37 @@ class RecoveryAction(str, Enum):
     """The whole job stops with the "do not requeue" exit code (93)."""
     REQUEUE = "requeue"
     """The workers saved a preemption checkpoint: exit 75 so the scheduler requeues."""
+
+
+class Cause(str, Enum):
+    """What a failed round is attributed to (:mod:`trainguard.recovery.attribution`)."""
+
+    USER_CODE = "user_code"
+    OUT_OF_MEMORY = "out_of_memory"
+    HARDWARE = "hardware"
+    NETWORK = "network"
+    DATA = "data"
+    CONTROL_PLANE = "control_plane"
+    TRANSIENT = "transient"
+
+
+class Verdict(str, Enum):
+    """What the attribution advises for a failure's cause."""
+
+    STOP = RecoveryAction.STOP.value
+    EVICT = RecoveryAction.EVICT.value
+    RESTART = RecoveryAction.RESTART.value
+    ROLLBACK = "rollback"
+    """Restart from the last checkpoint (a NaN / Inf the script raised on)."""
+    RETRY = "retry"
+    """Restart once the control plane (rendezvous, store) answers again."""
+
+    @property
+    def action(self) -> RecoveryAction:
+        """The recovery action this verdict asks for: a rollback and a retry are restarts."""
+        return _VERDICT_ACTIONS.get(self, RecoveryAction.RESTART)
+
+
+_VERDICT_ACTIONS = {
+    v: RecoveryAction(v.value) for v in Verdict if v.value in {a.value for a in RecoveryAction}
+}

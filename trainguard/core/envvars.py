@@ -5,17 +5,30 @@ as settings: ``TRAINGUARD_<SECTION>_<FIELD>`` variables are the user's settings,
 facts the agent hands its workers. Settings reach a worker one way only: the run's
 ``config.json`` (``trainguard.core.config.load_worker_section``).
 
-This module is the one place that spells these names: every agent→worker variable is a
+This module is the one place that spells these names (with the user-set ones at its end: the
+secrets, fault injection, ``trainguard sbatch``'s chain; ``tests/test_envvars.py`` fails on a
+``"TRAINGUARD_`` literal anywhere else but the config loader): every agent→worker variable is a
 constant here and in :data:`ALL` (a worker's environment is torchrun's plus these), and the
 warm-start variables a pre-started process gets before it becomes a worker are in
 :data:`ZYGOTE` (taken out of its environment before the script runs).
 """
 
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+NAMESPACE = "TRAINGUARD_"
+"""Every variable trainguard reads or sets starts with this (settings: ``TRAINGUARD_<SECTION>_<FIELD>``,
+read by the config loader; the rest are spelled in this module)."""
+
 PREFIX = "TRAINGUARD_AGENT_"
 """The agent→worker namespace (reserved: no config section may be called ``agent``)."""
 
 RUN_DIR = PREFIX + "RUN_DIR"
-"""The run directory shared by the agent and its workers."""
+"""The run directory: the one variable that carries it to every process of a run (the agent's
+workers, a role's replicas, the processes of a ``trainguard sbatch`` job). Read it with
+:func:`run_dir`."""
 PROGRESS_DIR = PREFIX + "PROGRESS_DIR"
 """Directory of this attempt's per-rank progress files; set only under the agent."""
 ATTEMPT = PREFIX + "ATTEMPT"
@@ -50,13 +63,20 @@ ROLE_HOST = "TRAINGUARD_ROLE_HOST"
 """In a role replica: the address it must bind (``127.0.0.1`` beside the trainer; on nodes of
 its own, the node's Slurm address, or the role's ``bind``)."""
 ROLE_RUN_DIR = "TRAINGUARD_RUN_DIR"
-"""In a role replica: the run directory (its state file: ``roles/<role>/<i>.json``)."""
+"""In a role replica: the run directory (its state file: ``roles/<role>/<i>.json``). Read only
+as a compatibility name of :data:`RUN_DIR` (an engine started by hand with it set, or by a
+supervisor that sets only it): read both with :func:`run_dir`."""
 ROLE_STANDBY = "TRAINGUARD_ROLE_STANDBY"
 """In a role's warm standby only (``standby = N``): the file that promotes it. The standby
 serves its health on ``TRAINGUARD_ROLE_PORT`` (its own port, never routed to) with status
 ``standby`` once it is loaded; when the file appears (JSON ``{"replica": i, "port": p}``) it
 takes port ``p`` of the dead replica ``i`` and goes on as that replica (loading, then serving
 the current weights)."""
+ROLE_INCARNATION = "TRAINGUARD_ROLE_INCARNATION"
+"""In a role replica (and a standby): a nonce the supervisor draws for this process alone. The
+replica reports it in its health answer (``incarnation``, beside its ``pid``), so that the
+supervisor and the trainer's clients count an answer only from the process that was started
+(never from another process on a dead replica's port)."""
 ROLLOUT_URLS = "TRAINGUARD_ROLLOUT_URLS"
 """In the trainer's workers: the rollout engines, ``http://<host>:<port>`` comma-separated,
 replica 0 first (host ``127.0.0.1`` beside the trainer, the node's address on nodes of their
@@ -91,10 +111,58 @@ ALL = (
 """Every variable the agent may add to a worker's environment (documented in the generated
 docs/reference/environment.md); :data:`WORKER_HOOKS` is removed again before the script runs."""
 
-ZYGOTE_FD = "TRAINGUARD_ZYGOTE_FD"
+ZYGOTE_PREFIX = NAMESPACE + "ZYGOTE_"
+"""The warm-start namespace: a pre-started process's own variables."""
+ZYGOTE_FD = ZYGOTE_PREFIX + "FD"
 """A pre-started worker process (warm start): the descriptor of its socket to the agent."""
-ZYGOTE_PRELOAD = "TRAINGUARD_ZYGOTE_PRELOAD"
+ZYGOTE_PRELOAD = ZYGOTE_PREFIX + "PRELOAD"
 """A pre-started worker process: the modules it imports while it waits (comma-separated)."""
 ZYGOTE = (ZYGOTE_FD, ZYGOTE_PRELOAD)
 """The warm-start variables: in a pre-started process's initial environment only, never in the
 environment its script sees."""
+
+# -- trainguard sbatch (trainguard.slurm.batch): what its batch script exports -------------------
+SBATCH_PREFIX = NAMESPACE + "SBATCH_"
+"""The batch script's namespace (kept out of the environment a requeued job re-reads)."""
+SBATCH_CHAIN_ID = SBATCH_PREFIX + "CHAIN_ID"
+"""The first job id of a chain of resubmissions: the run directory (checkpoints) is keyed by it.
+Its presence also tells the agents they run in a ``trainguard sbatch`` job (they drain lost
+nodes: trainguard.runtime.registry)."""
+SBATCH_RESUBMITS = SBATCH_PREFIX + "RESUBMITS"
+"""How many times the chain has been resubmitted so far."""
+SBATCH_RUN_DIR = SBATCH_PREFIX + "RUN_DIR"
+"""The chain's run directory as batch scripts before :data:`RUN_DIR` exported it (a chain's
+``job.sbatch`` is copied once, at its first allocation): a compatibility read of
+:func:`run_dir`."""
+SBATCH_BATCH_HOST = SBATCH_PREFIX + "BATCH_HOST"
+"""The node that runs the batch script (``SLURMD_NODENAME`` of the batch shell)."""
+SBATCH_BATCH_BEACON = SBATCH_PREFIX + "BATCH_BEACON"
+"""The batch beacon's file: a counter the batch shell advances every second."""
+SBATCH_CONFIG = SBATCH_PREFIX + "CONFIG"
+"""The trainguard.toml handed to the job (its [slurm] section), when there is one."""
+SBATCH_RDZV_NODE = SBATCH_PREFIX + "RDZV_NODE"
+"""The node that hosts the job's rendezvous store (the allocation's first)."""
+
+# -- set by the user or by trainguard for one process ------------------------------------------
+ETCD_PASSWORD = NAMESPACE + "ETCD_PASSWORD"
+"""The etcd-v3 rendezvous password (a secret: from the environment, never argv)."""
+ETCD_PASSWORD_FILE = NAMESPACE + "ETCD_PASSWORD_FILE"
+"""A file holding the etcd-v3 rendezvous password."""
+GRAFANA_TOKEN = NAMESPACE + "GRAFANA_TOKEN"
+"""The Grafana service-account token of ``trainguard dashboards push``."""
+CHAOS = NAMESPACE + "CHAOS"
+"""Fault injection inside the workers (:mod:`trainguard.chaos.faults`); never active unless set."""
+CHECKPOINT_FAULT = NAMESPACE + "TEST_CHECKPOINT_FAULT"
+"""Fault injection into the checkpoint persister (:mod:`trainguard.checkpoint.faults`)."""
+PERSIST_PARENT_PID = NAMESPACE + "PERSIST_PARENT_PID"
+"""In a checkpoint persister process: its worker's pid (it never outlives it)."""
+
+
+def run_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """The run directory the environment names: :data:`RUN_DIR`, else the compatibility names
+    (:data:`ROLE_RUN_DIR`, :data:`SBATCH_RUN_DIR`); None when none is set."""
+    env = os.environ if environ is None else environ
+    for name in (RUN_DIR, ROLE_RUN_DIR, SBATCH_RUN_DIR):
+        if env.get(name):
+            return env[name]
+    return None

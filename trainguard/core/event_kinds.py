@@ -46,6 +46,7 @@ __all__ = [
     "ROLE_STANDBY_STATE",
     "ROLLBACK_EXHAUSTED",
     "ROLLOUT_FAILED",
+    "REWARD_FAILED",
     "SPARE_WAITING",
     "SLURM_SCHEDULE",
     "SNIFF_RESULTS",
@@ -162,7 +163,8 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("integration_auto_attached", ("integrations.auto",), ("framework", "resume"), "The start-up hook attached trainguard to a framework's trainer without a code change."),
     EventSpec("integration_preempted", ("integrations.adapter",), ("framework", "step"), "A preemption notice reached the framework's loop: it saves at this step and the worker exits for a requeue."),
     # -- reinforcement learning (trainguard.rl) --------------------------------------------------
-    EventSpec("rollout_failed", ("rl.client",), ("detail", "engine", "reason", "retried"), "A rollout request to an engine failed (``reason``: one of ROLLOUT_FAILURE_REASONS in the metric contract); ``retried``: it is sent again to another engine, else its batch fails (the cap of attempts, or an invalid request). Never replaced by a made-up sample."),
+    EventSpec("rollout_failed", ("rl.dispatch",), ("detail", "engine", "reason", "retried"), "A rollout request to an engine failed (``reason``: one of ROLLOUT_FAILURE_REASONS in the metric contract); ``retried``: it is sent again to another engine, else its batch fails (the cap of attempts, or an invalid request). Never replaced by a made-up sample."),
+    EventSpec("reward_failed", ("rl.reward",), ("detail", "reason", "retried", "server"), "A reward request to a reward server failed (``reason``: one of ROLLOUT_FAILURE_REASONS; ``malformed``: an answer that is not one finite reward per completion); ``retried``: sent again to the next server, else the batch raises RewardError. A reward is never made up."),
 )  # fmt: skip
 
 _BY_NAME = {s.name: s for s in EVENTS}
@@ -203,6 +205,8 @@ LOSS_ROLLBACK = _kind("loss_rollback")
 ROLLBACK_EXHAUSTED = _kind("rollback_exhausted")
 STRAGGLER_SCORES = _kind("straggler_scores")
 SNIFF_RESULTS = _kind("sniff_results")
+SNIFF_DEGRADED = _kind("sniff_degraded")
+FLEET_RECORDS = _kind("fleet_records")
 SLURM_SCHEDULE = _kind("slurm_schedule")
 SPARE_WAITING = _kind("spare_waiting")
 WARM_READY = _kind("warm_ready")
@@ -216,6 +220,8 @@ HEALTH_PROBE = _kind("health_probe")
 FAILURE_ATTRIBUTED = _kind("failure_attributed")
 NODE_EVICTED = _kind("node_evicted")
 NODE_REFUSED = _kind("node_refused")
+NODE_READMITTED = _kind("node_readmitted")
 ROLLOUT_FAILED = _kind("rollout_failed")
+REWARD_FAILED = _kind("reward_failed")
 HANG_DIAGNOSIS = _kind("hang_diagnosis")
 RECOVERY_DECISION = _kind("recovery_decision")

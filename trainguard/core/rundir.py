@@ -12,7 +12,16 @@
                                           a worker's stacks on the stack signal (appended)
     hangs/<a>/                            the diagnosis of a hang of attempt <a> (a DumpDir)
     debug/<id>/                           one ``trainguard debug`` look at a running job (a DumpDir)
+    health/straggler_scores.<node>.json   the latest step-time straggler scores of a node's ranks
+    rl/weights/                           the rollout engines' weight store (trainguard.rl.weights)
+    logs/<step>-<job>-<task>.out          a ``trainguard sbatch`` job step's output (Slurm's)
     heartbeats/<node>.json                an agent's heartbeat, for ``trainguard watch``
+    telemetry/metrics_<node>.jsonl        a node's exported metrics (OpenTelemetry, JSONL)
+    telemetry/traces_<node>.jsonl         its spans
+    telemetry/summary_<node>.json         its end-of-run summary (goodput, export failures)
+    prometheus_<node>.json                a running agent's Prometheus endpoint
+    report.html                           ``trainguard report``'s page
+    agent.mark                            held open by every live agent (trainguard.core.agentmark)
     roles/<role>/<i>.json                 state of role replica i (rollout, reward engines)
     roles/<role>/<i>.log                  its output (stdout and stderr, every restart)
     roles/<role>/standby-<k>.json|.log    a warm standby's state and output (``standby = N``)
@@ -41,9 +50,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.agentmark import MARK_FILE
 from trainguard.core.atomicfile import owned_dir
-from trainguard.core.config import CONFIG_JSON
 from trainguard.core.events import EVENTS_FILE
+
+CONFIG_JSON = "config.json"
+"""The run's effective configuration, written by the agent."""
 
 __all__ = ["DumpDir", "RunDir"]
 
@@ -200,6 +212,57 @@ class RunDir:
             if not any(owned_dir(d, uid) for uid in owners):
                 return False
         return True
+
+    @property
+    def telemetry(self) -> Path:
+        """The telemetry plugin's files (each node's metrics, traces and summary)."""
+        return self.root / "telemetry"
+
+    def telemetry_file(self, kind: str, node: str) -> Path:
+        """``kind`` = ``metrics`` or ``traces`` (JSONL, appended), ``summary`` (JSON, at the end)
+        of ``node``."""
+        suffix = "json" if kind == "summary" else "jsonl"
+        return self.telemetry / f"{kind}_{node}.{suffix}"
+
+    def prometheus_endpoint(self, node: str) -> Path:
+        """Where the agent of ``node`` writes its Prometheus endpoint (``host``, ``port``,
+        ``url``, ``pid``) while it runs."""
+        return self.root / f"prometheus_{node}.json"
+
+    @property
+    def agent_mark(self) -> Path:
+        """The file every live agent of the run holds open (:mod:`trainguard.core.agentmark`)."""
+        return self.root / MARK_FILE
+
+    @property
+    def report(self) -> Path:
+        """``trainguard report``'s HTML page (unless told another path)."""
+        return self.root / "report.html"
+
+    def straggler_scores(self, node: str) -> Path:
+        """The latest step-time straggler scores of ``node``'s ranks (JSON, replaced at each
+        evaluation), for people and tests: the plugins get them over the event bus."""
+        return self.root / "health" / f"straggler_scores.{node}.json"
+
+    def straggler_score_files(self) -> list[Path]:
+        """Every node's straggler scores file, sorted by name."""
+        return sorted((self.root / "health").glob("straggler_scores.*.json"))
+
+    @property
+    def weights(self) -> Path:
+        """The weight store of the rollout fleet (versions the trainer publishes and the
+        engines load: :mod:`trainguard.rl.weights`)."""
+        return self.root / "rl" / "weights"
+
+    @property
+    def logs(self) -> Path:
+        """The output of a ``trainguard sbatch`` job's steps (Slurm's ``--output``)."""
+        return self.root / "logs"
+
+    def step_log(self, step: str) -> Path:
+        """Slurm's ``--output`` pattern for job step ``step`` (``agent``, ``roles``): one file
+        per job id and task."""
+        return self.logs / f"{step}-%j-%t.out"
 
     @property
     def roles(self) -> Path:

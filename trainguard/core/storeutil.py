@@ -11,16 +11,23 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["gather", "parse_json"]
+__all__ = ["KeyReader", "gather", "parse_json"]
 
 MAX_VALUE_BYTES = 1 << 20
 """The largest store value :func:`parse_json` parses (trainguard's own are under a kilobyte)."""
 
 
+class KeyReader(Protocol):
+    """What :func:`gather` uses of a store (``torch.distributed.Store`` has it)."""
+
+    def check(self, keys: list[str]) -> bool: ...
+    def get(self, key: str) -> bytes: ...
+
+
 def gather(
-    store: Any, keys: Sequence[str], *, timeout_s: float, poll_s: float = 0.05
+    store: KeyReader, keys: Sequence[str], *, timeout_s: float, poll_s: float = 0.05
 ) -> dict[str, bytes]:
     """The values of ``keys`` that are set within ``timeout_s``; missing keys are left out."""
     deadline = time.monotonic() + timeout_s

@@ -10,7 +10,10 @@ two settings the user chose contradict it.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainguard.core.config import TrainGuardConfig
 
 __all__ = ["TORCH_PG_TIMEOUT_S", "TimeoutLink", "contradictions", "timeout_chain"]
 
@@ -36,7 +39,7 @@ class TimeoutLink:
 
 
 def timeout_chain(
-    cfg: Any, *, rdzv_configs: dict[str, Any] | None = None, under_slurm: bool = False
+    cfg: TrainGuardConfig, *, rdzv_configs: dict[str, Any] | None = None, under_slurm: bool = False
 ) -> list[TimeoutLink]:
     """The chain of ``cfg`` (a TrainGuardConfig) and torchrun's ``--rdzv-conf`` values."""
     h = cfg.health

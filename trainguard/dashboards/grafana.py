@@ -20,6 +20,7 @@ from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models import prometheus as pm
 
+from trainguard.core.contract import ROLE_STATES
 from trainguard.dashboards.promql import dcgm, job_filter, tg, tg_suffix
 
 __all__ = ["JOB_UID", "FLEET_UID", "dashboards", "to_json", "validate"]
@@ -328,8 +329,7 @@ def job_dashboard() -> dm.Dashboard:
     d.timeseries("Engine states", [(_j(
         f'sum by (instance, role, state) ({tg("trainguard.role.replica.state", NODE)})'),
         "{{role}} {{state}}")], stacked=True,
-        description="Replicas in each lifecycle state: starting, loading, serving, suspect, "
-        "dead, restarting, failed.")  # fmt: skip
+        description=f"Replicas in each lifecycle state: {', '.join(ROLE_STATES)}.")  # fmt: skip
     d.timeseries("Rollout failures by reason", [
         (_j(f'sum by (instance, reason) '
             f'(rate({tg("trainguard.rl.rollout.failed", NODE)}[{RI}]))'), "failed {{reason}}"),

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from trainguard.core import envvars
 from trainguard.core.urls import redact_url
 
 __all__ = ["TOKEN_ENV", "PushError", "PushResult", "push_dashboards", "read_token"]
 
-TOKEN_ENV = "TRAINGUARD_GRAFANA_TOKEN"
+TOKEN_ENV = envvars.GRAFANA_TOKEN
 FOLDER_UID = "trainguard"
 FOLDER_TITLE = "trainguard"
 

@@ -152,7 +152,7 @@ class FleetDB:
     def _sql(self, sql: str) -> str:
         return sql.replace("?", self.param)
 
-    def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    def _exec(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
         cur = self._conn.cursor()
         try:
             cur.execute(self._sql(sql), args)
@@ -412,7 +412,7 @@ class PostgresFleetDB(FleetDB):
                 "that the server runs"
             ) from None
 
-    def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    def _exec(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
         import psycopg
 
         try:

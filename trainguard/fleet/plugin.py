@@ -25,13 +25,16 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
-from trainguard.core.actions import HealthAction
+from trainguard.core.actions import Cause, HealthAction, Verdict
 from trainguard.core.config.fleet import FleetConfig
 from trainguard.core.event_kinds import (
     FAILURE_ATTRIBUTED,
+    FLEET_RECORDS,
     HEALTH_UNHEALTHY,
     NODE_EVICTED,
     NODE_EXCLUDED,
+    NODE_REFUSED,
+    SNIFF_DEGRADED,
     SNIFF_RESULTS,
 )
 from trainguard.core.jsonl import JsonlTail
@@ -46,7 +49,7 @@ __all__ = ["FleetPlugin", "fleet_db"]
 
 logger = logging.getLogger(__name__)
 
-_WATCHED = ["failure_attributed", "node_evicted", "health_unhealthy", "node_excluded"]
+_WATCHED = [FAILURE_ATTRIBUTED, NODE_EVICTED, HEALTH_UNHEALTHY, NODE_EXCLUDED]
 
 
 def fleet_db(cfg: FleetConfig, runs_root: str, *, node: str | None = None) -> FleetDB:
@@ -57,7 +60,8 @@ def fleet_db(cfg: FleetConfig, runs_root: str, *, node: str | None = None) -> Fl
 
 def _eviction_cause(reason: str) -> str:
     r = reason.lower()
-    return "hardware" if r.startswith("health") or "hardware" in r else "repeated_failures"
+    hardware = Cause.HARDWARE.value
+    return hardware if r.startswith("health") or hardware in r else "repeated_failures"
 
 
 class FleetPlugin(AgentPlugin):
@@ -129,7 +133,7 @@ class FleetPlugin(AgentPlugin):
                     "eviction",
                     event,
                     cause=_eviction_cause(reason),
-                    verdict="evict",
+                    verdict=Verdict.EVICT.value,
                     detail={"reason": reason, "until": event.get("until")},
                 )
             elif kind == HEALTH_UNHEALTHY:
@@ -137,7 +141,7 @@ class FleetPlugin(AgentPlugin):
                 self._record(
                     "health",
                     event,
-                    cause="hardware",
+                    cause=Cause.HARDWARE.value,
                     verdict=str(event.get("action") or ""),
                     detail={"summary": "; ".join(map(str, reasons))[:1000], "reasons": reasons},
                 )
@@ -184,7 +188,7 @@ class FleetPlugin(AgentPlugin):
             return
         reason = status.reason()
         ctx.events.emit(
-            "node_refused",
+            NODE_REFUSED,
             reason=reason,
             lemon=True,
             incidents=status.incidents,
@@ -251,7 +255,7 @@ class FleetPlugin(AgentPlugin):
                 for f in found
             ]
             ctx.events.emit(
-                "node_excluded",
+                NODE_EXCLUDED,
                 reason="sniff",
                 reasons=reasons,
                 ranks=[f["rank"] for f in found],
@@ -286,7 +290,7 @@ class FleetPlugin(AgentPlugin):
                 f"{len(f['window'])} sniffs slow"
             )
             logger.warning("%s", msg)
-            ctx.events.emit("sniff_degraded", message=msg, policy=self.straggler_policy, **f)
+            ctx.events.emit(SNIFF_DEGRADED, message=msg, policy=self.straggler_policy, **f)
             self.writer.put(
                 Record(node=self.node, kind="sniff", cause="slow", verdict=self.straggler_policy,
                        job=self.job, attempt=self._sniff_attempt, detail={"summary": msg, **f})
@@ -318,7 +322,7 @@ class FleetPlugin(AgentPlugin):
             self._summarize(ctx)
         left = self._close()
         ctx.events.emit(
-            "fleet_records",
+            FLEET_RECORDS,
             written=self.writer.written,
             waiting=left,
             dropped=self.writer.dropped,

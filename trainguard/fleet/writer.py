@@ -132,7 +132,7 @@ class FleetWriter:
 
     def _backoff(self) -> float:
         base = self.retry_s * 2 ** min(self._failures_in_row - 1, 10)
-        return min(base, 10 * self.retry_s) * random.uniform(0.5, 1.5)
+        return float(min(base, 10 * self.retry_s) * random.uniform(0.5, 1.5))
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued record is written (True) or ``timeout_s`` passed."""

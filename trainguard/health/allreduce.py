@@ -45,7 +45,8 @@ def run_allreduce_probe(
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
         return {"error": f"all-reduce probe failed (exit {p.returncode}): {p.stderr[-500:]}"}
-    return json.loads(lines[-1])
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
 
 
 def _main() -> None:

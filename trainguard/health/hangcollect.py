@@ -18,12 +18,17 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard.core.atomicfile import make_dirs, write_atomic
 from trainguard.core.flight_recorder import CollectiveState
 from trainguard.core.rundir import DumpDir, RunDir
 from trainguard.health.hangdiag import Diagnosis, RankDump, analyse
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+    from trainguard.core.plugin import AgentContext
 
 __all__ = ["collect_and_analyse", "local_stacks", "read_json", "wait_for_files"]
 
@@ -41,7 +46,8 @@ def wait_for_files(paths: dict[int, Path], deadline: float) -> dict[int, Path]:
 
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        got: dict[str, Any] | None = json.loads(path.read_text(encoding="utf-8"))
+        return got
     except (OSError, ValueError) as e:
         logger.warning("cannot read %s: %s", path, e)
         return None
@@ -94,7 +100,7 @@ def local_stacks(directory: DumpDir, ranks: list[int]) -> dict[int, dict[str, st
 
 
 def collect_and_analyse(
-    ctx: Any,
+    ctx: AgentContext,
     pids: dict[int, int],
     *,
     frozen: set[int],
@@ -152,7 +158,7 @@ def collect_and_analyse(
 
 
 def _exchange(
-    store: Any, key: str, local: dict[int, RankDump], world_size: int, deadline: float
+    store: Store, key: str, local: dict[int, RankDump], world_size: int, deadline: float
 ) -> dict[int, RankDump]:
     for r, rd in local.items():
         try:

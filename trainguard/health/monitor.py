@@ -37,6 +37,8 @@ from trainguard.health.policy import Policy
 from trainguard.health.result import HealthAction, ProbeResult, Status
 
 if TYPE_CHECKING:
+    from torch.distributed import Store
+
     from trainguard.health.compute import ComputeResult
 
 __all__ = ["HealthMonitor", "exchange_node_values"]
@@ -45,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 
 def exchange_node_values(
-    store: Any,
+    store: Store,
     *,
     prefix: str,
     group_rank: int,

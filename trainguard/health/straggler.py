@@ -32,7 +32,6 @@ import logging
 import statistics
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
@@ -333,7 +332,7 @@ class StragglerDetector(AgentPlugin):
         ctx.events.publish(
             MSG_STRAGGLER_SCORES, scores=scores, stragglers=sorted(self.scorer.reported)
         )
-        path = Path(ctx.run_dir) / "health" / f"straggler_scores.{ctx.node}.json"
+        path = RunDir(ctx.run_dir).straggler_scores(ctx.node)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(

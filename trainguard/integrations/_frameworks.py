@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, TypeVar
+from typing import TypeVar
+
+from trainguard.core.handles import WorkerHandle
 
 __all__ = ["PRIVATES", "TESTED", "check_version", "guarded"]
 
@@ -72,7 +74,9 @@ def check_version(framework: str) -> str | None:
     return found
 
 
-def guarded(tg: Any, framework: str, what: str, fn: Callable[[], T]) -> tuple[bool, T | None]:
+def guarded(
+    tg: WorkerHandle | None, framework: str, what: str, fn: Callable[[], T]
+) -> tuple[bool, T | None]:
     """``(True, fn())``, or ``(False, None)`` after one warning and an
     ``integration_degraded`` event (rank 0) when ``fn`` raised: the caller turns resume off."""
     try:
@@ -83,7 +87,7 @@ def guarded(tg: Any, framework: str, what: str, fn: Callable[[], T]) -> tuple[bo
             framework, what, type(err).__name__, err,
         )  # fmt: skip
         try:
-            if tg is not None and getattr(tg, "rank", 0) == 0:
+            if tg is not None and tg.rank == 0:
                 tg.events.emit(
                     "integration_degraded",
                     framework=framework,

@@ -15,11 +15,15 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard.core.failures import REQUEUE_EXIT_CODE
 from trainguard.integrations._frameworks import check_version, guarded
 from trainguard.integrations.common import SafeTelemetry, StepBeat
+
+if TYPE_CHECKING:
+    from trainguard.core.handles import CheckpointHandle
+    from trainguard.worker.api import TrainGuard
 
 __all__ = ["FrameworkAdapter"]
 
@@ -34,16 +38,16 @@ class FrameworkAdapter:
         self.framework = framework
         self.label = label
         self.resume = resume
-        self.tg: Any = None
+        self.tg: TrainGuard | None = None
         self.telemetry: SafeTelemetry | None = None
         self.beat: StepBeat | None = None
-        self.ckpt: Any = None
+        self.ckpt: CheckpointHandle | None = None
         self.state: dict[str, Any] = {}
         """What trainguard snapshots (model, optimizer, scheduler); empty: resume is off."""
         self.resumed_step: int | None = None
         self.preempted = False
 
-    def start(self) -> Any:
+    def start(self) -> TrainGuard:
         """At the framework's train start: the worker API, the heartbeat, the checkpoint
         manager. Returns the worker API handle."""
         import trainguard
@@ -54,6 +58,12 @@ class FrameworkAdapter:
         self.beat = StepBeat(self.telemetry)
         self.ckpt = tg.checkpoint
         return tg
+
+    def started(self) -> tuple[TrainGuard, CheckpointHandle]:
+        """The worker handle and its checkpoint manager; RuntimeError before :meth:`start`."""
+        if self.tg is None or self.ckpt is None:
+            raise RuntimeError(f"the {self.framework} integration is used before its train start")
+        return self.tg, self.ckpt
 
     def guard(self, what: str, fn: Callable[[], Any]) -> bool:
         """``fn()`` (a use of a framework internal); False after one warning and an
@@ -73,6 +83,7 @@ class FrameworkAdapter:
         part; returns the step restored and the framework's own step before, or None),
         guarded; then tell the job we attached. The checkpoint manager is set up on every rank
         either way (collective)."""
+        tg, ckpt = self.started()
         restored = False
         moved: list[tuple[int, int]] = []
         if self.resume and state:
@@ -85,18 +96,18 @@ class FrameworkAdapter:
 
             restored = self.guard("restoring trainguard's snapshot", run)
         if not restored:
-            self.ckpt.setup()  # the preemption handlers (collective: every rank is here)
+            ckpt.setup()  # the preemption handlers (collective: every rank is here)
         if restored and moved:
             self.resumed_step, done = moved[0]
-            if self.tg.rank == 0:
+            if tg.rank == 0:
                 print(
                     f"trainguard: resumed at step {self.resumed_step} from its snapshot "
                     f"(the framework's checkpoint had step {done})",
                     file=sys.stderr,
                     flush=True,
                 )
-        if self.tg.rank == 0:
-            self.tg.events.emit(
+        if tg.rank == 0:
+            tg.events.emit(
                 "integration_attached",
                 framework=self.framework,
                 resume=bool(self.state),
@@ -109,20 +120,22 @@ class FrameworkAdapter:
         with resume off, where the ranks agreed on the notice): the callback stops its loop."""
         if self.ckpt is None or self.preempted:
             return False
+        tg, ckpt = self.started()
         if self.state:  # the ranks' agreement for the next step runs during it
-            self.ckpt.maybe_save(step, self.state, overlap=True, exit_on_preemption=False)
-            self.preempted = bool(self.ckpt.preempted)
+            ckpt.maybe_save(step, self.state, overlap=True, exit_on_preemption=False)
+            self.preempted = bool(ckpt.preempted)
         else:
-            self.preempted = self.ckpt.preemption_agreed(step)
-        if self.preempted and self.tg.rank == 0:
-            self.tg.events.emit("integration_preempted", framework=self.framework, step=step)
+            self.preempted = ckpt.preemption_agreed(step)
+        if self.preempted and tg.rank == 0:
+            tg.events.emit("integration_preempted", framework=self.framework, step=step)
         return self.preempted
 
     def finish(self) -> None:
         """At the framework's train end: the last heartbeat, and the snapshot in flight."""
         if self.beat is not None:
             self.beat.end()
-            self.tg.training_done()  # a final save or a slow exit is not a hang
+            if self.tg is not None:
+                self.tg.training_done()  # a final save or a slow exit is not a hang
         if self.ckpt is not None and not self.preempted:  # (closed after the preemption save)
             try:
                 self.ckpt.settle_agreement()

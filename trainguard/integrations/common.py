@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from trainguard.core.contract import METRICS
+from trainguard.core.handles import CheckpointHandle
 from trainguard.worker.api import RESERVED_LOG_KEYS, TrainGuard
 
 __all__ = [
@@ -61,7 +62,8 @@ def _scalar(value: Any) -> float | int | str | None:
     """A loggable value: numbers (NaN and inf kept), strings, one-element tensors and arrays;
     None for what has no single value (None, multi-element tensors)."""
     if type(value) in _PLAIN:
-        return value
+        plain: float | int | str = value
+        return plain
     if value is None:
         return None
     if isinstance(value, bool):
@@ -72,7 +74,8 @@ def _scalar(value: Any) -> float | int | str | None:
     try:
         n = numel() if callable(numel) else numel
         if n == 1 and hasattr(value, "item"):
-            return value.item()
+            item: float | int | str = value.item()
+            return item
     except Exception:
         return None
     return None
@@ -232,7 +235,9 @@ class StepBeat:
             self._t.failed("the step record")
 
 
-def report_overhead(telemetry: SafeTelemetry | None, ckpt: Any, seconds: float) -> None:
+def report_overhead(
+    telemetry: SafeTelemetry | None, ckpt: CheckpointHandle | None, seconds: float
+) -> None:
     """Tell the checkpoint manager what one step cost: the time it spent in the integration's
     hooks and the metrics flusher's CPU time since the last report (its memory-tier cadence
     keeps the whole of it within its budget)."""

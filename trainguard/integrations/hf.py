@@ -30,9 +30,9 @@ import logging
 import math
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from trainguard.integrations.adapter import FrameworkAdapter
 from trainguard.integrations.common import (
@@ -44,10 +44,13 @@ from trainguard.integrations.common import (
 
 __all__ = ["TrainGuardCallback"]
 
+if TYPE_CHECKING:
+    from transformers import Trainer
+
 logger = logging.getLogger(__name__)
 
 
-def _find_trainer() -> Any:
+def _find_trainer() -> Trainer | None:
     """The ``Trainer`` whose loop is calling: HF hands callbacks the model, optimizer and
     data loader, not the trainer, whose ``get_batch_samples`` the resume and token count need."""
     from transformers import Trainer
@@ -92,7 +95,9 @@ class TrainGuardCallback(TrainerCallback):
         return self._a.resumed_step
 
     # -- start ----------------------------------------------------------------------------------
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
         a = self._a
         a.start()
         self._model = kw.get("model")
@@ -110,11 +115,11 @@ class TrainGuardCallback(TrainerCallback):
         a.restore(snapshot, lambda: self._restore(args, state, loader, trainer is not None))
 
     def _restore(
-        self, args: Any, state: Any, loader: Any, can_skip: bool
+        self, args: TrainingArguments, state: TrainerState, loader: Any, can_skip: bool
     ) -> tuple[int, int] | None:
         """The newest trainguard snapshot newer than the step HF resumed from, in the same
         epoch (HF moves its data loader by epochs, trainguard by the steps in between)."""
-        ckpt = self._a.ckpt
+        _, ckpt = self._a.started()
         done = int(state.global_step)
         ga = max(1, int(args.gradient_accumulation_steps))
         per_epoch = None
@@ -169,7 +174,9 @@ class TrainGuardCallback(TrainerCallback):
         trainer._trainguard_batches = self
 
     # -- steps ----------------------------------------------------------------------------------
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
         if self._a.beat is None:
             return
         t0 = time.perf_counter()
@@ -194,7 +201,9 @@ class TrainGuardCallback(TrainerCallback):
         self._a.beat.begin(int(state.global_step), tokens=tokens, samples=samples, flops=flops)
         self._spent += time.perf_counter() - t0
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> TrainerControl | None:
         if self._a.beat is None:
             return None
         t0 = time.perf_counter()
@@ -203,7 +212,7 @@ class TrainGuardCallback(TrainerCallback):
         finally:
             self._spent += time.perf_counter() - t0
 
-    def _step_end(self, state: Any, control: Any) -> Any:
+    def _step_end(self, state: TrainerState, control: TrainerControl) -> TrainerControl:
         assert self._a.beat is not None
         seen = getattr(state, "num_input_tokens_seen", None)
         if seen and self._tokens_seen is not None and seen > self._tokens_seen:
@@ -215,12 +224,21 @@ class TrainGuardCallback(TrainerCallback):
             control.should_training_stop = True
         return control
 
-    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
         if self._a.preempted:
             self._a.finish()
             self._a.exit_preempted()
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kw: Any,
+    ) -> None:
         # every rank gets the same (reduced) values: one series, from rank 0
         telemetry = self._a.telemetry
         if telemetry is None or not logs or not state.is_world_process_zero:
@@ -234,7 +252,9 @@ class TrainGuardCallback(TrainerCallback):
         telemetry.log(int(state.global_step), metrics)
         self._spent += time.perf_counter() - t0
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
         self._a.finish()
         if self._a.preempted:
             self._a.exit_preempted()

@@ -31,7 +31,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard.integrations.adapter import FrameworkAdapter
 from trainguard.integrations.common import (
@@ -42,6 +42,9 @@ from trainguard.integrations.common import (
 )
 
 __all__ = ["TrainGuardCallback", "callback_class"]
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +98,7 @@ class _Mixin:
         """The step restored from trainguard's snapshot at ``on_train_start``, or None."""
         return self._a.resumed_step
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         a = self._a
         a.start()
         opts = list(trainer.optimizers)
@@ -107,7 +110,7 @@ class _Mixin:
                 snapshot["sched"] = scheds[0]
         a.restore(snapshot, lambda: self._restore(trainer))
 
-    def _restore(self, trainer: Any) -> tuple[int, int] | None:
+    def _restore(self, trainer: Trainer) -> tuple[int, int] | None:
         done = int(trainer.global_step)
         accum = max(1, int(trainer.accumulate_grad_batches))
         per_epoch = None
@@ -121,21 +124,21 @@ class _Mixin:
         # Lightning release renamed raises here, and the framework's own resume stands as it
         # is (not the snapshot's weights with half of the loop's counters moved).
         loop = trainer.fit_loop.epoch_loop
-        batches, scheduler = loop.batch_progress, loop.scheduler_progress
+        progress, scheduler = loop.batch_progress, loop.scheduler_progress
         optimizer = loop.automatic_optimization.optim_progress.optimizer
         stepped = int(loop._batches_that_stepped)
-        step = self._a.ckpt.restore(self._a.state, min_step=done + 1, max_step=newest)
+        step = self._a.started()[1].restore(self._a.state, min_step=done + 1, max_step=newest)
         if step is None or step <= done:
             return None
         delta = step - done
-        _bump(batches, delta * accum)
+        _bump(progress, delta * accum)
         for tracker in (optimizer.step, optimizer.zero_grad, scheduler):
             _bump(tracker, delta)
         loop._batches_that_stepped = stepped + delta
         return step, done
 
     def on_train_batch_start(
-        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         beat = self._a.beat
         if beat is None or beat.open:
@@ -157,7 +160,7 @@ class _Mixin:
         self._spent += time.perf_counter() - t0
 
     def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         beat = self._a.beat
         if beat is None or not beat.open or beat.step is None:
@@ -171,14 +174,14 @@ class _Mixin:
         finally:
             self._spent += time.perf_counter() - t0
 
-    def _step_end(self, trainer: Any, outputs: Any, step: int) -> None:
+    def _step_end(self, trainer: Trainer, outputs: Any, step: int) -> None:
         assert self._a.beat is not None
         self._a.beat.end()
         self._log(trainer, outputs, step)
         if self._a.step_boundary(step):
             self._preempt(trainer)
 
-    def _log(self, trainer: Any, outputs: Any, step: int) -> None:
+    def _log(self, trainer: Trainer, outputs: Any, step: int) -> None:
         telemetry = self._a.telemetry
         assert telemetry is not None
         now = time.monotonic()
@@ -202,7 +205,7 @@ class _Mixin:
             return
         telemetry.log(step, metrics)
 
-    def _preempt(self, trainer: Any) -> None:
+    def _preempt(self, trainer: Trainer) -> None:
         """trainguard's preemption save ran: Lightning saves its last checkpoint (every rank:
         collective), and the process exits for a requeue."""
         trainer.should_stop = True
@@ -216,7 +219,7 @@ class _Mixin:
         self._a.finish()
         self._a.exit_preempted()
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._a.finish()
 
 

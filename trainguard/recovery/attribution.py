@@ -34,32 +34,13 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from typing import Any
 
-from trainguard.core.actions import HealthAction
+from trainguard.core.actions import Cause, HealthAction, Verdict
 from trainguard.core.errorfile import ExceptionSite, exception_site
 from trainguard.core.failures import FailureKind, WorkerFailure, peer_failure_text
 
 __all__ = ["Attribution", "Cause", "Verdict", "attribute", "oom_figure"]
-
-
-class Cause(str, Enum):
-    USER_CODE = "user_code"
-    OUT_OF_MEMORY = "out_of_memory"
-    HARDWARE = "hardware"
-    NETWORK = "network"
-    DATA = "data"
-    CONTROL_PLANE = "control_plane"
-    TRANSIENT = "transient"
-
-
-class Verdict(str, Enum):
-    STOP = "stop"
-    EVICT = "evict"
-    RESTART = "restart"
-    ROLLBACK = "rollback"
-    RETRY = "retry"
 
 
 VERDICTS: dict[Cause, Verdict] = {

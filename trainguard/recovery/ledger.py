@@ -99,7 +99,8 @@ class JobLedger:
     def publish_decision(self, attempt: int, decision: dict[str, Any]) -> dict[str, Any]:
         """Set the decision for ``attempt`` unless one is there; returns the one that is."""
         raw = self.store.compare_set(self._k(f"decision/{attempt}"), "", json.dumps(decision))
-        return json.loads(_s(raw))
+        got: dict[str, Any] = json.loads(_s(raw))
+        return got
 
     def decision(self, attempt: int, *, timeout_s: float) -> dict[str, Any] | None:
         """The decision for ``attempt`` once it is published, or None after ``timeout_s``."""
@@ -111,7 +112,10 @@ class JobLedger:
     def stop(self, reason: str, *, by: str, now: float | None = None) -> dict[str, Any]:
         """Publish the job-wide stop (the first one stays); returns the stop in force."""
         value = {"reason": reason, "by": by, "time": time.time() if now is None else now}
-        return json.loads(_s(self.store.compare_set(self._k("stop"), "", json.dumps(value))))
+        got: dict[str, Any] = json.loads(
+            _s(self.store.compare_set(self._k("stop"), "", json.dumps(value)))
+        )
+        return got
 
     def stopped(self) -> dict[str, Any] | None:
         raw = self._get("stop")

@@ -29,6 +29,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainguard.core.actions import HealthAction
+from trainguard.core.event_kinds import (
+    FAILURE_ATTRIBUTED,
+    HANG_KILLED,
+    HEALTH_UNHEALTHY,
+    NODE_EVICTED,
+    NODE_EXCLUDED,
+    NODE_READMITTED,
+    NODE_REFUSED,
+    RECOVERY_DECISION,
+)
 from trainguard.core.events import EVENTS_FILE
 from trainguard.core.fencing import NodeFencer, RecordOnlyFencer
 from trainguard.core.jobstate import JobState
@@ -128,9 +138,9 @@ class RecoveryPlugin(AgentPlugin):
         self._drain = False
         self._started_at: float | None = None
         self._health: list[dict[str, Any]] = []
-        ctx.events.subscribe(self._on_hang, ["hang_killed"])
-        ctx.events.subscribe(self._on_health, ["health_unhealthy"])
-        ctx.events.subscribe(self._on_excluded, ["node_excluded"])
+        ctx.events.subscribe(self._on_hang, [HANG_KILLED])
+        ctx.events.subscribe(self._on_health, [HEALTH_UNHEALTHY])
+        ctx.events.subscribe(self._on_excluded, [NODE_EXCLUDED])
 
     def _on_hang(self, event: dict[str, Any]) -> None:
         self._hang_attempt = event.get("attempt")
@@ -163,7 +173,7 @@ class RecoveryPlugin(AgentPlugin):
     def _emit_decision(self, ctx: AgentContext, d: RecoveryDecision, **extra: Any) -> None:
         extra = {k: v for k, v in extra.items() if v is not None}
         ctx.events.emit(
-            "recovery_decision",
+            RECOVERY_DECISION,
             action=d.action.value,
             reason=d.reason,
             failed_attempt=d.attempt,
@@ -206,7 +216,7 @@ class RecoveryPlugin(AgentPlugin):
                 logger.warning("could not record the eviction of %s in the store: %s", node, e)
         fence = self.fencer.fence(node, reason)
         ctx.events.emit(
-            "node_evicted",
+            NODE_EVICTED,
             reason=reason,
             until=until,
             cooldown_s=self.cfg.eviction_cooldown_s,
@@ -226,7 +236,7 @@ class RecoveryPlugin(AgentPlugin):
         now = self.clock()
         if entry.active(now):
             ctx.events.emit(
-                "node_refused", reason=entry.reason, evicted_at=entry.time, until=entry.until
+                NODE_REFUSED, reason=entry.reason, evicted_at=entry.time, until=entry.until
             )
             raise NodeEvictedError(
                 f"node {ctx.node} is blocklisted in job {ctx.run_id} until {_when(entry.until)} "
@@ -235,7 +245,7 @@ class RecoveryPlugin(AgentPlugin):
             )
         ledger.unblock(ctx.node)
         ctx.events.emit(
-            "node_readmitted", reason=entry.reason, evicted_at=entry.time, until=entry.until
+            NODE_READMITTED, reason=entry.reason, evicted_at=entry.time, until=entry.until
         )
 
     # -- hooks ---------------------------------------------------------------------------------
@@ -306,7 +316,7 @@ class RecoveryPlugin(AgentPlugin):
         attr = d.attribution
         if attr:
             ctx.events.emit(
-                "failure_attributed",
+                FAILURE_ATTRIBUTED,
                 failed_attempt=d.attempt,
                 cause=attr["cause"],
                 verdict=attr["verdict"],

@@ -6,6 +6,12 @@
 - routes each request to the least-loaded routable engine: one that last reported
   ``serving`` with a weight version within the staleness bound of the trainer's version
   (``policy_version - max_staleness <= version <= policy_version``);
+- parses every answer with the engine contract's one guarded parser
+  (:mod:`trainguard.core.engine_contract`): any answer that does not meet the contract (not
+  JSON, too large or too deep, a token id outside the vocabulary, a non-finite log-prob, an
+  absurd field) is a ``malformed`` failure, never an exception out of :meth:`generate`; a
+  health answer from another process than the one the role supervisor started on the port
+  (its ``incarnation``) keeps the engine out of routing;
 - retries a failed request on another engine (an error, a timeout, a refused connection,
   HTTP 5xx, a malformed or incomplete answer, a version outside the bound), at most
   ``max_attempts`` times per request; a batch is complete with real generations, or
@@ -23,34 +29,47 @@ Failures are counted by reason (:data:`FAILURE_REASONS`), retries counted, reque
 recorded; :meth:`take_metrics` returns the figures of the last interval for ``tg.log``, and
 ``events`` (e.g. ``tg.events.emit``) receives one ``rollout_failed`` event per failure.
 
-Engine states as the client sees them (:class:`EngineState`)::
+Engine states as the client sees them (:class:`EngineState`, the engine contract's
+:class:`~trainguard.core.engine_contract.ReplicaStatus`)::
 
     UNKNOWN → LOADING → SERVING ⇄ SUSPECT → DEAD → (restarted) LOADING → SERVING
                          SERVING ⇄ STALE (version outside the bound; back after a refit)
+
+The client is three parts: the engine table and routing (:mod:`trainguard.rl.routing`), batch
+dispatch (:mod:`trainguard.rl.dispatch`) and weight sync (:mod:`trainguard.rl.weightsync`).
 """
 
 from __future__ import annotations
 
-import enum
-import http.client
-import json
 import logging
 import os
-import statistics
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
-from urllib.parse import urlsplit
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from trainguard.core import envvars
-from trainguard.core.contract import ROLLOUT_FAILURE_REASONS
+from trainguard.core.engine_contract import Identity, published_identities
+from trainguard.rl.dispatch import Batch, BatchDispatcher, RolloutCounters, request_params
+from trainguard.rl.rollout_types import (
+    FAILURE_REASONS,
+    REWARD_URLS_ENV,
+    ROLLOUT_URLS_ENV,
+    Completion,
+    EngineState,
+    RolloutConfig,
+    RolloutError,
+    SyncResult,
+    urls_from_env,
+)
+from trainguard.rl.routing import EngineTable, IdentitySource
+from trainguard.rl.weightsync import WeightSync
 
 __all__ = [
     "FAILURE_REASONS",
+    "REWARD_URLS_ENV",
+    "ROLLOUT_URLS_ENV",
     "Completion",
     "EngineState",
     "RolloutClient",
@@ -62,178 +81,30 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ROLLOUT_URLS_ENV = envvars.ROLLOUT_URLS
-REWARD_URLS_ENV = envvars.REWARD_URLS
 
-FAILURE_REASONS = ROLLOUT_FAILURE_REASONS
-"""Why a rollout request failed (see :data:`trainguard.core.contract.ROLLOUT_FAILURE_REASONS`)."""
+def supervisor_identities() -> IdentitySource | None:
+    """The incarnation the role supervisor published for each replica's URL, read from the
+    run directory (``$TRAINGUARD_AGENT_RUN_DIR``, set in the trainer's workers); None outside
+    a job."""
+    run_dir = os.environ.get(envvars.RUN_DIR)
+    if not run_dir:
+        return None
 
+    def read() -> Mapping[str, Identity]:
+        # the nonce only: it passes through a wrapper process, the pid would not
+        return {
+            url: Identity(None, i.incarnation)
+            for url, i in published_identities(run_dir).items()
+            if i.incarnation is not None
+        }
 
-class RolloutError(RuntimeError):
-    """A batch could not be completed with real generations within its caps."""
-
-
-class EngineState(enum.Enum):
-    UNKNOWN = "unknown"
-    LOADING = "loading"
-    SERVING = "serving"
-    STALE = "stale"
-    SUSPECT = "suspect"
-    DEAD = "dead"
-
-
-def urls_from_env(name: str = ROLLOUT_URLS_ENV) -> list[str]:
-    raw = os.environ.get(name, "")
-    return [u.strip().rstrip("/") for u in raw.split(",") if u.strip()]
-
-
-@dataclass(kw_only=True, slots=True)
-class RolloutConfig:
-    max_staleness: int = 0
-    """Versions of lag a sample may have: 0 = on-policy, k = async with k versions of lag."""
-    request_timeout_s: float = 60.0
-    """No answer from an engine in this time: the request fails (``timeout``) and is retried."""
-    max_attempts: int = 4
-    """Attempts per request (the first one included) before the batch fails."""
-    batch_timeout_s: float = 600.0
-    """A batch not complete in this time raises :class:`RolloutError`."""
-    prompts_per_request: int = 4
-    """Prompts of a batch sent in one request (each with its ``n`` completions)."""
-    health_interval_s: float = 1.0
-    health_timeout_s: float = 2.0
-    dead_after_failures: int = 2
-    """Consecutive failed probes (timeouts, errors) that declare an engine dead."""
-    failure_cooldown_s: float = 2.0
-    """An engine whose request failed gets no request for this long, doubled for each further
-    failure in a row (up to ``failure_cooldown_max_s``; an answer resets it): the retries of a
-    batch are spread over the time a faulty engine needs to recover or be replaced, rather
-    than spent on it within seconds."""
-    failure_cooldown_max_s: float = 16.0
-    sync_timeout_initial_s: float = 60.0
-    """Weight-sync timeout before any sync was measured."""
-    sync_timeout_factor: float = 5.0
-    sync_timeout_min_s: float = 3.0
-    """Sync timeout = max(min, factor × median of the measured sync times)."""
-
-    def __post_init__(self) -> None:
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness={self.max_staleness}: give 0 (on-policy) or more")
-        if self.max_attempts < 1 or self.prompts_per_request < 1:
-            raise ValueError("max_attempts and prompts_per_request must be at least 1")
-        if min(self.request_timeout_s, self.health_interval_s, self.health_timeout_s) <= 0:
-            raise ValueError("timeouts and intervals must be positive")
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """One real generation."""
-
-    prompt_index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[float] | None
-    finish_reason: str
-    weight_version: int
-    staleness: int
-    """The trainer's policy version when the answer arrived − the version that generated it
-    (within ``0..max_staleness``)."""
-    engine: str
-
-
-@dataclass(frozen=True, slots=True)
-class SyncResult:
-    version: int
-    duration_s: float
-    timeout_s: float
-    confirmed: list[str]
-    missed: list[str]
-
-
-@dataclass(slots=True)
-class _Engine:
-    url: str
-    host: str
-    port: int
-    state: EngineState = EngineState.UNKNOWN
-    version: int | None = None
-    inflight: int = 0
-    reported_inflight: int = 0
-    probe_failures: int = 0
-    request_failures: int = 0
-    """Failed requests in a row (reset by a good answer): the cooldown doubles with each."""
-    cooldown_until: float = 0.0
-    epoch: int = 0
-    """Bumped when the engine is declared dead: requests of an older epoch are abandoned."""
-    pid: int | None = None
-
-
-class _Failure(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-
-
-@dataclass(slots=True)
-class _Chunk:
-    indices: list[int]
-    attempts: int = 0
-    tried: set[str] = field(default_factory=set)
-    reasons: list[str] = field(default_factory=list)
-
-
-class _Flight(NamedTuple):
-    """A request in flight: what it asks, where it went, when, under which versions."""
-
-    chunk: _Chunk
-    engine: _Engine
-    epoch: int
-    """The engine's epoch when it was sent (a newer one: the engine died meanwhile)."""
-    t0: float
-    policy_version: int | None
-
-
-def _request_params(
-    n: int, max_tokens: int, temperature: float, top_p: float, logprobs: bool
-) -> dict[str, Any]:
-    """The ``/v1/completions`` fields every request of a batch shares."""
-    params: dict[str, Any] = {
-        "n": n,
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-    }
-    if logprobs:
-        params["logprobs"] = 0
-    return params
-
-
-@dataclass(slots=True)
-class _Batch:
-    """One :meth:`RolloutClient.generate` call: its requests waiting, in flight and done."""
-
-    prompts: list[str]
-    params: dict[str, Any]
-    n: int
-    seed: int | None
-    chunk_size: int
-    deadline: float
-    todo: list[_Chunk] = field(default_factory=list)
-    inflight: dict[Future[Any], _Flight] = field(default_factory=dict)
-    results: dict[int, list[Completion]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        k, total = self.chunk_size, len(self.prompts)
-        self.todo = [_Chunk(list(range(i, min(i + k, total)))) for i in range(0, total, k)]
-
-    def body(self, chunk: _Chunk) -> dict[str, Any]:
-        b: dict[str, Any] = {"prompt": [self.prompts[i] for i in chunk.indices], **self.params}
-        if self.seed is not None:
-            b["seed"] = self.seed + chunk.indices[0]
-        return b
+    return read
 
 
 class RolloutClient:
-    """See the module docstring. ``urls`` default to ``$TRAINGUARD_ROLLOUT_URLS``."""
+    """See the module docstring. ``urls`` default to ``$TRAINGUARD_ROLLOUT_URLS``;
+    ``identities`` (URL → the process expected there) default to what the role supervisor
+    published in the job's run directory."""
 
     def __init__(
         self,
@@ -242,6 +113,7 @@ class RolloutClient:
         config: RolloutConfig | None = None,
         events: Callable[..., Any] | None = None,
         start: bool = True,
+        identities: IdentitySource | None = None,
     ) -> None:
         urls = list(urls) if urls is not None else urls_from_env()
         if not urls:
@@ -251,203 +123,33 @@ class RolloutClient:
             )
         self.config = config or RolloutConfig()
         self._events = events
-        self._engines: dict[str, _Engine] = {}
-        for u in urls:
-            parts = urlsplit(u.rstrip("/"))
-            if parts.scheme != "http" or not parts.hostname or not parts.port:
-                raise ValueError(f"rollout engine URL {u!r}: expected http://HOST:PORT")
-            self._engines[u.rstrip("/")] = _Engine(u.rstrip("/"), parts.hostname, parts.port)
-        self._lock = threading.Condition()
-        self.policy_version: int | None = None
+        self.table = EngineTable(
+            urls, self.config, identities=identities or supervisor_identities()
+        )
         self._pool = ThreadPoolExecutor(
             max_workers=max(8, 4 * len(urls)), thread_name_prefix="rollout"
         )
-        self._probe_pool = ThreadPoolExecutor(
-            max_workers=len(urls), thread_name_prefix="rollout-health"
+        self.counters = RolloutCounters()
+        self.dispatcher = BatchDispatcher(
+            self.table, self._pool, self.config, self.counters, self._emit
         )
-        self._stop = threading.Event()
-        self._sync_times: list[float] = []
-        # metrics: cumulative and since the last take_metrics()
-        self.failures: Counter[str] = Counter()
-        self.retries = 0
-        self._m_latencies: list[float] = []
-        self._m_failures: Counter[str] = Counter()
-        self._m_retries = 0
-        self._m_tokens = 0
-        self._m_gen_s = 0.0
-        self._health: threading.Thread | None = None
+        self.weight_sync = WeightSync(self.table, self._pool, self.config)
         if start:
             self.start()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        if self._health is None:
-            self._probe_all()
-            self._health = threading.Thread(
-                target=self._health_loop, name="rollout-health", daemon=True
-            )
-            self._health.start()
+        self.table.start()
 
     def close(self) -> None:
-        self._stop.set()
+        self.table.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._probe_pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> RolloutClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- HTTP --------------------------------------------------------------------------------
-    def _http(self, eng: _Engine, method: str, path: str, body: Any, timeout: float) -> Any:
-        conn = http.client.HTTPConnection(eng.host, eng.port, timeout=timeout)
-        try:
-            data = json.dumps(body).encode() if body is not None else None
-            headers = {"Content-Type": "application/json"} if data is not None else {}
-            conn.request(method, path, body=data, headers=headers)
-            resp = conn.getresponse()
-            raw = resp.read()
-        except ConnectionRefusedError as e:
-            raise _Failure("refused", str(e)) from None
-        except TimeoutError as e:
-            raise _Failure("timeout", f"no answer in {timeout:.1f} s ({e})") from None
-        except (OSError, http.client.HTTPException) as e:
-            raise _Failure("connection", f"{type(e).__name__}: {e}") from None
-        finally:
-            conn.close()
-        if resp.status == 503:
-            raise _Failure("not_serving", raw[:200].decode(errors="replace"))
-        if resp.status >= 500:
-            raise _Failure("http_5xx", f"HTTP {resp.status}: {raw[:200].decode(errors='replace')}")
-        if resp.status >= 400:
-            raise _Failure("http_4xx", f"HTTP {resp.status}: {raw[:300].decode(errors='replace')}")
-        try:
-            return json.loads(raw)
-        except ValueError as e:
-            raise _Failure("malformed", f"not JSON ({e})") from None
-
-    # -- health ------------------------------------------------------------------------------
-    def _routable(self, eng: _Engine, now: float) -> bool:
-        return (
-            eng.state is EngineState.SERVING
-            and now >= eng.cooldown_until
-            and self._in_bound(eng.version)
-        )
-
-    def _in_bound(self, version: int | None) -> bool:
-        if version is None:
-            return False
-        pv = self.policy_version
-        return pv is None or pv - self.config.max_staleness <= version <= pv
-
-    def _mark_dead(self, eng: _Engine, why: str) -> None:
-        if eng.state is not EngineState.DEAD:
-            logger.warning("rollout engine %s is dead: %s", eng.url, why)
-        eng.state = EngineState.DEAD
-        eng.epoch += 1
-        eng.version = None
-
-    def _probe(self, eng: _Engine) -> None:
-        try:
-            h = self._http(eng, "GET", "/health", None, self.config.health_timeout_s)
-            if not isinstance(h, dict):
-                raise _Failure("malformed", "health is not a JSON object")
-        except _Failure as f:
-            with self._lock:
-                if f.reason == "refused":
-                    self._mark_dead(eng, "connection refused")
-                else:
-                    eng.probe_failures += 1
-                    if eng.probe_failures >= self.config.dead_after_failures:
-                        self._mark_dead(eng, f"{eng.probe_failures} failed health probes ({f})")
-                    elif eng.state is not EngineState.DEAD:
-                        eng.state = EngineState.SUSPECT
-                self._lock.notify_all()
-            return
-        with self._lock:
-            eng.probe_failures = 0
-            pid = h.get("pid")
-            status = h.get("status")
-            version = h.get("weight_version")
-            eng.reported_inflight = int(h.get("inflight") or 0)
-            if eng.pid is not None and pid is not None and pid != eng.pid:
-                eng.epoch += 1  # a new process behind the same port: old requests are gone
-            eng.pid = pid if isinstance(pid, int) else eng.pid
-            eng.version = version if isinstance(version, int) else None
-            if status == "serving" and eng.version is not None:
-                eng.state = (
-                    EngineState.SERVING if self._in_bound(eng.version) else EngineState.STALE
-                )
-            else:
-                eng.state = EngineState.LOADING
-            self._lock.notify_all()
-
-    def _probe_all(self) -> None:
-        futures = [self._probe_pool.submit(self._probe, e) for e in self._engines.values()]
-        wait(futures, timeout=self.config.health_timeout_s + 1)
-
-    def _health_loop(self) -> None:
-        while not self._stop.wait(self.config.health_interval_s):
-            try:
-                self._probe_all()
-            except RuntimeError:  # the pool was shut down: closing
-                return
-
-    def engines(self) -> dict[str, dict[str, Any]]:
-        """Each engine's state as the client sees it."""
-        with self._lock:
-            return {
-                u: {"state": e.state.value, "version": e.version, "inflight": e.inflight}
-                for u, e in self._engines.items()
-            }
-
-    def num_serving(self) -> int:
-        now = time.monotonic()
-        with self._lock:
-            return sum(self._routable(e, now) for e in self._engines.values())
-
-    def wait_serving(self, min_engines: int = 1, timeout: float = 120.0) -> int:
-        """Block until ``min_engines`` are routable; their number. RolloutError at timeout."""
-        deadline = time.monotonic() + timeout
-        while True:
-            n = self.num_serving()
-            if n >= min_engines:
-                return n
-            if time.monotonic() > deadline:
-                raise RolloutError(
-                    f"{n} of {len(self._engines)} engines serving after {timeout:.0f} s: {self.engines()}"
-                )
-            with self._lock:
-                self._lock.wait(0.2)
-
-    # -- generation --------------------------------------------------------------------------
-    def _pick(self, chunk: _Chunk) -> _Engine | None:
-        now = time.monotonic()
-        ok = [e for e in self._engines.values() if self._routable(e, now)]
-        if not ok:
-            return None
-        fresh = [e for e in ok if e.url not in chunk.tried] or ok
-        return min(fresh, key=lambda e: (e.inflight, e.reported_inflight, e.url))
-
-    def _fail(self, eng: _Engine, reason: str, detail: str, *, retried: bool = True) -> None:
-        self.failures[reason] += 1
-        self._m_failures[reason] += 1
-        cfg = self.config
-        eng.request_failures += 1
-        cooldown = cfg.failure_cooldown_s * 2 ** min(eng.request_failures - 1, 16)
-        eng.cooldown_until = time.monotonic() + min(cooldown, cfg.failure_cooldown_max_s)
-        if reason == "refused":
-            self._mark_dead(eng, "connection refused")
-        elif reason in ("timeout", "connection", "http_5xx", "malformed", "not_serving"):
-            if eng.state is EngineState.SERVING:
-                eng.state = EngineState.SUSPECT
-        elif reason == "stale" and eng.state is EngineState.SERVING:
-            eng.state = EngineState.STALE
-        logger.warning("rollout request to %s failed (%s): %s", eng.url, reason, detail)
-        self._emit(
-            "rollout_failed", reason=reason, engine=eng.url, retried=retried, detail=detail[:300]
-        )
 
     def _emit(self, kind: str, **fields: Any) -> None:
         if self._events is not None:
@@ -456,6 +158,32 @@ class RolloutClient:
             except Exception:  # telemetry never stops the rollout
                 logger.exception("could not record a %s event", kind)
 
+    # -- the engine table --------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int | None:
+        return self.table.policy_version
+
+    @property
+    def failures(self) -> Counter[str]:
+        """Failed requests by reason, since the client started."""
+        return self.counters.failures
+
+    @property
+    def retries(self) -> int:
+        return self.counters.retries
+
+    def engines(self) -> dict[str, dict[str, Any]]:
+        """Each engine's state as the client sees it."""
+        return self.table.summary()
+
+    def num_serving(self) -> int:
+        return self.table.num_serving()
+
+    def wait_serving(self, min_engines: int = 1, timeout: float = 120.0) -> int:
+        """Block until ``min_engines`` are routable; their number. RolloutError at timeout."""
+        return self.table.wait_serving(min_engines, timeout)
+
+    # -- generation --------------------------------------------------------------------------
     def generate(
         self,
         prompts: Sequence[str],
@@ -472,276 +200,62 @@ class RolloutClient:
         ``batch_timeout_s``. An HTTP 4xx (the request itself is bad) raises at once."""
         if not prompts:
             return []
-        batch = _Batch(
+        batch = Batch(
             prompts=list(prompts),
-            params=_request_params(n, max_tokens, temperature, top_p, logprobs),
+            params=request_params(n, max_tokens, temperature, top_p, logprobs),
             n=n,
             seed=seed,
             chunk_size=self.config.prompts_per_request,
             deadline=time.monotonic() + self.config.batch_timeout_s,
         )
-        t_batch = time.perf_counter()
-        try:
-            while batch.todo or batch.inflight:
-                self._dispatch(batch)
-                self._check_deadline(batch)
-                done = self._wait_any(batch)
-                with self._lock:
-                    self._collect(batch, done)
-                    self._abandon_dead(batch)
-        except BaseException:
-            with self._lock:
-                for flight in batch.inflight.values():
-                    flight.engine.inflight -= 1
-            raise
-        self._m_gen_s += time.perf_counter() - t_batch
-        return [batch.results[i] for i in range(len(batch.prompts))]
-
-    def _dispatch(self, batch: _Batch) -> None:
-        """Send every waiting request of ``batch`` to the least-loaded routable engine (the
-        ones left wait for an engine to become routable)."""
-        with self._lock:
-            while batch.todo:
-                eng = self._pick(batch.todo[0])
-                if eng is None:
-                    return
-                chunk = batch.todo.pop(0)
-                chunk.attempts += 1
-                chunk.tried.add(eng.url)
-                eng.inflight += 1
-                fut = self._pool.submit(
-                    self._http,
-                    eng,
-                    "POST",
-                    "/v1/completions",
-                    batch.body(chunk),
-                    self.config.request_timeout_s,
-                )
-                batch.inflight[fut] = _Flight(
-                    chunk, eng, eng.epoch, time.perf_counter(), self.policy_version
-                )
-
-    def _check_deadline(self, batch: _Batch) -> None:
-        if time.monotonic() > batch.deadline:
-            raise RolloutError(
-                f"batch of {len(batch.prompts)} prompts not complete after "
-                f"{self.config.batch_timeout_s:.0f} s; engines: {self.engines()}"
-            )
-
-    def _wait_any(self, batch: _Batch) -> set[Future[Any]]:
-        """The requests that finished within a short wait (none when nothing is in flight:
-        no engine was routable, so wait for the health probes)."""
-        if batch.inflight:
-            done, _ = wait(list(batch.inflight), timeout=0.2, return_when=FIRST_COMPLETED)
-            return done
-        with self._lock:
-            self._lock.wait(0.2)
-        return set()
-
-    def _collect(self, batch: _Batch, done: set[Future[Any]]) -> None:
-        """Keep the finished requests' completions; a failed or incomplete answer is retried
-        (under the lock)."""
-        for fut in done:
-            flight = batch.inflight.pop(fut)
-            chunk, eng = flight.chunk, flight.engine
-            eng.inflight -= 1
-            try:
-                got = self._accept(fut.result(), chunk, eng, batch.n, self.policy_version)
-            except _Failure as f:
-                self._retry(batch, chunk, eng, f.reason, str(f))
-                continue
-            eng.request_failures = 0
-            self._m_latencies.append(time.perf_counter() - flight.t0)
-            for i, comps in zip(chunk.indices, got, strict=False):
-                batch.results[i] = comps
-                self._m_tokens += sum(len(c.token_ids) for c in comps)
-
-    def _abandon_dead(self, batch: _Batch) -> None:
-        """Retry at once the requests in flight on an engine declared dead (or replaced by a
-        new process) since they were sent (under the lock)."""
-        for fut, flight in list(batch.inflight.items()):
-            if flight.engine.epoch != flight.epoch:
-                batch.inflight.pop(fut)
-                flight.engine.inflight -= 1
-                self._retry(
-                    batch,
-                    flight.chunk,
-                    flight.engine,
-                    "engine_dead",
-                    "declared dead with the request in flight",
-                )
-
-    def _retry(self, batch: _Batch, chunk: _Chunk, eng: _Engine, reason: str, detail: str) -> None:
-        """Count the failure and queue the request again, or raise :class:`RolloutError` when
-        it is invalid (HTTP 4xx) or out of attempts."""
-        final = reason == "http_4xx" or chunk.attempts >= self.config.max_attempts
-        self._fail(eng, reason, detail, retried=not final)
-        chunk.reasons.append(f"{eng.url}: {reason}")
-        if reason == "http_4xx":
-            raise RolloutError(f"an engine refused the request as invalid: {detail}")
-        if chunk.attempts >= self.config.max_attempts:
-            raise RolloutError(
-                f"prompts {chunk.indices[0]}..{chunk.indices[-1]}: no real generation after "
-                f"{chunk.attempts} attempts ({'; '.join(chunk.reasons)})"
-            )
-        self.retries += 1
-        self._m_retries += 1
-        batch.todo.append(chunk)
-
-    def _accept(
-        self, answer: Any, chunk: _Chunk, eng: _Engine, n: int, pv: int | None
-    ) -> list[list[Completion]]:
-        """The answer's completions, checked complete; _Failure otherwise."""
-        if not isinstance(answer, dict):
-            raise _Failure("malformed", "the answer is not a JSON object")
-        choices = answer.get("choices")
-        version = answer.get("weight_version")
-        want = len(chunk.indices) * n
-        if not isinstance(choices, list) or len(choices) != want:
-            got = len(choices) if isinstance(choices, list) else type(choices).__name__
-            raise _Failure("malformed", f"{got} choices for {want} requested")
-        if not isinstance(version, int):
-            raise _Failure("malformed", "the answer names no weight_version")
-        if pv is not None and not pv - self.config.max_staleness <= version <= pv:
-            raise _Failure("stale", f"generated by version {version}, trainer at {pv}")
-        out: list[list[Completion]] = [[] for _ in chunk.indices]
-        for c in sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0):
-            if not isinstance(c, dict) or not isinstance(c.get("text"), str):
-                raise _Failure("malformed", "a choice without text")
-            idx = c.get("index")
-            ids = c.get("token_ids")
-            if not isinstance(idx, int) or not 0 <= idx < want or not isinstance(ids, list):
-                raise _Failure("malformed", "a choice without a valid index or token_ids")
-            lp = c.get("logprobs")
-            lps = lp.get("token_logprobs") if isinstance(lp, dict) else None
-            out[idx // n].append(
-                Completion(
-                    prompt_index=chunk.indices[idx // n],
-                    text=c["text"],
-                    token_ids=[int(t) for t in ids],
-                    logprobs=[float(x) for x in lps] if isinstance(lps, list) else None,
-                    finish_reason=str(c.get("finish_reason")),
-                    weight_version=version,
-                    staleness=(pv - version) if pv is not None else 0,
-                    engine=eng.url,
-                )
-            )
-        if any(len(group) != n for group in out):
-            raise _Failure("malformed", "choices do not cover every prompt n times")
-        return out
+        return self.dispatcher.run(batch)
 
     # -- weight sync -------------------------------------------------------------------------
     def sync_timeout_s(self) -> float:
-        cfg = self.config
-        if not self._sync_times:
-            return cfg.sync_timeout_initial_s
-        return max(
-            cfg.sync_timeout_min_s,
-            cfg.sync_timeout_factor * statistics.median(self._sync_times[-20:]),
-        )
+        return self.weight_sync.timeout_s()
 
     def set_policy_version(self, version: int) -> None:
         """The trainer's current version (engines outside the bound leave routing)."""
-        with self._lock:
-            self.policy_version = version
-            for e in self._engines.values():
-                if e.state is EngineState.SERVING and not self._in_bound(e.version):
-                    e.state = EngineState.STALE
+        self.table.set_policy_version(version)
 
     def assume_version(self, urls: Sequence[str], version: int) -> None:
         """Another process (trainer rank 0) saw ``urls`` confirm ``version``: route to them
         without waiting for this client's next health probe."""
-        self.set_policy_version(version)
-        with self._lock:
-            for u in urls:
-                e = self._engines.get(u)
-                if e is not None and e.state in (EngineState.SERVING, EngineState.STALE):
-                    e.version = version
-                    e.state = EngineState.SERVING
-            self._lock.notify_all()
+        self.table.assume_version(urls, version)
 
     def urls_at(self, version: int) -> list[str]:
         """Engines last seen serving ``version``."""
-        with self._lock:
-            return [
-                u
-                for u, e in self._engines.items()
-                if e.version == version and e.state is not EngineState.DEAD
-            ]
+        return self.table.urls_at(version)
 
     def sync_weights(self, version: int, path: str | None = None) -> SyncResult:
         """Make ``version`` the trainer's version and push it to every live engine in
         parallel. Returns after every engine confirmed or the timeout passed; an engine
         that did not confirm stays out of routing until it reports the version."""
-        self.set_policy_version(version)
-        timeout = self.sync_timeout_s()
-        with self._lock:
-            targets = [
-                e
-                for e in self._engines.values()
-                if e.state not in (EngineState.DEAD, EngineState.LOADING, EngineState.UNKNOWN)
-            ]
-        body: dict[str, Any] = {"version": version}
-        if path is not None:
-            body["path"] = path
-        t0 = time.perf_counter()
-        futs = {
-            self._pool.submit(self._http, e, "POST", "/v1/weights/update", body, timeout): e
-            for e in targets
-        }
-        done, _ = wait(list(futs), timeout=timeout)
-        confirmed, missed = [], []
-        with self._lock:
-            for fut, eng in futs.items():
-                ok = False
-                if fut in done:
-                    try:
-                        ok = fut.result().get("version") == version
-                    except (_Failure, AttributeError):
-                        ok = False
-                if ok:
-                    eng.version = version
-                    if eng.state is EngineState.STALE:
-                        eng.state = EngineState.SERVING
-                    confirmed.append(eng.url)
-                else:
-                    if eng.state is EngineState.SERVING:
-                        eng.state = EngineState.STALE
-                    missed.append(eng.url)
-            self._lock.notify_all()
-        dt = time.perf_counter() - t0
-        if confirmed and not missed:
-            self._sync_times.append(dt)
-        if missed:
-            logger.warning(
-                "weight version %d: %s did not confirm in %.1f s; they refit later",
-                version,
-                missed,
-                timeout,
-            )
-        return SyncResult(version, dt, timeout, confirmed, missed)
+        return self.weight_sync.sync(version, path)
 
     # -- metrics -----------------------------------------------------------------------------
     def take_metrics(self) -> dict[str, float]:
         """The rollout figures since the last call, named for ``tg.log``."""
-        with self._lock:
-            lat = sorted(self._m_latencies)
+        c = self.counters
+        with self.table.lock:
+            lat = sorted(c.latencies)
+            now = time.monotonic()
             out: dict[str, float] = {
                 "rollout_requests": len(lat),
-                "rollout_retries": self._m_retries,
-                "rollout_failed": sum(self._m_failures.values()),
+                "rollout_retries": c.interval_retries,
+                "rollout_failed": sum(c.interval_failures.values()),
                 "engines_serving": sum(
-                    self._routable(e, time.monotonic()) for e in self._engines.values()
+                    self.table.routable(e, now) for e in self.table.engines.values()
                 ),
-                "engines_total": len(self._engines),
+                "engines_total": len(self.table.engines),
             }
             if lat:
                 out["rollout_latency_p50_s"] = lat[len(lat) // 2]
                 out["rollout_latency_p99_s"] = lat[min(len(lat) - 1, int(0.99 * len(lat)))]
-            if self._m_gen_s > 0:
-                out["rollout_tokens_per_s"] = self._m_tokens / self._m_gen_s
-            for reason, k in self._m_failures.items():
+            if c.gen_s > 0:
+                out["rollout_tokens_per_s"] = c.tokens / c.gen_s
+            for reason, k in c.interval_failures.items():
                 out[f"rollout_failed_{reason}"] = k
-            self._m_latencies, self._m_failures, self._m_retries = [], Counter(), 0
-            self._m_tokens, self._m_gen_s = 0, 0.0
+            c.latencies, c.interval_failures, c.interval_retries = [], Counter(), 0
+            c.tokens, c.gen_s = 0, 0.0
             return out

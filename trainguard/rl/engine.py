@@ -11,15 +11,18 @@ node's address on nodes of its own) and reads the weights the trainer publishes 
 The engine contract
 -------------------
 What the launcher and :class:`trainguard.rl.RolloutClient` expect of any engine (this one, or
-an adapter in front of vLLM or SGLang):
+an adapter in front of vLLM or SGLang); the statuses, endpoints, answer schemas and parsers are
+:mod:`trainguard.core.engine_contract`, the HTTP server :mod:`trainguard.core.jsonhttp`:
 
 ``GET /health``
     200 ``{"status": "starting"|"loading"|"serving"|"standby", "weight_version": int|null,
-    "model": str, "inflight": int}``. ``starting``: the process is up, the model is being
-    built; ``loading``: waiting for / loading the trainer's current weight version;
-    ``serving``: it holds a published version and generates; ``standby``: a role's warm
-    standby, built, not routed to. An engine reports ``serving`` only after it loaded the
-    version the weight store's pointer names (refit-gated (re)join).
+    "model": str, "inflight": int, "pid": int, "incarnation": str|null, "vocab_size": int}``.
+    ``starting``: the process is up, the model is being built; ``loading``: waiting for /
+    loading the trainer's current weight version; ``serving``: it holds a published version
+    and generates; ``standby``: a role's warm standby, built, not routed to. An engine reports
+    ``serving`` only after it loaded the version the weight store's pointer names
+    (refit-gated (re)join). ``incarnation``: the nonce the supervisor gave this process
+    (``$TRAINGUARD_ROLE_INCARNATION``).
 ``POST /v1/completions``
     OpenAI-compatible: ``prompt`` (a string or a list of strings), ``max_tokens``,
     ``temperature``, ``top_p``, ``n``, ``seed``, ``logprobs`` (``stream`` is refused). The
@@ -74,11 +77,21 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from trainguard.core import envvars
+from trainguard.core.engine_contract import (
+    COMPLETIONS_PATH,
+    HEALTH_PATH,
+    MODELS_PATH,
+    WEIGHT_UPDATE_PATH,
+    WEIGHTS_PATH,
+    HealthAnswer,
+    own_identity,
+)
+from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
 from trainguard.rl.tiny import TINY_MODEL, load_model
 from trainguard.rl.weights import WeightStore, default_weight_dir
 
@@ -166,7 +179,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.status = "starting"
+        self.status = S.STARTING
         self.version: int | None = None
         self.inflight = 0
         self.model: Any = None
@@ -193,7 +206,7 @@ class Engine:
         version, then serve."""
         if self.model is None:
             self.build()
-        self.status = "loading"
+        self.status = S.LOADING
         logger.info("engine: model built; waiting for a published weight version")
         while not self._stop.is_set():
             cur = self.store.current()
@@ -202,7 +215,7 @@ class Engine:
             self._stop.wait(self.config.poll_interval_s / 2)
         threading.Thread(target=self._batcher, name="engine-batcher", daemon=True).start()
         threading.Thread(target=self._watch, name="engine-weights", daemon=True).start()
-        self.status = "serving"
+        self.status = S.SERVING
         logger.info("engine: serving weight version %s", self.version)
 
     def _load_published(self, version: int) -> bool:
@@ -395,83 +408,72 @@ class Engine:
                     return kind
         return None
 
-    def health(self) -> dict[str, Any]:
-        return {
-            "status": self.status,
-            "weight_version": self.version,
-            "model": self.config.model,
-            "inflight": self.inflight,
-            "pid": os.getpid(),
-        }
+    def health(self) -> HealthAnswer:
+        me = own_identity()
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        return HealthAnswer(
+            status=self.status,
+            weight_version=self.version,
+            inflight=self.inflight,
+            pid=me.pid,
+            incarnation=me.incarnation,
+            model=self.config.model,
+            vocab_size=vocab if isinstance(vocab, int) else None,
+        )
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JSONHandler):
+    """The engine's HTTP routes (the contract's endpoints) on the shared JSON server."""
+
     server_version = "trainguard-engine"
-    protocol_version = "HTTP/1.1"
+    max_body_bytes = 8 << 20
     engine: Engine  # set on the subclass made by serve()
+    get_routes = {
+        HEALTH_PATH: "_health",
+        WEIGHTS_PATH: "_weights",
+        MODELS_PATH: "_models",
+    }
+    post_routes = {
+        COMPLETIONS_PATH: "_completions",
+        WEIGHT_UPDATE_PATH: "_update",
+        "/v1/faults": "_faults",
+    }
 
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("%s " + format, self.address_string(), *args)
+    def _health(self) -> None:
+        self.send_json(200, self.engine.health().to_json())
 
-    def _send(self, code: int, payload: Any, raw: bytes | None = None) -> None:
-        data = raw if raw is not None else json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+    def _weights(self) -> None:
+        self.send_json(200, {"version": self.engine.version})
 
-    def _error(self, code: int, message: str) -> None:
-        kind = "invalid_request_error" if code < 500 else "server_error"
-        self._send(code, {"error": {"message": message, "type": kind, "code": code}})
+    def _models(self) -> None:
+        model = self.engine.config.model
+        self.send_json(200, {"object": "list", "data": [{"id": model, "object": "model"}]})
 
-    def _body(self) -> Any:
-        n = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(n) if n else b""
+    def _faults(self) -> None:
+        if not self.engine.config.fault_injection:
+            raise HTTPError(404, f"no such endpoint: POST {self.path}")
+        body = self.read_object()
+        count = body.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise HTTPError(400, "'count' must be an integer >= 0")
         try:
-            return json.loads(raw or b"null")
-        except ValueError as e:
-            raise BadRequest(f"the request body is not JSON ({e})") from None
-
-    def do_GET(self) -> None:
-        e = self.engine
-        if self.path == "/health":
-            self._send(200, e.health())
-        elif self.path == "/v1/weights":
-            self._send(200, {"version": e.version})
-        elif self.path == "/v1/models":
-            self._send(200, {"object": "list", "data": [{"id": e.config.model, "object": "model"}]})
-        else:
-            self._error(404, f"no such endpoint: GET {self.path}")
-
-    def do_POST(self) -> None:
-        try:
-            if self.path == "/v1/completions":
-                self._completions()
-            elif self.path == "/v1/weights/update":
-                self._update()
-            elif self.path == "/v1/faults" and self.engine.config.fault_injection:
-                body = self._body()
-                if not isinstance(body, dict):
-                    raise BadRequest("the request body must be a JSON object")
-                self.engine.arm_fault(str(body.get("kind")), int(body.get("count", 1)))
-                self._send(200, {"armed": body.get("kind")})
-            else:
-                self._error(404, f"no such endpoint: POST {self.path}")
+            self.engine.arm_fault(str(body.get("kind")), count)
         except BadRequest as err:
-            self._error(400, str(err))
+            raise HTTPError(400, str(err)) from None
+        self.send_json(200, {"armed": body.get("kind")})
 
     def _completions(self) -> None:
         e = self.engine
-        body = self._body()
-        if e.status != "serving":
-            self._error(503, f"engine is {e.status}, not serving yet")
-            return
-        prompts, sampling = e.parse(body)
+        body = self.read_json()
+        if e.status is not S.SERVING:
+            raise HTTPError(503, f"engine is {e.status}, not serving yet")
+        try:
+            prompts, sampling = e.parse(body)
+        except BadRequest as err:
+            raise HTTPError(400, str(err)) from None
         fault = e.take_fault() if e.config.fault_injection else None
         if fault == "http_500":
-            self._error(500, "injected fault: internal error")
-            return
+            raise HTTPError(500, "injected fault: internal error")
         if fault == "hang":
             threading.Event().wait()  # never answers; the client's timeout must act
         with e._count_lock:
@@ -483,43 +485,39 @@ class _Handler(BaseHTTPRequestHandler):
             with e._count_lock:
                 e.inflight -= 1
         if job.error is not None:
-            self._error(500, job.error)
-        elif fault == "malformed":
+            raise HTTPError(500, job.error)
+        if fault == "malformed":
             data = json.dumps(job.result).encode()
-            self._send(200, None, raw=data[: len(data) // 2])
+            self.send_json(200, None, raw=data[: len(data) // 2])
         else:
-            self._send(200, job.result)
+            self.send_json(200, job.result)
 
     def _update(self) -> None:
         e = self.engine
-        body = self._body()
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        version = _int_field(body, "version", None, 0, 2**63 - 1)
+        body = self.read_object()
+        try:
+            version = _int_field(body, "version", None, 0, 2**63 - 1)
+        except BadRequest as err:
+            raise HTTPError(400, str(err)) from None
         if version is None:
-            raise BadRequest("'version' (the weight version to load) is required")
+            raise HTTPError(400, "'version' (the weight version to load) is required")
         path = body.get("path")
         if path is not None and not isinstance(path, str):
-            raise BadRequest("'path' must be a string (a safetensors file)")
-        if e.status in ("starting", "standby"):
-            self._error(503, f"engine is {e.status}; it loads the current version itself")
-            return
+            raise HTTPError(400, "'path' must be a string (a safetensors file)")
+        if e.status in (S.STARTING, S.STANDBY):
+            raise HTTPError(503, f"engine is {e.status}; it loads the current version itself")
         try:
             load_s = e.load_weights(version, path)
         except FileNotFoundError:
-            self._error(404, f"weight version {version} is not in {e.store.root}")
-            return
+            raise HTTPError(404, f"weight version {version} is not in {e.store.root}") from None
         except Exception as err:
-            self._error(500, f"could not load weight version {version}: {err}")
-            return
-        self._send(200, {"version": version, "load_s": round(load_s, 6)})
+            raise HTTPError(500, f"could not load weight version {version}: {err}") from None
+        self.send_json(200, {"version": version, "load_s": round(load_s, 6)})
 
 
-def serve(engine: Engine) -> ThreadingHTTPServer:
+def serve(engine: Engine) -> JSONServer:
     handler = type("Handler", (_Handler,), {"engine": engine})
-    server = ThreadingHTTPServer((engine.config.host, engine.config.port), handler)
-    server.daemon_threads = True
-    return server
+    return JSONServer((engine.config.host, engine.config.port), handler)
 
 
 def _parse(argv: list[str] | None) -> tuple[EngineConfig, bool]:
@@ -575,7 +573,7 @@ def _parse(argv: list[str] | None) -> tuple[EngineConfig, bool]:
     return cfg, a.standby
 
 
-def _bind_when_free(engine: Engine) -> ThreadingHTTPServer:
+def _bind_when_free(engine: Engine) -> JSONServer:
     """A standby's bind: retried while the replica it replaces still holds the port."""
     while True:
         try:
@@ -586,14 +584,14 @@ def _bind_when_free(engine: Engine) -> ThreadingHTTPServer:
             time.sleep(0.05)
 
 
-def _await_promotion(engine: Engine, promote: Path) -> ThreadingHTTPServer:
+def _await_promotion(engine: Engine, promote: Path) -> JSONServer:
     """A role's standby: serve health on its own port (``standby`` once built) until the
     promotion file names the port of the replica it replaces; returns the server on that port."""
     own = serve(engine)
     threading.Thread(target=own.serve_forever, name="engine-standby", daemon=True).start()
     logger.info("engine: standby, health on port %d", own.server_address[1])
     engine.build()
-    engine.status = "standby"
+    engine.status = S.STANDBY
     logger.info("engine: standby ready; waiting for %s", promote)
     while True:
         try:
@@ -607,7 +605,7 @@ def _await_promotion(engine: Engine, promote: Path) -> ThreadingHTTPServer:
             continue
         break
     engine.config.port = port
-    engine.status = "starting"  # until the current weights are loaded (boot: loading)
+    engine.status = S.STARTING  # until the current weights are loaded (boot: loading)
     server = _bind_when_free(engine)
     own.shutdown()
     own.server_close()

@@ -8,8 +8,6 @@ Each replica gets ``TRAINGUARD_ROLE=rollout``, ``TRAINGUARD_ROLE_REPLICA=<i>``,
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import signal
 import subprocess
@@ -20,22 +18,16 @@ from pathlib import Path
 from typing import IO, Any
 
 from trainguard.core.atomicfile import open_append
+from trainguard.core.engine_contract import HEALTH_PATH, ReplicaStatus, probe_health
 
 __all__ = ["LocalEngines", "engine_health"]
 
 
 def engine_health(port: int, timeout: float = 2.0) -> dict[str, Any] | None:
-    """``GET /health`` of the engine on ``127.0.0.1:port``; None when it does not answer."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("GET", "/health")
-        resp = conn.getresponse()
-        data = json.loads(resp.read())
-        return data if isinstance(data, dict) else None
-    except (OSError, ValueError, http.client.HTTPException):
-        return None
-    finally:
-        conn.close()
+    """The health answer of the engine on ``127.0.0.1:port`` (parsed by the contract's one
+    probe, as a dict); None when it does not answer well."""
+    p = probe_health(port, HEALTH_PATH, timeout)
+    return p.health.to_json() if p.health is not None else None
 
 
 class LocalEngines:
@@ -132,7 +124,7 @@ class LocalEngines:
         for k in range(len(self.ports)) if i is None else [i]:
             while True:
                 h = engine_health(self.ports[k])
-                if h and h.get("status") == "serving":
+                if h and h.get("status") == ReplicaStatus.SERVING:
                     if version is None or h.get("weight_version") == version:
                         break
                 p = self.procs[k]

@@ -21,10 +21,8 @@ then :class:`RewardError`: a reward is never made up. Failures are counted by re
 from __future__ import annotations
 
 import argparse
-import http.client
 import importlib
 import itertools
-import json
 import logging
 import math
 import os
@@ -33,10 +31,24 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from trainguard.core import envvars, jsonhttp
+from trainguard.core.engine_contract import (
+    HEALTH_PATH,
+    MALFORMED,
+    MAX_ANSWER_BYTES,
+    REWARDS_PATH,
+    HealthAnswer,
+    MalformedAnswer,
+    ReplicaStatus,
+    error_message,
+    own_identity,
+    parse_rewards,
+)
+from trainguard.core.event_kinds import REWARD_FAILED
+from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
 from trainguard.rl.client import REWARD_URLS_ENV, urls_from_env
 
 __all__ = ["RewardClient", "RewardError", "load_function", "main"]
@@ -64,60 +76,45 @@ def load_function(spec: str) -> RewardFn:
     return fn
 
 
-def _handler(fn: RewardFn, spec: str) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+class _RewardHandler(JSONHandler):
+    """The reward server's routes on the shared JSON server."""
 
-        def log_message(self, fmt: str, *args: Any) -> None:
-            pass
+    server_version = "trainguard-reward"
+    max_body_bytes = 8 << 20
+    fn: RewardFn  # set on the subclass made by serve()
+    spec: str
+    get_routes = {HEALTH_PATH: "_health"}
+    post_routes = {REWARDS_PATH: "_rewards"}
 
-        def _send(self, code: int, body: Any) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def _health(self) -> None:
+        me = own_identity()
+        body = HealthAnswer(ReplicaStatus.SERVING, pid=me.pid, incarnation=me.incarnation)
+        self.send_json(200, {**body.to_json(), "function": self.spec})
 
-        def _error(self, code: int, message: str) -> None:
-            self._send(code, {"error": {"message": message, "code": code}})
+    def _rewards(self) -> None:
+        body = self.read_object()
+        prompts, comps = body.get("prompts"), body.get("completions")
+        if (
+            not isinstance(prompts, list)
+            or not isinstance(comps, list)
+            or len(prompts) != len(comps)
+            or not all(isinstance(x, str) for x in [*prompts, *comps])
+        ):
+            raise HTTPError(400, "give 'prompts' and 'completions': lists of strings, same length")
+        fn = type(self).fn
+        try:
+            rewards = [float(fn(p, c)) for p, c in zip(prompts, comps, strict=True)]
+        except Exception as e:
+            raise HTTPError(500, f"the reward function raised {type(e).__name__}: {e}") from None
+        if not all(math.isfinite(r) for r in rewards):
+            raise HTTPError(500, "the reward function returned a value that is not finite")
+        self.send_json(200, {"rewards": rewards})
 
-        def do_GET(self) -> None:
-            if self.path == "/health":
-                self._send(200, {"status": "serving", "function": spec, "pid": os.getpid()})
-            else:
-                self._error(404, f"no such endpoint: GET {self.path}")
 
-        def do_POST(self) -> None:
-            if self.path != "/v1/rewards":
-                self._error(404, f"no such endpoint: POST {self.path}")
-                return
-            try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
-            except ValueError as e:
-                self._error(400, f"the request body is not JSON ({e})")
-                return
-            prompts = body.get("prompts") if isinstance(body, dict) else None
-            comps = body.get("completions") if isinstance(body, dict) else None
-            if (
-                not isinstance(prompts, list)
-                or not isinstance(comps, list)
-                or len(prompts) != len(comps)
-                or not all(isinstance(x, str) for x in [*prompts, *comps])
-            ):
-                self._error(400, "give 'prompts' and 'completions': lists of strings, same length")
-                return
-            try:
-                rewards = [float(fn(p, c)) for p, c in zip(prompts, comps, strict=True)]
-            except Exception as e:
-                self._error(500, f"the reward function raised {type(e).__name__}: {e}")
-                return
-            if not all(math.isfinite(r) for r in rewards):
-                self._error(500, "the reward function returned a value that is not finite")
-                return
-            self._send(200, {"rewards": rewards})
-
-    return Handler
+def serve(fn: RewardFn, spec: str, host: str, port: int) -> JSONServer:
+    """The reward server for ``fn`` on ``host:port`` (not yet serving: call serve_forever)."""
+    handler = type("Handler", (_RewardHandler,), {"fn": staticmethod(fn), "spec": spec})
+    return JSONServer((host, port), handler)
 
 
 class RewardClient:
@@ -130,6 +127,7 @@ class RewardClient:
         timeout_s: float = 30.0,
         max_attempts: int = 6,
         retry_wait_s: float = 0.5,
+        events: Callable[..., Any] | None = None,
     ) -> None:
         urls = list(urls) if urls is not None else urls_from_env(REWARD_URLS_ENV)
         if not urls:
@@ -150,23 +148,39 @@ class RewardClient:
         self._lock = threading.Lock()
         self.failures: Counter[str] = Counter()
         self.retries = 0
+        self._events = events
 
-    def _post(self, host: str, port: int, body: Any) -> Any:
-        conn = http.client.HTTPConnection(host, port, timeout=self.timeout_s)
+    def request_headers(self) -> dict[str, str]:
+        """Headers every request to a reward server carries (none here)."""
+        return {}
+
+    def _post(self, host: str, port: int, body: Any, expected: int) -> list[float]:
+        """One request's rewards, parsed by the contract's parser; _Failed otherwise."""
         try:
-            conn.request(
-                "POST", "/v1/rewards", json.dumps(body), {"Content-Type": "application/json"}
-            )
-            resp = conn.getresponse()
-            raw = resp.read()
-        finally:
-            conn.close()
+            resp = jsonhttp.request(
+                host, port, "POST", REWARDS_PATH, body,
+                timeout=self.timeout_s, max_bytes=MAX_ANSWER_BYTES,
+                headers=self.request_headers(),
+            )  # fmt: skip
+        except jsonhttp.TransportError as e:
+            reason = MALFORMED if e.reason == "too_large" else e.reason
+            raise _Failed(reason, e.detail) from None
         if resp.status >= 400:
             raise _Failed(
                 "http_4xx" if resp.status < 500 else "http_5xx",
-                f"HTTP {resp.status}: {raw[:200].decode(errors='replace')}",
+                f"HTTP {resp.status}: {error_message(resp.body)}",
             )
-        return json.loads(raw)
+        try:
+            return parse_rewards(resp.body, expected=expected).rewards
+        except MalformedAnswer as e:
+            raise _Failed(MALFORMED, e.detail) from None
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self._events is not None:
+            try:
+                self._events(kind, **fields)
+            except Exception:  # telemetry never stops the scoring
+                logger.exception("could not record a %s event", kind)
 
     def score(self, prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
         """One reward per (prompt, completion), from a reward server; :class:`RewardError` after
@@ -181,22 +195,19 @@ class RewardClient:
             with self._lock:
                 url, host, port = self._hosts[next(self._next)]
             try:
-                answer = self._post(host, port, body)
-                rewards = answer.get("rewards") if isinstance(answer, dict) else None
-                if not isinstance(rewards, list) or len(rewards) != len(prompts):
-                    raise _Failed("malformed", "the answer has no reward per completion")
-                return [float(r) for r in rewards]
+                return self._post(host, port, body, len(prompts))
             except _Failed as f:
                 reason, detail = f.reason, str(f)
-            except ConnectionRefusedError as e:
-                reason, detail = "refused", str(e)
-            except TimeoutError:
-                reason, detail = "timeout", f"no answer in {self.timeout_s:g} s"
-            except (OSError, http.client.HTTPException, ValueError, TypeError) as e:
-                reason, detail = "connection", f"{type(e).__name__}: {e}"
             self.failures[reason] += 1
             reasons.append(f"{url}: {reason}")
             logger.warning("reward request to %s failed (%s): %s", url, reason, detail)
+            self._emit(
+                REWARD_FAILED,
+                reason=reason,
+                server=url,
+                retried=reason != "http_4xx" and attempt + 1 < self.max_attempts,
+                detail=detail[:300],
+            )
             if reason == "http_4xx":
                 raise RewardError(f"a reward server refused the request as invalid: {detail}")
             if attempt + 1 < self.max_attempts:
@@ -220,18 +231,18 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m trainguard.rl.reward", description=__doc__.split("\n")[0]
     )
     p.add_argument("--function", required=True, help="MODULE:FUNCTION(prompt, completion)")
-    p.add_argument("--port", type=int, default=None, help="default: $TRAINGUARD_ROLE_PORT")
+    p.add_argument("--port", type=int, default=None, help=f"default: ${envvars.ROLE_PORT}")
     p.add_argument(
         "--host",
-        default=os.environ.get("TRAINGUARD_ROLE_HOST") or "127.0.0.1",
-        help="default: $TRAINGUARD_ROLE_HOST, else 127.0.0.1",
+        default=os.environ.get(envvars.ROLE_HOST) or "127.0.0.1",
+        help=f"default: ${envvars.ROLE_HOST}, else 127.0.0.1",
     )
     a = p.parse_args(argv)
     port = a.port
     if port is None:
-        raw = os.environ.get("TRAINGUARD_ROLE_PORT", "")
+        raw = os.environ.get(envvars.ROLE_PORT, "")
         if not raw.isdigit():
-            print("reward: give --port or set TRAINGUARD_ROLE_PORT", file=sys.stderr)
+            print(f"reward: give --port or set {envvars.ROLE_PORT}", file=sys.stderr)
             return 2
         port = int(raw)
     try:
@@ -240,11 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reward: {e}", file=sys.stderr)
         return 2
     try:
-        server = ThreadingHTTPServer((a.host, port), _handler(fn, a.function))
+        server = serve(fn, a.function, a.host, port)
     except OSError as e:
         print(f"reward: cannot bind {a.host}:{port}: {e.strerror}", file=sys.stderr)
         return 2
-    server.daemon_threads = True
     logger.info("reward: serving %s on http://%s:%d", a.function, a.host, port)
     try:
         server.serve_forever()

@@ -33,7 +33,6 @@ rank, and the agent restarting its workers never touches an engine. Every change
 from __future__ import annotations
 
 import ctypes
-import http.client
 import json
 import logging
 import os
@@ -43,13 +42,18 @@ import subprocess
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainguard.core import envvars
 from trainguard.core.atomicfile import open_append, write_atomic
 from trainguard.core.config.roles import RolesConfig, RoleSpec
+from trainguard.core.engine_contract import (
+    READY_STATUSES,
+    Probe,
+    probe_health,
+)
+from trainguard.core.engine_contract import ReplicaStatus as S
 from trainguard.core.event_kinds import (
     ROLE_REPLICA_FAILED,
     ROLE_REPLICA_STARTED,
@@ -64,50 +68,8 @@ __all__ = ["Probe", "ReplicaState", "RoleSupervisor", "StandbyState", "probe_hea
 
 logger = logging.getLogger(__name__)
 
-READY_STATUSES = ("loading", "serving")
-"""Health statuses that count as ready (the process is up; ``loading`` waits for weights)."""
 _POLL_S = 0.05
 _MAX_BACKOFF_S = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class Probe:
-    """One health probe's outcome."""
-
-    outcome: str
-    """``ok``, ``refused``, ``timeout``, ``http_error``, ``malformed``, ``error``."""
-    status: str | None = None
-    weight_version: int | None = None
-    detail: str = ""
-
-
-def probe_health(port: int, path: str, timeout: float, host: str = "127.0.0.1") -> Probe:
-    """``GET http://<host>:<port><path>``; never raises."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        body = resp.read(65536)
-    except ConnectionRefusedError:
-        return Probe("refused", detail="connection refused")
-    except TimeoutError:
-        return Probe("timeout", detail=f"no answer in {timeout:g} s")
-    except (OSError, http.client.HTTPException) as e:
-        return Probe("error", detail=f"{type(e).__name__}: {e}")
-    finally:
-        conn.close()
-    if resp.status != 200:
-        return Probe("http_error", detail=f"HTTP {resp.status}")
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return Probe("malformed", detail="health answer is not JSON")
-    if not isinstance(data, dict) or not isinstance(data.get("status"), str):
-        return Probe("malformed", detail='health answer has no "status"')
-    version = data.get("weight_version")
-    if isinstance(version, bool) or not isinstance(version, int):
-        version = None
-    return Probe("ok", status=data["status"], weight_version=version)
 
 
 def _free_port() -> int:
@@ -186,7 +148,7 @@ class ReplicaState:
         self.index = index
         self.port = port
         self.url = spec.url(port, host)
-        self.state = "starting"
+        self.state = S.STARTING
         self.pid: int | None = None
         self.restarts = 0
         self.weight_version: int | None = None
@@ -206,7 +168,7 @@ class ReplicaState:
             "pid": self.pid,
             "port": self.port,
             "url": self.url,
-            "state": self.state,
+            "state": self.state.value,
             "restarts": self.restarts,
             "weight_version": self.weight_version,
             "started_at": self.started_at,
@@ -225,7 +187,7 @@ class StandbyState:
         self.role = spec.name
         self.slot = slot
         self.port = port
-        self.state = "starting"
+        self.state = S.STARTING
         self.pid: int | None = None
         self.starts = 0
         self.started_at: float | None = None
@@ -246,7 +208,7 @@ class StandbyState:
             "slot": self.slot,
             "pid": self.pid,
             "port": self.port,
-            "state": self.state,
+            "state": self.state.value,
             "starts": self.starts,
             "started_at": self.started_at,
             "ready_at": self.ready_at,
@@ -344,7 +306,7 @@ class RoleSupervisor:
         return [r.pid for r in self.replicas.get(role, [])]
 
     def serving(self, role: str) -> int:
-        return sum(r.state == "serving" for r in self.replicas.get(role, []))
+        return sum(r.state is S.SERVING for r in self.replicas.get(role, []))
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -399,11 +361,11 @@ class RoleSupervisor:
             t.join(timeout=5.0)
         for spec in self.specs:
             for rep in self.replicas[spec.name]:
-                if rep.state not in ("failed", "stopped"):
-                    self._set_state(rep, "stopped", reason="the job ended")
+                if rep.state not in (S.FAILED, S.STOPPED):
+                    self._set_state(rep, S.STOPPED, reason="the job ended")
             for sb in self.standbys[spec.name]:
-                if sb.state not in ("failed", "stopped"):
-                    self._set_standby(sb, "stopped", reason="the job ended")
+                if sb.state not in (S.FAILED, S.STOPPED):
+                    self._set_standby(sb, S.STOPPED, reason="the job ended")
 
     # -- one replica --------------------------------------------------------------------------
     def _spawn(self, spec: RoleSpec, rep: ReplicaState) -> subprocess.Popen[bytes] | None:
@@ -436,7 +398,7 @@ class RoleSupervisor:
         with self._lock:
             self._procs[(spec.name, rep.index)] = proc
         self._started(spec, rep, proc.pid, standby=None)
-        self._set_state(rep, "starting", force=True)
+        self._set_state(rep, S.STARTING, force=True)
         return proc
 
     def _started(self, spec: RoleSpec, rep: ReplicaState, pid: int, standby: int | None) -> None:
@@ -487,10 +449,10 @@ class RoleSupervisor:
                     proc.pid,
                     sb_nice,
                 )
-        self._set_standby(sb, "promoted", reason=f"replaces replica {rep.index}")
+        self._set_standby(sb, S.PROMOTED, reason=f"replaces replica {rep.index}")
         self._started(spec, rep, proc.pid, standby=sb.slot)
         sb.handed.set()
-        self._set_state(rep, "starting", force=True)
+        self._set_state(rep, S.STARTING, force=True)
         return proc
 
     def _run_replica(self, spec: RoleSpec, rep: ReplicaState) -> None:
@@ -562,7 +524,7 @@ class RoleSupervisor:
                 )
                 return
             rep.restarts += 1
-            self._set_state(rep, "restarting", reason=reason)
+            self._set_state(rep, S.RESTARTING, reason=reason)
             backoff = 0.0 if was_ready else min(_MAX_BACKOFF_S, 0.25 * 2 ** (unready_failures - 1))
             if self._stop.wait(backoff):
                 return
@@ -585,7 +547,7 @@ class RoleSupervisor:
                 rep.exitcode = rc
                 _kill_group(proc.pid, signal.SIGKILL)  # what it left in its group
                 how = f"exited with code {rc}" if rc >= 0 else f"was killed by signal {-rc}"
-                self._set_state(rep, "dead", reason=how)
+                self._set_state(rep, S.DEAD, reason=how)
                 return how
             now = time.monotonic()
             if now >= next_probe:
@@ -599,9 +561,9 @@ class RoleSupervisor:
                     answered = True
                     last_ok = now
                     rep.last_ok = time.time()
-                    status = p.status if p.status in ("starting", "loading", "serving") else None
-                    if status is None:
-                        self._set_state(rep, "suspect", reason=f"unknown status {p.status!r}")
+                    status = p.status
+                    if status not in (S.STARTING, S.LOADING, S.SERVING):
+                        self._set_state(rep, S.SUSPECT, reason=f"unknown status {str(status)!r}")
                     else:
                         if status in READY_STATUSES and rep.ready_at is None:
                             rep.ready_at = time.time()
@@ -610,7 +572,7 @@ class RoleSupervisor:
                 elif p.outcome == "refused" and answered:
                     dead = "refused connections"
                 elif answered:
-                    self._set_state(rep, "suspect", reason=p.detail)
+                    self._set_state(rep, S.SUSPECT, reason=p.detail)
                     if last_ok is not None and now - last_ok >= cfg.dead_after_s:
                         dead = f"no good health answer for {now - last_ok:.1f} s ({p.detail})"
                 if dead is None and rep.ready_at is None and now - started >= ready_timeout:
@@ -619,12 +581,12 @@ class RoleSupervisor:
                     else:
                         self._kill(proc)
                         rep.exitcode = proc.returncode
-                        self._set_state(rep, "dead", reason="never ready")
+                        self._set_state(rep, S.DEAD, reason="never ready")
                         return None
                 if dead is not None:
                     self._kill(proc)
                     rep.exitcode = proc.returncode
-                    self._set_state(rep, "dead", reason=dead)
+                    self._set_state(rep, S.DEAD, reason=dead)
                     return dead
             self._stop.wait(_POLL_S)
 
@@ -634,7 +596,7 @@ class RoleSupervisor:
             self._keep_standby(spec, sb)
         except Exception as e:  # the role goes on with cold restarts; never silent
             logger.exception("role %s standby %d: supervisor error", spec.name, sb.slot)
-            self._set_standby(sb, "failed", reason=f"supervisor error: {type(e).__name__}: {e}")
+            self._set_standby(sb, S.FAILED, reason=f"supervisor error: {type(e).__name__}: {e}")
         finally:
             # the processes this thread started (promoted ones too: replicas now) die with it
             # (their parent-death signal): it ends only once stop() ended them its own way
@@ -656,12 +618,12 @@ class RoleSupervisor:
             if sb.ready_at is None and (why.startswith("answered") or failures >= _STANDBY_GIVE_UP):
                 self._set_standby(
                     sb,
-                    "failed",
+                    S.FAILED,
                     reason=f"{why}; the role goes on without this standby (cold restarts); "
                     f"see {self.rundir.role_standby(spec.name, sb.slot, 'log')}",
                 )
                 return
-            self._set_standby(sb, "dead", reason=why)
+            self._set_standby(sb, S.DEAD, reason=why)
             backoff = 0.0 if sb.ready_at is not None else min(_MAX_BACKOFF_S, 0.5 * 2**failures)
             if self._stop.wait(backoff):
                 return
@@ -705,7 +667,7 @@ class RoleSupervisor:
             self._standby_procs[(spec.name, sb.slot)] = proc
         sb.pid = proc.pid
         sb.started_at = time.time()
-        self._set_standby(sb, "starting", force=True)
+        self._set_standby(sb, S.STARTING, force=True)
         return proc
 
     def _watch_standby(
@@ -743,17 +705,17 @@ class RoleSupervisor:
                 )
                 now = time.monotonic()
                 next_probe = now + cfg.probe_interval_s
-                if p.outcome == "ok" and p.status in ("starting", "standby"):
+                if p.outcome == "ok" and p.status in (S.STARTING, S.STANDBY):
                     last_ok = now
-                    if p.status == "standby" and sb.ready_at is None:
+                    if p.status is S.STANDBY and sb.ready_at is None:
                         sb.ready_at = time.time()
                         with self._lock:
                             if not sb.promoted:
                                 self._ready[spec.name].append((sb, proc))
-                        self._set_standby(sb, "standby")
+                        self._set_standby(sb, S.STANDBY)
                 elif p.outcome == "ok":
                     return end(
-                        f"answered {p.status!r} as a standby: its command does not honour "
+                        f"answered {str(p.status)!r} as a standby: its command does not honour "
                         f"the standby contract ({envvars.ROLE_STANDBY})"
                     )
                 elif last_ok is not None and now - last_ok >= cfg.dead_after_s:
@@ -764,7 +726,7 @@ class RoleSupervisor:
         return "stopped"
 
     def _set_standby(
-        self, sb: StandbyState, state: str, *, reason: str = "", force: bool = False
+        self, sb: StandbyState, state: S, *, reason: str = "", force: bool = False
     ) -> None:
         if state == sb.state and not force:
             return
@@ -782,8 +744,8 @@ class RoleSupervisor:
             ROLE_STANDBY_STATE,
             role=sb.role,
             slot=sb.slot,
-            state=state,
-            previous=previous,
+            state=state.value,
+            previous=previous.value,
             reason=reason,
             pid=sb.pid,
             port=sb.port,
@@ -816,14 +778,14 @@ class RoleSupervisor:
                 restart_budget=spec.restart_budget,
                 message=line,
             )
-        self._set_state(rep, "failed", reason=message)
+        self._set_state(rep, S.FAILED, reason=message)
         logger.debug("%s", line)  # the agent ends the job with this line
 
     # -- state ----------------------------------------------------------------------------------
     def _set_state(
         self,
         rep: ReplicaState,
-        state: str,
+        state: S,
         *,
         reason: str = "",
         weight_version: int | None = None,
@@ -844,8 +806,8 @@ class RoleSupervisor:
             ROLE_REPLICA_STATE,
             role=rep.role,
             replica=rep.index,
-            state=state,
-            previous=previous,
+            state=state.value,
+            previous=previous.value,
             reason=reason,
             pid=rep.pid,
             weight_version=rep.weight_version,

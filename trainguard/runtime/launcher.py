@@ -72,7 +72,7 @@ def build_parser(prog: str = "trainguard run") -> argparse.ArgumentParser:
         "--config",
         dest="tg_config",
         default=None,
-        metavar="TRAINGUARD_TOML",
+        metavar="TOML",
         help="trainguard's settings file (sections [runtime], [health], [checkpoint], "
         "[telemetry], [recovery], [rendezvous], [warm], ...); precedence: flag > file > TRAINGUARD_* env > default.",
     )

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from trainguard.core import envvars
 from trainguard.core.config import TrainGuardConfig
 from trainguard.core.events import EventLog
 from trainguard.core.fencing import NodeFencer, RecordOnlyFencer
@@ -17,11 +18,10 @@ __all__ = ["default_plugins", "node_fencer", "recovery_summary", "start_ft"]
 INTEGRATIONS_HOOK = "trainguard.integrations.auto:install"
 """The worker start-up hook entry of ``[integrations] auto`` (a name: the agent never imports
 the worker side)."""
-_SBATCH_CHAIN_ENV = "TRAINGUARD_SBATCH_CHAIN_ID"  # trainguard.slurm.batch.CHAIN_ENV
 
 
 def _in_trainguard_sbatch_job() -> bool:
-    return bool(os.environ.get(_SBATCH_CHAIN_ENV) and os.environ.get("SLURM_JOB_ID"))
+    return bool(os.environ.get(envvars.SBATCH_CHAIN_ID) and os.environ.get("SLURM_JOB_ID"))
 
 
 def node_fencer(cfg: TrainGuardConfig) -> NodeFencer:

@@ -41,13 +41,16 @@ import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 from trainguard.core.config.spares import SparesConfig
 from trainguard.runtime import _torch
 from trainguard.runtime._torch import NodeDesc, RendezvousState
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 __all__ = [
     "BEACON_PREFIX",
@@ -147,7 +150,7 @@ def _watched_by(me: str, state: RendezvousState) -> dict[str, NodeDesc]:
     return mine
 
 
-def own_connection(store: Any) -> Any:
+def own_connection(store: Store) -> Store:
     """A connection of the beacon's own to ``store`` (a TCPStore: ``clone()``, the same server).
 
     A TCPStore client runs one request at a time: on the connection the agent shares with
@@ -168,7 +171,7 @@ def own_connection(store: Any) -> Any:
 class LivenessBeacon:
     """Advances ``key`` in ``store`` every ``interval_s`` from a daemon thread."""
 
-    def __init__(self, store: Any, key: str, interval_s: float) -> None:
+    def __init__(self, store: Store, key: str, interval_s: float) -> None:
         self._store = store
         self.key = key
         self._interval = interval_s

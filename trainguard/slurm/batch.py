@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 
 from trainguard.core import envvars
 from trainguard.core.config.slurm import SlurmConfig
+from trainguard.core.rundir import RunDir
 
 __all__ = ["BatchRequest", "TIME_FORMAT_HELP", "valid_time"]
 
@@ -64,20 +65,19 @@ _TIME = re.compile(
     r"\A(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})\Z"
 )
 _SAFE_SBATCH = re.compile(r"\A--?[A-Za-z][A-Za-z0-9-]*(=[^\n\r]*)?\Z")
-CHAIN_ENV = "TRAINGUARD_SBATCH_CHAIN_ID"
-"""The first job id of a chain of resubmissions: the run directory (checkpoints) is keyed by it.
-Its presence also tells the agents they run in a ``trainguard sbatch`` job (they drain lost
-nodes: trainguard.runtime.registry)."""
-RESUBMITS_ENV = "TRAINGUARD_SBATCH_RESUBMITS"
-"""How many times the chain has been resubmitted so far."""
-RUN_DIR_ENV = "TRAINGUARD_SBATCH_RUN_DIR"
-"""The chain's run directory (holds ``job.sbatch``, the events and the batch beacon)."""
-BATCH_HOST_ENV = "TRAINGUARD_SBATCH_BATCH_HOST"
-"""The node that runs the batch script (``SLURMD_NODENAME`` of the batch shell)."""
-BEACON_ENV = "TRAINGUARD_SBATCH_BATCH_BEACON"
-"""The batch beacon's file: a counter the batch shell advances every second."""
-CONFIG_ENV = "TRAINGUARD_SBATCH_CONFIG"
-"""The trainguard.toml handed to the job (its [slurm] section), when there is one."""
+_BATCH_RUN_DIR = RunDir("$RUN_DIR")
+"""The run directory as the batch script names it (its paths, for the script's text)."""
+
+# The batch script's variables (trainguard.core.envvars spells them; these names are kept).
+CHAIN_ENV = envvars.SBATCH_CHAIN_ID
+RESUBMITS_ENV = envvars.SBATCH_RESUBMITS
+RUN_DIR_ENV = envvars.RUN_DIR
+"""The chain's run directory (holds ``job.sbatch``, the events and the batch beacon): the run
+directory's one variable (a chain started before exported ``TRAINGUARD_SBATCH_RUN_DIR``, still
+read by :func:`trainguard.core.envvars.run_dir`)."""
+BATCH_HOST_ENV = envvars.SBATCH_BATCH_HOST
+BEACON_ENV = envvars.SBATCH_BATCH_BEACON
+CONFIG_ENV = envvars.SBATCH_CONFIG
 
 
 def valid_time(t: str) -> bool:
@@ -195,7 +195,7 @@ class BatchRequest:
             t = self.trainer_nodes
             parts.append(f'--nodes={t} --ntasks={t} --nodelist="$TRAIN_HOSTS"')
         parts += [
-            f'--output="$RUN_DIR/logs/agent-%j-%t.out" {tg} slurm agent',
+            f'--output="{_BATCH_RUN_DIR.step_log("agent")}" {tg} slurm agent',
             f"--nnodes {self.nodes}:{self.nodes}",
         ]
         if cfg.rendezvous == "etcd-v3":
@@ -223,7 +223,7 @@ class BatchRequest:
         parts = [
             f'srun --nodes={r} --ntasks={r} --ntasks-per-node=1 --nodelist="$ROLE_HOSTS"',
             "--kill-on-bad-exit=1 --no-kill",
-            f'--output="$RUN_DIR/logs/roles-%j-%t.out" {tg} slurm roles',
+            f'--output="{_BATCH_RUN_DIR.step_log("roles")}" {tg} slurm roles',
             '--tg-run-dir "$RUN_DIR"',
         ]
         if self.config_file:
@@ -289,7 +289,7 @@ class BatchRequest:
             f'export {RESUBMITS_ENV}="${{{RESUBMITS_ENV}:-0}}"',
             f'RUN_DIR={runs_root}/"slurm-$RUN_ID"',
             f'[ -d "$RUN_DIR" ] || mkdir -p -m {_q(self.dir_mode)} "$RUN_DIR"',
-            'mkdir -p "$RUN_DIR/logs"',
+            f'mkdir -p "{_BATCH_RUN_DIR.logs}"',
             '[ -e "$RUN_DIR/job.sbatch" ] || cp "$0" "$RUN_DIR/job.sbatch"',
             f'ln -sfn "slurm-$RUN_ID" {runs_root}/"job-$SLURM_JOB_ID"',
             "export TRAINGUARD_RUNTIME_PREEMPTION_SIGNALS_DIRECT=1",
@@ -310,8 +310,9 @@ class BatchRequest:
                 'RDZV_ADDR=$(scontrol show node -o "$RDZV_NODE" '
                 "| sed -n 's/.* NodeAddr=\\([^ ]*\\).*/\\1/p')",
                 f"RDZV_PORT={cfg.rdzv_port}",
-                'export TRAINGUARD_SBATCH_RDZV_NODE="$RDZV_NODE"',
+                f'export {envvars.SBATCH_RDZV_NODE}="$RDZV_NODE"',
             ]
+        watch_log = _BATCH_RUN_DIR.logs / "watch.log"
         lines += [
             "STARTED=$(date +%s.%N)",
             'echo "trainguard: job $SLURM_JOB_ID (run $RUN_ID, restart ${SLURM_RESTART_COUNT:-0},'
@@ -320,7 +321,7 @@ class BatchRequest:
             *(
                 [
                     "# a watcher outside the job step: pages when the job goes silent",
-                    f'{tg} watch "$RUN_DIR" --if-configured >> "$RUN_DIR/logs/watch.log" 2>&1 &',
+                    f'{tg} watch "$RUN_DIR" --if-configured >> "{watch_log}" 2>&1 &',
                     "WATCH_PID=$!",
                 ]
                 if cfg.watch
@@ -333,7 +334,7 @@ class BatchRequest:
                     'kill "$WATCH_PID" 2>/dev/null',
                     "# the step ended: pages when it ended without the agents' final events",
                     f'{tg} watch "$RUN_DIR" --if-configured --step-ended "$rc" '
-                    '>> "$RUN_DIR/logs/watch.log" 2>&1',
+                    f'>> "{watch_log}" 2>&1',
                 ]
                 if cfg.watch
                 else []

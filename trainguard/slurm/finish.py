@@ -216,8 +216,8 @@ def _resubmit(
         clean = {
             k: v
             for k, v in env.items()
-            if (not k.startswith(("SLURM_", "SLURMD_", "TRAINGUARD_SBATCH_")) or k == "SLURM_CONF")
-            and k != CHAOS_ENV
+            if (not k.startswith(("SLURM_", "SLURMD_", envvars.SBATCH_PREFIX)) or k == "SLURM_CONF")
+            and k not in (CHAOS_ENV, envvars.RUN_DIR)
         }
         new_id = slurm.submit(text, extra, env=clean)
     except (OSError, SlurmError) as e:

@@ -155,7 +155,7 @@ class TelemetryPlugin(AgentPlugin):
         from trainguard.telemetry.tracing import AgentTracer
 
         resource = Resource.create(_resource_attrs(self.ctx))
-        (self.run_dir / "telemetry").mkdir(parents=True, exist_ok=True)
+        RunDir(self.run_dir).telemetry.mkdir(parents=True, exist_ok=True)
         readers, processors = self._exporters()
         self.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
         self.recorder = self._recorder(resource.attributes)
@@ -176,10 +176,10 @@ class TelemetryPlugin(AgentPlugin):
         from trainguard.telemetry import exporters as ex
         from trainguard.telemetry.prometheus import PrometheusBridge
 
-        cfg, tdir, failed = self.cfg, self.run_dir / "telemetry", self._on_export_failure
+        cfg, rd, failed = self.cfg, RunDir(self.run_dir), self._on_export_failure
         interval_ms = cfg.export_interval_s * 1000
-        jsonl_metrics = ex.JsonlMetricExporter(tdir / f"metrics_{self.node}.jsonl")
-        jsonl_spans = ex.JsonlSpanExporter(tdir / f"traces_{self.node}.jsonl")
+        jsonl_metrics = ex.JsonlMetricExporter(rd.telemetry_file("metrics", self.node))
+        jsonl_spans = ex.JsonlSpanExporter(rd.telemetry_file("traces", self.node))
         readers: list[Any] = [
             PeriodicExportingMetricReader(
                 ex.CountingMetricExporter(jsonl_metrics, "jsonl", failed),
@@ -387,7 +387,7 @@ class TelemetryPlugin(AgentPlugin):
         self._write_summary(state, g)
 
     def _write_summary(self, state: str, g: Any) -> None:
-        path = self.run_dir / "telemetry" / f"summary_{self.node}.json"
+        path = RunDir(self.run_dir).telemetry_file("summary", self.node)
         with self._lock:
             failures = dict(self.export_failures)
         info = {
@@ -425,7 +425,7 @@ class TelemetryPlugin(AgentPlugin):
         if self._build_error is not None:
             return
         # export failures during shutdown land in the summary too
-        summary = self.run_dir / "telemetry" / f"summary_{self.node}.json"
+        summary = RunDir(self.run_dir).telemetry_file("summary", self.node)
         try:
             info = json.loads(summary.read_text())
             with self._lock:

@@ -25,6 +25,7 @@ from prometheus_client.metrics_core import Metric
 
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.contract import by_name, prometheus_name
+from trainguard.core.rundir import RunDir
 
 __all__ = ["PrometheusBridge", "PrometheusEndpoint", "endpoint_file"]
 
@@ -126,7 +127,7 @@ class _Collector:
 
 def endpoint_file(run_dir: str | os.PathLike[str], node: str) -> Path:
     """Where the agent of ``node`` writes ``{"host", "port", "url", "pid"}``."""
-    return Path(run_dir) / f"prometheus_{node}.json"
+    return RunDir(run_dir).prometheus_endpoint(node)
 
 
 class PrometheusEndpoint:

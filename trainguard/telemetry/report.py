@@ -22,6 +22,7 @@ from typing import Any
 from trainguard.core import svg
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.contract import LOSS_CAUSES
+from trainguard.core.engine_contract import ReplicaStatus
 from trainguard.core.event_kinds import (
     FAILURE_ATTRIBUTED,
     HANG_DIAGNOSIS,
@@ -270,7 +271,7 @@ def _fleet(data: RunData, t0: float, t_end: float) -> str:
         spans = []
         for i, (t, state, label) in enumerate(seq):
             end = seq[i + 1][0] if i + 1 < len(seq) else t_end
-            if state != "stopped":
+            if state != ReplicaStatus.STOPPED:
                 spans.append((t, end, f"tg-role-{state}", label))
         lanes.append((f"{role} {idx}", spans))
     return svg.state_lanes(
@@ -670,6 +671,6 @@ def write_report(
     """Write the report (default ``<run_dir>/report.html``) and return its path."""
     data = load_run(run_dir, progress)
     html = render_report(data, peak_override=peak_override, progress=progress)
-    path = Path(out) if out else Path(run_dir) / "report.html"
+    path = Path(out) if out else RunDir(run_dir).report
     # the run directory may be another user's: never a fixed temporary name, never a symlink
     return write_atomic(path, html)

@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from trainguard.chaos.faults import WorkerChaos
 from trainguard.core import envvars
 from trainguard.core.atomicfile import make_dirs, open_append
-from trainguard.core.config import ConfigError, load_worker_section, worker_section_or_default
+from trainguard.core.config import (
+    ConfigError,
+    load_worker_section,
+    setting_env,
+    worker_section_or_default,
+)
 from trainguard.core.config.fleet import FleetConfig
 from trainguard.core.config.telemetry import TelemetryConfig
 from trainguard.core.events import EventLog
@@ -53,10 +58,10 @@ _handle_lock = threading.Lock()
 
 
 def _default_run_dir() -> Path:
-    explicit = os.environ.get(envvars.RUN_DIR) or os.environ.get("TRAINGUARD_RUNTIME_RUN_DIR")
+    explicit = envvars.run_dir() or os.environ.get(setting_env("runtime", "run_dir"))
     if explicit:
         return Path(explicit)
-    root = os.environ.get("TRAINGUARD_RUNTIME_RUNS_ROOT", "trainguard-runs")
+    root = os.environ.get(setting_env("runtime", "runs_root"), "trainguard-runs")
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if not run_id:
         run_id = time.strftime("local-%Y%m%d-%H%M%S-") + str(os.getpid())

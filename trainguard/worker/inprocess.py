@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from trainguard.core.config import load_worker_section
 from trainguard.core.failures import peer_failure
@@ -47,6 +47,10 @@ from trainguard.core.inprocess import (
     pg_prefix,
     ready_key,
 )
+
+if TYPE_CHECKING:
+    from trainguard.core.config.inprocess import InProcessConfig
+    from trainguard.worker.api import TrainGuard
 
 __all__ = ["RestartRequested", "restartable", "run"]
 
@@ -91,7 +95,9 @@ def run(fn: Callable[..., T], *args: Any, backend: str | None = None, **kwargs: 
     return ctl.loop(fn, args, kwargs)
 
 
-def _run_once(tg: Any, fn: Callable[..., T], backend: str | None, args: Any, kwargs: Any) -> T:
+def _run_once(
+    tg: TrainGuard, fn: Callable[..., T], backend: str | None, args: Any, kwargs: Any
+) -> T:
     import torch.distributed as dist
 
     own = tg.world_size > 1 and not dist.is_initialized()
@@ -112,7 +118,7 @@ class _Controller:
     _exc: BaseException | None  # this rank's own error of the last generation
     """The generation loop of one worker."""
 
-    def __init__(self, tg: Any, backend: str | None, cfg: Any) -> None:
+    def __init__(self, tg: TrainGuard, backend: str | None, cfg: InProcessConfig) -> None:
         from torch.distributed import TCPStore
 
         self.tg = tg
@@ -128,7 +134,7 @@ class _Controller:
         self.generation = -1
 
     @classmethod
-    def create(cls, tg: Any, backend: str | None) -> _Controller | None:
+    def create(cls, tg: TrainGuard, backend: str | None) -> _Controller | None:
         env = os.environ
         if not tg.under_agent or tg.world_size < 2 or "MASTER_PORT" not in env:
             return None

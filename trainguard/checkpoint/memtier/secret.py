@@ -8,7 +8,10 @@ import hmac
 import os
 import secrets
 import stat
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 __all__ = ["MIN_SECRET_BYTES", "SECRET_KEY", "load_secret_file", "store_secret"]
 
@@ -51,7 +54,7 @@ def load_secret_file(path: str, *, run_id: str) -> bytes:
     return hmac.new(raw, b"trainguard memory tier\0" + run_id.encode(), hashlib.sha256).digest()
 
 
-def store_secret(store: Any) -> bytes:
+def store_secret(store: Store) -> bytes:
     """The job's memory-tier secret shared through the rendezvous ``store``: the first agent
     to ask sets it (``compare_set``, atomic), every other one reads that value. Anyone who can
     read the store can read it; it is never logged."""

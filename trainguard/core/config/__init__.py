@@ -46,6 +46,7 @@ from trainguard.core.config.slurm import SlurmConfig
 from trainguard.core.config.spares import SparesConfig
 from trainguard.core.config.telemetry import TelemetryConfig
 from trainguard.core.config.warm import WarmConfig
+from trainguard.core.rundir import CONFIG_JSON
 from trainguard.core.urls import redact_url
 
 __all__ = [
@@ -54,13 +55,12 @@ __all__ = [
     "TrainGuardConfig",
     "load_config",
     "load_worker_section",
+    "setting_env",
     "worker_section_or_default",
     "write_effective",
 ]
 
-CONFIG_JSON = "config.json"
-
-ENV_PREFIX = "TRAINGUARD_"
+ENV_PREFIX = envvars.NAMESPACE
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +238,11 @@ def _merge(
 ) -> None:
     for name, table in layer.items():
         values.setdefault(name, {}).update(table)
+
+
+def setting_env(section: str, key: str) -> str:
+    """The environment variable of the setting ``[section] key``: ``TRAINGUARD_<SECTION>_<KEY>``."""
+    return f"{ENV_PREFIX}{section}_{key}".upper()
 
 
 def load_config(

@@ -35,6 +35,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainguard.core.contract import ROLES
+
 __all__ = [
     "ROLE_NAMES",
     "Placed",
@@ -45,8 +47,8 @@ __all__ = [
     "place_roles",
 ]
 
-ROLE_NAMES = ("rollout", "reward")
-"""Roles a job may declare besides ``trainer``."""
+ROLE_NAMES = ROLES
+"""Roles a job may declare besides ``trainer`` (:data:`trainguard.core.contract.ROLES`)."""
 
 RESTART_POLICIES = ("always", "never")
 

@@ -6,9 +6,11 @@ import base64
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
+from trainguard.core import envvars
+
 BACKEND_NAME = "etcd-v3"
-PASSWORD_ENV = "TRAINGUARD_ETCD_PASSWORD"
-PASSWORD_FILE_ENV = "TRAINGUARD_ETCD_PASSWORD_FILE"
+PASSWORD_ENV = envvars.ETCD_PASSWORD
+PASSWORD_FILE_ENV = envvars.ETCD_PASSWORD_FILE
 DEFAULT_PORT = 2379
 DEFAULT_KEY_PREFIX = "/trainguard/rdzv"
 DEFAULT_LEASE_TTL = 3600

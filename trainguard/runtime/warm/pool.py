@@ -92,7 +92,7 @@ DYNAMIC_ENV = frozenset(
 )
 """Variables a zygote's environment may differ in from the worker's (with ``TORCHELASTIC_*`` and
 ``TRAINGUARD_*``): torch and trainguard read them after start-up, not while importing."""
-_DYNAMIC_PREFIXES = ("TORCHELASTIC_", "TRAINGUARD_")
+_DYNAMIC_PREFIXES = ("TORCHELASTIC_", envvars.NAMESPACE)
 
 MAX_DEATHS = 3
 """Zygotes of one key that may die before handing off before that key is warmed no more."""
@@ -126,7 +126,7 @@ def env_compatible(started: Mapping[str, str], wanted: Mapping[str, str]) -> lis
         for k in keys
         if _value(started, k) != _value(wanted, k)
         and k not in DYNAMIC_ENV
-        and not (k.startswith(_DYNAMIC_PREFIXES) and not k.startswith("TRAINGUARD_ZYGOTE_"))
+        and not (k.startswith(_DYNAMIC_PREFIXES) and not k.startswith(envvars.ZYGOTE_PREFIX))
     )
 
 
