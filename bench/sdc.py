@@ -52,7 +52,8 @@ def _checks(run_dir: Path) -> list[dict[str, Any]]:
 def run_job(
     run_dir: Path, world: int, steps: int, ckpt_every: int, chaos: str | None
 ) -> tuple[int, float]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # the fleet database (the verdicts' records) under the bench's directory
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRAINGUARD_RUNTIME_RUNS_ROOT=str(run_dir.parent))
     env.pop("TRAINGUARD_CHAOS", None)
     if chaos:
         env["TRAINGUARD_CHAOS"] = chaos

@@ -6,8 +6,9 @@
   off with one line, and bad ``[sdc]`` settings are one-line errors;
 - a real 2-rank DDP job (gloo, CPU) under ``trainguard run`` with one bit of rank 1's reduced
   gradient flipped at step 13: the replicas disagree at the next check, the job rolls back to
-  the last agreed step, replays, names rank 1, commits no checkpoint of the corrupted state, and
-  ends with the weights of a fault-free run, bitwise. (Four ranks and the majority verdict:
+  the last agreed step, replays (rank 1's loss differs from its first run's one step before
+  rank 0's), names rank 1 (an ``sdc`` record of its node in the fleet database), commits no
+  checkpoint of the corrupted state, and ends with the weights of a fault-free run, bitwise. (Four ranks and the majority verdict:
   bench/sdc.py.)
 """
 
@@ -108,6 +109,7 @@ def test_flipped_gradient_bit_found_named_and_rolled_back(tmp_path: Path) -> Non
     env = base_env()
     env["TRAINGUARD_CHAOS"] = "sdc:rank=1,step=13,bit=20,param=0,index=9"
     env["TRAINGUARD_SDC_EVERY_STEPS"] = "8"  # checks at 1, 9, 17, ... (and every persist)
+    env["TRAINGUARD_RUNTIME_RUNS_ROOT"] = str(tmp_path)  # the fleet database
     cmd = [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
            "--tg-run-dir", str(run_dir), EXAMPLE, "--steps", "30", "--ckpt-every", "15",
            "--out", str(tmp_path / "final.pt")]  # fmt: skip
@@ -131,6 +133,12 @@ def test_flipped_gradient_bit_found_named_and_rolled_back(tmp_path: Path) -> Non
     assert 15 not in before and [e["step"] for e in committed][-2:] == [15, 30], committed
     assert kinds.index("sdc_verdict") > kinds.index("sdc_rollback")
     assert "silent data corruption at step 15: rank(s) 1" in p.stderr
+    # the named rank's node is in the fleet database with cause sdc
+    from trainguard.fleet.db import open_db
+
+    with open_db("", runs_root=tmp_path) as db:
+        (record,) = [r for r in db.history() if r.kind == "sdc"]
+    assert record.cause == "sdc" and record.detail["rank"] == 1 and record.detail["step"] == 15
     # the rollback and the redo end where a run without the flip ends, bitwise
     assert_same_as_reference(tmp_path / "final.pt", 30)
     assert os.path.getsize(tmp_path / "final.pt") > 0

@@ -375,6 +375,8 @@ class TrainGuard:
             record[k] = v if type(v) in _PLAIN else v.item() if hasattr(v, "item") else v
         if self._rollback is not None and self._current_step is not None:
             self._rollback.observe(self._current_step, record)
+        if self._sdc is not None and self._current_step is not None:
+            self._sdc.observe(self._current_step, record)
         self._write_record(record)
 
     @contextmanager

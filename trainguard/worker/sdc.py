@@ -22,12 +22,15 @@ its own step.
 **A disagreement** is an ``sdc_suspect`` event. With a strict majority of equal digests (three
 ranks or more) the others are named at once. Without one (two ranks, or a tie), the job rolls
 back and replays: every rank restores the last agreed state, redoes the steps from there with
-its recorded batches, and is checked again at the suspect step; a rank whose redone state
-differs from what it computed the first time computed wrongly the first time, and is named.
-When the replay leaves it open (the same wrong result again on one rank, a deterministic
-fault), each rank multiplies two fixed matrices whose exact product is known: a rank whose
-product is wrong is named. The verdict is an ``sdc_verdict`` event, and a fleet-database record
-(cause ``sdc``) of the named rank's node and device, written by that rank.
+its recorded batches, and is checked again at the suspect step. Each rank compares the metric it
+logs (the loss, computed from the state at each step's boundary) with its first run's, bitwise,
+and its state at the suspect step with its first one: a corruption on rank b in step f changes
+b's state from the boundary f + 1 on and every other rank's only from f + 2 on (through the
+all-reduce of step f + 1), so the rank that diverged first is named. When the replay leaves it
+open (a tie, or the same wrong result again: a deterministic fault), each rank multiplies two
+fixed matrices whose exact product is known: a rank whose product is wrong is named. The verdict
+is an ``sdc_verdict`` event, and a fleet-database record (cause ``sdc``) of the named rank's node
+and device, written by that rank.
 
 **The rollback** restores the newest checkpoint at or before the last step whose check
 passed (memory tier first, else disk), drops the memory-tier snapshots after it, and the loop
@@ -63,9 +66,7 @@ logger = logging.getLogger(__name__)
 _SHARE = 0.8
 """Share of ``budget`` the regular cadence keeps to (the check under way is not foreseen)."""
 _GEMM_N = 256
-_MARGIN = 2.0
-"""A replay names the rank(s) whose first result is this many times farther from the redone
-one than the nearest rank's."""
+_NEVER = 1 << 62
 
 
 class NotReplicated(ValueError):
@@ -163,23 +164,6 @@ def digest(tensors: list[torch.Tensor]) -> tuple[int, int]:
     return int(per.sum()), int((per * weights).sum())
 
 
-def distance(first: list[torch.Tensor], redo: list[torch.Tensor]) -> float:
-    """How far a rank's first result is from the redone one: the summed absolute difference
-    (floating tensors, in float64) or the count of differing elements (others)."""
-    import torch
-
-    total = 0.0
-    for a, b in zip(first, redo, strict=True):
-        b = b.detach().to("cpu")
-        if a.is_floating_point():
-            total += float(
-                (a.to(torch.float64) - b.to(torch.float64)).abs().nan_to_num(1e300).sum()
-            )
-        else:
-            total += float((a != b).sum())
-    return total
-
-
 def known_answer_gemm_ok(device: Any) -> bool:
     """Multiply two fixed small-integer matrices on ``device`` (float32: every product and sum
     is exact) and compare with the product computed in int64 on the CPU."""
@@ -214,11 +198,30 @@ class SdcGuard:
         self._prev_step: int | None = None
         self.every = config.every_steps or 1
         """The agreed distance to the next check at the last check (for reports)."""
-        self._replay: tuple[int, list[int], list[torch.Tensor]] | None = None
-        """(the suspect step being replayed, the tensors that disagreed there, this rank's
-        first values of them)."""
+        self._replay: tuple[int, tuple[int, int], dict[int, float]] | None = None
+        """(the suspect step being replayed, this rank's digest there the first time, its
+        first values of the watched metric since the last agreed step)."""
+        self._values: dict[int, float] = {}
+        """The watched metric (``tg.log``) of the steps since the last agreed one."""
+        self._diverged: int | None = None
+        """The first step of the redo whose metric differs from the first run's."""
         self.verdicts = 0
         self.generation = tg.generation
+
+    # -- the recorded results --------------------------------------------------------------
+    def observe(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """``tg.log`` values of the step ``step``: the watched metric (the loss, computed from
+        the state at this step's boundary) is kept until the next agreed check; during a redo
+        it is compared with the first run's, bitwise."""
+        v = metrics.get(self.config.metric)
+        if v is None or isinstance(v, str):
+            return
+        x = float(v)
+        if self._replay is not None and step <= self._replay[0] and self._diverged is None:
+            first = self._replay[2].get(step)
+            if first is not None and not (x == first or (x != x and first != first)):
+                self._diverged = step
+        self._values[step] = x
 
     # -- schedule --------------------------------------------------------------------------
     @property
@@ -274,9 +277,10 @@ class SdcGuard:
         mine = digest(tensors)
         replaying = self._replay is not None and self._replay[0] == step
         row = torch.tensor(
-            [mine[0], mine[1], self._proposal(step, time.perf_counter() - t0), replaying],
+            [mine[0], mine[1], self._proposal(step, time.perf_counter() - t0), replaying,
+             self._divergence(mine) if replaying else _NEVER],
             dtype=torch.int64,
-        )
+        )  # fmt: skip
         rows = [torch.empty_like(row) for _ in range(self.tg.world_size)]
         dist.all_gather(rows, row, group=group)
         got = [r.tolist() for r in rows]
@@ -290,8 +294,9 @@ class SdcGuard:
         digests = [(r[0], r[1]) for r in got]
         if len(set(digests)) == 1:
             if replaying:
-                self._after_replay(step, tensors, group)
+                self._after_replay(step, [r[4] for r in got], group)
             self.last_ok = step
+            self._values = {t: v for t, v in self._values.items() if t >= step}
             return True
         return self._disagree(step, state, tensors, digests, replaying, group)
 
@@ -343,46 +348,37 @@ class SdcGuard:
             self._replay = None
             self._tie_break(step, list(range(world)), group)
         else:
-            self._remember(step, tensors, group)
+            self._remember(step, digests[self.tg.rank])
         self._rollback(step, state)
         return False
 
-    def _remember(self, step: int, tensors: list[torch.Tensor], group: Any) -> None:
-        """Before a replay: find the tensors that disagree (every rank's per-tensor sums, one
-        more all-gather) and keep this rank's values of them."""
-        import torch
-        import torch.distributed as dist
+    def _remember(self, step: int, mine: tuple[int, int]) -> None:
+        """Before a replay: keep this rank's first result at ``step`` and its metric values."""
+        self._replay = (step, mine, dict(self._values))
+        self._diverged = None
 
-        sums = tensor_sums(tensors)
-        every = [torch.empty_like(sums) for _ in range(self.tg.world_size)]
-        dist.all_gather(every, sums, group=group)
-        table = torch.stack(every)
-        differ = [i for i in range(table.shape[1]) if len(set(table[:, i].tolist())) > 1]
-        copies = [tensors[i].detach().to("cpu", copy=True) for i in differ]
-        self._replay = (step, differ, copies)
-
-    def _after_replay(self, step: int, tensors: list[torch.Tensor], group: Any) -> None:
-        """The redo of ``step`` agreed (the fault did not come back): the rank(s) whose first
-        values of the tensors that disagreed are farthest from the redone ones computed wrongly
-        the first time. After the corruption the all-reduce mixes the bad rank's gradients into
-        every rank's, so every first result drifted; the bad rank's carries the corruption on
-        top. A margin of :data:`_MARGIN` names it; closer than that, the GEMM decides."""
-        import torch
-        import torch.distributed as dist
-
+    def _divergence(self, mine: tuple[int, int]) -> int:
+        """The first boundary at which this rank's redo differs from its first run: the first
+        step whose metric differs (computed from the state at that boundary), else the suspect
+        step itself where its state there differs, else never."""
         assert self._replay is not None
-        _, differ, copies = self._replay
-        self._replay = None
-        mine = distance(copies, [tensors[i] for i in differ])
-        d = torch.tensor([mine], dtype=torch.float64)
-        every = [torch.empty_like(d) for _ in range(self.tg.world_size)]
-        dist.all_gather(every, d, group=group)
-        dists = [float(x) for x in every]
-        low = min(dists)
-        named = [r for r, x in enumerate(dists) if x > _MARGIN * low]
+        step, first, _ = self._replay
+        if self._diverged is not None:
+            return self._diverged
+        return step if first != mine else _NEVER
+
+    def _after_replay(self, step: int, divergence: list[int], group: Any) -> None:
+        """The redo of ``step`` agreed (the fault did not come back). ``divergence``: each
+        rank's first boundary at which its first run differs from the redo. A corruption on
+        rank b in step f makes b's state differ from the boundary f + 1 on; the all-reduce of
+        step f + 1 carries it into every other rank's, whose states differ from f + 2 on. So
+        the rank(s) that diverged first are named; a tie goes to the GEMM."""
+        self._replay, self._diverged = None, None
+        first = min(divergence)
+        named = [r for r, d in enumerate(divergence) if d == first]
         if self.tg.rank == 0:
-            logger.info("replay of step %d: distances from the redo %s", step, dists)
-        if named and len(named) < len(dists):
+            logger.info("replay of step %d: first divergence per rank %s", step, divergence)
+        if first < _NEVER and len(named) < len(divergence):
             self._verdict(step, named, "replay", group)
         else:
             self._tie_break(step, list(range(self.tg.world_size)), group)

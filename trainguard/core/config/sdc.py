@@ -31,6 +31,9 @@ class SdcConfig:
     follows from it, measured on the running job, the same on every rank."""
     every_steps: int | None = None
     """Check every this many steps (>= 1) instead of the cadence the budget gives (unset)."""
+    metric: str = "loss"
+    """The ``tg.log`` key a replay compares, step by step, with the first run's (two ranks, or
+    no majority): the first rank whose value differs computed wrongly first."""
     max_verdicts: int = 3
     """Corruption verdicts in one job; the next one stops it with the "do not requeue" exit
     code (93): a device that corrupts this often must leave the job."""
@@ -46,5 +49,7 @@ class SdcConfig:
                 f"every_steps must be >= 1 (check every N steps), not {self.every_steps}; leave "
                 "it unset for the cadence the budget gives, or enabled = false for no checks"
             )
+        if not self.metric:
+            raise ValueError("metric must name a tg.log key, e.g. 'loss'")
         if self.max_verdicts < 1:
             raise ValueError("max_verdicts must be >= 1 (enabled = false switches the checks off)")
