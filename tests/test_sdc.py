@@ -108,6 +108,7 @@ def test_flipped_gradient_bit_found_named_and_rolled_back(tmp_path: Path) -> Non
     run_dir = tmp_path / "run"
     env = base_env()
     env["TRAINGUARD_CHAOS"] = "sdc:rank=1,step=13,bit=20,param=0,index=9"
+    env["TRAINGUARD_SDC_ENABLED"] = "true"
     env["TRAINGUARD_SDC_EVERY_STEPS"] = "8"  # checks at 1, 9, 17, ... (and every persist)
     env["TRAINGUARD_RUNTIME_RUNS_ROOT"] = str(tmp_path)  # the fleet database
     cmd = [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
