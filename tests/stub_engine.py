@@ -177,7 +177,11 @@ class Handler(JSONHandler):
             self.send_json(200, None, raw=_hostile(e.shape, want))
             return
         choices = _choices(want, max_tokens, seed, body.get("logprobs") is not None)
-        self.send_json(200, {"choices": choices, "weight_version": e.version})
+        answer = {"choices": choices, "weight_version": e.version}
+        answer["incarnation"] = own_identity().incarnation
+        if e.hostile and e.shape == "other_incarnation":  # another process answers the port
+            answer["incarnation"] = "someone-else"
+        self.send_json(200, answer)
 
     def _update(self) -> None:
         e = self.engine

@@ -106,6 +106,7 @@ def test_completions_carry_token_ids_logprobs_and_the_weight_version(subject: Su
     prompts = ["please write 3 now", "write 5"]
     a = subject.complete(prompt=prompts, n=2, max_tokens=4, logprobs=0, temperature=1.0)
     assert a.weight_version == 0
+    assert a.incarnation in (None, subject.engine.incarnation)
     assert [c.index for c in a.choices] == [0, 1, 2, 3]
     for c in a.choices:
         assert 1 <= len(c.token_ids) <= 4 and c.finish_reason in ("length", "stop")

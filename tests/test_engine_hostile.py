@@ -25,7 +25,7 @@ import pytest
 from tests.ports import free_port
 from tests.stub_engine import SHAPES
 from trainguard.core import engine_contract as ec
-from trainguard.core import jsonhttp
+from trainguard.core import envvars, jsonhttp
 from trainguard.rl import RolloutClient, RolloutConfig
 from trainguard.rl.reward import RewardClient
 from trainguard.rl.weights import WeightStore
@@ -38,7 +38,8 @@ class Proc:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self._log = log.open("ab")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
+        env = {**os.environ, envvars.ROLE_INCARNATION: f"nonce-{port}"}
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while ec.probe_health(port, timeout=1.0).outcome in ("refused", "timeout", "error"):
             assert self.proc.poll() is None, f"{argv} exited; see {log}"
@@ -177,6 +178,18 @@ def test_a_process_squatting_a_replicas_port_is_never_routed_to(servers: Servers
         c.wait_serving(2, timeout=20)
         c.generate(PROMPTS * 2, max_tokens=2)
         assert servers.hostile.requests() >= 1
+
+
+def test_a_completion_from_another_process_than_the_probed_one_is_refused(
+    servers: Servers,
+) -> None:
+    servers.hostile.shape("other_incarnation")
+    with client(servers, []) as c:
+        c.wait_serving(2, timeout=20)
+        out = c.generate(PROMPTS, max_tokens=2)
+        asked = servers.hostile.requests()
+        assert asked >= 1 and c.failures == {"engine_dead": asked}
+        assert {x.engine for g in out for x in g} == {servers.healthy.url}
 
 
 @pytest.mark.parametrize("shape", ["nan_reward", "inf_reward", "huge_reward", "deep"])

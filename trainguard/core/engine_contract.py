@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from trainguard.core import envvars, jsonhttp
-from trainguard.core.rundir import RunDir
 
 __all__ = [
     "CLIENT_STATES",
@@ -58,7 +57,6 @@ __all__ = [
     "parse_weight_update",
     "parse_weights",
     "probe_health",
-    "published_identities",
 ]
 
 
@@ -262,24 +260,6 @@ class Identity:
 def own_identity() -> Identity:
     """This process's identity, as its health answer reports it."""
     return Identity(os.getpid(), os.environ.get(envvars.ROLE_INCARNATION) or None)
-
-
-def published_identities(run_dir: str | os.PathLike[str]) -> dict[str, Identity]:
-    """What the role supervisor published of its replicas (their state files): URL →
-    the identity of the process it started there (``pid``, ``incarnation``); never raises."""
-    out: dict[str, Identity] = {}
-    try:
-        for role in RunDir(run_dir).role_states().values():
-            for rep in role:
-                url, pid, inc = rep.get("url"), rep.get("pid"), rep.get("incarnation")
-                if isinstance(url, str):
-                    out[url.rstrip("/")] = Identity(
-                        pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
-                        inc if isinstance(inc, str) else None,
-                    )
-    except OSError:  # no run dir: nothing published
-        pass
-    return out
 
 
 @dataclass(frozen=True, slots=True)

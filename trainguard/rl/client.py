@@ -50,7 +50,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from trainguard.core import envvars
-from trainguard.core.engine_contract import Identity, published_identities
+from trainguard.core.engine_contract import Identity
+from trainguard.core.rundir import RunDir
 from trainguard.rl.dispatch import Batch, BatchDispatcher, RolloutCounters, request_params
 from trainguard.rl.rollout_types import (
     FAILURE_REASONS,
@@ -82,11 +83,29 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+def published_identities(run_dir: str | os.PathLike[str]) -> dict[str, Identity]:
+    """What the role supervisor published of its replicas (their state files): URL →
+    the identity of the process it started there (``pid``, ``incarnation``); never raises."""
+    out: dict[str, Identity] = {}
+    try:
+        for role in RunDir(run_dir).role_states().values():
+            for rep in role:
+                url, pid, inc = rep.get("url"), rep.get("pid"), rep.get("incarnation")
+                if isinstance(url, str):
+                    out[url.rstrip("/")] = Identity(
+                        pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+                        inc if isinstance(inc, str) else None,
+                    )
+    except OSError:  # no run dir: nothing published
+        pass
+    return out
+
+
 def supervisor_identities() -> IdentitySource | None:
     """The incarnation the role supervisor published for each replica's URL, read from the
-    run directory (``$TRAINGUARD_AGENT_RUN_DIR``, set in the trainer's workers); None outside
+    run directory (:func:`trainguard.core.envvars.run_dir`); None outside
     a job."""
-    run_dir = os.environ.get(envvars.RUN_DIR)
+    run_dir = envvars.run_dir()
     if not run_dir:
         return None
 

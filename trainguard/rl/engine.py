@@ -390,6 +390,7 @@ class Engine:
                     "completion_tokens": sum(len(c["token_ids"]) for c in choices),
                 },
                 "weight_version": version,
+                "incarnation": own_identity().incarnation,
             }
             job.done.set()
 
