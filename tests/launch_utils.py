@@ -66,6 +66,10 @@ def base_env(**extra: str) -> dict[str, str]:
     # and the tests assert which step a restart or rollback resumes from. The cadence itself
     # is tested in test_inprocess_units (MemoryCadence and its defaults).
     env["TRAINGUARD_CHECKPOINT_MEMORY_MAX_STALL_FRACTION"] = "0"
+    # ... and so the replica checks are off: with them the memory tier keeps only checked
+    # state (a snapshot waits for the next check, at a cadence from a time budget). Their tests
+    # (test_sdc) switch them on.
+    env["TRAINGUARD_SDC_ENABLED"] = "false"
     # Warm starts stay on, but the zygotes for the next restart are not started unless a test
     # asks for them (``TRAINGUARD_WARM_PRESTART_DELAY_S``): each is a torch import plus its
     # preload (~4 s of CPU), wasted in every job that ends without another restart, and the

@@ -14,6 +14,12 @@ hang    freezes: ``SIGSTOP`` itself (``mode=stop``, the default: heartbeats stop
 slow    every step from ``step`` (default 0) takes ``factor`` times as long (``factor=3``)
         or ``delay`` seconds longer (``delay=0.2``); the extra time is inside the step
 exit    raises ``SystemExit(code)`` (default 1) at step ``step``: a worker that crashes cleanly
+sdc     silent data corruption at step ``step``: just before that step's ``optimizer.step()``
+        flips bit ``bit`` (0-31 of the element's bytes as a 32-bit word; default 22) or
+        multiplies by ``scale`` one element (``index``, default 0) of one parameter
+        (``param``: its position in the optimizer's parameters, default 0): its gradient
+        (``target=grad``, the default: after DDP's all-reduce, so only this rank's replica
+        goes wrong) or the parameter itself (``target=param``); once per process
 ======  =====================================================================================
 
 Selectors (every one optional): ``rank=R`` (global rank; default every rank; ``rank=*``),
@@ -50,12 +56,15 @@ __all__ = [
 ]
 
 CHAOS_ENV = envvars.CHAOS
-KINDS = ("kill", "hang", "slow", "exit")
+KINDS = ("kill", "hang", "slow", "exit", "sdc")
 _KEYS: dict[str, frozenset[str]] = {
     "kill": frozenset({"rank", "step", "after", "attempt", "node", "signal"}),
     "hang": frozenset({"rank", "step", "after", "attempt", "node", "mode"}),
     "slow": frozenset({"rank", "step", "attempt", "node", "factor", "delay"}),
     "exit": frozenset({"rank", "step", "after", "attempt", "node", "code"}),
+    "sdc": frozenset(
+        {"rank", "step", "attempt", "node", "target", "bit", "scale", "index", "param"}
+    ),
 }
 _EXAMPLE = "e.g. TRAINGUARD_CHAOS='kill:rank=1,step=40;slow:rank=0,factor=3'"
 
@@ -81,6 +90,11 @@ class Fault:
     factor: float = 1.0
     delay_s: float = 0.0
     code: int = 1
+    target: str = "grad"
+    bit: int | None = None
+    scale: float | None = None
+    index: int = 0
+    param: int = 0
     text: str = field(default="", compare=False)
 
     def applies(self, *, rank: int, attempt: int, node: str | None) -> bool:
@@ -106,6 +120,10 @@ class Fault:
         elif self.kind == "slow":
             how = f"x{self.factor:g}" if self.factor != 1.0 else f"+{self.delay_s:g} s"
             what = f"{who}: steps {how} from step {self.step or 0}"
+        elif self.kind == "sdc":
+            how = f"bit {self.bit} flipped" if self.scale is None else f"scaled x{self.scale:g}"
+            what = (f"{who}: {self.target} of parameter {self.param}, element {self.index}: "
+                    f"{how} {when}")  # fmt: skip
         else:
             what = f"{who}: exit {self.code} {when}"
         return f"{what}{where}, {attempt}"
@@ -147,6 +165,44 @@ def _signal(part: str, raw: str) -> int:
         return int(signal.Signals[name])
     except KeyError:
         raise _bad(part, f"signal={raw!r} is not a signal name (KILL, TERM, INT, ...)") from None
+
+
+def _sdc_key(part: str, key: str, raw: str, kw: dict[str, object]) -> None:
+    """One key of an ``sdc`` fault into ``kw``."""
+    if key == "target":
+        if raw not in ("grad", "param"):
+            raise _bad(part, f"target={raw!r}: use grad or param")
+        kw["target"] = raw
+    elif key == "bit":
+        bit = _int(part, key, raw)
+        if bit is not None and bit > 31:
+            raise _bad(part, f"bit={raw!r}: a bit of a 32-bit word, 0-31")
+        kw["bit"] = bit
+    elif key == "scale":
+        try:
+            kw["scale"] = float(raw)
+        except ValueError:
+            raise _bad(part, f"scale={raw!r} is not a number") from None
+    else:  # index, param
+        kw[key] = _int(part, key, raw)
+
+
+def _check_fault(part: str, kind: str, kw: dict[str, object]) -> None:
+    """The keys a fault of ``kind`` needs together."""
+    if kind in ("kill", "hang", "exit"):
+        if ("step" in kw) == ("after_s" in kw):
+            raise _bad(part, f"{kind} needs exactly one of step=S or after=SECONDS")
+        if kind == "hang" and kw.get("mode") == "sleep" and "after_s" in kw:
+            raise _bad(part, "mode=sleep hangs a step: use step=S (or mode=stop with after=)")
+    elif kind == "sdc":
+        if "step" not in kw:
+            raise _bad(part, "sdc needs step=S (the step whose optimizer step is corrupted)")
+        if "bit" in kw and "scale" in kw:
+            raise _bad(part, "sdc takes bit=B (flip) or scale=F (multiply), not both")
+        if "scale" not in kw:
+            kw.setdefault("bit", 22)
+    elif "factor" not in kw and "delay_s" not in kw:
+        raise _bad(part, "slow needs factor=F (>= 1) or delay=SECONDS")
 
 
 def parse_spec(spec: str) -> list[Fault]:
@@ -191,13 +247,9 @@ def parse_spec(spec: str) -> list[Fault]:
                 kw["delay_s"] = _float(part, key, raw.removesuffix("s"), 0.0)
             elif key == "code":
                 kw["code"] = _int(part, key, raw)
-        if kind in ("kill", "hang", "exit"):
-            if ("step" in kw) == ("after_s" in kw):
-                raise _bad(part, f"{kind} needs exactly one of step=S or after=SECONDS")
-            if kind == "hang" and kw.get("mode") == "sleep" and "after_s" in kw:
-                raise _bad(part, "mode=sleep hangs a step: use step=S (or mode=stop with after=)")
-        elif "factor" not in kw and "delay_s" not in kw:
-            raise _bad(part, "slow needs factor=F (>= 1) or delay=SECONDS")
+            else:
+                _sdc_key(part, key, raw, kw)
+        _check_fault(part, kind, kw)
         faults.append(Fault(**kw))  # type: ignore[arg-type]
     if not faults:
         raise _bad(spec, "no fault in the spec")
@@ -253,6 +305,8 @@ class WorkerChaos:
             else:
                 while True:
                     time.sleep(3600)
+        elif f.kind == "sdc":
+            _arm_sdc(f)
         elif f.kind == "exit":
             if threading.current_thread() is threading.main_thread():
                 raise SystemExit(f.code)
@@ -272,3 +326,44 @@ class WorkerChaos:
                 extra += (f.factor - 1.0) * elapsed_s + f.delay_s
         if extra > 0:
             time.sleep(extra)
+
+
+def corrupt(t: object, f: Fault) -> None:
+    """Flip bit ``f.bit`` of (or scale by ``f.scale``) element ``f.index`` of the tensor ``t``
+    in place (modulo its size)."""
+    import torch
+
+    assert isinstance(t, torch.Tensor)
+    flat = t.detach().view(-1)
+    i = f.index % flat.numel()
+    with torch.no_grad():
+        if f.scale is not None:
+            flat[i] *= f.scale
+            return
+        bit = f.bit if f.bit is not None else 22
+        size = flat.element_size()
+        raw = flat[i : i + 1].view(torch.uint8)  # the element's bytes (little-endian)
+        byte, within = divmod(bit % (8 * size), 8)
+        raw[byte] ^= 1 << within
+
+
+def _arm_sdc(f: Fault) -> None:
+    """Corrupt, once, the gradient or the parameter ``f.param`` of the next optimizer step
+    (a global optimizer step pre-hook: DDP's all-reduce is over by then)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = None
+
+    def hook(opt: object, args: object, kwargs: object) -> None:
+        params = [p for g in opt.param_groups for p in g["params"]]  # type: ignore[attr-defined]
+        if not params:
+            return
+        p = params[f.param % len(params)]
+        t = p if f.target == "param" else p.grad
+        if t is None:
+            return
+        corrupt(t, f)
+        if handle is not None:
+            handle.remove()
+
+    handle = register_optimizer_step_pre_hook(hook)

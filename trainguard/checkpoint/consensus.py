@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 import torch.distributed as dist
 
-__all__ = ["Agreement", "Consensus", "RollbackHook"]
+__all__ = ["Agreement", "Consensus", "RollbackHook", "SdcHook"]
 
 _NO_STEP = 1 << 62
 
@@ -32,6 +32,23 @@ class RollbackHook(Protocol):
     def apply(self, bad_step: int, step: int, state: MutableMapping[str, Any]) -> None:
         """Roll back (collective: every rank, the same ``bad_step``) at step ``step``:
         restore into ``state`` the newest checkpoint before the anomaly."""
+
+
+class SdcHook(Protocol):
+    """What the checkpoint manager asks of the replicas' agreement check
+    (:class:`trainguard.worker.sdc.SdcGuard` is the one the worker handle sets)."""
+
+    @property
+    def active(self) -> bool:
+        """The checks run (a snapshot or persist waits for a step that passed one)."""
+
+    def due(self, step: int, *, persist: bool) -> bool:
+        """Whether the boundary ``step`` is checked (the same on every rank); ``persist``: a
+        persisting save is agreed there."""
+
+    def check(self, step: int, state: MutableMapping[str, Any], group: Any) -> bool:
+        """Compare the replicas (collective); False: they disagreed and ``state`` was rolled
+        back (no save at this boundary)."""
 
 
 class Consensus:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.checkpoint import manifest as mf
-from trainguard.checkpoint.consensus import Agreement, Consensus, RollbackHook
+from trainguard.checkpoint.consensus import Agreement, Consensus, RollbackHook, SdcHook
 from trainguard.checkpoint.faults import Faults
 from trainguard.checkpoint.interval import (
     IntervalPolicy,
@@ -142,6 +142,9 @@ class CheckpointManager:
         self.rollback_hook: RollbackHook | None = None
         """Set by the worker handle (trainguard.worker.rollback.LossGuard); the ranks agree
         on its pending step in ``maybe_save``'s all-reduce."""
+        self.sdc_hook: SdcHook | None = None
+        """Set by the worker handle (trainguard.worker.sdc.SdcGuard): the replicas are compared
+        before a persisting save, which goes ahead only from state that agreed."""
         CheckpointManager._instances += 1
         self.interval = IntervalPolicy(self.config, on_change=self._interval_changed)
         self.memory_cadence = MemoryCadence(
@@ -425,6 +428,12 @@ class CheckpointManager:
         if bad is not None and hook is not None:  # a loss anomaly on some rank: roll back
             hook.apply(bad, step, state)
             return None
+        sdc = self.sdc_hook  # the gate: saves only of state the ranks agreed on at this step
+        if sdc is not None and sdc.active:
+            if not sdc.due(step, persist=due or preempt):
+                mem = False  # a snapshot waits for the next check
+            elif not sdc.check(step, state, self.consensus.pg):
+                return None  # rolled back into ``state``
         if broken:  # before the skip decision: a save stuck behind a dead persister never ends
             self._check_persister()
             busy = False

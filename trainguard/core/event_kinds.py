@@ -151,6 +151,11 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("loss_anomaly", ("worker.rollback",), ("median", "metric", "reason", "step", "value"), "The loss guard found a NaN/Inf or spike."),
     EventSpec("loss_rollback", ("worker.rollback",), ("bad_step", "duration_s", "from_step", "reason", "restored_step", "resume_step", "rollbacks", "rollbacks_here", "skip"), "The workers rolled back to a checkpoint before a loss anomaly."),
     EventSpec("rollback_exhausted", ("worker.rollback",), ("bad_step", "exitcode", "max_rollbacks", "reason", "rollbacks_here"), "Too many rollbacks at one step: the job stops."),
+    EventSpec("sdc_suspect", ("worker.sdc",), ("digests", "last_agreed_step", "localise", "ranks", "step"), "The ranks' replicated state (DDP parameters, optimizer state) disagreed at this step: silent data corruption on some rank (ranks: the odd ones out by majority, or every rank while a replay localises it)."),
+    EventSpec("sdc_rollback", ("worker.sdc",), ("bad_step", "duration_s", "restored_step", "resume_step"), "After a replica disagreement the workers rolled back to the last agreed state and redo the steps since."),
+    EventSpec("sdc_verdict", ("worker.sdc",), ("action", "localise", "ranks", "reason", "step", "verdicts"), "The rank(s) that computed a wrong result (localise: majority, replay or gemm; none: not found), and what the job does (rollback, stop)."),
+    EventSpec("sdc_rank_named", ("worker.sdc",), ("device", "localise", "step"), "This rank was named by a corruption verdict (its node and device; a fleet-database record with cause sdc)."),
+    EventSpec("sdc_checks_off", ("worker.sdc",), ("reason",), "The replica checks are off for this job: its checkpointed state is not replicated bitwise on every rank."),
     # -- security, hang diagnosis and framework integrations ---------------------------------
     EventSpec("rdzv_round_ended", ("runtime.etcd_v3.handler",), ("left", "round"), "This node left the complete etcd-v3 round first and ended it for every node (left: the other participants taken out with it, a lost node's among them): all join the next round at once."),
     EventSpec("rdzv_state_refused", ("runtime.etcd_v3.handler",), ("key", "reason", "revision"), "The etcd-v3 rendezvous state at this revision was refused (not trainguard's JSON form, corrupt or oversized): treated as empty and written over."),

@@ -41,6 +41,7 @@ from trainguard.worker.sniff import SniffRunner
 if TYPE_CHECKING:
     from trainguard.checkpoint.manager import CheckpointManager
     from trainguard.worker.rollback import LossGuard
+    from trainguard.worker.sdc import SdcGuard
 
 __all__ = ["RESERVED_LOG_KEYS", "TrainGuard", "init"]
 
@@ -144,7 +145,7 @@ class TrainGuard:
         self._device: str | None = None
         self._cuda_available: bool | None = None
         self._current_step: int | None = None  # the step the next tg.log values belong to
-        self._rollback = self._make_rollback()
+        self._rollback, self._sdc = self._make_rollback(), self._make_sdc()
         self._sniff = self._make_sniff()
         self._progress: ProgressWriter | None = None
         if self.under_agent:
@@ -179,6 +180,15 @@ class TrainGuard:
         guard = LossGuard(self, cfg)
         self.step_num = guard.ledger.next_step(self.step_num)
         return guard
+
+    def _make_sdc(self) -> SdcGuard | None:
+        """Silent-data-corruption checks (``[sdc]``): with more than one rank."""
+        cfg = load_worker_section(self.run_dir, "sdc")
+        if not cfg.enabled or self.world_size < 2:
+            return None
+        from trainguard.worker.sdc import SdcGuard
+
+        return SdcGuard(self, cfg)
 
     @property
     def skip_ranges(self) -> list[tuple[int, int]]:
@@ -248,6 +258,9 @@ class TrainGuard:
             self._checkpoint = for_worker(self)
             self._checkpoint.on_restore(self._after_restore)
             self._checkpoint.rollback_hook = self._rollback
+            self._checkpoint.sdc_hook = self._sdc
+            if self._sdc is not None:
+                self._checkpoint.on_restore(self._sdc.restored)
         return self._checkpoint
 
     def ft_wrap(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:
@@ -362,6 +375,8 @@ class TrainGuard:
             record[k] = v if type(v) in _PLAIN else v.item() if hasattr(v, "item") else v
         if self._rollback is not None and self._current_step is not None:
             self._rollback.observe(self._current_step, record)
+        if self._sdc is not None and self._current_step is not None:
+            self._sdc.observe(self._current_step, record)
         self._write_record(record)
 
     @contextmanager

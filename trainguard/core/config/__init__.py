@@ -41,6 +41,7 @@ from trainguard.core.config.rendezvous import RendezvousConfig
 from trainguard.core.config.roles import RolesConfig
 from trainguard.core.config.rollback import RollbackConfig
 from trainguard.core.config.runtime import RuntimeConfig
+from trainguard.core.config.sdc import SdcConfig
 from trainguard.core.config.slurm import SlurmConfig
 from trainguard.core.config.spares import SparesConfig
 from trainguard.core.config.telemetry import TelemetryConfig
@@ -102,6 +103,7 @@ class TrainGuardConfig:
     warm: WarmConfig = field(default_factory=WarmConfig)
     roles: RolesConfig = field(default_factory=RolesConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
+    sdc: SdcConfig = field(default_factory=SdcConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
