@@ -430,8 +430,10 @@ class CheckpointManager:
             return None
         sdc = self.sdc_hook  # the gate: saves only of state the ranks agreed on at this step
         if sdc is not None and sdc.active:
-            if not sdc.due(step, persist=due or preempt):
-                mem = False  # a snapshot waits for the next check
+            # a save to disk or the memory tier is always checked first (the memory tier's
+            # snapshot is what a restart resumes from: never one of unchecked state)
+            if not sdc.due(step, persist=due or preempt or mem):
+                pass
             elif not sdc.check(step, state, self.consensus.pg):
                 return None  # rolled back into ``state``
         if broken:  # before the skip decision: a save stuck behind a dead persister never ends

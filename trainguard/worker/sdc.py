@@ -235,8 +235,8 @@ class SdcGuard:
         self.generation = self.tg.generation
 
     def due(self, step: int, *, persist: bool) -> bool:
-        """Whether the boundary ``step`` is checked: the agreed cadence, a persisting save, the
-        step under replay. The same on every rank (from agreed values only)."""
+        """Whether the boundary ``step`` is checked: the agreed cadence, a save (to disk or the
+        memory tier), the step under replay. The same on every rank (from agreed values only)."""
         now = time.perf_counter()
         if self.generation != self.tg.generation:  # an in-process restart: the group starts over
             self.generation = self.tg.generation
