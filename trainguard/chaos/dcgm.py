@@ -14,7 +14,6 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 __all__ = ["FIELDS", "DcgmExporter", "h100_node"]
 
@@ -247,7 +246,7 @@ class DcgmExporter:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, *args: Any) -> None:
+            def log_message(self, *args: object) -> None:
                 pass
 
         self.server = http.server.ThreadingHTTPServer((host, port), Handler)

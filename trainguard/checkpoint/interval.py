@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainguard.core.event_kinds import LAUNCH, WORKER_FAILED
 
@@ -119,7 +119,7 @@ class IntervalPolicy:
     recoveries, re-evaluated as they are measured. ``on_change(interval_s, stall_s, mtbf_s)``
     is called when the interval moves by > 20 %."""
 
-    def __init__(self, config: CheckpointConfig, *, on_change: Callable[..., Any]) -> None:
+    def __init__(self, config: CheckpointConfig, *, on_change: Callable[..., object]) -> None:
         self.config = config
         self.on_change = on_change
         self.stalls: deque[float] = deque(maxlen=20)

@@ -314,7 +314,7 @@ def _serve(rx: IO[str], tx: IO[str]) -> bool:
     from trainguard.checkpoint.storage import storage_for
     from trainguard.core.config.checkpoint import CheckpointConfig
 
-    def reply(**msg: Any) -> None:
+    def reply(**msg: object) -> None:
         tx.write(json.dumps(msg) + "\n")
         tx.flush()
 

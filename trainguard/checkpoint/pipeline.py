@@ -61,8 +61,8 @@ INLINE_STAGING_BYTES = 1 << 20
 stager thread (and handing the interpreter to it and back) costs more than the copy, and the
 snapshot is complete when ``save`` returns (a worker killed right after it resumes from it)."""
 
-EventFn = Callable[..., Any]
-MetricFn = Callable[..., Any]
+EventFn = Callable[..., object]
+MetricFn = Callable[..., object]
 CopyPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
 

@@ -73,7 +73,7 @@ class Preemption:
         path = os.environ.get(envvars.TEARDOWN_FILE)
         return path is not None and bool(path) and os.path.exists(path)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: object) -> None:
         if self.teardown():
             self._pass_on(signum, frame)
             return
@@ -84,7 +84,7 @@ class Preemption:
             os._exit(REQUEUE_EXIT_CODE)
         self._pass_on(signum, frame)
 
-    def _pass_on(self, signum: int, frame: Any) -> None:
+    def _pass_on(self, signum: int, frame: object) -> None:
         """What would have happened without trainguard: the previous handler, else the
         signal's default action."""
         previous = self._previous.get(signum, signal.SIG_DFL)

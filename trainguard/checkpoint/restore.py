@@ -55,8 +55,8 @@ class Restorer:
     pg: ProcessGroup | None
     """The checkpoint gloo group (None: one process)."""
     gather: Callable[[Any], list[Any]]
-    emit: Callable[..., Any]
-    metric: Callable[..., Any]
+    emit: Callable[..., object]
+    metric: Callable[..., object]
     max_step: int | None = None
     """Only steps at or before it (a rollback); None: any."""
     min_step: int | None = None

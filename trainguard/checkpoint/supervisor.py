@@ -14,7 +14,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainguard.checkpoint.consensus import Consensus
 from trainguard.core import envvars
@@ -44,7 +44,7 @@ class PersisterSupervisor:
         instance: int,
         cleanup_dir: Path | None,
         consensus: Consensus,
-        emit: Callable[..., Any],
+        emit: Callable[..., object],
     ) -> None:
         self.root = root
         self.config = config
@@ -122,7 +122,7 @@ class PersisterSupervisor:
         if self.proc is not None:
             self.proc.close()
 
-    def _emit_rank0(self, kind: str, **fields: Any) -> None:
+    def _emit_rank0(self, kind: str, **fields: object) -> None:
         logger.info("%s %s", kind, fields)
         if self.rank == 0:
             self._emit(kind, **fields)

@@ -202,14 +202,14 @@ def loads(raw: bytes | str, *, max_bytes: int = MAX_ANSWER_BYTES) -> Any:
         raise MalformedAnswer(f"is not JSON ({str(e)[:120]})") from None
 
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+_F = TypeVar("_F", bound=Callable[..., object])
 
 
 def guarded(fn: _F) -> _F:
     """``fn`` raises :class:`MalformedAnswer` for any exception (a parser's bug or an answer
     nobody foresaw included): nothing else ever leaves a parser."""
 
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: object, **kwargs: object) -> Any:
         try:
             return fn(*args, **kwargs)
         except MalformedAnswer:

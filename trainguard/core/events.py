@@ -92,13 +92,13 @@ class EventLog:
         event.update(fields)
         return event
 
-    def publish(self, kind: str, **fields: Any) -> dict[str, Any]:
+    def publish(self, kind: str, **fields: object) -> dict[str, Any]:
         """Deliver a message to this process's listeners only (not written to the log)."""
         event = self._event(kind, fields)
         self._deliver(event)
         return event
 
-    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+    def emit(self, kind: str, **fields: object) -> dict[str, Any]:
         """Append an event to the log, then deliver it to this process's listeners."""
         event = self._event(kind, fields)
         line = (json.dumps(event, default=str, separators=(",", ":")) + "\n").encode()

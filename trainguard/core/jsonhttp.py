@@ -91,7 +91,7 @@ class JSONHandler(BaseHTTPRequestHandler):
     get_routes: ClassVar[Mapping[str, str]] = {}
     post_routes: ClassVar[Mapping[str, str]] = {}
 
-    def log_message(self, format: str, *args: Any) -> None:
+    def log_message(self, format: str, *args: object) -> None:
         logger.debug("%s " + format, self.address_string(), *args)
 
     # -- the one request check ---------------------------------------------------------------
@@ -171,7 +171,7 @@ class JSONHandler(BaseHTTPRequestHandler):
             raise HTTPError(400, "the request body must be a JSON object")
         return body
 
-    def send_json(self, code: int, payload: Any, *, raw: bytes | None = None) -> None:
+    def send_json(self, code: int, payload: object, *, raw: bytes | None = None) -> None:
         data = raw if raw is not None else json.dumps(payload).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")

@@ -50,7 +50,7 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
     """A redirect is answered as it came (a 3xx status), never followed: urllib would carry
     the ``Authorization`` header (the bearer token) to wherever ``Location`` points."""
 
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
         return None
 
 
@@ -164,7 +164,7 @@ class Pager:
         secret: str | None = None,
         send: Sender = http_post,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], Any] | None = None,
+        sleep: Callable[[float], object] | None = None,
     ) -> None:
         assert cfg.webhook_url, "a Pager needs alerts.webhook_url"
         self.cfg = cfg

@@ -146,7 +146,7 @@ class FleetDB:
     def __enter__(self) -> FleetDB:
         return self.connect()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _sql(self, sql: str) -> str:

@@ -229,7 +229,7 @@ def _lost(e: Exception) -> bool:
     return code in _LOST_CODES or "gpu is lost" in str(e).lower()
 
 
-def _call(fn: Callable[..., Any], *args: Any) -> Any:
+def _call(fn: Callable[..., object], *args: object) -> Any:
     """Call an NVML function that must work; a lost GPU raises :class:`GpuLost`."""
     try:
         return fn(*args)
@@ -239,7 +239,7 @@ def _call(fn: Callable[..., Any], *args: Any) -> Any:
         raise
 
 
-def _try(fn: Callable[..., Any], *args: Any) -> Any:
+def _try(fn: Callable[..., object], *args: object) -> Any:
     """Call an NVML query; None where the GPU or driver does not support it, but a lost GPU
     raises :class:`GpuLost` (an unreachable GPU is a failure, not a missing feature)."""
     try:
@@ -250,7 +250,7 @@ def _try(fn: Callable[..., Any], *args: Any) -> Any:
         return None
 
 
-def _safe(fn: Callable[..., Any], *args: Any) -> Any:
+def _safe(fn: Callable[..., object], *args: object) -> Any:
     """Like :func:`_try`, but a lost GPU is None too (the per-GPU read reports it)."""
     try:
         return fn(*args)

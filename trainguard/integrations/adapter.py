@@ -65,7 +65,7 @@ class FrameworkAdapter:
             raise RuntimeError(f"the {self.framework} integration is used before its train start")
         return self.tg, self.ckpt
 
-    def guard(self, what: str, fn: Callable[[], Any]) -> bool:
+    def guard(self, what: str, fn: Callable[[], object]) -> bool:
         """``fn()`` (a use of a framework internal); False after one warning and an
         ``integration_degraded`` event, and resume is off from here on."""
         ok, _ = guarded(self.tg, self.framework, what, fn)

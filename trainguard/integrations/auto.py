@@ -59,7 +59,7 @@ def _patch_hf(module: ModuleType) -> None:
     original = cls.__init__
 
     @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: Any, *args: object, **kwargs: object) -> None:
         original(self, *args, **kwargs)
         try:
             from trainguard.integrations.hf import TrainGuardCallback
@@ -82,7 +82,7 @@ def _patch_lightning(module: ModuleType) -> None:
     package = module.__name__.split(".trainer")[0]
 
     @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: Any, *args: object, **kwargs: object) -> None:
         original(self, *args, **kwargs)
         try:
             from trainguard.integrations.lightning import _Mixin, callback_class

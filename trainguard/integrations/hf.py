@@ -96,7 +96,7 @@ class TrainGuardCallback(TrainerCallback):
 
     # -- start ----------------------------------------------------------------------------------
     def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
     ) -> None:
         a = self._a
         a.start()
@@ -175,7 +175,7 @@ class TrainGuardCallback(TrainerCallback):
 
     # -- steps ----------------------------------------------------------------------------------
     def on_step_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
     ) -> None:
         if self._a.beat is None:
             return
@@ -202,7 +202,7 @@ class TrainGuardCallback(TrainerCallback):
         self._spent += time.perf_counter() - t0
 
     def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
     ) -> TrainerControl | None:
         if self._a.beat is None:
             return None
@@ -225,7 +225,7 @@ class TrainGuardCallback(TrainerCallback):
         return control
 
     def on_save(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
     ) -> None:
         if self._a.preempted:
             self._a.finish()
@@ -237,7 +237,7 @@ class TrainGuardCallback(TrainerCallback):
         state: TrainerState,
         control: TrainerControl,
         logs: dict[str, Any] | None = None,
-        **kw: Any,
+        **kw: object,
     ) -> None:
         # every rank gets the same (reduced) values: one series, from rank 0
         telemetry = self._a.telemetry
@@ -253,7 +253,7 @@ class TrainGuardCallback(TrainerCallback):
         self._spent += time.perf_counter() - t0
 
     def on_train_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
     ) -> None:
         self._a.finish()
         if self._a.preempted:

@@ -170,7 +170,7 @@ class RecoveryPlugin(AgentPlugin):
             ledger.record_checkpoint(step)
             self._published_step = step
 
-    def _emit_decision(self, ctx: AgentContext, d: RecoveryDecision, **extra: Any) -> None:
+    def _emit_decision(self, ctx: AgentContext, d: RecoveryDecision, **extra: object) -> None:
         extra = {k: v for k, v in extra.items() if v is not None}
         ctx.events.emit(
             RECOVERY_DECISION,

@@ -131,7 +131,7 @@ class RolloutClient:
         urls: Sequence[str] | None = None,
         *,
         config: RolloutConfig | None = None,
-        events: Callable[..., Any] | None = None,
+        events: Callable[..., object] | None = None,
         start: bool = True,
         identities: IdentitySource | None = None,
         token: str | None = None,
@@ -184,7 +184,7 @@ class RolloutClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _emit(self, kind: str, **fields: Any) -> None:
+    def _emit(self, kind: str, **fields: object) -> None:
         if self._events is not None:
             try:
                 self._events(kind, **fields)
@@ -271,7 +271,9 @@ class RolloutClient:
         """Engines last seen serving ``version``."""
         return self.table.urls_at(version)
 
-    def sync_weights(self, version: int, *, rewrite: Callable[[], Any] | None = None) -> SyncResult:
+    def sync_weights(
+        self, version: int, *, rewrite: Callable[[], object] | None = None
+    ) -> SyncResult:
         """Make ``version`` the trainer's version and push it to every live engine in
         parallel (each loads it from the job's weight store: publish it there first). Returns
         after every engine confirmed or the timeout passed; an engine

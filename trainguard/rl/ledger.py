@@ -130,7 +130,9 @@ class ConsumedLog:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
 
-    def append(self, step: int, positions: list[int], prompt_ids: list[int], **extra: Any) -> None:
+    def append(
+        self, step: int, positions: list[int], prompt_ids: list[int], **extra: object
+    ) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         line = json.dumps({"step": step, "positions": positions, "ids": prompt_ids, **extra})
         fd = open_append(self.path)  # never through a symlink

@@ -136,7 +136,7 @@ class RewardClient:
         timeout_s: float = 30.0,
         max_attempts: int = 6,
         retry_wait_s: float = 0.5,
-        events: Callable[..., Any] | None = None,
+        events: Callable[..., object] | None = None,
         token: str | None = None,
     ) -> None:
         """``token``: the job's ``reward`` token (default: ``$TRAINGUARD_REWARD_TOKEN``): every
@@ -190,7 +190,7 @@ class RewardClient:
         except MalformedAnswer as e:
             raise _Failed(MALFORMED, e.detail) from None
 
-    def _emit(self, kind: str, **fields: Any) -> None:
+    def _emit(self, kind: str, **fields: object) -> None:
         if self._events is not None:
             try:
                 self._events(kind, **fields)

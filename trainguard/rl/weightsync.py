@@ -45,7 +45,7 @@ class WeightSync:
         config: RolloutConfig,
         *,
         fingerprints: Callable[[int], dict[str, Any] | None] | None = None,
-        events: Callable[..., Any] | None = None,
+        events: Callable[..., object] | None = None,
     ) -> None:
         self.table = table
         self.pool = pool
@@ -70,7 +70,7 @@ class WeightSync:
         raw = self.table.call(eng, "POST", WEIGHT_UPDATE_PATH, body, timeout)
         return parse_weight_update(raw).version
 
-    def sync(self, version: int, *, rewrite: Callable[[], Any] | None = None) -> SyncResult:
+    def sync(self, version: int, *, rewrite: Callable[[], object] | None = None) -> SyncResult:
         table = self.table
         table.set_policy_version(version)
         timeout = self.timeout_s()
@@ -207,7 +207,7 @@ class WeightSync:
         missed: list[str],
         timeout: float,
         failed: dict[str, str],
-        rewrite: Callable[[], Any] | None,
+        rewrite: Callable[[], object] | None,
     ) -> tuple[list[str], list[str]]:
         """Check every engine that confirmed ``version``; quarantine those whose update
         failed; refit again (up to ``refit_attempts`` in all) the quarantined ones: only

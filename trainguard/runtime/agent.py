@@ -129,7 +129,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         return self.ctx.warm_pool
 
     # -- requeue (the one place that decides it) ------------------------------------------------
-    def _mark_requeue(self, **fields: Any) -> None:
+    def _mark_requeue(self, **fields: object) -> None:
         if self.requeue:
             return
         self.requeue = True
@@ -229,7 +229,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
             return {local.get(lr, lr): pid for lr, pid in by_local.items()}
         return {r: s.pid for r, s in self.worker_progress().items() if s.pid}
 
-    def _call(self, hook: str, *args: Any) -> list[Any]:
+    def _call(self, hook: str, *args: object) -> list[Any]:
         """Every plugin's ``hook``; the first :class:`AgentExit` one raises is raised after the
         others ran (each plugin still sees a failure that ends the agent), except before a
         rendezvous: a node kept out does no more preflight work."""
@@ -589,7 +589,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
         if close is None:
             return
 
-        def close_marking_teardown(*args: Any, **kwargs: Any) -> Any:
+        def close_marking_teardown(*args: object, **kwargs: object) -> Any:
             if not isinstance(sys.exc_info()[1], SignalException):
                 self._await_own_failures(pcontext)
                 self._mark_teardown()

@@ -202,7 +202,7 @@ def _resolve_run_dir(cfg: TrainGuardConfig, run_id: str) -> Path:
     return Path(cfg.runtime.runs_root) / name
 
 
-def _entrypoint_name(entrypoint: Callable[..., Any] | str | None, args: Sequence[str]) -> str:
+def _entrypoint_name(entrypoint: Callable[..., object] | str | None, args: Sequence[str]) -> str:
     # Same rule as torch.distributed.launcher.api._get_entrypoint_name (the report's title).
     if callable(entrypoint):
         return entrypoint.__name__
@@ -245,7 +245,7 @@ def _handle_preemption_signals(configured: str, preemption_signals: list[str]) -
     return added
 
 
-def _log_preemption_notice(signum: int, frame: Any) -> None:
+def _log_preemption_notice(signum: int, frame: object) -> None:
     logger.warning(
         "trainguard run: %s received; the workers got it from the scheduler too and save "
         "a checkpoint; the agent keeps watching them",
@@ -268,7 +268,7 @@ def _direct_preemption_signals(configured: str, preemption_signals: list[str]) -
 
 def _worker_spec(
     config: LaunchConfig,
-    entrypoint: Callable[..., Any] | str,
+    entrypoint: Callable[..., object] | str,
     args: list[str],
     *,
     node: str,
@@ -469,7 +469,7 @@ def _announce_chaos(events: EventLog) -> None:
 
 def launch(
     config: LaunchConfig,
-    entrypoint: Callable[..., Any] | str,
+    entrypoint: Callable[..., object] | str,
     args: list[str],
     *,
     tg_config: TrainGuardConfig,
@@ -572,7 +572,7 @@ def load_tg_config(args: argparse.Namespace) -> TrainGuardConfig:
 
 def prepare(
     args: argparse.Namespace,
-) -> tuple[LaunchConfig, Callable[..., Any] | str, list[str], TrainGuardConfig, Path]:
+) -> tuple[LaunchConfig, Callable[..., object] | str, list[str], TrainGuardConfig, Path]:
     """Validate and resolve everything; raises UsageError/ConfigError on bad input."""
     _validate(args)
     tg_config = load_tg_config(args)

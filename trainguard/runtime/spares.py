@@ -68,7 +68,7 @@ BEACON_PREFIX = "trainguard/liveness/"
 LEFT = "left"
 """A beacon's value once its agent has exited (removed at once, no silence to wait for)."""
 
-Emit = Callable[..., Any]
+Emit = Callable[..., object]
 
 C10D_STORE_LOST = (
     "trainguard run: the rendezvous store is gone: with --rdzv-backend c10d it is a TCPStore "

@@ -81,7 +81,7 @@ class CountingMetricExporter(MetricExporter):
         self.num_failures = 0
 
     def export(
-        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: object
     ) -> MetricExportResult:
         try:
             result = self.inner.export(metrics_data, timeout_millis=timeout_millis)
@@ -103,7 +103,7 @@ class CountingMetricExporter(MetricExporter):
         except Exception:
             return False
 
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: object) -> None:
         try:
             self.inner.shutdown(timeout_millis=timeout_millis)
         except Exception:
@@ -178,7 +178,7 @@ class JsonlMetricExporter(MetricExporter):
         self._file = _JsonlFile(Path(path))
 
     def export(
-        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: object
     ) -> MetricExportResult:
         lines = []
         for rm in metrics_data.resource_metrics:
@@ -206,7 +206,7 @@ class JsonlMetricExporter(MetricExporter):
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         return True
 
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: object) -> None:
         return None
 
 

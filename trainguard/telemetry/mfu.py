@@ -65,7 +65,7 @@ def transformer_flops_per_token(
     return 6.0 * num_params + 6.0 * num_layers * num_heads * head_dim * seq_len
 
 
-def count_flops(fn: Callable[[], Any]) -> tuple[Any, float]:
+def count_flops(fn: Callable[[], object]) -> tuple[Any, float]:
     """Run ``fn()`` under ``torch.utils.flop_counter.FlopCounterMode``; return (result, FLOPs)."""
     from torch.utils.flop_counter import FlopCounterMode
 

@@ -57,11 +57,11 @@ class PrometheusBridge(MetricReader):
         self._data: MetricsData | None = None
 
     def _receive_metrics(
-        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: object
     ) -> None:
         self._data = metrics_data
 
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: object) -> None:
         self._data = None
 
     def families(self) -> Iterator[Metric]:

@@ -117,7 +117,7 @@ class SpanRecorder:
         *,
         events: list[dict[str, Any]] | None = None,
         status: str | None = None,
-        **attributes: Any,
+        **attributes: object,
     ) -> None:
         rec: dict[str, Any] = {
             "time": end,
@@ -139,7 +139,7 @@ class SpanRecorder:
         self._write(rec)
 
     @contextmanager
-    def span(self, name: str, **attributes: Any) -> Iterator[None]:
+    def span(self, name: str, **attributes: object) -> Iterator[None]:
         """Time a block; recorded as a span when the enclosing step is sampled."""
         t0 = time.perf_counter()
         sampled = self._sampled

@@ -468,7 +468,7 @@ class TrainGuard:
         self._add_device_info(record)
         return record
 
-    def span(self, name: str, **attributes: Any) -> Any:
+    def span(self, name: str, **attributes: object) -> Any:
         """``with tg.span("rollout"):`` times a block; a child span of the current step
         (recorded when the step is sampled, its duration always summed into the step record)."""
         return self._spans.span(name, **attributes)

@@ -76,13 +76,13 @@ def restartable(fn: Callable[..., T]) -> Callable[..., T]:
     ``trainguard.run(train)``."""
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> T:
+    def wrapper(*args: object, **kwargs: Any) -> T:
         return run(fn, *args, **kwargs)
 
     return wrapper
 
 
-def run(fn: Callable[..., T], *args: Any, backend: str | None = None, **kwargs: Any) -> T:
+def run(fn: Callable[..., T], *args: object, backend: str | None = None, **kwargs: object) -> T:
     """Run ``fn(tg, *args, **kwargs)`` in a fresh default process group (``backend``: torch's
     default for the devices present), restarting it in this process when another rank fails
     (see the module docstring). Returns what ``fn`` returns."""

@@ -39,7 +39,7 @@ class Replicator:
         interval_s: float = 0.01,
         backoff_s: float = 0.5,
         backoff_max_s: float = 60.0,
-        emit: Callable[..., Any] | None = None,
+        emit: Callable[..., object] | None = None,
     ) -> None:
         self.store = store
         self.node = node

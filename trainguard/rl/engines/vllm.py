@@ -624,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
         print(e.message, file=sys.stderr)
         return 2
 
-    def _terminate(signum: int, frame: Any) -> None:  # SIGTERM: vLLM ends its engine core too
+    def _terminate(signum: int, frame: object) -> None:  # SIGTERM: vLLM ends its engine core too
         adapter.close()
         os._exit(0)
 

@@ -78,10 +78,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             raise ValueError("The run id must be a non-empty string.")
         self.accept_pickle = accept_pickle
         """Unpickle a state in torch's own format (an explicit opt-in: see the codec)."""
-        self.on_refused: Callable[..., Any] | None = None
+        self.on_refused: Callable[..., object] | None = None
         """Called as ``on_refused(key=, revision=, reason=)`` once per refused revision (the
         agent emits :data:`STATE_REFUSED_EVENT`); must not raise."""
-        self.on_round_ended: Callable[..., Any] | None = None
+        self.on_round_ended: Callable[..., object] | None = None
         """Called as ``on_round_ended(round=, left=)`` when this node, leaving a complete round
         first, ended it for every node (``left``: the other participants it took out of it,
         the lost node's among them after a node loss); must not raise."""

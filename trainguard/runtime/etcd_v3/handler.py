@@ -206,7 +206,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     return _torch.QuietKeepAliveHandler(node, settings, backend.name, store, holder)
 
 
-def report_rdzv_events(handler: Any, emit: Callable[..., Any]) -> None:
+def report_rdzv_events(handler: Any, emit: Callable[..., object]) -> None:
     """Have the etcd-v3 backend under ``handler`` (torch's dynamic handler) report a refused
     rendezvous state as ``emit(STATE_REFUSED_EVENT, key=, revision=, reason=)`` and a round
     this node ended for every node (it left it first) as ``emit("rdzv_round_ended", round=,
