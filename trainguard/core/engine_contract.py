@@ -23,7 +23,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from trainguard.core import envvars, jsonhttp
 
@@ -180,7 +180,7 @@ class MalformedAnswer(ValueError):
 
 
 # -- guarded JSON ------------------------------------------------------------------------------
-def _bad_constant(name: str) -> Any:
+def _bad_constant(name: str) -> NoReturn:
     raise MalformedAnswer(f"holds {name}, not a number the contract allows")
 
 
@@ -209,7 +209,7 @@ def guarded(fn: _F) -> _F:
     """``fn`` raises :class:`MalformedAnswer` for any exception (a parser's bug or an answer
     nobody foresaw included): nothing else ever leaves a parser."""
 
-    def wrapper(*args: object, **kwargs: object) -> Any:
+    def wrapper(*args: object, **kwargs: object) -> object:
         try:
             return fn(*args, **kwargs)
         except MalformedAnswer:
@@ -233,7 +233,7 @@ def _obj(raw: bytes | str | dict[str, Any], what: str, max_bytes: int) -> dict[s
     return obj
 
 
-def _int(v: Any, what: str, lo: int, hi: int, *, optional: bool = False) -> Any:
+def _int(v: object, what: str, lo: int, hi: int, *, optional: bool = False) -> Any:
     if v is None and optional:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
@@ -241,7 +241,7 @@ def _int(v: Any, what: str, lo: int, hi: int, *, optional: bool = False) -> Any:
     return v
 
 
-def _num(v: Any, what: str, lo: float, hi: float) -> float:
+def _num(v: object, what: str, lo: float, hi: float) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise MalformedAnswer(f"{what} must be a number, got {_short(v)}")
     if isinstance(v, int) and not -(10**18) <= v <= 10**18:
@@ -252,7 +252,7 @@ def _num(v: Any, what: str, lo: float, hi: float) -> float:
     return f
 
 
-def _str(v: Any, what: str, limit: int, *, optional: bool = False) -> Any:
+def _str(v: object, what: str, limit: int, *, optional: bool = False) -> Any:
     if v is None and optional:
         return None
     if not isinstance(v, str) or len(v) > limit:
@@ -260,7 +260,7 @@ def _str(v: Any, what: str, limit: int, *, optional: bool = False) -> Any:
     return v
 
 
-def _short(v: Any) -> str:
+def _short(v: object) -> str:
     s = repr(v) if not isinstance(v, int) or abs(v) < 10**30 else "a huge integer"
     return s[:60]
 

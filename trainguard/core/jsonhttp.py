@@ -67,7 +67,7 @@ def loads_bounded(raw: bytes | str, *, max_depth: int = MAX_REQUEST_DEPTH) -> An
         obj = json.loads(raw)
     except RecursionError:
         raise ValueError(f"JSON nested deeper than {max_depth} levels") from None
-    stack: list[tuple[Any, int]] = [(obj, 1)]
+    stack: list[tuple[object, int]] = [(obj, 1)]
     while stack:
         o, d = stack.pop()
         if isinstance(o, (dict, list)):
@@ -266,7 +266,7 @@ def request(
     port: int,
     method: str,
     path: str,
-    body: Any = None,
+    body: object = None,
     *,
     timeout: float,
     max_bytes: int,

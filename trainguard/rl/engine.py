@@ -180,7 +180,7 @@ class _Sampling:
     """Set: each choice also has ``prompt_token_ids`` and ``prompt_logprobs`` (the first
     None), computed under the same weights as the choice (what a refit check compares)."""
 
-    def key(self) -> tuple[Any, ...]:
+    def key(self) -> tuple[int, float, float, bool]:
         return (self.max_tokens, self.temperature, self.top_p, self.seed is None)
 
     def prompt_seeds(self, count: int) -> list[int] | None:
@@ -340,7 +340,7 @@ class Engine:
                 logger.exception("engine: weight store check failed")
 
     # -- generation --------------------------------------------------------------------------
-    def parse(self, body: Any) -> tuple[list[str], _Sampling]:
+    def parse(self, body: object) -> tuple[list[str], _Sampling]:
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         if body.get("stream"):
@@ -400,7 +400,7 @@ class Engine:
                     break
                 batch.append(job)
                 size += len(job.prompts) * job.sampling.n
-            groups: dict[tuple[Any, ...], list[_Job]] = {}
+            groups: dict[tuple[int, float, float, bool], list[_Job]] = {}
             for job in batch:
                 groups.setdefault(job.sampling.key(), []).append(job)
             for jobs in groups.values():

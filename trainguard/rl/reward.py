@@ -36,7 +36,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
 from urllib.parse import urlsplit
 
 from trainguard.core import envvars, jsonhttp
@@ -167,7 +166,7 @@ class RewardClient:
         """Headers every request to a reward server carries (none here)."""
         return {}
 
-    def _post(self, host: str, port: int, body: Any, expected: int) -> list[float]:
+    def _post(self, host: str, port: int, body: object, expected: int) -> list[float]:
         """One request's rewards, parsed by the contract's parser; _Failed otherwise."""
         try:
             resp = jsonhttp.request(

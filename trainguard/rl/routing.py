@@ -119,7 +119,7 @@ class EngineTable:
         eng: EngineRecord,
         method: str,
         path: str,
-        body: Any,
+        body: object,
         timeout: float,
         max_bytes: int = MAX_ANSWER_BYTES,
     ) -> bytes:

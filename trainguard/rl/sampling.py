@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SEED_MAX", "SeededSampler", "prompt_seed", "request_seed", "sample_seed"]
 
@@ -56,15 +59,15 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def _uniform(seeds: Any, step: int) -> Any:
+def _uniform(seeds: torch.Tensor, step: int) -> torch.Tensor:
     """One uniform in [0, 1) per row: SplitMix64 of (row seed, step), in int64 tensor
     arithmetic (wrapping, logical shifts), so every row of every step is one vector op."""
     import torch
 
-    def shr(z: Any, k: int) -> Any:
+    def shr(z: torch.Tensor, k: int) -> torch.Tensor:
         return (z >> k) & ((1 << (64 - k)) - 1)
 
-    def const(x: int) -> Any:
+    def const(x: int) -> torch.Tensor:
         return torch.tensor(_signed(x % (1 << 64)), dtype=torch.int64)
 
     z = seeds * const(_GOLDEN) + const((step + 1) * _GOLDEN)
@@ -91,7 +94,7 @@ class SeededSampler:
         self.step = 0
         self.logprobs: list[list[float]] = [[] for _ in seeds]
 
-    def __call__(self, input_ids: Any, scores: Any) -> Any:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         import torch
 
         logits = scores.float() / self.temperature

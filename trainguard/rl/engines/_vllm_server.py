@@ -232,7 +232,7 @@ class VllmServer:
             p.wait()
 
     def request(
-        self, method: str, path: str, body: Any = None, timeout: float = 60.0
+        self, method: str, path: str, body: object = None, timeout: float = 60.0
     ) -> tuple[int, Any]:
         """``(HTTP status, parsed JSON or None)``; OSError when it does not answer."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)

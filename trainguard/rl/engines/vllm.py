@@ -365,7 +365,7 @@ class VllmAdapter:
             logger.error("%s: restoring version %s failed: %s", self.who(), prev, e.message)
             return False
 
-    def _admin(self, method: str, path: str, body: Any) -> Any:
+    def _admin(self, method: str, path: str, body: object) -> Any:
         assert self.server is not None
         try:
             code, ans = self.server.request(method, path, body, timeout=120)
@@ -386,7 +386,7 @@ class VllmAdapter:
             shutil.rmtree(self._dirs.pop(v), ignore_errors=True)
 
     # -- generation --------------------------------------------------------------------------
-    def complete(self, body: Any) -> dict[str, Any]:
+    def complete(self, body: object) -> dict[str, Any]:
         """The contract's completion answer for ``body`` (AdapterError otherwise)."""
         if not isinstance(body, dict):
             raise AdapterError(400, "the request body must be a JSON object")
