@@ -58,6 +58,7 @@ from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed import ProcessGroup
 
 __all__ = ["SdcGuard", "digest", "known_answer_gemm_ok", "replicated_tensors"]
 
@@ -164,7 +165,7 @@ def digest(tensors: list[torch.Tensor]) -> tuple[int, int]:
     return int(per.sum()), int((per * weights).sum())
 
 
-def known_answer_gemm_ok(device: Any) -> bool:
+def known_answer_gemm_ok(device: torch.device) -> bool:
     """Multiply two fixed small-integer matrices on ``device`` (float32: every product and sum
     is exact) and compare with the product computed in int64 on the CPU."""
     import torch
@@ -261,7 +262,7 @@ class SdcGuard:
         return step + max(1, math.ceil(wait_s / per_step - 1e-9))
 
     # -- the check (collective: every rank, the same step) ---------------------------------
-    def check(self, step: int, state: MutableMapping[str, Any], group: Any) -> bool:
+    def check(self, step: int, state: MutableMapping[str, Any], group: ProcessGroup | None) -> bool:
         """Compare the ranks' replicas at ``step``. True: they agree (or the checks are off),
         the caller goes on (and may save); False: a corruption was found and ``state`` rolled
         back to the last agreed step (``tg.step_num`` moved there)."""
@@ -326,7 +327,7 @@ class SdcGuard:
         tensors: list[torch.Tensor],
         digests: list[tuple[int, int]],
         replaying: bool,
-        group: Any,
+        group: ProcessGroup | None,
     ) -> bool:
         world = len(digests)
         top, n = Counter(digests).most_common(1)[0]
@@ -367,7 +368,7 @@ class SdcGuard:
             return self._diverged
         return step if first != mine else _NEVER
 
-    def _after_replay(self, step: int, divergence: list[int], group: Any) -> None:
+    def _after_replay(self, step: int, divergence: list[int], group: ProcessGroup | None) -> None:
         """The redo of ``step`` agreed (the fault did not come back). ``divergence``: each
         rank's first boundary at which its first run differs from the redo. A corruption on
         rank b in step f makes b's state differ from the boundary f + 1 on; the all-reduce of
@@ -383,7 +384,7 @@ class SdcGuard:
         else:
             self._tie_break(step, list(range(self.tg.world_size)), group)
 
-    def _tie_break(self, step: int, suspects: list[int], group: Any) -> None:
+    def _tie_break(self, step: int, suspects: list[int], group: ProcessGroup | None) -> None:
         import torch
         import torch.distributed as dist
 
@@ -402,7 +403,7 @@ class SdcGuard:
                   "(replay and a known-answer GEMM on every rank agreed)", file=sys.stderr,
                   flush=True)  # fmt: skip
 
-    def _device(self) -> Any:
+    def _device(self) -> torch.device:
         import torch
         import torch.distributed as dist
 
@@ -410,7 +411,7 @@ class SdcGuard:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _verdict(self, step: int, ranks: list[int], how: str, group: Any) -> None:
+    def _verdict(self, step: int, ranks: list[int], how: str, group: ProcessGroup | None) -> None:
         tg = self.tg
         self.verdicts += 1
         stop = self.verdicts > self.config.max_verdicts
@@ -520,7 +521,7 @@ class SdcGuard:
         os._exit(DO_NOT_REQUEUE_EXIT_CODE)
 
 
-def _device_name(dev: Any) -> str:
+def _device_name(dev: torch.device) -> str:
     import torch
 
     if dev.type == "cuda":

@@ -39,9 +39,12 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard.core.config.fleet import FleetConfig
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SniffRunner"]
 
@@ -58,7 +61,7 @@ _STANDING = 10
 """Sniffs of a rank's standing among the others a suspicion is judged against."""
 
 
-def device_model(dev: Any) -> str:
+def device_model(dev: torch.device) -> str:
     import torch
 
     if dev.type == "cuda":
@@ -220,7 +223,7 @@ class SniffRunner:
             self.next_step = int(regular)
 
     # -- one sniff -----------------------------------------------------------------------------
-    def _device(self, dist: Any) -> Any:
+    def _device(self, dist: Any) -> torch.device:
         import torch
 
         if (
@@ -231,7 +234,7 @@ class SniffRunner:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _gemm(self, dev: Any, runs: int = _GEMM_RUNS) -> tuple[float, int, str]:
+    def _gemm(self, dev: torch.device, runs: int = _GEMM_RUNS) -> tuple[float, int, str]:
         import torch
 
         cuda = dev.type == "cuda"
