@@ -109,7 +109,7 @@ def test_flipped_gradient_bit_found_named_and_rolled_back(tmp_path: Path) -> Non
     env = base_env()
     env["TRAINGUARD_CHAOS"] = "sdc:rank=1,step=13,bit=20,param=0,index=9"
     env["TRAINGUARD_SDC_ENABLED"] = "true"
-    env["TRAINGUARD_SDC_EVERY_STEPS"] = "8"  # checks at 1, 9, 17, ... (and every persist)
+    env["TRAINGUARD_SDC_EVERY_STEPS"] = "8"  # checks at 1, 9, 17, ... (and every save)
     env["TRAINGUARD_RUNTIME_RUNS_ROOT"] = str(tmp_path)  # the fleet database
     cmd = [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
            "--tg-run-dir", str(run_dir), EXAMPLE, "--steps", "30", "--ckpt-every", "15",
@@ -119,27 +119,33 @@ def test_flipped_gradient_bit_found_named_and_rolled_back(tmp_path: Path) -> Non
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     kinds = [e["kind"] for e in events]
     (suspect,) = [e for e in events if e["kind"] == "sdc_suspect"]
-    # the flip is in step 13's optimizer step; the boundary of 14 steps done is the first to
-    # see it, the check at 15 (a persist) found it: no checkpoint of the corrupted state
-    assert suspect["step"] == 15 and suspect["localise"] == "replay", suspect
-    assert suspect["last_agreed_step"] == 9
+    # the flip is in step 13's optimizer step: the boundary of 14 steps done is the first to
+    # see it. Every save is checked first (memory-tier snapshots included), so the first check
+    # from 14 on finds it, and the one before it is the last agreed state
+    recs = (run_dir / "metrics" / "rank_0.jsonl").read_text().splitlines()
+    checks = [r["step"] for r in map(json.loads, recs) if r.get("kind") == "sdc_check"]
+    found = next(s for s in checks if s >= 14)
+    agreed = max(s for s in checks[: checks.index(found)])
+    assert suspect["step"] == found and 14 <= found <= 15, (suspect, checks)
+    assert suspect["localise"] == "replay", suspect
+    assert suspect["last_agreed_step"] == agreed <= 13
     (rollback,) = [e for e in events if e["kind"] == "sdc_rollback"]
-    assert rollback["restored_step"] <= 9
+    assert rollback["bad_step"] == found and rollback["restored_step"] <= agreed
     (verdict,) = [e for e in events if e["kind"] == "sdc_verdict"]
     assert verdict["ranks"] == [1] and verdict["localise"] == "replay", verdict
     (named,) = [e for e in events if e["kind"] == "sdc_rank_named"]
     assert named["rank"] == 1 and named["device"] == "cpu"
     committed = [e for e in events if e["kind"] == "checkpoint_committed"]
     before = [e["step"] for e in committed if e["time"] < rollback["time"]]
-    assert 15 not in before and [e["step"] for e in committed][-2:] == [15, 30], committed
+    assert all(s < found for s in before) and [e["step"] for e in committed][-2:] == [15, 30]
     assert kinds.index("sdc_verdict") > kinds.index("sdc_rollback")
-    assert "silent data corruption at step 15: rank(s) 1" in p.stderr
+    assert f"silent data corruption at step {found}: rank(s) 1" in p.stderr
     # the named rank's node is in the fleet database with cause sdc
     from trainguard.fleet.db import open_db
 
     with open_db("", runs_root=tmp_path) as db:
         (record,) = [r for r in db.history() if r.kind == "sdc"]
-    assert record.cause == "sdc" and record.detail["rank"] == 1 and record.detail["step"] == 15
+    assert record.cause == "sdc" and record.detail["rank"] == 1 and record.detail["step"] == found
     # the rollback and the redo end where a run without the flip ends, bitwise
     assert_same_as_reference(tmp_path / "final.pt", 30)
     assert os.path.getsize(tmp_path / "final.pt") > 0
