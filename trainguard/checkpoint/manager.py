@@ -512,6 +512,8 @@ class CheckpointManager:
             max_step=max_step,
             min_step=min_step,
         ).run(state, use_memory=use_memory)
+        if step is not None and max_step is None and min_step is None:
+            self._persist_owed(step, state)
         if step is not None:
             for fn in self._restore_listeners:
                 fn(step)
@@ -531,6 +533,25 @@ class CheckpointManager:
             for fn in self._restore_listeners:
                 fn(step)
         return step
+
+    def _persist_owed(self, step: int, state: Mapping[str, Any]) -> None:
+        """Collective, after a restore of ``step``: a restart from the memory tier can resume
+        from a snapshot newer than the disk's newest checkpoint. Where a persist of the step
+        cadence was due at or before ``step`` and never committed (the worker died while it
+        was in flight), the restored state is persisted now: the disk keeps its cadence (a
+        restart from disk redoes at most one interval)."""
+        every = self.config.every_steps
+        if not self.config.enabled or every <= 0 or step < every:
+            return
+        owed = False
+        if self.rank == 0:  # one rank's listing: the same answer on every rank
+            committed = mf.committed_steps(self.storage, self.root)
+            owed = not committed or committed[-1] < step // every * every
+        (owed,) = self.consensus.agree(owed)
+        if owed:
+            logger.info("persisting the restored step %d (the disk's last due save is missing)",
+                        step)  # fmt: skip
+            self._save_agreed(step, state, persist=True)
 
     def discard_snapshots_after(self, step: int) -> None:
         """Drop this rank's memory-tier snapshots of steps after ``step`` (after a rollback
