@@ -137,6 +137,12 @@ def test_from_run_reproduces_measured_goodput(
     assert run["failures"] == 1
     costs = run["costs"]
     assert costs["memory_every_steps"] == 1 and costs["disk_every_steps"] == 20
+    # the save at step 40 dies in flight with the worker; the restart from the memory tier at
+    # step 40 persists it again (the disk keeps its cadence)
+    from trainguard.core.events import read_events
+
+    commits = [e for e in read_events(failed_run) if e["kind"] == "checkpoint_committed"]
+    assert [e["step"] for e in commits] == [20, 40, 60, 80], commits
     assert costs["memory_restore_s"] is not None  # resumed from the memory tier
     assert costs["restart_s"] > 0.5 and costs["startup_s"] > 0.5
     measured = _measured_ettr(failed_run)
