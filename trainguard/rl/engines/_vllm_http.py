@@ -25,7 +25,7 @@ class AdapterError(HTTPError):
 
 class _Adapter(Protocol):
     version: int | None
-    status: str
+    status: S
     config: Any
 
     def health(self) -> dict[str, Any]: ...
