@@ -27,6 +27,7 @@
     roles/<role>/<i>.log                  its output (stdout and stderr, every restart)
     roles/<role>/standby-<k>.json|.log    a warm standby's state and output (``standby = N``)
     roles/<role>/standby-<k>.<n>.promote  the order that promoted its n-th start to a replica
+    roles/router.log                      the fleet endpoint's output (``[roles] router``)
 
 A dump directory (:class:`DumpDir`, the hang-dump protocol):
 
@@ -219,11 +220,11 @@ class RunDir:
         """The telemetry plugin's files (each node's metrics, traces and summary)."""
         return self.root / "telemetry"
 
-    def telemetry_file(self, kind: str, node: str) -> Path:
-        """``kind`` = ``metrics`` or ``traces`` (JSONL, appended), ``summary`` (JSON, at the end)
+    def telemetry_file(self, what: str, node: str) -> Path:
+        """``what`` = ``metrics`` or ``traces`` (JSONL, appended), ``summary`` (JSON, at the end)
         of ``node``."""
-        suffix = "json" if kind == "summary" else "jsonl"
-        return self.telemetry / f"{kind}_{node}.{suffix}"
+        suffix = "json" if what == "summary" else "jsonl"
+        return self.telemetry / f"{what}_{node}.{suffix}"
 
     def prometheus_endpoint(self, node: str) -> Path:
         """Where the agent of ``node`` writes its Prometheus endpoint (``host``, ``port``,
@@ -279,6 +280,11 @@ class RunDir:
         """The state of one replica (JSON: pid, port, url, state, restarts, weight_version,
         timestamps), replaced atomically at each change."""
         return self.roles / role / f"{replica}.json"
+
+    @property
+    def router_log(self) -> Path:
+        """The fleet endpoint's output (``[roles] router``), appended to across its restarts."""
+        return self.roles / "router.log"
 
     def role_log(self, role: str, replica: int) -> Path:
         """The output of one replica, appended to across its restarts."""
