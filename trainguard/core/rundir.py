@@ -219,11 +219,11 @@ class RunDir:
         """The telemetry plugin's files (each node's metrics, traces and summary)."""
         return self.root / "telemetry"
 
-    def telemetry_file(self, kind: str, node: str) -> Path:
-        """``kind`` = ``metrics`` or ``traces`` (JSONL, appended), ``summary`` (JSON, at the end)
+    def telemetry_file(self, what: str, node: str) -> Path:
+        """``what`` = ``metrics`` or ``traces`` (JSONL, appended), ``summary`` (JSON, at the end)
         of ``node``."""
-        suffix = "json" if kind == "summary" else "jsonl"
-        return self.telemetry / f"{kind}_{node}.{suffix}"
+        suffix = "json" if what == "summary" else "jsonl"
+        return self.telemetry / f"{what}_{node}.{suffix}"
 
     def prometheus_endpoint(self, node: str) -> Path:
         """Where the agent of ``node`` writes its Prometheus endpoint (``host``, ``port``,
