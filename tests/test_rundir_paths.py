@@ -17,9 +17,6 @@ STILL_SPELLED = {
     # The rollout fleet's modules, being restructured: LocalEngines' logs (RunDir.role_log) and
     # the weight store (RunDir.weights); empty this set then.
     ("rl/weights.py", "rl"),
-    # A Hugging Face checkpoint directory's own config.json (the model's), not the run's
-    ("rl/engines/vllm.py", "config.json"),
-    ("rl/tiny.py", "config.json"),
 }
 """(module, name) joins left outside RunDir."""
 

@@ -55,9 +55,16 @@ VOCABULARIES = [
     Vocabulary(
         "role name (trainguard.core.contract.ROLES)",
         frozenset(contract.ROLES),
-        # envvars.ROLE_URLS: role → its URL variable, keyed by every role (held equal to
-        # ROLES below; envvars imports nothing of trainguard: workers read it at start-up)
-        frozenset({("core/contract.py", "ROLES"), ("core/envvars.py", "ROLE_URLS")}),
+        # envvars.ROLE_URLS / ROLE_TOKENS: role → its URL / token variable, keyed by every role
+        # (held equal to ROLES below; envvars imports nothing of trainguard: workers read it at
+        # start-up)
+        frozenset(
+            {
+                ("core/contract.py", "ROLES"),
+                ("core/envvars.py", "ROLE_URLS"),
+                ("core/envvars.py", "ROLE_TOKENS"),
+            }
+        ),
         2,
     ),
 ]
@@ -171,6 +178,7 @@ def test_derived_tuples_match_their_enums() -> None:
     assert contract.ATTRIBUTION_CAUSES == tuple(c.value for c in Cause)
     assert ROLE_NAMES == contract.ROLES
     assert set(envvars.ROLE_URLS) == set(contract.ROLES)
+    assert set(envvars.ROLE_TOKENS) == set(contract.ROLES)
 
 
 def test_a_verdict_that_is_an_action_is_that_action() -> None:

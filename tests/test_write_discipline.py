@@ -25,6 +25,14 @@ PKG = Path(__file__).resolve().parent.parent / "trainguard"
 ALLOWED_WRITES: dict[tuple[str, str], str] = {
     ("chaos/ops.py", "corrupt_checkpoint"): "fault injection: corrupts a committed shard in place",
     ("fleet/db.py", "_connect"): "the fleet database in the runs root, outside any run dir",
+    (
+        "chaos/throttle.py",
+        "_make_group",
+    ): "fault injection: a cgroup's control files (the kernel's, written in place by design)",
+    ("chaos/throttle.py", "throttle"): "fault injection: moves a process between cgroups "
+    "(cgroup.procs, the kernel's)",
+    ("rl/engines/_vllm_server.py", "bad_shape_dir"): "fault injection: a damaged weight file in a "
+    "private directory of the drill's",
 }
 
 # (file, function) allowed to call json.loads on what was read from etcd

@@ -27,6 +27,7 @@
     roles/<role>/<i>.log                  its output (stdout and stderr, every restart)
     roles/<role>/standby-<k>.json|.log    a warm standby's state and output (``standby = N``)
     roles/<role>/standby-<k>.<n>.promote  the order that promoted its n-th start to a replica
+    roles/router.log                      the fleet endpoint's output (``[roles] router``)
 
 A dump directory (:class:`DumpDir`, the hang-dump protocol):
 
@@ -279,6 +280,11 @@ class RunDir:
         """The state of one replica (JSON: pid, port, url, state, restarts, weight_version,
         timestamps), replaced atomically at each change."""
         return self.roles / role / f"{replica}.json"
+
+    @property
+    def router_log(self) -> Path:
+        """The fleet endpoint's output (``[roles] router``), appended to across its restarts."""
+        return self.roles / "router.log"
 
     def role_log(self, role: str, replica: int) -> Path:
         """The output of one replica, appended to across its restarts."""

@@ -35,6 +35,9 @@ __all__ = [
 ]
 
 TINY_MODEL = "tiny-gpt2"
+HF_CONFIG = "config.json"
+"""A Hugging Face checkpoint directory's own configuration file (the model's, not the run's)."""
+
 TINY_LLAMA = "tiny-llama"
 WORDS = ["<pad>", "<eos>", "<unk>", *map(str, range(10)), "write", "digits", "please", "now"]
 
@@ -119,7 +122,7 @@ def save_tiny_llama(path: str | os.PathLike[str], seed: int = 0) -> Path:
     and renamed into place, so that processes building it at once (a trainer and its engines)
     all end up reading one whole directory; an existing directory is kept."""
     dest = Path(path)
-    if (dest / "config.json").is_file():
+    if (dest / HF_CONFIG).is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
@@ -129,7 +132,7 @@ def save_tiny_llama(path: str | os.PathLike[str], seed: int = 0) -> Path:
         try:
             tmp.rename(dest)
         except OSError:  # another process renamed its copy first: the same model
-            if not (dest / "config.json").is_file():
+            if not (dest / HF_CONFIG).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core import envvars
+from trainguard.core.atomicfile import make_dirs, open_append
 from trainguard.core.config.roles import RolesConfig
+from trainguard.core.rundir import RunDir
 
 __all__ = ["RouterProcess", "check_router_port"]
 
@@ -108,14 +110,14 @@ class RouterProcess:
         self._spawn()
 
     def _spawn(self) -> None:
-        log_path = self.run_dir / "roles" / "router.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path = RunDir(self.run_dir).router_log
+        make_dirs(log_path.parent)
         cmd = [
             sys.executable, "-m", "trainguard.rl.router", "--host", self.host,
             "--port", str(self.port), "--health-interval-s", str(self.health_interval_s),
             "--node", self.node,
         ]  # fmt: skip
-        with log_path.open("ab") as log:
+        with os.fdopen(open_append(log_path), "ab") as log:  # never through a symlink
             self.proc = subprocess.Popen(
                 cmd,
                 env=self._env,
@@ -139,7 +141,7 @@ class RouterProcess:
                 "fleet endpoint %s exited with %s; restarting it (%s)",
                 self.url,
                 proc.returncode,
-                self.run_dir / "roles" / "router.log",
+                RunDir(self.run_dir).router_log,
             )
             self._next_start = now + _RESTART_BACKOFF_S
         if now >= self._next_start:

@@ -13,6 +13,7 @@ from trainguard.core.engine_contract import (
     WEIGHT_UPDATE_PATH,
     WEIGHTS_PATH,
 )
+from trainguard.core.engine_contract import ReplicaStatus as S
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
 
 __all__ = ["AdapterError", "make_server"]
@@ -24,7 +25,7 @@ class AdapterError(HTTPError):
 
 class _Adapter(Protocol):
     version: int | None
-    status: str
+    status: S
     config: Any
 
     def health(self) -> dict[str, Any]: ...
@@ -85,7 +86,7 @@ class _Handler(JSONHandler):
                 'a version of the job\'s weight store ({"version": v}); publish the weights '
                 "there first",
             )
-        if a.status in ("starting", "standby"):
+        if a.status in (S.STARTING, S.STANDBY):
             raise AdapterError(503, f"engine is {a.status}; it loads the current version itself")
         load_s = a.refit(version)
         self.send_json(200, {"version": version, "load_s": round(load_s, 6)})

@@ -59,6 +59,7 @@ from trainguard.core.engine_contract import (
     own_identity,
     parse_completion,
 )
+from trainguard.core.engine_contract import ReplicaStatus as S
 from trainguard.core.jsonhttp import JSONServer
 from trainguard.rl.engines._vllm_http import AdapterError, make_server
 from trainguard.rl.engines._vllm_server import (
@@ -72,7 +73,7 @@ from trainguard.rl.engines._vllm_server import (
     model_shapes,
     vllm_python,
 )
-from trainguard.rl.tiny import TINY_LLAMA, save_tiny_llama
+from trainguard.rl.tiny import HF_CONFIG, TINY_LLAMA, save_tiny_llama
 from trainguard.rl.weights import WeightStore, default_weight_dir
 
 __all__ = ["AdapterConfig", "VllmAdapter", "main"]
@@ -108,7 +109,7 @@ class VllmAdapter:
 
     def __init__(self, config: AdapterConfig) -> None:
         self.config = config
-        self.status = "starting"
+        self.status = S.STARTING
         self.version: int | None = None
         self.inflight = 0
         self.refits = 0
@@ -155,7 +156,7 @@ class VllmAdapter:
                     f"({type(e).__name__}: {e}); run the adapter with the trainer's Python "
                     "(torch, transformers), or give --model a model directory",
                 ) from None
-        if not (Path(m) / "config.json").is_file():
+        if not (Path(m) / HF_CONFIG).is_file():
             raise AdapterError(
                 400,
                 f"vLLM replica {self.config.replica}: {m!r} is not a Hugging Face model "
@@ -165,7 +166,7 @@ class VllmAdapter:
 
     def _vocab_size(self) -> int | None:
         try:
-            v = json.loads((Path(self.model_dir) / "config.json").read_text()).get("vocab_size")
+            v = json.loads((Path(self.model_dir) / HF_CONFIG).read_text()).get("vocab_size")
         except (OSError, ValueError, AttributeError):
             return None
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
@@ -218,7 +219,7 @@ class VllmAdapter:
             fix = (
                 "see its last lines above (a model vLLM cannot load, an unsupported head size "
                 "or argument)"
-                if self.status == "starting"
+                if self.status == S.STARTING
                 else "see its last lines above; the replica is restarted"
             )
             raise AdapterError(
@@ -234,7 +235,7 @@ class VllmAdapter:
 
     def boot(self) -> None:
         """Load the store's current version (waiting for the first publish), then serve."""
-        self.status = "loading"
+        self.status = S.LOADING
         while not self._stop.is_set():
             cur = self.store.current()
             if cur is not None:
@@ -248,7 +249,7 @@ class VllmAdapter:
                         logger.error("%s", e.message)
                     self._check_alive("while loading weights")
             self._stop.wait(self.config.poll_interval_s / 2)
-        self.status = "serving"
+        self.status = S.SERVING
         logger.info("vllm: %s serving", self.who())
         threading.Thread(target=self._watch, name="vllm-weights", daemon=True).start()
 
@@ -267,7 +268,7 @@ class VllmAdapter:
                 os._exit(3)  # the role supervisor restarts (or replaces) the replica
             try:
                 cur = self.store.current()
-                if cur is not None and (cur.version != self.version or self.status != "serving"):
+                if cur is not None and (cur.version != self.version or self.status != S.SERVING):
                     self.refit(cur.version)
             except AdapterError as e:
                 if e.code not in (404, 422):  # 422: logged once, by _failed
@@ -281,7 +282,7 @@ class VllmAdapter:
         store; 422: not a whole file; 500: vLLM failed) with one line naming what to fix."""
         with self._refit_lock:
             t0 = time.perf_counter()
-            if version == self.version and self.status == "serving":
+            if version == self.version and self.status == S.SERVING:
                 return 0.0  # already loaded (the store watcher was first)
             if self.fatal is not None:
                 raise AdapterError(503, self.fatal)
@@ -318,7 +319,7 @@ class VllmAdapter:
             except AdapterError as e:
                 msg = f"{self.who(version)}: vLLM could not load it ({e.message})"
                 if not self._restore(prev):
-                    self.status = "loading"
+                    self.status = S.LOADING
                     msg += "; it holds no whole version: the replica restarts"
                     self.fatal = msg
                 else:
@@ -328,7 +329,7 @@ class VllmAdapter:
             self._dirs[version] = d
             self._prune()
             self.refits += 1
-            self.status = "serving" if self.status != "standby" else self.status
+            self.status = S.SERVING if self.status != S.STANDBY else self.status
             return time.perf_counter() - t0
 
     def _load(self, d: Path, version: int) -> None:
@@ -399,7 +400,7 @@ class VllmAdapter:
         for i, p in enumerate(prompts):
             if not isinstance(p, str) or not p.strip():
                 raise AdapterError(400, f"prompt {i} must be a non-empty string, got {p!r:.80}")
-        if self.status != "serving":
+        if self.status != S.SERVING:
             raise AdapterError(503, f"engine is {self.status}, not serving yet")
         fault = self._take_fault("http_500", "malformed", "hang")
         if fault == "http_500":
@@ -594,7 +595,7 @@ def _serve(server: JSONServer) -> None:
 def _await_promotion(adapter: VllmAdapter, own: JSONServer, promote: Path) -> None:
     """A role's standby: vLLM started and warm, health ``standby`` on its own port, until the
     promotion file names the port of the replica it replaces; then serve there."""
-    adapter.status = "standby"
+    adapter.status = S.STANDBY
     logger.info("vllm: standby ready; waiting for %s", promote)
     while True:
         try:
@@ -604,7 +605,7 @@ def _await_promotion(adapter: VllmAdapter, own: JSONServer, promote: Path) -> No
         except (OSError, ValueError, KeyError, TypeError):  # absent, or not yet whole
             time.sleep(0.05)
     adapter.config.replica = str(order.get("replica", adapter.config.replica))
-    adapter.status = "loading"
+    adapter.status = S.LOADING
     _serve(_bind_when_free(adapter, port))
     own.shutdown()
     own.server_close()
@@ -643,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         if promote and own is not None:
             _await_promotion(adapter, own, Path(promote))
         elif standby:
-            adapter.status = "loading"
+            adapter.status = S.LOADING
             _serve(_bind_when_free(adapter, cfg.port))
         adapter.boot()
         threading.Event().wait()
