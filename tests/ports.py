@@ -37,8 +37,10 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def free_port() -> int:
-    """A TCP port outside the ephemeral range that no test took before and nothing holds."""
+def free_port(count: int = 1) -> int:
+    """A TCP port outside the ephemeral range that no test took before and nothing holds; with
+    ``count``, the first of that many consecutive such ports (a role's replicas bind
+    ``port + i``: all of them are taken from the counter, none handed to another test)."""
     low, high = 20000, min(_ephemeral_low(), 32768) - 1
     span = high - low + 1
     with open(_STATE, "a+") as f:
@@ -49,10 +51,11 @@ def free_port() -> int:
         for _ in range(span):
             port = low + n % span
             n += 1
-            if _bindable(port):
+            if port + count - 1 <= high and all(_bindable(port + i) for i in range(count)):
+                n += count - 1
                 break
         else:  # pragma: no cover - the whole range held
-            raise RuntimeError(f"no free port in {low}-{high}")
+            raise RuntimeError(f"no {count} free port(s) in {low}-{high}")
         f.seek(0)
         f.truncate()
         f.write(str(n % span))

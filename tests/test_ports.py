@@ -18,3 +18,10 @@ def test_a_port_in_use_is_skipped() -> None:
         port = free_port()
         held.bind(("127.0.0.1", port + 1))
         assert free_port() != port + 1
+
+
+def test_a_block_of_ports_is_taken_whole() -> None:
+    """A role's replicas bind ``port + i``: a block's ports are never handed out again."""
+    first = free_port(3)
+    after = [free_port() for _ in range(20)]
+    assert not {first, first + 1, first + 2} & set(after)

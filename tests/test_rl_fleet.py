@@ -356,7 +356,7 @@ def test_refits_are_verified_and_a_failed_one_quarantines_until_refit(
     client = RolloutClient(
         f.engines.urls, config=RolloutConfig(refit_attempts=3, failure_cooldown_s=0.0),
         events=lambda kind, **kw: events.append((kind, kw)),
-        fingerprints=lambda v: f.store.meta(v).get("fingerprint"),
+        fingerprints=lambda v: f.store.meta(v).get("fingerprint"), token=f.engines.token,
     )  # fmt: skip
     a, b = f.engines.urls
     try:
@@ -376,7 +376,7 @@ def test_refits_are_verified_and_a_failed_one_quarantines_until_refit(
         quarantined = [e for k, e in events if k == "rollout_engine_quarantined"]
         assert {e["engine"] for e in quarantined} == {a} and len(quarantined) >= 3
         assert all(e["version"] == v and "log-probs differ" in e["reason"] for e in quarantined)
-        assert engine_health(f.engines.ports[0])["status"] == "quarantined"  # type: ignore[index]
+        assert health(f.engines.ports[0])["status"] == "quarantined"  # type: ignore[index]
         code, err = post(f.engines.ports[0], "/v1/completions", {"prompt": "write"})
         assert code == 503 and "quarantined" in err["error"]["message"]
         groups = client.generate(PROMPTS[:4], n=2, max_tokens=4)
@@ -386,7 +386,7 @@ def test_refits_are_verified_and_a_failed_one_quarantines_until_refit(
         events.clear()
         res = client.sync_weights(v)
         assert sorted(res.confirmed) == [a, b]
-        assert engine_health(f.engines.ports[0])["status"] == "serving"  # type: ignore[index]
+        assert health(f.engines.ports[0])["status"] == "serving"  # type: ignore[index]
 
         # the file truncated between write and load (before the pointer names it)
         real = weights_mod.write_atomic

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from trainguard.rl.local import LocalEngines
 
+from tests.fleet_engines import LocalEngines
 from tests.launch_utils import REPO, base_env, popen
 from tests.ports import free_port
 from trainguard.rl import ConsumedLog, audit
@@ -32,12 +32,13 @@ def _weights(path: Path) -> dict[str, object]:
 
 
 def _job(
-    tmp: Path, name: str, shared: Path, urls: list[str], *extra: str
+    tmp: Path, name: str, shared: Path, engines: LocalEngines, *extra: str
 ) -> tuple[Path, subprocess.Popen[str]]:
     run = tmp / name
     (run / "rl").mkdir(parents=True)
     (run / "rl" / "weights").symlink_to(shared, target_is_directory=True)
-    env = base_env(OMP_NUM_THREADS="1", TRAINGUARD_ROLLOUT_URLS=",".join(urls),
+    env = base_env(OMP_NUM_THREADS="1", TRAINGUARD_ROLLOUT_URLS=",".join(engines.urls),
+                   TRAINGUARD_ROLLOUT_TOKEN=engines.token,
                    TRAINGUARD_HEALTH_ENABLED="0")  # fmt: skip
     job = popen(
         "trainguard",
@@ -61,7 +62,7 @@ def test_run_through_engine_and_trainer_kills_replays_the_fault_free_weights(
     )
     engines.start()
     try:
-        free, job = _job(tmp_path, "fault_free", shared, engines.urls)
+        free, job = _job(tmp_path, "fault_free", shared, engines)
         _, err = job.communicate(timeout=300)
         assert job.returncode == 0, err[-3000:]
         final = tmp_path / "fault_free.safetensors"
@@ -69,7 +70,7 @@ def test_run_through_engine_and_trainer_kills_replays_the_fault_free_weights(
 
         # the same seed through an engine killed -9 after the first step and the trainer
         # killed -9 (by itself) as step 3 begins
-        faults, job = _job(tmp_path, "faults", shared, engines.urls,
+        faults, job = _job(tmp_path, "faults", shared, engines,
                            "--fail-at-step", "3", "--fail-rank", "0")  # fmt: skip
         log = ConsumedLog(faults / "rl" / "consumed.jsonl")
         deadline = time.monotonic() + 240

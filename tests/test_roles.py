@@ -202,7 +202,7 @@ def test_roles_on_their_own_nodes_are_placed_the_same_everywhere() -> None:
 def test_role_node_replicas_bind_and_are_probed_on_the_node_address(tmp_path: Path) -> None:
     """A role node's supervisor runs only its replicas, bound to the node's address (here
     127.0.0.2, another loopback address), probed there, with that host in their URL."""
-    port = free_port()
+    port = free_port(2)
     cfg = RolesConfig(rollout={"command": REPLICA, "replicas": 2, "nodes": 2, "port": port}, **FAST)
     sup = RoleSupervisor(
         cfg, tmp_path, EventLog(tmp_path), env=base_env(), specs=cfg.specs(),
@@ -223,7 +223,7 @@ def test_role_node_agent_runs_its_replicas_and_reports_a_failure(tmp_path: Path)
     """The agent of a role node (``trainguard slurm roles``) runs the replicas placed on its
     node until the stop file appears; a command it cannot start is one line in the failure
     file, which the trainer's agents end the job with."""
-    port = free_port()
+    port = free_port(3)
     stop, failed = tmp_path / "stop", tmp_path / "failed"
     env = base_env(
         TRAINGUARD_SBATCH_ROLE_NODES="n1=127.0.0.1,n2=127.0.0.2",
@@ -895,7 +895,7 @@ def test_squatter_on_a_replica_port_is_never_the_replica(
     is never counted as the replica; one event names the port and the squatter; the replica
     waits for its port (bounded), is retired, and the role goes on with replica 1 without
     spending its restart budget."""
-    port = free_port()
+    port = free_port(2)
     env = base_env(TRAINGUARD_ROLE_PORT=str(port))
     squatter = subprocess.Popen(REPLICA + ["--squat-incarnation", "forged"], env=env)
     try:

@@ -24,6 +24,8 @@ from trainguard.telemetry.recorder import HUNG_MIN_HOLD_S, MetricsRecorder
 
 T0 = 1_700_000_000.0
 PEAK = 1e12
+E0 = "http://127.0.0.1:8100"
+"""A rollout engine's URL (its role replica's, as the role supervisor names it)."""
 
 
 def synthetic_run() -> tuple[list[dict], list[dict]]:
@@ -118,7 +120,7 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
             "engine": "e1",
             "retried": False,
         },
-        {"time": T0 + 5.6, "kind": "rollout_refit_verified", "engine": "e0", "version": 3},
+        {"time": T0 + 5.6, "kind": "rollout_refit_verified", "engine": E0, "version": 3},
         {"time": T0 + 5.6, "kind": "rollout_engine_quarantined", "engine": "e1", "version": 3},
         {
             "time": T0 + 5.4,
@@ -127,6 +129,7 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
             "replica": 0,
             "restarts": 0,
             "total": 2,
+            "url": E0 + "/",
         },
         {
             "time": T0 + 5.4,
@@ -288,6 +291,12 @@ def test_every_contract_metric_has_name_unit_and_value() -> None:
     assert failed == {r: 0 for r in ROLLOUT_FAILURE_REASONS} | {"refused": 2, "timeout": 1}
     retried = {p.attributes["reason"]: p.value for p in got["trainguard.rl.rollout.retried"][1]}
     assert retried == {r: 0 for r in ROLLOUT_FAILURE_REASONS} | {"refused": 2}
+    # the refit checks per engine: exported from 0 for each engine the rollout role started
+    refits = {
+        check: {p.attributes["engine"]: p.value for p in got[f"trainguard.rl.refit.{check}"][1]}
+        for check in ("verified", "quarantined")
+    }
+    assert refits == {"verified": {E0: 1}, "quarantined": {E0: 0, "e1": 1}}
     fleet = {"node": "n0", "role": "rollout"}
     assert point(got["trainguard.role.replicas.serving"][1], **fleet).value == 1
     assert point(got["trainguard.role.replicas.total"][1], **fleet).value == 2

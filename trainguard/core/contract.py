@@ -296,7 +296,8 @@ METRICS: tuple[MetricSpec, ...] = (
         unit="{refit}",
         kind="counter",
         description=_RL + "refits checked by a client before it routed to the engine (the "
-        "engine's log-probs of the trainer's fingerprint texts matched), per engine.",
+        "engine's log-probs of the trainer's fingerprint texts matched), per engine (exported "
+        "from 0 for each replica of the job's rollout role).",
         attributes=("node", "engine"),
     ),
     MetricSpec(
@@ -305,7 +306,7 @@ METRICS: tuple[MetricSpec, ...] = (
         kind="counter",
         description=_RL + "failed refits (an update error, or log-probs that did not match "
         "the trainer's fingerprint): the engine quarantined, out of routing, refit again; per "
-        "engine.",
+        "engine (exported from 0 for each replica of the job's rollout role).",
         attributes=("node", "engine"),
     ),
     MetricSpec(

@@ -566,10 +566,10 @@ class Engine:
     def take_fault(self, only: str | None = None) -> str | None:
         """The next armed fault (of kind ``only``; otherwise of any request-time kind)."""
         with self._count_lock:
-            for kind, left in self._faults.items():
-                if left > 0 and (kind == only if only else kind != "partial_refit"):
-                    self._faults[kind] = left - 1
-                    return kind
+            for fault, left in self._faults.items():
+                if left > 0 and (fault == only if only else fault != "partial_refit"):
+                    self._faults[fault] = left - 1
+                    return fault
         return None
 
     def health(self) -> HealthAnswer:

@@ -397,6 +397,12 @@ class MetricsRecorder:
                 for r in (*ROLES, role) if role not in ROLES else ROLES:
                     self._inst["trainguard.role.restarts"].add(0, {"node": self.node, "role": r})
             self._roles_seen.add(role)
+            url = ev.get("url")
+            if role == "rollout" and isinstance(url, str):  # a refit check's engine (its URL)
+                for check in ("verified", "quarantined"):  # exported from 0, per engine
+                    self._inst[f"trainguard.rl.refit.{check}"].add(
+                        0, {"node": self.node, "engine": url.rstrip("/")}
+                    )
             if (_num(ev.get("restarts")) or 0) > 0:
                 self._inst["trainguard.role.restarts"].add(1, node)
         total = _num(ev.get("total"))
