@@ -30,6 +30,7 @@ from trainguard.core.engine_contract import (
     WEIGHTS_PATH,
     HealthAnswer,
     own_identity,
+    weight_update_version,
 )
 from trainguard.core.engine_contract import ReplicaStatus as S
 from trainguard.core.fleetauth import Authenticator
@@ -197,12 +198,10 @@ class Handler(JSONHandler):
 
     def _update(self) -> None:
         e = self.engine
-        body = self.read_object()
-        version = body.get("version")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise HTTPError(400, "'version' (the weight version to load) is required")
-        if set(body) - {"version"}:
-            raise HTTPError(400, f"unknown fields {sorted(set(body) - {'version'})}")
+        try:
+            version = weight_update_version(self.read_object())
+        except ValueError as err:
+            raise HTTPError(400, str(err)) from None
         if e.hostile and e.shape in ("deep", "not_json", "huge_version"):
             self.send_json(200, None, raw=_hostile(e.shape, 1))
             return

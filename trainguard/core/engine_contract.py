@@ -60,6 +60,7 @@ __all__ = [
     "parse_rewards",
     "parse_weight_update",
     "parse_weights",
+    "weight_update_version",
     "probe_health",
 ]
 
@@ -487,6 +488,24 @@ def parse_weight_update(raw: bytes | str | dict[str, Any]) -> WeightUpdateAnswer
 
 
 @guarded
+def weight_update_version(body: dict[str, object]) -> int:
+    """The version a ``POST`` :data:`WEIGHT_UPDATE_PATH` request names (the server's side of the
+    contract: one version of the job's weight store, nothing else, never a file); ``ValueError``
+    with the 400's one line otherwise."""
+    version = body.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**63:
+        raise ValueError(
+            f"'version' (the weight version to load, an integer >= 0) is required, got {version!r}"
+        )
+    extra = sorted(set(body) - {"version"})
+    if extra:
+        raise ValueError(
+            f"unknown fields {extra}: a weight update names only a version of the job's weight "
+            'store ({"version": v}); publish the weights there first'
+        )
+    return version
+
+
 def parse_weights(raw: bytes | str | dict[str, Any]) -> int | None:
     """``GET /v1/weights`` → ``{"version": v | null}``: the version held."""
     a = _obj(raw, "weights", MAX_HEALTH_BYTES)

@@ -114,6 +114,7 @@ from trainguard.core.engine_contract import (
     WEIGHTS_PATH,
     HealthAnswer,
     own_identity,
+    weight_update_version,
 )
 from trainguard.core.engine_contract import ReplicaStatus as S
 from trainguard.core.fleetauth import Authenticator
@@ -678,20 +679,10 @@ class _Handler(JSONHandler):
 
     def _update(self) -> None:
         e = self.engine
-        body = self.read_object()
         try:
-            version = _int_field(body, "version", None, 0, 2**63 - 1)
-        except BadRequest as err:
+            version = weight_update_version(self.read_object())
+        except ValueError as err:
             raise HTTPError(400, str(err)) from None
-        if version is None:
-            raise HTTPError(400, "'version' (the weight version to load) is required")
-        if set(body) - {"version"}:
-            raise HTTPError(
-                400,
-                f"unknown fields {sorted(set(body) - {'version'})}: a weight update names only "
-                'a version of the job\'s weight store ({"version": v}); publish the weights '
-                "there first",
-            )
         if e.status in (S.STARTING, S.STANDBY):
             raise HTTPError(503, f"engine is {e.status}; it loads the current version itself")
         try:

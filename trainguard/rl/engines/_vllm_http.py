@@ -12,6 +12,7 @@ from trainguard.core.engine_contract import (
     MODELS_PATH,
     WEIGHT_UPDATE_PATH,
     WEIGHTS_PATH,
+    weight_update_version,
 )
 from trainguard.core.engine_contract import ReplicaStatus as S
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
@@ -75,17 +76,10 @@ class _Handler(JSONHandler):
 
     def _update(self) -> None:
         a = self.adapter
-        body = self.read_object()
-        version = body.get("version")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise AdapterError(400, "'version' (the weight version to load, >= 0) is required")
-        if set(body) - {"version"}:
-            raise AdapterError(
-                400,
-                f"unknown fields {sorted(set(body) - {'version'})}: a weight update names only "
-                'a version of the job\'s weight store ({"version": v}); publish the weights '
-                "there first",
-            )
+        try:
+            version = weight_update_version(self.read_object())
+        except ValueError as err:
+            raise AdapterError(400, str(err)) from None
         if a.status in (S.STARTING, S.STANDBY):
             raise AdapterError(503, f"engine is {a.status}; it loads the current version itself")
         load_s = a.refit(version)
