@@ -81,8 +81,13 @@ class FleetWriter:
             return out
 
     def _requeue(self, records: list[Record]) -> None:
+        """Put a batch that failed back at the front; the bound holds for it too (the oldest
+        go first, counted), so what waits is never more than ``queue_max``."""
         with self._cv:
             self._queue.extendleft(reversed(records))
+            while len(self._queue) > self.queue_max:
+                self._queue.popleft()
+                self.dropped += 1
             self._busy = False
 
     def _run(self) -> None:
