@@ -110,9 +110,10 @@ class Fleet:
             p.close()
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    f = Fleet(tmp_path_factory.mktemp("router"))
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    """A fleet per test: the engines a test kills and restarts end with it, by PID."""
+    f = Fleet(tmp_path)
     try:
         yield f
     finally:
