@@ -34,6 +34,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rl_fleet")]
 
 PROMPTS = [f"please write {i % 10} now" for i in range(12)]
 
+BOOT_S = 180.0
+"""How long one engine start may take here, to its first served version: the torch and
+transformers import and the tiny model's build, about 7 CPU s, on a share of 2 cores. At the
+suite's load a restart with its warm standby starting beside it took 120 s (49 s to listen,
+71 s more to build). Every wait for a boot in this module uses this one bound; a boot that
+dies fails at once, whatever the bound."""
+
 
 TOKENS: dict[int, str] = {}
 """Port → the job token of the engine on it (what the trainer's client sends)."""
@@ -90,7 +97,7 @@ class Fleet:
     def first_publish(self) -> None:
         """The replicas, started before the trainer published anything, are asked for health
         and a completion; then version 0 is published and they serve it."""
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + BOOT_S
         for port in self.engines.ports:
             while (h := health(port)) is None or h["status"] == "starting":
                 assert time.monotonic() < deadline, h
@@ -98,7 +105,7 @@ class Fleet:
             code, answer = post(port, "/v1/completions", {"prompt": "write"})
             self.unpublished.append((h, code, answer))
         self.store.publish(0, self.model.state_dict())
-        self.engines.wait_serving(version=0, timeout=120)
+        self.engines.wait_serving(version=0, timeout=BOOT_S)
         self.first_served = [(health(p) or {}).get("weight_version") for p in self.engines.ports]
 
     def alive(self) -> list[int]:
@@ -151,7 +158,7 @@ class Fleet:
                 self.engines.start(i)
         self.own()
         for i in self.alive():
-            self.engines.wait_serving(i, version=self.version, timeout=120)
+            self.engines.wait_serving(i, version=self.version, timeout=BOOT_S)
             for kind in ("http_500", "malformed", "hang", "partial_refit"):
                 post(self.engines.ports[i], "/v1/faults", {"kind": kind, "count": 0})
 
@@ -501,8 +508,11 @@ def test_restarted_engine_serves_only_after_loading_the_current_version(
         fleet.start_with_standby(down)
         rejoined = fleet.engines.urls[down]
         seen: set[str] = set()
-        deadline = time.monotonic() + 120
+        booting = fleet.engines.procs[down]
+        assert booting is not None
+        deadline = time.monotonic() + BOOT_S
         while rejoined not in seen:  # keep the fleet busy while the replica boots
+            assert booting.poll() is None, f"replica {down} exited: {fleet.run_dir}/roles"
             assert time.monotonic() < deadline, client.engines()
             groups = client.generate(PROMPTS, n=1, max_tokens=4)
             check_real(groups, 1, v)
@@ -526,8 +536,8 @@ def test_warm_standby_takes_the_port_of_a_killed_replica(fleet: Fleet) -> None:
     spare = spares[i]
     assert spare is not None
     engines = fleet.engines
-    engines.wait_serving(i, version=fleet.version, timeout=180)
-    deadline = time.monotonic() + 180  # the standby has built its model: it waits for its order
+    engines.wait_serving(i, version=fleet.version, timeout=BOOT_S)
+    deadline = time.monotonic() + BOOT_S  # the standby has built its model: it waits for its order
     log = RunDir(fleet.run_dir).role_log("rollout", i)
     while not any(
         f"engine[{spare.pid}]" in ln and "standby ready" in ln
