@@ -8,12 +8,7 @@ Well-behaved: ``loading`` until the weight store's pointer names a version, then
 it; completions of seeded pseudo-random token ids of the tiny policy's vocabulary with
 log-probs; ``/v1/weights/update {"version": v}`` loads a version of the store (404 when it is
 not there). Hostile: ``POST /control {"shape": S}`` sets how it answers completions, rewards
-and health (:data:`SHAPES`); ``GET /control`` says how many requests it got.
-
-``--load-delay-s D``: a weight update takes ``D`` seconds, in 20 equal parts (``GET /control``:
-``loading`` = the version being loaded, ``progress`` = the share done); ``POST /control
-{"hold_at": f}`` makes the next loads stop once ``f`` of them is done (``held`` true) until
-``{"hold_at": null}``: a test kills or freezes an engine at a chosen point of a refit."""
+and health (:data:`SHAPES`); ``GET /control`` says how many requests it got."""
 
 from __future__ import annotations
 
@@ -24,7 +19,6 @@ import os
 import random
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -117,15 +111,9 @@ SHAPES = (
 
 
 class StubEngine:
-    def __init__(self, store: WeightStore, hostile: bool, load_delay_s: float = 0.0) -> None:
+    def __init__(self, store: WeightStore, hostile: bool) -> None:
         self.store = store
         self.hostile = hostile
-        self.load_delay_s = load_delay_s
-        self.loading: int | None = None
-        self.progress = 0.0
-        self.held = False
-        self.hold_at: float | None = None
-        self.release = threading.Condition()
         self.shape = "good"
         self.version: int | None = None
         self.requests = 0
@@ -166,19 +154,10 @@ class Handler(JSONHandler):
         self.send_json(200, {"version": self.engine.version})
 
     def _get_control(self) -> None:
-        e = self.engine
-        self.send_json(200, {"requests": e.requests, "shape": e.shape, "loading": e.loading,
-                             "progress": e.progress, "held": e.held, "pid": os.getpid()})  # fmt: skip
+        self.send_json(200, {"requests": self.engine.requests, "shape": self.engine.shape})
 
     def _control(self) -> None:
         body = self.read_object()
-        if "hold_at" in body:
-            with self.engine.release:
-                hold = body["hold_at"]
-                self.engine.hold_at = None if hold is None else float(hold)
-                self.engine.release.notify_all()
-            self.send_json(200, {"hold_at": self.engine.hold_at})
-            return
         with self.engine.lock:
             self.engine.shape = str(body.get("shape"))
             self.engine.requests = 0
@@ -228,17 +207,6 @@ class Handler(JSONHandler):
             return
         if not e.store.path_of(version).exists():
             raise HTTPError(404, f"weight version {version} is not in {e.store.root}")
-        if e.load_delay_s > 0:
-            e.loading, e.progress = version, 0.0
-            for part in range(1, 21):
-                with e.release:
-                    while e.hold_at is not None and e.progress >= e.hold_at:
-                        e.held = True
-                        e.release.wait(0.05)
-                    e.held = False
-                time.sleep(e.load_delay_s / 20)
-                e.progress = part / 20
-            e.loading = None
         e.version = version
         self.send_json(200, {"version": version, "load_s": 0.0})
 
@@ -265,9 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--weights-dir", required=True)
     p.add_argument("--hostile", action="store_true")
-    p.add_argument("--load-delay-s", type=float, default=0.0)
     a = p.parse_args(argv)
-    engine = StubEngine(WeightStore(Path(a.weights_dir)), a.hostile, a.load_delay_s)
+    engine = StubEngine(WeightStore(Path(a.weights_dir)), a.hostile)
     token = os.environ.get("TRAINGUARD_ROLE_TOKEN")  # the job's: every request signed with it
     auth = Authenticator("rollout", token) if token else None
     handler = type("StubHandler", (Handler,), {"engine": engine, "authenticator": auth})

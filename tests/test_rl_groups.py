@@ -21,10 +21,11 @@ def c(p: int, j: int, version: int = 5, engine: str = "http://e0") -> Completion
 
 
 def test_complete_groups_are_kept_and_a_group_with_a_lost_member_is_dropped_whole() -> None:
+    twice = c(2, 1)
     groups = [
         [c(0, j) for j in range(4)],  # complete
         [c(1, j) for j in range(3)],  # a member failed
-        [c(2, 0), c(2, 1), c(2, 1), c(2, 3)],  # padded with a repeat
+        [c(2, 0), twice, twice, c(2, 3)],  # padded with a repeat
         [c(3, 0, version=3), *[c(3, j) for j in range(1, 4)]],  # one too stale for k=1
         [c(4, 0, engine=""), *[c(4, j) for j in range(1, 4)]],  # not an engine's
         [],  # its request ran out of attempts
@@ -36,16 +37,18 @@ def test_complete_groups_are_kept_and_a_group_with_a_lost_member_is_dropped_whol
 
 
 def test_shrink_keeps_at_least_two_survivors_and_never_pads() -> None:
+    twice = c(2, 0)
     groups = [
         [c(0, 0), c(0, 1), c(0, 2, version=1)],  # 2 survivors: shrunk
         [c(1, 0), c(1, 1, version=1), c(1, 2, version=1)],  # 1 survivor: dropped
-        [c(2, 0), c(2, 0), c(2, 1)],  # the repeat is not a member
+        [twice, twice, c(2, 1)],  # the repeat is not a member
+        [c(3, 0), c(3, 0), c(3, 1)],  # two samples that read the same: both members
     ]
     out = settle(groups, n=3, train_version=5, max_staleness=2, policy="shrink")
-    assert [(gi, len(g)) for gi, g in out.kept] == [(0, 2), (2, 2)]
+    assert [(gi, len(g)) for gi, g in out.kept] == [(0, 2), (2, 2), (3, 3)]
     assert out.shrunk == 2 and out.dropped == {"stale": 1}
-    for _, g in out.kept:  # every member distinct and real: no padding
-        assert len({tuple(m.token_ids) for m in g}) == len(g)
+    for _, g in out.kept:  # every member a sample of its own, real: no padding
+        assert len({id(m) for m in g}) == len(g) and all(m.engine for m in g)
     with pytest.raises(ValueError, match="group policy"):
         settle(groups, n=3, train_version=5, max_staleness=0, policy="pad")
 

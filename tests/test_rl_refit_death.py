@@ -1,6 +1,7 @@
 """Weight sync through an engine's death: kill -9 or SIGSTOP of an engine at 10 %, 50 % and
-90 % of its load of the version being pushed (real engine processes: tests/stub_engine.py,
-holding its load at that point; tests/refit_drill.py). The other engines finish the refit, the
+90 % of its load of the version being pushed (real engine processes: bench/cheap_engine.py,
+holding its load at that point; bench/refit_drill.py, the drill bench/rl_fleet.py runs 20
+times). The other engines finish the refit, the
 trainer's sync call returns within its timeout, and the victim serves the current version
 again (restarted after a kill, continued after a freeze)."""
 
@@ -10,14 +11,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.refit_drill import RefitDrill
+from bench.refit_drill import RefitDrill
+from tests.procs import FIXTURE_PIDS
 
 TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RefitDrill]:
-    d = RefitDrill(tmp_path_factory.mktemp("refit"), engines=3, sync_timeout_s=TIMEOUT_S)
+    # an engine the drill restarts belongs to it (it ends them all at the module's end)
+    d = RefitDrill(tmp_path_factory.mktemp("refit"), engines=3, sync_timeout_s=TIMEOUT_S,
+                   started=FIXTURE_PIDS.add)  # fmt: skip
     try:
         yield d
     finally:
@@ -33,8 +37,8 @@ def test_a_refit_goes_through_an_engine_death(
     got = drill.case(kind, fraction, victim=victim)
     assert got["loaded_at_fault"] == pytest.approx(fraction, abs=0.051), got
     assert got["timeout_s"] == TIMEOUT_S
-    # the trainer waited no longer than the sync timeout (plus the call's own bookkeeping)
-    assert got["wait_s"] <= TIMEOUT_S + 0.5, got
+    # the trainer's sync call waited no longer than the sync timeout
+    assert got["wait_s"] <= TIMEOUT_S, got
     assert got["others_confirmed"] and not got["victim_confirmed"], got
     # the dead or frozen engine rejoined at the current version, with every other engine
     assert got["all_at_version"], got

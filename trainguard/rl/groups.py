@@ -5,7 +5,8 @@ them alone.
 
 A member does not survive when it is missing (the group's request failed after its attempts:
 ``RolloutConfig.drop_failed_groups``), when it is not a real generation (no engine), when it
-repeats another member (the same sample twice is padding), or when, at the version it is
+is another member again (the same sample object twice is padding; two samples that happen to
+read the same are two samples), or when, at the version it is
 trained into, it is staler than the bound ``k`` (``train_version - weight_version > k``: an
 async sample accepted at ``k`` versions of lag is one version staler one step later).
 
@@ -59,14 +60,12 @@ class Settled:
         return [c for _, group in self.kept for c in group]
 
 
-def _why_not(c: Completion, seen: set[tuple[int, str, tuple[int, ...]]], train_version: int,
-             k: int) -> str | None:  # fmt: skip
+def _why_not(c: Completion, seen: set[int], train_version: int, k: int) -> str | None:
     if not c.engine:
         return "not_generated"
-    key = (c.prompt_index, c.engine, tuple(c.token_ids))
-    if key in seen:
+    if id(c) in seen:  # the same sample twice (two samples may well read the same)
         return "duplicate"
-    seen.add(key)
+    seen.add(id(c))
     if not 0 <= train_version - c.weight_version <= k:
         return "stale"
     return None
@@ -89,7 +88,7 @@ def settle(
         raise ValueError(f"min_survivors={min_survivors}: a group needs at least 2 to compare")
     out = Settled()
     for gi, group in enumerate(groups):
-        seen: set[tuple[int, str, tuple[int, ...]]] = set()
+        seen: set[int] = set()
         why = [_why_not(c, seen, train_version, max_staleness) for c in group]
         lost = ["failed"] * max(0, n - len(group)) + [w for w in why if w is not None]
         survivors = [c for c, w in zip(group, why, strict=True) if w is None][:n]

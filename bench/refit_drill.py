@@ -1,5 +1,5 @@
 """Weight sync through an engine's death, as a drill: real engine processes
-(tests/stub_engine.py, generation is not the subject, each weight load ``load_delay_s`` long)
+(bench/cheap_engine.py, generation is not the subject, each weight load ``load_delay_s`` long)
 behind a :class:`~trainguard.rl.RolloutClient`; in each case one engine is killed -9 or
 frozen (SIGSTOP) once it has loaded a chosen share of the version being pushed (the stub
 holds its load there, so the point is exact whatever the machine's load). Measured: how long
@@ -17,23 +17,35 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.ports import free_port
-from tests.procs import FIXTURE_PIDS
-from trainguard.core import envvars, jsonhttp
-from trainguard.rl import RolloutClient, RolloutConfig, SyncResult, WeightStore
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench._support import free_port  # noqa: E402
+from trainguard.core import envvars, jsonhttp  # noqa: E402
+from trainguard.rl import RolloutClient, RolloutConfig, SyncResult, WeightStore  # noqa: E402
 
 __all__ = ["RefitDrill"]
 
 
 class _Engine:
-    def __init__(self, root: Path, name: str, weights: Path, token: str, delay: float) -> None:
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        weights: Path,
+        token: str,
+        delay: float,
+        started: Callable[[int], object],
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = token
-        self._cmd = [sys.executable, "-m", "tests.stub_engine", "--port", str(self.port),
+        self._started = started
+        self._cmd = [sys.executable, str(REPO / "bench" / "cheap_engine.py"), "--port", str(self.port),
                      "--weights-dir", str(weights), "--load-delay-s", str(delay)]  # fmt: skip
         self._log = (root / f"{name}.log").open("ab")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -42,7 +54,7 @@ class _Engine:
     def start(self) -> None:
         env = {**os.environ, envvars.ROLE_TOKEN: self.token}
         self.proc = subprocess.Popen(self._cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        FIXTURE_PIDS.add(self.proc.pid)  # a restart belongs to the drill, which ends it
+        self._started(self.proc.pid)
 
     def control(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
         r = jsonhttp.request("127.0.0.1", self.port, "POST" if body else "GET", "/control",
@@ -82,7 +94,10 @@ class RefitDrill:
         engines: int = 3,
         load_delay_s: float = 0.4,
         sync_timeout_s: float = 3.0,
+        started: Callable[[int], object] = lambda pid: None,
     ) -> None:
+        """``started``: called with the PID of each engine process the drill starts (it ends
+        them all in :meth:`close`)."""
         import torch
 
         self._torch = torch
@@ -95,7 +110,9 @@ class RefitDrill:
         self.client: RolloutClient | None = None
         try:
             for i in range(engines):
-                self.engines.append(_Engine(root, f"e{i}", self.store.root, token, load_delay_s))
+                self.engines.append(
+                    _Engine(root, f"e{i}", self.store.root, token, load_delay_s, started)
+                )
             for e in self.engines:
                 e.wait_control()
             cfg = RolloutConfig(sync_timeout_initial_s=sync_timeout_s,
