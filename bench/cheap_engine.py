@@ -30,14 +30,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from trainguard.core.engine_contract import (  # noqa: E402
+from trainguard.core.contracts.engine import (  # noqa: E402
     COMPLETIONS_PATH,
     HEALTH_PATH,
     WEIGHT_UPDATE_PATH,
     HealthAnswer,
     own_identity,
 )
-from trainguard.core.engine_contract import ReplicaStatus as S  # noqa: E402
+from trainguard.core.contracts.engine import ReplicaStatus as S  # noqa: E402
 from trainguard.core.fleetauth import Authenticator  # noqa: E402
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer  # noqa: E402
 from trainguard.rl.weights import WeightStore  # noqa: E402

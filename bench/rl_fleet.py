@@ -91,15 +91,15 @@ sys.path.insert(0, str(REPO))
 
 from bench.rl_fleet_scale import router_client_errors  # noqa: E402
 from trainguard.core.config.warm import WarmConfig  # noqa: E402
-from trainguard.core.engine_contract import probe_health  # noqa: E402
-from trainguard.core.envvars import VLLM_PYTHON  # noqa: E402
+from trainguard.core.contracts.engine import probe_health  # noqa: E402
+from trainguard.core.contracts.envvars import VLLM_PYTHON  # noqa: E402
+from trainguard.core.contracts.rundir import RunDir  # noqa: E402
 from trainguard.core.fleetauth import (  # noqa: E402
     load_secret_file,
     role_token,
     secret_path,
     sign,
 )
-from trainguard.core.rundir import RunDir  # noqa: E402
 from trainguard.rl import ConsumedLog, PromptLedger, audit  # noqa: E402
 
 KINDS = ("engine_kill", "engine_freeze", "engine_500", "trainer_rank_kill", "trainer_group_kill")

@@ -14,15 +14,15 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from trainguard.core.engine_contract import (
+from trainguard.core.contracts.engine import (
     COMPLETIONS_PATH,
     MALFORMED,
     MalformedAnswer,
     identity_mismatch,
     parse_completion,
 )
-from trainguard.core.engine_contract import Identity as _Identity
-from trainguard.core.event_kinds import ROLLOUT_FAILED
+from trainguard.core.contracts.engine import Identity as _Identity
+from trainguard.core.contracts.event_kinds import ROLLOUT_FAILED
 from trainguard.rl.rollout_types import Completion, RolloutConfig, RolloutError
 from trainguard.rl.routing import EngineRecord, EngineTable, RequestFailure
 from trainguard.rl.sampling import request_seed

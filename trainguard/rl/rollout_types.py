@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from trainguard.core import envvars
-from trainguard.core.contract import ROLLOUT_FAILURE_REASONS
-from trainguard.core.engine_contract import ReplicaStatus
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.engine import ReplicaStatus
+from trainguard.core.contracts.metrics import ROLLOUT_FAILURE_REASONS
 
 __all__ = [
     "FAILURE_REASONS",
@@ -24,11 +24,11 @@ ROLLOUT_URLS_ENV = envvars.ROLLOUT_URLS
 REWARD_URLS_ENV = envvars.REWARD_URLS
 
 FAILURE_REASONS = ROLLOUT_FAILURE_REASONS
-"""Why a rollout request failed (see :data:`trainguard.core.contract.ROLLOUT_FAILURE_REASONS`)."""
+"""Why a rollout request failed (see :data:`trainguard.core.contracts.metrics.ROLLOUT_FAILURE_REASONS`)."""
 
 EngineState = ReplicaStatus
 """An engine's state as the client sees it: the contract's one vocabulary
-(:data:`trainguard.core.engine_contract.CLIENT_STATES` are the ones the client uses)."""
+(:data:`trainguard.core.contracts.engine.CLIENT_STATES` are the ones the client uses)."""
 
 
 class RolloutError(RuntimeError):

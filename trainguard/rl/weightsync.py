@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from trainguard.core.engine_contract import (
+from trainguard.core.contracts.engine import (
     COMPLETIONS_PATH,
     QUARANTINE_PATH,
     VERIFIED_PATH,
@@ -27,7 +27,7 @@ from trainguard.core.engine_contract import (
     MalformedAnswer,
     parse_weight_update,
 )
-from trainguard.core.event_kinds import ROLLOUT_ENGINE_QUARANTINED, ROLLOUT_REFIT_VERIFIED
+from trainguard.core.contracts.event_kinds import ROLLOUT_ENGINE_QUARANTINED, ROLLOUT_REFIT_VERIFIED
 from trainguard.rl.rollout_types import EngineState, RolloutConfig, SyncResult
 from trainguard.rl.routing import EngineRecord, EngineTable, RequestFailure
 from trainguard.rl.verify import compare, fingerprint_request

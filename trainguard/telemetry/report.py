@@ -21,9 +21,8 @@ from typing import Any
 
 from trainguard.core import svg
 from trainguard.core.atomicfile import write_atomic
-from trainguard.core.contract import LOSS_CAUSES
-from trainguard.core.engine_contract import ReplicaStatus
-from trainguard.core.event_kinds import (
+from trainguard.core.contracts.engine import ReplicaStatus
+from trainguard.core.contracts.event_kinds import (
     FAILURE_ATTRIBUTED,
     HANG_DIAGNOSIS,
     HEALTH_PROBE,
@@ -44,9 +43,10 @@ from trainguard.core.event_kinds import (
     WORKER_GROUP_UNHEALTHY,
     WORKERS_STARTED,
 )
+from trainguard.core.contracts.metrics import LOSS_CAUSES
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import read_events
 from trainguard.core.goodput import Goodput, compute_goodput
-from trainguard.core.rundir import RunDir
 from trainguard.telemetry.mfu import peak_flops
 from trainguard.telemetry.report_rl import samples_section
 

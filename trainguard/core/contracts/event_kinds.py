@@ -186,7 +186,7 @@ def by_name(kind: str) -> EventSpec:
         return _BY_NAME[kind]
     except KeyError:
         raise KeyError(
-            f"event kind {kind!r} is not in trainguard.core.event_kinds.EVENTS"
+            f"event kind {kind!r} is not in trainguard.core.contracts.event_kinds.EVENTS"
         ) from None
 
 
