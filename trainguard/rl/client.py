@@ -230,7 +230,9 @@ class RolloutClient:
     ) -> list[list[Completion]]:
         """``n`` real completions for each prompt (outer list in prompt order), or
         :class:`RolloutError` after ``max_attempts`` failed attempts of one request or
-        ``batch_timeout_s``. An HTTP 4xx (the request itself is bad) raises at once.
+        ``batch_timeout_s``. An HTTP 4xx (the request itself is bad) raises at once. With
+        ``drop_failed_groups``, the prompts of a request out of attempts get no completion
+        (an empty group) and the batch goes on.
 
         ``seed``: reproducible sampling (:mod:`trainguard.rl.sampling`): one seed per prompt
         (e.g. :func:`~trainguard.rl.sampling.prompt_seed` of the run's seed, the epoch and

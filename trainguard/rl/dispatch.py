@@ -241,6 +241,10 @@ class BatchDispatcher:
         if reason == "http_4xx":
             raise RolloutError(f"an engine refused the request as invalid: {detail}")
         if chunk.attempts >= self.config.max_attempts:
+            if self.config.drop_failed_groups and reason != "unauthorized":
+                for i in chunk.indices:  # no member: the caller drops these groups whole
+                    batch.results[i] = []
+                return
             raise RolloutError(
                 f"prompts {chunk.indices[0]}..{chunk.indices[-1]}: no real generation after "
                 f"{chunk.attempts} attempts ({'; '.join(chunk.reasons)})"

@@ -784,8 +784,9 @@ def _await_promotion(engine: Engine, promote: Path) -> JSONServer:
     threading.Thread(target=own.serve_forever, name="engine-standby", daemon=True).start()
     logger.info("engine: standby, health on port %d", own.server_address[1])
     engine.build()
-    engine.status = S.STANDBY
+    # its own readiness record first, then the claim: no answer says standby before the log
     logger.info("engine: standby ready; waiting for %s", promote)
+    engine.status = S.STANDBY
     while True:
         try:
             order = json.loads(promote.read_text())

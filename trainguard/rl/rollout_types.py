@@ -69,6 +69,10 @@ class RolloutConfig:
     """Sync timeout = max(min, factor × median of the measured sync times)."""
     refit_attempts: int = 3
     """Refits of an engine whose refit failed its check (quarantined) within one sync."""
+    drop_failed_groups: bool = False
+    """A request out of attempts leaves its prompts without completions (empty groups, for
+    the caller to drop whole: :func:`trainguard.rl.groups.settle`) instead of failing the
+    batch; an invalid request (HTTP 4xx) or a refused signature still raises."""
     vocab_size: int | None = None
     """The policy's vocabulary size: a token id outside ``0..vocab_size-1`` makes an answer
     malformed (None: the engine's reported ``vocab_size``, else any id below 2**31)."""

@@ -48,6 +48,7 @@ from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import read_events
 from trainguard.core.goodput import Goodput, compute_goodput
 from trainguard.telemetry.mfu import peak_flops
+from trainguard.telemetry.report_rl import samples_section
 
 __all__ = ["RunData", "load_run", "render_report", "write_report"]
 
@@ -675,7 +676,7 @@ def render_report(
 <h2>Timeline</h2><div id="timeline">{_timeline(data, t0, t_end)}</div>
 <h2>Engine fleet</h2><div id="fleet">{_fleet(data, t0, t_end)}
 {_table(fleet_failures, ["time", "kind", "role", "replica", "pid", "exitcode", "reason", "message"], t0, "tg-failure-row") if fleet_failures else ""}
-<div class="charts" id="rollout">{"".join(rollout)}</div>{_rollout_failures(data)}{_refit_checks(data)}</div>
+<div class="charts" id="rollout">{"".join(rollout)}</div>{_rollout_failures(data)}{_refit_checks(data)}{samples_section(data.events)}</div>
 <h2>Step time per rank</h2><div id="heatmap">{_heatmap(data)}</div>
 <h2>Failures</h2><div id="failures">{_table(failures, ["time", "kind", "attempt", "rank", "cause", "exitcode", "signal", "place", "message"], t0, "tg-failure-row")}</div>
 <h2>Failure verdicts</h2><div id="verdicts">{_table(verdicts, ["time", "node", "failed_attempt", "cause", "verdict", "deterministic", "ranks", "summary"], t0, "tg-verdict-row")}</div>
