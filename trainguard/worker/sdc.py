@@ -132,6 +132,19 @@ def replicated_tensors(state: Mapping[str, Any]) -> list[torch.Tensor]:
     return out
 
 
+def parameter_tensors(state: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The parameters of the DDP models in ``state`` (in a fixed order): what a rank's own
+    computation changes first, the per-step record of a two-rank replay."""
+    import torch
+
+    out: list[torch.Tensor] = []
+    for key in sorted(state, key=str):
+        obj = state[key]
+        if isinstance(obj, torch.nn.Module):
+            out.extend(p for _, p in obj.named_parameters())
+    return out
+
+
 def tensor_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Each tensor's bytes as 32-bit words (16 or 8 where its size is odd) summed into an int64,
     modulo 2^64: one flipped bit changes its tensor's sum by ±2^k, never by 0 (on the CPU)."""
@@ -193,17 +206,26 @@ class SdcGuard:
         """Why the checks are off for this job (state not replicated)."""
         self.checks = 0
         self.spent_s = 0.0
+        """Time in the checks this cadence (or a persisting save) asked for."""
+        self.forced_s = 0.0
+        """Time in the checks only a memory-tier snapshot asked for (charged to it)."""
         self.last_cost_s = 0.0
         self.t_first: float | None = None
         self.steps_run = 0
         self._prev_step: int | None = None
         self.every = config.every_steps or 1
         """The agreed distance to the next check at the last check (for reports)."""
-        self._replay: tuple[int, tuple[int, int], dict[int, float]] | None = None
+        self._replay: tuple[int, tuple[int, int], dict[int, Any]] | None = None
         """(the suspect step being replayed, this rank's digest there the first time, its
         first values of the watched metric since the last agreed step)."""
-        self._values: dict[int, float] = {}
-        """The watched metric (``tg.log``) of the steps since the last agreed one."""
+        self._values: dict[int, Any] = {}
+        """Per step since the last agreed one: the digest of the parameters at its boundary
+        (two ranks, ``replay_digests``), else the watched metric (``tg.log``)."""
+        self.record_steps = tg.world_size < 3 and config.replay_digests
+        """Record each boundary's parameter digest (no majority possible: a replay names)."""
+        self.record_s = 0.0
+        """Time spent on those per-step records (reported apart from the checks')."""
+        self._params: tuple[int, list[torch.Tensor]] | None = None
         self._diverged: int | None = None
         """The first step of the redo whose metric differs from the first run's."""
         self.verdicts = 0
@@ -214,15 +236,41 @@ class SdcGuard:
         """``tg.log`` values of the step ``step``: the watched metric (the loss, computed from
         the state at this step's boundary) is kept until the next agreed check; during a redo
         it is compared with the first run's, bitwise."""
+        if self.record_steps:
+            return
         v = metrics.get(self.config.metric)
         if v is None or isinstance(v, str):
             return
         x = float(v)
-        if self._replay is not None and step <= self._replay[0] and self._diverged is None:
-            first = self._replay[2].get(step)
-            if first is not None and not (x == first or (x != x and first != first)):
-                self._diverged = step
+        self._compare(step, x)
         self._values[step] = x
+
+    def boundary(self, step: int, state: Mapping[str, Any]) -> None:
+        """Every step boundary (``maybe_save``, local): with two ranks, the digest of this
+        rank's parameters there, kept until the next agreed check; during a redo compared with
+        the first run's. A corruption on rank b in step f changes b's parameters from the
+        boundary f + 1 on; the other rank's can change only through b's gradients in the
+        all-reduce of step f + 1, from f + 2 on: the rank whose parameters diverged first is
+        the one that computed wrongly (a rounded loss can miss a small corruption)."""
+        if not self.record_steps or self.off is not None:
+            return
+        t0 = time.perf_counter()
+        if self._params is None or self._params[0] != id(state):
+            self._params = (id(state), parameter_tensors(state))
+        x = digest(self._params[1]) if self._params[1] else None
+        self._compare(step, x)
+        self._values[step] = x
+        self.record_s += time.perf_counter() - t0
+
+    def _compare(self, step: int, x: Any) -> None:
+        """During a redo: ``x`` at ``step`` against the first run's, bitwise."""
+        if self._replay is not None and step <= self._replay[0] and self._diverged is None:
+            if step not in self._replay[2]:
+                return
+            first = self._replay[2][step]
+            same = x == first or (isinstance(x, float) and x != x and first != first)
+            if not same:
+                self._diverged = step
 
     # -- schedule --------------------------------------------------------------------------
     @property
@@ -234,6 +282,7 @@ class SdcGuard:
         state that passed a check, and the next boundary checks again."""
         self.last_ok, self.next_check, self._prev_step = step, None, step
         self.generation = self.tg.generation
+        self._params = None  # the restore may have put new tensors into the state
 
     def due(self, step: int, *, persist: bool) -> bool:
         """Whether the boundary ``step`` is checked: the agreed cadence, a save (to disk or the
@@ -262,10 +311,19 @@ class SdcGuard:
         return step + max(1, math.ceil(wait_s / per_step - 1e-9))
 
     # -- the check (collective: every rank, the same step) ---------------------------------
-    def check(self, step: int, state: MutableMapping[str, Any], group: ProcessGroup | None) -> bool:
+    def check(
+        self,
+        step: int,
+        state: MutableMapping[str, Any],
+        group: ProcessGroup | None,
+        *,
+        forced: bool = False,
+    ) -> bool:
         """Compare the ranks' replicas at ``step``. True: they agree (or the checks are off),
         the caller goes on (and may save); False: a corruption was found and ``state`` rolled
-        back to the last agreed step (``tg.step_num`` moved there)."""
+        back to the last agreed step (``tg.step_num`` moved there). ``forced``: only a
+        memory-tier snapshot asked for this one: its cost is the snapshot's (the memory tier's
+        cadence counts it), not this budget's."""
         import torch
         import torch.distributed as dist
 
@@ -288,8 +346,11 @@ class SdcGuard:
         nxt = max(r[2] for r in got)
         self.every, self.next_check = nxt - step, nxt
         cost = time.perf_counter() - t0
-        self.spent_s += cost
-        self.last_cost_s = cost
+        if forced:
+            self.forced_s += cost
+        else:
+            self.spent_s += cost
+            self.last_cost_s = cost
         self.checks += 1
         self._record(step, cost)
         digests = [(r[0], r[1]) for r in got]
@@ -316,6 +377,10 @@ class SdcGuard:
                 "sdc_total_s": self.spent_s,
                 "elapsed_s": elapsed,
                 "overhead": self.spent_s / elapsed if elapsed > 0 else 0.0,
+                "forced_s": self.forced_s,
+                "forced_overhead": self.forced_s / elapsed if elapsed > 0 else 0.0,
+                "record_s": self.record_s,
+                "record_overhead": self.record_s / elapsed if elapsed > 0 else 0.0,
                 "next_step": self.next_check,
             }
         )
