@@ -42,6 +42,11 @@ class SdcHook(Protocol):
     def active(self) -> bool:
         """The checks run (a snapshot or persist waits for a step that passed one)."""
 
+    def marks(self, step: int) -> dict[str, Any]:
+        """What a checkpoint of ``step``'s state records of the check (its manifest's
+        ``extra``): ``{"sdc": "verified"}`` where a check passed at ``step``, else
+        ``"unverified"`` and why."""
+
     def boundary(self, step: int, state: MutableMapping[str, Any]) -> None:
         """Every step boundary (local, before the agreement): the per-step record a replay
         compares with."""

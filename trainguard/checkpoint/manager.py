@@ -306,7 +306,17 @@ class CheckpointManager:
             via_process = self._supervisor.proc is not None and (
                 ready or self.config.persist_mode == "process"
             )
-        return self._pipeline.save(step, state, persist=persist, via_process=via_process)
+        return self._pipeline.save(
+            step, state, persist=persist, via_process=via_process, marks=self._marks(step)
+        )
+
+    def _marks(self, step: int) -> dict[str, Any]:
+        """The manifest's record of the replicas' check (``[sdc]``) of the saved state."""
+        sdc = self.sdc_hook
+        if sdc is None:
+            why = "one rank" if self.world_size < 2 else "the replica checks are off ([sdc])"
+            return {"sdc": "unverified", "sdc_reason": why}
+        return sdc.marks(step)
 
     def maybe_save(
         self,

@@ -22,11 +22,14 @@ its own step.
 **A disagreement** is an ``sdc_suspect`` event. With a strict majority of equal digests (three
 ranks or more) the others are named at once. Without one (two ranks, or a tie), the job rolls
 back and replays: every rank restores the last agreed state, redoes the steps from there with
-its recorded batches, and is checked again at the suspect step. Each rank compares the metric it
-logs (the loss, computed from the state at each step's boundary) with its first run's, bitwise,
-and its state at the suspect step with its first one: a corruption on rank b in step f changes
-b's state from the boundary f + 1 on and every other rank's only from f + 2 on (through the
-all-reduce of step f + 1), so the rank that diverged first is named. When the replay leaves it
+its recorded batches, and is checked again at the suspect step. With two ranks each rank
+digests its parameters at every boundary (:meth:`SdcGuard.boundary`, local) and compares the
+redo's with its first run's, bitwise, and its state at the suspect step with its first one: a
+corruption on rank b in step f changes b's parameters from the boundary f + 1 on and another
+rank's only through b's gradients in a later all-reduce, from f + 2 on, so the rank that
+diverged first is named (where no digests are recorded, a tie of three ranks or more, the
+logged metric is compared instead). After a verdict, in a job of several nodes, every rank
+leaves and the named one with :data:`SDC_EXIT_CODE`: its agent evicts the node. When the replay leaves it
 open (a tie, or the same wrong result again: a deterministic fault), each rank multiplies two
 fixed matrices whose exact product is known: a rank whose product is wrong is named. The verdict
 is an ``sdc_verdict`` event, and a fleet-database record (cause ``sdc``) of the named rank's node
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -54,7 +58,7 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from trainguard.core.config.sdc import SdcConfig
-from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE
+from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, SDC_EXIT_CODE
 
 if TYPE_CHECKING:
     import torch
@@ -276,6 +280,14 @@ class SdcGuard:
     @property
     def active(self) -> bool:
         return self.off is None
+
+    def marks(self, step: int) -> dict[str, Any]:
+        """The manifest's record of the check of the state saved at ``step``."""
+        if self.off is not None:
+            return {"sdc": "unverified", "sdc_reason": f"checks off: {self.off}"}
+        if self.last_ok != step:
+            return {"sdc": "unverified", "sdc_reason": f"not checked at step {step}"}
+        return {"sdc": "verified"}
 
     def restored(self, step: int) -> None:
         """A restore (collective: every rank) loaded the state of ``step``: it was saved from
@@ -503,6 +515,30 @@ class SdcGuard:
         if stop:
             self._stop(step, f"{self.verdicts} corruption verdicts (max_verdicts = "
                        f"{self.config.max_verdicts})", emit=False)  # fmt: skip
+        if self.config.evict and tg.world_size > tg.local_world_size:
+            self._evict(step, ranks)
+
+    def _evict(self, step: int, ranks: list[int]) -> None:
+        """A job of several nodes: every rank leaves (the verdict is the same on all of them),
+        a named one with :data:`SDC_EXIT_CODE`, so that its node's agent evicts the node as for
+        a health drain; the others with 1 (a consequence: the round restarts without it, from
+        the last agreed checkpoint, where a spare or the nodes left take over)."""
+        from trainguard.worker.rollback import _leave_together
+
+        tg = self.tg
+        named = tg.rank in ranks
+        if named or tg.rank == 0:
+            print(f"trainguard: rank {tg.rank}: silent data corruption at step {step} on rank(s) "
+                  f"{', '.join(map(str, ranks))}: "
+                  + (f"node {tg.node} leaves the job (exit {SDC_EXIT_CODE}: evicted)" if named
+                     else "the named node leaves the job; restarting from the last agreed "
+                     "checkpoint"), file=sys.stderr, flush=True)  # fmt: skip
+        try:
+            tg.close()
+        except Exception:
+            logger.exception("closing the worker handle before leaving failed")
+        _leave_together()
+        os._exit(SDC_EXIT_CODE if named else 1)
 
     def _fleet_record(self, step: int, how: str, device: str) -> None:
         """This rank was named: its node's record in the fleet database (counts toward the lemon
@@ -520,8 +556,10 @@ class SdcGuard:
             runs_root = worker_section_or_default(tg.run_dir, "runtime").runs_root
             node, _ = safe_node_name(tg.node)
             with fleet_db(cfg, runs_root, node=node) as db:
+                # the job as its agents record it (one incident with their eviction record)
+                job = os.environ.get("TORCHELASTIC_RUN_ID") or tg.run_dir.name
                 db.write([Record(node=node, kind="sdc", cause="sdc", verdict="rollback",
-                                 job=tg.run_dir.name, attempt=tg.attempt,
+                                 job=job, attempt=tg.attempt,
                                  detail={"rank": tg.rank, "step": step, "device": device,
                                          "localise": how})])  # fmt: skip
         except Exception as e:
@@ -581,8 +619,6 @@ class SdcGuard:
         except Exception:
             logger.exception("closing the worker handle before the stop failed")
         _leave_together()
-        import os
-
         os._exit(DO_NOT_REQUEUE_EXIT_CODE)
 
 

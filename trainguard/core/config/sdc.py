@@ -40,6 +40,11 @@ class SdcConfig:
     every step boundary (local, a read of the parameters per step) so that a replay names the
     rank whose parameters diverged first; false: compare ``metric`` instead (free, but a
     corruption too small to change the logged value can get the wrong rank named)."""
+    evict: bool = True
+    """In a job of several nodes, a named rank's node leaves the job (its workers exit with
+    code 95, its agent evicts it as for a health drain; a spare or the nodes left go on from
+    the last agreed checkpoint). A single-node job rolls back in place (evicting its only node
+    would end it)."""
     max_verdicts: int = 3
     """Corruption verdicts in one job; the next one stops it with the "do not requeue" exit
     code (93): a device that corrupts this often must leave the job."""
