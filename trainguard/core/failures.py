@@ -27,6 +27,12 @@ deterministic failure, a crash loop): a Slurm batch script from ``trainguard sba
 the job instead of requeueing or resubmitting it (the same value as NVIDIA's resiliency
 extension uses)."""
 
+SDC_EXIT_CODE = 95
+"""A worker whose rank the replicas' check (``[sdc]``) named as having computed a wrong result
+exits with this code in a job of several nodes: its node's agent attributes the round to
+``sdc`` and evicts the node, as for a health drain (a spare, or the nodes left, go on from the
+last agreed checkpoint)."""
+
 EVICTED_EXIT_CODE = 94
 """``trainguard run`` exits with this code on a node the recovery policy evicted from the job
 (a health ``drain``/``fail`` verdict, or the node failing too often), and on a node whose agent
