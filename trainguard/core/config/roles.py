@@ -44,6 +44,7 @@ __all__ = [
     "RolesConfig",
     "parse_role_flag",
     "parse_role_nodes",
+    "role_node_sets",
     "place_roles",
 ]
 
@@ -69,11 +70,12 @@ _KEYS = {
     "retire": "retire_after",
     "retire_after": "retire_after",
     "floor": "floor",
+    "spares": "spares",
 }
 
 _FLAG_FORM = (
     "NAME=REPLICAS[,port=P,budget=N,policy=always|never,health=/PATH,ready=S,standby=K,"
-    "nodes=K,bind=ADDR,retire=N,floor=N]:COMMAND"
+    "nodes=K,spares=S,bind=ADDR,retire=N,floor=N]:COMMAND"
 )
 
 
@@ -125,7 +127,13 @@ class RoleSpec:
     floor: int = 1
     """Replicas of the role that must be left (not retired): a role below its floor fails
     and ends the job, with one line naming the role, the floor and what was lost. On nodes
-    of their own each node's agent counts the replicas it runs."""
+    of their own a lost node's replicas count as lost until a spare node runs them again;
+    the job ends with exit code 95 (``ROLE_BELOW_FLOOR_EXIT_CODE``)."""
+    spares: int = 0
+    """Under ``trainguard sbatch``, with ``nodes``: spare nodes of the role, allocated besides
+    its ``nodes``. Their agents wait; when a node of the role is lost (its agent killed, the
+    node crashed), one spare runs the lost node's replicas (same ports, its own address) and
+    the lost node is drained in Slurm with the cause."""
 
     def url(self, port: int, host: str = "127.0.0.1") -> str:
         return f"http://{host}:{port}"
@@ -145,6 +153,7 @@ class RoleSpec:
             "bind": self.bind,
             "retire_after": self.retire_after,
             "floor": self.floor,
+            "spares": self.spares,
         }
 
     @classmethod
@@ -185,6 +194,12 @@ class RoleSpec:
                 "fixed port (port = 8100: replica i on port + i), since the trainer's URLs are "
                 "known before its replicas start"
             )
+        spares = check.integer("spares", 0, 0)
+        if spares and not nodes:
+            raise ValueError(
+                f"{where}: role {name!r}: spares {spares} without nodes: spare nodes replace "
+                "the role's own nodes (nodes = K); give nodes, or leave spares out"
+            )
         floor = check.integer("floor", 1, 0)
         if floor > replicas:
             raise ValueError(
@@ -199,6 +214,7 @@ class RoleSpec:
             replicas=replicas,
             port=port,
             nodes=nodes,
+            spares=spares,
             bind=check.bind(),
             restart_budget=check.integer("restart_budget", 5, 0),
             restart_policy=check.restart_policy(),
@@ -224,6 +240,7 @@ _TABLE_KEYS = frozenset(
         "bind",
         "retire_after",
         "floor",
+        "spares",
     }
 )
 """Keys of a ``[roles.<name>]`` table."""
@@ -335,7 +352,7 @@ def parse_role_flag(value: str) -> tuple[str, dict[str, Any]]:
         if not eq or key.strip() not in _KEYS:
             raise ValueError(
                 f"{where}: unknown option {opt!r}; options: port, budget, policy, health, "
-                "ready, standby, nodes, bind, retire, floor"
+                "ready, standby, nodes, spares, bind, retire, floor"
             )
         table[_KEYS[key.strip()]] = val.strip()
     cmd = m["cmd"].strip()
@@ -391,6 +408,10 @@ class RolesConfig:
     submission (one line, exit 2)."""
     router_bind: str = "127.0.0.1"
     """The address the fleet endpoint binds; ``0.0.0.0`` (every interface) only when told."""
+    node_dead_after_s: float = 10.0
+    """Under ``trainguard sbatch``: a role node whose agent's beacon (``RUN_DIR/role-nodes/
+    <node>.alive``, advanced every second) stood still this long is lost: its replicas are
+    re-placed on a spare node of the role (``spares``) and it is drained in Slurm."""
 
     def __post_init__(self) -> None:
         for key in (
@@ -401,6 +422,7 @@ class RolesConfig:
             "startup_grace_factor",
             "startup_grace_min_s",
             "port_wait_s",
+            "node_dead_after_s",
         ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0")
@@ -445,8 +467,12 @@ class RolesConfig:
         return min(first, max(self.startup_grace_min_s, self.startup_grace_factor * measured_s))
 
     def node_count(self) -> int:
-        """Nodes of their own the roles need (``nodes``, all roles together)."""
-        return sum(s.nodes for s in self.specs())
+        """Nodes of their own the roles need (``nodes`` and ``spares``, all roles together)."""
+        return sum(s.nodes + s.spares for s in self.specs())
+
+    def spare_count(self) -> int:
+        """Spare nodes of the roles (``spares``, all roles together)."""
+        return sum(s.spares for s in self.specs())
 
 
 def parse_role_nodes(value: str) -> list[tuple[str, str]]:
@@ -478,8 +504,10 @@ def place_roles(specs: list[RoleSpec], nodes: list[tuple[str, str]]) -> dict[str
     """The replicas of the roles with ``nodes = K`` on the role nodes (in order): each role takes
     the next K nodes, replica ``i`` runs on its node ``i % K`` on port ``port + i``. The same on
     every node (the URLs the trainer gets, the replicas a node's agent starts); ValueError
-    (one line) when the nodes are fewer than the roles ask for."""
-    need = sum(s.nodes for s in specs)
+    (one line) when the nodes are fewer than the roles ask for. A role's spare nodes
+    (``spares``) follow its own nodes and run nothing until a node is lost
+    (:func:`role_spare_nodes`)."""
+    need = sum(s.nodes + s.spares for s in specs)
     if need > len(nodes):
         raise ValueError(
             f"the roles ask for {need} node(s) of their own, the job has {len(nodes)} "
@@ -491,9 +519,26 @@ def place_roles(specs: list[RoleSpec], nodes: list[tuple[str, str]]) -> dict[str
         if not spec.nodes:
             continue
         mine = nodes[at : at + spec.nodes]
-        at += spec.nodes
+        at += spec.nodes + spec.spares
         out[spec.name] = [
             Placed(i, mine[i % spec.nodes][0], mine[i % spec.nodes][1], spec.port + i)
             for i in range(spec.replicas)
         ]
+    return out
+
+
+def role_node_sets(
+    specs: list[RoleSpec], nodes: list[tuple[str, str]]
+) -> dict[str, tuple[list[tuple[str, str]], list[tuple[str, str]]]]:
+    """Role → (its own nodes, its spare nodes), as :func:`place_roles` assigns them."""
+    out: dict[str, tuple[list[tuple[str, str]], list[tuple[str, str]]]] = {}
+    at = 0
+    for spec in specs:
+        if not spec.nodes:
+            continue
+        out[spec.name] = (
+            nodes[at : at + spec.nodes],
+            nodes[at + spec.nodes : at + spec.nodes + spec.spares],
+        )
+        at += spec.nodes + spec.spares
     return out
