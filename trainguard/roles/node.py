@@ -149,6 +149,8 @@ def _supervise(
     """The agent's loop: until the trainer is done, a role failure, or this node declared
     lost; ``take_over`` (a spare's): the supervisor of the replicas it was given, once."""
     code = 0
+    if sup is not None:
+        sup.start()
     try:
         while not stop.wait(_POLL_S):
             if sup is None and (sup := take_over()) is not None:
