@@ -28,6 +28,7 @@ from tests.procs import alive
 from tests.services.slurm_cluster import SlurmCluster, start_cluster
 from trainguard.core.events import read_events
 from trainguard.core.rundir import RunDir
+from trainguard.roles.procs import port_is_free
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
@@ -192,10 +193,14 @@ def _role_agent(c: SlurmCluster, node: str) -> int:
     raise AssertionError(f"no role agent on {node}")
 
 
-def _spare_config(d: Path, port: int) -> Path:
+def _spare_config(d: Path) -> Path:
+    rdzv = free_port()
+    port = free_port()
+    while rdzv in (port, port + 1) or not port_is_free(port + 1):  # replicas 0 and 1
+        port = free_port()
     f = d / "tg.toml"
     f.write_text(
-        f"[slurm]\nrdzv_port = {free_port()}\njoin_timeout_s = 120\n\n"
+        f"[slurm]\nrdzv_port = {rdzv}\njoin_timeout_s = 120\n\n"
         "[roles]\nprobe_interval_s = 0.25\nprobe_timeout_s = 1.0\nstop_timeout_s = 3.0\n"
         "node_dead_after_s = 3\n\n"
         f"[roles.rollout]\ncommand = {json.dumps(REPLICA)}\nreplicas = 2\nnodes = 2\n"
@@ -209,7 +214,7 @@ def _submit_spare_job(c: SlurmCluster, d: Path, out: Path) -> tuple[str, Path, l
     env = dict(c.env, OUT_DIR=str(out), TRAINGUARD_HEALTH_ENABLED="0")
     p = subprocess.run(
         [sys.executable, "-m", "trainguard", "sbatch", "--nodes", "1",
-         "--config", str(_spare_config(d, free_port())), "--nproc-per-node", "1",
+         "--config", str(_spare_config(d)), "--nproc-per-node", "1",
          "--no-tg-warm", "--monitor-interval", "0.1", TRAINER],
         cwd=d, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
