@@ -154,27 +154,59 @@ def test_engine_on_its_own_node_restarts_alone(cluster: SlurmCluster, tmp_path: 
     assert "DRAIN" not in c.node_state(role_node)[0]
 
 
-def test_more_role_nodes_than_the_partition_submits_nothing(
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (
+            ["--nodes", "2", "--tg-role", "rollout=2,nodes=2,spares=1,port=8100:python e.py"],
+            "--nodes 2 + --spares 0 + 2 role node(s) + 1 role spare(s) = 5 nodes, but "
+            "partition",
+        ),
+        (
+            ["--nodes", "1", "--tg-role", "rollout=2,nodes=2,floor=3,port=8100:python e.py"],
+            "role 'rollout': floor 3 > replicas 2",
+        ),
+        (
+            ["--nodes", "1", "--tg-role", "rollout=2,spares=1,port=8100:python e.py"],
+            "role 'rollout': spares 1 without nodes",
+        ),
+        (["--nodes", "1", "--config", "router.toml"], "[roles] router_port {port} on 127.0.0.1:"),
+    ],
+    ids=["role-spares-past-the-partition", "floor-above-replicas", "spares-without-nodes",
+         "router-port-taken"],
+)  # fmt: skip
+def test_bad_role_input_submits_nothing(
     cluster: SlurmCluster,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    says: str,
 ) -> None:
+    import socket
+
     from trainguard.cli import cmd_sbatch
 
     monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t.py").write_text("")
-    before = cluster.jobs()
-    capsys.readouterr()
-    rc = cmd_sbatch.main(
-        ["--nodes", "2", "--tg-role", "rollout=1,nodes=1,port=8100:python e.py", "t.py"]
-    )
+    with socket.socket() as held:  # the fleet endpoint's fixed port, taken
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        (tmp_path / "router.toml").write_text(
+            f"[roles]\nrouter = true\nrouter_port = {port}\n\n[roles.rollout]\n"
+            "command = 'python e.py'\nreplicas = 1\nnodes = 1\nport = 8100\n"
+        )
+        before = cluster.jobs()
+        capsys.readouterr()
+        rc = cmd_sbatch.main([*argv, "t.py"])
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if x.strip()]
     assert rc == 2 and len(lines) == 1, err
-    assert "--nodes 2 + --spares 0 + 1 role node(s) = 3 nodes, but partition" in lines[0]
+    assert says.format(port=port) in lines[0], lines[0]
     assert cluster.jobs() == before
+    assert not (tmp_path / "trainguard-runs").exists()  # nothing started
 
 
 def _role_agent(c: SlurmCluster, node: str) -> int:
