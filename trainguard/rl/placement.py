@@ -46,8 +46,7 @@ def published_placement(base: Sequence[str], states: Sequence[Any], node: str = 
     """The engines' URLs: ``base`` (replica ``i`` first), each replica's replaced by the URL its
     supervisor published, without the replicas published as failed, retired or stopped.
     ``node``: this node's name; a replica published on loopback by another node (beside
-    another trainer node) is that node's, never followed here (with no ``node``: a loopback
-    URL not in ``base`` is not followed)."""
+    another trainer node) is that node's, never followed here."""
     base = [u.rstrip("/") for u in base]
     by_index: dict[int, str] = dict(enumerate(base))
     for rep in states:
@@ -55,10 +54,9 @@ def published_placement(base: Sequence[str], states: Sequence[Any], node: str = 
         if not isinstance(idx, int) or not isinstance(url, str):
             continue
         url = url.rstrip("/")
-        if _loopback(url):
-            other = rep.get("node")
-            if (node and other and other != node) or (not node and url not in base):
-                continue  # another trainer node's own replica, on its own loopback
+        other = rep.get("node")
+        if node and other and other != node and _loopback(url):
+            continue  # another trainer node's own replica, on its own loopback
         if state in GONE:
             by_index.pop(idx, None)
         else:
