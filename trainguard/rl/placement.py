@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from trainguard.core.rundir import RunDir
+from trainguard.core.contracts.rundir import RunDir
 
 __all__ = ["GONE", "PlacementFollower", "published_placement"]
 

@@ -38,11 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core.atomicfile import write_atomic
-from trainguard.core.config.roles import RolesConfig, RoleSpec, place_roles, role_node_sets
-from trainguard.core.event_kinds import ROLE_NODE_LOST
+from trainguard.core.config.roles import RolesConfig, RoleSpec
+from trainguard.core.contracts.event_kinds import ROLE_NODE_LOST
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import EventLog
 from trainguard.core.fencing import NodeFencer
-from trainguard.core.rundir import RunDir
+from trainguard.roles.placement import place_roles, role_node_sets
 
 __all__ = ["NodeBeacon", "RoleNodeWatch", "assignment", "declared_lost"]
 

@@ -26,10 +26,11 @@ from enum import Enum
 from typing import Any
 
 from trainguard.chaos.faults import CHAOS_ENV
-from trainguard.core import envvars
-from trainguard.core.config.roles import parse_role_nodes
 from trainguard.core.config.slurm import SlurmConfig
-from trainguard.core.event_kinds import JOB_FINISHED, NODE_DRAINED
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.event_kinds import JOB_FINISHED, NODE_DRAINED
+from trainguard.core.contracts.jobstate import JobState
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import EventLog, read_events
 from trainguard.core.failures import (
     DO_NOT_REQUEUE_EXIT_CODE,
@@ -37,8 +38,6 @@ from trainguard.core.failures import (
     ROLE_BELOW_FLOOR_EXIT_CODE,
 )
 from trainguard.core.fencing import NodeFencer
-from trainguard.core.jobstate import JobState
-from trainguard.core.rundir import RunDir
 from trainguard.slurm.batch import CHAIN_ENV, RESUBMITS_ENV
 from trainguard.slurm.cli import SlurmCli, SlurmError
 from trainguard.slurm.fencer import SlurmFencer
@@ -172,7 +171,7 @@ def finish(
     events = list(read_events(run_dir))
     allocation = slurm.hostnames(env.get("SLURM_JOB_NODELIST", ""))
     # the roles' own nodes run no trainer agent (no job_finished of theirs): not lost for that
-    role_nodes = {n for n, _ in parse_role_nodes(env.get(envvars.SBATCH_ROLE_NODES, ""))}
+    role_nodes = {n for n, _ in envvars.parse_role_nodes(env.get(envvars.SBATCH_ROLE_NODES, ""))}
     allocation = [n for n in allocation if n not in role_nodes]
     try:
         unusable = [n.name for n in slurm.nodes(allocation) if n.unusable] if allocation else []
