@@ -10,7 +10,7 @@ from html import escape
 from typing import Any
 
 from trainguard.core import svg
-from trainguard.core.event_kinds import ROLLOUT_SAMPLES_TRAINED
+from trainguard.core.contracts.event_kinds import ROLLOUT_SAMPLES_TRAINED
 
 __all__ = ["samples_section"]
 
