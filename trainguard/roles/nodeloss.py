@@ -248,10 +248,13 @@ class RoleNodeWatch:
             left=left,
             floor=spec.floor if spec else None,
         )
-        logger.warning(
-            "trainguard: role node %s lost (%s); replicas %s of %s %s", node, cause, replicas,
-            role, f"re-placed on {spare}" if spare else "lost: no spare node left",
-        )  # fmt: skip
+        if not replicas:
+            what = "it ran no replica"
+        elif spare:
+            what = f"replicas {replicas} of {role} re-placed on {spare}"
+        else:
+            what = f"replicas {replicas} of {role} lost: no spare node left"
+        logger.warning("trainguard: role node %s lost (%s); %s", node, cause, what)
         if spec is not None and left is not None and left < spec.floor:
             line = (
                 f"role {role} below its floor of {spec.floor}: {left} of {spec.replicas} "
