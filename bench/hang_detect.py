@@ -245,7 +245,7 @@ def release_once(base: Path, which: str, how: str, wait_s: float) -> dict[str, f
     args += ["--keep-sockets"] if how == "kill" else []
     import torch.distributed as dist
 
-    from bench._support import free_port
+    from trainguard.testing.ports import free_port
 
     # the rendezvous store lives here, as on a node that is not the one lost (were it hosted
     # by the dead rank's agent, its exit would end torchrun's other agent through the store)
@@ -375,7 +375,8 @@ def fr_overhead(base: Path, steps: int, rounds: int) -> dict[str, object]:
     interval of that median; wall time and CPU time (both ranks, all threads) per step."""
     import random
 
-    from trainguard.core import envvars, flight_recorder
+    from trainguard.core import flight_recorder
+    from trainguard.core.contracts import envvars
 
     script = base / "fr_step.py"
     script.write_text(FR_CODE)

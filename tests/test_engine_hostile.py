@@ -23,14 +23,15 @@ from typing import Any
 
 import pytest
 
-from tests.ports import free_port
 from tests.stub_engine import SHAPES
-from trainguard.core import engine_contract as ec
-from trainguard.core import envvars, jsonhttp
+from trainguard.core import jsonhttp
+from trainguard.core.contracts import engine as ec
+from trainguard.core.contracts import envvars
 from trainguard.core.fleetauth import sign
 from trainguard.rl import RolloutClient, RolloutConfig
 from trainguard.rl.reward import RewardClient
 from trainguard.rl.weights import WeightStore
+from trainguard.testing.ports import free_port
 
 pytestmark = pytest.mark.xdist_group("engine_hostile")
 

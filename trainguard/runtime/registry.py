@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from trainguard.core import envvars
 from trainguard.core.config import TrainGuardConfig
+from trainguard.core.contracts import envvars
 from trainguard.core.events import EventLog
 from trainguard.core.fencing import NodeFencer, RecordOnlyFencer
 from trainguard.core.plugin import AgentContext, AgentPlugin, WorkerHooksPlugin
@@ -50,7 +50,7 @@ def default_plugins(ctx: AgentContext) -> list[AgentPlugin]:
         from trainguard.roles.plugin import RolesPlugin
 
         # the engine fleets start before the trainer's first workers, and outlive its restarts
-        plugins.append(RolesPlugin(ctx))
+        plugins.append(RolesPlugin(ctx, fencer=node_fencer(cfg)))
     if cfg.warm.enabled:
         from trainguard.runtime.warm import WarmPlugin
 

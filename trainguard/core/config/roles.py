@@ -18,7 +18,7 @@ restart budget and health check. Example::
 Under ``trainguard sbatch`` a role may run on nodes of its own (``nodes = 2``, with a fixed
 ``port``): the job allocates them besides the trainer's, the replicas bind the node's Slurm
 address (or ``bind``) and the trainer's workers get ``http://<NodeAddr>:<port + i>``
-(:func:`place_roles`; docs/rl.md "Engines on nodes of their own").
+(:func:`trainguard.roles.placement.place_roles`; docs/rl.md "Engines on nodes of their own").
 
 On the command line (one flag per role; it replaces that role's table of the file, keys it
 does not name keep the file's values)::
@@ -35,20 +35,17 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.core.contract import ROLES
+from trainguard.core.contracts.metrics import ROLES
 
 __all__ = [
     "ROLE_NAMES",
-    "Placed",
     "RoleSpec",
     "RolesConfig",
     "parse_role_flag",
-    "parse_role_nodes",
-    "place_roles",
 ]
 
 ROLE_NAMES = ROLES
-"""Roles a job may declare besides ``trainer`` (:data:`trainguard.core.contract.ROLES`)."""
+"""Roles a job may declare besides ``trainer`` (:data:`trainguard.core.contracts.metrics.ROLES`)."""
 
 RESTART_POLICIES = ("always", "never")
 
@@ -69,11 +66,12 @@ _KEYS = {
     "retire": "retire_after",
     "retire_after": "retire_after",
     "floor": "floor",
+    "spares": "spares",
 }
 
 _FLAG_FORM = (
     "NAME=REPLICAS[,port=P,budget=N,policy=always|never,health=/PATH,ready=S,standby=K,"
-    "nodes=K,bind=ADDR,retire=N,floor=N]:COMMAND"
+    "nodes=K,spares=S,bind=ADDR,retire=N,floor=N]:COMMAND"
 )
 
 
@@ -125,7 +123,13 @@ class RoleSpec:
     floor: int = 1
     """Replicas of the role that must be left (not retired): a role below its floor fails
     and ends the job, with one line naming the role, the floor and what was lost. On nodes
-    of their own each node's agent counts the replicas it runs."""
+    of their own a lost node's replicas count as lost until a spare node runs them again;
+    the job ends with exit code 95 (``ROLE_BELOW_FLOOR_EXIT_CODE``)."""
+    spares: int = 0
+    """Under ``trainguard sbatch``, with ``nodes``: spare nodes of the role, allocated besides
+    its ``nodes``. Their agents wait; when a node of the role is lost (its agent killed, the
+    node crashed), one spare runs the lost node's replicas (same ports, its own address) and
+    the lost node is drained in Slurm with the cause."""
 
     def url(self, port: int, host: str = "127.0.0.1") -> str:
         return f"http://{host}:{port}"
@@ -145,6 +149,7 @@ class RoleSpec:
             "bind": self.bind,
             "retire_after": self.retire_after,
             "floor": self.floor,
+            "spares": self.spares,
         }
 
     @classmethod
@@ -185,6 +190,12 @@ class RoleSpec:
                 "fixed port (port = 8100: replica i on port + i), since the trainer's URLs are "
                 "known before its replicas start"
             )
+        spares = check.integer("spares", 0, 0)
+        if spares and not nodes:
+            raise ValueError(
+                f"{where}: role {name!r}: spares {spares} without nodes: spare nodes replace "
+                "the role's own nodes (nodes = K); give nodes, or leave spares out"
+            )
         floor = check.integer("floor", 1, 0)
         if floor > replicas:
             raise ValueError(
@@ -199,6 +210,7 @@ class RoleSpec:
             replicas=replicas,
             port=port,
             nodes=nodes,
+            spares=spares,
             bind=check.bind(),
             restart_budget=check.integer("restart_budget", 5, 0),
             restart_policy=check.restart_policy(),
@@ -224,6 +236,7 @@ _TABLE_KEYS = frozenset(
         "bind",
         "retire_after",
         "floor",
+        "spares",
     }
 )
 """Keys of a ``[roles.<name>]`` table."""
@@ -335,7 +348,7 @@ def parse_role_flag(value: str) -> tuple[str, dict[str, Any]]:
         if not eq or key.strip() not in _KEYS:
             raise ValueError(
                 f"{where}: unknown option {opt!r}; options: port, budget, policy, health, "
-                "ready, standby, nodes, bind, retire, floor"
+                "ready, standby, nodes, spares, bind, retire, floor"
             )
         table[_KEYS[key.strip()]] = val.strip()
     cmd = m["cmd"].strip()
@@ -391,6 +404,10 @@ class RolesConfig:
     submission (one line, exit 2)."""
     router_bind: str = "127.0.0.1"
     """The address the fleet endpoint binds; ``0.0.0.0`` (every interface) only when told."""
+    node_dead_after_s: float = 10.0
+    """Under ``trainguard sbatch``: a role node whose agent's beacon (``RUN_DIR/role-nodes/
+    <node>.alive``, advanced every second) stood still this long is lost: its replicas are
+    re-placed on a spare node of the role (``spares``) and it is drained in Slurm."""
 
     def __post_init__(self) -> None:
         for key in (
@@ -401,6 +418,7 @@ class RolesConfig:
             "startup_grace_factor",
             "startup_grace_min_s",
             "port_wait_s",
+            "node_dead_after_s",
         ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0")
@@ -445,55 +463,9 @@ class RolesConfig:
         return min(first, max(self.startup_grace_min_s, self.startup_grace_factor * measured_s))
 
     def node_count(self) -> int:
-        """Nodes of their own the roles need (``nodes``, all roles together)."""
-        return sum(s.nodes for s in self.specs())
+        """Nodes of their own the roles need (``nodes`` and ``spares``, all roles together)."""
+        return sum(s.nodes + s.spares for s in self.specs())
 
-
-def parse_role_nodes(value: str) -> list[tuple[str, str]]:
-    """``TRAINGUARD_SBATCH_ROLE_NODES`` (``name=addr,...``) → ``[(name, addr), ...]``."""
-    out = []
-    for item in value.split(","):
-        name, _, addr = item.strip().partition("=")
-        if name:
-            out.append((name, addr or name))
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class Placed:
-    """Where one replica of a role on nodes of its own runs."""
-
-    index: int
-    node: str
-    addr: str
-    """The node's address: the host of the replica's URL."""
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.addr}:{self.port}"
-
-
-def place_roles(specs: list[RoleSpec], nodes: list[tuple[str, str]]) -> dict[str, list[Placed]]:
-    """The replicas of the roles with ``nodes = K`` on the role nodes (in order): each role takes
-    the next K nodes, replica ``i`` runs on its node ``i % K`` on port ``port + i``. The same on
-    every node (the URLs the trainer gets, the replicas a node's agent starts); ValueError
-    (one line) when the nodes are fewer than the roles ask for."""
-    need = sum(s.nodes for s in specs)
-    if need > len(nodes):
-        raise ValueError(
-            f"the roles ask for {need} node(s) of their own, the job has {len(nodes)} "
-            f"({','.join(n for n, _ in nodes) or 'none'})"
-        )
-    out: dict[str, list[Placed]] = {}
-    at = 0
-    for spec in specs:
-        if not spec.nodes:
-            continue
-        mine = nodes[at : at + spec.nodes]
-        at += spec.nodes
-        out[spec.name] = [
-            Placed(i, mine[i % spec.nodes][0], mine[i % spec.nodes][1], spec.port + i)
-            for i in range(spec.replicas)
-        ]
-    return out
+    def spare_count(self) -> int:
+        """Spare nodes of the roles (``spares``, all roles together)."""
+        return sum(s.spares for s in self.specs())

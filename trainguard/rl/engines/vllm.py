@@ -51,15 +51,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard.core import envvars
-from trainguard.core.engine_contract import (
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.engine import (
     HealthAnswer,
     MalformedAnswer,
     ReplicaStatus,
     own_identity,
     parse_completion,
 )
-from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.core.contracts.engine import ReplicaStatus as S
 from trainguard.core.jsonhttp import JSONServer
 from trainguard.rl.engines._vllm_http import AdapterError, make_server
 from trainguard.rl.engines._vllm_server import (
