@@ -378,7 +378,11 @@ def test_refits_are_verified_and_a_failed_one_quarantines_until_refit(
         return f.version
 
     client = RolloutClient(
-        f.engines.urls, config=RolloutConfig(refit_attempts=3, failure_cooldown_s=0.0),
+        # every sync bounded by the initial 60 s: what a sync verifies is this test's subject,
+        # the timeout that follows the measured syncs (3 s at least) is the frozen-engine
+        # test's; at load 23 a quarantine, rewrite and refit took longer than that
+        f.engines.urls, config=RolloutConfig(refit_attempts=3, failure_cooldown_s=0.0,
+                                             sync_timeout_min_s=60.0),
         events=lambda kind, **kw: events.append((kind, kw)),
         fingerprints=lambda v: f.store.meta(v).get("fingerprint"), token=f.engines.token,
     )  # fmt: skip
