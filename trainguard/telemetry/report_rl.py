@@ -15,10 +15,11 @@ __all__ = ["samples_section"]
 
 
 def _ints(v: object) -> list[int]:
-    """The integers (not booleans) of a list field; none for anything else."""
-    if not isinstance(v, list):
-        return []
-    return [x for x in v if isinstance(x, int) and not isinstance(x, bool)]
+    return (
+        [x for x in v if isinstance(x, int) and not isinstance(x, bool)]
+        if isinstance(v, list)
+        else []
+    )
 
 
 def samples_section(events: Iterable[Mapping[str, object]]) -> str:
@@ -34,7 +35,7 @@ def samples_section(events: Iterable[Mapping[str, object]]) -> str:
             continue
         records += 1
         b = e.get("bound")
-        if isinstance(b, int):
+        if isinstance(b, int) and not isinstance(b, bool):
             bound = max(bound or 0, b)
         stale.update(_ints(e.get("staleness")))
         sizes.update(_ints(e.get("group_sizes")))
@@ -43,7 +44,7 @@ def samples_section(events: Iterable[Mapping[str, object]]) -> str:
             if isinstance(n, int) and not isinstance(n, bool):
                 dropped[str(reason)] += n
         sh = e.get("shrunk")
-        shrunk += int(sh) if isinstance(sh, (int, float)) else 0
+        shrunk += sh if isinstance(sh, int) else 0
     if not records:
         return ""
     chart = svg.histogram(
