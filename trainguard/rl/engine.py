@@ -81,7 +81,9 @@ version (``loading``) and serves: the replica's rejoin without the start-up.
 Every health answer names its process: ``"pid"`` and ``"incarnation"`` (the nonce the supervisor
 gave this start in ``$TRAINGUARD_AGENT_ROLE_INCARNATION``); the supervisor counts no other answer.
 
-Fault injection (tests and benchmarks only, ``--enable-fault-injection``): ``POST /v1/faults``
+Fault injection (tests and benchmarks only, ``--enable-fault-injection``), armed by
+``trainguard chaos engine-fault`` (:func:`trainguard.chaos.ops.engine_fault`, which signs
+``POST /v1/faults`` with the role's token):
 ``{"kind": "http_500"|"malformed"|"hang", "count": n}`` makes the next ``n`` completion
 requests answer HTTP 500, a truncated JSON body, or nothing at all (``n`` = 0 disarms);
 ``"partial_refit"``: the next ``n`` weight loads load half of the tensors and claim the
