@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from trainguard.core.event_kinds import ROLLOUT_SAMPLES_TRAINED
+from trainguard.core.contracts.event_kinds import ROLLOUT_SAMPLES_TRAINED
 from trainguard.rl.groups import SampleRecord, advantages, settle
 from trainguard.rl.rollout_types import Completion
 from trainguard.telemetry.report_rl import samples_section

@@ -12,6 +12,7 @@ __all__ = [
     "EVICTED_EXIT_CODE",
     "FailureKind",
     "REQUEUE_EXIT_CODE",
+    "ROLE_BELOW_FLOOR_EXIT_CODE",
     "WorkerFailure",
     "classify_exit",
     "peer_failure",
@@ -38,6 +39,12 @@ EVICTED_EXIT_CODE = 94
 (a health ``drain``/``fail`` verdict, or the node failing too often), and on a node whose agent
 was started again while the node is still on the job's blocklist. The job goes on without the
 node: a scheduler must not retry the *node* (the job itself is not over)."""
+
+ROLE_BELOW_FLOOR_EXIT_CODE = 95
+"""``trainguard run`` exits with this code when a role (``[roles.<name>]``) fell below its
+serving ``floor``: replicas retired, or lost with their role node and no spare node left to
+run them again. Not a user error (2) and not a training failure: the fleet is gone. One line
+names the role, the floor and what was lost."""
 
 
 class FailureKind(str, Enum):

@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from trainguard.core.event_kinds import ROLLOUT_SAMPLES_TRAINED
+from trainguard.core.contracts.event_kinds import ROLLOUT_SAMPLES_TRAINED
 from trainguard.rl.rollout_types import Completion
 
 __all__ = [
