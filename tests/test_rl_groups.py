@@ -75,6 +75,6 @@ def test_the_record_and_the_report_histogram() -> None:
     assert e["group_sizes"] == [2, 2] and e["dropped"] == {"stale": 1} and e["bound"] == 1
     html = samples_section(events)
     bars = dict(re.findall(r'data-value="(\d+)" data-count="(\d+)"', html))
-    assert bars == {"0": "2", "1": "2"}
+    assert bars == {"0": "2", "1": "2", "2": "0"}  # a bin past the bound, drawn dashed
     assert "groups dropped: stale</td><td>1" in html and "tg-limit" in html
     assert samples_section([{"kind": "other"}]) == ""
