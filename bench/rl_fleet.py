@@ -67,6 +67,14 @@ async run (``--max-staleness 1``) through ``--async-kills`` trainer kills, the l
 recorded staleness of a sample trained after a kill (``staleness_histogram``: all samples).
 
     python bench/rl_fleet.py --refit-only    # only these figures (~15 min)
+
+Role nodes that fail alone (bench/role_nodes.py, ``--role-node-runs`` runs): a job whose
+rollout role runs on 2 role nodes with 2 spares (each its own ``trainguard slurm roles`` agent
+on loopback), each run the agents of both role nodes killed -9 in turn:
+``role_node_loss_step_delay_s`` (the step the loss fell in minus the median step; target <= 2
+median steps) and ``role_node_replaced_s`` (kill → the replica serving on a spare; <= 30).
+
+    python bench/rl_fleet.py --role-nodes-only   # only these figures (~3 min a run)
 """
 
 from __future__ import annotations
@@ -962,11 +970,18 @@ def main() -> None:
     p.add_argument("--b2b-pairs", type=int, default=5, help="back-to-back death pairs (0: none)")
     p.add_argument("--async-steps", type=int, default=24, help="steps of the async run (0: none)")
     p.add_argument("--async-kills", type=int, default=3, help="trainer kills in the async run")
+    p.add_argument("--role-nodes-only", action="store_true", help="only the role node figures")
+    p.add_argument("--role-node-runs", type=int, default=3, help="runs of 2 role node losses")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rl-fleet-bench-"))
     print(f"runs in {root}", flush=True)
     if args.refit_only:
         print(json.dumps(refit_figures(root, args, [])), flush=True)
+        return
+    from bench.role_nodes import role_node_loss
+
+    if args.role_nodes_only:
+        print(json.dumps(role_node_loss(root, args.role_node_runs)), flush=True)
         return
     router = {} if args.auth_only else router_client_errors(root)
     print(f"fleet endpoint under engine kills: {router}", flush=True)
@@ -981,6 +996,7 @@ def main() -> None:
     embedded = {**figures(root, args, "embedded"), **router, **auth}
     scenario_dirs = [d for d in sorted((root / "embedded").iterdir()) if d.is_dir()]
     embedded.update(refit_figures(root, args, scenario_dirs))
+    embedded.update(role_node_loss(root, args.role_node_runs))
     if args.replay_steps > 0:
         embedded.update(
             replay_runs(root, steps=args.replay_steps, faults=args.replay_faults, seed=args.seed)

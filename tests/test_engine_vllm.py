@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from tests.launch_utils import REPO
-from tests.ports import free_port
 from tests.vllm_engine import VLLM_ARGS, http_json, model_dir, require_vllm, vllm_children
 from trainguard.rl.weights import WeightStore
+from trainguard.testing.ports import free_port
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(1800)]  # vLLM's start-up: minutes
 

@@ -18,13 +18,13 @@ import pytest
 
 from tests.fleet_engines import LocalEngines, engine_health
 from tests.intruder import intrude, refusal
-from tests.ports import free_port
 from tests.procs import FIXTURE_PIDS
 from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.fleetauth import sign
 from trainguard.rl import RolloutClient, RolloutConfig, RolloutError, WeightStore
 from trainguard.rl.groups import settle
 from trainguard.rl.tiny import tiny_gpt2
+from trainguard.testing.ports import free_port
 
 # Two engine processes (a torch + transformers import each, ~7 CPU s), started once a run: the
 # module is one xdist group, so its tests share one fleet. The killing tests come last, in an
