@@ -24,10 +24,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench._support import free_port  # noqa: E402
 from trainguard.core import jsonhttp  # noqa: E402
 from trainguard.core.contracts import envvars  # noqa: E402
 from trainguard.rl import RolloutClient, RolloutConfig, SyncResult, WeightStore  # noqa: E402
+from trainguard.testing.ports import free_port  # noqa: E402
 
 __all__ = ["RefitDrill"]
 
