@@ -140,6 +140,7 @@ class RoleSupervisor:
             ]
             self.restarts[spec.name] = 0
         self.started = False
+        self._host = host
 
     # -- what the trainer is told -------------------------------------------------------------
     def urls(self, role: str) -> list[str]:
@@ -174,6 +175,16 @@ class RoleSupervisor:
                 continue
             for sb in pool.slots:
                 self._thread(functools.partial(pool.run_slot, sb), f"{spec.name}-sb{sb.slot}")
+
+    def add_replicas(self, spec: RoleSpec, indices: list[int]) -> None:
+        """Run replicas ``indices`` of ``spec`` here from now on (a spare role node given a lost
+        node's replicas): each takes a ready warm standby of this node for its first start
+        when there is one, else starts cold."""
+        for i in indices:
+            rep = ReplicaState(spec, i, spec.port + i, self.events.node, self._host)
+            rep.from_standby = True
+            self.replicas[spec.name].append(rep)
+            self._thread(ReplicaLoop(self, spec, rep).run, f"{spec.name}-{rep.index}")
 
     def _thread(self, target: Callable[[], None], name: str) -> None:
         t = threading.Thread(target=target, name=f"trainguard-role-{name}", daemon=True)
