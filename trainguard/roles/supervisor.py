@@ -249,10 +249,13 @@ class RoleSupervisor:
 
     def standby_port(self, spec: RoleSpec) -> int:
         """A free port for one start of a standby, never a replica's (a dead replica's port is
-        free until its successor binds it)."""
+        free until its successor binds it), nor one of a role's fixed ports (a spare role node
+        may be given any replica of its role)."""
         bind = self.bind_host[spec.name]
         host = bind if bind and ":" not in bind and bind != "0.0.0.0" else "127.0.0.1"
         taken = {r.port for reps in self.replicas.values() for r in reps}
+        for s in self.cfg.specs():
+            taken.update(range(s.port, s.port + s.replicas) if s.port else ())
         while (port := free_port(host)) in taken:
             pass
         return port
