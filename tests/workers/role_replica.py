@@ -16,7 +16,8 @@ replica. Behaviour knobs (argv):
 --ignore-standby      serve as a replica even when started as a standby (a command that does
                       not honour the standby contract)
 --squat-incarnation X answer health naming incarnation X ("none": no incarnation): a squatter
---die-after-s S       exit 5, S seconds after it serves (an engine that dies after every load)
+--die-after-s S       exit 5, S seconds after its first ``serving`` health answer (an engine
+                      that dies after every load, once its supervisor has seen it ready)
 
 Started as a role's warm standby (``$TRAINGUARD_AGENT_ROLE_STANDBY`` set, unless
 ``--ignore-standby``) it answers ``standby`` on its own port until the promotion file appears,
@@ -69,6 +70,7 @@ def main() -> None:
         incarnation = None if args.squat_incarnation == "none" else args.squat_incarnation
     promote = os.environ.get("TRAINGUARD_AGENT_ROLE_STANDBY")
     standby = bool(promote) and not args.ignore_standby
+    answered_serving = threading.Event()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
@@ -110,6 +112,8 @@ def main() -> None:
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+            if body.get("status") == "serving":
+                answered_serving.set()
 
         def log_message(self, *a: object) -> None:
             pass
@@ -143,6 +147,10 @@ def main() -> None:
     print(f"role_replica: serving on {port} pid {os.getpid()}", flush=True)
     if args.die_after_s is not None:  # dies after every load
         threading.Thread(target=server.serve_forever, daemon=True).start()
+        # counted from its first serving answer, not from its start: on a loaded machine a
+        # probe may come later than S seconds after the start, and the death would be one
+        # before readiness instead (a cold start's failure, not a served load's)
+        answered_serving.wait()
         time.sleep(args.die_after_s)
         os._exit(5)
     if args.close_after is None:
