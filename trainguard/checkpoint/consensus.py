@@ -8,7 +8,7 @@ on the same all-reduce: the smallest anomalous step any rank reports (:class:`Ro
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -42,12 +42,12 @@ class SdcHook(Protocol):
     def active(self) -> bool:
         """The checks run (a snapshot or persist waits for a step that passed one)."""
 
-    def marks(self, step: int) -> dict[str, Any]:
+    def marks(self, step: int) -> dict[str, str]:
         """What a checkpoint of ``step``'s state records of the check (its manifest's
         ``extra``): ``{"sdc": "verified"}`` where a check passed at ``step``, else
         ``"unverified"`` and why."""
 
-    def boundary(self, step: int, state: MutableMapping[str, Any]) -> None:
+    def boundary(self, step: int, state: Mapping[str, object]) -> None:
         """Every step boundary (local, before the agreement): the per-step record a replay
         compares with."""
 

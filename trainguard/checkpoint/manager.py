@@ -310,7 +310,7 @@ class CheckpointManager:
             step, state, persist=persist, via_process=via_process, marks=self._marks(step)
         )
 
-    def _marks(self, step: int) -> dict[str, Any]:
+    def _marks(self, step: int) -> dict[str, str]:
         """The manifest's record of the replicas' check (``[sdc]``) of the saved state."""
         sdc = self.sdc_hook
         if sdc is None:

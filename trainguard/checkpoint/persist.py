@@ -56,7 +56,7 @@ class Writer:
         return f"{self.root.rstrip('/')}/{mf.step_dir_name(step)}"
 
     def write_and_commit(
-        self, step: int, staged: Any, *, marks: dict[str, Any] | None = None
+        self, step: int, staged: Any, *, marks: dict[str, str] | None = None
     ) -> tuple[bool, str | None]:
         """Write ``staged`` (a state dict of host tensors) as step ``step``; (committed, error).
         ``marks``: the manifest's ``extra`` (what is known of the state beyond its files)."""
@@ -128,7 +128,7 @@ class Writer:
         step: int,
         path: str,
         gathered: list[tuple[str | None, dict[str, Any]]],
-        marks: dict[str, Any],
+        marks: dict[str, str],
     ) -> tuple[bool, str | None]:
         errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
         if errors:

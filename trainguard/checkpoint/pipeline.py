@@ -92,7 +92,7 @@ class SaveResult:
         """The part of ``stall_s`` waited inside the training step (the optimizer's step)."""
         self.persist_s = 0.0
         self.commit_s = 0.0
-        self.marks: dict[str, Any] = {}
+        self.marks: dict[str, str] = {}
         """What the manifest records of the saved state beyond its files (``extra``)."""
         self.num_bytes = 0
         self.via_process = False
@@ -189,7 +189,7 @@ class SavePipeline:
         *,
         persist: bool,
         via_process: bool = False,
-        marks: dict[str, Any] | None = None,
+        marks: dict[str, str] | None = None,
     ) -> SaveResult:
         """Stage ``state`` as of ``step`` and queue its persist when ``persist`` (through the
         persister process when ``via_process``, else in the persist thread); returns once the

@@ -126,7 +126,7 @@ class Restorer:
             )
         return None
 
-    def _load_memory(self, state: MutableMapping[str, Any], snap: Any) -> str | None:
+    def _load_memory(self, state: MutableMapping[str, Any], snap: Snapshot) -> str | None:
         """Load the memory snapshot ``snap`` into ``state``; None, or why it could not be.
         Never raises: whatever a snapshot holds (it may come from a peer), every rank must
         reach the vote that follows, or the others would wait in it."""
@@ -139,7 +139,7 @@ class Restorer:
             return f"{type(e).__name__}: {e}"[:500]
         return None
 
-    def _copy_agrees(self, snap: Any) -> bool:
+    def _copy_agrees(self, snap: Snapshot) -> bool:
         """A copy another node held (a replica pushed to it, a peer's fill) against the
         digest its owner wrote with it: a copy that differs (a bit flipped in that node's
         memory) is an ``sdc_suspect``, never restored from. A copy without a digest (an older
@@ -160,7 +160,7 @@ class Restorer:
         )
         return False
 
-    def _refuse(self, snap: Any, source: str, err: str) -> None:
+    def _refuse(self, snap: Snapshot, source: str, err: str) -> None:
         """One line and a ``checkpoint_corrupt`` event for this rank's unusable snapshot, which
         is dropped from the tier unless it changed meanwhile (then it is another snapshot)."""
         dropped = snap.still_valid()

@@ -365,7 +365,7 @@ class Snapshot:
             return False
 
 
-def bytes_digest(buf: Any, nbytes: int) -> str:
+def bytes_digest(buf: bytes | memoryview | mmap.mmap, nbytes: int) -> str:
     """The owner's digest of a snapshot's first ``nbytes`` bytes: its 32-bit words summed into
     a 64-bit integer (a flip of bit k changes it by 2^k, never by 0 modulo 2^64) and its
     64-bit words summed, the tail bytes added; two hex numbers. What a copy held by another

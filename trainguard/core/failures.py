@@ -40,7 +40,7 @@ EVICTED_EXIT_CODE = 94
 was started again while the node is still on the job's blocklist. The job goes on without the
 node: a scheduler must not retry the *node* (the job itself is not over)."""
 
-ROLE_BELOW_FLOOR_EXIT_CODE = 95
+ROLE_BELOW_FLOOR_EXIT_CODE = 96
 """``trainguard run`` exits with this code when a role (``[roles.<name>]``) fell below its
 serving ``floor``: replicas retired, or lost with their role node and no spare node left to
 run them again. Not a user error (2) and not a training failure: the fleet is gone. One line

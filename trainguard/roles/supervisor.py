@@ -115,7 +115,7 @@ class RoleSupervisor:
         self.failure: str | None = None
         """The first role failure (one line), None while every role runs."""
         self.below_floor = False
-        """Whether that failure is a role below its ``floor`` (exit code 95, not 2)."""
+        """Whether that failure is a role below its ``floor`` (exit code 96, not 2)."""
         self._budget_spent: set[str] = set()
         """Roles whose restart budget was reported spent (``role_restart_budget_exhausted``)."""
         self.startup_s: dict[str, float] = {}

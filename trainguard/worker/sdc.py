@@ -219,10 +219,10 @@ class SdcGuard:
         self._prev_step: int | None = None
         self.every = config.every_steps or 1
         """The agreed distance to the next check at the last check (for reports)."""
-        self._replay: tuple[int, tuple[int, int], dict[int, Any]] | None = None
+        self._replay: tuple[int, tuple[int, int], dict[int, object]] | None = None
         """(the suspect step being replayed, this rank's digest there the first time, its
         first values of the watched metric since the last agreed step)."""
-        self._values: dict[int, Any] = {}
+        self._values: dict[int, object] = {}
         """Per step since the last agreed one: the digest of the parameters at its boundary
         (two ranks, ``replay_digests``), else the watched metric (``tg.log``)."""
         self.record_steps = tg.world_size < 3 and config.replay_digests
@@ -266,7 +266,7 @@ class SdcGuard:
         self._values[step] = x
         self.record_s += time.perf_counter() - t0
 
-    def _compare(self, step: int, x: Any) -> None:
+    def _compare(self, step: int, x: object) -> None:
         """During a redo: ``x`` at ``step`` against the first run's, bitwise."""
         if self._replay is not None and step <= self._replay[0] and self._diverged is None:
             if step not in self._replay[2]:
@@ -281,7 +281,7 @@ class SdcGuard:
     def active(self) -> bool:
         return self.off is None
 
-    def marks(self, step: int) -> dict[str, Any]:
+    def marks(self, step: int) -> dict[str, str]:
         """The manifest's record of the check of the state saved at ``step``."""
         if self.off is not None:
             return {"sdc": "unverified", "sdc_reason": f"checks off: {self.off}"}

@@ -124,7 +124,7 @@ class RoleSpec:
     """Replicas of the role that must be left (not retired): a role below its floor fails
     and ends the job, with one line naming the role, the floor and what was lost. On nodes
     of their own a lost node's replicas count as lost until a spare node runs them again;
-    the job ends with exit code 95 (``ROLE_BELOW_FLOOR_EXIT_CODE``)."""
+    the job ends with exit code 96 (``ROLE_BELOW_FLOOR_EXIT_CODE``)."""
     spares: int = 0
     """Under ``trainguard sbatch``, with ``nodes``: spare nodes of the role, allocated besides
     its ``nodes``. Their agents wait; when a node of the role is lost (its agent killed, the
