@@ -197,9 +197,10 @@ def test_rl_fleet_job_with_engines_as_a_role(tmp_path: Path) -> None:
     ]
     assert promoted[0]["state"] == "starting"
     assert next(e for e in promoted if e["state"] == "serving")["weight_version"] >= now
-    assert [e["state"] for e in events if e["kind"] == "role_standby_state"][:3] == [
-        "starting", "standby", "promoted"
-    ]  # fmt: skip
+    # (without suspect: a probe that timed out while the standby built its model on a loaded
+    # machine, then an answer again, is behaviour, not a death)
+    assert [e["state"] for e in events if e["kind"] == "role_standby_state"
+            and e["state"] != "suspect"][:3] == ["starting", "standby", "promoted"]  # fmt: skip
     assert {e["attempt"] for e in events if e["kind"] == "rl_trainer_attached"} == {0}
 
     # exactly once, in the fault-free order, through the engine and reward server kills
