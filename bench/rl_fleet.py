@@ -229,6 +229,7 @@ class Run:
         engine: str = "embedded",
         seed: int = 0,
         extra: tuple[str, ...] = (),
+        role_opts: str = "",
     ) -> None:
         self.name = name
         self.seed = seed
@@ -258,7 +259,8 @@ class Run:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
              "--max-restarts", "100", "--tg-run-dir", str(self.run_dir), "--tg-role",
-             f"rollout={engines},standby={standby},budget=1000{ready}:{shlex.join(command)}",
+             f"rollout={engines},standby={standby},budget=1000{ready}{role_opts}:"
+             f"{shlex.join(command)}",
              str(REPO / "examples" / "rl_fleet.py"), *model, "--steps", str(steps), "--prompts",
              str(PROMPTS), "--batch", str(BATCH), "--group", "8", "--max-tokens", "16",
              "--request-timeout", "20", "--seed", str(seed), *extra],
@@ -467,9 +469,9 @@ def refit_engine_death(root: Path, runs: int) -> dict[str, Any]:
             for i, (kind, frac) in enumerate(REFIT_CASES):
                 try:
                     got = drill.case(kind, frac, victim=(r + i) % 3)
-                except AssertionError as e:
+                except Exception as e:  # a failed case, never the end of the bench
                     ok = False
-                    failures.append(f"run {r} {kind}@{frac}: {e}")
+                    failures.append(f"run {r} {kind}@{frac}: {type(e).__name__}: {e}")
                     continue
                 waits[kind].append(got["wait_s"])
                 rejoin[kind].append(got["rejoin_s"])
@@ -515,7 +517,9 @@ def back_to_back_deaths(root: Path, pairs: int, seed: int) -> Run:
     """One run with ``standby = 2`` (a pool of 2 for the role): ``pairs`` times, once both
     standbys are ready and every earlier death is recovered from, kill -9 replica 0 and, 2 s
     later, replica 1. Rejoin: kill → its replacement ``serving`` the current version."""
-    run = Run(root, "back_to_back", steps=100000, standby=2, seed=seed)
+    # every pair kills each replica once more: no retirement cap in this run
+    run = Run(root, "back_to_back", steps=100000, standby=2, seed=seed,
+              role_opts=f",retire={pairs + 1}")  # fmt: skip
     try:
         if not run.wait_step(2):
             return run
@@ -637,19 +641,25 @@ def refit_figures(root: Path, args: argparse.Namespace, runs: list[Path]) -> dic
     are counted too)."""
     out = refit_engine_death(root, args.refit_death_runs) if args.refit_death_runs else {}
     print(f"weight sync through an engine's death: {out}", flush=True)
-    b2b = back_to_back_deaths(root / "embedded", args.b2b_pairs, args.seed)
-    second = [s for kind, s in b2b.sup.rejoin_s() if kind == "b2b_second"]
-    first = [s for kind, s in b2b.sup.rejoin_s() if kind == "b2b_first"]
-    out["back_to_back_engine_deaths_rejoin_s"] = (
-        round(statistics.median(second), 3) if second else None
-    )
-    out["back_to_back_first_death_rejoin_s"] = round(statistics.median(first), 3) if first else None
-    out["back_to_back_pairs"] = f"{len(second)}/{args.b2b_pairs}"
-    out["back_to_back_rejoin_s_each"] = [round(s, 2) for s in second]
-    stale = staleness_run(root / "embedded", steps=args.async_steps, kills=args.async_kills,
-                          k=ASYNC_K, seed=args.seed)  # fmt: skip
-    out.update(staleness_after_resume(stale, ASYNC_K))
-    dirs = [*runs, b2b.run_dir, stale.run_dir]
+    dirs = list(runs)
+    if args.b2b_pairs:
+        b2b = back_to_back_deaths(root / "embedded", args.b2b_pairs, args.seed)
+        second = [s for kind, s in b2b.sup.rejoin_s() if kind == "b2b_second"]
+        first = [s for kind, s in b2b.sup.rejoin_s() if kind == "b2b_first"]
+        out["back_to_back_engine_deaths_rejoin_s"] = (
+            round(statistics.median(second), 3) if second else None
+        )
+        out["back_to_back_first_death_rejoin_s"] = (
+            round(statistics.median(first), 3) if first else None
+        )
+        out["back_to_back_pairs"] = f"{len(second)}/{args.b2b_pairs}"
+        out["back_to_back_rejoin_s_each"] = [round(s, 2) for s in second]
+        dirs.append(b2b.run_dir)
+    if args.async_steps:
+        stale = staleness_run(root / "embedded", steps=args.async_steps, kills=args.async_kills,
+                              k=ASYNC_K, seed=args.seed)  # fmt: skip
+        out.update(staleness_after_resume(stale, ASYNC_K))
+        dirs.append(stale.run_dir)
     out.update(standby_false_ready(dirs))
     out.update(groups_padded(dirs))
     return out
@@ -957,8 +967,8 @@ def main() -> None:
     p.add_argument("--refit-only", action="store_true",
                    help="only the refit, back-to-back, group and staleness figures")  # fmt: skip
     p.add_argument("--refit-death-runs", type=int, default=20, help="runs of the refit drill")
-    p.add_argument("--b2b-pairs", type=int, default=5, help="back-to-back death pairs")
-    p.add_argument("--async-steps", type=int, default=24, help="steps of the async run")
+    p.add_argument("--b2b-pairs", type=int, default=5, help="back-to-back death pairs (0: none)")
+    p.add_argument("--async-steps", type=int, default=24, help="steps of the async run (0: none)")
     p.add_argument("--async-kills", type=int, default=3, help="trainer kills in the async run")
     p.add_argument("--role-nodes-only", action="store_true", help="only the role node figures")
     p.add_argument("--role-node-runs", type=int, default=3, help="runs of 2 role node losses")

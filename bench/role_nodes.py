@@ -35,8 +35,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.ports import free_port  # noqa: E402
 from trainguard.core.contracts.rundir import RunDir  # noqa: E402
+from trainguard.testing.ports import free_port  # noqa: E402
 
 PROMPTS, BATCH = 64, 16
 ENGINE = [sys.executable, "-m", "trainguard.rl.engine", "--poll-interval-s", "0.3"]

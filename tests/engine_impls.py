@@ -2,7 +2,7 @@
 against: one line each. An implementation is a command that serves the engine contract on
 ``--port`` with the weight store in ``--weights-dir`` (it loads the store's current version
 by itself and reports ``serving`` only then), checking every request against the job's token
-in ``TRAINGUARD_ROLE_TOKEN``."""
+in ``TRAINGUARD_AGENT_ROLE_TOKEN``."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from tests.ports import free_port
 from trainguard.core.contracts import envvars
 from trainguard.core.contracts.engine import HealthAnswer, probe_health
+from trainguard.testing.ports import free_port
 
 
 def _tiny_gpt2_state() -> dict[str, Any]:

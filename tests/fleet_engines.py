@@ -2,11 +2,11 @@
 starts them (same command, same environment contract), for the tests that drive the fleet
 themselves: kill one, restart it on its port, wait for it to serve.
 
-Each replica gets ``TRAINGUARD_ROLE=rollout``, ``TRAINGUARD_ROLE_REPLICA=<i>``,
-``TRAINGUARD_ROLE_PORT=<port>`` (kept across restarts), ``TRAINGUARD_ROLE_INCARNATION``,
-``TRAINGUARD_RUN_DIR`` and ``TRAINGUARD_ROLE_TOKEN``, its role's token from the run directory's
+Each replica gets ``TRAINGUARD_AGENT_ROLE=rollout``, ``TRAINGUARD_AGENT_ROLE_REPLICA=<i>``,
+``TRAINGUARD_AGENT_ROLE_PORT=<port>`` (kept across restarts), ``TRAINGUARD_AGENT_ROLE_INCARNATION``,
+``TRAINGUARD_RUN_DIR`` and ``TRAINGUARD_AGENT_ROLE_TOKEN``, its role's token from the run directory's
 fleet secret (created there as ``trainguard run``'s agent does: pass :attr:`LocalEngines.token`
-to the clients); a warm standby the role's standby contract (``TRAINGUARD_ROLE_STANDBY``: a port
+to the clients); a warm standby the role's standby contract (``TRAINGUARD_AGENT_ROLE_STANDBY``: a port
 of its own, then the promotion file), as the role supervisor gives it.
 """
 
@@ -29,7 +29,18 @@ from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.fleetauth import job_secret, role_token
 from trainguard.roles.procs import free_port, new_incarnation
 
-__all__ = ["LocalEngines", "engine_health"]
+__all__ = ["LocalEngines", "engine_health", "process_cpu_s"]
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """The CPU seconds (user and system) process ``pid`` has used; None once it is gone. A
+    boot's CPU cost is what a loaded machine does not stretch, as it stretches the wall time."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name: state is field 3
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def engine_health(
@@ -145,11 +156,20 @@ class LocalEngines:
             self.start(i)
 
     def wait_serving(
-        self, i: int | None = None, *, version: int | None = None, timeout: float = 120.0
+        self,
+        i: int | None = None,
+        *,
+        version: int | None = None,
+        timeout: float = 120.0,
+        cpu_s: float | None = None,
     ) -> None:
-        """Until replica ``i`` (default: all) reports ``serving`` (with ``version``)."""
+        """Until replica ``i`` (default: all) reports ``serving`` (with ``version``), at most
+        ``timeout`` seconds; with ``cpu_s``, bounded instead by the CPU seconds the replica's
+        process used meanwhile (a boot's cost), however long the machine's load makes that take."""
         deadline = time.monotonic() + timeout
         for k in range(len(self.ports)) if i is None else [i]:
+            proc = self.procs[k]
+            base = (process_cpu_s(proc.pid) if proc is not None else None) or 0.0
             while True:
                 h = engine_health(self.ports[k], token=self.token)
                 if h and h.get("status") == ReplicaStatus.SERVING:
@@ -160,7 +180,11 @@ class LocalEngines:
                     raise RuntimeError(
                         f"engine {k} exited with {p.returncode}; see {self.run_dir}/roles"
                     )
-                if time.monotonic() > deadline:
+                if cpu_s is not None and p is not None:
+                    used = (process_cpu_s(p.pid) or base) - base
+                    if used > cpu_s:
+                        raise TimeoutError(f"engine {k} not serving after {used:.0f} CPU s: {h}")
+                elif time.monotonic() > deadline:
                     raise TimeoutError(f"engine {k} not serving after {timeout:.0f} s: {h}")
                 time.sleep(0.1)
 

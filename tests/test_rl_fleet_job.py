@@ -26,13 +26,13 @@ import pytest
 
 from tests.fleet_engines import LocalEngines
 from tests.launch_utils import REPO, base_env, popen
-from tests.ports import free_port
 from tests.procs import alive, kill_tree
 from trainguard.core.contracts.metrics import by_name
 from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import read_events
 from trainguard.rl import ConsumedLog, PromptLedger, audit
 from trainguard.telemetry.report import write_report
+from trainguard.testing.ports import free_port
 
 RL_FLEET = str(REPO / "examples" / "rl_fleet.py")
 PROMPTS, BATCH = 16, 4  # an epoch every 4 steps
@@ -197,9 +197,10 @@ def test_rl_fleet_job_with_engines_as_a_role(tmp_path: Path) -> None:
     ]
     assert promoted[0]["state"] == "starting"
     assert next(e for e in promoted if e["state"] == "serving")["weight_version"] >= now
-    assert [e["state"] for e in events if e["kind"] == "role_standby_state"][:3] == [
-        "starting", "standby", "promoted"
-    ]  # fmt: skip
+    # (without suspect: a probe that timed out while the standby built its model on a loaded
+    # machine, then an answer again, is behaviour, not a death)
+    assert [e["state"] for e in events if e["kind"] == "role_standby_state"
+            and e["state"] != "suspect"][:3] == ["starting", "standby", "promoted"]  # fmt: skip
     assert {e["attempt"] for e in events if e["kind"] == "rl_trainer_attached"} == {0}
 
     # exactly once, in the fault-free order, through the engine and reward server kills

@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 
 from tests.launch_utils import base_env
-from tests.ports import free_port
 from trainguard.core import jsonhttp
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config import load_config
@@ -34,6 +33,7 @@ from trainguard.rl.rollout_types import RolloutConfig
 from trainguard.rl.router import FleetRouter
 from trainguard.rl.weights import WeightStore
 from trainguard.roles.plugin import RolesPlugin
+from trainguard.testing.ports import free_port
 
 ROLLOUT_TOKEN = secrets.token_hex(32)
 FLEET_TOKEN = secrets.token_hex(32)

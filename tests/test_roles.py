@@ -407,8 +407,11 @@ def test_standby_that_ignores_the_contract_is_one_event_and_cold_restarts_go_on(
 ) -> None:
     sup = supervisor({"command": REPLICA + ["--ignore-standby"], "replicas": 1, "standby": 1})
     pids = wait_for("the replica serving", lambda: serving_pids(sup))
-    wait_for("the standby given up", lambda: sup.standbys["rollout"][0].state == "failed")
-    (ev,) = [e for e in kinds(tmp_path, "role_standby_state") if e["state"] == "failed"]
+    # the event awaited, not the state: the supervisor sets the state, then writes the event
+    # (a loaded machine showed the state with the event not written yet)
+    (ev,) = wait_for("the standby given up", lambda: [
+        e for e in kinds(tmp_path, "role_standby_state") if e["state"] == "failed"])  # fmt: skip
+    assert sup.standbys["rollout"][0].state == "failed"
     assert "answered 'serving' as a standby" in ev["reason"] and "cold restarts" in ev["reason"]
     assert not alive(ev["pid"])
     os.kill(pids[0], signal.SIGKILL)
@@ -582,11 +585,11 @@ def test_replica_that_never_becomes_ready_is_named(
 
 
 def test_probe_outcomes_of_a_real_server(tmp_path: Path) -> None:
-    from tests.ports import free_port
+    from trainguard.testing.ports import free_port
 
     port = free_port()
     assert probe_health(port, "/health", 1.0).outcome == "refused"
-    env = base_env(TRAINGUARD_ROLE_PORT=str(port))
+    env = base_env(TRAINGUARD_AGENT_ROLE_PORT=str(port))
     proc = subprocess.Popen(REPLICA + ["--weight-version", "7"], env=env)
     try:
         p = wait_for(
@@ -892,20 +895,22 @@ def test_squatter_on_a_replica_port_is_never_the_replica(
     waits for its port (bounded), is retired, and the role goes on with replica 1 without
     spending its restart budget."""
     port = free_port(2)
-    env = base_env(TRAINGUARD_ROLE_PORT=str(port))
+    env = base_env(TRAINGUARD_AGENT_ROLE_PORT=str(port))
     squatter = subprocess.Popen(REPLICA + ["--squat-incarnation", "forged"], env=env)
     try:
         wait_for("the squatter", lambda: probe_health(port, "/health", 1.0).outcome == "ok")
         sup = supervisor({"command": REPLICA, "replicas": 2, "port": port}, port_wait_s=2.0)
         rep0, rep1 = sup.replicas["rollout"]
-        wait_for("replica 0 retired", lambda: rep0.state == "retired", timeout=30)
+        # the retirement's event awaited (the state is set before it is written)
+        (retired,) = wait_for("replica 0 retired",
+                              lambda: kinds(tmp_path, "role_replica_retired"), timeout=30)  # fmt: skip
+        assert rep0.state == "retired"
         wait_for("replica 1 serving", lambda: rep1.state == "serving")
         taken = [e for e in kinds(tmp_path, "role_port_taken") if e["replica"] == 0]
         assert taken and {(e["port"], e["holder_pid"]) for e in taken} == {(port, squatter.pid)}
         assert "role_replica.py --squat-incarnation forged" in taken[0]["holder"]
         states = [e["state"] for e in kinds(tmp_path, "role_replica_state") if e["replica"] == 0]
         assert "serving" not in states and "loading" not in states
-        (retired,) = kinds(tmp_path, "role_replica_retired")
         assert (retired["replica"], retired["left"], retired["floor"]) == (0, 1, 1)
         assert f"port {port} stayed taken" in retired["reason"]
         assert sup.failure is None and sup.restarts["rollout"] == 0

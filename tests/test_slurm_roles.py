@@ -5,7 +5,7 @@ node's agent on its port while the trainer keeps its workers (restart count 0); 
 completes. With 3 role nodes (1 spare): a role node's agent killed -9 mid-run takes only its
 replica, which comes back on the spare while the node is drained with the cause and the
 trainer never restarts (the job completes); two role nodes lost at once leave the role below
-its floor: one line and exit code 95. A job that asks for more nodes than the partition has
+its floor: one line and exit code 96. A job that asks for more nodes than the partition has
 submits nothing."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from tests.procs import alive
 from tests.services.slurm_cluster import SlurmCluster, start_cluster
 from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import read_events
+from trainguard.core.failures import ROLE_BELOW_FLOOR_EXIT_CODE
 from trainguard.roles.procs import port_is_free
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
@@ -320,7 +321,7 @@ def test_role_node_lost_replaced_on_the_spare_then_below_the_floor(
         for n in (node_a, node_b):
             os.kill(_role_agent(c, n), signal.SIGKILL)
         assert c.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED"}, 120) == "FAILED"
-        assert c.job_field(job, "ExitCode") == "95:0"
+        assert c.job_field(job, "ExitCode") == f"{ROLE_BELOW_FLOOR_EXIT_CODE}:0"
     finally:
         c.run("scancel", *c.jobs(), check=False) if c.jobs() else None
         c.kill_job_processes()

@@ -13,17 +13,17 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
+from trainguard.core.contracts.engine import ReplicaStatus
 from trainguard.core.contracts.rundir import RunDir
 
 __all__ = ["GONE", "PlacementFollower", "published_placement"]
 
 logger = logging.getLogger(__name__)
 
-GONE = frozenset({"failed", "stopped", "retired"})
+GONE = frozenset({ReplicaStatus.FAILED, ReplicaStatus.STOPPED, ReplicaStatus.RETIRED})
 """Published replica states that are no longer part of the placement."""
 
 
@@ -32,7 +32,9 @@ def _loopback(url: str) -> bool:
     return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
-def published_states(run_dir: str | os.PathLike[str] | None, role: str = "rollout") -> list[Any]:
+def published_states(
+    run_dir: str | os.PathLike[str] | None, role: str = "rollout"
+) -> list[dict[str, object]]:
     """The role's published replica states (never raises)."""
     if not run_dir:
         return []
@@ -42,7 +44,9 @@ def published_states(run_dir: str | os.PathLike[str] | None, role: str = "rollou
         return []
 
 
-def published_placement(base: Sequence[str], states: Sequence[Any], node: str = "") -> list[str]:
+def published_placement(
+    base: Sequence[str], states: Sequence[Mapping[str, object]], node: str = ""
+) -> list[str]:
     """The engines' URLs: ``base`` (replica ``i`` first), each replica's replaced by the URL its
     supervisor published, without the replicas published as failed, retired or stopped.
     ``node``: this node's name; a replica published on loopback by another node (beside

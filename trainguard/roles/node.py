@@ -19,7 +19,7 @@ It ends when the trainer is done (the batch script creates ``TRAINGUARD_SBATCH_R
 or on SIGTERM/SIGINT (exit 0), stopping its replicas by PID. A role failure (budget spent,
 never ready) is written, one line, to ``TRAINGUARD_SBATCH_ROLES_FAILED``: the trainer's agents
 read it and end the job with it (exit 2), as a role failure beside the trainer does; a role
-below its floor (replicas retired) goes to ``RUN_DIR/role-nodes/below-floor`` (exit 95).
+below its floor (replicas retired) goes to ``RUN_DIR/role-nodes/below-floor`` (exit 96).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def run_role_node(
     env: Mapping[str, str] | None = None,
 ) -> int:
     """Run this node's replicas (a spare: those it is given) until the trainer is done; the
-    exit code (0; 2 for a role failure or a node that is not a role node of the job; 95 for a
+    exit code (0; 2 for a role failure or a node that is not a role node of the job; 96 for a
     role below its floor)."""
     env = dict(os.environ if env is None else env)
 
@@ -209,18 +209,18 @@ def _take_over(
     got = assignment(run_dir, node)
     if got is None:
         return False
-    spec = next((s for s in spare_of if s.name == got.get("role")), None)
+    spec = next((s for s in spare_of if s.name == got.role), None)
     if spec is None:
         return False
-    replicas = [int(i) for i in got.get("replicas", [])]
+    replicas = got.replicas
     print(
         f"trainguard roles: node {node} ({addr}): runs replicas {','.join(map(str, replicas))} "
-        f"of role {spec.name} of the lost node {got.get('replaces')}",
+        f"of role {spec.name} of the lost node {got.replaces}",
         file=sys.stderr,
         flush=True,
     )
     events.emit(
-        ROLE_NODE_REPLACED, role=spec.name, replicas=replicas, replaces=got.get("replaces"),
+        ROLE_NODE_REPLACED, role=spec.name, replicas=replicas, replaces=got.replaces,
         addr=addr,
     )  # fmt: skip
     sup.add_replicas(spec, replicas)

@@ -17,7 +17,7 @@ exclusively), and:
 - with no spare left, the replicas are lost; the role keeps going while its replicas left
   (neither lost nor retired) are at least its ``floor``, else the line naming the role, the
   floor and what was lost goes to ``RUN_DIR/role-nodes/below-floor`` and every trainer agent
-  ends the job with it, exit code 95
+  ends the job with it, exit code 96
   (:data:`~trainguard.core.failures.ROLE_BELOW_FLOOR_EXIT_CODE`).
 
 The trainer never restarts for any of it. Who holds which replicas is derived from the files
@@ -34,11 +34,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config.roles import RolesConfig, RoleSpec
+from trainguard.core.contracts.engine import ReplicaStatus
 from trainguard.core.contracts.event_kinds import ROLE_NODE_LOST
 from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import EventLog
@@ -57,13 +58,29 @@ def _assign_path(rundir: RunDir, node: str) -> Path:
     return rundir.role_nodes / f"{node}.assign.json"
 
 
-def assignment(run_dir: Path, node: str) -> dict[str, Any] | None:
-    """The replicas a spare node was given (``role``, ``replicas``, ``replaces``), or None."""
+@dataclass(frozen=True)
+class Assignment:
+    """The replicas a spare node was given: of ``role``, in place of the lost node ``replaces``,
+    at ``at`` (wall clock)."""
+
+    role: str
+    replicas: list[int]
+    replaces: str
+    at: float
+
+
+def assignment(run_dir: Path, node: str) -> Assignment | None:
+    """The replicas a spare node was given, or None (none, or a file that is not one)."""
     try:
         got = json.loads(_assign_path(RunDir(run_dir), node).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return Assignment(
+            role=str(got["role"]),
+            replicas=[int(i) for i in got["replicas"]],
+            replaces=str(got["replaces"]),
+            at=float(got.get("at", 0.0)),
+        )
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
-    return got if isinstance(got, dict) else None
 
 
 def declared_lost(run_dir: Path, node: str) -> bool:
@@ -158,10 +175,10 @@ class RoleNodeWatch:
             node = path.name[: -len(".assign.json")]
             got = assignment(self.rundir.root, node)
             if got:
-                given.append((float(got.get("at", 0.0)), node, got))
-        for _, node, got in sorted(given):
-            out.pop(str(got.get("replaces")), None)
-            out[node] = (str(got["role"]), [int(i) for i in got["replicas"]])
+                given.append((got.at, node, got))
+        for _, node, got in sorted(given, key=lambda g: (g[0], g[1])):
+            out.pop(got.replaces, None)
+            out[node] = (got.role, list(got.replicas))
         return out
 
     def lost(self) -> set[str]:
@@ -298,7 +315,7 @@ class RoleNodeWatch:
         states = {
             s["replica"]: s.get("state") for s in self.rundir.role_states().get(spec.name, [])
         }
-        return sum(1 for i in held if states.get(i) != "retired")
+        return sum(1 for i in held if states.get(i) != ReplicaStatus.RETIRED)
 
     def _mark_failed(self, role: str, replicas: list[int], reason: str) -> None:
         for i in replicas:
@@ -307,8 +324,10 @@ class RoleNodeWatch:
                 state = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 continue
-            if isinstance(state, dict) and state.get("state") != "retired":
-                state.update(state="failed", reason=reason, changed_at=time.time())
+            if isinstance(state, dict) and state.get("state") != ReplicaStatus.RETIRED:
+                state.update(
+                    state=ReplicaStatus.FAILED.value, reason=reason, changed_at=time.time()
+                )
                 try:
                     write_atomic(path, json.dumps(state, indent=1) + "\n")
                 except OSError as e:

@@ -4,7 +4,7 @@ The fleet starts before the first rendezvous (so before the trainer's first work
 across every restart of the trainer group (the agent's rendezvous rounds call
 ``before_rendezvous`` again: nothing happens), and is stopped, by PID and process group, when
 the agent finishes. A role failure ends the job with one line and exit code 2; the job's exit
-code is otherwise the trainer's. A role below its serving ``floor`` ends it with exit code 95
+code is otherwise the trainer's. A role below its serving ``floor`` ends it with exit code 96
 (:data:`~trainguard.core.failures.ROLE_BELOW_FLOOR_EXIT_CODE`).
 
 A role with ``nodes = K`` (``trainguard sbatch``) runs on nodes of its own
@@ -55,7 +55,7 @@ class RoleFailedError(AgentExit):
 
 class RoleBelowFloorError(AgentExit):
     """A role fell below its serving ``floor`` (replicas retired, or lost with their node and
-    no spare node left): the job ends with exit code 95, apart from a user error."""
+    no spare node left): the job ends with exit code 96, apart from a user error."""
 
     exit_code = ROLE_BELOW_FLOOR_EXIT_CODE
     state = JobState.FAILED

@@ -7,7 +7,7 @@ machine). A role with ``standby = K`` also keeps a pool of K warm standbys
 (:class:`~trainguard.roles.standby.StandbyPool`): a replica that dies takes a ready one (the
 same refit-gated rejoin as a restart, without the start-up) and a new one starts behind it.
 
-Every process is started with an incarnation nonce (``TRAINGUARD_ROLE_INCARNATION``) and its
+Every process is started with an incarnation nonce (``TRAINGUARD_AGENT_ROLE_INCARNATION``) and its
 health answers must name it (:mod:`trainguard.roles.health`): an answer from another process on
 the port is never counted. Process plumbing is :mod:`trainguard.roles.procs`; liveness apart
 from readiness is :mod:`trainguard.roles.liveness`.
@@ -87,7 +87,7 @@ class RoleSupervisor:
         self.cfg = cfg
         self.specs = [s for s in cfg.specs() if not s.nodes] if specs is None else list(specs)
         self.bind_host: dict[str, str] = {}
-        """Role → the address its replicas bind (``TRAINGUARD_ROLE_HOST``)."""
+        """Role → the address its replicas bind (``TRAINGUARD_AGENT_ROLE_HOST``)."""
         self._probe_host: dict[str, str] = {}
         """Role → the address its health is probed on (``127.0.0.1`` when it binds every one)."""
         for spec in self.specs:
@@ -115,7 +115,7 @@ class RoleSupervisor:
         self.failure: str | None = None
         """The first role failure (one line), None while every role runs."""
         self.below_floor = False
-        """Whether that failure is a role below its ``floor`` (exit code 95, not 2)."""
+        """Whether that failure is a role below its ``floor`` (exit code 96, not 2)."""
         self._budget_spent: set[str] = set()
         """Roles whose restart budget was reported spent (``role_restart_budget_exhausted``)."""
         self.startup_s: dict[str, float] = {}

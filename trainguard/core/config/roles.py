@@ -101,7 +101,7 @@ class RoleSpec:
     """Extra environment of the replicas."""
     standby: int = 0
     """Warm standbys of the role: extra processes started with the same command (and
-    ``TRAINGUARD_ROLE_STANDBY`` set), loaded and kept out of routing. A replica that dies is
+    ``TRAINGUARD_AGENT_ROLE_STANDBY`` set), loaded and kept out of routing. A replica that dies is
     replaced by a ready standby (it takes the replica's port, then loads the current weights
     before it serves) instead of a cold start; a new standby is started behind it at low CPU
     priority (``[roles] standby_nice``). The command must honour the standby contract
@@ -114,7 +114,7 @@ class RoleSpec:
     ``i % nodes``); needs a fixed ``port``. 0: the replicas run beside the trainer, started by
     every node's agent."""
     bind: str = ""
-    """The address the replicas bind (``TRAINGUARD_ROLE_HOST``); empty: ``127.0.0.1`` beside
+    """The address the replicas bind (``TRAINGUARD_AGENT_ROLE_HOST``); empty: ``127.0.0.1`` beside
     the trainer, the node's Slurm address (``NodeAddr``) on nodes of its own. ``0.0.0.0`` binds
     every interface: only when told."""
     retire_after: int = 3
@@ -125,7 +125,7 @@ class RoleSpec:
     """Replicas of the role that must be left (not retired): a role below its floor fails
     and ends the job, with one line naming the role, the floor and what was lost. On nodes
     of their own a lost node's replicas count as lost until a spare node runs them again;
-    the job ends with exit code 95 (``ROLE_BELOW_FLOOR_EXIT_CODE``)."""
+    the job ends with exit code 96 (``ROLE_BELOW_FLOOR_EXIT_CODE``)."""
     spares: int = 0
     """Under ``trainguard sbatch``, with ``nodes``: spare nodes of the role, allocated besides
     its ``nodes``. Their agents wait; when a node of the role is lost (its agent killed, the
