@@ -134,14 +134,15 @@ class StandbyPool:
         sb.promoted = False
         sb.ready_at = None
         sb.starts += 1
-        promote = sup.rundir.role_standby(spec.name, sb.slot, f"{sb.starts}.promote")
+        sb.incarnation = new_incarnation()
+        # named by the incarnation: the standbys of every role node share the run directory
+        promote = sup.rundir.role_standby(spec.name, sb.slot, f"{sb.incarnation}.promote")
         sb.promote_path = promote
         try:
             promote.unlink()  # left by an earlier job in this run directory
         except FileNotFoundError:
             pass
         sb.port = sup.standby_port(spec)
-        sb.incarnation = new_incarnation()
         env = sup.role_env(spec, sb.port, sb.incarnation)
         env[envvars.ROLE_STANDBY] = str(promote)
         try:

@@ -106,7 +106,8 @@ class RoleSpec:
     before it serves) instead of a cold start; a new standby is started behind it at low CPU
     priority (``[roles] standby_nice``). The command must honour the standby contract
     (``python -m trainguard.rl.engine`` and ``trainguard.rl.reward`` do); 0: none. On nodes
-    of its own (``nodes``), each node keeps this many."""
+    of its own (``nodes``), each node keeps this many, its spare nodes (``spares``) too: a
+    replica re-placed on a spare takes one of them."""
     nodes: int = 0
     """Under ``trainguard sbatch``: the replicas run on this many nodes of their own (the job
     allocates them besides the trainer's), spread round-robin (replica ``i`` on the role's node
