@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 DEMO   := trainguard-runs/demo
 
-.PHONY: demo test test-suite test-checks test-services test-soak test-torch-latest engines test-engines lint docs bench clean
+.PHONY: demo test test-suite test-checks test-services test-soak test-repeat test-torch-latest engines test-engines lint docs bench clean
 
 # The venv sees system site-packages so a torch the user already has is kept, and pip installs
 # the rest. Where no torch is importable (a fresh machine, CI), pip installs the CPU build
@@ -87,6 +87,16 @@ test-services:
 
 test-soak: $(VENV)/.installed
 	$(PY) -m pytest -q -m soak $(TESTS)
+
+# Chosen test files N times in a row, as the suite runs them and beside LOAD busy processes (the
+# suite's load on a 2-core machine), stopping at the first failure with the count passed:
+# `make test-repeat FILES="tests/test_roles.py" N=20`.
+FILES ?=
+N     ?= 20
+LOAD  ?= 2
+test-repeat: $(VENV)/.installed
+	@test -n "$(FILES)" || { echo 'make test-repeat: name the files: FILES="tests/test_x.py" [N=20] [LOAD=2]'; exit 2; }
+	$(PY) tests/services/repeat.py -n $(N) --load $(LOAD) --workers $(TEST_WORKERS) $(FILES)
 
 # The newest torch, on demand (not in `make test`: PyPI's Linux torch is the CUDA build, ~3 GB to
 # download, ~6 GB installed): its own venv without system site-packages, then the tests that touch

@@ -1,6 +1,6 @@
 """A cheap engine for the fleet benchmarks: a real process that speaks the engine contract
 (health with its identity, completions, weight updates by version, every request checked
-against ``TRAINGUARD_ROLE_TOKEN``) on the shared JSON server, without a model or torch, so
+against ``TRAINGUARD_AGENT_ROLE_TOKEN``) on the shared JSON server, without a model or torch, so
 that tens of them fit a small machine where generation is not what is measured.
 
     python bench/cheap_engine.py --port P --weights-dir D
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights-dir", required=True)
     p.add_argument("--load-delay-s", type=float, default=0.0)
     a = p.parse_args(argv)
-    token = os.environ.get("TRAINGUARD_ROLE_TOKEN")
+    token = os.environ.get("TRAINGUARD_AGENT_ROLE_TOKEN")
     auth = Authenticator("rollout", token) if token else None
     handler = type(
         "CheapHandler",

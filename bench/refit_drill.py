@@ -24,10 +24,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench._support import free_port  # noqa: E402
 from trainguard.core import jsonhttp  # noqa: E402
 from trainguard.core.contracts import envvars  # noqa: E402
 from trainguard.rl import RolloutClient, RolloutConfig, SyncResult, WeightStore  # noqa: E402
+from trainguard.testing.ports import free_port  # noqa: E402
 
 __all__ = ["RefitDrill"]
 
@@ -60,7 +60,13 @@ class _Engine:
     def control(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
         r = jsonhttp.request("127.0.0.1", self.port, "POST" if body else "GET", "/control",
                              body, timeout=5, max_bytes=1 << 16, token=self.token)  # fmt: skip
-        return dict(json.loads(r.body))
+        got = dict(json.loads(r.body))
+        assert self.proc is not None
+        # another process on its port (taken while the engine was down): not this engine
+        assert r.status == 200 and got.get("pid", self.proc.pid) == self.proc.pid, (
+            f"port {self.port} answered by another process (HTTP {r.status}): {got}"
+        )
+        return got
 
     def wait_control(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout

@@ -4,7 +4,8 @@
 
 Without Slurm, the shape of a ``trainguard sbatch`` job with roles on nodes of their own, on
 loopback: one ``trainguard run`` (examples/rl_fleet.py, 2 trainer ranks) whose ``rollout`` role
-has ``nodes = 2, spares = 2``, and four role "nodes", each its own ``trainguard slurm roles``
+has ``nodes = 2, spares = 2, standby = 1`` (a warm standby on every role node, the
+spares' too), and four role "nodes", each its own ``trainguard slurm roles``
 agent process (the node name given as ``SLURMD_NODENAME``; every node's address 127.0.0.1).
 The trainer's agent watches the role nodes' beacons (``[roles] node_dead_after_s``, its
 default); each run kills -9 the agent of the first role node mid-run (its engine dies with
@@ -78,7 +79,7 @@ def one_run(root: Path, name: str, seed: int) -> dict[str, Any]:
     run_dir = root / name
     run_dir.mkdir(parents=True)
     port = _port_pair()
-    role = f"rollout=2,nodes=2,spares=2,port={port},budget=100:{' '.join(ENGINE)}"
+    role = f"rollout=2,nodes=2,spares=2,standby=1,port={port},budget=100:{' '.join(ENGINE)}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "SLURM"))}
     env.update(
         TRAINGUARD_SBATCH_ROLE_NODES=",".join(f"{n}=127.0.0.1" for n in NODES),
@@ -124,9 +125,14 @@ def one_run(root: Path, name: str, seed: int) -> dict[str, Any]:
             n = len(_steps(run_dir))
             _wait(lambda n=n: len(_steps(run_dir)) >= n + 4, 300, trainer)
     finally:
-        for p in (trainer, *agents.values()):
+        for p in (trainer, *agents.values()):  # the trainer first, as the batch script does
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
+            if p is trainer:
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
         for p in (trainer, *agents.values()):
             try:
                 p.wait(60)

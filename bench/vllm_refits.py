@@ -96,10 +96,10 @@ class Engine:
         self.root, self.port = root, (_free_port() if standby else port)
         self.promote = root / f"promote-{self.port}.json" if standby else None
         env = {**os.environ, "TRAINGUARD_RUN_DIR": str(root), "PYTHONPATH": str(REPO),
-               "TRAINGUARD_ROLE_REPLICA": "0", "TRAINGUARD_ROLE_PORT": str(self.port),
+               "TRAINGUARD_AGENT_ROLE_REPLICA": "0", "TRAINGUARD_AGENT_ROLE_PORT": str(self.port),
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}  # fmt: skip
         if self.promote is not None:
-            env["TRAINGUARD_ROLE_STANDBY"] = str(self.promote)
+            env["TRAINGUARD_AGENT_ROLE_STANDBY"] = str(self.promote)
         self.log = (root / "engines.log").open("ab")
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(

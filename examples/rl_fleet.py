@@ -163,6 +163,7 @@ def main() -> None:
             request_timeout_s=args.request_timeout,
             max_attempts=args.max_attempts,
             drop_failed_groups=args.drop_failed_groups,
+            group_policy=args.group_policy,
         ),
         events=tg.events.emit,
         # verified refit: an engine is routed a version once its log-probs of these texts
@@ -263,8 +264,10 @@ def main() -> None:
                 prefetch = (nxt, pool.submit(generate, nxt[tg.rank :: world]))
             # a group is trained complete (or shrunk to >= 2 survivors) or dropped whole: its
             # members judged against the version this update trains into (step)
+            cfg = client.config
             settled = settle(comps, n=args.group, train_version=step,
-                             max_staleness=args.max_staleness, policy=args.group_policy)  # fmt: skip
+                             max_staleness=cfg.max_staleness, policy=cfg.group_policy,
+                             min_survivors=cfg.min_group_survivors)  # fmt: skip
             kept_ids = [ids[gi] for gi, _ in settled.kept]
             kept = [group for _, group in settled.kept]
             with tg.span("reward"):

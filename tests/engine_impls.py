@@ -2,7 +2,7 @@
 against: one line each. An implementation is a command that serves the engine contract on
 ``--port`` with the weight store in ``--weights-dir`` (it loads the store's current version
 by itself and reports ``serving`` only then), checking every request against the job's token
-in ``TRAINGUARD_ROLE_TOKEN``."""
+in ``TRAINGUARD_AGENT_ROLE_TOKEN``."""
 
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 starts them (same command, same environment contract), for the tests that drive the fleet
 themselves: kill one, restart it on its port, wait for it to serve.
 
-Each replica gets ``TRAINGUARD_ROLE=rollout``, ``TRAINGUARD_ROLE_REPLICA=<i>``,
-``TRAINGUARD_ROLE_PORT=<port>`` (kept across restarts), ``TRAINGUARD_ROLE_INCARNATION``,
-``TRAINGUARD_RUN_DIR`` and ``TRAINGUARD_ROLE_TOKEN``, its role's token from the run directory's
+Each replica gets ``TRAINGUARD_AGENT_ROLE=rollout``, ``TRAINGUARD_AGENT_ROLE_REPLICA=<i>``,
+``TRAINGUARD_AGENT_ROLE_PORT=<port>`` (kept across restarts), ``TRAINGUARD_AGENT_ROLE_INCARNATION``,
+``TRAINGUARD_RUN_DIR`` and ``TRAINGUARD_AGENT_ROLE_TOKEN``, its role's token from the run directory's
 fleet secret (created there as ``trainguard run``'s agent does: pass :attr:`LocalEngines.token`
-to the clients); a warm standby the role's standby contract (``TRAINGUARD_ROLE_STANDBY``: a port
+to the clients); a warm standby the role's standby contract (``TRAINGUARD_AGENT_ROLE_STANDBY``: a port
 of its own, then the promotion file), as the role supervisor gives it.
 """
 

@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hostile", action="store_true")
     a = p.parse_args(argv)
     engine = StubEngine(WeightStore(Path(a.weights_dir)), a.hostile)
-    token = os.environ.get("TRAINGUARD_ROLE_TOKEN")  # the job's: every request signed with it
+    token = os.environ.get("TRAINGUARD_AGENT_ROLE_TOKEN")  # the job's: every request signed with it
     auth = Authenticator("rollout", token) if token else None
     handler = type("StubHandler", (Handler,), {"engine": engine, "authenticator": auth})
     try:

@@ -253,3 +253,31 @@ def test_pause_endpoint_honours_the_host(procs: list[subprocess.Popen[bytes]]) -
     r = _chaos("pause", "--endpoint", f"127.0.0.2:{port}", "--seconds", "0.5")
     assert r.returncode == 0 and f"stopped [{server.pid}]" in r.stdout, r.stderr
     assert os.path.exists(f"/proc/{server.pid}") and _state(server.pid) != "T"
+
+
+def test_engine_fault_names_what_is_missing_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``trainguard chaos engine-fault`` finds the replica by its state file and signs with the
+    run's role token; without either, or with nothing on the port, one line says what. (The
+    faults themselves are armed through it against real engines in tests/test_rl_fleet.py.)"""
+    from trainguard.core.contracts.rundir import RunDir
+    from trainguard.core.fleetauth import job_secret
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    r = _drill(capsys, monkeypatch, "engine-fault", str(run_dir), "--kind", "http_500")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "rollout replica 0: no port in" in r.stderr and "--port" in r.stderr
+
+    port = free_port()
+    state = RunDir(run_dir).role_state("rollout", 0)
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"port": port}))
+    r = _drill(capsys, monkeypatch, "engine-fault", str(run_dir), "--kind", "hang")
+    assert r.returncode == 2 and "fleet secret" in r.stderr and "cannot open it" in r.stderr
+
+    job_secret(run_dir)
+    r = _drill(capsys, monkeypatch, "engine-fault", str(run_dir), "--kind", "hang")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"rollout replica 0 on port {port}: refused" in r.stderr

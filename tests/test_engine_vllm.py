@@ -36,8 +36,8 @@ class Adapter:
     def __init__(self, root: Path, py: str, args: list[str], port: int | None = None) -> None:
         self.root, self.port = root, port or free_port()
         env = {**os.environ, "TRAINGUARD_RUN_DIR": str(root), "TRAINGUARD_VLLM_PYTHON": py,
-               "PYTHONPATH": str(REPO), "TRAINGUARD_ROLE_REPLICA": "0"}  # fmt: skip
-        env.pop("TRAINGUARD_ROLE_STANDBY", None)
+               "PYTHONPATH": str(REPO), "TRAINGUARD_AGENT_ROLE_REPLICA": "0"}  # fmt: skip
+        env.pop("TRAINGUARD_AGENT_ROLE_STANDBY", None)
         self.log = (root / "adapter.log").open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainguard.rl.engines.vllm", "--port", str(self.port),

@@ -440,9 +440,9 @@ def test_an_expired_admission_lock_is_taken_over_at_the_default_keep_alive(
 def test_an_admission_lock_held_forever_is_capped(
     etcd: Etcd, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from trainguard.runtime.etcd_v3 import backend as backend_mod
+    from trainguard.runtime.etcd_v3 import admission_lock
 
-    monkeypatch.setattr(backend_mod, "MAX_LOCK_HOLD_S", 1.0)
+    monkeypatch.setattr(admission_lock, "MAX_LOCK_HOLD_S", 1.0)
     run = "forever-lock"
     backend, _ = etcd_v3.create_backend(_params(etcd, run))
     for until in (b"1e308", b"Infinity", b'"soon"', b"[" * 50_000):

@@ -20,6 +20,7 @@ import pytest
 from tests.fleet_engines import LocalEngines, engine_health, process_cpu_s
 from tests.intruder import intrude, refusal
 from tests.procs import FIXTURE_PIDS
+from trainguard.chaos.ops import engine_fault
 from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.fleetauth import sign
 from trainguard.rl import RolloutClient, RolloutConfig, RolloutError, WeightStore
@@ -105,6 +106,11 @@ class Fleet:
         self.unpublished: list[tuple[dict[str, Any], int, Any]] = []
         self.first_served: list[Any] = []
 
+    def fault(self, i: int, kind: str, count: int) -> None:
+        """Arm a fault in engine ``i`` as an operator does: ``trainguard chaos engine-fault``'s
+        target (signed with the run's role token)."""
+        engine_fault(self.run_dir, "rollout", i, kind, count, port=self.engines.ports[i])
+
     def first_publish(self) -> None:
         """The replicas, started before the trainer published anything, are asked for health
         and a completion; then version 0 is published and they serve it."""
@@ -170,7 +176,7 @@ class Fleet:
         for i in self.alive():
             self.engines.wait_serving(i, version=self.version, cpu_s=BOOT_CPU_S)
             for kind in ("http_500", "malformed", "hang", "partial_refit"):
-                post(self.engines.ports[i], "/v1/faults", {"kind": kind, "count": 0})
+                self.fault(i, kind, 0)
 
     def client(self, **cfg: Any) -> RolloutClient:
         c = RolloutClient(self.engines.urls, config=RolloutConfig(**cfg), token=self.engines.token)
@@ -319,9 +325,8 @@ def test_an_engine_refuses_every_request_without_the_job_token(
 
 
 def test_http_500_and_malformed_answers_are_counted_and_retried(healthy: Fleet) -> None:
-    port = healthy.engines.ports[1]
-    post(port, "/v1/faults", {"kind": "http_500", "count": 2})
-    post(port, "/v1/faults", {"kind": "malformed", "count": 2})
+    healthy.fault(1, "http_500", 2)
+    healthy.fault(1, "malformed", 2)
     with healthy.client(prompts_per_request=1, failure_cooldown_s=0.0) as client:
         groups = client.generate(PROMPTS * 2, n=2, max_tokens=6)
         check_real(groups, 2, healthy.version)
@@ -332,8 +337,8 @@ def test_http_500_and_malformed_answers_are_counted_and_retried(healthy: Fleet) 
 
 
 def test_a_batch_that_cannot_be_generated_raises_or_drops_never_fabricates(healthy: Fleet) -> None:
-    for port in healthy.engines.ports:
-        post(port, "/v1/faults", {"kind": "http_500", "count": 1000})
+    for i in range(len(healthy.engines.ports)):
+        healthy.fault(i, "http_500", 1000)
     with healthy.client(max_attempts=3, failure_cooldown_s=0.0) as client:
         with pytest.raises(RolloutError, match="no real generation after 3 attempts"):
             client.generate(PROMPTS, n=2, max_tokens=6)
@@ -399,7 +404,7 @@ def test_refits_are_verified_and_a_failed_one_quarantines_until_refit(
         assert {e["engine"] for k, e in events if k == "rollout_refit_verified"} == {a, b}
 
         # a refit that stops half-way, every time: engine 0 stays quarantined, never serves
-        post(f.engines.ports[0], "/v1/faults", {"kind": "partial_refit", "count": 100})
+        f.fault(0, "partial_refit", 100)
         events.clear()
         v = step()
         write(v)
@@ -414,7 +419,7 @@ def test_refits_are_verified_and_a_failed_one_quarantines_until_refit(
         groups = client.generate(PROMPTS[:4], n=2, max_tokens=4)
         assert {c.engine for g in groups for c in g} == {b}  # never routed to the quarantined
         # the fault gone, the next sync refits it again and it serves once verified
-        post(f.engines.ports[0], "/v1/faults", {"kind": "partial_refit", "count": 0})
+        f.fault(0, "partial_refit", 0)
         events.clear()
         res = client.sync_weights(v)
         assert sorted(res.confirmed) == [a, b]
@@ -487,7 +492,7 @@ def test_engine_killed_with_requests_in_flight_loses_them_to_the_others(serving:
     dead, and are generated again elsewhere; nothing of the dead engine's is in the batch."""
     v = serving.alive()[0]
     victim = serving.engines.urls[v]
-    post(serving.engines.ports[v], "/v1/faults", {"kind": "hang", "count": 1000})
+    serving.fault(v, "hang", 1000)
     with serving.client(prompts_per_request=1, failure_cooldown_s=0.0) as client:
         got: dict[str, Any] = {}
 

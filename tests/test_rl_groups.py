@@ -75,6 +75,16 @@ def test_the_record_and_the_report_histogram() -> None:
     assert e["group_sizes"] == [2, 2] and e["dropped"] == {"stale": 1} and e["bound"] == 1
     html = samples_section(events)
     bars = dict(re.findall(r'data-value="(\d+)" data-count="(\d+)"', html))
-    assert bars == {"0": "2", "1": "2"}
+    assert bars == {"0": "2", "1": "2", "2": "0"}  # a bin past the bound, drawn dashed
     assert "groups dropped: stale</td><td>1" in html and "tg-limit" in html
     assert samples_section([{"kind": "other"}]) == ""
+
+
+def test_the_group_settings_are_checked() -> None:
+    from trainguard.rl import RolloutConfig
+
+    assert RolloutConfig(group_policy="shrink").min_group_survivors == 2
+    with pytest.raises(ValueError, match="group_policy='pad'"):
+        RolloutConfig(group_policy="pad")
+    with pytest.raises(ValueError, match="min_group_survivors=1"):
+        RolloutConfig(min_group_survivors=1)

@@ -73,5 +73,7 @@ def test_reward_server_without_a_job_token_does_not_start() -> None:
         [sys.executable, "-m", "trainguard.rl.reward", "--function", FN, "--port", "1"],
         capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
-    assert out.returncode == 2 and "no job token: TRAINGUARD_ROLE_TOKEN is unset" in out.stderr
+    assert (
+        out.returncode == 2 and "no job token: TRAINGUARD_AGENT_ROLE_TOKEN is unset" in out.stderr
+    )
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr

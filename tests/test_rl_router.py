@@ -219,8 +219,13 @@ def test_a_replaced_replica_is_followed_from_the_published_placement(
         finally:
             loop.stop()
         assert loop.errors == [], loop.errors[:5]
-        # the client left the dead URL for the published one, and generates on both engines
-        assert sorted(client.table.engines) == sorted([fleet.engines[0].url, moved.url])
+        # the client leaves the dead URL for the published one (its next look at the published
+        # placement), and generates on both engines
+        want = sorted([fleet.engines[0].url, moved.url])
+        deadline = time.monotonic() + 30
+        while sorted(client.table.engines) != want:
+            assert time.monotonic() < deadline, sorted(client.table.engines)
+            time.sleep(0.05)
         for _ in range(4):
             assert len(client.generate(["a", "b"], n=2, max_tokens=4)) == 2
         assert client.failures.total() == 0, client.failures

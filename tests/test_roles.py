@@ -589,7 +589,7 @@ def test_probe_outcomes_of_a_real_server(tmp_path: Path) -> None:
 
     port = free_port()
     assert probe_health(port, "/health", 1.0).outcome == "refused"
-    env = base_env(TRAINGUARD_ROLE_PORT=str(port))
+    env = base_env(TRAINGUARD_AGENT_ROLE_PORT=str(port))
     proc = subprocess.Popen(REPLICA + ["--weight-version", "7"], env=env)
     try:
         p = wait_for(
@@ -895,7 +895,7 @@ def test_squatter_on_a_replica_port_is_never_the_replica(
     waits for its port (bounded), is retired, and the role goes on with replica 1 without
     spending its restart budget."""
     port = free_port(2)
-    env = base_env(TRAINGUARD_ROLE_PORT=str(port))
+    env = base_env(TRAINGUARD_AGENT_ROLE_PORT=str(port))
     squatter = subprocess.Popen(REPLICA + ["--squat-incarnation", "forged"], env=env)
     try:
         wait_for("the squatter", lambda: probe_health(port, "/health", 1.0).outcome == "ok")

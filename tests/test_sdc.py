@@ -10,6 +10,11 @@
   rank 0's), names rank 1 (an ``sdc`` record of its node in the fleet database), commits no
   checkpoint of the corrupted state, and ends with the weights of a fault-free run, bitwise. (Four ranks and the majority verdict:
   bench/sdc.py.)
+- two nodes and a spare: the named node is evicted (exit 95 from its worker, cause sdc, exit
+  94), the fleet database counts it toward the lemon policy, the spare finishes the job from
+  the last agreed checkpoint, and every manifest says its state passed the check;
+- a parameter excluded from DDP: checks off with one line, no verdict, checkpoints marked
+  unverified; a bad cadence at launch: one line, no worker started.
 """
 
 from __future__ import annotations
@@ -259,3 +264,22 @@ def test_replicas_not_meant_to_be_equal_checks_off_one_line(tmp_path: Path) -> N
         manifest = json.loads((Path(e["path"]) / "manifest.json").read_text())
         assert manifest["extra"]["sdc"] == "unverified" == e["sdc"]
         assert "excludes 2.bias from DDP" in manifest["extra"]["sdc_reason"]
+
+
+def test_a_bad_cadence_at_launch_is_one_line(tmp_path: Path) -> None:
+    """A cadence of 0, a budget below the minimum: `trainguard run` refuses before any worker
+    starts, with one line naming the setting and how to fix it."""
+    for key, value, what in (
+        ("EVERY_STEPS", "0", "[sdc]: every_steps must be >= 1 (check every N steps), not 0"),
+        ("BUDGET", "0.00001", "[sdc]: budget must be between 0.0001 and 0.5"),
+    ):
+        env = {**base_env(), "TRAINGUARD_SDC_ENABLED": "true", f"TRAINGUARD_SDC_{key}": value}
+        cmd = [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
+               "--tg-run-dir", str(tmp_path / key), EXAMPLE, "--steps", "3"]  # fmt: skip
+        p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2, p.stderr[-2000:]
+        assert p.stderr.strip().count("\n") == 0 and what in p.stderr, p.stderr
+        assert (
+            not (tmp_path / key / "events.jsonl").exists()
+            or "workers_started" not in (tmp_path / key / "events.jsonl").read_text()
+        )

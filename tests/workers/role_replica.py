@@ -1,6 +1,6 @@
 """A tiny real HTTP server: the role replica of the role-supervisor tests (a real process).
 
-It serves ``GET /health`` on $TRAINGUARD_ROLE_HOST (default 127.0.0.1):$TRAINGUARD_ROLE_PORT with the engine contract's
+It serves ``GET /health`` on $TRAINGUARD_AGENT_ROLE_HOST (default 127.0.0.1):$TRAINGUARD_AGENT_ROLE_PORT with the engine contract's
 answer, ``{"status": ..., "weight_version": ..., "pid": ..., "incarnation": ...}``, and ``GET /whoami`` with its pid, role and
 replica. Behaviour knobs (argv):
 
@@ -19,7 +19,7 @@ replica. Behaviour knobs (argv):
 --die-after-s S       exit 5, S seconds after its first ``serving`` health answer (an engine
                       that dies after every load, once its supervisor has seen it ready)
 
-Started as a role's warm standby (``$TRAINGUARD_ROLE_STANDBY`` set, unless
+Started as a role's warm standby (``$TRAINGUARD_AGENT_ROLE_STANDBY`` set, unless
 ``--ignore-standby``) it answers ``standby`` on its own port until the promotion file appears,
 then serves on the port it names as that replica (``loading`` for ``--loading-s`` first).
 ``/whoami`` also says its niceness.
@@ -53,22 +53,22 @@ def main() -> None:
     if args.exit_at_once is not None:
         print("role_replica: exiting at once", flush=True)
         sys.exit(args.exit_at_once)
-    port = int(os.environ["TRAINGUARD_ROLE_PORT"])
-    host = os.environ.get("TRAINGUARD_ROLE_HOST") or "127.0.0.1"
+    port = int(os.environ["TRAINGUARD_AGENT_ROLE_PORT"])
+    host = os.environ.get("TRAINGUARD_AGENT_ROLE_HOST") or "127.0.0.1"
     started = time.monotonic()
     ident: dict[str, object] = {
         "pid": os.getpid(),
-        "role": os.environ.get("TRAINGUARD_ROLE"),
-        "replica": os.environ.get("TRAINGUARD_ROLE_REPLICA"),
+        "role": os.environ.get("TRAINGUARD_AGENT_ROLE"),
+        "replica": os.environ.get("TRAINGUARD_AGENT_ROLE_REPLICA"),
         "run_dir": os.environ.get("TRAINGUARD_RUN_DIR"),
-        "token": os.environ.get("TRAINGUARD_ROLE_TOKEN"),
+        "token": os.environ.get("TRAINGUARD_AGENT_ROLE_TOKEN"),
         "host": host,
         "slurm_node": os.environ.get("SLURMD_NODENAME"),
     }
-    incarnation = os.environ.get("TRAINGUARD_ROLE_INCARNATION")
+    incarnation = os.environ.get("TRAINGUARD_AGENT_ROLE_INCARNATION")
     if args.squat_incarnation:  # a squatter: another process's identity, or none at all
         incarnation = None if args.squat_incarnation == "none" else args.squat_incarnation
-    promote = os.environ.get("TRAINGUARD_ROLE_STANDBY")
+    promote = os.environ.get("TRAINGUARD_AGENT_ROLE_STANDBY")
     standby = bool(promote) and not args.ignore_standby
     answered_serving = threading.Event()
 

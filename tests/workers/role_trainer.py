@@ -33,7 +33,7 @@ def main() -> None:
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "urls": urls,
             "engines": engines,
-            "role_env": os.environ.get("TRAINGUARD_ROLE"),
+            "role_env": os.environ.get("TRAINGUARD_AGENT_ROLE"),
         }
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")

@@ -23,16 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.chaos.procs import alive, descendants, lineage
+from trainguard.core import jsonhttp
 from trainguard.core.agentmark import MARK_FILE, holds_mark, mark_identity
+from trainguard.core.contracts.engine import error_message
 from trainguard.core.contracts.event_kinds import LAUNCH, RENDEZVOUS, WORKERS_STARTED
 from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import node_name
+from trainguard.core.fleetauth import load_secret_file, role_token, secret_path
 from trainguard.core.proctime import process_start_time
 
 __all__ = [
     "ChaosTargetError",
     "agent_pid",
     "corrupt_checkpoint",
+    "engine_fault",
     "listening_pids",
     "local_addresses",
     "pause",
@@ -361,3 +365,54 @@ def corrupt_checkpoint(
         f.flush()
         os.fsync(f.fileno())
     return {"step": step, "file": str(target), "offset": start, "bytes": n}
+
+
+def engine_fault(
+    run_dir: Path,
+    role: str,
+    replica: int,
+    kind: str,
+    count: int,
+    *,
+    port: int | None = None,
+    timeout: float = 10.0,
+) -> int:
+    """Arm a fault in one engine replica of the run: its next ``count`` requests of the kind
+    answer as ``kind`` says (``http_500``, ``malformed``, ``hang``; the embedded engine's
+    ``partial_refit``, the vLLM adapter's ``refit_500``; ``count`` 0 disarms). The replica is
+    found by its state file in the run directory (its port; ``port`` overrides it) and the
+    request signed with its role's token (the run's job secret): only an engine started with
+    ``--enable-fault-injection`` accepts it. Returns the port; :class:`ChaosTargetError` (one
+    line) when the replica, its secret or its answer is not what it must be."""
+    rundir = RunDir(run_dir)
+    if port is None:
+        path = rundir.role_state(role, replica)
+        try:
+            state = json.loads(path.read_text())
+            port = int(state["port"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ChaosTargetError(
+                f"{role} replica {replica}: no port in {path} ({type(e).__name__}); is the role "
+                "running in this run directory? (or name its --port)"
+            ) from None
+    try:
+        token = role_token(load_secret_file(secret_path(run_dir)), role)
+    except ValueError as e:
+        raise ChaosTargetError(str(e)) from None
+    try:
+        got = jsonhttp.request(
+            "127.0.0.1", port, "POST", "/v1/faults", {"kind": kind, "count": count},
+            timeout=timeout, max_bytes=1 << 16, token=token,
+        )  # fmt: skip
+    except jsonhttp.TransportError as e:
+        raise ChaosTargetError(f"{role} replica {replica} on port {port}: {e}") from None
+    if got.status == 404:
+        raise ChaosTargetError(
+            f"{role} replica {replica} on port {port} takes no faults: start the engine with "
+            "--enable-fault-injection"
+        )
+    if got.status != 200:
+        raise ChaosTargetError(
+            f"{role} replica {replica} on port {port}: {got.status} {error_message(got.body)}"
+        )
+    return port

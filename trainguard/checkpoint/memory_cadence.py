@@ -167,14 +167,16 @@ class MemoryCadence:
         """A snapshot's cost: where the hooks' time is reported, what a snapshot step took in
         them beyond the fixed cost (the forced work included), plus what it took outside them
         (the stall inside the step, the stager's CPU); else its stall plus the stager's CPU
-        plus the work it forced. Medians."""
+        (medians) plus the work it forced (a mean)."""
         if self._snapshot_hooks and self._snapshot_outside:
             return statistics.median(self._snapshot_hooks) + statistics.median(
                 self._snapshot_outside
             )
         if not self._stalls:
             return None
-        forced = statistics.median(self._forced) if self._forced else 0.0
+        # the forced work as a mean (its share of the training time is what the budget
+        # bounds, and a collective's cost has a long tail on a loaded machine)
+        forced = statistics.fmean(self._forced) if self._forced else 0.0
         return statistics.median(self._stalls) + forced
 
     @property

@@ -81,6 +81,18 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     d.add_argument("--trigger-file", default=None, help="healthy until this file exists")
     d.add_argument("--port-file", default=None, help="write the bound port here when serving")
 
+    e = sub.add_parser(
+        "engine-fault",
+        help="arm a fault in an engine replica (started with --enable-fault-injection)",
+    )
+    e.add_argument("run_dir", type=Path)
+    e.add_argument("--role", default="rollout")
+    e.add_argument("--replica", type=int, default=0)
+    e.add_argument(
+        "--kind", required=True, help="http_500, malformed, hang; partial_refit, refit_500"
+    )
+    e.add_argument("--count", type=int, default=1, help="requests it applies to; 0 disarms")
+    e.add_argument("--port", type=int, default=None, help="the replica's port (default: its state)")
     x = sub.add_parser("corrupt-checkpoint", help="flip bytes in the newest committed checkpoint")
     x.add_argument("path", type=Path, help="a run directory (uses <run>/checkpoints) or the root")
     x.add_argument("--step", type=int, default=None)
@@ -129,6 +141,20 @@ def _pause_candidates(args: argparse.Namespace) -> list[int]:
         where = f"{args.endpoint}" if addresses is not None else f"port {port}"
         raise chaos_ops.ChaosTargetError(f"no process of this machine listens on {where}")
     return pids
+
+
+def _engine_fault(args: argparse.Namespace, prog: str) -> int:
+    if args.count < 0:
+        raise chaos_ops.ChaosTargetError("--count must be >= 0")
+    port = chaos_ops.engine_fault(
+        args.run_dir, args.role, args.replica, args.kind, args.count, port=args.port
+    )
+    print(
+        f"{prog}: armed {args.kind} x{args.count} in {args.role} replica {args.replica} "
+        f"(port {port})",
+        flush=True,
+    )
+    return 0
 
 
 def _run(args: argparse.Namespace, prog: str) -> int:
@@ -194,6 +220,8 @@ def _run(args: argparse.Namespace, prog: str) -> int:
         finally:
             srv.server.server_close()
         return 0
+    if args.cmd == "engine-fault":
+        return _engine_fault(args, prog)
     if args.cmd == "corrupt-checkpoint":
         out = chaos_ops.corrupt_checkpoint(
             _checkpoint_root(args.path), step=args.step, num_bytes=args.bytes

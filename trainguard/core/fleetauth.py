@@ -16,7 +16,7 @@ port, learns none that it can send elsewhere. Every answer of a server that chec
 carries ``X-Trainguard-Answer: HMAC-SHA256(token, "TG1 answer" | n | status | SHA-256 of the
 body)``: :func:`answer_ok` tells a client that the answer came from a holder of the token.
 
-The replica knows only its own role's token (``TRAINGUARD_ROLE_TOKEN`` in its environment),
+The replica knows only its own role's token (``TRAINGUARD_AGENT_ROLE_TOKEN`` in its environment),
 the trainer's workers the tokens of the roles they call (``TRAINGUARD_ROLLOUT_TOKEN``,
 ``TRAINGUARD_REWARD_TOKEN``), and the job secret itself stays with the agents, in
 ``RUN_DIR/roles/secret`` (mode 0600, created by the first agent of the job, refused when
@@ -31,7 +31,6 @@ import hmac
 import json
 import os
 import secrets
-import stat
 import threading
 import time
 from collections.abc import Mapping
@@ -40,6 +39,7 @@ from pathlib import Path
 
 from trainguard.core.contracts import envvars
 from trainguard.core.contracts.rundir import RunDir
+from trainguard.core.secretfile import Fixes, read_secret_file
 
 __all__ = [
     "ANSWER_HEADER",
@@ -74,37 +74,28 @@ def secret_path(run_dir: str | os.PathLike[str]) -> Path:
     return RunDir(run_dir).role_secret
 
 
+_FLEET_SECRET_FIXES = Fixes(
+    unopenable="delete it or fix its path",
+    not_regular="delete it",
+    owner="delete it",
+    group_readable="delete it (the next agent makes a new one) or chmod 600 it",
+    short="; delete it",
+)
+"""The job secret is trainguard's own file: a bad one is deleted and made again."""
+
+
 def load_secret_file(path: str | os.PathLike[str]) -> bytes:
     """The secret in ``path``; ``ValueError`` (one line: what, where, how to fix) if it is not a
     regular file of this user, is readable by group or others, or too short. Never follows a
     symlink."""
-    where = f"fleet secret {str(path)!r}"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
-        raise ValueError(
-            f"{where}: cannot open it ({e.strerror}); delete it or fix its path"
-        ) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{where}: not a regular file; delete it")
-        if st.st_uid != os.geteuid():
-            raise ValueError(f"{where}: owned by uid {st.st_uid}, not by this user; delete it")
-        if st.st_mode & 0o077:
-            raise ValueError(
-                f"{where}: readable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
-                "delete it (the next agent makes a new one) or chmod 600 it"
-            )
-        with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read(1 << 16).strip()
-    finally:
-        os.close(fd)
-    if len(raw) < MIN_SECRET_BYTES:
-        raise ValueError(
-            f"{where}: {len(raw)} bytes, at least {MIN_SECRET_BYTES} needed; delete it"
-        )
-    return raw
+    return read_secret_file(
+        path,
+        where=f"fleet secret {str(path)!r}",
+        min_bytes=MIN_SECRET_BYTES,
+        nofollow=True,
+        own=True,
+        fixes=_FLEET_SECRET_FIXES,
+    )
 
 
 def job_secret(run_dir: str | os.PathLike[str]) -> bytes:

@@ -206,7 +206,7 @@ def histogram(
     """Vertical bars, one per integer value (``counts``: value → how many); ``limit`` draws
     a dashed line after that value (a bound the values must not pass)."""
     lo = min([0, *counts])
-    hi = max([*counts, limit if limit is not None else 0, lo])
+    hi = max([*counts, limit + 1 if limit is not None else 0, lo])  # a bin past the bound
     values = list(range(lo, hi + 1))
     top = max(counts.values(), default=0) or 1
     h, left, bottom, head = 200, 48, 34, 26
@@ -217,7 +217,8 @@ def histogram(
         f'height="{h}" viewBox="0 0 {width} {h}" role="img"><title>{escape(title)}</title>',
         f'<text x="4" y="16" class="tg-title">{escape(title)}</text>',
         f'<text x="4" y="{head + 10}" class="tg-axis">{top}</text>',
-        f'<text x="{width // 2}" y="{h - 4}" class="tg-axis">{escape(xlabel)}</text>',
+        f'<text x="{width // 2}" y="{h - 4}" class="tg-axis" text-anchor="middle">'
+        f"{escape(xlabel)}</text>",
     ]
     for i, v in enumerate(values):
         n = counts.get(v, 0)

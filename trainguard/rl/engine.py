@@ -4,7 +4,7 @@
 
 It runs on CPU (or one GPU) with ``transformers``' ``generate``; requests arriving together
 are generated as one batch. Under ``trainguard run`` it runs as a ``rollout`` role replica:
-it binds ``$TRAINGUARD_ROLE_HOST:$TRAINGUARD_ROLE_PORT`` (``127.0.0.1`` beside the trainer, the
+it binds ``$TRAINGUARD_AGENT_ROLE_HOST:$TRAINGUARD_AGENT_ROLE_PORT`` (``127.0.0.1`` beside the trainer, the
 node's address on nodes of its own) and reads the weights the trainer publishes in
 ``$TRAINGUARD_RUN_DIR/rl/weights`` (:mod:`trainguard.rl.weights`).
 
@@ -25,7 +25,7 @@ an adapter in front of vLLM or SGLang); the statuses, endpoints, answer schemas 
     verified. An engine reports
     ``serving`` only after it loaded the version the weight store's pointer names
     (refit-gated (re)join). ``incarnation``: the nonce the supervisor gave this process
-    (``$TRAINGUARD_ROLE_INCARNATION``).
+    (``$TRAINGUARD_AGENT_ROLE_INCARNATION``).
 ``POST /v1/completions``
     OpenAI-compatible: ``prompt`` (a string or a list of strings), ``max_tokens``,
     ``temperature``, ``top_p``, ``n``, ``seed``, ``logprobs`` (``stream`` is refused). The
@@ -61,7 +61,7 @@ an adapter in front of vLLM or SGLang); the statuses, endpoints, answer schemas 
     it holds another version). :mod:`trainguard.rl.verify` says what is checked.
 
 Every request, health included, is signed with the job's ``rollout`` token
-(``$TRAINGUARD_ROLE_TOKEN``, set by the role supervisor; :mod:`trainguard.core.fleetauth`),
+(``$TRAINGUARD_AGENT_ROLE_TOKEN``, set by the role supervisor; :mod:`trainguard.core.fleetauth`),
 and every answer to a signed request is signed back; a request without a valid signature is
 answered 401 with one line, whatever the endpoint.
 
@@ -70,18 +70,20 @@ vLLM fits this contract through the adapter ``python -m trainguard.rl.engines.vl
 health, completions and weight updates onto vLLM's own APIs; docs/rl.md says what SGLang's
 mapping would be.
 
-A role's warm standby (``standby = N`` of the ``rollout`` role; ``$TRAINGUARD_ROLE_STANDBY``
+A role's warm standby (``standby = N`` of the ``rollout`` role; ``$TRAINGUARD_AGENT_ROLE_STANDBY``
 names its promotion file): the engine serves ``/health`` on its own port
-(``$TRAINGUARD_ROLE_PORT``, never routed to) with status ``standby`` once the model is built;
+(``$TRAINGUARD_AGENT_ROLE_PORT``, never routed to) with status ``standby`` once the model is built;
 when the supervisor writes the promotion file (``{"replica": i, "port": p, "port_wait_s": w}``)
 it binds port ``p`` (free once the dead replica is gone; after ``w`` seconds of another process
 holding it, it exits with one line naming the port), closes its own, loads the current weight
 version (``loading``) and serves: the replica's rejoin without the start-up.
 
 Every health answer names its process: ``"pid"`` and ``"incarnation"`` (the nonce the supervisor
-gave this start in ``$TRAINGUARD_ROLE_INCARNATION``); the supervisor counts no other answer.
+gave this start in ``$TRAINGUARD_AGENT_ROLE_INCARNATION``); the supervisor counts no other answer.
 
-Fault injection (tests and benchmarks only, ``--enable-fault-injection``): ``POST /v1/faults``
+Fault injection (tests and benchmarks only, ``--enable-fault-injection``), armed by
+``trainguard chaos engine-fault`` (:func:`trainguard.chaos.ops.engine_fault`, which signs
+``POST /v1/faults`` with the role's token):
 ``{"kind": "http_500"|"malformed"|"hang", "count": n}`` makes the next ``n`` completion
 requests answer HTTP 500, a truncated JSON body, or nothing at all (``n`` = 0 disarms);
 ``"partial_refit"``: the next ``n`` weight loads load half of the tensors and claim the
@@ -158,7 +160,7 @@ class EngineConfig:
     fault_injection: bool = False
     token: str | None = field(default=None, repr=False)
     """The token every request must be signed with (the ``rollout`` role's); None: no check
-    (an engine in a process of its own always has one: ``$TRAINGUARD_ROLE_TOKEN``)."""
+    (an engine in a process of its own always has one: ``$TRAINGUARD_AGENT_ROLE_TOKEN``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -3,7 +3,7 @@
     python -m trainguard.rl.reward --function MODULE:FUNCTION [--port P]
 
 serves a reward function ``f(prompt: str, completion: str) -> float`` over HTTP on
-``127.0.0.1:$TRAINGUARD_ROLE_PORT`` (or ``--port``):
+``127.0.0.1:$TRAINGUARD_AGENT_ROLE_PORT`` (or ``--port``):
 
 ``GET /health``
     200 ``{"status": "serving", "function": "MODULE:FUNCTION"}`` once the function is imported.
@@ -18,7 +18,7 @@ one (refused, timeout, HTTP 5xx, a malformed answer) on another, at most ``max_a
 then :class:`RewardError`: a reward is never made up. Failures are counted by reason.
 
 Every request, health included, is signed with the job's ``reward`` token (the server's
-``$TRAINGUARD_ROLE_TOKEN``; the client signs with ``$TRAINGUARD_REWARD_TOKEN`` and checks the
+``$TRAINGUARD_AGENT_ROLE_TOKEN``; the client signs with ``$TRAINGUARD_REWARD_TOKEN`` and checks the
 answer's signature); a request without a valid one is answered 401 with one line
 (:mod:`trainguard.core.fleetauth`).
 """

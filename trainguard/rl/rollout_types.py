@@ -73,6 +73,11 @@ class RolloutConfig:
     """A request out of attempts leaves its prompts without completions (empty groups, for
     the caller to drop whole: :func:`trainguard.rl.groups.settle`) instead of failing the
     batch; an invalid request (HTTP 4xx) or a refused signature still raises."""
+    group_policy: str = "whole"
+    """A group (one prompt × ``n`` samples) that lost a member: ``whole`` drops it whole,
+    ``shrink`` trains its survivors when at least ``min_group_survivors`` are left
+    (:func:`trainguard.rl.groups.settle`); never padded."""
+    min_group_survivors: int = 2
     vocab_size: int | None = None
     """The policy's vocabulary size: a token id outside ``0..vocab_size-1`` makes an answer
     malformed (None: the engine's reported ``vocab_size``, else any id below 2**31)."""
@@ -84,6 +89,13 @@ class RolloutConfig:
             raise ValueError("max_attempts and prompts_per_request must be at least 1")
         if min(self.request_timeout_s, self.health_interval_s, self.health_timeout_s) <= 0:
             raise ValueError("timeouts and intervals must be positive")
+        if self.group_policy not in ("whole", "shrink"):
+            raise ValueError(f"group_policy={self.group_policy!r}: give 'whole' or 'shrink'")
+        if self.min_group_survivors < 2:
+            raise ValueError(
+                f"min_group_survivors={self.min_group_survivors}: give 2 or more (advantages "
+                "compare the members of a group)"
+            )
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size={self.vocab_size}: give the policy's vocabulary size")
 

@@ -2,7 +2,7 @@
 :func:`trainguard.core.contracts.engine.probe_health`).
 
 A replica's health answer names the process that gave it: ``pid`` (its own) and
-``incarnation`` (the nonce the supervisor gave that start in ``TRAINGUARD_ROLE_INCARNATION``).
+``incarnation`` (the nonce the supervisor gave that start in ``TRAINGUARD_AGENT_ROLE_INCARNATION``).
 An answer counts only when it comes from the process the supervisor started: another
 process on the port (a squatter, or a promoted standby still on its old port) is never taken
 for the replica.

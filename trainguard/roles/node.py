@@ -100,14 +100,14 @@ def run_role_node(
                 f"{os.getcwd()}): check the path or PATH of --tg-role / [roles.{spec.name}]"
             )
     events = EventLog(run_dir, node=node)
-    sup: RoleSupervisor | None = None
-    if mine:
-        try:
-            sup = RoleSupervisor(
-                cfg, run_dir, events, env=env, specs=mine, indices=indices, host=addr,
-            )  # fmt: skip
-        except ValueError as e:  # the fleet's secret file is unsafe
-            return fail(f"error: {e}")
+    try:
+        # a spare runs the role's warm standbys (standby = N) while it waits: a replica given
+        # to it takes one instead of a cold start
+        sup = RoleSupervisor(
+            cfg, run_dir, events, env=env, specs=mine or spare_of, indices=indices, host=addr,
+        )  # fmt: skip
+    except ValueError as e:  # the fleet's secret file is unsafe
+        return fail(f"error: {e}")
     stop = _stop_on_signals()
     if mine:
         placed = ", ".join(f"{s.name} {','.join(map(str, indices[s.name]))}" for s in mine)
@@ -121,7 +121,8 @@ def run_role_node(
             sup,
             stop,
             fail,
-            lambda: _take_over(cfg, run_dir, node, addr, spare_of, env, events),
+            lambda: _take_over(sup, run_dir, node, addr, spare_of, events),
+            bool(mine),
             run_dir,
             node,
             stop_file,
@@ -132,25 +133,25 @@ def run_role_node(
 
 
 def _supervise(
-    sup: RoleSupervisor | None,
+    sup: RoleSupervisor,
     stop: threading.Event,
     fail: Callable[[str], int],
-    take_over: Callable[[], RoleSupervisor | None],
+    take_over: Callable[[], bool],
+    given: bool,
     run_dir: Path,
     node: str,
     stop_file: str | None,
     line: Callable[[str], None],
 ) -> int:
     """The agent's loop: until the trainer is done, a role failure, or this node declared
-    lost; ``take_over`` (a spare's): the supervisor of the replicas it was given, once."""
+    lost; ``take_over`` (a spare's, ``given`` False): adds the replicas it was given, once."""
     code = 0
-    if sup is not None:
-        sup.start()
+    sup.start()
     try:
         while not stop.wait(_POLL_S):
-            if sup is None and (sup := take_over()) is not None:
-                sup.start()
-            if sup is not None and sup.failure is not None:
+            if not given:
+                given = take_over()
+            if sup.failure is not None:
                 if sup.below_floor:
                     code = _below_floor(run_dir, f"{sup.failure} (on node {node})", line)
                 else:
@@ -162,8 +163,7 @@ def _supervise(
                 line(f"node {node} was declared lost (its beacon stood still): stopping")
                 break
     finally:
-        if sup is not None:
-            sup.stop()
+        sup.stop()
     return code
 
 
@@ -198,21 +198,20 @@ def _below_floor(run_dir: Path, text: str, line: Callable[[str], None]) -> int:
 
 
 def _take_over(
-    cfg: RolesConfig,
+    sup: RoleSupervisor,
     run_dir: Path,
     node: str,
     addr: str,
     spare_of: list[RoleSpec],
-    env: dict[str, str],
     events: EventLog,
-) -> RoleSupervisor | None:
-    """A spare node given a lost node's replicas: the supervisor that runs them here."""
+) -> bool:
+    """A spare node given a lost node's replicas: they run here from now on (True)."""
     got = assignment(run_dir, node)
     if got is None:
-        return None
+        return False
     spec = next((s for s in spare_of if s.name == got.role), None)
     if spec is None:
-        return None
+        return False
     replicas = got.replicas
     print(
         f"trainguard roles: node {node} ({addr}): runs replicas {','.join(map(str, replicas))} "
@@ -224,6 +223,5 @@ def _take_over(
         ROLE_NODE_REPLACED, role=spec.name, replicas=replicas, replaces=got.replaces,
         addr=addr,
     )  # fmt: skip
-    return RoleSupervisor(
-        cfg, run_dir, events, env=env, specs=[spec], indices={spec.name: replicas}, host=addr
-    )
+    sup.add_replicas(spec, replicas)
+    return True

@@ -50,6 +50,9 @@ __all__ = ["NodeBeacon", "RoleNodeWatch", "assignment", "declared_lost"]
 
 logger = logging.getLogger(__name__)
 
+STOPPED = "stopped"
+"""A beacon's last word when its agent ended normally (never judged lost)."""
+
 
 def _assign_path(rundir: RunDir, node: str) -> Path:
     return rundir.role_nodes / f"{node}.assign.json"
@@ -110,9 +113,14 @@ class NodeBeacon:
                 return
 
     def stop(self) -> None:
+        """Stop beating; ``stopped`` in the file: an agent that ended is not a lost node."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        try:
+            write_atomic(self.path, f"{STOPPED}\n")
+        except OSError as e:
+            logger.warning("cannot write %s: %s", self.path, e)
 
 
 class RoleNodeWatch:
@@ -192,6 +200,9 @@ class RoleNodeWatch:
                     value = (self.rundir.role_nodes / f"{node}.alive").read_text().strip()
                 except OSError:
                     value = ""
+                if value == STOPPED:
+                    self._seen.pop(node, None)
+                    continue
                 seen = self._seen.get(node)
                 if value and (seen is None or seen[0] != value):
                     self._seen[node] = (value, now)

@@ -75,7 +75,7 @@ class ReplicaLoop:
             fresh = True
             started: tuple[subprocess.Popen[bytes], str] | None = None
             pool = sup.pools.get(spec.name)
-            if rep.restarts and pool is not None:
+            if (rep.restarts or rep.from_standby) and pool is not None:
                 taken = pool.take(rep)
                 if taken is not None:
                     proc, sb = taken

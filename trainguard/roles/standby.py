@@ -1,7 +1,7 @@
 """The warm standbys of one role: a pool of ``standby = K`` processes for the whole role.
 
 Each slot has a thread that keeps one standby running: started with the role's command at low
-CPU priority (``[roles] standby_nice``), ``TRAINGUARD_ROLE_STANDBY`` naming its promotion file,
+CPU priority (``[roles] standby_nice``), ``TRAINGUARD_AGENT_ROLE_STANDBY`` naming its promotion file,
 on a fresh port of its own for each start (never routed to). A standby is ready once *its own*
 health answer (its incarnation) says ``standby``; only a ready one is promoted. One that stops
 answering is ``suspect``, out of the pool until it answers again: a starved standby is slow, not
@@ -134,14 +134,15 @@ class StandbyPool:
         sb.promoted = False
         sb.ready_at = None
         sb.starts += 1
-        promote = sup.rundir.role_standby(spec.name, sb.slot, f"{sb.starts}.promote")
+        sb.incarnation = new_incarnation()
+        # named by the incarnation: the standbys of every role node share the run directory
+        promote = sup.rundir.role_standby(spec.name, sb.slot, f"{sb.incarnation}.promote")
         sb.promote_path = promote
         try:
             promote.unlink()  # left by an earlier job in this run directory
         except FileNotFoundError:
             pass
         sb.port = sup.standby_port(spec)
-        sb.incarnation = new_incarnation()
         env = sup.role_env(spec, sb.port, sb.incarnation)
         env[envvars.ROLE_STANDBY] = str(promote)
         try:

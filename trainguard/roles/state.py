@@ -32,6 +32,8 @@ class ReplicaState:
         self.restarts = 0
         self.weight_version: int | None = None
         self.ever_ready = False
+        self.from_standby = False
+        """Its first start takes a ready warm standby too (a replica re-placed on a spare)."""
         self.started_at: float | None = None
         self.ready_at: float | None = None
         self.changed_at = time.time()

@@ -7,7 +7,7 @@ machine). A role with ``standby = K`` also keeps a pool of K warm standbys
 (:class:`~trainguard.roles.standby.StandbyPool`): a replica that dies takes a ready one (the
 same refit-gated rejoin as a restart, without the start-up) and a new one starts behind it.
 
-Every process is started with an incarnation nonce (``TRAINGUARD_ROLE_INCARNATION``) and its
+Every process is started with an incarnation nonce (``TRAINGUARD_AGENT_ROLE_INCARNATION``) and its
 health answers must name it (:mod:`trainguard.roles.health`): an answer from another process on
 the port is never counted. Process plumbing is :mod:`trainguard.roles.procs`; liveness apart
 from readiness is :mod:`trainguard.roles.liveness`.
@@ -87,7 +87,7 @@ class RoleSupervisor:
         self.cfg = cfg
         self.specs = [s for s in cfg.specs() if not s.nodes] if specs is None else list(specs)
         self.bind_host: dict[str, str] = {}
-        """Role → the address its replicas bind (``TRAINGUARD_ROLE_HOST``)."""
+        """Role → the address its replicas bind (``TRAINGUARD_AGENT_ROLE_HOST``)."""
         self._probe_host: dict[str, str] = {}
         """Role → the address its health is probed on (``127.0.0.1`` when it binds every one)."""
         for spec in self.specs:
@@ -140,6 +140,7 @@ class RoleSupervisor:
             ]
             self.restarts[spec.name] = 0
         self.started = False
+        self._host = host
 
     # -- what the trainer is told -------------------------------------------------------------
     def urls(self, role: str) -> list[str]:
@@ -174,6 +175,16 @@ class RoleSupervisor:
                 continue
             for sb in pool.slots:
                 self._thread(functools.partial(pool.run_slot, sb), f"{spec.name}-sb{sb.slot}")
+
+    def add_replicas(self, spec: RoleSpec, indices: list[int]) -> None:
+        """Run replicas ``indices`` of ``spec`` here from now on (a spare role node given a lost
+        node's replicas): each takes a ready warm standby of this node for its first start
+        when there is one, else starts cold."""
+        for i in indices:
+            rep = ReplicaState(spec, i, spec.port + i, self.events.node, self._host)
+            rep.from_standby = True
+            self.replicas[spec.name].append(rep)
+            self._thread(ReplicaLoop(self, spec, rep).run, f"{spec.name}-{rep.index}")
 
     def _thread(self, target: Callable[[], None], name: str) -> None:
         t = threading.Thread(target=target, name=f"trainguard-role-{name}", daemon=True)
@@ -238,10 +249,13 @@ class RoleSupervisor:
 
     def standby_port(self, spec: RoleSpec) -> int:
         """A free port for one start of a standby, never a replica's (a dead replica's port is
-        free until its successor binds it)."""
+        free until its successor binds it), nor one of a role's fixed ports (a spare role node
+        may be given any replica of its role)."""
         bind = self.bind_host[spec.name]
         host = bind if bind and ":" not in bind and bind != "0.0.0.0" else "127.0.0.1"
         taken = {r.port for reps in self.replicas.values() for r in reps}
+        for s in self.cfg.specs():
+            taken.update(range(s.port, s.port + s.replicas) if s.port else ())
         while (port := free_port(host)) in taken:
             pass
         return port

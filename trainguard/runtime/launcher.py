@@ -118,7 +118,7 @@ def build_parser(prog: str = "trainguard run") -> argparse.ArgumentParser:
         metavar="NAME=N[,OPT=V...]:COMMAND",
         help="A fleet of N independent replicas beside the trainer (the workers): NAME is "
         "rollout (generation engines) or reward (scoring servers); COMMAND, quoted, starts one "
-        "replica (it serves on $TRAINGUARD_ROLE_PORT); OPT: port (base port: replica i uses "
+        "replica (it serves on $TRAINGUARD_AGENT_ROLE_PORT); OPT: port (base port: replica i uses "
         "port+i), budget (restarts of the role), policy (always, never), health (probe path, "
         "default /health), ready (readiness timeout, s), standby (warm standbys), nodes (under "
         "trainguard sbatch: run on that many nodes of their own; needs port), bind (address "

@@ -49,8 +49,8 @@ def samples_section(events: Iterable[Mapping[str, object]]) -> str:
         return ""
     chart = svg.histogram(
         stale,
-        title=f"Staleness of each trained sample ({sum(stale.values())} samples, every attempt)",
-        xlabel="versions behind the update it trained",
+        title=f"Staleness per trained sample ({sum(stale.values())}, every attempt)",
+        xlabel="versions behind the update it trained (dashed: the bound)",
         limit=bound,
     )
     rows = [("groups trained", sum(sizes.values())), ("of them shrunk", shrunk)]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
-import stat
 from typing import TYPE_CHECKING
+
+from trainguard.core.secretfile import Fixes, read_secret_file
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -21,36 +21,27 @@ MIN_SECRET_BYTES = 16
 """Shortest secret file content accepted (after stripping whitespace)."""
 
 
+_FIXES = Fixes(
+    unopenable="create it or fix the path",
+    not_regular="",
+    owner="",
+    group_readable="chmod 600 it",
+    short=" (e.g. `head -c 32 /dev/urandom | base64 > FILE`)",
+)
+"""The user's own file (it may be a symlink, a mounted secret's): the user creates or fixes it."""
+
+
 def load_secret_file(path: str, *, run_id: str) -> bytes:
     """The tier key derived from the secret in ``path`` and the job's ``run_id``
     (HMAC-SHA256), so one secret file serves many jobs without them accepting each other's
     snapshots. ``ValueError`` (one line: what, where, how to fix) if the file is missing,
     readable by group or others, or too short."""
-    where = f"[checkpoint] memory_secret_file = {path!r}"
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise ValueError(
-            f"{where}: cannot open it ({e.strerror}); create it or fix the path"
-        ) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{where}: not a regular file")
-        if st.st_mode & 0o077:
-            raise ValueError(
-                f"{where}: readable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
-                f"chmod 600 it"
-            )
-        with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read(1 << 16).strip()
-    finally:
-        os.close(fd)
-    if len(raw) < MIN_SECRET_BYTES:
-        raise ValueError(
-            f"{where}: {len(raw)} bytes, at least {MIN_SECRET_BYTES} needed "
-            f"(e.g. `head -c 32 /dev/urandom | base64 > FILE`)"
-        )
+    raw = read_secret_file(
+        path,
+        where=f"[checkpoint] memory_secret_file = {path!r}",
+        min_bytes=MIN_SECRET_BYTES,
+        fixes=_FIXES,
+    )
     return hmac.new(raw, b"trainguard memory tier\0" + run_id.encode(), hashlib.sha256).digest()
 
 

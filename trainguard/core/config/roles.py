@@ -101,19 +101,20 @@ class RoleSpec:
     """Extra environment of the replicas."""
     standby: int = 0
     """Warm standbys of the role: extra processes started with the same command (and
-    ``TRAINGUARD_ROLE_STANDBY`` set), loaded and kept out of routing. A replica that dies is
+    ``TRAINGUARD_AGENT_ROLE_STANDBY`` set), loaded and kept out of routing. A replica that dies is
     replaced by a ready standby (it takes the replica's port, then loads the current weights
     before it serves) instead of a cold start; a new standby is started behind it at low CPU
     priority (``[roles] standby_nice``). The command must honour the standby contract
     (``python -m trainguard.rl.engine`` and ``trainguard.rl.reward`` do); 0: none. On nodes
-    of its own (``nodes``), each node keeps this many."""
+    of its own (``nodes``), each node keeps this many, its spare nodes (``spares``) too: a
+    replica re-placed on a spare takes one of them."""
     nodes: int = 0
     """Under ``trainguard sbatch``: the replicas run on this many nodes of their own (the job
     allocates them besides the trainer's), spread round-robin (replica ``i`` on the role's node
     ``i % nodes``); needs a fixed ``port``. 0: the replicas run beside the trainer, started by
     every node's agent."""
     bind: str = ""
-    """The address the replicas bind (``TRAINGUARD_ROLE_HOST``); empty: ``127.0.0.1`` beside
+    """The address the replicas bind (``TRAINGUARD_AGENT_ROLE_HOST``); empty: ``127.0.0.1`` beside
     the trainer, the node's Slurm address (``NodeAddr``) on nodes of its own. ``0.0.0.0`` binds
     every interface: only when told."""
     retire_after: int = 3

@@ -52,28 +52,30 @@ TRACEPARENT = "TRAINGUARD_TRACEPARENT"
 """The W3C ``traceparent`` of the job's trace (telemetry): the workers' spans join it."""
 
 # -- roles (trainguard.roles): what the role supervisor tells its replicas and the trainer ----
-# These name no config section either (``role``, ``rollout`` and ``reward`` are not sections).
-ROLE = "TRAINGUARD_ROLE"
+# A replica's facts are the agent's (``TRAINGUARD_AGENT_ROLE_*``), never one letter from the
+# ``[roles]`` settings (``TRAINGUARD_ROLES_*``); the trainer's (``TRAINGUARD_ROLLOUT_*``,
+# ``TRAINGUARD_REWARD_*``) name no config section either.
+ROLE = PREFIX + "ROLE"
 """In a role replica: its role (``rollout``, ``reward``)."""
-ROLE_REPLICA = "TRAINGUARD_ROLE_REPLICA"
+ROLE_REPLICA = PREFIX + "ROLE_REPLICA"
 """In a role replica: its index in the role (0-based), the same across its restarts."""
-ROLE_PORT = "TRAINGUARD_ROLE_PORT"
+ROLE_PORT = PREFIX + "ROLE_PORT"
 """In a role replica: the port it must serve on, the same across its restarts."""
-ROLE_HOST = "TRAINGUARD_ROLE_HOST"
+ROLE_HOST = PREFIX + "ROLE_HOST"
 """In a role replica: the address it must bind (``127.0.0.1`` beside the trainer; on nodes of
 its own, the node's Slurm address, or the role's ``bind``)."""
 ROLE_RUN_DIR = "TRAINGUARD_RUN_DIR"
 """In a role replica: the run directory (its state file: ``roles/<role>/<i>.json``). Read only
 as a compatibility name of :data:`RUN_DIR` (an engine started by hand with it set, or by a
 supervisor that sets only it): read both with :func:`run_dir`."""
-ROLE_STANDBY = "TRAINGUARD_ROLE_STANDBY"
+ROLE_STANDBY = PREFIX + "ROLE_STANDBY"
 """In a role's warm standby only (``standby = N``): the file that promotes it. The standby
-serves its health on ``TRAINGUARD_ROLE_PORT`` (its own port, never routed to) with status
+serves its health on ``TRAINGUARD_AGENT_ROLE_PORT`` (its own port, never routed to) with status
 ``standby`` once it is loaded; when the file appears (JSON ``{"replica": i, "port": p,
 "port_wait_s": w}``) it takes port ``p`` of the dead replica ``i`` (waiting at most ``w``
 seconds for it, then exiting with a line that names the port) and goes on as that replica
 (loading, then serving the current weights)."""
-ROLE_INCARNATION = "TRAINGUARD_ROLE_INCARNATION"
+ROLE_INCARNATION = PREFIX + "ROLE_INCARNATION"
 """In a role replica (and a standby): a nonce the supervisor draws for this process alone. The
 replica reports it in its health answer (``incarnation``, beside its ``pid``), so that the
 supervisor and the trainer's clients count an answer only from the process that was started
@@ -91,7 +93,7 @@ VLLM_PYTHON = "TRAINGUARD_VLLM_PYTHON"
 """Set by the user for the vLLM engine adapter (``python -m trainguard.rl.engines.vllm``): the
 Python interpreter of the environment that has vLLM (``make engines`` builds
 ``.venv-vllm``); unset: the adapter's own interpreter, when it can import vLLM."""
-ROLE_TOKEN = "TRAINGUARD_ROLE_TOKEN"
+ROLE_TOKEN = PREFIX + "ROLE_TOKEN"
 """In a role replica: the bearer token every request to it must carry (``Authorization:
 Bearer <token>``; its role's, derived from the job secret: :mod:`trainguard.core.fleetauth`).
 A request without it is answered 401."""

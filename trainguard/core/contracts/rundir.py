@@ -303,8 +303,8 @@ class RunDir:
 
     def role_standby(self, role: str, slot: int, suffix: str) -> Path:
         """A role's warm standby ``slot``: ``json`` its state, ``log`` its output,
-        ``<n>.promote`` the file that promotes its ``n``-th incarnation to a replica (written
-        by the supervisor)."""
+        ``<incarnation>.promote`` the file that promotes that incarnation to a replica
+        (written by the supervisor)."""
         return self.roles / role / f"standby-{slot}.{suffix}"
 
     def role_states(self) -> dict[str, list[dict[str, Any]]]:

@@ -5,7 +5,7 @@
             [--weights-dir D] [-- VLLM_ARG ...]
 
 A role command (``--tg-role "rollout=2:python -m trainguard.rl.engines.vllm -- --enforce-eager"``):
-it serves the contract of :mod:`trainguard.rl.engine` on ``$TRAINGUARD_ROLE_PORT`` and starts
+it serves the contract of :mod:`trainguard.rl.engine` on ``$TRAINGUARD_AGENT_ROLE_PORT`` and starts
 ``python -m vllm.entrypoints.openai.api_server`` as a child on a private loopback port (the
 arguments after ``--`` go to vLLM as they are). What it maps:
 
