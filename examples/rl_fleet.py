@@ -27,7 +27,9 @@ step's prompts to ``RUN_DIR/rl/consumed.jsonl`` (the audit trail of exactly-once
 A restarted trainer reattaches to the running engines, refits them to its restored version
 when theirs differs, and goes on. Every sample is seeded from (``--seed``, the epoch, the
 prompt id, its index in the group) and dropout per step: an on-policy run through faults
-ends with the weights of the fault-free run with the same seed, bit for bit.
+ends with the weights of the fault-free run with the same seed, bit for bit. Each step's log
+record has ``samples_sha``, a digest of the prompt ids and token ids the rank trained on, to
+compare two runs sample by sample.
 
 TRL: ``GRPOTrainer`` (trl 1.16) generates through vLLM in server mode with TRL's own
 ``VLLMClient`` (``/generate/``, ``/init_communicator/``, ``/update_named_param/`` of
@@ -42,6 +44,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
+import json
 import os
 import signal
 import time
@@ -293,12 +297,16 @@ def main() -> None:
             for c, s in zip(flat, stale, strict=True)
         )
         lengths = [len(c.token_ids) for c in flat]
+        # what this rank trained on, in one digest: two runs trained on the same samples
+        # (a run through faults and the fault-free run) log the same digest for each step
+        trained = [[i, [c.token_ids for c in group]] for i, group in zip(ids, comps, strict=True)]
+        samples_sha = hashlib.sha256(json.dumps(trained).encode()).hexdigest()[:16]
         tg.log(step=step, reward=rewards.mean().item(), reward_std=rewards.std().item(),
                kl=kl.item(), entropy=entropy.item(), loss=loss.item(),
                response_length=sum(lengths) / len(lengths), response_length_max=max(lengths),
                staleness_mean=sum(stale) / len(stale), staleness_max=max(stale),
                weight_version=version, samples_trained=len(rows),
-               samples_real=real, **sync, **client.take_metrics())  # fmt: skip
+               samples_real=real, samples_sha=samples_sha, **sync, **client.take_metrics())  # fmt: skip
         if tg.rank == 0:
             consumed.append(step, positions, [ledger.prompt_id(g) for g in positions],
                             attempt=tg.attempt, version=version, staleness_max=max(stale))  # fmt: skip

@@ -15,6 +15,7 @@ from trainguard.core.engine_contract import (
     weight_update_version,
 )
 from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.core.fleetauth import Authenticator
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
 
 __all__ = ["AdapterError", "make_server"]
@@ -25,6 +26,7 @@ class AdapterError(HTTPError):
 
 
 class _Adapter(Protocol):
+    auth: Authenticator | None
     version: int | None
     status: S
     config: Any
@@ -87,5 +89,5 @@ class _Handler(JSONHandler):
 
 
 def make_server(adapter: _Adapter, host: str, port: int) -> JSONServer:
-    handler = type("Handler", (_Handler,), {"adapter": adapter})
+    handler = type("Handler", (_Handler,), {"adapter": adapter, "authenticator": adapter.auth})
     return JSONServer((host, port), handler)

@@ -29,6 +29,10 @@ arguments after ``--`` go to vLLM as they are). What it maps:
   engine keeps serving it and says so); when that fails too the engine leaves routing
   (``loading``) and reloads the store's current version.
 
+Every request, health included, is signed with the job's ``rollout`` token
+(``$TRAINGUARD_ROLE_TOKEN``, set by the role supervisor; :mod:`trainguard.core.fleetauth`) and
+every answer signed back, as the embedded engine does; anything else is 401 with one line.
+
 Every error is one line naming the replica, the version and the fix. vLLM runs with
 ``VLLM_SERVER_DEV_MODE=1`` (its pause, reload and version endpoints) and, unless it is set or
 ``--kv-cache-memory-bytes`` is given, ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache on CPU).
@@ -47,7 +51,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +64,7 @@ from trainguard.core.engine_contract import (
     parse_completion,
 )
 from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.core.fleetauth import Authenticator
 from trainguard.core.jsonhttp import JSONServer
 from trainguard.rl.engines._vllm_http import AdapterError, make_server
 from trainguard.rl.engines._vllm_server import (
@@ -102,6 +107,9 @@ class AdapterConfig:
     fault_injection: bool = False
     standby: bool = False
     """``--standby``: start vLLM, then take the port once it is free (the replica died)."""
+    token: str | None = field(default=None, repr=False)
+    """The token every request must be signed with (the ``rollout`` role's,
+    ``$TRAINGUARD_ROLE_TOKEN``); every answer is signed back. None: no check (in-process use)."""
 
 
 class VllmAdapter:
@@ -109,6 +117,7 @@ class VllmAdapter:
 
     def __init__(self, config: AdapterConfig) -> None:
         self.config = config
+        self.auth = Authenticator("rollout", config.token) if config.token else None
         self.status = S.STARTING
         self.version: int | None = None
         self.inflight = 0
@@ -570,12 +579,22 @@ def _parse(argv: list[str] | None) -> AdapterConfig:
             replica=os.environ.get(envvars.ROLE_REPLICA, "0"),
             poll_interval_s=a.poll_interval_s, start_timeout_s=a.start_timeout_s,
             request_timeout_s=a.request_timeout_s, probe_prompt=a.probe_prompt,
-            fault_injection=a.enable_fault_injection,
+            fault_injection=a.enable_fault_injection, token=_token(p),
         )  # fmt: skip
     except ValueError as e:
         p.error(str(e))
     cfg.standby = a.standby
     return cfg
+
+
+def _token(p: argparse.ArgumentParser) -> str:
+    token = os.environ.get(envvars.ROLE_TOKEN, "").strip()
+    if len(token) < 16:
+        p.error(
+            f"no job token: {envvars.ROLE_TOKEN} is unset or too short; run the adapter as a "
+            "role of `trainguard run`, or set it to the token its clients send (docs/security.md)"
+        )
+    return token
 
 
 def _bind_when_free(adapter: VllmAdapter, port: int) -> JSONServer:
