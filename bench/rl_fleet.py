@@ -6,12 +6,19 @@ with faults arriving at random against the same run without faults.
     python bench/rl_fleet.py --ettr-s 120    # shorter ETTR runs
     TRAINGUARD_VLLM_PYTHON=.venv-vllm/bin/python python bench/rl_fleet.py --engine vllm
 
-``--engine vllm`` runs the same scenarios on vLLM engines (``python -m
-trainguard.rl.engines.vllm``, the tiny Llama, ``make engines``) after the embedded engine's,
-adds the refit drill of ``bench/vllm_refits.py`` (``--refits`` refits under kill -9, SIGSTOP,
-HTTP 500 mid-update and truncated files: ``refit_s``, ``stale_served``, ``engine_ready_s`` cold
-and from a standby), and prints vLLM's figures with the embedded engine's beside them
-(``embedded``) in its one JSON line.
+``--engine vllm`` measures the same keys on vLLM engines (``python -m
+trainguard.rl.engines.vllm``, the tiny Llama, ``make engines``) first, then the embedded
+engine's, and prints vLLM's figures with the embedded engine's beside them (``embedded``) in
+its one JSON line. A vLLM engine takes minutes to start on 2 cores, so vLLM's scenarios share
+two jobs of 2 engines and a warm standby each (:func:`vllm_run`): a fault-free one (the
+``fault_free`` scenario and ``rl_ettr_fault_free``) and one with faults of every kind at random
+(``--vllm-mtbf-s``; the per-kind scenarios and ``rl_ettr_failures``; an engine kill or freeze
+waits for the standby to be loaded). Both have the same run seed: ``replay_samples_equal``
+says whether every step both trained had the same samples (prompt ids and token ids, per
+rank; ``replay_samples_differing`` lists the (rank, step) that did not). Then the refit drill
+of ``bench/vllm_refits.py`` (``--refits`` refits under kill -9, SIGSTOP, HTTP 500 mid-update
+and truncated files: ``refit_s``, ``stale_served``, ``engine_ready_s`` cold and from a
+standby).
 
 Faults (real): ``engine_kill`` (kill -9 an engine mid-generation), ``engine_freeze``
 (SIGSTOP), ``engine_500`` (the engine answers HTTP 500 to its next requests),
