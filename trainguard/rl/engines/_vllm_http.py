@@ -10,6 +10,8 @@ from trainguard.core.engine_contract import (
     COMPLETIONS_PATH,
     HEALTH_PATH,
     MODELS_PATH,
+    QUARANTINE_PATH,
+    VERIFIED_PATH,
     WEIGHT_UPDATE_PATH,
     WEIGHTS_PATH,
     weight_update_version,
@@ -35,6 +37,8 @@ class _Adapter(Protocol):
     def complete(self, body: object) -> dict[str, Any]: ...
     def refit(self, version: int) -> float: ...
     def arm_fault(self, kind: str, count: int) -> None: ...
+    def quarantine(self, version: int | None, reason: str) -> None: ...
+    def verified(self, version: int) -> bool: ...
 
 
 class _Handler(JSONHandler):
@@ -45,6 +49,8 @@ class _Handler(JSONHandler):
     post_routes = {
         COMPLETIONS_PATH: "_completions",
         WEIGHT_UPDATE_PATH: "_update",
+        QUARANTINE_PATH: "_verdict",
+        VERIFIED_PATH: "_verdict",
         "/v1/faults": "_faults",
     }
 
@@ -75,6 +81,20 @@ class _Handler(JSONHandler):
             raise HTTPError(400, "'count' must be an integer >= 0")
         self.adapter.arm_fault(str(body.get("kind")), count)
         self.send_json(200, {"armed": body.get("kind")})
+
+    def _verdict(self) -> None:
+        """``POST /v1/weights/quarantine`` ``{"version", "reason"}`` / ``/v1/weights/verified``
+        ``{"version"}``: a client's refit check of this engine."""
+        a = self.adapter
+        body = self.read_object()
+        version = body.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise AdapterError(400, "'version' (the weight version checked) is required")
+        if self.path == QUARANTINE_PATH:
+            a.quarantine(version, str(body.get("reason", ""))[:500])
+        elif not a.verified(version):
+            raise AdapterError(409, f"this engine holds weight version {a.version}, not {version}")
+        self.send_json(200, {"status": S(a.status).value, "version": a.version})
 
     def _update(self) -> None:
         a = self.adapter

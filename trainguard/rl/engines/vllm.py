@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -124,6 +125,7 @@ class VllmAdapter:
         self.refits = 0
         self.refits_failed = 0
         self.requeued = 0
+        self.quarantines = 0
         self.last_error: str | None = None
         self.store = WeightStore(config.weights_dir)
         rl_dir = config.weights_dir.parent
@@ -277,7 +279,9 @@ class VllmAdapter:
                 os._exit(3)  # the role supervisor restarts (or replaces) the replica
             try:
                 cur = self.store.current()
-                if cur is not None and (cur.version != self.version or self.status != S.SERVING):
+                if cur is not None and (
+                    cur.version != self.version or self.status not in (S.SERVING, S.QUARANTINED)
+                ):
                     self.refit(cur.version)
             except AdapterError as e:
                 if e.code not in (404, 422):  # 422: logged once, by _failed
@@ -309,7 +313,9 @@ class VllmAdapter:
                 raise AdapterError(422, self.last_error)  # the same file: refused once, no retry
             d = hf_version_dir(self.work, version, src)  # the copy checked is the copy loaded
             try:
-                why = compare_shapes(check_safetensors(d / MODEL_FILE), self._shapes)
+                why = self._digest_differs(version, d / MODEL_FILE) or compare_shapes(
+                    check_safetensors(d / MODEL_FILE), self._shapes
+                )
             except WeightFileError as e:
                 why = str(e).replace(str(d / MODEL_FILE), str(src))
             if why is not None:
@@ -338,8 +344,48 @@ class VllmAdapter:
             self._dirs[version] = d
             self._prune()
             self.refits += 1
-            self.status = S.SERVING if self.status != S.STANDBY else self.status
+            if self.status not in (S.STANDBY, S.QUARANTINED):  # quarantined: until verified
+                self.status = S.SERVING
             return time.perf_counter() - t0
+
+    def quarantine(self, version: int | None, reason: str) -> None:
+        """A client found this engine's weights not to be ``version``: answer no completion
+        but a refit check (503, health ``quarantined``) until a client verified a version."""
+        if self.status in (S.SERVING, S.QUARANTINED):
+            self.status = S.QUARANTINED
+        self.quarantines += 1
+        logger.warning("vllm: %s quarantined: %s", self.who(version), reason)
+
+    def verified(self, version: int) -> bool:
+        """A client verified ``version``: serve again (False: this engine holds another)."""
+        if self.version != version:
+            return False
+        if self.status == S.QUARANTINED:
+            self.status = S.SERVING
+            logger.info("vllm: %s verified; serving again", self.who(version))
+        return True
+
+    def _digest_differs(self, version: int, copy: Path) -> str | None:
+        """What is wrong when the copy vLLM would load is not the bytes the trainer wrote for
+        ``version`` (the SHA-256 in the store's metadata); None when they are, or when the
+        metadata has no digest."""
+        try:
+            want = self.store.meta(version).get("sha256")
+        except (OSError, ValueError):
+            return None
+        if not isinstance(want, str):
+            return None
+        h = hashlib.sha256()
+        with open(copy, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        got = h.hexdigest()
+        if got == want:
+            return None
+        return (
+            f"its SHA-256 is {got[:12]}…, not the {want[:12]}… the trainer wrote (truncated or "
+            "changed after it was published)"
+        )
 
     def _load(self, d: Path, version: int) -> None:
         """pause(keep) → reload_weights → update_weight_version → resume, the gate closed:
@@ -409,8 +455,9 @@ class VllmAdapter:
         for i, p in enumerate(prompts):
             if not isinstance(p, str) or not p.strip():
                 raise AdapterError(400, f"prompt {i} must be a non-empty string, got {p!r:.80}")
-        if self.status != S.SERVING:
-            raise AdapterError(503, f"engine is {self.status}, not serving yet")
+        check = body.get("refit_check") is True  # a client's refit check: answered quarantined
+        if self.status != S.SERVING and not (check and self.status == S.QUARANTINED):
+            raise AdapterError(503, f"engine is {self.status}, not serving")
         fault = self._take_fault("http_500", "malformed", "hang")
         if fault == "http_500":
             raise AdapterError(500, "injected fault: internal error")
@@ -438,7 +485,7 @@ class VllmAdapter:
 
     def _forward(self, body: dict[str, Any], *, checked: bool) -> dict[str, Any]:
         assert self.server is not None
-        req = {k: v for k, v in body.items() if k != "model"}
+        req = {k: v for k, v in body.items() if k not in ("model", "refit_check")}
         req["model"] = self.model_dir
         req["return_token_ids"] = True
         try:
@@ -479,9 +526,15 @@ class VllmAdapter:
                 raise AdapterError(502, f"{bad}: log-probs asked for and missing")
             if not c.get("token_ids"):
                 raise AdapterError(502, f"{bad}: a choice without token ids (return_token_ids)")
-            out.append({"index": c.get("index"), "text": c.get("text"),
-                        "token_ids": c.get("token_ids"), "finish_reason": c.get("finish_reason"),
-                        "logprobs": logprobs})  # fmt: skip
+            choice = {"index": c.get("index"), "text": c.get("text"),
+                      "token_ids": c.get("token_ids"), "finish_reason": c.get("finish_reason"),
+                      "logprobs": logprobs}  # fmt: skip
+            if body.get("prompt_logprobs") is not None:  # {token id: {"logprob": x}} per token
+                if not isinstance(c.get("prompt_logprobs"), list):
+                    raise AdapterError(502, f"{bad}: prompt log-probs asked for and missing")
+                choice["prompt_logprobs"] = c["prompt_logprobs"]
+                choice["prompt_token_ids"] = c.get("prompt_token_ids")
+            out.append(choice)
         answer = {"id": ans.get("id"), "object": "text_completion", "created": ans.get("created"),
                   "model": self.config.model, "choices": out, "usage": ans.get("usage"),
                   "weight_version": 0, "incarnation": own_identity().incarnation}  # fmt: skip
@@ -526,6 +579,7 @@ class VllmAdapter:
             "refits": self.refits,
             "refits_failed": self.refits_failed,
             "requeued": self.requeued,
+            "quarantines": self.quarantines,
             "last_error": self.last_error,
         }
 
