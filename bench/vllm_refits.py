@@ -248,7 +248,7 @@ def drill(root: Path, refits: int, freeze_s: float = 2.0) -> dict[str, Any]:
         sp.kill()
     # every clean refit is timed inside the adapter too; a p99 of a few values is their max
     q = sorted(refit_s)
-    return {
+    out = {
         "refits": refits,
         "refit_s": {
             "median": round(statistics.median(q), 4) if q else None,
@@ -267,6 +267,8 @@ def drill(root: Path, refits: int, freeze_s: float = 2.0) -> dict[str, Any]:
             "standby": round(statistics.median(ready["standby"]), 3) if ready["standby"] else None,
         },
     }
+    print(f"  refit drill: {json.dumps(out)}", flush=True)
+    return out
 
 
 def main() -> None:
