@@ -230,6 +230,7 @@ class Run:
         command, model, ready = ENGINE, [], ""
         if engine == "vllm":
             command, model, ready = VLLM_ENGINE, ["--model", "tiny-llama"], ",ready=1800"
+            model += ["--serving-timeout", "1800"]
             env[VLLM_PYTHON] = os.environ.get(VLLM_PYTHON) or str(REPO / ".venv-vllm/bin/python")
             env["TRAINGUARD_WARM_PRELOAD"] += ",transformers.models.llama.modeling_llama"
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

@@ -105,6 +105,12 @@ def main() -> None:
     p.add_argument("--max-staleness", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=30.0)
     p.add_argument("--max-attempts", type=int, default=6, help="per rollout request")
+    p.add_argument(
+        "--serving-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for a first serving engine (vLLM starts in minutes on a CPU)",
+    )
     p.add_argument("--urls", default=None, help="default: $TRAINGUARD_ROLLOUT_URLS")
     p.add_argument(
         "--reward-urls",
@@ -207,7 +213,7 @@ def main() -> None:
     attach = publish(version, reattach=True)
     tg.events.emit("rl_trainer_attached", version=version, resumed_step=resumed,
                    refit=bool(attach["weight_refit"]), engines_before=before)  # fmt: skip
-    client.wait_serving(1, timeout=300)
+    client.wait_serving(1, timeout=args.serving_timeout)
 
     def generate(positions: list[int]) -> list[list[Completion]]:
         """Each sample seeded from (run seed, epoch, prompt id, its index in the group): a

@@ -52,7 +52,7 @@ def test_rl_job_on_vllm_engines_through_a_failed_refit_a_kill_and_a_freeze(tmp_p
          "--tg-role", f"rollout=2,standby=1,ready=1200,budget=4:{adapter}", RL_FLEET,
          "--model", "tiny-llama", "--steps", "100000", "--prompts", str(PROMPTS),
          "--batch", str(BATCH), "--group", "2", "--step-sleep", "0.5",
-         "--request-timeout", "60", "--max-attempts", "12"],
+         "--request-timeout", "60", "--max-attempts", "12", "--serving-timeout", "1500"],
         cwd=tmp_path, env=env,
     )  # fmt: skip
     consumed = ConsumedLog(run / "rl" / "consumed.jsonl")
