@@ -44,7 +44,7 @@ def wait_listening(port: int, timeout: float = 30) -> None:
 def base_env(**extra: str) -> dict[str, str]:
     """This environment without trainguard's, torchrun's and the agent's variables, this
     checkout on ``PYTHONPATH``, plus ``extra``."""
-    from trainguard.core import envvars
+    from trainguard.core.contracts import envvars
 
     env = {
         k: v

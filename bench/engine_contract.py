@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard.core.engine_contract import parse_completion
+from trainguard.core.contracts.engine import parse_completion
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -375,7 +375,8 @@ def fr_overhead(base: Path, steps: int, rounds: int) -> dict[str, object]:
     interval of that median; wall time and CPU time (both ranks, all threads) per step."""
     import random
 
-    from trainguard.core import envvars, flight_recorder
+    from trainguard.core import flight_recorder
+    from trainguard.core.contracts import envvars
 
     script = base / "fr_step.py"
     script.write_text(FR_CODE)

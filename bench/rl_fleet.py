@@ -57,6 +57,23 @@ and ``router_retries`` the endpoint's retries on another engine (bench/rl_fleet_
 which also measures the fleet at 8 to 64 engines).
 
     python bench/rl_fleet.py --router-only   # only the endpoint figures (~1 min)
+
+Weight sync through an engine's death (``refit_engine_death``: ``--refit-death-runs`` runs of
+bench/refit_drill.py, 3 engine processes, each run kill -9 and SIGSTOP of one engine at 10,
+50 and 90 % of its load of the version pushed): ``refit_engine_death_trainer_wait_s`` (the
+trainer's sync call, median of the frozen cases, which wait the timeout out; the worst case
+beside it) against ``refit_engine_death_sync_timeout_s``, ``refit_engine_death_runs_ok``
+(runs where every case returned within the timeout, the others confirmed and the victim
+served the version again). ``back_to_back_engine_deaths_rejoin_s``: a run with a pool of 2
+standbys, ``--b2b-pairs`` times replica 0 and, 2 s later, replica 1 killed -9: the second
+death's kill → replacement serving, median. ``standby_false_ready``: promotions of a standby
+whose own log had not said ``standby ready`` before the promotion event, over every run.
+``groups_padded``: each rank's record of the groups it trained (``rollout_samples_trained``)
+against the rows its log says it trained, over every run. ``max_staleness_after_resume``: an
+async run (``--max-staleness 1``) through ``--async-kills`` trainer kills, the largest
+recorded staleness of a sample trained after a kill (``staleness_histogram``: all samples).
+
+    python bench/rl_fleet.py --refit-only    # only these figures (~15 min)
 """
 
 from __future__ import annotations
@@ -65,6 +82,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shlex
 import signal
 import statistics
@@ -80,15 +98,15 @@ sys.path.insert(0, str(REPO))
 
 from bench.rl_fleet_scale import router_client_errors  # noqa: E402
 from trainguard.core.config.warm import WarmConfig  # noqa: E402
-from trainguard.core.engine_contract import probe_health  # noqa: E402
-from trainguard.core.envvars import VLLM_PYTHON  # noqa: E402
+from trainguard.core.contracts.engine import probe_health  # noqa: E402
+from trainguard.core.contracts.envvars import VLLM_PYTHON  # noqa: E402
+from trainguard.core.contracts.rundir import RunDir  # noqa: E402
 from trainguard.core.fleetauth import (  # noqa: E402
     load_secret_file,
     role_token,
     secret_path,
     sign,
 )
-from trainguard.core.rundir import RunDir  # noqa: E402
 from trainguard.rl import ConsumedLog, PromptLedger, audit  # noqa: E402
 from trainguard.rl.engines.launch import adapter_command  # noqa: E402
 
@@ -208,6 +226,7 @@ class Run:
         standby: int = 1,
         engine: str = "embedded",
         seed: int = 0,
+        extra: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.seed = seed
@@ -241,7 +260,7 @@ class Run:
              f"rollout={engines},standby={standby},budget=1000{ready}:{shlex.join(command)}",
              str(REPO / "examples" / "rl_fleet.py"), *model, "--steps", str(steps), "--prompts",
              str(PROMPTS), "--batch", str(BATCH), "--group", "8", "--max-tokens", "16",
-             "--request-timeout", "20", "--seed", str(seed)],
+             "--request-timeout", "20", "--seed", str(seed), *extra],
             env=env, stdout=subprocess.DEVNULL, stderr=open(self.run_dir / "launcher.err", "wb"),  # noqa: SIM115
         )  # fmt: skip
         self.faults: list[tuple[str, float, int]] = []  # kind, time, attempt at the fault
@@ -416,6 +435,226 @@ def ettr_run(
     run.window_steps = run.step() + 1 - start_steps  # kept at the end of the window
     run.stop()
     return run
+
+
+# -- deaths mid-refit and back to back, group integrity, staleness across resumes --------------
+
+REFIT_SYNC_TIMEOUT_S = 3.0
+REFIT_CASES = [(k, f) for k in ("kill", "stop") for f in (0.1, 0.5, 0.9)]
+GROUP = 8
+"""``--group`` of the runs above (``Run``)."""
+
+
+def refit_engine_death(root: Path, runs: int) -> dict[str, Any]:
+    """``runs`` runs of the refit drill (bench/refit_drill.py: 3 engine processes, each load of
+    a version 0.4 s, the client's sync timeout ``REFIT_SYNC_TIMEOUT_S``), each run every case
+    of :data:`REFIT_CASES` (kill -9 or SIGSTOP of one engine once it loaded 10, 50 or 90 % of
+    the version pushed). A run is good when in every case the trainer's sync call returned
+    within the sync timeout, the other engines confirmed the version and the victim served it
+    again. ``refit_engine_death_trainer_wait_s``: the median over the frozen cases (those wait
+    the timeout out; a killed engine fails its request at once), the worst of all cases
+    beside it."""
+    from bench.refit_drill import RefitDrill
+
+    drill = RefitDrill(root / "refit-death", engines=3, sync_timeout_s=REFIT_SYNC_TIMEOUT_S)
+    waits: dict[str, list[float]] = {"kill": [], "stop": []}
+    rejoin: dict[str, list[float]] = {"kill": [], "stop": []}
+    good, failures = 0, []
+    try:
+        for r in range(runs):
+            ok = True
+            for i, (kind, frac) in enumerate(REFIT_CASES):
+                try:
+                    got = drill.case(kind, frac, victim=(r + i) % 3)
+                except AssertionError as e:
+                    ok = False
+                    failures.append(f"run {r} {kind}@{frac}: {e}")
+                    continue
+                waits[kind].append(got["wait_s"])
+                rejoin[kind].append(got["rejoin_s"])
+                case_ok = (got["wait_s"] <= got["timeout_s"] and got["others_confirmed"]
+                           and not got["victim_confirmed"] and got["all_at_version"])  # fmt: skip
+                if not case_ok:
+                    failures.append(f"run {r} {kind}@{frac}: {got}")
+                ok &= case_ok
+            good += ok
+            print(f"  [refit-death] run {r}: {'ok' if ok else 'FAILED'}", flush=True)
+    finally:
+        drill.close()
+    every = waits["kill"] + waits["stop"]
+    return {
+        "refit_engine_death_trainer_wait_s": round(statistics.median(waits["stop"]), 3)
+        if waits["stop"]
+        else None,
+        "refit_engine_death_trainer_wait_max_s": round(max(every), 3) if every else None,
+        "refit_engine_death_kill_wait_s": round(statistics.median(waits["kill"]), 3)
+        if waits["kill"]
+        else None,
+        "refit_engine_death_sync_timeout_s": REFIT_SYNC_TIMEOUT_S,
+        "refit_engine_death_runs_ok": f"{good}/{runs}",
+        "refit_engine_death_cases_per_run": len(REFIT_CASES),
+        "refit_engine_death_rejoin_s": {
+            k: round(statistics.median(v), 3) for k, v in rejoin.items() if v
+        },
+        "refit_engine_death_failures": failures[:5],
+    }
+
+
+def _standby_states(run: Run) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted((run.run_dir / "roles" / "rollout").glob("standby-*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def back_to_back_deaths(root: Path, pairs: int, seed: int) -> Run:
+    """One run with ``standby = 2`` (a pool of 2 for the role): ``pairs`` times, once both
+    standbys are ready and every earlier death is recovered from, kill -9 replica 0 and, 2 s
+    later, replica 1. Rejoin: kill → its replacement ``serving`` the current version."""
+    run = Run(root, "back_to_back", steps=100000, standby=2, seed=seed)
+    try:
+        if not run.wait_step(2):
+            return run
+        for p in range(pairs):
+            deadline = time.monotonic() + 300
+            while run.proc.poll() is None and time.monotonic() < deadline:
+                sb = _standby_states(run)
+                if len(sb) == 2 and all(x["state"] == "standby" for x in sb):
+                    if not run.sup.pending():
+                        break
+                time.sleep(0.2)
+            for i, kind in ((0, "b2b_first"), (1, "b2b_second")):
+                if i:
+                    time.sleep(2.0)
+                run.sup.died(i, kind)
+                _signal(run.sup.faults[-1][1], signal.SIGKILL)
+            print(f"  [back_to_back] pair {p}: replicas 0 and 1 killed 2 s apart", flush=True)
+        deadline = time.monotonic() + 300
+        while run.sup.pending() and run.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        run.stop()
+    return run
+
+
+_READY_LINE = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) engine\[(\d+)\] engine: standby ready"
+)
+
+
+def standby_false_ready(run_dirs: list[Path]) -> dict[str, int]:
+    """Promotions of a standby that had not itself proved ready: for each ``promoted``
+    ``role_standby_state`` event, the standby's own log (``engine: standby ready``, written
+    by the standby process, with its pid) must say ready before the promotion."""
+    false = promotions = 0
+    for d in run_dirs:
+        ready: dict[int, float] = {}
+        for log in (d / "roles").glob("*/standby-*.log"):
+            for line in log.read_text(errors="replace").splitlines():
+                m = _READY_LINE.match(line)
+                if m:
+                    t = time.mktime(time.strptime(m[1], "%Y-%m-%d %H:%M:%S")) + int(m[2]) / 1000
+                    ready.setdefault(int(m[3]), t)
+        for e in _events(d, "role_standby_state"):
+            if e.get("state") != "promoted":
+                continue
+            promotions += 1
+            t = ready.get(int(e.get("pid") or -1))
+            if t is None or t > e["time"]:
+                false += 1
+    return {"standby_false_ready": false, "standby_promotions": promotions}
+
+
+def groups_padded(run_dirs: list[Path]) -> dict[str, Any]:
+    """What was trained, inspected: each rank's ``rollout_samples_trained`` record of a step
+    (the groups trained, each with its members) against the trainer's own count of the rows
+    it trained that step (``samples_trained`` in its log). A group is padded when it holds
+    more than ``--group`` members, or when the step trained more rows than its groups' real
+    members (each extra row a padded group). Dropped groups by reason beside it."""
+    padded = groups = 0
+    dropped: dict[str, int] = {}
+    for d in run_dirs:
+        recs = {
+            (r.get("attempt", 0), r.get("rank", 0), r["step"]): r["samples_trained"]
+            for rank in (0, 1)
+            for r in _records(d, rank)
+            if r.get("kind") == "log" and "samples_trained" in r
+        }
+        for e in _events(d, "rollout_samples_trained"):
+            sizes = list(e.get("group_sizes") or [])
+            groups += len(sizes)
+            padded += sum(g > GROUP for g in sizes)
+            rows = recs.get((e.get("attempt", 0), e.get("rank", 0), e.get("step")))
+            if rows is not None and rows > sum(sizes):
+                padded += rows - sum(sizes)
+            for reason, n in dict(e.get("dropped") or {}).items():
+                dropped[reason] = dropped.get(reason, 0) + int(n)
+    return {"groups_padded": padded, "groups_trained": groups, "groups_dropped": dropped}
+
+
+def staleness_run(root: Path, *, steps: int, kills: int, k: int, seed: int) -> Run:
+    """Async mode (``--max-staleness k``) through ``kills`` trainer kills (rank and group in
+    turn) at random steps, to its end."""
+    run = Run(root, f"async_k{k}_trainer_kills", steps=steps, seed=seed,
+              extra=("--max-staleness", str(k)))  # fmt: skip
+    rng = random.Random(seed)
+    for step in sorted(rng.sample(range(2, steps - 2), kills)):
+        if not run.wait_step(max(step, run.step() + 1)):
+            break
+        run.inject(("trainer_rank_kill", "trainer_group_kill")[len(run.faults) % 2], rng)
+    run.finish(timeout=1800)
+    return run
+
+
+def staleness_after_resume(run: Run, k: int) -> dict[str, Any]:
+    """Every trained sample's recorded staleness (each rank's ``rollout_samples_trained``
+    events); ``max_staleness_after_resume``: the largest among the samples trained after
+    the first trainer kill (a later attempt)."""
+    trained = _events(run.run_dir, "rollout_samples_trained")
+    every = [s for e in trained for s in e.get("staleness") or []]
+    after = [s for e in trained if e.get("attempt", 0) > 0 for s in e.get("staleness") or []]
+    hist: dict[int, int] = {}
+    for s in every:
+        hist[s] = hist.get(s, 0) + 1
+    return {
+        "max_staleness_after_resume": max(after) if after else None,
+        "max_staleness_all": max(every) if every else None,
+        "staleness_bound_k": k,
+        "staleness_samples_after_resume": len(after),
+        "staleness_histogram": dict(sorted(hist.items())),
+        "staleness_trainer_kills": len(run.faults),
+        "staleness_attempts": len({e.get("attempt", 0) for e in trained}),
+    }
+
+
+def refit_figures(root: Path, args: argparse.Namespace, runs: list[Path]) -> dict[str, Any]:
+    """Deaths mid-refit and back to back, group integrity and staleness across resumes;
+    ``runs``: the run directories of the scenarios already run (their promotions and groups
+    are counted too)."""
+    out = refit_engine_death(root, args.refit_death_runs) if args.refit_death_runs else {}
+    print(f"weight sync through an engine's death: {out}", flush=True)
+    b2b = back_to_back_deaths(root / "embedded", args.b2b_pairs, args.seed)
+    second = [s for kind, s in b2b.sup.rejoin_s() if kind == "b2b_second"]
+    first = [s for kind, s in b2b.sup.rejoin_s() if kind == "b2b_first"]
+    out["back_to_back_engine_deaths_rejoin_s"] = (
+        round(statistics.median(second), 3) if second else None
+    )
+    out["back_to_back_first_death_rejoin_s"] = round(statistics.median(first), 3) if first else None
+    out["back_to_back_pairs"] = f"{len(second)}/{args.b2b_pairs}"
+    out["back_to_back_rejoin_s_each"] = [round(s, 2) for s in second]
+    stale = staleness_run(root / "embedded", steps=args.async_steps, kills=args.async_kills,
+                          k=ASYNC_K, seed=args.seed)  # fmt: skip
+    out.update(staleness_after_resume(stale, ASYNC_K))
+    dirs = [*runs, b2b.run_dir, stale.run_dir]
+    out.update(standby_false_ready(dirs))
+    out.update(groups_padded(dirs))
+    return out
+
+
+ASYNC_K = 1
 
 
 AUTH_PROMPTS_PER_REQUEST, AUTH_GROUP, AUTH_MAX_TOKENS = 4, 8, 16
@@ -839,10 +1078,19 @@ def main() -> None:
     p.add_argument("--router-only", action="store_true", help="only the fleet endpoint figures")
     p.add_argument("--replay-steps", type=int, default=40, help="0: no replay runs")
     p.add_argument("--replay-faults", type=int, default=6)
+    p.add_argument("--refit-only", action="store_true",
+                   help="only the refit, back-to-back, group and staleness figures")  # fmt: skip
+    p.add_argument("--refit-death-runs", type=int, default=20, help="runs of the refit drill")
+    p.add_argument("--b2b-pairs", type=int, default=5, help="back-to-back death pairs")
+    p.add_argument("--async-steps", type=int, default=24, help="steps of the async run")
+    p.add_argument("--async-kills", type=int, default=3, help="trainer kills in the async run")
     p.add_argument("--vllm-mtbf-s", type=float, default=60.0, help="--engine vllm: faults' MTBF")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rl-fleet-bench-"))
     print(f"runs in {root}", flush=True)
+    if args.refit_only:
+        print(json.dumps(refit_figures(root, args, [])), flush=True)
+        return
     router = {} if args.auth_only else router_client_errors(root)
     print(f"fleet endpoint under engine kills: {router}", flush=True)
     if args.router_only:
@@ -855,6 +1103,8 @@ def main() -> None:
         print(json.dumps(auth), flush=True)
         return
     embedded = {**figures(root, args, "embedded"), **router, **auth}
+    scenario_dirs = [d for d in sorted((root / "embedded").iterdir()) if d.is_dir()]
+    embedded.update(refit_figures(root, args, scenario_dirs))
     if args.replay_steps > 0:
         embedded.update(
             replay_runs(root, steps=args.replay_steps, faults=args.replay_faults, seed=args.seed)

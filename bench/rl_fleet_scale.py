@@ -46,14 +46,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench._support import free_port  # noqa: E402
-from trainguard.core import envvars, jsonhttp  # noqa: E402
+from trainguard.core import jsonhttp  # noqa: E402
 from trainguard.core.atomicfile import write_atomic  # noqa: E402
-from trainguard.core.engine_contract import (  # noqa: E402
+from trainguard.core.contracts import envvars  # noqa: E402
+from trainguard.core.contracts.engine import (  # noqa: E402
     COMPLETIONS_PATH,
     parse_completion,
     probe_health,
 )
-from trainguard.core.engine_contract import ReplicaStatus as S  # noqa: E402
+from trainguard.core.contracts.engine import ReplicaStatus as S  # noqa: E402
 from trainguard.rl.client import RolloutClient  # noqa: E402
 from trainguard.rl.rollout_types import EngineState, RolloutConfig  # noqa: E402
 from trainguard.rl.weights import POINTER, WeightStore  # noqa: E402

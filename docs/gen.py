@@ -1,6 +1,6 @@
 """The generated reference pages: configuration (from the config dataclasses in
-``trainguard/core/config/``), events (from ``trainguard/core/event_kinds.py``), the worker
-environment (from ``trainguard/core/envvars.py``) and the feature map (from
+``trainguard/core/config/``), events (from ``trainguard/core/contracts/event_kinds.py``), the worker
+environment (from ``trainguard/core/contracts/envvars.py``) and the feature map (from
 ``docs/featuremap.toml``: which modules make up each feature, by layer).
 
     python docs/gen.py --write   # regenerate docs/reference/*.md (make docs runs it)
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core import config as config_pkg
-from trainguard.core import envvars, event_kinds
+from trainguard.core.contracts import envvars, event_kinds
 
 CONFIG_PAGE = "reference/configuration.md"
 EVENTS_PAGE = "reference/events.md"
@@ -179,7 +179,7 @@ def events_reference() -> str:
     out = [
         "# Event reference",
         "",
-        "Generated from `trainguard/core/event_kinds.py` (the event contract) at every docs build.",
+        "Generated from `trainguard/core/contracts/event_kinds.py` (the event contract) at every docs build.",
         "",
         "Each line of `<run_dir>/events.jsonl` is one JSON object; every event carries `time`,",
         "`kind`, `node` and `attempt` (the job-wide attempt) besides the fields listed, and the",
@@ -219,7 +219,7 @@ def environment_reference() -> str:
     out = [
         "# Worker environment reference",
         "",
-        "Generated from `trainguard/core/envvars.py` at every docs build.",
+        "Generated from `trainguard/core/contracts/envvars.py` at every docs build.",
         "",
         "A worker started by `trainguard run` sees exactly the environment `torchrun` would give",
         "it, plus the names below (`TRAINGUARD_AGENT_*` are facts the agent hands its workers,",
@@ -262,7 +262,7 @@ def feature_map() -> list[dict[str, Any]]:
 
 
 def product_modules() -> list[str]:
-    """Every module of trainguard/, as the feature map names it (``core/rundir``)."""
+    """Every module of trainguard/, as the feature map names it (``core/contracts/rundir``)."""
     return sorted(str(p.relative_to(PACKAGE).with_suffix("")) for p in PACKAGE.rglob("*.py"))
 
 

@@ -65,7 +65,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="save rank 0's final weights here")
     args = p.parse_args()
 
-    from trainguard.core import envvars  # what `trainguard run` tells its workers
+    from trainguard.core.contracts import envvars  # what `trainguard run` tells its workers
 
     run_dir = os.environ.get(envvars.RUN_DIR)
     out_dir = args.output_dir or (os.path.join(run_dir, "hf") if run_dir else "hf-out")

@@ -18,8 +18,12 @@ of prompt positions from the :class:`trainguard.rl.PromptLedger`, generates ``--
 completions for its share through the :class:`trainguard.rl.RolloutClient` (retries on
 another engine; a batch is complete or the step raises, never a made-up sample), computes
 group-relative advantages, and takes one policy-gradient step with a k3 KL penalty to the
-frozen initial policy. Rank 0 then publishes weight version ``step + 1`` to the weight store
-and pushes it to the engines (on-policy: ``--max-staleness 0``).
+frozen initial policy. A group is trained complete or dropped whole, never padded
+(``--group-policy shrink``: shrunk to at least 2 survivors, their advantages over them
+alone); a member staler than ``--max-staleness`` at the version it trains into does not
+survive; each sample's staleness and the dropped groups by reason are recorded
+(``rollout_samples_trained`` events, drawn by ``trainguard report``). Rank 0 then publishes
+weight version ``step + 1`` to the weight store and pushes it to the engines (on-policy: ``--max-staleness 0``).
 
 Resume is lossless: the ledger (prompt position, pending prompts) and the weight version are
 in the ``tg.checkpoint`` state saved every step (memory tier); rank 0 appends each committed
@@ -64,6 +68,7 @@ from trainguard.rl import (
     WeightStore,
 )
 from trainguard.rl.client import REWARD_URLS_ENV
+from trainguard.rl.groups import GROUP_POLICIES, SampleRecord, settle
 from trainguard.rl.reward import RewardClient
 from trainguard.rl.sampling import prompt_seed
 from trainguard.rl.tiny import TINY_LLAMA, digit_reward, load_model, save_tiny_llama
@@ -103,6 +108,19 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--max-staleness", type=int, default=0)
+    p.add_argument(
+        "--group-policy",
+        choices=GROUP_POLICIES,
+        default="whole",
+        help="a group with a lost member (failed, stale at training, repeated): dropped whole, "
+        "or shrunk to its survivors (at least 2, advantages over them alone); never padded",
+    )
+    p.add_argument(
+        "--drop-failed-groups",
+        action="store_true",
+        help="a rollout request out of attempts drops its groups (counted) instead of "
+        "failing the step",
+    )
     p.add_argument("--request-timeout", type=float, default=30.0)
     p.add_argument("--max-attempts", type=int, default=6, help="per rollout request")
     p.add_argument(
@@ -154,6 +172,7 @@ def main() -> None:
             max_staleness=args.max_staleness,
             request_timeout_s=args.request_timeout,
             max_attempts=args.max_attempts,
+            drop_failed_groups=args.drop_failed_groups,
         ),
         events=tg.events.emit,
         # verified refit: an engine is routed a version once its log-probs of these texts
@@ -167,16 +186,20 @@ def main() -> None:
     consumed = ConsumedLog(tg.run_dir / "rl" / "consumed.jsonl")
     scorer = RewardClient(args.reward_urls.split(",")) if args.reward_urls else None
 
-    def score(ids: list[int], comps: list[list[Completion]]) -> torch.Tensor:
-        """[prompt, completion] rewards: from the reward servers when there are some (retried
-        on another after a failure; an error after the cap, never a made-up reward)."""
+    def score(ids: list[int], comps: list[list[Completion]]) -> list[torch.Tensor]:
+        """Each group's rewards: from the reward servers when there are some (retried on
+        another after a failure; an error after the cap, never a made-up reward)."""
         prompts = [prompt_text(i) for i, group in zip(ids, comps, strict=True) for _ in group]
         texts = [c.text for group in comps for c in group]
         if scorer is not None:
             flat = scorer.score(prompts, texts)
         else:
             flat = [digit_reward(p, t) for p, t in zip(prompts, texts, strict=True)]
-        return torch.tensor(flat).view(len(ids), -1)
+        out, at = [], 0
+        for group in comps:
+            out.append(torch.tensor(flat[at : at + len(group)]))
+            at += len(group)
+        return out
 
     def publish(v: int, *, reattach: bool = False) -> dict[str, float]:
         """Rank 0 publishes and pushes version v; every rank learns who confirmed. On
@@ -230,6 +253,7 @@ def main() -> None:
     # positions are pending in the ledger (in the checkpoint), handed out again after a restart
     prefetch: tuple[list[int], Future[list[list[Completion]]]] | None = None
     pool = ThreadPoolExecutor(max_workers=1)
+    record = SampleRecord(tg.events.emit, tg.rank, bound=args.max_staleness)
     while tg.step_num < args.steps:
         if tg.step_num == args.fail_at_step and tg.rank == args.fail_rank and tg.attempt == 0:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -247,21 +271,26 @@ def main() -> None:
             if args.max_staleness > 0 and step + 1 < args.steps:
                 nxt = ledger.take(args.batch)
                 prefetch = (nxt, pool.submit(generate, nxt[tg.rank :: world]))
+            # a group is trained complete (or shrunk to >= 2 survivors) or dropped whole: its
+            # members judged against the version this update trains into (step)
+            settled = settle(comps, n=args.group, train_version=step,
+                             max_staleness=args.max_staleness, policy=args.group_policy)  # fmt: skip
+            kept_ids = [ids[gi] for gi, _ in settled.kept]
+            kept = [group for _, group in settled.kept]
             with tg.span("reward"):
-                rewards = score(ids, comps)
-                adv = (rewards - rewards.mean(1, keepdim=True)) / (
-                    rewards.std(1, keepdim=True) + 1e-4
-                )
+                rewards = score(kept_ids, kept) if kept else []
+                # group-relative, over the members trained (a shrunk group's survivors)
+                adv = [(r - r.mean()) / (r.std() + 1e-4) for r in rewards]
             with tg.span("optimize"):
                 rows, advs = [], []
-                start = max(len(tok(prompt_text(i))["input_ids"]) for i in ids)
-                for i, group, a in zip(ids, comps, adv, strict=False):
+                start = max((len(tok(prompt_text(i))["input_ids"]) for i in kept_ids), default=1)
+                for i, group, a in zip(kept_ids, kept, adv, strict=True):
                     prompt_ids = tok(prompt_text(i))["input_ids"]
                     for c, ai in zip(group, a, strict=False):
                         out = c.token_ids  # with the EOS token when it stopped there
                         rows.append((start - len(prompt_ids), prompt_ids, out))
                         advs.append(float(ai))
-                length = max(len(o) for _, _, o in rows) or 1
+                length = max((len(o) for _, _, o in rows), default=0) or 1
                 ids_t = torch.full((len(rows), start + length), tok.pad_token_id)
                 attn = torch.zeros_like(ids_t)
                 resp = torch.zeros((len(rows), length))
@@ -279,6 +308,8 @@ def main() -> None:
                 a_t = torch.tensor(advs)[:, None]
                 denom = resp.sum().clamp_min(1)
                 loss = ((-a_t * lp + args.beta * kl_tok) * resp).sum() / denom
+                if not rows:  # every group of this rank dropped: no gradient of its own
+                    loss = sum((prm * 0).sum() for prm in policy.parameters())
                 # sampled at temperature 1 from these weights: -E[log p] estimates the entropy
                 entropy = -(lp.detach() * resp).sum() / denom
                 opt.zero_grad()
@@ -294,7 +325,7 @@ def main() -> None:
             if args.step_sleep:
                 time.sleep(args.step_sleep)
         ledger.commit(positions)
-        flat = [c for group in comps for c in group]
+        flat = settled.samples
         # staleness: the version this update trained (step) - the version that generated it
         stale = [step - c.weight_version for c in flat]
         # a trained sample is a real generation: an engine's answer, with a version in the bound
@@ -302,20 +333,27 @@ def main() -> None:
             bool(c.engine) and 0 <= s <= args.max_staleness
             for c, s in zip(flat, stale, strict=True)
         )
-        lengths = [len(c.token_ids) for c in flat]
+        lengths = [len(c.token_ids) for c in flat] or [0]
+        every = torch.cat(rewards) if rewards else torch.zeros(1)
+        # each sample's staleness, each group's size, the dropped groups by reason
+        groups = record.trained(step, step, settled)
         # what this rank trained on, in one digest: two runs trained on the same samples
         # (a run through faults and the fault-free run) log the same digest for each step
-        trained = [[i, [c.token_ids for c in group]] for i, group in zip(ids, comps, strict=True)]
+        trained = [
+            [i, [c.token_ids for c in group]] for i, group in zip(kept_ids, kept, strict=True)
+        ]
         samples_sha = hashlib.sha256(json.dumps(trained).encode()).hexdigest()[:16]
-        tg.log(step=step, reward=rewards.mean().item(), reward_std=rewards.std().item(),
+        tg.log(step=step, reward=every.mean().item(), reward_std=every.std().item(),
                kl=kl.item(), entropy=entropy.item(), loss=loss.item(),
                response_length=sum(lengths) / len(lengths), response_length_max=max(lengths),
-               staleness_mean=sum(stale) / len(stale), staleness_max=max(stale),
+               staleness_mean=groups.pop("staleness_mean", 0.0),
+               staleness_max=groups.pop("staleness_max", 0), **groups,
                weight_version=version, samples_trained=len(rows),
                samples_real=real, samples_sha=samples_sha, **sync, **client.take_metrics())  # fmt: skip
         if tg.rank == 0:
             consumed.append(step, positions, [ledger.prompt_id(g) for g in positions],
-                            attempt=tg.attempt, version=version, staleness_max=max(stale))  # fmt: skip
+                            attempt=tg.attempt, version=version,
+                            staleness_max=max(stale, default=0))  # fmt: skip
         ckpt.maybe_save(tg.step_num, state)
 
     if tg.rank == 0:

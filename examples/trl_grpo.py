@@ -68,7 +68,7 @@ def main() -> None:
     p.add_argument("--no-trainguard", action="store_true", help="leave the callback out")
     args = p.parse_args()
 
-    from trainguard.core import envvars  # what `trainguard run` tells its workers
+    from trainguard.core.contracts import envvars  # what `trainguard run` tells its workers
 
     run_dir = os.environ.get(envvars.RUN_DIR)
     out_dir = args.output_dir or (os.path.join(run_dir, "trl") if run_dir else "trl-out")

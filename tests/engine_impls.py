@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from tests.ports import free_port
-from trainguard.core import envvars
-from trainguard.core.engine_contract import HealthAnswer, probe_health
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.engine import HealthAnswer, probe_health
 
 
 def _tiny_gpt2_state() -> dict[str, Any]:

@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from trainguard.core import envvars
 from trainguard.core.atomicfile import open_append, write_atomic
-from trainguard.core.engine_contract import HEALTH_PATH, ReplicaStatus, probe_health
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.engine import HEALTH_PATH, ReplicaStatus, probe_health
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.fleetauth import job_secret, role_token
-from trainguard.core.rundir import RunDir
 from trainguard.roles.procs import free_port, new_incarnation
 
 __all__ = ["LocalEngines", "engine_health"]

@@ -1,5 +1,5 @@
 """A small engine for the tests, as a real process: it speaks the engine contract
-(trainguard.core.engine_contract) on the shared JSON server without a model, or, with
+(trainguard.core.contracts.engine) on the shared JSON server without a model, or, with
 ``--hostile``, answers whatever malformed shape a test sets.
 
     python -m tests.stub_engine --port P --weights-dir D [--hostile]
@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from trainguard.core.engine_contract import (
+from trainguard.core.contracts.engine import (
     COMPLETIONS_PATH,
     HEALTH_PATH,
     QUARANTINE_PATH,
@@ -34,7 +34,7 @@ from trainguard.core.engine_contract import (
     own_identity,
     weight_update_version,
 )
-from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.core.contracts.engine import ReplicaStatus as S
 from trainguard.core.fleetauth import Authenticator
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
 from trainguard.rl.tiny import WORDS

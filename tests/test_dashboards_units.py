@@ -17,7 +17,7 @@ import pytest
 
 from tests.launch_utils import REPO, base_env
 from trainguard.core.config.alerts import AlertsConfig
-from trainguard.core.contract import METRICS
+from trainguard.core.contracts.metrics import METRICS
 from trainguard.core.events import EventLog
 from trainguard.dashboards import export
 from trainguard.dashboards.grafana import FLEET_UID, JOB_UID, validate

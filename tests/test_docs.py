@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from types import ModuleType
 
-from trainguard.core import event_kinds
+from trainguard.core.contracts import event_kinds
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,7 +54,7 @@ def test_event_reference_has_every_kind_and_field() -> None:
 
 
 def test_environment_reference_has_every_name_a_worker_may_get() -> None:
-    from trainguard.core import envvars
+    from trainguard.core.contracts import envvars
 
     page = _gen().environment_reference()
     rows = set(re.findall(r"^\| `(TRAINGUARD_\w+)` \|", page, re.M))

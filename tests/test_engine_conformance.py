@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from tests.engine_impls import IMPLS, EngineImpl, RunningEngine
-from trainguard.core import engine_contract as ec
 from trainguard.core import jsonhttp
+from trainguard.core.contracts import engine as ec
 from trainguard.core.fleetauth import sign
 from trainguard.rl import RolloutClient, RolloutConfig
 from trainguard.rl.weights import WeightStore

@@ -1,4 +1,4 @@
-"""The engine contract's code (trainguard.core.engine_contract, trainguard.core.jsonhttp): one
+"""The engine contract's code (trainguard.core.contracts.engine, trainguard.core.jsonhttp): one
 vocabulary for a replica's states, guarded parsers that turn any hostile answer into a
 ``MalformedAnswer``, and the shared JSON server's caps (413, 503, socket timeouts, answer size)
 on a real server on loopback. The contract against each engine implementation is
@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from trainguard.core import engine_contract as ec
 from trainguard.core import jsonhttp
-from trainguard.core.contract import ROLE_STATES, ROLLOUT_FAILURE_REASONS
+from trainguard.core.contracts import engine as ec
+from trainguard.core.contracts.metrics import ROLE_STATES, ROLLOUT_FAILURE_REASONS
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = {s.value for s in ec.ReplicaStatus}
@@ -40,7 +40,7 @@ def _second_spellings(root: Path) -> list[str]:
 
     found = []
     for path in sorted(root.rglob("*.py")):
-        if path.name == "engine_contract.py":
+        if path.relative_to(root).as_posix() == "core/contracts/engine.py":
             continue
         where = path.relative_to(root.parent)
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

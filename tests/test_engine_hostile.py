@@ -25,8 +25,9 @@ import pytest
 
 from tests.ports import free_port
 from tests.stub_engine import SHAPES
-from trainguard.core import engine_contract as ec
-from trainguard.core import envvars, jsonhttp
+from trainguard.core import jsonhttp
+from trainguard.core.contracts import engine as ec
+from trainguard.core.contracts import envvars
 from trainguard.core.fleetauth import sign
 from trainguard.rl import RolloutClient, RolloutConfig
 from trainguard.rl.reward import RewardClient

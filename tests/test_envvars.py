@@ -1,5 +1,5 @@
 """Environment names are spelled in one place: no ``"TRAINGUARD_...`` string literal outside
-trainguard/core/envvars.py (facts and user-set names) and the config loader
+trainguard/core/contracts/envvars.py (facts and user-set names) and the config loader
 (``TRAINGUARD_<SECTION>_<FIELD>`` settings, trainguard/core/config/); and one variable carries
 the run directory (the others are read for compatibility only)."""
 
@@ -8,12 +8,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from trainguard.core import envvars
-from trainguard.core.rundir import RunDir
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.rundir import RunDir
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trainguard"
 PREFIX = envvars.NAMESPACE
-OWNERS = ("core/envvars.py", "core/config/")
+OWNERS = ("core/contracts/envvars.py", "core/config/")
 
 ALLOWED = {
     # Runs at every Python start in a worker's environment: it imports nothing of trainguard
@@ -42,7 +42,7 @@ def env_literals(root: Path = PACKAGE) -> list[tuple[str, int, str]]:
 def test_no_env_literal_outside_envvars_and_the_config_loader() -> None:
     bad = [
         f"trainguard/{rel}:{line}: {value!r}: use (or add) its constant in "
-        "trainguard/core/envvars.py (settings: trainguard.core.config.setting_env)"
+        "trainguard/core/contracts/envvars.py (settings: trainguard.core.config.setting_env)"
         for rel, line, value in env_literals()
         if (rel, value) not in ALLOWED
     ]

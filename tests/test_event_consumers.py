@@ -1,6 +1,6 @@
 """The event contract on the consumer side: every event kind the source compares anything
 with (report, pager, summary, goodput, recorder, ...) is registered in
-trainguard/core/event_kinds.py, and so is every field read from an event inside a branch that
+trainguard/core/contracts/event_kinds.py, and so is every field read from an event inside a branch that
 matched one kind; a consumer in another package than the kind's emitters compares with the
 kind's constant, never a literal. (tests/test_event_kinds.py holds the emitters to it.)"""
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from trainguard.core import event_kinds
-from trainguard.core.event_kinds import KINDS, by_name
+from trainguard.core.contracts import event_kinds
+from trainguard.core.contracts.event_kinds import KINDS, by_name
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trainguard"
 CONSTANTS = {
@@ -21,7 +21,7 @@ CONSTANTS = {
 COMMON = {"time", "kind", "node", "attempt", "agent_restarts", "rank", "generation"}
 """Fields every event (or every agent's / worker's event) carries (trainguard.core.events)."""
 RECORD_KINDS = {"step", "log", "span", "sniff"}
-"""The kinds of the per-rank metrics records (``metrics/rank_R.jsonl``, trainguard.core.contract),
+"""The kinds of the per-rank metrics records (``metrics/rank_R.jsonl``, trainguard.core.contracts.metrics),
 which the same readers match: not events."""
 OTHER_KINDS = {
     "trainguard/chaos/faults.py": "a fault's kind (kill, hang, slow, exit)",
@@ -138,7 +138,7 @@ def test_consumers_in_other_packages_compare_with_the_constants() -> None:
     bad = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE.parent).as_posix()
-        if rel == "trainguard/core/event_kinds.py" or rel in OTHER_KINDS:
+        if rel == "trainguard/core/contracts/event_kinds.py" or rel in OTHER_KINDS:
             continue
         package = rel.split("/")[1].removesuffix(".py")
         for kind, line in _foreign_literals(ast.parse(path.read_text()), package):
@@ -154,7 +154,7 @@ def _scan() -> tuple[list[str], list[str], int, int]:
     bad_kinds, bad_fields, n_kinds, n_branches = [], [], 0, 0
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE.parent).as_posix()
-        if rel == "trainguard/core/event_kinds.py" or rel in OTHER_KINDS:
+        if rel == "trainguard/core/contracts/event_kinds.py" or rel in OTHER_KINDS:
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

@@ -1,4 +1,4 @@
-"""The event contract (trainguard/core/event_kinds.py) matches the code: every kind the
+"""The event contract (trainguard/core/contracts/event_kinds.py) matches the code: every kind the
 source emits is registered, and every registered kind is emitted somewhere."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.core import event_kinds
-from trainguard.core.event_kinds import EVENTS, KINDS
+from trainguard.core.contracts import event_kinds
+from trainguard.core.contracts.event_kinds import EVENTS, KINDS
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trainguard"
 EMITTERS = {"emit", "_emit", "_emit_rank0", "publish"}
@@ -21,7 +21,7 @@ CONSTANTS = {
 }
 HOW = (
     "register it: add EventSpec(name=KIND, emitters=(MODULE,), fields=(...), "
-    "description=...) to EVENTS in trainguard/core/event_kinds.py (MODULE relative to "
+    "description=...) to EVENTS in trainguard/core/contracts/event_kinds.py (MODULE relative to "
     "trainguard, e.g. 'runtime.agent'; fields: the keyword arguments of the emit call)"
 )
 
@@ -55,7 +55,7 @@ def scan(path: Path, rel: str) -> tuple[dict[str, list[str]], list[str]]:
                 emitted.setdefault(kind, []).append(where)
             elif not (isinstance(arg, ast.Name) and name in forwarded_names):
                 problems.append(
-                    f"{where}: the kind {ast.unparse(arg)} is not a literal or a constant of trainguard.core.event_kinds"
+                    f"{where}: the kind {ast.unparse(arg)} is not a literal or a constant of trainguard.core.contracts.event_kinds"
                 )
         else:
             problems.append(f"{where}: the kind {ast.unparse(arg)} is not a literal")
@@ -89,7 +89,7 @@ def test_every_registered_kind_is_emitted() -> None:
     never = sorted(KINDS - set(emitted))
     assert not never, (
         f"registered event kinds that no code emits: {never}; remove their EventSpec from "
-        "trainguard/core/event_kinds.py or emit them"
+        "trainguard/core/contracts/event_kinds.py or emit them"
     )
 
 
@@ -118,7 +118,10 @@ def test_names_are_unique() -> None:
     [
         ("def f(ev):\n    ev.emit('no_such_kind', x=1)\n", {"no_such_kind"}),
         ("def f(ev):\n    ev.emit('restart')\n", set()),
-        ("from trainguard.core.event_kinds import JOB_FINISHED\nev.emit(JOB_FINISHED)\n", set()),
+        (
+            "from trainguard.core.contracts.event_kinds import JOB_FINISHED\nev.emit(JOB_FINISHED)\n",
+            set(),
+        ),
     ],
 )
 def test_the_scan_finds(tmp_path: Path, source: str, unregistered: set[str]) -> None:

@@ -57,7 +57,7 @@ def test_the_check_fails_on_a_map_out_of_date(change: str) -> None:
     if change == "new module":
         modules = [*modules, "health/new_probe"]
     elif change == "twice":
-        features = [*features, {"modules": ["core/rundir"]}]
+        features = [*features, {"modules": ["core/contracts/rundir"]}]
     else:
         features = [*features, {"modules": ["core/gone"]}]
     assert len(problems(features, modules)) == before + 1

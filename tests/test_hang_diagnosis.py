@@ -402,8 +402,8 @@ def test_timeout_chain_flags_only_user_settings_in_the_wrong_order() -> None:
 def test_watcher_records_collective_progress_and_the_timeout_follows_its_cadence(
     tmp_path: Path,
 ) -> None:
-    from trainguard.core import envvars
     from trainguard.core.config.health import HealthConfig
+    from trainguard.core.contracts import envvars
     from trainguard.core.flight_recorder import FR_BUFFER_ENV, collective_progress_path
     from trainguard.core.progress import ProgressReader
     from trainguard.health.hang import HangTracker
@@ -448,7 +448,7 @@ def test_the_hang_dump_layout_is_spelled_once_and_the_analysis_is_pure() -> None
     and ``trainguard debug`` ask them. The analysis modules read no file, store or process."""
     import ast
 
-    from trainguard.core.rundir import RunDir
+    from trainguard.core.contracts.rundir import RunDir
 
     pkg = Path(__file__).resolve().parents[1] / "trainguard"
     names = ("fr_rank_", "stacks_rank_", "pyspy_rank_", "summary_rank_", "faulthandler.txt")
@@ -467,7 +467,13 @@ def test_the_hang_dump_layout_is_spelled_once_and_the_analysis_is_pure() -> None
             if isinstance(node, ast.Import | ast.ImportFrom)
             for alias in node.names
         }
-        io = {"os", "time", "json", "trainguard.core.atomicfile", "trainguard.core.rundir"}
+        io = {
+            "os",
+            "time",
+            "json",
+            "trainguard.core.atomicfile",
+            "trainguard.core.contracts.rundir",
+        }
         assert not imported & io, (mod, imported & io)
     rd = RunDir("/r")
     hang, debug = rd.hang(3), rd.debug("x")

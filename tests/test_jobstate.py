@@ -8,7 +8,7 @@ import json
 import pytest
 
 from trainguard.core.config.slurm import SlurmConfig
-from trainguard.core.jobstate import JobState
+from trainguard.core.contracts.jobstate import JobState
 from trainguard.core.plugin import AgentExit, JobStopError, NodeEvictedError, NodeUnhealthyError
 from trainguard.runtime.launcher import Outcome
 from trainguard.slurm.finish import FinishAction, decide

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.ports import free_port
-from trainguard.core.contract import ROLLOUT_FAILURE_REASONS
+from trainguard.core.contracts.metrics import ROLLOUT_FAILURE_REASONS
 from trainguard.rl import RolloutClient, RolloutConfig, RolloutError
 
 VERSION = 3

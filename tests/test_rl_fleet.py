@@ -20,8 +20,8 @@ from tests.fleet_engines import LocalEngines, engine_health
 from tests.intruder import intrude, refusal
 from tests.ports import free_port
 from tests.procs import FIXTURE_PIDS
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.fleetauth import sign
-from trainguard.core.rundir import RunDir
 from trainguard.rl import RolloutClient, RolloutConfig, RolloutError, WeightStore
 from trainguard.rl.tiny import tiny_gpt2
 

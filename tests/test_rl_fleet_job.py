@@ -28,9 +28,9 @@ from tests.fleet_engines import LocalEngines
 from tests.launch_utils import REPO, base_env, popen
 from tests.ports import free_port
 from tests.procs import alive, kill_tree
-from trainguard.core.contract import by_name
+from trainguard.core.contracts.metrics import by_name
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import read_events
-from trainguard.core.rundir import RunDir
 from trainguard.rl import ConsumedLog, PromptLedger, audit
 from trainguard.telemetry.report import write_report
 

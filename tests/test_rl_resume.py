@@ -122,3 +122,10 @@ def test_exactly_once_prompts_through_trainer_kills_async(tmp_path: Path) -> Non
     assert all(0 <= r["staleness_max"] <= 1 for r in logs)  # within the bound
     assert any(r["staleness_max"] == 1 for r in logs)  # prefetched: the previous version's
     assert all(r["rollout_failed"] >= 0 and r["engines_total"] == 1 for r in logs)
+    # every trained sample's staleness, recorded per sample by each rank: within the bound,
+    # before and after each trainer kill; nothing padded
+    trained = events(run_dir, "rollout_samples_trained")
+    assert {e["attempt"] for e in trained} == {0, 1, 2} and {e["rank"] for e in trained} == {0, 1}
+    per_sample = [s for e in trained for s in e["staleness"]]
+    assert per_sample and all(0 <= s <= 1 for s in per_sample), sorted(set(per_sample))
+    assert all(g == 4 for e in trained for g in e["group_sizes"])  # whole groups only

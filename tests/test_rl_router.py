@@ -21,11 +21,12 @@ import pytest
 
 from tests.launch_utils import base_env
 from tests.ports import free_port
-from trainguard.core import envvars, jsonhttp
+from trainguard.core import jsonhttp
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config import load_config
 from trainguard.core.config.roles import RolesConfig
-from trainguard.core.engine_contract import parse_completion
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.engine import parse_completion
 from trainguard.core.events import EventLog
 from trainguard.core.fleetauth import job_secret, role_token
 from trainguard.core.plugin import AgentContext

@@ -24,19 +24,15 @@ from tests.launch_utils import WORKERS, base_env, free_port, popen
 from tests.procs import alive, kill_tree
 from trainguard.cli.cmd_run import run_job
 from trainguard.core.config import ConfigError, load_config
-from trainguard.core.config.roles import (
-    RolesConfig,
-    RoleSpec,
-    parse_role_flag,
-    parse_role_nodes,
-    place_roles,
-)
-from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.core.config.roles import RolesConfig, RoleSpec, parse_role_flag
+from trainguard.core.contracts.engine import ReplicaStatus as S
+from trainguard.core.contracts.envvars import parse_role_nodes
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import EventLog, read_events
 from trainguard.core.fleetauth import job_secret, role_token
 from trainguard.core.plugin import AgentContext
-from trainguard.core.rundir import RunDir
 from trainguard.roles.node import run_role_node
+from trainguard.roles.placement import place_roles
 from trainguard.roles.plugin import RoleFailedError, RolesPlugin
 from trainguard.roles.supervisor import RoleSupervisor, probe_health
 from trainguard.telemetry.report import write_report
@@ -939,7 +935,7 @@ def test_replica_that_dies_after_every_load_is_retired_then_the_floor_stops_the_
 
 def test_health_answers_count_only_from_the_process_started() -> None:
     """The identity rule, for every kind of answer (the real-process cases are above)."""
-    from trainguard.core.engine_contract import HealthAnswer, Probe
+    from trainguard.core.contracts.engine import HealthAnswer, Probe
     from trainguard.roles.health import Whose, whose
     from trainguard.roles.liveness import Incarnation
 

@@ -1,11 +1,11 @@
-"""RunDir: every run-directory path is spelled in trainguard/core/rundir.py."""
+"""RunDir: every run-directory path is spelled in trainguard/core/contracts/rundir.py."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from trainguard.core.rundir import RunDir
+from trainguard.core.contracts.rundir import RunDir
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trainguard"
 # a run-dir path joined by hand: run_dir / "metrics", ... / "rank_*.jsonl", "config.json"
@@ -41,4 +41,4 @@ def test_no_module_spells_a_run_dir_path() -> None:
         for i, line in enumerate(p.read_text().splitlines(), 1)
         if SPELLED.search(line)
     ]
-    assert not found, "use trainguard.core.rundir.RunDir:\n" + "\n".join(found)
+    assert not found, "use trainguard.core.contracts.rundir.RunDir:\n" + "\n".join(found)

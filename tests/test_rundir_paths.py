@@ -1,6 +1,6 @@
-"""The run directory's layout is spelled in one place (trainguard/core/rundir.py): no other
+"""The run directory's layout is spelled in one place (trainguard/core/contracts/rundir.py): no other
 module joins a run directory with one of its top-level names (``run_dir / "telemetry"``); it
-asks :class:`~trainguard.core.rundir.RunDir`."""
+asks :class:`~trainguard.core.contracts.rundir.RunDir`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import inspect
 import re
 from pathlib import Path
 
-from trainguard.core.rundir import DumpDir, RunDir
+from trainguard.core.contracts.rundir import DumpDir, RunDir
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trainguard"
 
@@ -56,7 +56,7 @@ def spelled(root: Path = PACKAGE) -> set[tuple[str, str]]:
     found = set()
     for path in sorted(root.rglob("*.py")):
         rel = str(path.relative_to(root))
-        if rel == "core/rundir.py":
+        if rel == "core/contracts/rundir.py":
             continue
         for n in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)):
@@ -85,7 +85,7 @@ def test_the_layout_names_are_the_documented_ones() -> None:
 def test_no_module_spells_a_run_directory_path() -> None:
     found = spelled()
     assert found <= STILL_SPELLED, (
-        f"run-directory paths spelled outside trainguard/core/rundir.py (add them to RunDir "
+        f"run-directory paths spelled outside trainguard/core/contracts/rundir.py (add them to RunDir "
         f"and use it): {sorted(found - STILL_SPELLED)}"
     )
     assert STILL_SPELLED <= found, f"gone: take off STILL_SPELLED: {STILL_SPELLED - found}"

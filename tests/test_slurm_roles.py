@@ -22,8 +22,8 @@ import pytest
 from tests.launch_utils import WORKERS, free_port
 from tests.procs import alive
 from tests.services.slurm_cluster import SlurmCluster, start_cluster
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import read_events
-from trainguard.core.rundir import RunDir
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 

@@ -8,7 +8,7 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from trainguard.core.contract import (
+from trainguard.core.contracts.metrics import (
     INCIDENT_KINDS,
     LOSS_CAUSES,
     METRICS,

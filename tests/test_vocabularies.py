@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.core import contract, envvars
-from trainguard.core.actions import Cause, RecoveryAction, Verdict
 from trainguard.core.config.roles import ROLE_NAMES
-from trainguard.core.event_kinds import KINDS
+from trainguard.core.contracts import envvars, metrics
+from trainguard.core.contracts.actions import Cause, RecoveryAction, Verdict
+from trainguard.core.contracts.event_kinds import KINDS
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trainguard"
 
@@ -32,37 +32,37 @@ class Vocabulary:
     short common words of a vocabulary, such as ``restart``, appear in others' too)."""
 
 
-_ACTIONS = "core/actions.py"
+_ACTIONS = "core/contracts/actions.py"
 VOCABULARIES = [
     Vocabulary(
-        "failure cause (trainguard.core.actions.Cause)",
+        "failure cause (trainguard.core.contracts.actions.Cause)",
         frozenset(c.value for c in Cause),
         frozenset({(_ACTIONS, "Cause")}),
         3,
     ),
     Vocabulary(
-        "verdict (trainguard.core.actions.Verdict; its actions are RecoveryAction's)",
+        "verdict (trainguard.core.contracts.actions.Verdict; its actions are RecoveryAction's)",
         frozenset(v.value for v in Verdict),
         frozenset({(_ACTIONS, "Verdict"), (_ACTIONS, "RecoveryAction")}),
         3,
     ),
     Vocabulary(
-        "recovery action (trainguard.core.actions.RecoveryAction)",
+        "recovery action (trainguard.core.contracts.actions.RecoveryAction)",
         frozenset(a.value for a in RecoveryAction),
         frozenset({(_ACTIONS, "RecoveryAction")}),
         3,
     ),
     Vocabulary(
-        "role name (trainguard.core.contract.ROLES)",
-        frozenset(contract.ROLES),
+        "role name (trainguard.core.contracts.metrics.ROLES)",
+        frozenset(metrics.ROLES),
         # envvars.ROLE_URLS / ROLE_TOKENS: role → its URL / token variable, keyed by every role
         # (held equal to ROLES below; envvars imports nothing of trainguard: workers read it at
         # start-up)
         frozenset(
             {
-                ("core/contract.py", "ROLES"),
-                ("core/envvars.py", "ROLE_URLS"),
-                ("core/envvars.py", "ROLE_TOKENS"),
+                ("core/contracts/metrics.py", "ROLES"),
+                ("core/contracts/envvars.py", "ROLE_URLS"),
+                ("core/contracts/envvars.py", "ROLE_TOKENS"),
             }
         ),
         2,
@@ -70,7 +70,7 @@ VOCABULARIES = [
 ]
 
 KINDS_BY_CONSTANT_ONLY = ("fleet", "chaos", "recovery/plugin.py")
-"""Packages and modules that name event kinds only through trainguard.core.event_kinds'
+"""Packages and modules that name event kinds only through trainguard.core.contracts.event_kinds'
 constants (never a literal ``"node_refused"``)."""
 
 
@@ -139,7 +139,7 @@ def literal_kinds(root: Path = PACKAGE) -> list[str]:
             if isinstance(n, ast.Constant) and n.value in KINDS and id(n) not in docs:
                 problems.append(
                     f"trainguard/{rel}:{n.lineno}: the event kind {n.value!r} as a literal; "
-                    "use its constant in trainguard/core/event_kinds.py (add one there)"
+                    "use its constant in trainguard/core/contracts/event_kinds.py (add one there)"
                 )
     return problems
 
@@ -175,10 +175,10 @@ def test_the_scan_finds_a_literal_kind(tmp_path: Path) -> None:
 
 
 def test_derived_tuples_match_their_enums() -> None:
-    assert contract.ATTRIBUTION_CAUSES == tuple(c.value for c in Cause)
-    assert ROLE_NAMES == contract.ROLES
-    assert set(envvars.ROLE_URLS) == set(contract.ROLES)
-    assert set(envvars.ROLE_TOKENS) == set(contract.ROLES)
+    assert metrics.ATTRIBUTION_CAUSES == tuple(c.value for c in Cause)
+    assert ROLE_NAMES == metrics.ROLES
+    assert set(envvars.ROLE_URLS) == set(metrics.ROLES)
+    assert set(envvars.ROLE_TOKENS) == set(metrics.ROLES)
 
 
 def test_a_verdict_that_is_an_action_is_that_action() -> None:

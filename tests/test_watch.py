@@ -23,7 +23,7 @@ from tests.launch_utils import base_env
 from tests.procs import descendants, kill_tree
 from tests.services.alerting_services import Alertmanager, WebhookReceiver
 from trainguard.core.config.alerts import AlertsConfig
-from trainguard.core.rundir import RunDir
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.dashboards.alertmanager import AlertmanagerParams, alertmanager_document
 from trainguard.dashboards.watch import EXIT_LOST, Watcher, silence_for
 from trainguard.dashboards.yamlgen import dump

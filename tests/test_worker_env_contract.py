@@ -1,5 +1,5 @@
 """A worker's environment under ``trainguard run`` is torchrun's plus documented
-``TRAINGUARD_*`` names (:data:`trainguard.core.envvars.ALL`, listed in
+``TRAINGUARD_*`` names (:data:`trainguard.core.contracts.envvars.ALL`, listed in
 docs/reference/environment.md; a plugin's ``worker_env`` may declare no other), for every way
 torch starts a worker (``--start-method spawn`` / ``fork``, a ``--no-python`` program):
 trainguard's start-up hook leaves nothing behind, in the script nor in any Python it starts.
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.launch_utils import WORKERS, base_env, launch
-from trainguard.core import envvars, flight_recorder
+from trainguard.core import flight_recorder
+from trainguard.core.contracts import envvars
 from trainguard.recovery.plugin import ERROR_FILE_HOOK
 from trainguard.runtime.workerhook import HOOK_DIR
 

@@ -42,8 +42,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from trainguard.core import envvars
 from trainguard.core.config import ConfigError
+from trainguard.core.contracts import envvars
 
 __all__ = [
     "CHAOS_ENV",

@@ -24,10 +24,10 @@ from typing import Any
 
 from trainguard.chaos.procs import alive, descendants, lineage
 from trainguard.core.agentmark import MARK_FILE, holds_mark, mark_identity
-from trainguard.core.event_kinds import LAUNCH, RENDEZVOUS, WORKERS_STARTED
+from trainguard.core.contracts.event_kinds import LAUNCH, RENDEZVOUS, WORKERS_STARTED
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import node_name
 from trainguard.core.proctime import process_start_time
-from trainguard.core.rundir import RunDir
 
 __all__ = [
     "ChaosTargetError",

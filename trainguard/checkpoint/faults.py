@@ -20,7 +20,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-from trainguard.core import envvars
+from trainguard.core.contracts import envvars
 
 __all__ = ["FAULT_ENV", "Faults"]
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainguard.core.event_kinds import LAUNCH, WORKER_FAILED
+from trainguard.core.contracts.event_kinds import LAUNCH, WORKER_FAILED
 
 if TYPE_CHECKING:
     from trainguard.core.config.checkpoint import CheckpointConfig

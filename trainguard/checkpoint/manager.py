@@ -51,12 +51,12 @@ from trainguard.checkpoint.preemption import Preemption
 from trainguard.checkpoint.staging import SlotPool, rank_dir
 from trainguard.checkpoint.storage import ChecksummingFileSystem, storage_for
 from trainguard.checkpoint.supervisor import PersisterSupervisor
-from trainguard.core import envvars
 from trainguard.core.config import load_worker_section
 from trainguard.core.config.checkpoint import CheckpointConfig
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.failures import REQUEUE_EXIT_CODE
 from trainguard.core.handles import WorkerHandle
-from trainguard.core.rundir import RunDir
 
 __all__ = ["CheckpointManager", "MEMORY_DIR_ENV", "RollbackHook", "SaveResult"]
 

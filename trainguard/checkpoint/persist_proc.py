@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from trainguard.checkpoint.ownerlock import hold_owner_lock, orphaned
-from trainguard.core import envvars
+from trainguard.core.contracts import envvars
 
 if TYPE_CHECKING:
     from trainguard.core.config.checkpoint import CheckpointConfig

@@ -19,7 +19,7 @@ import signal
 import threading
 from typing import Any
 
-from trainguard.core import envvars
+from trainguard.core.contracts import envvars
 from trainguard.core.failures import REQUEUE_EXIT_CODE
 
 __all__ = ["Preemption"]

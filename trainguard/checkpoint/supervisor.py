@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainguard.checkpoint.consensus import Consensus
-from trainguard.core import envvars
 from trainguard.core.config.checkpoint import CheckpointConfig
+from trainguard.core.contracts import envvars
 
 if TYPE_CHECKING:
     from trainguard.checkpoint.persist_proc import PersisterProcess

@@ -25,7 +25,7 @@ from trainguard.chaos import ops as chaos_ops
 from trainguard.chaos import procs
 from trainguard.chaos.dcgm import DcgmExporter
 from trainguard.core.atomicfile import write_atomic
-from trainguard.core.rundir import RunDir
+from trainguard.core.contracts.rundir import RunDir
 
 __all__ = ["main"]
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from trainguard.core.atomicfile import make_dirs, owned_dir, write_atomic
-from trainguard.core.rundir import DumpDir, RunDir
+from trainguard.core.contracts.rundir import DumpDir, RunDir
 from trainguard.health.hangcollect import read_json, wait_for_files
 from trainguard.health.hangdiag import RankDump, analyse
 from trainguard.health.stacktext import aggregate_stacks

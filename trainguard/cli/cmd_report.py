@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard.core.rundir import RunDir
+from trainguard.core.contracts.rundir import RunDir
 
 
 def main(argv: list[str], *, prog: str = "trainguard report") -> int:

@@ -25,8 +25,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from trainguard.chaos.faults import CHAOS_ENV
-from trainguard.core import envvars
 from trainguard.core.config import ConfigError, load_config
+from trainguard.core.contracts import envvars
 from trainguard.core.procs import exit_now
 
 if TYPE_CHECKING:

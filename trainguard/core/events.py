@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core.atomicfile import make_dirs, open_append
-from trainguard.core.event_kinds import LAUNCH, STRAGGLER_SCORES
+from trainguard.core.contracts.event_kinds import LAUNCH, STRAGGLER_SCORES
 
 __all__ = [
     "MSG_STRAGGLER_SCORES",
@@ -41,7 +41,7 @@ EVENTS_FILE = "events.jsonl"
 Listener = Callable[[dict[str, Any]], None]
 
 # In-process bus messages (``EventLog.publish``; never written to the log) are registered in
-# trainguard.core.event_kinds with the events, so the plugin that publishes and the one that
+# trainguard.core.contracts.event_kinds with the events, so the plugin that publishes and the one that
 # listens need not know each other.
 MSG_STRAGGLER_SCORES = STRAGGLER_SCORES
 """health → telemetry: ``scores`` (global rank as str → score), ``stragglers`` (ranks)."""

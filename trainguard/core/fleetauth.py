@@ -38,8 +38,8 @@ from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
-from trainguard.core import envvars
-from trainguard.core.rundir import RunDir
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.rundir import RunDir
 
 __all__ = [
     "ANSWER_HEADER",

@@ -14,7 +14,7 @@ of the default group into the rank's *collective progress record* (same layout a
 ``tg.step()`` record, :mod:`trainguard.core.progress`): ``step`` = last completed sequence id,
 "in step" = a collective is in flight (enqueued, not completed), ``last_step_s`` = time between
 completions. The agent judges a rank that never calls ``tg.step()`` by this record. The same
-thread answers the agent's dump requests (a file, :meth:`trainguard.core.rundir.DumpDir.request`):
+thread answers the agent's dump requests (a file, :meth:`trainguard.core.contracts.rundir.DumpDir.request`):
 it writes the full flight-recorder trace and all threads' Python stacks of its process into the
 dump directory (``RunDir.hang`` or ``RunDir.debug``),
 never touching the (possibly stuck) collectives.
@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.core import envvars
 from trainguard.core.atomicfile import atomic_open, make_dirs, open_append, write_atomic
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.rundir import DumpDir, RunDir
 from trainguard.core.progress import ProgressWriter
-from trainguard.core.rundir import DumpDir, RunDir
 
 __all__ = [
     "FR_BUFFER_ENV",
@@ -307,7 +307,7 @@ class _Watcher:
 
 
 def dump_rank(directory: Path, rank: int) -> None:
-    """Answer a dump request in ``directory`` (a :class:`~trainguard.core.rundir.DumpDir`):
+    """Answer a dump request in ``directory`` (a :class:`~trainguard.core.contracts.rundir.DumpDir`):
     this process's stacks, then its flight-recorder trace (the file the asker waits for), each
     through an exclusive temporary file (never through a symlink planted at either name)."""
     d = DumpDir(directory)

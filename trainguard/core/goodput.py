@@ -35,14 +35,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.core.contract import LOSS_CAUSES
-from trainguard.core.event_kinds import (
+from trainguard.core.contracts.event_kinds import (
     JOB_FINISHED,
     RENDEZVOUS,
     SLURM_SCHEDULE,
     WORKER_FAILED,
     WORKER_GROUP_UNHEALTHY,
 )
+from trainguard.core.contracts.metrics import LOSS_CAUSES
 from trainguard.core.events import launch_time
 
 __all__ = ["Goodput", "GoodputTracker", "compute_goodput", "failures_by_attempt", "is_hang"]

@@ -19,7 +19,7 @@ normal way.
 
 from __future__ import annotations
 
-from trainguard.core import envvars
+from trainguard.core.contracts import envvars
 
 __all__ = [
     "FALLBACK_EXIT_CODE",

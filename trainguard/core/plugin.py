@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
+from trainguard.core.contracts.jobstate import JobState
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, EVICTED_EXIT_CODE
-from trainguard.core.jobstate import JobState
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -164,7 +164,7 @@ class AgentPlugin:
 
     def worker_env(self, ctx: AgentContext) -> Mapping[str, str]:
         """Variables this plugin's feature needs in every local worker's environment, asked
-        before each start of the workers: names from :mod:`trainguard.core.envvars` only (a
+        before each start of the workers: names from :mod:`trainguard.core.contracts.envvars` only (a
         worker's environment is torchrun's plus those). A name declared for one start and not
         the next is removed."""
         return {}

@@ -10,6 +10,7 @@ __all__ = [
     "PALETTE",
     "bar_breakdown",
     "heatmap",
+    "histogram",
     "line_chart",
     "nice_ticks",
     "state_lanes",
@@ -194,6 +195,47 @@ def bar_breakdown(
         if w > 60:
             out.append(f'<text x="{x + 4:.1f}" y="43" class="tg-seglabel">{escape(name)}</text>')
         x += w
+    out.append("</svg>")
+    return "".join(out)
+
+
+def histogram(
+    counts: Mapping[int, int], *, title: str, xlabel: str, limit: int | None = None,
+    width: int = 460,
+) -> str:  # fmt: skip
+    """Vertical bars, one per integer value (``counts``: value → how many); ``limit`` draws
+    a dashed line after that value (a bound the values must not pass)."""
+    lo = min([0, *counts])
+    hi = max([*counts, limit if limit is not None else 0, lo])
+    values = list(range(lo, hi + 1))
+    top = max(counts.values(), default=0) or 1
+    h, left, bottom, head = 200, 48, 34, 26
+    bw = (width - left - 8) / len(values)
+    plot_h = h - bottom - head
+    out = [
+        f'<svg class="tg-chart tg-histogram" xmlns="http://www.w3.org/2000/svg" width="{width}" '
+        f'height="{h}" viewBox="0 0 {width} {h}" role="img"><title>{escape(title)}</title>',
+        f'<text x="4" y="16" class="tg-title">{escape(title)}</text>',
+        f'<text x="4" y="{head + 10}" class="tg-axis">{top}</text>',
+        f'<text x="{width // 2}" y="{h - 4}" class="tg-axis">{escape(xlabel)}</text>',
+    ]
+    for i, v in enumerate(values):
+        n = counts.get(v, 0)
+        bh = plot_h * n / top
+        x = left + i * bw
+        out.append(
+            f'<rect x="{x + 1:.1f}" y="{head + plot_h - bh:.1f}" width="{max(bw - 2, 0.5):.1f}" '
+            f'height="{bh:.1f}" fill="{PALETTE[0]}" class="tg-bar" data-value="{v}" '
+            f'data-count="{n}"><title>{v}: {n}</title></rect>'
+            f'<text x="{x + bw / 2:.1f}" y="{h - bottom + 14}" class="tg-axis">{v}</text>'
+        )
+    if limit is not None and lo <= limit <= hi:
+        x = left + (limit - lo + 1) * bw
+        out.append(
+            f'<line x1="{x:.1f}" y1="{head}" x2="{x:.1f}" y2="{head + plot_h}" '
+            f'stroke="#d62728" stroke-dasharray="4 3" class="tg-limit"><title>bound {limit}'
+            "</title></line>"
+        )
     out.append("</svg>")
     return "".join(out)
 

@@ -20,7 +20,7 @@ from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models import prometheus as pm
 
-from trainguard.core.contract import ROLE_STATES
+from trainguard.core.contracts.metrics import ROLE_STATES
 from trainguard.dashboards.promql import dcgm, job_filter, tg, tg_suffix
 
 __all__ = ["JOB_UID", "FLEET_UID", "dashboards", "to_json", "validate"]

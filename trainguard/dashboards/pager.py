@@ -27,11 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core.config.alerts import AlertsConfig
-from trainguard.core.event_kinds import HANG_DETECTED, JOB_FINISHED, NODE_EXCLUDED, WORKERS_STARTED
+from trainguard.core.contracts.event_kinds import (
+    HANG_DETECTED,
+    JOB_FINISHED,
+    NODE_EXCLUDED,
+    WORKERS_STARTED,
+)
+from trainguard.core.contracts.jobstate import JobState
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import EventLog
-from trainguard.core.jobstate import JobState
 from trainguard.core.plugin import AgentPlugin
-from trainguard.core.rundir import RunDir
 from trainguard.core.urls import redact_url
 
 __all__ = ["Page", "Pager", "PagerPlugin", "http_post"]

@@ -1,6 +1,6 @@
 """PromQL building blocks: every metric name a dashboard or rule uses comes from here.
 
-trainguard metrics are looked up in the metric contract (:mod:`trainguard.core.contract`), so a
+trainguard metrics are looked up in the metric contract (:mod:`trainguard.core.contracts.metrics`), so a
 renamed or removed metric fails generation instead of producing an empty panel; GPU metrics
 must be in :data:`DCGM_METRICS` (dcgm-exporter's names, its default-counters.csv).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from trainguard.core.contract import by_name
+from trainguard.core.contracts.metrics import by_name
 
 __all__ = [
     "DCGM_METRICS",

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from trainguard.core import envvars
+from trainguard.core.contracts import envvars
 from trainguard.core.urls import redact_url
 
 __all__ = ["TOKEN_ENV", "PushError", "PushResult", "push_dashboards", "read_token"]

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from trainguard.core.contract import HUNG_MIN_HOLD_S
+from trainguard.core.contracts.metrics import HUNG_MIN_HOLD_S
 from trainguard.dashboards.promql import dcgm, tg
 
 __all__ = ["AlertRule", "RuleParams", "alert_rules", "render_annotation", "rules_document"]

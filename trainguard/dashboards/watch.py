@@ -39,11 +39,11 @@ from typing import Any
 
 from trainguard.core.atomicfile import make_dirs, write_atomic
 from trainguard.core.config.alerts import AlertsConfig
-from trainguard.core.event_kinds import JOB_FINISHED, LAUNCH
+from trainguard.core.contracts.event_kinds import JOB_FINISHED, LAUNCH
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.jsonl import JsonlTail
 from trainguard.core.plugin import AgentContext, AgentPlugin
 from trainguard.core.proctime import process_start_time
-from trainguard.core.rundir import RunDir
 from trainguard.dashboards.pager import Page, Pager
 
 __all__ = ["EXIT_LOST", "HeartbeatPlugin", "Watcher", "WatchVerdict", "silence_for"]

@@ -25,9 +25,9 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
-from trainguard.core.actions import Cause, HealthAction, Verdict
 from trainguard.core.config.fleet import FleetConfig
-from trainguard.core.event_kinds import (
+from trainguard.core.contracts.actions import Cause, HealthAction, Verdict
+from trainguard.core.contracts.event_kinds import (
     FAILURE_ATTRIBUTED,
     FLEET_RECORDS,
     HEALTH_UNHEALTHY,
@@ -37,9 +37,9 @@ from trainguard.core.event_kinds import (
     SNIFF_DEGRADED,
     SNIFF_RESULTS,
 )
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.jsonl import JsonlTail
 from trainguard.core.plugin import AgentContext, AgentPlugin, NodeEvictedError, NodeUnhealthyError
-from trainguard.core.rundir import RunDir
 from trainguard.fleet.db import FleetDB, FleetDBError, Record, open_db, safe_node_name
 from trainguard.fleet.lemons import lemon_status
 from trainguard.fleet.sniff import SniffJudge, fleet_baseline

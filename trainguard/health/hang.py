@@ -269,7 +269,7 @@ class HangDetector(AgentPlugin):
         pids = local_worker_pids(ctx, group)
         stacks: dict[int, dict[str, str]] = {}
         if self.cfg.hang_diagnosis:
-            from trainguard.core.rundir import RunDir
+            from trainguard.core.contracts.rundir import RunDir
             from trainguard.health.hangcollect import local_stacks
 
             self._diagnose(ctx, group, pids, frozen=set(v.ranks) if v.kind == "frozen" else set())

@@ -2,7 +2,7 @@
 
 On a hang verdict (or when another node's agent announces one in the rendezvous store) the
 agent asks its live workers for a dump through a request file in the attempt's dump directory
-(:meth:`trainguard.core.rundir.RunDir.hang`), which the workers' flight-recorder watcher polls
+(:meth:`trainguard.core.contracts.rundir.RunDir.hang`), which the workers' flight-recorder watcher polls
 (:mod:`trainguard.core.flight_recorder`): each writes its flight-recorder trace and all threads'
 stacks there. Frozen (stopped) ranks cannot answer: their stacks come from py-spy and their
 position from their last collective progress record. Each agent publishes a compact summary per
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainguard.core.atomicfile import make_dirs, write_atomic
+from trainguard.core.contracts.rundir import DumpDir, RunDir
 from trainguard.core.flight_recorder import CollectiveState
-from trainguard.core.rundir import DumpDir, RunDir
 from trainguard.health.hangdiag import Diagnosis, RankDump, analyse
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ def collect_and_analyse(
     rank of the job, analyse and write ``diagnosis.json``. ``ctx`` is the AgentContext."""
     import os
 
-    from trainguard.core import envvars
+    from trainguard.core.contracts import envvars
     from trainguard.health.stacks import dump_stacks
 
     deadline = time.monotonic() + timeout_s

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.plugin import AgentContext, AgentPlugin
-from trainguard.core.rundir import RunDir
 
 __all__ = ["health_plugins"]
 

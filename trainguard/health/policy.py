@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from trainguard.core.actions import HealthAction
 from trainguard.core.config.health import COUNTER_CHECKS, validate_policy_overrides
+from trainguard.core.contracts.actions import HealthAction
 from trainguard.health.result import Finding
 
 __all__ = ["COUNTER_CHECKS", "DEFAULT_COUNTER_POLICY", "DEFAULT_XID_POLICY", "Policy"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from trainguard.core.actions import HealthAction
+from trainguard.core.contracts.actions import HealthAction
 
 __all__ = [
     "Finding",

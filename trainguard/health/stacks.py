@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from trainguard.core.atomicfile import make_dirs, open_append, write_atomic
-from trainguard.core.rundir import RunDir
+from trainguard.core.contracts.rundir import RunDir
 
 __all__ = ["STACK_SIGNAL", "dump_stacks", "faulthandler_path", "register_stack_dump"]
 

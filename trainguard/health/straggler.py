@@ -38,10 +38,10 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config.health import HealthConfig
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import MSG_STRAGGLER_SCORES
 from trainguard.core.jsonl import JsonlTail
 from trainguard.core.plugin import AgentContext, AgentPlugin, NodeUnhealthyError
-from trainguard.core.rundir import RunDir
 
 __all__ = ["StragglerDetector", "StragglerScorer"]
 

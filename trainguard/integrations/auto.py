@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 def _resume() -> bool:
     """``[integrations] resume`` from the run's config.json (as every worker setting is read);
     the default where it cannot be read (never stops the script)."""
-    from trainguard.core import envvars
     from trainguard.core.config import worker_section_or_default
+    from trainguard.core.contracts import envvars
 
     return bool(worker_section_or_default(os.environ.get(envvars.RUN_DIR), "integrations").resume)
 

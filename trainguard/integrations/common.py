@@ -9,7 +9,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from trainguard.core.contract import METRICS
+from trainguard.core.contracts.metrics import METRICS
 from trainguard.core.handles import CheckpointHandle
 from trainguard.worker.api import RESERVED_LOG_KEYS, TrainGuard
 

@@ -17,10 +17,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.core.event_kinds import CHECKPOINT_COMMITTED, CHECKPOINT_RESTORED, JOB_FINISHED
+from trainguard.core.contracts.event_kinds import (
+    CHECKPOINT_COMMITTED,
+    CHECKPOINT_RESTORED,
+    JOB_FINISHED,
+)
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import launch_time, read_events
 from trainguard.core.goodput import GoodputTracker, failures_by_attempt
-from trainguard.core.rundir import RunDir
 from trainguard.plan.model import JobSpec, Tier, fit_rate
 
 __all__ = ["RunCosts", "read_run", "run_spec"]

@@ -36,7 +36,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainguard.core.actions import Cause, HealthAction, Verdict
+from trainguard.core.contracts.actions import Cause, HealthAction, Verdict
 from trainguard.core.errorfile import ExceptionSite, exception_site
 from trainguard.core.failures import FailureKind, WorkerFailure, peer_failure_text
 

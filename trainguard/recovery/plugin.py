@@ -28,8 +28,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainguard.core.actions import HealthAction
-from trainguard.core.event_kinds import (
+from trainguard.core.contracts.actions import HealthAction
+from trainguard.core.contracts.event_kinds import (
     FAILURE_ATTRIBUTED,
     HANG_KILLED,
     HEALTH_UNHEALTHY,
@@ -39,9 +39,9 @@ from trainguard.core.event_kinds import (
     NODE_REFUSED,
     RECOVERY_DECISION,
 )
+from trainguard.core.contracts.jobstate import JobState
 from trainguard.core.events import EVENTS_FILE
 from trainguard.core.fencing import NodeFencer, RecordOnlyFencer
-from trainguard.core.jobstate import JobState
 from trainguard.core.plugin import (
     AgentContext,
     AgentPlugin,

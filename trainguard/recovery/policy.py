@@ -28,8 +28,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from trainguard.core.actions import RecoveryAction
 from trainguard.core.config.recovery import RecoveryConfig
+from trainguard.core.contracts.actions import RecoveryAction
 from trainguard.core.failures import (
     DO_NOT_REQUEUE_EXIT_CODE,
     FailureKind,

@@ -7,7 +7,7 @@
   ``serving`` with a weight version within the staleness bound of the trainer's version
   (``policy_version - max_staleness <= version <= policy_version``);
 - parses every answer with the engine contract's one guarded parser
-  (:mod:`trainguard.core.engine_contract`): any answer that does not meet the contract (not
+  (:mod:`trainguard.core.contracts.engine`): any answer that does not meet the contract (not
   JSON, too large or too deep, a token id outside the vocabulary, a non-finite log-prob, an
   absurd field) is a ``malformed`` failure, never an exception out of :meth:`generate`; a
   health answer from another process than the one the role supervisor started on the port
@@ -30,7 +30,7 @@ recorded; :meth:`take_metrics` returns the figures of the last interval for ``tg
 ``events`` (e.g. ``tg.events.emit``) receives one ``rollout_failed`` event per failure.
 
 Engine states as the client sees them (:class:`EngineState`, the engine contract's
-:class:`~trainguard.core.engine_contract.ReplicaStatus`)::
+:class:`~trainguard.core.contracts.engine.ReplicaStatus`)::
 
     UNKNOWN → LOADING → SERVING ⇄ SUSPECT → DEAD → (restarted) LOADING → SERVING
                          SERVING ⇄ STALE (version outside the bound; back after a refit)
@@ -49,10 +49,10 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from trainguard.core import envvars
-from trainguard.core.engine_contract import Identity
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.engine import Identity
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.fleetauth import token_from_env
-from trainguard.core.rundir import RunDir
 from trainguard.rl.dispatch import Batch, BatchDispatcher, RolloutCounters, request_params
 from trainguard.rl.rollout_types import (
     FAILURE_REASONS,
@@ -104,7 +104,7 @@ def published_identities(run_dir: str | os.PathLike[str]) -> dict[str, Identity]
 
 def supervisor_identities() -> IdentitySource | None:
     """The incarnation the role supervisor published for each replica's URL, read from the
-    run directory (:func:`trainguard.core.envvars.run_dir`); None outside
+    run directory (:func:`trainguard.core.contracts.envvars.run_dir`); None outside
     a job."""
     run_dir = envvars.run_dir()
     if not run_dir:
@@ -230,7 +230,9 @@ class RolloutClient:
     ) -> list[list[Completion]]:
         """``n`` real completions for each prompt (outer list in prompt order), or
         :class:`RolloutError` after ``max_attempts`` failed attempts of one request or
-        ``batch_timeout_s``. An HTTP 4xx (the request itself is bad) raises at once.
+        ``batch_timeout_s``. An HTTP 4xx (the request itself is bad) raises at once. With
+        ``drop_failed_groups``, the prompts of a request out of attempts get no completion
+        (an empty group) and the batch goes on.
 
         ``seed``: reproducible sampling (:mod:`trainguard.rl.sampling`): one seed per prompt
         (e.g. :func:`~trainguard.rl.sampling.prompt_seed` of the run's seed, the epoch and

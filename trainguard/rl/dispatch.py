@@ -14,15 +14,15 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from trainguard.core.engine_contract import (
+from trainguard.core.contracts.engine import (
     COMPLETIONS_PATH,
     MALFORMED,
     MalformedAnswer,
     identity_mismatch,
     parse_completion,
 )
-from trainguard.core.engine_contract import Identity as _Identity
-from trainguard.core.event_kinds import ROLLOUT_FAILED
+from trainguard.core.contracts.engine import Identity as _Identity
+from trainguard.core.contracts.event_kinds import ROLLOUT_FAILED
 from trainguard.rl.rollout_types import Completion, RolloutConfig, RolloutError
 from trainguard.rl.routing import EngineRecord, EngineTable, RequestFailure
 from trainguard.rl.sampling import request_seed
@@ -241,6 +241,10 @@ class BatchDispatcher:
         if reason == "http_4xx":
             raise RolloutError(f"an engine refused the request as invalid: {detail}")
         if chunk.attempts >= self.config.max_attempts:
+            if self.config.drop_failed_groups and reason != "unauthorized":
+                for i in chunk.indices:  # no member: the caller drops these groups whole
+                    batch.results[i] = []
+                return
             raise RolloutError(
                 f"prompts {chunk.indices[0]}..{chunk.indices[-1]}: no real generation after "
                 f"{chunk.attempts} attempts ({'; '.join(chunk.reasons)})"

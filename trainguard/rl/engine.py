@@ -12,7 +12,7 @@ The engine contract
 -------------------
 What the launcher and :class:`trainguard.rl.RolloutClient` expect of any engine (this one, or
 an adapter in front of vLLM or SGLang); the statuses, endpoints, answer schemas and parsers are
-:mod:`trainguard.core.engine_contract`, the HTTP server :mod:`trainguard.core.jsonhttp`:
+:mod:`trainguard.core.contracts.engine`, the HTTP server :mod:`trainguard.core.jsonhttp`:
 
 ``GET /health``
     200 ``{"status": "starting"|"loading"|"serving"|"standby"|"quarantined",
@@ -103,8 +103,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.core import envvars
-from trainguard.core.engine_contract import (
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.engine import (
     COMPLETIONS_PATH,
     HEALTH_PATH,
     MODELS_PATH,
@@ -116,7 +116,7 @@ from trainguard.core.engine_contract import (
     own_identity,
     weight_update_version,
 )
-from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.core.contracts.engine import ReplicaStatus as S
 from trainguard.core.fleetauth import Authenticator
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
 from trainguard.rl.sampling import SEED_MAX, SeededSampler, request_seed, sample_seed
@@ -784,8 +784,9 @@ def _await_promotion(engine: Engine, promote: Path) -> JSONServer:
     threading.Thread(target=own.serve_forever, name="engine-standby", daemon=True).start()
     logger.info("engine: standby, health on port %d", own.server_address[1])
     engine.build()
-    engine.status = S.STANDBY
+    # its own readiness record first, then the claim: no answer says standby before the log
     logger.info("engine: standby ready; waiting for %s", promote)
+    engine.status = S.STANDBY
     while True:
         try:
             order = json.loads(promote.read_text())

@@ -38,8 +38,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
-from trainguard.core import envvars, jsonhttp
-from trainguard.core.engine_contract import (
+from trainguard.core import jsonhttp
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.engine import (
     HEALTH_PATH,
     MALFORMED,
     MAX_ANSWER_BYTES,
@@ -51,7 +52,7 @@ from trainguard.core.engine_contract import (
     own_identity,
     parse_rewards,
 )
-from trainguard.core.event_kinds import REWARD_FAILED
+from trainguard.core.contracts.event_kinds import REWARD_FAILED
 from trainguard.core.fleetauth import Authenticator, token_from_env
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
 from trainguard.rl.client import REWARD_URLS_ENV, urls_from_env

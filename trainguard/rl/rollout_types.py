@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from trainguard.core import envvars
-from trainguard.core.contract import ROLLOUT_FAILURE_REASONS
-from trainguard.core.engine_contract import ReplicaStatus
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.engine import ReplicaStatus
+from trainguard.core.contracts.metrics import ROLLOUT_FAILURE_REASONS
 
 __all__ = [
     "FAILURE_REASONS",
@@ -24,11 +24,11 @@ ROLLOUT_URLS_ENV = envvars.ROLLOUT_URLS
 REWARD_URLS_ENV = envvars.REWARD_URLS
 
 FAILURE_REASONS = ROLLOUT_FAILURE_REASONS
-"""Why a rollout request failed (see :data:`trainguard.core.contract.ROLLOUT_FAILURE_REASONS`)."""
+"""Why a rollout request failed (see :data:`trainguard.core.contracts.metrics.ROLLOUT_FAILURE_REASONS`)."""
 
 EngineState = ReplicaStatus
 """An engine's state as the client sees it: the contract's one vocabulary
-(:data:`trainguard.core.engine_contract.CLIENT_STATES` are the ones the client uses)."""
+(:data:`trainguard.core.contracts.engine.CLIENT_STATES` are the ones the client uses)."""
 
 
 class RolloutError(RuntimeError):
@@ -69,6 +69,10 @@ class RolloutConfig:
     """Sync timeout = max(min, factor × median of the measured sync times)."""
     refit_attempts: int = 3
     """Refits of an engine whose refit failed its check (quarantined) within one sync."""
+    drop_failed_groups: bool = False
+    """A request out of attempts leaves its prompts without completions (empty groups, for
+    the caller to drop whole: :func:`trainguard.rl.groups.settle`) instead of failing the
+    batch; an invalid request (HTTP 4xx) or a refused signature still raises."""
     vocab_size: int | None = None
     """The policy's vocabulary size: a token id outside ``0..vocab_size-1`` makes an answer
     malformed (None: the engine's reported ``vocab_size``, else any id below 2**31)."""

@@ -39,8 +39,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from trainguard.core import envvars
-from trainguard.core.engine_contract import (
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.engine import (
     COMPLETIONS_PATH,
     HEALTH_PATH,
     MALFORMED,
@@ -49,9 +49,9 @@ from trainguard.core.engine_contract import (
     MalformedAnswer,
     parse_completion,
 )
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.fleetauth import Authenticator
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
-from trainguard.core.rundir import RunDir
 from trainguard.rl.rollout_types import RolloutConfig, urls_from_env
 from trainguard.rl.routing import EngineRecord, EngineTable, RequestFailure
 

@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from trainguard.core import jsonhttp
-from trainguard.core.engine_contract import (
+from trainguard.core.contracts.engine import (
     HEALTH_PATH,
     MALFORMED,
     MAX_ANSWER_BYTES,

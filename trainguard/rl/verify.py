@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from trainguard.core.engine_contract import MalformedAnswer, parse_prompt_logprobs
+from trainguard.core.contracts.engine import MalformedAnswer, parse_prompt_logprobs
 
 __all__ = ["DEFAULT_TOLERANCE", "compare", "fingerprint", "fingerprint_request"]
 
@@ -73,7 +73,7 @@ def fingerprint_request(fp: dict[str, Any]) -> dict[str, Any]:
 
 def compare(fp: dict[str, Any], answer: Any, version: int) -> tuple[str | None, float]:
     """``(None, max |Δ|)`` when the engine's answer (parsed by the engine contract's
-    :func:`~trainguard.core.engine_contract.parse_prompt_logprobs`) matches the fingerprint
+    :func:`~trainguard.core.contracts.engine.parse_prompt_logprobs`) matches the fingerprint
     of ``version`` within its tolerance, else ``(what differed, max |Δ|)``."""
     texts = fp["texts"]
     try:

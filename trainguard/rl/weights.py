@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard.core import envvars
 from trainguard.core.atomicfile import atomic_open, write_atomic
+from trainguard.core.contracts import envvars
 
 __all__ = ["POINTER", "PublishedVersion", "WeightDigestError", "WeightStore", "default_weight_dir"]
 
@@ -38,7 +38,7 @@ POINTER = "current.json"
 
 def default_weight_dir(run_dir: str | os.PathLike[str] | None = None) -> Path:
     """``RUN_DIR/rl/weights``: ``run_dir``, else ``TRAINGUARD_RUN_DIR`` (set for roles), else
-    the agent's run directory (:data:`trainguard.core.envvars.RUN_DIR`, set for trainer
+    the agent's run directory (:data:`trainguard.core.contracts.envvars.RUN_DIR`, set for trainer
     workers). ValueError when none is known."""
     root = run_dir or os.environ.get(envvars.ROLE_RUN_DIR) or os.environ.get(envvars.RUN_DIR)
     if not root:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from trainguard.core.engine_contract import (
+from trainguard.core.contracts.engine import (
     COMPLETIONS_PATH,
     QUARANTINE_PATH,
     VERIFIED_PATH,
@@ -27,7 +27,7 @@ from trainguard.core.engine_contract import (
     MalformedAnswer,
     parse_weight_update,
 )
-from trainguard.core.event_kinds import ROLLOUT_ENGINE_QUARANTINED, ROLLOUT_REFIT_VERIFIED
+from trainguard.core.contracts.event_kinds import ROLLOUT_ENGINE_QUARANTINED, ROLLOUT_REFIT_VERIFIED
 from trainguard.rl.rollout_types import EngineState, RolloutConfig, SyncResult
 from trainguard.rl.routing import EngineRecord, EngineTable, RequestFailure
 from trainguard.rl.verify import compare, fingerprint_request
@@ -35,6 +35,10 @@ from trainguard.rl.verify import compare, fingerprint_request
 __all__ = ["WeightSync"]
 
 logger = logging.getLogger(__name__)
+
+_SETTLE_S = 0.05
+"""Of a sync's timeout, kept for marking the engines and returning: the call returns within
+its timeout, whatever the engines do (a dead or frozen one is waited for no longer)."""
 
 
 class WeightSync:
@@ -71,9 +75,13 @@ class WeightSync:
         return parse_weight_update(raw).version
 
     def sync(self, version: int, *, rewrite: Callable[[], object] | None = None) -> SyncResult:
+        """Push ``version``; returns within :meth:`timeout_s` (the checks of a verified
+        refit included: an engine not confirmed and checked by then is refit later)."""
+        t_call = time.perf_counter()
         table = self.table
         table.set_policy_version(version)
         timeout = self.timeout_s()
+        deadline = t_call + timeout - _SETTLE_S
         with table.lock:
             targets = [
                 e
@@ -83,7 +91,7 @@ class WeightSync:
         body: dict[str, Any] = {"version": version}  # a version of the store, never a path
         t0 = time.perf_counter()
         futs = {self.pool.submit(self._update, e, body, timeout): e for e in targets}
-        done, _ = wait(list(futs), timeout=timeout)
+        done, _ = wait(list(futs), timeout=max(0.0, deadline - time.perf_counter()))
         confirmed, missed = [], []
         failed: dict[str, str] = {}
         with table.lock:
@@ -114,7 +122,7 @@ class WeightSync:
             table.lock.notify_all()
         if self.fingerprints is not None:
             confirmed, missed = self._verify_refits(
-                version, body, confirmed, missed, timeout, failed, rewrite
+                version, body, confirmed, missed, deadline, failed, rewrite
             )
         dt = time.perf_counter() - t0
         if confirmed and not missed:
@@ -129,18 +137,21 @@ class WeightSync:
         return SyncResult(version, dt, timeout, confirmed, missed)
 
     # -- refit checks ------------------------------------------------------------------------
-    def check_refit(self, eng: EngineRecord, version: int) -> str | None:
+    def check_refit(
+        self, eng: EngineRecord, version: int, timeout: float | None = None
+    ) -> str | None:
         """Check that ``eng`` holds ``version`` (its answers against the trainer's
         fingerprint): verified → routable; otherwise quarantined. None when verified (or
         the version has no fingerprint: the engine's digest check only), else what differed
-        or why it could not be checked (then it is checked again later)."""
+        or why it could not be checked (then it is checked again later). ``timeout``: for
+        each of its requests (default: the request timeout)."""
         table = self.table
         with table.lock:
             if eng.checking:
                 return "another check of it is under way"
             eng.checking = True
         try:
-            why, worst = self._check(eng, version)
+            why, worst = self._check(eng, version, timeout)
         finally:
             with table.lock:
                 eng.checking = False
@@ -149,7 +160,7 @@ class WeightSync:
                 self.quarantine(eng, version, why)
             return why
         try:
-            table.call(eng, "POST", VERIFIED_PATH, {"version": version}, 5.0)
+            table.call(eng, "POST", VERIFIED_PATH, {"version": version}, min(5.0, timeout or 5.0))
         except RequestFailure as f:
             return f"not checked: the engine did not take the verdict ({f})"
         with table.lock:
@@ -164,7 +175,9 @@ class WeightSync:
                          max_logprob_diff=worst, verified=self.verified[eng.url])  # fmt: skip
         return None
 
-    def _check(self, eng: EngineRecord, version: int) -> tuple[str | None, float | None]:
+    def _check(
+        self, eng: EngineRecord, version: int, timeout: float | None
+    ) -> tuple[str | None, float | None]:
         assert self.fingerprints is not None
         try:
             fp = self.fingerprints(version)
@@ -175,7 +188,7 @@ class WeightSync:
         try:
             raw = self.table.call(
                 eng, "POST", COMPLETIONS_PATH, fingerprint_request(fp),
-                self.config.request_timeout_s,
+                timeout or self.config.request_timeout_s,
             )  # fmt: skip
         except RequestFailure as f:
             return f"not checked: the check request failed ({f})", None
@@ -205,21 +218,33 @@ class WeightSync:
         body: dict[str, Any],
         confirmed: list[str],
         missed: list[str],
-        timeout: float,
+        deadline: float,
         failed: dict[str, str],
         rewrite: Callable[[], object] | None,
     ) -> tuple[list[str], list[str]]:
         """Check every engine that confirmed ``version``; quarantine those whose update
         failed; refit again (up to ``refit_attempts`` in all) the quarantined ones: only
-        checked engines are routed."""
+        checked engines are routed. Nothing waits past ``deadline`` (an engine not checked
+        by then is checked by the health loop once it reports the version)."""
         engines = self.table.engines
         ok, todo = [], list(confirmed)
         for url, why in failed.items():
             self.quarantine(engines[url], version, f"the refit failed: {why}")
         redo = list(failed)
+
+        def left() -> float:
+            return deadline - time.perf_counter()
+
         for attempt in range(self.config.refit_attempts):
+            if left() <= 0:
+                break
             checked = [engines[u] for u in todo]
-            verdicts = list(self.pool.map(lambda e: self.check_refit(e, version), checked))
+            futs = [self.pool.submit(self.check_refit, e, version, left()) for e in checked]
+            done, _ = wait(futs, timeout=max(0.0, left()))
+            verdicts = [
+                f.result() if f in done else "not checked: the sync's timeout came first"
+                for f in futs
+            ]
             ok += [e.url for e, why in zip(checked, verdicts, strict=True) if why is None]
             redo += [e.url for e, why in zip(checked, verdicts, strict=True) if why is not None]
             if not redo or attempt + 1 == self.config.refit_attempts:
@@ -229,7 +254,12 @@ class WeightSync:
             ):
                 rewrite()  # the file was changed after it was written: write it again
                 rewrite = None
-            again = list(self.pool.map(lambda u: self._refit(engines[u], body, timeout), redo))
+            if left() <= 0:
+                break
+            refits = [self.pool.submit(self._refit, engines[u], body, left()) for u in redo]
+            done, _ = wait(refits, timeout=max(0.0, left()))
+            again = [f.result() if f in done else "no answer within the sync's timeout"
+                     for f in refits]  # fmt: skip
             failed = {u: why for u, why in zip(redo, again, strict=True) if why is not None}
             for url, why in failed.items():
                 self.quarantine(engines[url], version, f"the refit failed again: {why}")

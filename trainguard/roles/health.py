@@ -1,5 +1,5 @@
 """Whose answer a health probe got (the probe itself is the engine contract's one probe,
-:func:`trainguard.core.engine_contract.probe_health`).
+:func:`trainguard.core.contracts.engine.probe_health`).
 
 A replica's health answer names the process that gave it: ``pid`` (its own) and
 ``incarnation`` (the nonce the supervisor gave that start in ``TRAINGUARD_ROLE_INCARNATION``).
@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import os
 
-from trainguard.core.engine_contract import Probe, probe_health
+from trainguard.core.contracts.engine import Probe, probe_health
 
 __all__ = ["Probe", "Whose", "identity", "probe_health", "whose"]
 

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from trainguard.core.config.roles import RolesConfig, RoleSpec
-from trainguard.core.engine_contract import ReplicaStatus as S
-from trainguard.core.rundir import RunDir
+from trainguard.core.contracts.engine import ReplicaStatus as S
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.roles.health import Probe
 from trainguard.roles.state import ReplicaState, StandbyState
 

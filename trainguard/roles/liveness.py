@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.core.contracts.engine import ReplicaStatus as S
 from trainguard.roles.health import Probe, Whose, identity, whose
 from trainguard.roles.procs import progress
 

@@ -3,7 +3,7 @@
 A role with ``nodes = K`` runs on K nodes of its own (the batch script allocates them besides
 the trainer's and starts this agent there, one per node, in a step of its own). Every node
 derives the same placement from ``TRAINGUARD_SBATCH_ROLE_NODES``
-(:func:`trainguard.core.config.roles.place_roles`): the trainer's agents give their workers the
+(:func:`trainguard.roles.placement.place_roles`): the trainer's agents give their workers the
 URLs, this agent starts and supervises the replicas placed on its node with the same
 :class:`RoleSupervisor` as beside a trainer (own restart budget, own events, warm standbys).
 It takes no part in the trainer's rendezvous: an engine's death, or this agent's, never
@@ -26,10 +26,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
-from trainguard.core import envvars
 from trainguard.core.atomicfile import write_atomic
-from trainguard.core.config.roles import RolesConfig, parse_role_nodes, place_roles
+from trainguard.core.config.roles import RolesConfig
+from trainguard.core.contracts import envvars
 from trainguard.core.events import EventLog
+from trainguard.roles.placement import place_roles
 from trainguard.roles.supervisor import RoleSupervisor
 
 __all__ = ["run_role_node"]
@@ -51,7 +52,7 @@ def run_role_node(
     def line(text: str) -> None:
         print(f"trainguard roles: {text}", file=sys.stderr, flush=True)
 
-    nodes = parse_role_nodes(env.get(envvars.SBATCH_ROLE_NODES, ""))
+    nodes = envvars.parse_role_nodes(env.get(envvars.SBATCH_ROLE_NODES, ""))
     specs = [s for s in cfg.specs() if s.nodes]
     try:
         placement = place_roles(specs, nodes)

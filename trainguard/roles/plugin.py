@@ -25,11 +25,11 @@ from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
-from trainguard.core import envvars
-from trainguard.core.config.roles import parse_role_nodes, place_roles
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.jobstate import JobState
 from trainguard.core.fleetauth import job_secret, role_token
-from trainguard.core.jobstate import JobState
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin
+from trainguard.roles.placement import place_roles
 from trainguard.roles.router import RouterProcess
 from trainguard.roles.supervisor import RoleSupervisor
 
@@ -66,7 +66,7 @@ class RolesPlugin(AgentPlugin):
         remote = [s for s in ctx.config.roles.specs() if s.nodes]
         if remote:
             # the launcher refused nodes = K outside a trainguard sbatch job
-            nodes = parse_role_nodes(env.get(envvars.SBATCH_ROLE_NODES, ""))
+            nodes = envvars.parse_role_nodes(env.get(envvars.SBATCH_ROLE_NODES, ""))
             for role, placed in place_roles(remote, nodes).items():
                 self.remote_env[envvars.ROLE_URLS[role]] = ",".join(p.url for p in placed)
             failed = env.get(envvars.SBATCH_ROLES_FAILED)

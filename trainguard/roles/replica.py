@@ -26,8 +26,8 @@ import subprocess
 import time
 
 from trainguard.core.config.roles import RoleSpec
-from trainguard.core.engine_contract import READY_STATUSES
-from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.core.contracts.engine import READY_STATUSES
+from trainguard.core.contracts.engine import ReplicaStatus as S
 from trainguard.roles.health import identity
 from trainguard.roles.host import SupervisorHost
 from trainguard.roles.liveness import Incarnation

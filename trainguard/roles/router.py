@@ -25,10 +25,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainguard.core import envvars
 from trainguard.core.atomicfile import make_dirs, open_append
 from trainguard.core.config.roles import RolesConfig
-from trainguard.core.rundir import RunDir
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.rundir import RunDir
 
 __all__ = ["RouterProcess", "check_router_port"]
 

@@ -21,10 +21,10 @@ import logging
 import subprocess
 import time
 
-from trainguard.core import envvars
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config.roles import RoleSpec
-from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.engine import ReplicaStatus as S
 from trainguard.roles.host import SupervisorHost
 from trainguard.roles.liveness import Incarnation
 from trainguard.roles.procs import new_incarnation, reap, renice, spawn

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core.config.roles import RoleSpec
-from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.core.contracts.engine import ReplicaStatus as S
 
 __all__ = ["ReplicaState", "StandbyState"]
 

@@ -30,11 +30,11 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from trainguard.core import envvars
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config.roles import RolesConfig, RoleSpec
-from trainguard.core.engine_contract import ReplicaStatus as S
-from trainguard.core.event_kinds import (
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.engine import ReplicaStatus as S
+from trainguard.core.contracts.event_kinds import (
     ROLE_PORT_TAKEN,
     ROLE_REPLICA_FAILED,
     ROLE_REPLICA_RETIRED,
@@ -43,9 +43,9 @@ from trainguard.core.event_kinds import (
     ROLE_RESTART_BUDGET_EXHAUSTED,
     ROLE_STANDBY_STATE,
 )
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import EventLog
 from trainguard.core.fleetauth import job_secret, role_token
-from trainguard.core.rundir import RunDir
 from trainguard.roles.health import Probe, probe_health
 from trainguard.roles.procs import free_port, kill_group
 from trainguard.roles.replica import READY_STATUSES, ReplicaLoop
@@ -98,7 +98,7 @@ class RoleSupervisor:
         self.events = events
         self._env = dict(os.environ if env is None else env)
         """The environment the replicas start from: the agent's before it prepared its workers'
-        (never the workers' hooks or the agent→worker names of :mod:`trainguard.core.envvars`)."""
+        (never the workers' hooks or the agent→worker names of :mod:`trainguard.core.contracts.envvars`)."""
         for var in list(self._env):
             if var.startswith(envvars.PREFIX) or var in _TOKEN_VARS:
                 del self._env[var]

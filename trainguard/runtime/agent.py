@@ -14,9 +14,11 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from trainguard.core import envvars, flight_recorder
+from trainguard.core import flight_recorder
 from trainguard.core.atomicfile import open_append
 from trainguard.core.config import TrainGuardConfig
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.errorfile import exception_site
 from trainguard.core.events import EventLog
 from trainguard.core.failures import (
@@ -30,7 +32,6 @@ from trainguard.core.failures import (
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin, NodeUnhealthyError
 from trainguard.core.procs import kill_ranks
 from trainguard.core.progress import ProgressReader, ProgressSnapshot
-from trainguard.core.rundir import RunDir
 from trainguard.runtime import _torch, workerhook
 from trainguard.runtime.inprocess import InProcessRestarter
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
@@ -281,7 +282,7 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
 
     def _install_worker_hooks(self) -> None:
         """What the plugins declared their workers need: variables (``worker_env``, names from
-        :mod:`trainguard.core.envvars`) and start-up hook entries (``worker_hooks``). The
+        :mod:`trainguard.core.contracts.envvars`) and start-up hook entries (``worker_hooks``). The
         entries reach a worker started as ``python ...`` through trainguard's start-up hook,
         first on its ``PYTHONPATH`` (:mod:`trainguard.runtime.workerhook`, which takes itself off
         again): a ``--no-python`` program gets neither the hook nor the entries, so its
@@ -293,7 +294,9 @@ class TrainGuardAgent(_torch.ElasticAgentBase):
                 declared = dict(p.worker_env(self.ctx))
                 unknown = sorted(set(declared) - set(envvars.ALL))
                 if unknown:
-                    raise ValueError(f"worker_env names {unknown} not in trainguard.core.envvars")
+                    raise ValueError(
+                        f"worker_env names {unknown} not in trainguard.core.contracts.envvars"
+                    )
                 hooks = [workerhook.check_entry(e) for e in p.worker_hooks(self.ctx)]
             except Exception:
                 self.num_plugin_errors += 1

@@ -37,7 +37,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from trainguard.core.config import TrainGuardConfig
-from trainguard.core.event_kinds import HANG_KILLED, HEALTH_UNHEALTHY
+from trainguard.core.contracts.event_kinds import HANG_KILLED, HEALTH_UNHEALTHY
 from trainguard.core.events import EventLog
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.inprocess import (

@@ -35,13 +35,13 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 
 from trainguard.chaos import faults as chaos
-from trainguard.core import envvars
 from trainguard.core.agentmark import hold_mark, release_mark
 from trainguard.core.atomicfile import make_dirs
 from trainguard.core.config import ConfigError, TrainGuardConfig, load_config, write_effective
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.jobstate import JobState
 from trainguard.core.events import EventLog
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
-from trainguard.core.jobstate import JobState
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin
 from trainguard.core.proctime import process_start_time
 from trainguard.core.timeouts import contradictions, timeout_chain

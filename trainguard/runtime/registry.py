@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from trainguard.core import envvars
 from trainguard.core.config import TrainGuardConfig
+from trainguard.core.contracts import envvars
 from trainguard.core.events import EventLog
 from trainguard.core.fencing import NodeFencer, RecordOnlyFencer
 from trainguard.core.plugin import AgentContext, AgentPlugin, WorkerHooksPlugin

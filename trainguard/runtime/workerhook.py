@@ -10,13 +10,13 @@
 2. takes the hook's directory off ``PYTHONPATH`` (the script and every process it starts see
    torchrun's environment, not trainguard's hook);
 3. calls the ``module:function`` entries the agent's plugins registered
-   (:data:`trainguard.core.envvars.WORKER_HOOKS`, removed from the environment first), in
+   (:data:`trainguard.core.contracts.envvars.WORKER_HOOKS`, removed from the environment first), in
    order; an entry that fails prints one line and the script runs anyway;
 4. runs the user's own ``sitecustomize``, which this hook shadowed, as ``site`` would have.
 
 It names no feature: the collective watcher, the framework integrations, ... are entries a
 plugin declared (:meth:`trainguard.core.plugin.AgentPlugin.worker_hooks`). Standard library and
-:mod:`trainguard.core.envvars` only (an import-linter contract keeps it so): it runs in every
+:mod:`trainguard.core.contracts.envvars` only (an import-linter contract keeps it so): it runs in every
 worker before the script, so it must import nothing heavy.
 """
 
@@ -30,7 +30,7 @@ import struct
 import sys
 from collections.abc import Iterable
 
-from trainguard.core import envvars
+from trainguard.core.contracts import envvars
 
 __all__ = ["HOOK_DIR", "check_entry", "main", "parse_entries", "run_entries"]
 
@@ -51,7 +51,7 @@ def check_entry(entry: str) -> str:
 
 
 def parse_entries(value: str | None) -> list[str]:
-    """The entries of a :data:`~trainguard.core.envvars.WORKER_HOOKS` value."""
+    """The entries of a :data:`~trainguard.core.contracts.envvars.WORKER_HOOKS` value."""
     return [e.strip() for e in (value or "").split(",") if e.strip()]
 
 

@@ -52,9 +52,9 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 
-from trainguard.core import envvars
 from trainguard.core.config.slurm import SlurmConfig
-from trainguard.core.rundir import RunDir
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.rundir import RunDir
 
 __all__ = ["BatchRequest", "TIME_FORMAT_HELP", "valid_time"]
 
@@ -68,13 +68,13 @@ _SAFE_SBATCH = re.compile(r"\A--?[A-Za-z][A-Za-z0-9-]*(=[^\n\r]*)?\Z")
 _BATCH_RUN_DIR = RunDir("$RUN_DIR")
 """The run directory as the batch script names it (its paths, for the script's text)."""
 
-# The batch script's variables (trainguard.core.envvars spells them; these names are kept).
+# The batch script's variables (trainguard.core.contracts.envvars spells them; these names are kept).
 CHAIN_ENV = envvars.SBATCH_CHAIN_ID
 RESUBMITS_ENV = envvars.SBATCH_RESUBMITS
 RUN_DIR_ENV = envvars.RUN_DIR
 """The chain's run directory (holds ``job.sbatch``, the events and the batch beacon): the run
 directory's one variable (a chain started before exported ``TRAINGUARD_SBATCH_RUN_DIR``, still
-read by :func:`trainguard.core.envvars.run_dir`)."""
+read by :func:`trainguard.core.contracts.envvars.run_dir`)."""
 BATCH_HOST_ENV = envvars.SBATCH_BATCH_HOST
 BEACON_ENV = envvars.SBATCH_BATCH_BEACON
 CONFIG_ENV = envvars.SBATCH_CONFIG

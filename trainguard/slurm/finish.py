@@ -26,14 +26,13 @@ from enum import Enum
 from typing import Any
 
 from trainguard.chaos.faults import CHAOS_ENV
-from trainguard.core import envvars
-from trainguard.core.config.roles import parse_role_nodes
 from trainguard.core.config.slurm import SlurmConfig
-from trainguard.core.event_kinds import JOB_FINISHED, NODE_DRAINED
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.event_kinds import JOB_FINISHED, NODE_DRAINED
+from trainguard.core.contracts.jobstate import JobState
 from trainguard.core.events import EventLog, read_events
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.fencing import NodeFencer
-from trainguard.core.jobstate import JobState
 from trainguard.slurm.batch import CHAIN_ENV, RESUBMITS_ENV
 from trainguard.slurm.cli import SlurmCli, SlurmError
 from trainguard.slurm.fencer import SlurmFencer
@@ -159,7 +158,7 @@ def finish(
     events = list(read_events(run_dir))
     allocation = slurm.hostnames(env.get("SLURM_JOB_NODELIST", ""))
     # the roles' own nodes run no trainer agent (no job_finished of theirs): not lost for that
-    role_nodes = {n for n, _ in parse_role_nodes(env.get(envvars.SBATCH_ROLE_NODES, ""))}
+    role_nodes = {n for n, _ in envvars.parse_role_nodes(env.get(envvars.SBATCH_ROLE_NODES, ""))}
     allocation = [n for n in allocation if n not in role_nodes]
     try:
         unusable = [n.name for n in slurm.nodes(allocation) if n.unusable] if allocation else []

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.core.event_kinds import CHECKPOINT_COMMITTED, LAUNCH, RENDEZVOUS, RESTART
+from trainguard.core.contracts.event_kinds import CHECKPOINT_COMMITTED, LAUNCH, RENDEZVOUS, RESTART
 from trainguard.core.events import read_events
 from trainguard.slurm.cli import SlurmCli, SlurmError
 from trainguard.slurm.fencer import REASON_PREFIX

@@ -1,6 +1,6 @@
 """trainguard.telemetry: metrics, traces, goodput and the HTML report.
 
-- :mod:`~trainguard.core.contract`: the metric contract (names, units, descriptions,
+- :mod:`~trainguard.core.contracts.metrics`: the metric contract (names, units, descriptions,
   Prometheus names) shared with dashboards, alert rules and the report;
 - :mod:`~trainguard.telemetry.spans`: worker-side spans as JSON records (``tg.span``);
 - :mod:`~trainguard.telemetry.plugin`: the node agent's plugin (JSONL, ``/metrics``, OTLP);
@@ -12,6 +12,12 @@ Importing this package is cheap: the OpenTelemetry SDK loads only in the agent's
 
 from __future__ import annotations
 
-from trainguard.core.contract import LOSS_CAUSES, METRICS, MetricSpec, by_name, prometheus_name
+from trainguard.core.contracts.metrics import (
+    LOSS_CAUSES,
+    METRICS,
+    MetricSpec,
+    by_name,
+    prometheus_name,
+)
 
 __all__ = ["LOSS_CAUSES", "METRICS", "MetricSpec", "by_name", "prometheus_name"]

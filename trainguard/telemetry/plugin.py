@@ -16,15 +16,15 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from trainguard.core import envvars
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config.telemetry import TelemetryConfig
-from trainguard.core.event_kinds import SLURM_SCHEDULE, SNIFF_RESULTS
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.event_kinds import SLURM_SCHEDULE, SNIFF_RESULTS
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import MSG_STRAGGLER_SCORES
 from trainguard.core.goodput import GoodputTracker
 from trainguard.core.jsonl import JsonlTail
 from trainguard.core.plugin import AgentContext, AgentPlugin
-from trainguard.core.rundir import RunDir
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics import MeterProvider

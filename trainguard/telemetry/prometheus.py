@@ -24,8 +24,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.metrics_core import Metric
 
 from trainguard.core.atomicfile import write_atomic
-from trainguard.core.contract import by_name, prometheus_name
-from trainguard.core.rundir import RunDir
+from trainguard.core.contracts.metrics import by_name, prometheus_name
+from trainguard.core.contracts.rundir import RunDir
 
 __all__ = ["PrometheusBridge", "PrometheusEndpoint", "endpoint_file"]
 
@@ -36,7 +36,7 @@ def _prom_name(otel_name: str, unit: str, kind: str) -> str:
     try:
         return by_name(otel_name).prometheus
     except KeyError:
-        from trainguard.core.contract import MetricSpec
+        from trainguard.core.contracts.metrics import MetricSpec
 
         return prometheus_name(MetricSpec(name=otel_name, unit=unit, kind=kind, description=""))  # type: ignore[arg-type]
 

@@ -13,21 +13,7 @@ from typing import Any
 
 from opentelemetry.metrics import MeterProvider
 
-from trainguard.core.contract import (
-    ATTRIBUTION_CAUSES,
-    HUNG_MIN_HOLD_S,
-    INCIDENT_KINDS,
-    LOSS_CAUSES,
-    METRICS,
-    NODE_STATES,
-    RESTART_CAUSES,
-    ROLE_STATES,
-    ROLES,
-    ROLLBACK_REASONS,
-    ROLLOUT_FAILURE_REASONS,
-    MetricSpec,
-)
-from trainguard.core.event_kinds import (
+from trainguard.core.contracts.event_kinds import (
     CHECKPOINT_COMMITTED,
     FAILURE_ATTRIBUTED,
     HANG_DETECTED,
@@ -46,6 +32,20 @@ from trainguard.core.event_kinds import (
     SLURM_SCHEDULE,
     WORKER_FAILED,
     WORKERS_STARTED,
+)
+from trainguard.core.contracts.metrics import (
+    ATTRIBUTION_CAUSES,
+    HUNG_MIN_HOLD_S,
+    INCIDENT_KINDS,
+    LOSS_CAUSES,
+    METRICS,
+    NODE_STATES,
+    RESTART_CAUSES,
+    ROLE_STATES,
+    ROLES,
+    ROLLBACK_REASONS,
+    ROLLOUT_FAILURE_REASONS,
+    MetricSpec,
 )
 from trainguard.core.failures import FailureKind
 from trainguard.core.goodput import Goodput

@@ -21,9 +21,8 @@ from typing import Any
 
 from trainguard.core import svg
 from trainguard.core.atomicfile import write_atomic
-from trainguard.core.contract import LOSS_CAUSES
-from trainguard.core.engine_contract import ReplicaStatus
-from trainguard.core.event_kinds import (
+from trainguard.core.contracts.engine import ReplicaStatus
+from trainguard.core.contracts.event_kinds import (
     FAILURE_ATTRIBUTED,
     HANG_DIAGNOSIS,
     HEALTH_PROBE,
@@ -44,10 +43,12 @@ from trainguard.core.event_kinds import (
     WORKER_GROUP_UNHEALTHY,
     WORKERS_STARTED,
 )
+from trainguard.core.contracts.metrics import LOSS_CAUSES
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import read_events
 from trainguard.core.goodput import Goodput, compute_goodput
-from trainguard.core.rundir import RunDir
 from trainguard.telemetry.mfu import peak_flops
+from trainguard.telemetry.report_rl import samples_section
 
 __all__ = ["RunData", "load_run", "render_report", "write_report"]
 
@@ -675,7 +676,7 @@ def render_report(
 <h2>Timeline</h2><div id="timeline">{_timeline(data, t0, t_end)}</div>
 <h2>Engine fleet</h2><div id="fleet">{_fleet(data, t0, t_end)}
 {_table(fleet_failures, ["time", "kind", "role", "replica", "pid", "exitcode", "reason", "message"], t0, "tg-failure-row") if fleet_failures else ""}
-<div class="charts" id="rollout">{"".join(rollout)}</div>{_rollout_failures(data)}{_refit_checks(data)}</div>
+<div class="charts" id="rollout">{"".join(rollout)}</div>{_rollout_failures(data)}{_refit_checks(data)}{samples_section(data.events)}</div>
 <h2>Step time per rank</h2><div id="heatmap">{_heatmap(data)}</div>
 <h2>Failures</h2><div id="failures">{_table(failures, ["time", "kind", "attempt", "rank", "cause", "exitcode", "signal", "place", "message"], t0, "tg-failure-row")}</div>
 <h2>Failure verdicts</h2><div id="verdicts">{_table(verdicts, ["time", "node", "failed_attempt", "cause", "verdict", "deterministic", "ranks", "summary"], t0, "tg-verdict-row")}</div>

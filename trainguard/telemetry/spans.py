@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from trainguard.core import envvars
+from trainguard.core.contracts import envvars
 
 __all__ = ["TRACEPARENT_ENV", "SpanRecorder", "format_traceparent", "parse_traceparent"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainguard.core.actions import RecoveryAction
-from trainguard.core.event_kinds import (
+from trainguard.core.contracts.actions import RecoveryAction
+from trainguard.core.contracts.event_kinds import (
     CHECKPOINT_RESTORED,
     FAILURE_ATTRIBUTED,
     HANG_DETECTED,
@@ -21,8 +21,8 @@ from trainguard.core.event_kinds import (
     SLURM_SCHEDULE,
     WORKER_FAILED,
 )
+from trainguard.core.contracts.jobstate import JobState
 from trainguard.core.goodput import compute_goodput
-from trainguard.core.jobstate import JobState
 from trainguard.telemetry.report import RunData, _root_causes, load_run
 
 __all__ = ["recovery_summary"]

@@ -20,8 +20,12 @@ from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from trainguard.core.event_kinds import CHECKPOINT_COMMITTED, RESTART, WORKER_GROUP_UNHEALTHY
-from trainguard.core.jobstate import JobState
+from trainguard.core.contracts.event_kinds import (
+    CHECKPOINT_COMMITTED,
+    RESTART,
+    WORKER_GROUP_UNHEALTHY,
+)
+from trainguard.core.contracts.jobstate import JobState
 from trainguard.telemetry.spans import format_traceparent
 
 __all__ = ["AgentTracer", "job_ids"]

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainguard.chaos.faults import WorkerChaos
-from trainguard.core import envvars
 from trainguard.core.atomicfile import make_dirs, open_append
 from trainguard.core.config import (
     ConfigError,
@@ -30,11 +29,12 @@ from trainguard.core.config import (
 )
 from trainguard.core.config.fleet import FleetConfig
 from trainguard.core.config.telemetry import TelemetryConfig
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import EventLog
 from trainguard.core.failures import peer_failure
 from trainguard.core.procs import exit_now
 from trainguard.core.progress import ProgressWriter, progress_path
-from trainguard.core.rundir import RunDir
 from trainguard.telemetry.spans import TRACEPARENT_ENV, SpanRecorder
 from trainguard.worker.sniff import SniffRunner
 

@@ -19,7 +19,7 @@ from trainguard.checkpoint.memtier.secret import load_secret_file, store_secret
 from trainguard.checkpoint.memtier.server import TierServer
 from trainguard.checkpoint.memtier.store import TierStore
 from trainguard.checkpoint.memtier.sweep import TIER_PREFIX, hold_owner_lock, remove_orphans
-from trainguard.core.envvars import CHECKPOINT_MEMORY_DIR as MEMORY_DIR_ENV
+from trainguard.core.contracts.envvars import CHECKPOINT_MEMORY_DIR as MEMORY_DIR_ENV
 from trainguard.core.plugin import AgentContext, AgentPlugin
 from trainguard.core.storeutil import gather
 

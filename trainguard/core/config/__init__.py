@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.core import envvars
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config.alerts import AlertsConfig
 from trainguard.core.config.checkpoint import CheckpointConfig
@@ -46,7 +45,8 @@ from trainguard.core.config.slurm import SlurmConfig
 from trainguard.core.config.spares import SparesConfig
 from trainguard.core.config.telemetry import TelemetryConfig
 from trainguard.core.config.warm import WarmConfig
-from trainguard.core.rundir import CONFIG_JSON
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.rundir import CONFIG_JSON
 from trainguard.core.urls import redact_url
 
 __all__ = [

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from trainguard.core.actions import HealthAction
+from trainguard.core.contracts.actions import HealthAction
 
 COUNTER_CHECKS = (
     "gpu_missing",

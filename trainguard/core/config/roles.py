@@ -18,7 +18,7 @@ restart budget and health check. Example::
 Under ``trainguard sbatch`` a role may run on nodes of its own (``nodes = 2``, with a fixed
 ``port``): the job allocates them besides the trainer's, the replicas bind the node's Slurm
 address (or ``bind``) and the trainer's workers get ``http://<NodeAddr>:<port + i>``
-(:func:`place_roles`; docs/rl.md "Engines on nodes of their own").
+(:func:`trainguard.roles.placement.place_roles`; docs/rl.md "Engines on nodes of their own").
 
 On the command line (one flag per role; it replaces that role's table of the file, keys it
 does not name keep the file's values)::
@@ -35,20 +35,17 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.core.contract import ROLES
+from trainguard.core.contracts.metrics import ROLES
 
 __all__ = [
     "ROLE_NAMES",
-    "Placed",
     "RoleSpec",
     "RolesConfig",
     "parse_role_flag",
-    "parse_role_nodes",
-    "place_roles",
 ]
 
 ROLE_NAMES = ROLES
-"""Roles a job may declare besides ``trainer`` (:data:`trainguard.core.contract.ROLES`)."""
+"""Roles a job may declare besides ``trainer`` (:data:`trainguard.core.contracts.metrics.ROLES`)."""
 
 RESTART_POLICIES = ("always", "never")
 
@@ -447,53 +444,3 @@ class RolesConfig:
     def node_count(self) -> int:
         """Nodes of their own the roles need (``nodes``, all roles together)."""
         return sum(s.nodes for s in self.specs())
-
-
-def parse_role_nodes(value: str) -> list[tuple[str, str]]:
-    """``TRAINGUARD_SBATCH_ROLE_NODES`` (``name=addr,...``) → ``[(name, addr), ...]``."""
-    out = []
-    for item in value.split(","):
-        name, _, addr = item.strip().partition("=")
-        if name:
-            out.append((name, addr or name))
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class Placed:
-    """Where one replica of a role on nodes of its own runs."""
-
-    index: int
-    node: str
-    addr: str
-    """The node's address: the host of the replica's URL."""
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.addr}:{self.port}"
-
-
-def place_roles(specs: list[RoleSpec], nodes: list[tuple[str, str]]) -> dict[str, list[Placed]]:
-    """The replicas of the roles with ``nodes = K`` on the role nodes (in order): each role takes
-    the next K nodes, replica ``i`` runs on its node ``i % K`` on port ``port + i``. The same on
-    every node (the URLs the trainer gets, the replicas a node's agent starts); ValueError
-    (one line) when the nodes are fewer than the roles ask for."""
-    need = sum(s.nodes for s in specs)
-    if need > len(nodes):
-        raise ValueError(
-            f"the roles ask for {need} node(s) of their own, the job has {len(nodes)} "
-            f"({','.join(n for n, _ in nodes) or 'none'})"
-        )
-    out: dict[str, list[Placed]] = {}
-    at = 0
-    for spec in specs:
-        if not spec.nodes:
-            continue
-        mine = nodes[at : at + spec.nodes]
-        at += spec.nodes
-        out[spec.name] = [
-            Placed(i, mine[i % spec.nodes][0], mine[i % spec.nodes][1], spec.port + i)
-            for i in range(spec.replicas)
-        ]
-    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
-from trainguard.core.engine_contract import (
+from trainguard.core.contracts.engine import (
     COMPLETIONS_PATH,
     HEALTH_PATH,
     MODELS_PATH,
@@ -16,7 +16,7 @@ from trainguard.core.engine_contract import (
     WEIGHTS_PATH,
     weight_update_version,
 )
-from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.core.contracts.engine import ReplicaStatus as S
 from trainguard.core.fleetauth import Authenticator
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from trainguard.core import envvars
+from trainguard.core.contracts import envvars
 
 __all__ = [
     "VllmServer",

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from trainguard.core import envvars
+from trainguard.core.contracts import envvars
 from trainguard.core.jsonhttp import TransportError, request
 
 if TYPE_CHECKING:

@@ -56,15 +56,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.core import envvars
-from trainguard.core.engine_contract import (
+from trainguard.core.contracts import envvars
+from trainguard.core.contracts.engine import (
     HealthAnswer,
     MalformedAnswer,
     ReplicaStatus,
     own_identity,
     parse_completion,
 )
-from trainguard.core.engine_contract import ReplicaStatus as S
+from trainguard.core.contracts.engine import ReplicaStatus as S
 from trainguard.core.fleetauth import Authenticator
 from trainguard.core.jsonhttp import JSONServer
 from trainguard.rl.engines._vllm_http import AdapterError, make_server

@@ -6,7 +6,7 @@ import base64
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-from trainguard.core import envvars
+from trainguard.core.contracts import envvars
 
 BACKEND_NAME = "etcd-v3"
 PASSWORD_ENV = envvars.ETCD_PASSWORD

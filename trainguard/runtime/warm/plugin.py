@@ -21,7 +21,7 @@ from typing import Any
 
 from torch.distributed.elastic.utils import macros
 
-from trainguard.core.event_kinds import SPARE_WAITING, WARM_READY
+from trainguard.core.contracts.event_kinds import SPARE_WAITING, WARM_READY
 from trainguard.core.plugin import AgentContext, AgentPlugin
 from trainguard.runtime.warm.pool import WarmPool
 

@@ -50,7 +50,7 @@ from typing import IO, Any, Literal
 
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
-from trainguard.core import envvars
+from trainguard.core.contracts import envvars
 from trainguard.runtime import _torch
 from trainguard.runtime.workerhook import HOOK_DIR, without_hook_dir
 

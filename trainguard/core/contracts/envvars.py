@@ -196,3 +196,13 @@ def run_dir(environ: Mapping[str, str] | None = None) -> str | None:
         if env.get(name):
             return env[name]
     return None
+
+
+def parse_role_nodes(value: str) -> list[tuple[str, str]]:
+    """:data:`SBATCH_ROLE_NODES` (``name=addr,...``) → ``[(name, addr), ...]``."""
+    out = []
+    for item in value.split(","):
+        name, _, addr = item.strip().partition("=")
+        if name:
+            out.append((name, addr or name))
+    return out

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
-from trainguard.core import envvars, jsonhttp
+from trainguard.core import jsonhttp
+from trainguard.core.contracts import envvars
 
 __all__ = [
     "CLIENT_STATES",

@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from trainguard.core.actions import Cause
-from trainguard.core.engine_contract import REPLICA_STATES
+from trainguard.core.contracts.actions import Cause
+from trainguard.core.contracts.engine import REPLICA_STATES
 
 __all__ = [
     "METRICS",
@@ -723,7 +723,7 @@ by a weight version outside the staleness bound."""
 
 ATTRIBUTION_CAUSES = tuple(c.value for c in Cause)
 """Values of the ``cause`` attribute of ``trainguard.fleet.failures`` (exported from 0): the
-members of :class:`trainguard.core.actions.Cause`."""
+members of :class:`trainguard.core.contracts.actions.Cause`."""
 
 NODE_STATES = ("ok", "degraded", "excluded", "evicted", "lemon")
 """Values of the ``state`` attribute of ``trainguard.fleet.node.state``."""
@@ -749,7 +749,7 @@ ROLES = ("rollout", "reward")
 """The roles a job may declare besides ``trainer`` (whose workers are the SPMD group)."""
 
 ROLE_STATES = tuple(s.value for s in REPLICA_STATES)
-"""Lifecycle states of a role replica (:data:`trainguard.core.engine_contract.REPLICA_STATES`):
+"""Lifecycle states of a role replica (:data:`trainguard.core.contracts.engine.REPLICA_STATES`):
 starting → loading (weights) → serving → suspect → dead → restarting (→ starting); ``failed``:
 not restarted (the role's restart budget is spent, or its policy is ``never``); ``stopped``:
 ended with the job."""

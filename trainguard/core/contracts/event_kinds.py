@@ -48,6 +48,7 @@ __all__ = [
     "ROLE_STANDBY_STATE",
     "ROLLBACK_EXHAUSTED",
     "ROLLOUT_FAILED",
+    "ROLLOUT_SAMPLES_TRAINED",
     "REWARD_FAILED",
     "SPARE_WAITING",
     "SLURM_SCHEDULE",
@@ -170,6 +171,7 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("rollout_failed", ("rl.dispatch",), ("detail", "engine", "reason", "retried"), "A rollout request to an engine failed (``reason``: one of ROLLOUT_FAILURE_REASONS in the metric contract); ``retried``: it is sent again to another engine, else its batch fails (the cap of attempts, or an invalid request). Never replaced by a made-up sample."),
     EventSpec("reward_failed", ("rl.reward",), ("detail", "reason", "retried", "server"), "A reward request to a reward server failed (``reason``: one of ROLLOUT_FAILURE_REASONS; ``malformed``: an answer that is not one finite reward per completion); ``retried``: sent again to the next server, else the batch raises RewardError. A reward is never made up."),
     EventSpec("rollout_refit_verified", ("rl.weightsync",), ("engine", "max_logprob_diff", "verified", "version"), "A client checked that an engine holds this weight version (its log-probs of the trainer's fingerprint texts within the tolerance) before routing to it; ``verified``: the engine's count of verified refits in this client."),
+    EventSpec("rollout_samples_trained", ("rl.groups",), ("bound", "dropped", "group_sizes", "rank", "shrunk", "staleness", "step", "version"), "What one trainer rank trained at a step: each sample's staleness (the version trained into minus the version that generated it; at most the ``bound`` k), each kept group's size (complete, or shrunk to its survivors by setting), the groups dropped whole by reason (failed, not_generated, duplicate, stale, too_few). A group is never padded."),
     EventSpec("rollout_engine_quarantined", ("rl.weightsync",), ("engine", "quarantined", "reason", "version"), "An engine's refit to this version failed (the update answered an error, or its log-probs did not match the trainer's fingerprint: ``reason`` says what differed): out of routing, told to answer no completion, refit again; ``quarantined``: the engine's count in this client."),
 )  # fmt: skip
 
@@ -184,7 +186,7 @@ def by_name(kind: str) -> EventSpec:
         return _BY_NAME[kind]
     except KeyError:
         raise KeyError(
-            f"event kind {kind!r} is not in trainguard.core.event_kinds.EVENTS"
+            f"event kind {kind!r} is not in trainguard.core.contracts.event_kinds.EVENTS"
         ) from None
 
 
@@ -233,5 +235,6 @@ ROLLOUT_FAILED = _kind("rollout_failed")
 REWARD_FAILED = _kind("reward_failed")
 ROLLOUT_REFIT_VERIFIED = _kind("rollout_refit_verified")
 ROLLOUT_ENGINE_QUARANTINED = _kind("rollout_engine_quarantined")
+ROLLOUT_SAMPLES_TRAINED = _kind("rollout_samples_trained")
 HANG_DIAGNOSIS = _kind("hang_diagnosis")
 RECOVERY_DECISION = _kind("recovery_decision")
