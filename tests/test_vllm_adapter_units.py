@@ -162,3 +162,33 @@ def test_the_adapters_http_side_checks_the_token_and_signs_its_answers() -> None
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_a_seed_per_prompt_is_one_vllm_request_per_prompt_in_prompt_order() -> None:
+    """vLLM takes one ``seed`` a request: the contract's seed list becomes one request per
+    prompt (the logic, against a stand-in for vLLM's server; the real one: the conformance
+    suite's seeded request under ``make test-engines``)."""
+    from trainguard.rl.engines.vllm import VllmAdapter
+
+    asked: list[dict[str, object]] = []
+
+    class VllmStandIn:
+        def request(self, method: str, path: str, req: dict[str, object], timeout: float) -> object:
+            asked.append(req)
+            seed, n = req["seed"], req.get("n", 1)
+            assert isinstance(seed, int) and isinstance(n, int)
+            choice = {"text": "a", "finish_reason": "length",
+                      "logprobs": {"tokens": ["a"], "token_logprobs": [-0.5]}}  # fmt: skip
+            return 200, {"choices": [{**choice, "index": j, "token_ids": [100 + seed]}
+                                     for j in range(n)]}  # fmt: skip
+
+    a = VllmAdapter.__new__(VllmAdapter)
+    a.config = type("C", (), {"model": "tiny-llama", "request_timeout_s": 5, "replica": "0"})()  # type: ignore[assignment]
+    a.server, a.vocab_size, a.version, a.model_dir = VllmStandIn(), 512, 0, "/m"  # type: ignore[assignment]
+    out = a._forward({"prompt": ["p", "q", "r"], "n": 2, "seed": [7, 8, 9], "logprobs": 0},
+                     checked=True)  # fmt: skip
+    assert sorted((r["prompt"], r["seed"]) for r in asked) == [("p", 7), ("q", 8), ("r", 9)]
+    got = [(c["index"], c["token_ids"]) for c in out["choices"]]
+    assert got == [(0, [107]), (1, [107]), (2, [108]), (3, [108]), (4, [109]), (5, [109])]
+    with pytest.raises(Exception, match="one integer >= 0 per prompt"):
+        a._forward({"prompt": ["p", "q"], "seed": [1]}, checked=True)

@@ -52,6 +52,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -488,6 +489,38 @@ class VllmAdapter:
         req = {k: v for k, v in body.items() if k not in ("model", "refit_check")}
         req["model"] = self.model_dir
         req["return_token_ids"] = True
+        prompts = req.get("prompt")
+        n_prompts = len(prompts) if isinstance(prompts, list) else 1
+        seeds = req.get("seed")
+        if not isinstance(seeds, list):
+            return self._convert(self._complete_once(req), n_prompts, body)
+        # one seed per prompt (the contract): vLLM takes one seed a request, so each prompt is
+        # a request of its own, sent together (vLLM batches them); choices in prompt order
+        plist = prompts if isinstance(prompts, list) else [prompts]
+        if len(seeds) != len(plist) or not all(type(x) is int and x >= 0 for x in seeds):
+            raise AdapterError(400, "'seed' as a list must hold one integer >= 0 per prompt")
+        n = req.get("n", 1) if isinstance(req.get("n"), int) else 1
+        with ThreadPoolExecutor(max_workers=min(len(plist), 16)) as pool:
+            parts = list(pool.map(
+                lambda ps: self._complete_once({**req, "prompt": ps[0], "seed": ps[1]}),
+                zip(plist, seeds, strict=True),
+            ))  # fmt: skip
+        choices: list[object] = []
+        for k, part in enumerate(parts):
+            got = part.get("choices") if isinstance(part, dict) else None
+            if not isinstance(got, list) or len(got) != n:
+                return self._convert(part, 1, body)  # names what is wrong with it
+            for j, c in enumerate(got):
+                if isinstance(c, dict):
+                    c["index"] = k * n + j
+                choices.append(c)
+        first = parts[0] if isinstance(parts[0], dict) else {}
+        return self._convert({**first, "choices": choices}, n_prompts, body)
+
+    def _complete_once(self, req: dict[str, object]) -> object:
+        """One ``/v1/completions`` request to vLLM: its answer, or AdapterError (4xx: vLLM's
+        own message; 502/503 naming the replica)."""
+        assert self.server is not None
         try:
             code, ans = self.server.request(
                 "POST", "/v1/completions", req, timeout=self.config.request_timeout_s
@@ -501,9 +534,7 @@ class VllmAdapter:
             raise AdapterError(code, str(msg)[:500])
         if code != 200:
             raise AdapterError(502, f"{self.who()}: vLLM answered HTTP {code}: {str(ans)[:200]}")
-        return self._convert(
-            ans, len(req.get("prompt", [])) if isinstance(req.get("prompt"), list) else 1, body
-        )
+        return ans
 
     def _convert(self, ans: Any, n_prompts: int, body: dict[str, Any]) -> dict[str, Any]:
         """vLLM's answer in the contract's shape, checked; AdapterError(502) naming what is
