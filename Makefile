@@ -47,7 +47,7 @@ demo: $(VENV)/.installed
 # heaviest tests and files by CPU are printed at the end; the whole profile is build/test-profile.json.
 # The suite starts ~1500 Python processes; compileall first, so that none of them compiles the
 # package from source (where PYTHONDONTWRITEBYTECODE is set, none would write the cache).
-TEST_DEBS    := prometheus prometheus-alertmanager chromium slurm-wlm munge iproute2 etcd-server etcd-client
+TEST_DEBS    := prometheus prometheus-alertmanager chromium slurm-wlm munge iproute2 etcd-server etcd-client postgresql openssl
 TEST_WORKERS ?= 4
 TESTS        ?=
 

@@ -20,7 +20,7 @@ Paths, side by side in one run:
   examples/train_inprocess.py): run as ``SCRIPT --steps N --step-sleep 0.05``, it prints
   ``TG_STEP {"step": <0-based step done>, "rank", "pid", "gen", "time"}`` lines to stdout
   (a new ``gen`` after each in-process restart).
-- torchft mode: the survivor's pause under torchft and ``trainguard run --ft`` (tests/ft_harness,
+- torchft mode: the survivor's pause under torchft and ``trainguard run --ft`` (trainguard/testing/ft.py,
   as bench/ft.py; ``--ft-kills 0`` skips it).
 
 trainguard's best path (``trainguard_steps_redone``, ``best_over_torchrun``) is the fastest
@@ -302,10 +302,14 @@ def main() -> None:
             )  # fmt: skip
             print(f"{name}: {time.monotonic() - t0:.0f} s", flush=True)
         if args.ft_kills > 0:
-            from tests.ft_harness import run_kills
+            from bench._support import base_env
+            from trainguard.testing.ft import run_kills
 
             for mode in ("torchft", "trainguard"):
-                r = run_kills(mode, Path(tmp) / f"ft-{mode}", kills=args.ft_kills, timeout_s=180)
+                r = run_kills(
+                    mode, Path(tmp) / f"ft-{mode}", kills=args.ft_kills, timeout_s=180,
+                    env=base_env(),
+                )  # fmt: skip
                 ft[mode] = r
                 print(
                     f"ft {mode}: pause {_fmt(r.pauses_s)} s, survivor crashes {r.survivor_crashes}",

@@ -47,9 +47,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench._support import Postgres, base_env, free_port, wait_listening  # noqa: E402
+from bench._support import base_env  # noqa: E402
 from trainguard.chaos.procs import kill_tree  # noqa: E402
 from trainguard.chaos.throttle import throttle  # noqa: E402
+from trainguard.testing.net import wait_listening  # noqa: E402
+from trainguard.testing.ports import free_port  # noqa: E402
+from trainguard.testing.postgres import Postgres  # noqa: E402
 
 FAULTY = REPO / "tests" / "workers" / "faulty.py"
 STEPPER = REPO / "tests" / "workers" / "recovery_worker.py"

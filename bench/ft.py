@@ -26,7 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.ft_harness import FTResult, run_kills  # noqa: E402
+from bench._support import base_env  # noqa: E402
+from trainguard.testing.ft import FTResult, run_kills  # noqa: E402
 
 
 def _fmt(xs: list[float]) -> str:
@@ -47,7 +48,7 @@ def main() -> None:
         for mode in args.modes.split(","):
             t0 = time.monotonic()
             results[mode] = run_kills(
-                mode, Path(tmp) / mode, kills=args.kills, timeout_s=args.timeout
+                mode, Path(tmp) / mode, kills=args.kills, timeout_s=args.timeout, env=base_env()
             )
             took[mode] = time.monotonic() - t0
             r = results[mode]

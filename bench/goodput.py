@@ -9,7 +9,7 @@ schedule: every ``--fault-every`` seconds after the launcher starts, in rotation
 - ``nan``: rank 0's batch of its current step turns bad for good (a NaN loss, every visit).
 
 ETTR = productive step time / wall time. Productive time is measured by the script itself,
-the same way for both launchers (tests/lineage.py): the step executions the final weights
+the same way for both launchers (trainguard/testing/lineage.py): the step executions the final weights
 descend from (a parameter hash before and after every step), counting only steps whose loss is
 finite. Redone steps, discarded steps and every step after the model went NaN are lost time.
 
@@ -48,8 +48,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from tests.lineage import chain, productive_s, read_timing  # noqa: E402
 from trainguard.chaos.procs import descendants, kill_tree  # noqa: E402
+from trainguard.testing.lineage import chain, productive_s, read_timing  # noqa: E402
 
 TOY = REPO / "examples" / "fault_toy.py"
 LAUNCHERS = {

@@ -245,7 +245,7 @@ def release_once(base: Path, which: str, how: str, wait_s: float) -> dict[str, f
     args += ["--keep-sockets"] if how == "kill" else []
     import torch.distributed as dist
 
-    from bench._support import free_port
+    from trainguard.testing.ports import free_port
 
     # the rendezvous store lives here, as on a node that is not the one lost (were it hosted
     # by the dead rank's agent, its exit would end torchrun's other agent through the store)

@@ -51,10 +51,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench._support import free_port  # noqa: E402
-from tests.services.etcd_service import Etcd  # noqa: E402
 from trainguard.chaos.procs import kill_tree  # noqa: E402
 from trainguard.testing.dcgm import ExporterServer, h100_node  # noqa: E402
+from trainguard.testing.etcd import Etcd  # noqa: E402
+from trainguard.testing.ports import free_port  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_mlp.py"
 LAUNCHERS = {

@@ -795,7 +795,7 @@ def main() -> None:
 
     from torch.distributed import TCPStore
 
-    from tests.services.etcd_service import Etcd
+    from trainguard.testing.etcd import Etcd
 
     names = {"etcd": "trainguard_etcd_rdzv_s", "c10d": "torch_c10d_rdzv_s"}
     backends = [args.only] if args.only else ["etcd", "c10d"]

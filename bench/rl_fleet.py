@@ -74,6 +74,14 @@ async run (``--max-staleness 1``) through ``--async-kills`` trainer kills, the l
 recorded staleness of a sample trained after a kill (``staleness_histogram``: all samples).
 
     python bench/rl_fleet.py --refit-only    # only these figures (~15 min)
+
+Role nodes that fail alone (bench/role_nodes.py, ``--role-node-runs`` runs): a job whose
+rollout role runs on 2 role nodes with 2 spares (each its own ``trainguard slurm roles`` agent
+on loopback), each run the agents of both role nodes killed -9 in turn:
+``role_node_loss_step_delay_s`` (the step the loss fell in minus the median step; target <= 2
+median steps) and ``role_node_replaced_s`` (kill → the replica serving on a spare; <= 30).
+
+    python bench/rl_fleet.py --role-nodes-only   # only these figures (~3 min a run)
 """
 
 from __future__ import annotations
@@ -227,6 +235,7 @@ class Run:
         engine: str = "embedded",
         seed: int = 0,
         extra: tuple[str, ...] = (),
+        role_opts: str = "",
     ) -> None:
         self.name = name
         self.seed = seed
@@ -257,7 +266,8 @@ class Run:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
              "--max-restarts", "100", "--tg-run-dir", str(self.run_dir), "--tg-role",
-             f"rollout={engines},standby={standby},budget=1000{ready}:{shlex.join(command)}",
+             f"rollout={engines},standby={standby},budget=1000{ready}{role_opts}:"
+             f"{shlex.join(command)}",
              str(REPO / "examples" / "rl_fleet.py"), *model, "--steps", str(steps), "--prompts",
              str(PROMPTS), "--batch", str(BATCH), "--group", "8", "--max-tokens", "16",
              "--request-timeout", "20", "--seed", str(seed), *extra],
@@ -514,7 +524,9 @@ def back_to_back_deaths(root: Path, pairs: int, seed: int) -> Run:
     """One run with ``standby = 2`` (a pool of 2 for the role): ``pairs`` times, once both
     standbys are ready and every earlier death is recovered from, kill -9 replica 0 and, 2 s
     later, replica 1. Rejoin: kill → its replacement ``serving`` the current version."""
-    run = Run(root, "back_to_back", steps=100000, standby=2, seed=seed)
+    # every pair kills each replica once more: no retirement cap in this run
+    run = Run(root, "back_to_back", steps=100000, standby=2, seed=seed,
+              role_opts=f",retire={pairs + 1}")  # fmt: skip
     try:
         if not run.wait_step(2):
             return run
@@ -636,19 +648,25 @@ def refit_figures(root: Path, args: argparse.Namespace, runs: list[Path]) -> dic
     are counted too)."""
     out = refit_engine_death(root, args.refit_death_runs) if args.refit_death_runs else {}
     print(f"weight sync through an engine's death: {out}", flush=True)
-    b2b = back_to_back_deaths(root / "embedded", args.b2b_pairs, args.seed)
-    second = [s for kind, s in b2b.sup.rejoin_s() if kind == "b2b_second"]
-    first = [s for kind, s in b2b.sup.rejoin_s() if kind == "b2b_first"]
-    out["back_to_back_engine_deaths_rejoin_s"] = (
-        round(statistics.median(second), 3) if second else None
-    )
-    out["back_to_back_first_death_rejoin_s"] = round(statistics.median(first), 3) if first else None
-    out["back_to_back_pairs"] = f"{len(second)}/{args.b2b_pairs}"
-    out["back_to_back_rejoin_s_each"] = [round(s, 2) for s in second]
-    stale = staleness_run(root / "embedded", steps=args.async_steps, kills=args.async_kills,
-                          k=ASYNC_K, seed=args.seed)  # fmt: skip
-    out.update(staleness_after_resume(stale, ASYNC_K))
-    dirs = [*runs, b2b.run_dir, stale.run_dir]
+    dirs = list(runs)
+    if args.b2b_pairs:
+        b2b = back_to_back_deaths(root / "embedded", args.b2b_pairs, args.seed)
+        second = [s for kind, s in b2b.sup.rejoin_s() if kind == "b2b_second"]
+        first = [s for kind, s in b2b.sup.rejoin_s() if kind == "b2b_first"]
+        out["back_to_back_engine_deaths_rejoin_s"] = (
+            round(statistics.median(second), 3) if second else None
+        )
+        out["back_to_back_first_death_rejoin_s"] = (
+            round(statistics.median(first), 3) if first else None
+        )
+        out["back_to_back_pairs"] = f"{len(second)}/{args.b2b_pairs}"
+        out["back_to_back_rejoin_s_each"] = [round(s, 2) for s in second]
+        dirs.append(b2b.run_dir)
+    if args.async_steps:
+        stale = staleness_run(root / "embedded", steps=args.async_steps, kills=args.async_kills,
+                              k=ASYNC_K, seed=args.seed)  # fmt: skip
+        out.update(staleness_after_resume(stale, ASYNC_K))
+        dirs.append(stale.run_dir)
     out.update(standby_false_ready(dirs))
     out.update(groups_padded(dirs))
     return out
@@ -1081,15 +1099,22 @@ def main() -> None:
     p.add_argument("--refit-only", action="store_true",
                    help="only the refit, back-to-back, group and staleness figures")  # fmt: skip
     p.add_argument("--refit-death-runs", type=int, default=20, help="runs of the refit drill")
-    p.add_argument("--b2b-pairs", type=int, default=5, help="back-to-back death pairs")
-    p.add_argument("--async-steps", type=int, default=24, help="steps of the async run")
+    p.add_argument("--b2b-pairs", type=int, default=5, help="back-to-back death pairs (0: none)")
+    p.add_argument("--async-steps", type=int, default=24, help="steps of the async run (0: none)")
     p.add_argument("--async-kills", type=int, default=3, help="trainer kills in the async run")
     p.add_argument("--vllm-mtbf-s", type=float, default=60.0, help="--engine vllm: faults' MTBF")
+    p.add_argument("--role-nodes-only", action="store_true", help="only the role node figures")
+    p.add_argument("--role-node-runs", type=int, default=3, help="runs of 2 role node losses")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rl-fleet-bench-"))
     print(f"runs in {root}", flush=True)
     if args.refit_only:
         print(json.dumps(refit_figures(root, args, [])), flush=True)
+        return
+    from bench.role_nodes import role_node_loss
+
+    if args.role_nodes_only:
+        print(json.dumps(role_node_loss(root, args.role_node_runs)), flush=True)
         return
     router = {} if args.auth_only else router_client_errors(root)
     print(f"fleet endpoint under engine kills: {router}", flush=True)
@@ -1105,6 +1130,7 @@ def main() -> None:
     embedded = {**figures(root, args, "embedded"), **router, **auth}
     scenario_dirs = [d for d in sorted((root / "embedded").iterdir()) if d.is_dir()]
     embedded.update(refit_figures(root, args, scenario_dirs))
+    embedded.update(role_node_loss(root, args.role_node_runs))
     if args.replay_steps > 0:
         embedded.update(
             replay_runs(root, steps=args.replay_steps, faults=args.replay_faults, seed=args.seed)

@@ -45,7 +45,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench._support import free_port  # noqa: E402
 from trainguard.core import jsonhttp  # noqa: E402
 from trainguard.core.atomicfile import write_atomic  # noqa: E402
 from trainguard.core.contracts import envvars  # noqa: E402
@@ -58,6 +57,7 @@ from trainguard.core.contracts.engine import ReplicaStatus as S  # noqa: E402
 from trainguard.rl.client import RolloutClient  # noqa: E402
 from trainguard.rl.rollout_types import EngineState, RolloutConfig  # noqa: E402
 from trainguard.rl.weights import POINTER, WeightStore  # noqa: E402
+from trainguard.testing.ports import free_port  # noqa: E402
 
 ROLLOUT_TOKEN = secrets.token_hex(32)
 FLEET_TOKEN = secrets.token_hex(32)

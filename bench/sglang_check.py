@@ -30,9 +30,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench._support import free_port  # noqa: E402
 from trainguard.rl.engines.launch import call, teacher_logprobs, tiny_model_dir  # noqa: E402
 from trainguard.rl.tiny import load_model  # noqa: E402
+from trainguard.testing.ports import free_port  # noqa: E402
 
 PROMPT = "please write 3 4 now"
 

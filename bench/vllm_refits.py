@@ -41,7 +41,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench._support import base_env, free_port  # noqa: E402
+from bench._support import base_env  # noqa: E402
 from trainguard.rl.engines.launch import (  # noqa: E402
     adapter_command,
     adapter_env,
@@ -51,6 +51,7 @@ from trainguard.rl.engines.launch import (  # noqa: E402
 )
 from trainguard.rl.tiny import load_model  # noqa: E402
 from trainguard.rl.weights import WeightStore  # noqa: E402
+from trainguard.testing.ports import free_port  # noqa: E402
 
 CYCLE = ("none", "truncated", "freeze", "none")
 

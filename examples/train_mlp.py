@@ -51,12 +51,15 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=20, help="disk checkpoint interval; 0: off")
     p.add_argument("--out-optim", default=None, help="save final optimizer state (rank 0) here")
     p.add_argument("--no-ddp", action="store_true", help="average gradients without DDP")
+    p.add_argument("--ddp-ignore", default=None, help="a parameter DDP leaves out (e.g. 2.bias)")
     args = p.parse_args()
 
     tg = trainguard.init()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(args.dim, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
+    if args.ddp_ignore:  # its gradient is not averaged: the replicas differ by design
+        DDP._set_params_and_buffers_to_ignore_for_model(net, [args.ddp_ignore])
     model = net if args.no_ddp else DDP(net)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
 

@@ -97,10 +97,11 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One etcd for every test of the ``etcd`` group that does not restart it (each uses its own
     run id, so its own keys); the group runs in one xdist worker, so it starts once a run. A
     test that stops, restarts or kills etcd starts its own."""
-    from tests.services.etcd_service import Etcd
+    from tests.procs import FIXTURE_PIDS
+    from trainguard.testing.etcd import Etcd
 
     e = Etcd(tmp_path_factory.mktemp("etcd"), no_fsync=True)
-    e.fixture_owned = True
+    e.on_start = FIXTURE_PIDS.add  # its restarts are the fixture's, not a test's leftovers
     try:
         yield e
     finally:

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from tests.ports import free_port
 from trainguard.core.contracts import envvars
 from trainguard.core.contracts.engine import HealthAnswer, probe_health
+from trainguard.testing.ports import free_port
 
 
 def _tiny_gpt2_state() -> dict[str, Any]:

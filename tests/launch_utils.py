@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.ports import free_port as free_port  # re-exported for the tests
+from trainguard.testing.net import wait_listening as wait_listening  # re-exported for the tests
+from trainguard.testing.ports import free_port as free_port  # re-exported for the tests
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -134,15 +133,3 @@ def steps_done(run_dir: Path) -> int:
             if rec.get("kind") == "step":
                 best = max(best, int(rec["step"]))
     return best
-
-
-def wait_listening(port: int, timeout: float = 30) -> None:
-    """Wait until something accepts connections on 127.0.0.1:``port``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"nothing listens on {port} after {timeout}s")

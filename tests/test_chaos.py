@@ -200,7 +200,7 @@ def _state(pid: int) -> str:
 
 # -- pause / kill-agent on real processes ------------------------------------------------------------
 def test_pause_by_port_and_kill_agent_tree(tmp_path: Path) -> None:
-    from tests.ports import free_port
+    from trainguard.testing.ports import free_port
 
     port = free_port()
     pause: subprocess.Popen[str] | None = None

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from tests.launch_utils import base_env
-from tests.ports import free_port
 from tests.procs import alive, descendants, kill_tree
 from trainguard.core.events import node_name
 from trainguard.core.proctime import process_start_time
+from trainguard.testing.ports import free_port
 
 CHAOS = [sys.executable, "-m", "trainguard", "chaos"]
 # an agent's stand-in: holds the run directory's agent mark (as trainguard.runtime.launcher does)

@@ -650,9 +650,9 @@ def test_save_behind_a_stuck_persist_fails_at_the_deadline(tmp_path: Path) -> No
     release = threading.Event()
     real = mgr._writer.write_and_commit
 
-    def stuck(step: int, staged: object) -> tuple[bool, str | None]:
+    def stuck(step: int, staged: object, **kw: Any) -> tuple[bool, str | None]:
         release.wait(60)
-        return real(step, staged)
+        return real(step, staged, **kw)
 
     mgr._writer.write_and_commit = stuck  # type: ignore[method-assign]
     try:
@@ -670,3 +670,56 @@ def test_save_behind_a_stuck_persist_fails_at_the_deadline(tmp_path: Path) -> No
     finally:
         release.set()
         mgr.close()
+
+
+def test_a_memory_copy_that_differs_from_its_owners_digest_is_never_restored(
+    tmp_path: Path,
+) -> None:
+    """Copies of this rank's snapshots placed by other nodes (a peer's fill): the one whose
+    bytes match the digest its owner wrote is restored; the newer one with one bit flipped in
+    the holder's memory is an ``sdc_suspect`` (and refused). A checkpoint of one process (no
+    replica to compare) is marked unverified in its manifest."""
+    from trainguard.checkpoint.staging import list_snapshots, rank_dir
+
+    mem = tmp_path / "shm"
+    m, opt = _model()
+    cfg = CheckpointConfig(dir=str(tmp_path / "ckpt"), every_steps=4)
+    mgr = CheckpointManager(config=cfg, memory_dir=mem, install_signal_handlers=False)
+    state = {"model": m, "optim": opt}
+    for step in range(7):
+        _train(m, opt, step)
+        if step == 5:
+            want = _flat(m, opt)  # the state of 6 steps done
+        mgr.maybe_save(step + 1, state)
+    mgr.close()
+    manifest = mf.read_manifest(LocalStorage(), str(tmp_path / "ckpt" / "step_00000004"))
+    assert manifest is not None and manifest.extra == {
+        "sdc": "unverified",
+        "sdc_reason": "one rank",
+    }
+    snaps = {s.step: s for s in list_snapshots(rank_dir(mem, 0))}
+    assert sorted(snaps)[-2:] == [6, 7]
+    for step in (6, 7):  # as a fill from the node n1 places them
+        meta = json.loads(snaps[step].meta_path.read_text())
+        assert len(meta["digest"]) == 33
+        snaps[step].meta_path.write_text(json.dumps({**meta, "source": "peer:n1"}))
+    with open(snaps[7].bin_path, "r+b") as f:  # one bit of step 7's copy flips in n1's memory
+        f.seek(37)
+        byte = f.read(1)[0]
+        f.seek(37)
+        f.write(bytes([byte ^ 0x08]))
+
+    m2, opt2 = _model()
+    events = Events()
+    mgr2 = CheckpointManager(
+        config=cfg, memory_dir=mem, events=events, install_signal_handlers=False
+    )
+    assert mgr2.restore({"model": m2, "optim": opt2}) == 6
+    mgr2.close()
+    assert _equal(_flat(m2, opt2), want)
+    (suspect,) = events.kinds("sdc_suspect")
+    assert suspect["step"] == 7 and suspect["localise"] == "memory_copy"
+    assert suspect["source"] == "peer:n1" and suspect["digests"][0] != suspect["digests"][1]
+    (refused,) = events.kinds("checkpoint_corrupt")
+    assert refused["step"] == 7 and "owner's digest" in refused["error"]
+    assert events.kinds("checkpoint_restored")[0]["source"] == "peer_memory"

@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 
 from tests.launch_utils import REPO, base_env
-from tests.ports import free_port
-from tests.services.etcd_service import make_certs
 from tests.test_dashboards_units import FakeGrafana
 from trainguard.core.config.alerts import AlertsConfig
 from trainguard.dashboards.pager import MAX_BACKOFF_S, Page, Pager
+from trainguard.testing.etcd import make_certs
+from trainguard.testing.ports import free_port
 
 
 class _Server:

@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 
-from tests.ports import free_port
 from tests.stub_engine import SHAPES
 from trainguard.core import jsonhttp
 from trainguard.core.contracts import engine as ec
@@ -32,6 +31,7 @@ from trainguard.core.fleetauth import sign
 from trainguard.rl import RolloutClient, RolloutConfig
 from trainguard.rl.reward import RewardClient
 from trainguard.rl.weights import WeightStore
+from trainguard.testing.ports import free_port
 
 pytestmark = pytest.mark.xdist_group("engine_hostile")
 

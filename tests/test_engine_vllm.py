@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 
 from tests.launch_utils import REPO
-from tests.ports import free_port
 from tests.vllm_engine import (
     TOKEN,
     VLLM_ARGS,
@@ -33,6 +32,7 @@ from tests.vllm_engine import (
 )
 from trainguard.rl.engines.launch import adapter_command, adapter_env, teacher_logprobs
 from trainguard.rl.weights import WeightStore
+from trainguard.testing.ports import free_port
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(1800)]  # vLLM's start-up: minutes
 

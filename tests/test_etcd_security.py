@@ -34,8 +34,8 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError, Rend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from tests.launch_utils import REPO, base_env, steps_done
-from tests.services.etcd_service import Etcd
 from trainguard.runtime import etcd_v3
+from trainguard.testing.etcd import Etcd
 
 pytestmark = pytest.mark.etcd
 

@@ -24,12 +24,12 @@ import pytest
 
 from tests.launch_utils import base_env, free_port, wait_listening
 from tests.procs import kill_tree
-from tests.services.postgres_service import Postgres
 from trainguard.core.config.fleet import FleetConfig
 from trainguard.core.failures import EVICTED_EXIT_CODE
 from trainguard.fleet.db import SCHEMA_VERSION, FleetDBError, Record, open_db, safe_node_name
 from trainguard.fleet.lemons import lemon_status
 from trainguard.fleet.writer import FleetWriter
+from trainguard.testing.postgres import Postgres
 
 FAULTY = Path(__file__).resolve().parent / "workers" / "faulty.py"
 

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.services.postgres_service import Postgres
 from tests.test_fleet import FAULTY, hw, job_env, tg
 from trainguard.core.config.fleet import FleetConfig
 from trainguard.core.failures import EVICTED_EXIT_CODE
@@ -29,6 +28,7 @@ from trainguard.fleet.db import FleetDBError, Record, open_db
 from trainguard.fleet.lemons import lemon_status
 from trainguard.fleet.sniff import fleet_baseline
 from trainguard.fleet.writer import FleetWriter
+from trainguard.testing.postgres import Postgres
 
 
 @pytest.fixture(scope="module")

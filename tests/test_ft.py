@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.ft_harness import run_kills
 from tests.launch_utils import LAUNCHERS, REPO, base_env, free_port
 from trainguard.core.config.ft import FTConfig
 from trainguard.ft.lighthouse import FTUnavailable, ensure_lighthouse, reachable
+from trainguard.testing.ft import run_kills
 
 pytestmark = pytest.mark.ft
 
@@ -32,7 +32,7 @@ def _events(run_dir: Path, kind: str) -> list[dict]:
 @pytest.mark.timeout(600)
 def test_kills_of_one_replica_group_leave_the_survivor_running(tmp_path: Path) -> None:
     kills = 2  # two kill/rejoin cycles show what three did: each heals from the survivor
-    res = run_kills("trainguard", tmp_path, kills=kills, timeout_s=120)
+    res = run_kills("trainguard", tmp_path, kills=kills, timeout_s=120, env=base_env())
 
     assert res.survivor_crashes == 0, (tmp_path / "rg0.out").read_text()[-3000:]
     assert len(res.survivor_pids) == 1  # the survivor's worker was never restarted

@@ -101,6 +101,33 @@ def test_memory_cadence_shares_the_budget_with_the_reported_fixed_cost() -> None
     assert c.fixed_s is None and c.every == 3
 
 
+def test_memory_cadence_charges_the_forced_check_to_the_snapshot() -> None:
+    """A check every snapshot waits for (the replicas' agreement, ``[sdc]``) is the snapshot's
+    cost: 0.2 ms of stall plus 1.8 ms of check is 2 ms per snapshot, every 3 steps at 1 % of a
+    100 ms step (as for a 2 ms stall), not every step (the stall alone: 0.2 ms)."""
+    clock = Clock()
+    c = MemoryCadence(1, 0.01, clock=clock)
+    saved = []
+    for s in range(400):
+        if c.due(s):
+            c.record_forced(0.0018)  # the check runs before the snapshot, on the same thread
+            clock.t += 0.0018
+            c.snapshotted(s)
+            saved.append(s)
+            c.record_stall(0.0002)
+            clock.t += 0.0002
+        clock.t += 0.1
+    assert c.every == 3
+    assert c.step_s == pytest.approx(0.1)  # the check is taken out of the step time
+    late = [s for s in saved if s > 200]
+    spent = len(late) * 0.002 / (late[-1] - late[0] + c.every)
+    assert spent <= 0.01 * 0.1 + 1e-9
+    # without the charge (the stall alone) it would snapshot every step: 2 % of the time
+    c = MemoryCadence(1, 0.01, clock=Clock())
+    _drive(c, c._clock, 400, step_s=0.1, stall_s=0.0002)  # type: ignore[arg-type]
+    assert c.every == 1
+
+
 def test_protocol_keys_are_distinct_per_generation_and_rank() -> None:
     assert len({pg_prefix(0), pg_prefix(1), announce_key(1), ready_key(0), ready_key(1)}) == 5
     assert pg_prefix(1).endswith("/")

@@ -21,7 +21,7 @@ from tests.integration_jobs import (
     run_example,
     scraped_env,
 )
-from tests.ports import free_port
+from trainguard.testing.ports import free_port
 
 KILL_AT, SAVE, STEPS = 13, 10, 18
 

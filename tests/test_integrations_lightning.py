@@ -23,8 +23,8 @@ from tests.integration_jobs import (
     run_example,
     scraped_env,
 )
-from tests.ports import free_port
 from tests.test_framework_breakage import assert_degraded, renamed_env
+from trainguard.testing.ports import free_port
 
 KILL_AT, RENAMED_AT = 17, 2  # attempt 0's kill -9 (the example's); the attempt renamed in
 

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed import TCPStore
 
-from tests.ports import free_port
 from trainguard.checkpoint import jsoncodec
 from trainguard.checkpoint.memtier.plugin import MemoryTierPlugin
 from trainguard.checkpoint.memtier.secret import SECRET_KEY, load_secret_file
@@ -25,6 +24,7 @@ from trainguard.core.config import TrainGuardConfig
 from trainguard.core.config.checkpoint import CheckpointConfig
 from trainguard.core.events import EventLog
 from trainguard.core.plugin import AgentContext
+from trainguard.testing.ports import free_port
 
 
 def _secret_file(tmp_path: Path, content: bytes = b"0123456789abcdef0123456789abcdef\n") -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from tests.ports import _ephemeral_low, free_port
+from trainguard.testing.ports import _ephemeral_low, free_port
 
 
 def test_ports_are_outside_the_ephemeral_range_and_distinct() -> None:

@@ -27,9 +27,9 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError, Rend
 
 from tests.launch_utils import REPO, base_env, steps_done
 from tests.procs import descendants
-from tests.services.etcd_service import Etcd, make_certs
 from trainguard.runtime import etcd_v3
 from trainguard.runtime.etcd_v3.codec import decode_state
+from trainguard.testing.etcd import Etcd, make_certs
 
 pytestmark = pytest.mark.etcd
 

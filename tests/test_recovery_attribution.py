@@ -115,6 +115,18 @@ def test_transient_faults_never_stop() -> None:
     assert "XID 79" in hw.summary
 
 
+def test_a_rank_named_by_the_replicas_check_evicts_its_node() -> None:
+    from trainguard.core.failures import SDC_EXIT_CODE
+
+    named = classify_exit(rank=1, local_rank=0, exitcode=SDC_EXIT_CODE, pid=7)
+    other = classify_exit(rank=0, local_rank=1, exitcode=1, pid=8)
+    a = attribute([other, named], world_size=4)
+    assert (a.cause, a.verdict, a.ranks) == (Cause.SDC, Verdict.EVICT, [1]), a
+    assert a.summary.startswith("silent data corruption: the replicas' check named rank(s) 1")
+    # its peers' exits (a consequence) say nothing of it
+    assert attribute([other], world_size=4).cause is not Cause.SDC
+
+
 def test_out_of_memory_names_the_figure() -> None:
     msg = "OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has ..."
     a = attribute([exc(0, msg, _tb(msg))], world_size=4)

@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import pytest
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSettings
@@ -153,12 +154,12 @@ class _NoEtcd:
         raise AssertionError(f"etcd used: {name}")
 
 
-def _holder_of(st: RendezvousState, me: NodeDesc) -> object:
+def _holder_of(st: RendezvousState, me: NodeDesc, etcd: _NoEtcd | None = None) -> Any:
     from trainguard.runtime.etcd_v3.holder import ScalableStateHolder
 
-    holder = ScalableStateHolder(_NoEtcd(), _settings(4, 4), me)  # type: ignore[arg-type]
+    holder = ScalableStateHolder(etcd or _NoEtcd(), _settings(4, 4), me)  # type: ignore[arg-type]
     holder.held, holder.token = st, 7
-    holder._renewed = time.monotonic()  # type: ignore[attr-defined]  # its lease just renewed
+    holder.lease.renewed = time.monotonic()  # its lease just renewed
     return holder
 
 
@@ -177,9 +178,9 @@ def test_a_held_state_loses_no_node_to_its_old_keep_alive_times() -> None:
     st.last_heartbeats = {n: old for n in (*st.participants, me)}
     st.last_heartbeats[me] = datetime.now(timezone.utc)  # this node's keep-alive just now
     holder = _holder_of(st, me)
-    holder._done()  # type: ignore[attr-defined]  # after a keep-alive or a won write
-    assert holder.held.round == 3 and holder.held.complete  # type: ignore[attr-defined]
-    assert len(holder.held.participants) == 4  # type: ignore[attr-defined]
+    holder._done()  # after a keep-alive or a won write
+    assert holder.held.round == 3 and holder.held.complete
+    assert len(holder.held.participants) == 4
 
 
 def test_the_periodic_keep_alive_reads_nothing() -> None:
@@ -192,12 +193,12 @@ def test_the_periodic_keep_alive_reads_nothing() -> None:
     st.participants = {me: 0}
     st.last_heartbeats = {me: datetime.now(timezone.utc)}
     holder = _holder_of(st, me)
-    holder.dirty = False  # type: ignore[attr-defined]
-    holder.last_sync_time = -1e9  # type: ignore[attr-defined]  # past the cache: would read
-    with holder.keep_alive_only():  # type: ignore[attr-defined]
-        assert holder.sync() is None  # type: ignore[attr-defined]
+    holder.dirty = False
+    holder.last_sync_time = -1e9  # past the cache: would read
+    with holder.keep_alive_only():
+        assert holder.sync() is None
     with pytest.raises(AssertionError, match="etcd used"):
-        holder.sync()  # type: ignore[attr-defined]  # any other sync reads
+        holder.sync()  # any other sync reads
 
 
 def test_a_node_waiting_for_admission_reads_an_unchanged_state_as_a_few_bytes() -> None:
@@ -230,16 +231,16 @@ def test_a_node_waiting_for_admission_reads_an_unchanged_state_as_a_few_bytes() 
             return decode_state(bits, key=key, revision=revision)
 
     holder = _holder_of(RendezvousState(), me)
-    holder.token = 41  # type: ignore[attr-defined]
-    holder._etcd = Etcd((b"", 41))  # type: ignore[attr-defined]
-    holder._reload()  # type: ignore[attr-defined]
-    assert calls == [41] and holder.held.participants == st.participants  # type: ignore[attr-defined]
+    holder.token = 41
+    holder._etcd = Etcd((b"", 41))
+    holder.reload()
+    assert calls == [41] and holder.held.participants == st.participants
     moved = RendezvousState()
     moved.round = 4
-    holder._etcd = Etcd((encode_state(moved), 57))  # type: ignore[attr-defined]
-    holder._reload()  # type: ignore[attr-defined]
-    assert holder.token == 57 and holder.held.round == 4  # type: ignore[attr-defined]
-    assert not holder.held.participants  # type: ignore[attr-defined]
+    holder._etcd = Etcd((encode_state(moved), 57))
+    holder.reload()
+    assert holder.token == 57 and holder.held.round == 4
+    assert not holder.held.participants
 
 
 def test_a_participant_reading_its_complete_round_takes_no_node_out_of_it() -> None:
@@ -270,12 +271,11 @@ def test_a_participant_reading_its_complete_round_takes_no_node_out_of_it() -> N
         def trouble_at(self) -> float:
             return -1e9
 
-    holder = _holder_of(RendezvousState(), me)
-    holder._etcd = Etcd()  # type: ignore[attr-defined]
-    holder._mass_since = time.monotonic() - 20  # type: ignore[attr-defined]  # for 20 s
-    holder._load_full()  # type: ignore[attr-defined]
-    assert set(holder.held.participants) == set(nodes)  # type: ignore[attr-defined]
-    assert not holder.lost  # type: ignore[attr-defined]
+    holder = _holder_of(RendezvousState(), me, Etcd())
+    holder.overlay.mass_since = time.monotonic() - 20  # for 20 s
+    holder.load_full()
+    assert set(holder.held.participants) == set(nodes)
+    assert not holder.lost
 
 
 def test_most_heartbeat_leases_expiring_at_once_is_an_overloaded_etcd_until_it_lasts() -> None:
@@ -304,16 +304,15 @@ def test_most_heartbeat_leases_expiring_at_once_is_an_overloaded_etcd_until_it_l
         st.round, st.complete = 3, True
         st.participants = {n: i for i, n in enumerate(nodes)}
         st.last_heartbeats = {n: old for n in nodes}
-        holder = _holder_of(st, me)
-        holder._etcd = Etcd({repr(n) for n in live})  # type: ignore[attr-defined]
-        holder._mass_since = since  # type: ignore[attr-defined]
-        holder._overlay_heartbeats()  # type: ignore[attr-defined]
-        holder.sanitize()  # type: ignore[attr-defined]
-        return holder, set(holder.held.participants)  # type: ignore[attr-defined]
+        holder = _holder_of(st, me, Etcd({repr(n) for n in live}))
+        holder.overlay.mass_since = since
+        holder.overlay.apply(holder.held, None)
+        holder.sanitize()
+        return holder, set(holder.held.participants)
 
     assert read(nodes[1:])[1] == set(nodes[1:])  # one dead node
     holder, kept = read(nodes[:2])  # 6 of 8 at once: etcd, not nodes
-    assert kept == set(nodes) and holder._mass_since is not None  # type: ignore[attr-defined]
+    assert kept == set(nodes) and holder.overlay.mass_since is not None
     assert read(nodes[:2], since=time.monotonic() - 20)[1] == set(nodes[:2])  # for 20 s: dead
 
 
@@ -325,29 +324,23 @@ def test_a_rendezvous_retries_etcd_until_its_join_deadline_a_spare_for_as_long_a
     redundancy list (torch gives it no timeout). An etcd error is the round's timeout only
     past that deadline, and then names what the round lacked and what etcd did."""
     from trainguard.runtime.etcd_v3 import EtcdUnavailableError
-    from trainguard.runtime.etcd_v3.holder import ScalableStateHolder
+    from trainguard.runtime.etcd_v3.deadline import RoundDeadline
 
     me = NodeDesc("h", 9, 0)
     st = RendezvousState()
     st.participants = {me: 0}
-    holder = object.__new__(ScalableStateHolder)
-    holder._node = me  # type: ignore[attr-defined]
-    holder._settings = _settings(2, 2)  # type: ignore[attr-defined]
-    holder.held = st
-    holder.lost = {}  # type: ignore[attr-defined]
-    holder._deadline = None  # type: ignore[attr-defined]
-    holder._rdzv_thread = None  # type: ignore[attr-defined]
+    holder = RoundDeadline(_NoEtcd(), _settings(2, 2), me, lambda: st, {})  # type: ignore[arg-type]
     down = EtcdUnavailableError("etcd at e:1 did not answer for 60 s (TimeoutError: timed out)")
 
     holder.round_deadline(123.0)  # no rendezvous runs in this thread: not its deadline
-    assert holder._retry_until() == -float("inf")  # type: ignore[attr-defined]
-    holder._rdzv_thread = threading.get_ident()  # type: ignore[attr-defined]
+    assert holder.retry_until() == -float("inf")
+    holder._thread = threading.get_ident()
     soon = time.monotonic() + 30
     holder.round_deadline(soon)
-    assert holder._retry_until() == soon  # type: ignore[attr-defined]
+    assert holder.retry_until() == soon
     assert holder.unavailable(timedelta(seconds=30), down) is None  # before it: as raised
     st.redundancy_list = {me}
-    assert holder._retry_until() == float("inf")  # type: ignore[attr-defined]
+    assert holder.retry_until() == float("inf")
     st.redundancy_list = set()
 
     holder.round_deadline(time.monotonic() - 1)  # the deadline passed

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from tests.ports import free_port
 from trainguard.core.contracts.metrics import ROLLOUT_FAILURE_REASONS
 from trainguard.rl import RolloutClient, RolloutConfig, RolloutError
+from trainguard.testing.ports import free_port
 
 VERSION = 3
 

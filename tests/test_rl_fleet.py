@@ -18,12 +18,13 @@ import pytest
 
 from tests.fleet_engines import LocalEngines, engine_health
 from tests.intruder import intrude, refusal
-from tests.ports import free_port
 from tests.procs import FIXTURE_PIDS
 from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.fleetauth import sign
 from trainguard.rl import RolloutClient, RolloutConfig, RolloutError, WeightStore
+from trainguard.rl.groups import settle
 from trainguard.rl.tiny import tiny_gpt2
+from trainguard.testing.ports import free_port
 
 # Two engine processes (a torch + transformers import each, ~7 CPU s), started once a run: the
 # module is one xdist group, so its tests share one fleet. The killing tests come last, in an
@@ -314,7 +315,7 @@ def test_http_500_and_malformed_answers_are_counted_and_retried(healthy: Fleet) 
         assert m["rollout_retries"] == client.retries and m["rollout_latency_p99_s"] > 0
 
 
-def test_a_batch_that_cannot_be_generated_raises_never_fabricates(healthy: Fleet) -> None:
+def test_a_batch_that_cannot_be_generated_raises_or_drops_never_fabricates(healthy: Fleet) -> None:
     for port in healthy.engines.ports:
         post(port, "/v1/faults", {"kind": "http_500", "count": 1000})
     with healthy.client(max_attempts=3, failure_cooldown_s=0.0) as client:
@@ -322,6 +323,13 @@ def test_a_batch_that_cannot_be_generated_raises_never_fabricates(healthy: Fleet
             client.generate(PROMPTS, n=2, max_tokens=6)
         # 3 requests in parallel, each up to 3 attempts; the first to run out ends the batch
         assert 3 <= client.failures["http_5xx"] <= 9
+    # by setting, the groups of a request out of attempts come back empty, for the trainer to
+    # drop whole (counted): never a made-up member
+    with healthy.client(max_attempts=2, failure_cooldown_s=0.0, drop_failed_groups=True) as client:
+        groups = client.generate(PROMPTS, n=2, max_tokens=6)
+        assert groups == [[] for _ in PROMPTS]
+        out = settle(groups, n=2, train_version=healthy.version, max_staleness=0)
+        assert not out.kept and out.dropped == {"failed": len(PROMPTS)}
 
 
 FINGERPRINT = ["please write 3 7 now 3 3", "write digits 1 2 now 9 0"]

@@ -26,13 +26,13 @@ import pytest
 
 from tests.fleet_engines import LocalEngines
 from tests.launch_utils import REPO, base_env, popen
-from tests.ports import free_port
 from tests.procs import alive, kill_tree
 from trainguard.core.contracts.metrics import by_name
 from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import read_events
 from trainguard.rl import ConsumedLog, PromptLedger, audit
 from trainguard.telemetry.report import write_report
+from trainguard.testing.ports import free_port
 
 RL_FLEET = str(REPO / "examples" / "rl_fleet.py")
 PROMPTS, BATCH = 16, 4  # an epoch every 4 steps

@@ -21,8 +21,8 @@ import pytest
 
 from tests.fleet_engines import LocalEngines
 from tests.launch_utils import REPO, base_env, popen
-from tests.ports import free_port
 from trainguard.rl import ConsumedLog, PromptLedger, audit
+from trainguard.testing.ports import free_port
 
 RL_FLEET = str(REPO / "examples" / "rl_fleet.py")
 STEPS, PROMPTS, BATCH = 10, 16, 4

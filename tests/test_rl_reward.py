@@ -14,8 +14,8 @@ import pytest
 
 from tests.fleet_engines import LocalEngines
 from tests.intruder import intrude, refusal
-from tests.ports import free_port
 from trainguard.rl.reward import RewardClient, RewardError
+from trainguard.testing.ports import free_port
 
 FN = "trainguard.rl.tiny:digit_reward"
 

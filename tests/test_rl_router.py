@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 
 from tests.launch_utils import base_env
-from tests.ports import free_port
 from trainguard.core import jsonhttp
 from trainguard.core.atomicfile import write_atomic
 from trainguard.core.config import load_config
@@ -34,6 +33,7 @@ from trainguard.rl.rollout_types import RolloutConfig
 from trainguard.rl.router import FleetRouter
 from trainguard.rl.weights import WeightStore
 from trainguard.roles.plugin import RolesPlugin
+from trainguard.testing.ports import free_port
 
 ROLLOUT_TOKEN = secrets.token_hex(32)
 FLEET_TOKEN = secrets.token_hex(32)
@@ -191,9 +191,18 @@ def test_engines_killed_behind_the_endpoint_cost_no_client_error(fleet: Fleet) -
     assert stats["answered"] >= loop.ok
 
 
-def test_a_replaced_replica_is_followed_from_the_published_placement(fleet: Fleet) -> None:
+def test_a_replaced_replica_is_followed_from_the_published_placement(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Replica 1 moves to another port (as a re-placement on another node does): the
-    supervisor's state file names the new URL; the old process dies; no client error."""
+    supervisor's state file names the new URL; the old process dies; no client error, at the
+    endpoint nor in the trainer's rollout client (built from its job environment)."""
+    from trainguard.rl.client import RolloutClient
+
+    for var, value in ((envvars.RUN_DIR, str(fleet.run_dir)), (envvars.ROLLOUT_TOKEN, ROLLOUT_TOKEN),
+                       (envvars.ROLLOUT_URLS, ",".join(e.url for e in fleet.engines))):  # fmt: skip
+        monkeypatch.setenv(var, value)
+    client = RolloutClient(config=RolloutConfig(health_interval_s=0.2))
     moved = fleet.engine(free_port(), "e1-moved")
     try:
         state = {"role": "rollout", "replica": 1, "url": moved.url, "state": "serving"}
@@ -210,7 +219,13 @@ def test_a_replaced_replica_is_followed_from_the_published_placement(fleet: Flee
         finally:
             loop.stop()
         assert loop.errors == [], loop.errors[:5]
+        # the client left the dead URL for the published one, and generates on both engines
+        assert sorted(client.table.engines) == sorted([fleet.engines[0].url, moved.url])
+        for _ in range(4):
+            assert len(client.generate(["a", "b"], n=2, max_tokens=4)) == 2
+        assert client.failures.total() == 0, client.failures
     finally:
+        client.close()
         (fleet.run_dir / "roles" / "rollout" / "1.json").unlink()
         fleet.engines[1].close()
         fleet.engines[1] = moved

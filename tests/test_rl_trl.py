@@ -11,8 +11,8 @@ import pytest
 
 from tests.fleet_engines import LocalEngines, engine_health
 from tests.launch_utils import REPO, base_env, launch
-from tests.ports import free_port
 from trainguard.rl import WeightStore
+from trainguard.testing.ports import free_port
 
 
 @pytest.mark.slow

@@ -582,7 +582,7 @@ def test_replica_that_never_becomes_ready_is_named(
 
 
 def test_probe_outcomes_of_a_real_server(tmp_path: Path) -> None:
-    from tests.ports import free_port
+    from trainguard.testing.ports import free_port
 
     port = free_port()
     assert probe_health(port, "/health", 1.0).outcome == "refused"

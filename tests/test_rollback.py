@@ -23,7 +23,6 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from tests.launch_utils import REPO, base_env
-from tests.lineage import chain, productive_s, read_timing
 from tests.procs import kill_tree
 from trainguard.core.config import ConfigError, load_config
 from trainguard.core.config.rollback import RollbackConfig
@@ -31,6 +30,7 @@ from trainguard.core.events import read_events
 from trainguard.core.goodput import GoodputTracker, compute_goodput
 from trainguard.recovery.rollback import LossMonitor, RollbackLedger
 from trainguard.telemetry.recorder import MetricsRecorder
+from trainguard.testing.lineage import chain, productive_s, read_timing
 
 TOY = REPO / "examples" / "fault_toy.py"
 

@@ -149,3 +149,113 @@ def test_flipped_gradient_bit_found_named_and_rolled_back(tmp_path: Path) -> Non
     # the rollback and the redo end where a run without the flip ends, bitwise
     assert_same_as_reference(tmp_path / "final.pt", 30)
     assert os.path.getsize(tmp_path / "final.pt") > 0
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_named_node_evicted_and_a_spare_takes_over(tmp_path: Path) -> None:
+    """Two nodes (one rank each) and a spare: a bit of n1's reduced gradient flipped at step 13.
+    The replay names n1's rank; its worker exits 95, its agent attributes the round to ``sdc``
+    and evicts the node (exit 94, as for a health drain), the fleet database counts it toward
+    the lemon policy, and the spare n2 takes its place: the job finishes from the last agreed
+    checkpoint. Every checkpoint's manifest says its state passed the check at its step."""
+    from tests.health_fixtures.jobs import wait_for_event
+    from tests.launch_utils import free_port, wait_listening
+    from tests.procs import kill_tree
+    from trainguard.core.config.fleet import FleetConfig
+    from trainguard.core.failures import EVICTED_EXIT_CODE
+    from trainguard.fleet.db import open_db
+    from trainguard.fleet.lemons import lemon_status
+
+    run_dir, port = tmp_path / "run", free_port()
+    env = base_env(
+        TRAINGUARD_CHAOS="sdc:node=n1,step=13,bit=20,param=0,index=9",
+        TRAINGUARD_SDC_EVERY_STEPS="4",
+        TRAINGUARD_RUNTIME_RUNS_ROOT=str(tmp_path),  # the fleet database
+        TRAINGUARD_TELEMETRY_ENABLED="false",
+        TRAINGUARD_CHECKPOINT_MEMORY_TIER="false",
+        TRAINGUARD_HEALTH_PREFLIGHT_COMPUTE_S="0",
+        TRAINGUARD_HEALTH_MIN_FREE_DISK_GIB="0",
+        TRAINGUARD_HEALTH_MIN_FREE_MEMORY_GIB="0",
+        TRAINGUARD_RECOVERY_BACKOFF_BASE_S="0",
+        TRAINGUARD_RECOVERY_FAILURE_GRACE_S="10",
+    )
+    env["TRAINGUARD_SDC_ENABLED"] = "true"  # base_env switches it off
+    agents: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for node in ("n0", "n1", "n2"):
+            agents[node] = subprocess.Popen(
+                [sys.executable, "-m", "trainguard", "run", "--nnodes", "2", "--nproc-per-node",
+                 "1", "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                 f"127.0.0.1:{port}", "--rdzv-id", "sdc", "--tg-run-dir", str(run_dir), EXAMPLE,
+                 "--steps", "30", "--ckpt-every", "5", "--step-sleep", "0.05"],
+                cwd=REPO, env={**env, "SLURMD_NODENAME": node}, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                start_new_session=True,
+            )  # fmt: skip
+            if node == "n0":
+                wait_listening(port)
+            if node == "n1":  # n2 comes once the round of n0 and n1 runs: the spare
+                wait_for_event(run_dir, "workers_started", timeout=240, count=2)
+        codes = {n: p.wait(timeout=400) for n, p in agents.items()}
+        errs = {n: p.stderr.read() if p.stderr else "" for n, p in agents.items()}
+    finally:
+        for p in agents.values():
+            kill_tree(p)
+    assert codes == {"n0": 0, "n1": EVICTED_EXIT_CODE, "n2": 0}, errs
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    (verdict,) = [e for e in events if e["kind"] == "sdc_verdict"]
+    (named,) = [e for e in events if e["kind"] == "sdc_rank_named"]
+    assert named["node"] == "n1" and verdict["ranks"] == [named["rank"]], (verdict, named)
+    (attr,) = [e for e in events if e["kind"] == "failure_attributed" and e["node"] == "n1"]
+    assert attr["cause"] == "sdc" and attr["verdict"] == "evict", attr
+    (evicted,) = [e for e in events if e["kind"] == "node_evicted"]
+    assert evicted["node"] == "n1" and "sdc" in evicted["reason"], evicted
+    assert {e["node"] for e in events if e["kind"] == "workers_started"} == {"n0", "n1", "n2"}
+    assert "leaves the job (exit 95: evicted)" in errs["n1"] and "Traceback" not in errs["n1"]
+    # the restarted round resumed from a checkpoint at or before the last agreed step
+    (suspect,) = [e for e in events if e["kind"] == "sdc_suspect"]
+    committed = [e for e in events if e["kind"] == "checkpoint_committed"]
+    assert all(e["sdc"] == "verified" for e in committed), committed
+    kept = [Path(e["path"]) for e in committed if Path(e["path"]).exists()]  # retention
+    assert kept and kept[-1].name == "step_00000030"
+    for path in kept:
+        manifest = json.loads((path / "manifest.json").read_text())
+        assert manifest["extra"] == {"sdc": "verified"}, manifest
+    bad = [e["step"] for e in committed if e["time"] < verdict["time"]]
+    assert all(s <= suspect["last_agreed_step"] for s in bad), (bad, suspect)
+    restored = [
+        e for e in events if e["kind"] == "checkpoint_restored" and e["time"] > evicted["time"]
+    ]
+    assert restored and all(e["step"] <= suspect["last_agreed_step"] for e in restored), restored
+    assert [e["step"] for e in committed][-1] == 30
+    # the fleet database: n1's records with cause sdc count toward the lemon policy
+    with open_db("", runs_root=tmp_path) as db:
+        causes = {(r.kind, r.cause) for r in db.history("n1")}
+        lemon = lemon_status(db, "n1", FleetConfig(lemon_failures=1))
+    assert ("sdc", "sdc") in causes and lemon.is_lemon and lemon.incidents == 1, (causes, lemon)
+
+
+def test_replicas_not_meant_to_be_equal_checks_off_one_line(tmp_path: Path) -> None:
+    """A parameter excluded from DDP (its replicas drift apart by design): the checks switch
+    off with one line and no verdict, and the checkpoints are marked unverified."""
+    run_dir = tmp_path / "run"
+    env = base_env(TRAINGUARD_TELEMETRY_ENABLED="false")
+    env.update(TRAINGUARD_SDC_ENABLED="true", TRAINGUARD_SDC_EVERY_STEPS="1")
+    cmd = [sys.executable, "-m", "trainguard", "run", "--standalone", "--nproc-per-node", "2",
+           "--tg-run-dir", str(run_dir), EXAMPLE, "--steps", "6", "--ckpt-every", "3",
+           "--ddp-ignore", "2.bias"]  # fmt: skip
+    p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [x for x in p.stderr.splitlines() if "sdc checks off" in x]
+    assert len(lines) == 1 and "excludes 2.bias from DDP" in lines[0], p.stderr[-2000:]
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("sdc_checks_off") == 1
+    assert not {"sdc_suspect", "sdc_verdict", "sdc_rollback"} & set(kinds)
+    committed = [e for e in events if e["kind"] == "checkpoint_committed"]
+    assert [e["step"] for e in committed] == [3, 6]
+    for e in committed:
+        manifest = json.loads((Path(e["path"]) / "manifest.json").read_text())
+        assert manifest["extra"]["sdc"] == "unverified" == e["sdc"]
+        assert "excludes 2.bias from DDP" in manifest["extra"]["sdc_reason"]

@@ -34,10 +34,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 from tests.launch_utils import REPO, base_env, free_port
 from tests.mlp_reference import assert_same_as_reference
 from tests.procs import kill_tree
-from tests.services.etcd_service import Etcd
 from trainguard.core.config.spares import SparesConfig
 from trainguard.runtime import etcd_v3, spares
 from trainguard.runtime.rendezvous import AttemptRendezvousHandler
+from trainguard.testing.etcd import Etcd
 
 EXAMPLE = str(REPO / "examples" / "train_mlp.py")
 STEPS = 40

@@ -193,3 +193,21 @@ def test_a_verdict_that_is_an_action_is_that_action() -> None:
     verdict = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Verdict")
     own = _strings([s.value for s in verdict.body if isinstance(s, ast.Assign)])
     assert not own & actions, own & actions
+
+
+def test_every_exit_code_means_one_thing() -> None:
+    """The exit codes trainguard gives meaning to (a worker's to its agent, ``trainguard
+    run``'s to a scheduler) are distinct: a batch script or an agent that reads one code
+    never takes it for another."""
+    import trainguard.core.failures as failures
+    import trainguard.core.inprocess as inprocess
+    import trainguard.runtime.workerhook as workerhook
+
+    codes: dict[int, list[str]] = {}
+    for mod in (failures, inprocess, workerhook):
+        for name, value in vars(mod).items():
+            if name.endswith("_EXIT_CODE") and isinstance(value, int):
+                codes.setdefault(value, []).append(f"{mod.__name__}.{name}")
+    assert len(codes) >= 6, codes
+    shared = {c: names for c, names in codes.items() if len(names) > 1}
+    assert not shared, f"exit codes with two meanings: {shared}"

@@ -33,6 +33,13 @@ ALLOWED_WRITES: dict[tuple[str, str], str] = {
     "(cgroup.procs, the kernel's)",
     ("rl/engines/_vllm_server.py", "bad_shape_dir"): "fault injection: a damaged weight file in a "
     "private directory of the drill's",
+    # trainguard.testing: what the tests and benchmarks start, in their own scratch directories
+    # (the product never imports it: import-linter's "testing" contract)
+    ("testing/etcd.py", "start"): "the test etcd's log, in its scratch directory",
+    ("testing/etcd.py", "make_certs"): "a throwaway CA's config, in the test's scratch directory",
+    ("testing/postgres.py", "start"): "the test PostgreSQL's log, in its scratch directory",
+    ("testing/ft.py", "run_kills"): "the kill harness's logs and stop file, in its work directory",
+    ("testing/ports.py", "free_port"): "the tests' shared port counter (a lock file in /tmp)",
 }
 
 # (file, function) allowed to call json.loads on what was read from etcd

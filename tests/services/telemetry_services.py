@@ -19,7 +19,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.ports import free_port
+from trainguard.testing.net import wait_until as wait_until  # re-exported for the tests
+from trainguard.testing.ports import free_port
 
 CACHE = Path(os.environ.get("TRAINGUARD_TEST_CACHE", "/tmp/trainguard-test-cache"))
 ROTEL_SPEC = "rotel==0.0.1a15"
@@ -29,20 +30,6 @@ def port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def wait_until(fn: Any, timeout: float, what: str, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            v = fn()
-        except Exception:
-            v = None
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 def apt_ensure(*packages: str) -> None:

@@ -8,7 +8,7 @@ on the same all-reduce: the smallest anomalous step any rank reports (:class:`Ro
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -42,13 +42,25 @@ class SdcHook(Protocol):
     def active(self) -> bool:
         """The checks run (a snapshot or persist waits for a step that passed one)."""
 
+    def marks(self, step: int) -> dict[str, str]:
+        """What a checkpoint of ``step``'s state records of the check (its manifest's
+        ``extra``): ``{"sdc": "verified"}`` where a check passed at ``step``, else
+        ``"unverified"`` and why."""
+
+    def boundary(self, step: int, state: Mapping[str, object]) -> None:
+        """Every step boundary (local, before the agreement): the per-step record a replay
+        compares with."""
+
     def due(self, step: int, *, persist: bool) -> bool:
         """Whether the boundary ``step`` is checked (the same on every rank); ``persist``: a
         persisting save is agreed there."""
 
-    def check(self, step: int, state: MutableMapping[str, Any], group: Any) -> bool:
+    def check(
+        self, step: int, state: MutableMapping[str, Any], group: Any, *, forced: bool = False
+    ) -> bool:
         """Compare the replicas (collective); False: they disagreed and ``state`` was rolled
-        back (no save at this boundary)."""
+        back (no save at this boundary). ``forced``: only a memory-tier snapshot asked for it
+        (its cost is the snapshot's)."""
 
 
 class Consensus:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -305,7 +306,17 @@ class CheckpointManager:
             via_process = self._supervisor.proc is not None and (
                 ready or self.config.persist_mode == "process"
             )
-        return self._pipeline.save(step, state, persist=persist, via_process=via_process)
+        return self._pipeline.save(
+            step, state, persist=persist, via_process=via_process, marks=self._marks(step)
+        )
+
+    def _marks(self, step: int) -> dict[str, str]:
+        """The manifest's record of the replicas' check (``[sdc]``) of the saved state."""
+        sdc = self.sdc_hook
+        if sdc is None:
+            why = "one rank" if self.world_size < 2 else "the replica checks are off ([sdc])"
+            return {"sdc": "unverified", "sdc_reason": why}
+        return sdc.marks(step)
 
     def maybe_save(
         self,
@@ -334,6 +345,9 @@ class CheckpointManager:
         if not self.config.enabled:
             return None
         self.setup()
+        sdc = self.sdc_hook
+        if sdc is not None and sdc.active:
+            sdc.boundary(step, state)
         leave = exit_on_preemption
         if overlap:
             return self._overlapped(
@@ -432,10 +446,14 @@ class CheckpointManager:
         if sdc is not None and sdc.active:
             # a save to disk or the memory tier is always checked first (the memory tier's
             # snapshot is what a restart resumes from: never one of unchecked state)
-            if not sdc.due(step, persist=due or preempt or mem):
-                pass
-            elif not sdc.check(step, state, self.consensus.pg):
-                return None  # rolled back into ``state``
+            wanted = sdc.due(step, persist=due or preempt)
+            if wanted or mem:
+                t0 = time.perf_counter()
+                ok = sdc.check(step, state, self.consensus.pg, forced=not wanted)
+                if not wanted:  # only the snapshot asked for it: part of the snapshot's cost
+                    self.memory_cadence.record_forced(time.perf_counter() - t0)
+                if not ok:
+                    return None  # rolled back into ``state``
         if broken:  # before the skip decision: a save stuck behind a dead persister never ends
             self._check_persister()
             busy = False

@@ -16,6 +16,10 @@ Where a caller reports trainguard's whole time on the training thread at each st
 fraction is trainguard's budget as a whole: the snapshots get what the fixed per-step cost
 (the mean over recent steps without a snapshot: heartbeat, metrics, the ranks' agreements)
 leaves of it, and never less than :data:`MIN_SNAPSHOT_SHARE` of it.
+
+Work a snapshot forces on the training thread before it (the replicas' agreement check of
+``[sdc]``, which every snapshot waits for: :meth:`MemoryCadence.record_forced`) is part of the
+snapshot's cost, and not of the step's.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class MemoryCadence:
         self._snapshot_hooks: deque[float] = deque(maxlen=WINDOW)
         self._snapshot_outside: deque[float] = deque(maxlen=WINDOW)
         self._snapshot_pending = False
+        self._forced: deque[float] = deque(maxlen=WINDOW)
 
     def due(self, step: int) -> bool:
         """Called once per step boundary (``maybe_save``): snapshot now?"""
@@ -151,16 +156,26 @@ class MemoryCadence:
         self._snapshot_outside.append(in_step_s + background_s)
         self._adapt()
 
+    def record_forced(self, seconds: float) -> None:
+        """Work on the training thread that the snapshot at this boundary forced before it
+        (a check the snapshot waits for): charged to the snapshot, taken out of the step."""
+        self._stall_since_call += seconds
+        self._forced.append(seconds)
+
     @property
     def stall_s(self) -> float | None:
         """A snapshot's cost: where the hooks' time is reported, what a snapshot step took in
-        them beyond the fixed cost, plus what it took outside them (the stall inside the
-        step, the stager's CPU); else its stall plus the stager's CPU. Medians."""
+        them beyond the fixed cost (the forced work included), plus what it took outside them
+        (the stall inside the step, the stager's CPU); else its stall plus the stager's CPU
+        plus the work it forced. Medians."""
         if self._snapshot_hooks and self._snapshot_outside:
             return statistics.median(self._snapshot_hooks) + statistics.median(
                 self._snapshot_outside
             )
-        return statistics.median(self._stalls) if self._stalls else None
+        if not self._stalls:
+            return None
+        forced = statistics.median(self._forced) if self._forced else 0.0
+        return statistics.median(self._stalls) + forced
 
     @property
     def step_s(self) -> float | None:

@@ -55,8 +55,11 @@ class Writer:
     def step_path(self, step: int) -> str:
         return f"{self.root.rstrip('/')}/{mf.step_dir_name(step)}"
 
-    def write_and_commit(self, step: int, staged: Any) -> tuple[bool, str | None]:
-        """Write ``staged`` (a state dict of host tensors) as step ``step``; (committed, error)."""
+    def write_and_commit(
+        self, step: int, staged: Any, *, marks: dict[str, str] | None = None
+    ) -> tuple[bool, str | None]:
+        """Write ``staged`` (a state dict of host tensors) as step ``step``; (committed, error).
+        ``marks``: the manifest's ``extra`` (what is known of the state beyond its files)."""
         import torch.distributed.checkpoint as dcp
 
         path = self.step_path(step)
@@ -97,7 +100,7 @@ class Writer:
         gathered = self.gather((error, records))
         outcome: list[Any] = [None]
         if self.rank == 0:
-            outcome[0] = self._commit_or_discard(step, path, gathered)
+            outcome[0] = self._commit_or_discard(step, path, gathered, marks or {})
         if self.pg is not None:
             dist.broadcast_object_list(outcome, src=0, group=self.pg)
         committed, error_all = outcome[0]
@@ -121,7 +124,11 @@ class Writer:
         return ChecksummingFileSystem()
 
     def _commit_or_discard(
-        self, step: int, path: str, gathered: list[tuple[str | None, dict[str, Any]]]
+        self,
+        step: int,
+        path: str,
+        gathered: list[tuple[str | None, dict[str, Any]]],
+        marks: dict[str, str],
     ) -> tuple[bool, str | None]:
         errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
         if errors:
@@ -136,7 +143,7 @@ class Writer:
                 size, crc = self.storage.checksum(f"{path}/{name}")
                 files[name] = {"size": size, "crc32": crc}
         manifest = mf.Manifest(
-            step=step, world_size=self.world_size, files=files, versions=mf.versions()
+            step=step, world_size=self.world_size, files=files, versions=mf.versions(), extra=marks
         )
         try:
             self.faults.point("before_manifest", step, self.rank)

@@ -354,7 +354,9 @@ def _serve(rx: IO[str], tx: IO[str]) -> bool:
             views = _views(req["bin_path"], req["nbytes"], req["entries"], maps)
             staged = unflatten(jsoncodec.loads(req["skeleton"]), views)
             del views
-            committed, error = writer.write_and_commit(req["step"], staged)
+            committed, error = writer.write_and_commit(
+                req["step"], staged, marks=req.get("marks") or {}
+            )
             del staged
         except Exception as e:
             logger.exception("persist of step %s failed", req.get("step"))

@@ -92,6 +92,8 @@ class SaveResult:
         """The part of ``stall_s`` waited inside the training step (the optimizer's step)."""
         self.persist_s = 0.0
         self.commit_s = 0.0
+        self.marks: dict[str, str] = {}
+        """What the manifest records of the saved state beyond its files (``extra``)."""
         self.num_bytes = 0
         self.via_process = False
         """Persisted by the persister process (else in the worker's persist thread)."""
@@ -181,7 +183,13 @@ class SavePipeline:
 
     # -- staging (main and stager threads) -------------------------------------------------------
     def save(
-        self, step: int, state: Mapping[str, Any], *, persist: bool, via_process: bool = False
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        persist: bool,
+        via_process: bool = False,
+        marks: dict[str, str] | None = None,
     ) -> SaveResult:
         """Stage ``state`` as of ``step`` and queue its persist when ``persist`` (through the
         persister process when ``via_process``, else in the persist thread); returns once the
@@ -190,6 +198,7 @@ class SavePipeline:
         self.wait_staged()
         result = SaveResult(step, persist)
         result.via_process = via_process
+        result.marks = dict(marks or {})
         self.last_result = result if persist else (self.last_result or None)
         sd = build_state_dict(state)
         sd["_trainguard_step"] = step
@@ -461,6 +470,7 @@ class SavePipeline:
                     "nbytes": slot.layout.nbytes,
                     "entries": [list(e) for e in slot.layout.entries],
                     "skeleton": jsoncodec.dumps(skeleton),
+                    "marks": result.marks,
                 }
             )
             result.timed_out = proc.timed_out
@@ -471,7 +481,7 @@ class SavePipeline:
                     committed, error = True, None
         else:  # thread mode (or DTensor state, which needs the device mesh of this process)
             staged = unflatten(skeleton, as_dtensors(slot.views, infos))
-            committed, error = self.writer.write_and_commit(result.step, staged)
+            committed, error = self.writer.write_and_commit(result.step, staged, marks=result.marks)
         result.committed = committed
         result.error = error
         result.persist_s = time.perf_counter() - tp
@@ -498,6 +508,8 @@ class SavePipeline:
                 commit_s=round(result.commit_s, 4),
                 stall_s=round(result.stall_s, 4),
                 persist_mode="process" if process else "thread",
+                sdc=result.marks.get("sdc"),
+                sdc_reason=result.marks.get("sdc_reason"),
             )
 
     # -- shutdown --------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from trainguard.checkpoint import manifest as mf
 from trainguard.checkpoint.staging import (
     Snapshot,
+    file_digest,
     flatten,
     list_snapshots,
     rank_dir,
@@ -125,18 +126,41 @@ class Restorer:
             )
         return None
 
-    def _load_memory(self, state: MutableMapping[str, Any], snap: Any) -> str | None:
+    def _load_memory(self, state: MutableMapping[str, Any], snap: Snapshot) -> str | None:
         """Load the memory snapshot ``snap`` into ``state``; None, or why it could not be.
         Never raises: whatever a snapshot holds (it may come from a peer), every rank must
         reach the vote that follows, or the others would wait in it."""
         try:
+            if snap.source != "memory" and not self._copy_agrees(snap):
+                return "sdc_suspect: the copy's bytes differ from its owner's digest"
             skeleton, tensors = snap.load(into=_live_tensors(state))
             self._apply(state, unflatten(skeleton, tensors))
         except Exception as e:  # noqa: BLE001 - see the docstring
             return f"{type(e).__name__}: {e}"[:500]
         return None
 
-    def _refuse(self, snap: Any, source: str, err: str) -> None:
+    def _copy_agrees(self, snap: Snapshot) -> bool:
+        """A copy another node held (a replica pushed to it, a peer's fill) against the
+        digest its owner wrote with it: a copy that differs (a bit flipped in that node's
+        memory) is an ``sdc_suspect``, never restored from. A copy without a digest (an older
+        writer) is taken as it is."""
+        want = snap.meta.get("digest")
+        if not isinstance(want, str):
+            return True
+        got = file_digest(snap.bin_path, int(snap.meta["nbytes"]))
+        if got == want or not snap.still_valid():
+            return True  # a snapshot replaced meanwhile is caught by the load
+        self.emit(
+            "sdc_suspect",
+            step=snap.step,
+            ranks=[self.rank],
+            localise="memory_copy",
+            source=snap.source,
+            digests=[want, got],
+        )
+        return False
+
+    def _refuse(self, snap: Snapshot, source: str, err: str) -> None:
         """One line and a ``checkpoint_corrupt`` event for this rank's unusable snapshot, which
         is dropped from the tier unless it changed meanwhile (then it is another snapshot)."""
         dropped = snap.still_valid()

@@ -264,6 +264,8 @@ class Slot:
             "skeleton": jsoncodec.dumps(skeleton),
             "source": "memory",
         }
+        if self._mm is not None:
+            meta["digest"] = bytes_digest(memoryview(self._mm), self.layout.nbytes)
         write_atomic(self.meta_path, json.dumps(meta))
 
     def close(self) -> None:
@@ -361,6 +363,32 @@ class Snapshot:
             return json.loads(self.meta_path.read_text()).get("gen") == self.gen
         except (OSError, ValueError):
             return False
+
+
+def bytes_digest(buf: bytes | memoryview | mmap.mmap, nbytes: int) -> str:
+    """The owner's digest of a snapshot's first ``nbytes`` bytes: its 32-bit words summed into
+    a 64-bit integer (a flip of bit k changes it by 2^k, never by 0 modulo 2^64) and its
+    64-bit words summed, the tail bytes added; two hex numbers. What a copy held by another
+    node (a replica, a peer's fill) must match to be restored from."""
+    import numpy as np
+
+    words = nbytes // 8
+    arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
+    w32 = arr[: words * 8].view(np.int32).sum(dtype=np.int64)
+    w64 = arr[: words * 8].view(np.uint64).sum(dtype=np.uint64)
+    tail = int(arr[words * 8 :].sum(dtype=np.int64))
+    a = (int(w32) + tail) & (2**64 - 1)
+    b = (int(w64) + tail) & (2**64 - 1)
+    return f"{a:016x}:{b:016x}"
+
+
+def file_digest(path: Path, nbytes: int) -> str:
+    """:func:`bytes_digest` of the first ``nbytes`` bytes of the file ``path``."""
+    with open(path, "rb") as f:
+        if nbytes == 0:
+            return bytes_digest(b"", 0)
+        with mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_READ) as mm:
+            return bytes_digest(mm, nbytes)
 
 
 def _parallel_pread(fd: int, reads: list[tuple[memoryview, int, int]]) -> None:

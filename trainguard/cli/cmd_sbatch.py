@@ -122,9 +122,10 @@ def _split(
 
 def _check_run_options(
     run: argparse.ArgumentParser, run_opts: list[str], script: str, config: str | None
-) -> int:
+) -> tuple[int, int]:
     """Check the ``trainguard run`` options (role specs too: here, not on the nodes after the
-    job waited in the queue); the nodes the roles need of their own."""
+    job waited in the queue; a fixed fleet endpoint port already taken); the nodes the roles
+    need of their own, and how many of them are spares."""
 
     def error(message: str) -> NoReturn:
         raise _BadInput(f"trainguard run option: {message}")
@@ -141,7 +142,13 @@ def _check_run_options(
             overrides = role_overrides(parsed.tg_roles, load_config(config))
     except UsageError as e:
         raise _BadInput(str(e)) from None
-    return load_config(config, overrides=overrides).roles.node_count()
+    roles = load_config(config, overrides=overrides).roles
+    from trainguard.roles.router import check_router_port
+
+    taken = check_router_port(roles)
+    if taken:
+        raise _BadInput(taken)
+    return roles.node_count(), roles.spare_count()
 
 
 def _check_slurm(req: BatchRequest, slurm: SlurmCli) -> None:
@@ -160,10 +167,12 @@ def _check_slurm(req: BatchRequest, slurm: SlurmCli) -> None:
     name = req.partition or next((p.rstrip("*") for p in raw if p.endswith("*")), None)
     have = parts.get(name, 0) if name else max(parts.values(), default=0)
     if req.total_nodes > have:
-        roles = f" + {req.role_nodes} role node(s)" if req.role_nodes else ""
+        own = req.role_nodes - req.role_spares
+        roles = f" + {own} role node(s)" if own else ""
+        roles += f" + {req.role_spares} role spare(s)" if req.role_spares else ""
         raise _BadInput(
             f"--nodes {req.nodes} + --spares {req.spares}{roles} = {req.total_nodes} nodes, but "
-            f"partition {name or '?'} has {have}: ask for fewer nodes, spares or role nodes"
+            f"partition {name or '?'} has {have}: ask for fewer nodes, spares, role nodes or role spares"
         )
     try:
         slurm.submit(req.materialize(), test_only=True)
@@ -192,7 +201,7 @@ def main(argv: list[str], *, prog: str = "trainguard sbatch") -> int:
                 f"training script {script!r} not found (working directory {os.getcwd()}): "
                 "check the path"
             )
-        role_nodes = _check_run_options(build_parser(), run_opts, script, args.config)
+        role_nodes, role_spares = _check_run_options(build_parser(), run_opts, script, args.config)
         cfg = load_config(args.config)
         req = BatchRequest(
             script=script,
@@ -211,6 +220,7 @@ def main(argv: list[str], *, prog: str = "trainguard sbatch") -> int:
             dir_mode=cfg.runtime.dir_mode,
             python=cfg.slurm.python or sys.executable,
             role_nodes=role_nodes,
+            role_spares=role_spares,
         )
         if args.dry_run:
             print(req.materialize(), end="")

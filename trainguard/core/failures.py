@@ -12,6 +12,7 @@ __all__ = [
     "EVICTED_EXIT_CODE",
     "FailureKind",
     "REQUEUE_EXIT_CODE",
+    "ROLE_BELOW_FLOOR_EXIT_CODE",
     "WorkerFailure",
     "classify_exit",
     "peer_failure",
@@ -27,11 +28,23 @@ deterministic failure, a crash loop): a Slurm batch script from ``trainguard sba
 the job instead of requeueing or resubmitting it (the same value as NVIDIA's resiliency
 extension uses)."""
 
+SDC_EXIT_CODE = 95
+"""A worker whose rank the replicas' check (``[sdc]``) named as having computed a wrong result
+exits with this code in a job of several nodes: its node's agent attributes the round to
+``sdc`` and evicts the node, as for a health drain (a spare, or the nodes left, go on from the
+last agreed checkpoint)."""
+
 EVICTED_EXIT_CODE = 94
 """``trainguard run`` exits with this code on a node the recovery policy evicted from the job
 (a health ``drain``/``fail`` verdict, or the node failing too often), and on a node whose agent
 was started again while the node is still on the job's blocklist. The job goes on without the
 node: a scheduler must not retry the *node* (the job itself is not over)."""
+
+ROLE_BELOW_FLOOR_EXIT_CODE = 96
+"""``trainguard run`` exits with this code when a role (``[roles.<name>]``) fell below its
+serving ``floor``: replicas retired, or lost with their role node and no spare node left to
+run them again. Not a user error (2) and not a training failure: the fleet is gone. One line
+names the role, the floor and what was lost."""
 
 
 class FailureKind(str, Enum):

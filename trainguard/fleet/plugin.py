@@ -61,6 +61,8 @@ def fleet_db(cfg: FleetConfig, runs_root: str, *, node: str | None = None) -> Fl
 def _eviction_cause(reason: str) -> str:
     r = reason.lower()
     hardware = Cause.HARDWARE.value
+    if f": {Cause.SDC.value}: " in r:
+        return Cause.SDC.value
     return hardware if r.startswith("health") or hardware in r else "repeated_failures"
 
 

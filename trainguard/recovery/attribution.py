@@ -23,6 +23,8 @@ cause              verdict     evidence
 ``transient``      restart     killed (SIGKILL), stopped and killed by the hang detector,
                                crashed (SIGSEGV...) or exited without saying why; the peers
                                that lost their connection to a killed rank are its consequence
+``sdc``            evict       a worker exited with the silent-data-corruption code (95): the
+                               replicas' check named its rank (``[sdc]``, several nodes)
 =================  ==========  ================================================================
 
 Only ``user_code`` and ``out_of_memory`` stop a job, and only on an exception the script raised
@@ -38,7 +40,12 @@ from typing import Any
 
 from trainguard.core.contracts.actions import Cause, HealthAction, Verdict
 from trainguard.core.errorfile import ExceptionSite, exception_site
-from trainguard.core.failures import FailureKind, WorkerFailure, peer_failure_text
+from trainguard.core.failures import (
+    SDC_EXIT_CODE,
+    FailureKind,
+    WorkerFailure,
+    peer_failure_text,
+)
 
 __all__ = ["Attribution", "Cause", "Verdict", "attribute", "oom_figure"]
 
@@ -51,6 +58,7 @@ VERDICTS: dict[Cause, Verdict] = {
     Cause.DATA: Verdict.ROLLBACK,
     Cause.CONTROL_PLANE: Verdict.RETRY,
     Cause.TRANSIENT: Verdict.RESTART,
+    Cause.SDC: Verdict.EVICT,
 }
 
 _OOM_TYPES = {"OutOfMemoryError", "MemoryError"}
@@ -164,6 +172,16 @@ def attribute(
             "health: " + "; ".join(reasons[:4]),
             ranks=sorted({int(r) for h in health for r in h.get("ranks") or []}),
             evidence={"health": reasons[:8], "action": "drain" if drain else "restart"},
+        )
+    named = sorted(f.rank for f in failures if f.exitcode == SDC_EXIT_CODE)
+    if named:
+        return Attribution(
+            Cause.SDC,
+            Verdict.EVICT,
+            f"silent data corruption: the replicas' check named rank(s) {_ranks(named)} "
+            "(a wrong result computed without an error)",
+            ranks=named,
+            evidence={"exits": {str(r): f"exit {SDC_EXIT_CODE}" for r in named}},
         )
     if hang:
         return Attribution(

@@ -242,14 +242,14 @@ class RecoveryPolicy:
         job = self._job_decision(attempt, failures, ran_s)
         hardware = (
             attr is not None
-            and attr.cause is Cause.HARDWARE
+            and attr.cause in (Cause.HARDWARE, Cause.SDC)
             and attr.verdict is Verdict.EVICT
             and not health  # a health drain evicts on its own path
         )
         if job.action is RecoveryAction.RESTART and evictable and hardware and attr is not None:
             return RecoveryDecision(
                 RecoveryAction.EVICT,
-                f"node {self.node}: hardware: {attr.summary}",
+                f"node {self.node}: {attr.cause.value}: {attr.summary}",
                 attempt,
                 job.job_restarts,
                 decided_by=self.node,

@@ -21,6 +21,9 @@
   out of routing at once, a probe that times out ``dead_after_failures`` times in a row
   (``health_interval_s`` apart, ``health_timeout_s`` each: about 6 s by default, within 10 s)
   declares it dead, and requests in flight on it are retried elsewhere at once;
+- follows the placement the role supervisors publish in the job's run directory
+  (:mod:`trainguard.rl.placement`): a replica re-placed on a spare node (its role node lost)
+  is routed to at its new URL without a restart;
 - pushes weight versions (:meth:`sync_weights`) to every live engine in parallel under a
   timeout derived from the measured sync times; an engine that does not confirm leaves
   routing until its health reports the new version (it refits itself from the weight store).
@@ -54,6 +57,7 @@ from trainguard.core.contracts.engine import Identity
 from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.fleetauth import token_from_env
 from trainguard.rl.dispatch import Batch, BatchDispatcher, RolloutCounters, request_params
+from trainguard.rl.placement import PlacementFollower
 from trainguard.rl.rollout_types import (
     FAILURE_REASONS,
     REWARD_URLS_ENV,
@@ -143,6 +147,7 @@ class RolloutClient:
         store.meta(v).get("fingerprint")``); given, an engine is routed version ``v`` only once
         its answers matched it (:mod:`trainguard.rl.verify`), and one that does not match is
         quarantined and refit."""
+        from_env = urls is None
         urls = list(urls) if urls is not None else urls_from_env()
         if not urls:
             raise ValueError(
@@ -167,14 +172,31 @@ class RolloutClient:
         self.weight_sync = WeightSync(
             self.table, self._pool, self.config, fingerprints=fingerprints, events=self._emit
         )
+        run_dir = envvars.run_dir() if from_env else None
+        self.placement = (
+            PlacementFollower(
+                urls,
+                run_dir,
+                self.table.set_urls,
+                self.config.health_interval_s,
+                node=os.environ.get(envvars.NODE, ""),
+            )  # fmt: skip
+            if run_dir
+            else None
+        )
+        """Given no ``urls`` inside a job: follows the published placement."""
         if start:
             self.start()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         self.table.start()
+        if self.placement is not None:
+            self.placement.start()
 
     def close(self) -> None:
+        if self.placement is not None:
+            self.placement.stop()
         self.table.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -37,7 +37,6 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 from trainguard.core.contracts import envvars
 from trainguard.core.contracts.engine import (
@@ -52,20 +51,13 @@ from trainguard.core.contracts.engine import (
 from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.fleetauth import Authenticator
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
+from trainguard.rl.placement import published_placement
 from trainguard.rl.rollout_types import RolloutConfig, urls_from_env
 from trainguard.rl.routing import EngineRecord, EngineTable, RequestFailure
 
 __all__ = ["FleetRouter", "RouterHandler", "main", "serve"]
 
 logger = logging.getLogger(__name__)
-
-_GONE = frozenset({"failed", "stopped", "retired"})
-"""Published replica states that are no longer part of the placement."""
-
-
-def _loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 class FleetRouter:
@@ -110,22 +102,8 @@ class FleetRouter:
             return []
 
     def placement(self) -> list[str]:
-        """The engines' URLs: the configured ones, each replica's replaced by the URL its
-        supervisor published (a restart keeps it, a re-placement moves it), without the
-        replicas published as failed, retired or stopped."""
-        by_index: dict[int, str] = dict(enumerate(self.base))
-        for rep in self._published():
-            idx, url, state = rep.get("replica"), rep.get("url"), rep.get("state")
-            if not isinstance(idx, int) or not isinstance(url, str):
-                continue
-            node = rep.get("node")
-            if self.node and node and node != self.node and _loopback(url):
-                continue  # another trainer node's own replica, on its own loopback
-            if state in _GONE:
-                by_index.pop(idx, None)
-            else:
-                by_index[idx] = url.rstrip("/")
-        return list(dict.fromkeys(by_index[i] for i in sorted(by_index)))
+        """The engines' URLs as published (:func:`trainguard.rl.placement.published_placement`)."""
+        return published_placement(self.base, self._published(), self.node)
 
     def _identities(self) -> Mapping[str, Identity]:
         out = {}

@@ -4,12 +4,15 @@ The fleet starts before the first rendezvous (so before the trainer's first work
 across every restart of the trainer group (the agent's rendezvous rounds call
 ``before_rendezvous`` again: nothing happens), and is stopped, by PID and process group, when
 the agent finishes. A role failure ends the job with one line and exit code 2; the job's exit
-code is otherwise the trainer's.
+code is otherwise the trainer's. A role below its serving ``floor`` ends it with exit code 96
+(:data:`~trainguard.core.failures.ROLE_BELOW_FLOOR_EXIT_CODE`).
 
 A role with ``nodes = K`` (``trainguard sbatch``) runs on nodes of its own
 (:mod:`trainguard.roles.node`): here it only gives the workers its replicas' URLs, derived
 from ``TRAINGUARD_SBATCH_ROLE_NODES``, and ends the job with the line a role node wrote to
-``TRAINGUARD_SBATCH_ROLES_FAILED``.
+``TRAINGUARD_SBATCH_ROLES_FAILED``. It also watches the role nodes' beacons
+(:class:`~trainguard.roles.nodeloss.RoleNodeWatch`): a lost role node is drained, its replicas
+re-placed on a spare node of the role, and the trainer goes on.
 
 With ``[roles] router = true`` it also runs the fleet endpoint (:mod:`trainguard.roles.router`)
 on this node, routing to the rollout engines the workers are told of, and gives its URL and
@@ -27,13 +30,16 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 from trainguard.core.contracts import envvars
 from trainguard.core.contracts.jobstate import JobState
+from trainguard.core.failures import ROLE_BELOW_FLOOR_EXIT_CODE
+from trainguard.core.fencing import NodeFencer
 from trainguard.core.fleetauth import job_secret, role_token
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin
+from trainguard.roles.nodeloss import RoleNodeWatch
 from trainguard.roles.placement import place_roles
 from trainguard.roles.router import RouterProcess
 from trainguard.roles.supervisor import RoleSupervisor
 
-__all__ = ["RoleFailedError", "RolesPlugin"]
+__all__ = ["RoleBelowFloorError", "RoleFailedError", "RolesPlugin"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +53,26 @@ class RoleFailedError(AgentExit):
     close_rendezvous = True
 
 
+class RoleBelowFloorError(AgentExit):
+    """A role fell below its serving ``floor`` (replicas retired, or lost with their node and
+    no spare node left): the job ends with exit code 96, apart from a user error."""
+
+    exit_code = ROLE_BELOW_FLOOR_EXIT_CODE
+    state = JobState.FAILED
+    close_rendezvous = True
+
+
 class RolesPlugin(AgentPlugin):
     name = "roles"
 
-    def __init__(self, ctx: AgentContext, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        ctx: AgentContext,
+        env: Mapping[str, str] | None = None,
+        *,
+        fencer: NodeFencer | None = None,
+    ) -> None:
+        """``fencer``: how a lost role node is taken out of service (Slurm's drain)."""
         env = os.environ if env is None else env
         cfg = ctx.config.roles
         self.router: RouterProcess | None = None
@@ -63,6 +85,7 @@ class RolesPlugin(AgentPlugin):
         self.remote_env: dict[str, str] = {}
         """The URLs of the roles on nodes of their own."""
         self.failed_file: Path | None = None
+        self.node_watch: RoleNodeWatch | None = None
         remote = [s for s in ctx.config.roles.specs() if s.nodes]
         if remote:
             # the launcher refused nodes = K outside a trainguard sbatch job
@@ -71,6 +94,9 @@ class RolesPlugin(AgentPlugin):
                 self.remote_env[envvars.ROLE_URLS[role]] = ",".join(p.url for p in placed)
             failed = env.get(envvars.SBATCH_ROLES_FAILED)
             self.failed_file = Path(failed) if failed else None
+            self.node_watch = RoleNodeWatch(
+                cfg, ctx.run_dir, nodes, ctx.events, fencer, job_id=env.get("SLURM_JOB_ID", "")
+            )
 
     def worker_env(self, ctx: AgentContext) -> Mapping[str, str]:
         # the engines' URLs in the trainer's workers, fixed for the whole job (a replica
@@ -81,6 +107,10 @@ class RolesPlugin(AgentPlugin):
         return env
 
     def _check(self) -> None:
+        if self.supervisor.failure is not None and self.supervisor.below_floor:
+            raise RoleBelowFloorError(self.supervisor.failure)
+        if self.node_watch is not None and self.node_watch.failure is not None:
+            raise RoleBelowFloorError(self.node_watch.failure)
         failure = self.supervisor.failure
         if failure is None and self.failed_file is not None:
             try:
@@ -92,6 +122,8 @@ class RolesPlugin(AgentPlugin):
 
     def before_rendezvous(self, ctx: AgentContext) -> None:
         self.supervisor.start()  # once: a restarted trainer group finds its engines running
+        if self.node_watch is not None:
+            self.node_watch.start()  # idempotent
         if self.router is not None:  # once, as the engines
             env = {**self.supervisor.trainer_env(), **self.remote_env}
             self.router.start(
@@ -111,6 +143,8 @@ class RolesPlugin(AgentPlugin):
         self.close()
 
     def close(self) -> None:
+        if self.node_watch is not None:
+            self.node_watch.stop()
         if self.router is not None:
             self.router.stop()
         self.supervisor.stop()

@@ -114,6 +114,8 @@ class RoleSupervisor:
         self.restarts: dict[str, int] = {}
         self.failure: str | None = None
         """The first role failure (one line), None while every role runs."""
+        self.below_floor = False
+        """Whether that failure is a role below its ``floor`` (exit code 96, not 2)."""
         self._budget_spent: set[str] = set()
         """Roles whose restart budget was reported spent (``role_restart_budget_exhausted``)."""
         self.startup_s: dict[str, float] = {}
@@ -358,6 +360,8 @@ class RoleSupervisor:
             floor=spec.floor,
         )
         if left < spec.floor:
+            with self.lock:
+                self.below_floor = self.below_floor or self.failure is None
             self.fail(
                 spec,
                 rep,

@@ -285,22 +285,19 @@ class QuietKeepAliveHandler(_dr.DynamicRendezvousHandler):
     _joined_round: int | None = None
 
     def next_rendezvous(self) -> RendezvousInfo:
-        holder = self._state_holder
-        during = getattr(holder, "in_rendezvous", None)
+        deadline = getattr(self._state_holder, "deadline", None)
         try:
-            with during() if during is not None else contextlib.nullcontext():
+            with deadline.in_rendezvous() if deadline is not None else contextlib.nullcontext():
                 info = super().next_rendezvous()
         except RendezvousTimeoutError:
             # torch's error names nothing; the etcd-v3 holder says what the round lacked
-            explain = getattr(holder, "incomplete", None)
-            if explain is None:
+            if deadline is None:
                 raise
-            raise RendezvousTimeoutError(explain(self._settings.timeout.join)) from None
+            raise RendezvousTimeoutError(deadline.incomplete(self._settings.timeout.join)) from None
         except RendezvousConnectionError as e:
             # the etcd-v3 holder retries etcd until the join deadline: an error then is the
             # round's timeout, said with what it lacked
-            explain = getattr(holder, "unavailable", None)
-            text = explain(self._settings.timeout.join, e) if explain is not None else None
+            text = deadline.unavailable(self._settings.timeout.join, e) if deadline else None
             if text is None:
                 raise
             raise RendezvousTimeoutError(text) from None
@@ -311,15 +308,15 @@ class QuietKeepAliveHandler(_dr.DynamicRendezvousHandler):
         """A block of work in the round's store right after :meth:`next_rendezvous`, during
         which the state holder's backend (etcd-v3) retries an unanswered call for ``seconds``
         rather than only its ``retry_timeout``; a no-op for other backends."""
-        retrying = getattr(self._state_holder, "retrying_for", None)
-        return retrying(seconds) if retrying is not None else contextlib.nullcontext()
+        deadline = getattr(self._state_holder, "deadline", None)
+        return deadline.retrying_for(seconds) if deadline is not None else contextlib.nullcontext()
 
     def _get_deadline(self, timeout: timedelta) -> float:
         deadline = super()._get_deadline(timeout)
         if timeout == self._settings.timeout.join:  # the rendezvous' (not a keep-alive's)
-            note = getattr(self._state_holder, "round_deadline", None)
-            if note is not None:
-                note(deadline)
+            holder_deadline = getattr(self._state_holder, "deadline", None)
+            if holder_deadline is not None:
+                holder_deadline.round_deadline(deadline)
         return deadline
 
     def num_nodes_waiting(self) -> int:

@@ -50,7 +50,7 @@ def default_plugins(ctx: AgentContext) -> list[AgentPlugin]:
         from trainguard.roles.plugin import RolesPlugin
 
         # the engine fleets start before the trainer's first workers, and outlive its restarts
-        plugins.append(RolesPlugin(ctx))
+        plugins.append(RolesPlugin(ctx, fencer=node_fencer(cfg)))
     if cfg.warm.enabled:
         from trainguard.runtime.warm import WarmPlugin
 

@@ -12,10 +12,12 @@ Roles with ``nodes = K`` (``[roles.<name>] nodes``, ``--tg-role rollout=2,nodes=
 nodes of their own: the script allocates them besides the trainer's and spares (the last ones of
 the allocation's node list), names them with their Slurm address (``NodeAddr``) in
 ``TRAINGUARD_SBATCH_ROLE_NODES``, and starts ``trainguard slurm roles`` there in a step of its
-own (``--kill-on-bad-exit``: the loss of one role node's agent ends that step). The trainer's
-step runs on the other nodes. When the trainer's step has ended the script creates the stop
-file (the role agents stop their replicas and exit); a role step that ends before (an agent
-killed, a node lost) writes the failure file, with which the trainer's agents end the job.
+own (``--kill-on-bad-exit=0 --no-kill``: the loss of one role node's agent ends only that task;
+the trainer's agents re-place its replicas on a spare node of the role, ``spares``, and drain
+it: :mod:`trainguard.roles.nodeloss`). The trainer's step runs on the other nodes. When the
+trainer's step has ended the script creates the stop file (the role agents stop their replicas
+and exit); a role step that ends before (every role node's agent gone) writes the failure
+file, with which the trainer's agents end the job.
 
 The batch host (the allocation's first node) runs this script. Slurm keeps a ``--no-kill`` job
 RUNNING when its batch host fails, without the script that would end it (measured on Slurm
@@ -126,14 +128,18 @@ class BatchRequest:
     workdir: str | None = None
     """Directory the job runs in (``--chdir``); default: where ``sbatch`` was run."""
     role_nodes: int = 0
-    """Nodes of the roles' own (``nodes = K`` of every role together), allocated besides the
-    trainer's and the spares."""
+    """Nodes of the roles' own (``nodes = K`` and ``spares = S`` of every role together),
+    allocated besides the trainer's and the spares."""
+    role_spares: int = 0
+    """Of ``role_nodes``: the roles' spare nodes (``spares``)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ValueError(f"--nodes {self.nodes}: at least 1 node must train")
         if self.role_nodes < 0:
             raise ValueError(f"role nodes {self.role_nodes}: must be >= 0")
+        if not 0 <= self.role_spares <= self.role_nodes:
+            raise ValueError(f"role spares {self.role_spares}: must be in 0..{self.role_nodes}")
         if self.spares < 0:
             raise ValueError(f"--spares {self.spares}: must be >= 0")
         if self.gpus_per_node is not None and self.gpus_per_node < 0:
@@ -222,7 +228,7 @@ class BatchRequest:
         tg = f"{_q(self.python)} -m trainguard"
         parts = [
             f'srun --nodes={r} --ntasks={r} --ntasks-per-node=1 --nodelist="$ROLE_HOSTS"',
-            "--kill-on-bad-exit=1 --no-kill",
+            "--kill-on-bad-exit=0 --no-kill",
             f'--output="{_BATCH_RUN_DIR.step_log("roles")}" {tg} slurm roles',
             '--tg-run-dir "$RUN_DIR"',
         ]
@@ -251,7 +257,7 @@ class BatchRequest:
             f'export {envvars.SBATCH_ROLES_STOP}="$RUN_DIR/roles-$SLURM_JOB_ID.stop"',
             f'export {envvars.SBATCH_ROLES_FAILED}="$RUN_DIR/roles-$SLURM_JOB_ID.failed"',
             f'rm -f "${envvars.SBATCH_ROLES_STOP}" "${envvars.SBATCH_ROLES_FAILED}"',
-            "# a role step that ends before the trainer's (an agent killed, a node lost) fails",
+            "# a role step that ends before the trainer's (every role node's agent gone) fails",
             "# the job: the trainer's agents read the line and end it (never a trainer restart)",
             "(",
             "  " + self._roles_command().replace("\n", "\n  "),

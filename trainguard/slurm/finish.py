@@ -30,8 +30,13 @@ from trainguard.core.config.slurm import SlurmConfig
 from trainguard.core.contracts import envvars
 from trainguard.core.contracts.event_kinds import JOB_FINISHED, NODE_DRAINED
 from trainguard.core.contracts.jobstate import JobState
+from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import EventLog, read_events
-from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
+from trainguard.core.failures import (
+    DO_NOT_REQUEUE_EXIT_CODE,
+    REQUEUE_EXIT_CODE,
+    ROLE_BELOW_FLOOR_EXIT_CODE,
+)
 from trainguard.core.fencing import NodeFencer
 from trainguard.slurm.batch import CHAIN_ENV, RESUBMITS_ENV
 from trainguard.slurm.cli import SlurmCli, SlurmError
@@ -105,6 +110,14 @@ def decide(
             lost,
             message=f"exit code {DO_NOT_REQUEUE_EXIT_CODE}: not requeued",
         )
+    if rc == ROLE_BELOW_FLOOR_EXIT_CODE:
+        return FinishDecision(
+            FinishAction.STOP,
+            ROLE_BELOW_FLOOR_EXIT_CODE,
+            lost,
+            message=f"exit code {ROLE_BELOW_FLOOR_EXIT_CODE}: a role fell below its serving "
+            "floor; not requeued",
+        )
     if rc == REQUEUE_EXIT_CODE or any(s == JobState.REQUEUE for s in states.values()):
         return FinishDecision(
             FinishAction.REQUEUE,
@@ -175,6 +188,11 @@ def finish(
         drained_before=drained_by_trainguard(events),
     )
     say(f"trainguard: job {job_id}: {d.action.value}: {d.message}")
+    if rc == ROLE_BELOW_FLOOR_EXIT_CODE:
+        try:
+            say(f"trainguard: {RunDir(run_dir).role_below_floor.read_text().strip()}")
+        except OSError:  # the line came from the agent's step log
+            pass
     already = set(drained_by_trainguard(events))
     for n in (n for n in d.lost if n not in already):  # the agents drain lost nodes at once
         res = fencer.fence(n, f"agent lost in job {job_id} (node failed or unreachable)")

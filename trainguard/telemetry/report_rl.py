@@ -5,9 +5,8 @@ kept, shrunk and dropped whole by reason."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from html import escape
-from typing import Any
 
 from trainguard.core import svg
 from trainguard.core.contracts.event_kinds import ROLLOUT_SAMPLES_TRAINED
@@ -15,7 +14,15 @@ from trainguard.core.contracts.event_kinds import ROLLOUT_SAMPLES_TRAINED
 __all__ = ["samples_section"]
 
 
-def samples_section(events: Iterable[dict[str, Any]]) -> str:
+def _ints(v: object) -> list[int]:
+    return (
+        [x for x in v if isinstance(x, int) and not isinstance(x, bool)]
+        if isinstance(v, list)
+        else []
+    )
+
+
+def samples_section(events: Iterable[Mapping[str, object]]) -> str:
     """Empty when no rank recorded a trained sample; the bound drawn is the largest the
     records name."""
     bound: int | None = None
@@ -27,18 +34,17 @@ def samples_section(events: Iterable[dict[str, Any]]) -> str:
         if e.get("kind") != ROLLOUT_SAMPLES_TRAINED:
             continue
         records += 1
-        if isinstance(e.get("bound"), int):
-            bound = max(bound or 0, e["bound"])
-        for s in e.get("staleness") or []:
-            if isinstance(s, int) and not isinstance(s, bool):
-                stale[s] += 1
-        for g in e.get("group_sizes") or []:
-            if isinstance(g, int) and not isinstance(g, bool):
-                sizes[g] += 1
-        for reason, n in dict(e.get("dropped") or {}).items():
+        b = e.get("bound")
+        if isinstance(b, int) and not isinstance(b, bool):
+            bound = max(bound or 0, b)
+        stale.update(_ints(e.get("staleness")))
+        sizes.update(_ints(e.get("group_sizes")))
+        d = e.get("dropped")
+        for reason, n in d.items() if isinstance(d, dict) else ():
             if isinstance(n, int) and not isinstance(n, bool):
                 dropped[str(reason)] += n
-        shrunk += int(e.get("shrunk") or 0)
+        sh = e.get("shrunk")
+        shrunk += sh if isinstance(sh, int) else 0
     if not records:
         return ""
     chart = svg.histogram(

@@ -22,11 +22,14 @@ its own step.
 **A disagreement** is an ``sdc_suspect`` event. With a strict majority of equal digests (three
 ranks or more) the others are named at once. Without one (two ranks, or a tie), the job rolls
 back and replays: every rank restores the last agreed state, redoes the steps from there with
-its recorded batches, and is checked again at the suspect step. Each rank compares the metric it
-logs (the loss, computed from the state at each step's boundary) with its first run's, bitwise,
-and its state at the suspect step with its first one: a corruption on rank b in step f changes
-b's state from the boundary f + 1 on and every other rank's only from f + 2 on (through the
-all-reduce of step f + 1), so the rank that diverged first is named. When the replay leaves it
+its recorded batches, and is checked again at the suspect step. With two ranks each rank
+digests its parameters at every boundary (:meth:`SdcGuard.boundary`, local) and compares the
+redo's with its first run's, bitwise, and its state at the suspect step with its first one: a
+corruption on rank b in step f changes b's parameters from the boundary f + 1 on and another
+rank's only through b's gradients in a later all-reduce, from f + 2 on, so the rank that
+diverged first is named (where no digests are recorded, a tie of three ranks or more, the
+logged metric is compared instead). After a verdict, in a job of several nodes, every rank
+leaves and the named one with :data:`SDC_EXIT_CODE`: its agent evicts the node. When the replay leaves it
 open (a tie, or the same wrong result again: a deterministic fault), each rank multiplies two
 fixed matrices whose exact product is known: a rank whose product is wrong is named. The verdict
 is an ``sdc_verdict`` event, and a fleet-database record (cause ``sdc``) of the named rank's node
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -54,7 +58,7 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from trainguard.core.config.sdc import SdcConfig
-from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE
+from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, SDC_EXIT_CODE
 
 if TYPE_CHECKING:
     import torch
@@ -132,6 +136,19 @@ def replicated_tensors(state: Mapping[str, Any]) -> list[torch.Tensor]:
     return out
 
 
+def parameter_tensors(state: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The parameters of the DDP models in ``state`` (in a fixed order): what a rank's own
+    computation changes first, the per-step record of a two-rank replay."""
+    import torch
+
+    out: list[torch.Tensor] = []
+    for key in sorted(state, key=str):
+        obj = state[key]
+        if isinstance(obj, torch.nn.Module):
+            out.extend(p for _, p in obj.named_parameters())
+    return out
+
+
 def tensor_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Each tensor's bytes as 32-bit words (16 or 8 where its size is odd) summed into an int64,
     modulo 2^64: one flipped bit changes its tensor's sum by ±2^k, never by 0 (on the CPU)."""
@@ -193,17 +210,26 @@ class SdcGuard:
         """Why the checks are off for this job (state not replicated)."""
         self.checks = 0
         self.spent_s = 0.0
+        """Time in the checks this cadence (or a persisting save) asked for."""
+        self.forced_s = 0.0
+        """Time in the checks only a memory-tier snapshot asked for (charged to it)."""
         self.last_cost_s = 0.0
         self.t_first: float | None = None
         self.steps_run = 0
         self._prev_step: int | None = None
         self.every = config.every_steps or 1
         """The agreed distance to the next check at the last check (for reports)."""
-        self._replay: tuple[int, tuple[int, int], dict[int, float]] | None = None
+        self._replay: tuple[int, tuple[int, int], dict[int, object]] | None = None
         """(the suspect step being replayed, this rank's digest there the first time, its
         first values of the watched metric since the last agreed step)."""
-        self._values: dict[int, float] = {}
-        """The watched metric (``tg.log``) of the steps since the last agreed one."""
+        self._values: dict[int, object] = {}
+        """Per step since the last agreed one: the digest of the parameters at its boundary
+        (two ranks, ``replay_digests``), else the watched metric (``tg.log``)."""
+        self.record_steps = tg.world_size < 3 and config.replay_digests
+        """Record each boundary's parameter digest (no majority possible: a replay names)."""
+        self.record_s = 0.0
+        """Time spent on those per-step records (reported apart from the checks')."""
+        self._params: tuple[int, list[torch.Tensor]] | None = None
         self._diverged: int | None = None
         """The first step of the redo whose metric differs from the first run's."""
         self.verdicts = 0
@@ -214,26 +240,61 @@ class SdcGuard:
         """``tg.log`` values of the step ``step``: the watched metric (the loss, computed from
         the state at this step's boundary) is kept until the next agreed check; during a redo
         it is compared with the first run's, bitwise."""
+        if self.record_steps:
+            return
         v = metrics.get(self.config.metric)
         if v is None or isinstance(v, str):
             return
         x = float(v)
-        if self._replay is not None and step <= self._replay[0] and self._diverged is None:
-            first = self._replay[2].get(step)
-            if first is not None and not (x == first or (x != x and first != first)):
-                self._diverged = step
+        self._compare(step, x)
         self._values[step] = x
+
+    def boundary(self, step: int, state: Mapping[str, Any]) -> None:
+        """Every step boundary (``maybe_save``, local): with two ranks, the digest of this
+        rank's parameters there, kept until the next agreed check; during a redo compared with
+        the first run's. A corruption on rank b in step f changes b's parameters from the
+        boundary f + 1 on; the other rank's can change only through b's gradients in the
+        all-reduce of step f + 1, from f + 2 on: the rank whose parameters diverged first is
+        the one that computed wrongly (a rounded loss can miss a small corruption)."""
+        if not self.record_steps or self.off is not None:
+            return
+        t0 = time.perf_counter()
+        if self._params is None or self._params[0] != id(state):
+            self._params = (id(state), parameter_tensors(state))
+        x = digest(self._params[1]) if self._params[1] else None
+        self._compare(step, x)
+        self._values[step] = x
+        self.record_s += time.perf_counter() - t0
+
+    def _compare(self, step: int, x: object) -> None:
+        """During a redo: ``x`` at ``step`` against the first run's, bitwise."""
+        if self._replay is not None and step <= self._replay[0] and self._diverged is None:
+            if step not in self._replay[2]:
+                return
+            first = self._replay[2][step]
+            same = x == first or (isinstance(x, float) and x != x and first != first)
+            if not same:
+                self._diverged = step
 
     # -- schedule --------------------------------------------------------------------------
     @property
     def active(self) -> bool:
         return self.off is None
 
+    def marks(self, step: int) -> dict[str, str]:
+        """The manifest's record of the check of the state saved at ``step``."""
+        if self.off is not None:
+            return {"sdc": "unverified", "sdc_reason": f"checks off: {self.off}"}
+        if self.last_ok != step:
+            return {"sdc": "unverified", "sdc_reason": f"not checked at step {step}"}
+        return {"sdc": "verified"}
+
     def restored(self, step: int) -> None:
         """A restore (collective: every rank) loaded the state of ``step``: it was saved from
         state that passed a check, and the next boundary checks again."""
         self.last_ok, self.next_check, self._prev_step = step, None, step
         self.generation = self.tg.generation
+        self._params = None  # the restore may have put new tensors into the state
 
     def due(self, step: int, *, persist: bool) -> bool:
         """Whether the boundary ``step`` is checked: the agreed cadence, a save (to disk or the
@@ -262,10 +323,19 @@ class SdcGuard:
         return step + max(1, math.ceil(wait_s / per_step - 1e-9))
 
     # -- the check (collective: every rank, the same step) ---------------------------------
-    def check(self, step: int, state: MutableMapping[str, Any], group: ProcessGroup | None) -> bool:
+    def check(
+        self,
+        step: int,
+        state: MutableMapping[str, Any],
+        group: ProcessGroup | None,
+        *,
+        forced: bool = False,
+    ) -> bool:
         """Compare the ranks' replicas at ``step``. True: they agree (or the checks are off),
         the caller goes on (and may save); False: a corruption was found and ``state`` rolled
-        back to the last agreed step (``tg.step_num`` moved there)."""
+        back to the last agreed step (``tg.step_num`` moved there). ``forced``: only a
+        memory-tier snapshot asked for this one: its cost is the snapshot's (the memory tier's
+        cadence counts it), not this budget's."""
         import torch
         import torch.distributed as dist
 
@@ -288,8 +358,11 @@ class SdcGuard:
         nxt = max(r[2] for r in got)
         self.every, self.next_check = nxt - step, nxt
         cost = time.perf_counter() - t0
-        self.spent_s += cost
-        self.last_cost_s = cost
+        if forced:
+            self.forced_s += cost
+        else:
+            self.spent_s += cost
+            self.last_cost_s = cost
         self.checks += 1
         self._record(step, cost)
         digests = [(r[0], r[1]) for r in got]
@@ -316,6 +389,10 @@ class SdcGuard:
                 "sdc_total_s": self.spent_s,
                 "elapsed_s": elapsed,
                 "overhead": self.spent_s / elapsed if elapsed > 0 else 0.0,
+                "forced_s": self.forced_s,
+                "forced_overhead": self.forced_s / elapsed if elapsed > 0 else 0.0,
+                "record_s": self.record_s,
+                "record_overhead": self.record_s / elapsed if elapsed > 0 else 0.0,
                 "next_step": self.next_check,
             }
         )
@@ -438,6 +515,30 @@ class SdcGuard:
         if stop:
             self._stop(step, f"{self.verdicts} corruption verdicts (max_verdicts = "
                        f"{self.config.max_verdicts})", emit=False)  # fmt: skip
+        if self.config.evict and tg.world_size > tg.local_world_size:
+            self._evict(step, ranks)
+
+    def _evict(self, step: int, ranks: list[int]) -> None:
+        """A job of several nodes: every rank leaves (the verdict is the same on all of them),
+        a named one with :data:`SDC_EXIT_CODE`, so that its node's agent evicts the node as for
+        a health drain; the others with 1 (a consequence: the round restarts without it, from
+        the last agreed checkpoint, where a spare or the nodes left take over)."""
+        from trainguard.worker.rollback import _leave_together
+
+        tg = self.tg
+        named = tg.rank in ranks
+        if named or tg.rank == 0:
+            print(f"trainguard: rank {tg.rank}: silent data corruption at step {step} on rank(s) "
+                  f"{', '.join(map(str, ranks))}: "
+                  + (f"node {tg.node} leaves the job (exit {SDC_EXIT_CODE}: evicted)" if named
+                     else "the named node leaves the job; restarting from the last agreed "
+                     "checkpoint"), file=sys.stderr, flush=True)  # fmt: skip
+        try:
+            tg.close()
+        except Exception:
+            logger.exception("closing the worker handle before leaving failed")
+        _leave_together()
+        os._exit(SDC_EXIT_CODE if named else 1)
 
     def _fleet_record(self, step: int, how: str, device: str) -> None:
         """This rank was named: its node's record in the fleet database (counts toward the lemon
@@ -455,8 +556,10 @@ class SdcGuard:
             runs_root = worker_section_or_default(tg.run_dir, "runtime").runs_root
             node, _ = safe_node_name(tg.node)
             with fleet_db(cfg, runs_root, node=node) as db:
+                # the job as its agents record it (one incident with their eviction record)
+                job = os.environ.get("TORCHELASTIC_RUN_ID") or tg.run_dir.name
                 db.write([Record(node=node, kind="sdc", cause="sdc", verdict="rollback",
-                                 job=tg.run_dir.name, attempt=tg.attempt,
+                                 job=job, attempt=tg.attempt,
                                  detail={"rank": tg.rank, "step": step, "device": device,
                                          "localise": how})])  # fmt: skip
         except Exception as e:
@@ -516,8 +619,6 @@ class SdcGuard:
         except Exception:
             logger.exception("closing the worker handle before the stop failed")
         _leave_together()
-        import os
-
         os._exit(DO_NOT_REQUEUE_EXIT_CODE)
 
 

@@ -305,7 +305,7 @@ def validate_meta(meta: Any, *, max_bytes: int) -> dict[str, Any]:
         raise ProtocolError(f"gen={gen!r}: expected a short alphanumeric string")
     if not isinstance(meta.get("time"), int | float) or not math.isfinite(meta["time"]):
         raise ProtocolError("time: expected a number")
-    for k in ("skeleton", "source"):
+    for k in ("skeleton", "source", "digest"):
         if k in meta and not isinstance(meta[k], str):
             raise ProtocolError(f"{k}: expected a string")
     entries = meta.get("entries")

@@ -6,7 +6,7 @@ Example::
     url = "postgresql://trainguard@db.cluster:5432/fleet"   # default: SQLite under the runs root
     lemon_failures = 3          # a node with 3 ...
     lemon_window_days = 14      # ... hardware-class failures in 14 days is a lemon
-    lemon_causes = ["hardware"]
+    lemon_causes = ["hardware", "sdc"]
 
 The database password is best left out of the URL: libpq's ``PGPASSWORD`` / ``~/.pgpass`` are
 read as usual (the URL is redacted in the run's config.json either way); a password in the URL
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 
 def _lemon_causes() -> list[str]:
-    return ["hardware"]
+    return ["hardware", "sdc"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -37,7 +37,8 @@ class FleetConfig:
     an operator last released it) is refused by every later job. 0: never."""
     lemon_window_days: float = 14.0
     lemon_causes: list[str] = field(default_factory=_lemon_causes)
-    """Failure causes that count towards a lemon (``hardware``; ``network``, ``transient`` ...)."""
+    """Failure causes that count towards a lemon (``hardware``, ``sdc``: a rank the replicas'
+    check named; ``network``, ``transient`` ...)."""
     queue_max: int = 10000
     """Records waiting for an unreachable database; past it the oldest are dropped (counted,
     with a warning). Writes never block training."""

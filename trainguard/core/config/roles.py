@@ -66,11 +66,12 @@ _KEYS = {
     "retire": "retire_after",
     "retire_after": "retire_after",
     "floor": "floor",
+    "spares": "spares",
 }
 
 _FLAG_FORM = (
     "NAME=REPLICAS[,port=P,budget=N,policy=always|never,health=/PATH,ready=S,standby=K,"
-    "nodes=K,bind=ADDR,retire=N,floor=N]:COMMAND"
+    "nodes=K,spares=S,bind=ADDR,retire=N,floor=N]:COMMAND"
 )
 
 
@@ -122,7 +123,13 @@ class RoleSpec:
     floor: int = 1
     """Replicas of the role that must be left (not retired): a role below its floor fails
     and ends the job, with one line naming the role, the floor and what was lost. On nodes
-    of their own each node's agent counts the replicas it runs."""
+    of their own a lost node's replicas count as lost until a spare node runs them again;
+    the job ends with exit code 96 (``ROLE_BELOW_FLOOR_EXIT_CODE``)."""
+    spares: int = 0
+    """Under ``trainguard sbatch``, with ``nodes``: spare nodes of the role, allocated besides
+    its ``nodes``. Their agents wait; when a node of the role is lost (its agent killed, the
+    node crashed), one spare runs the lost node's replicas (same ports, its own address) and
+    the lost node is drained in Slurm with the cause."""
 
     def url(self, port: int, host: str = "127.0.0.1") -> str:
         return f"http://{host}:{port}"
@@ -142,6 +149,7 @@ class RoleSpec:
             "bind": self.bind,
             "retire_after": self.retire_after,
             "floor": self.floor,
+            "spares": self.spares,
         }
 
     @classmethod
@@ -182,6 +190,12 @@ class RoleSpec:
                 "fixed port (port = 8100: replica i on port + i), since the trainer's URLs are "
                 "known before its replicas start"
             )
+        spares = check.integer("spares", 0, 0)
+        if spares and not nodes:
+            raise ValueError(
+                f"{where}: role {name!r}: spares {spares} without nodes: spare nodes replace "
+                "the role's own nodes (nodes = K); give nodes, or leave spares out"
+            )
         floor = check.integer("floor", 1, 0)
         if floor > replicas:
             raise ValueError(
@@ -196,6 +210,7 @@ class RoleSpec:
             replicas=replicas,
             port=port,
             nodes=nodes,
+            spares=spares,
             bind=check.bind(),
             restart_budget=check.integer("restart_budget", 5, 0),
             restart_policy=check.restart_policy(),
@@ -221,6 +236,7 @@ _TABLE_KEYS = frozenset(
         "bind",
         "retire_after",
         "floor",
+        "spares",
     }
 )
 """Keys of a ``[roles.<name>]`` table."""
@@ -332,7 +348,7 @@ def parse_role_flag(value: str) -> tuple[str, dict[str, Any]]:
         if not eq or key.strip() not in _KEYS:
             raise ValueError(
                 f"{where}: unknown option {opt!r}; options: port, budget, policy, health, "
-                "ready, standby, nodes, bind, retire, floor"
+                "ready, standby, nodes, spares, bind, retire, floor"
             )
         table[_KEYS[key.strip()]] = val.strip()
     cmd = m["cmd"].strip()
@@ -388,6 +404,10 @@ class RolesConfig:
     submission (one line, exit 2)."""
     router_bind: str = "127.0.0.1"
     """The address the fleet endpoint binds; ``0.0.0.0`` (every interface) only when told."""
+    node_dead_after_s: float = 10.0
+    """Under ``trainguard sbatch``: a role node whose agent's beacon (``RUN_DIR/role-nodes/
+    <node>.alive``, advanced every second) stood still this long is lost: its replicas are
+    re-placed on a spare node of the role (``spares``) and it is drained in Slurm."""
 
     def __post_init__(self) -> None:
         for key in (
@@ -398,6 +418,7 @@ class RolesConfig:
             "startup_grace_factor",
             "startup_grace_min_s",
             "port_wait_s",
+            "node_dead_after_s",
         ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0")
@@ -442,5 +463,9 @@ class RolesConfig:
         return min(first, max(self.startup_grace_min_s, self.startup_grace_factor * measured_s))
 
     def node_count(self) -> int:
-        """Nodes of their own the roles need (``nodes``, all roles together)."""
-        return sum(s.nodes for s in self.specs())
+        """Nodes of their own the roles need (``nodes`` and ``spares``, all roles together)."""
+        return sum(s.nodes + s.spares for s in self.specs())
+
+    def spare_count(self) -> int:
+        """Spare nodes of the roles (``spares``, all roles together)."""
+        return sum(s.spares for s in self.specs())

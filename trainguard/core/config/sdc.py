@@ -32,8 +32,19 @@ class SdcConfig:
     every_steps: int | None = None
     """Check every this many steps (>= 1) instead of the cadence the budget gives (unset)."""
     metric: str = "loss"
-    """The ``tg.log`` key a replay compares, step by step, with the first run's (two ranks, or
-    no majority): the first rank whose value differs computed wrongly first."""
+    """The ``tg.log`` key a replay compares, step by step, with the first run's where no
+    parameter digests are recorded (a tie of three ranks or more, ``replay_digests = false``):
+    the first rank whose value differs computed wrongly first."""
+    replay_digests: bool = True
+    """With two ranks (no majority to name the odd one), digest each rank's parameters at
+    every step boundary (local, a read of the parameters per step) so that a replay names the
+    rank whose parameters diverged first; false: compare ``metric`` instead (free, but a
+    corruption too small to change the logged value can get the wrong rank named)."""
+    evict: bool = True
+    """In a job of several nodes, a named rank's node leaves the job (its workers exit with
+    code 95, its agent evicts it as for a health drain; a spare or the nodes left go on from
+    the last agreed checkpoint). A single-node job rolls back in place (evicting its only node
+    would end it)."""
     max_verdicts: int = 3
     """Corruption verdicts in one job; the next one stops it with the "do not requeue" exit
     code (93): a device that corrupts this often must leave the job."""

@@ -71,6 +71,8 @@ class Cause(str, Enum):
     DATA = "data"
     CONTROL_PLANE = "control_plane"
     TRANSIENT = "transient"
+    SDC = "sdc"
+    """Silent data corruption: the replicas' check named a rank of this node."""
 
 
 class Verdict(str, Enum):

@@ -39,6 +39,8 @@ __all__ = [
     "RECOVERY_DECISION",
     "RENDEZVOUS",
     "RESTART",
+    "ROLE_NODE_LOST",
+    "ROLE_NODE_REPLACED",
     "ROLE_PORT_TAKEN",
     "ROLE_REPLICA_FAILED",
     "ROLE_REPLICA_RETIRED",
@@ -98,12 +100,14 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("role_standby_state", ("roles.supervisor",), ("incarnation", "pid", "port", "previous", "reason", "role", "slot", "starts", "state"), "A role's warm standby (``standby = N``, a pool for the role) changed state: starting (started at low priority), standby (loaded: its own health answer said so; kept out of routing), suspect (no answer: not promoted until it answers again; a slow standby is not dead), promoted (it replaces a dead replica), dead (restarted), failed (the role goes on without it), stopped."),
     EventSpec("role_port_taken", ("roles.supervisor",), ("holder", "holder_pid", "port", "replica", "role", "waited_s"), "Another process holds a replica's port (``holder``: its command line or what its health answer said): it is never taken for the replica; the start waits for the port (``[roles] port_wait_s``), then the replica is retired."),
     EventSpec("role_replica_retired", ("roles.supervisor",), ("floor", "left", "reason", "replica", "restarts", "role"), "A role replica is not restarted again (it died ``retire_after`` times, or its port stayed taken): the role goes on with the ``left`` others while they are at least its ``floor``."),
+    EventSpec("role_node_lost", ("roles.nodeloss",), ("cause", "drain", "drained", "floor", "left", "node_name", "replicas", "role", "spare"), "Under ``trainguard sbatch``: a role node's beacon stood still for ``[roles] node_dead_after_s`` (its agent killed, the node crashed or cut off): it is drained in Slurm with ``cause`` (``drained``/``drain``: the outcome), its ``replicas`` are re-placed on the role's ``spare`` node (null: none left, they are lost); ``left``: the role's replicas neither lost nor retired, against its ``floor`` (below it the job ends, exit code 96). The trainer is not restarted."),
+    EventSpec("role_node_replaced", ("roles.node",), ("addr", "replaces", "replicas", "role"), "A spare role node (``spares``) starts the replicas of the lost node it ``replaces``, on their ports at its own address ``addr`` (their state files publish the new URLs; the clients and the fleet endpoint follow)."),
     EventSpec("role_replica_state", ("roles.supervisor",), ("pid", "previous", "reason", "replica", "role", "serving", "state", "total", "weight_version"), "A role replica changed state (starting, loading, serving, suspect, dead, restarting, retired, failed, stopped) or reports another weight version; ``serving``/``total``: the role's fleet on this node."),
     EventSpec("role_replica_failed", ("roles.supervisor",), ("exitcode", "pid", "reason", "replica", "restart_budget", "restarts", "role", "was_ready"), "A role replica died (exited, refused connections, froze, or was not ready in time after a restart); the trainer is not touched."),
     EventSpec("role_restart_budget_exhausted", ("roles.supervisor",), ("message", "replica", "restart_budget", "restarts", "role"), "A role replica died with its role's restart budget spent (or its policy ``never``): the role failed and the job ends."),
     EventSpec("ft_lighthouse", ("runtime.registry",), ("pid", "replica_group", "started", "url"), "torchft's lighthouse this job uses (started here or found)."),
     # -- checkpoints ---------------------------------------------------------------------------
-    EventSpec("checkpoint_committed", ("checkpoint.pipeline",), ("bytes", "commit_s", "path", "persist_mode", "persist_s", "stall_s", "step"), "A checkpoint is durably on disk (every rank's files checked, manifest renamed in)."),
+    EventSpec("checkpoint_committed", ("checkpoint.pipeline",), ("bytes", "commit_s", "path", "persist_mode", "persist_s", "sdc", "sdc_reason", "stall_s", "step"), "A checkpoint is durably on disk (every rank's files checked, manifest renamed in); sdc: verified (its state passed the replicas' check at its step) or unverified (and why)."),
     EventSpec("checkpoint_failed", ("checkpoint.pipeline",), ("error", "rank", "reason", "step"), "A save ended without a commit (``reason``: error, timeout, busy); training goes on."),
     EventSpec("checkpoint_skipped", ("checkpoint.manager",), ("reason", "step"), "A save was not started (e.g. the previous one still persisting)."),
     EventSpec("checkpoint_restored", ("checkpoint.restore",), ("disk_steps", "duration_s", "memory_steps", "rank", "source", "step"), "The state was restored (source: memory, peer or disk)."),
@@ -152,7 +156,7 @@ EVENTS: tuple[EventSpec, ...] = (
     EventSpec("loss_anomaly", ("worker.rollback",), ("median", "metric", "reason", "step", "value"), "The loss guard found a NaN/Inf or spike."),
     EventSpec("loss_rollback", ("worker.rollback",), ("bad_step", "duration_s", "from_step", "reason", "restored_step", "resume_step", "rollbacks", "rollbacks_here", "skip"), "The workers rolled back to a checkpoint before a loss anomaly."),
     EventSpec("rollback_exhausted", ("worker.rollback",), ("bad_step", "exitcode", "max_rollbacks", "reason", "rollbacks_here"), "Too many rollbacks at one step: the job stops."),
-    EventSpec("sdc_suspect", ("worker.sdc",), ("digests", "last_agreed_step", "localise", "ranks", "step"), "The ranks' replicated state (DDP parameters, optimizer state) disagreed at this step: silent data corruption on some rank (ranks: the odd ones out by majority, or every rank while a replay localises it)."),
+    EventSpec("sdc_suspect", ("worker.sdc", "checkpoint.restore"), ("digests", "last_agreed_step", "localise", "ranks", "source", "step"), "The ranks' replicated state (DDP parameters, optimizer state) disagreed at this step: silent data corruption on some rank (ranks: the odd ones out by majority, or every rank while a replay localises it); or (localise memory_copy) a memory-tier copy held by another node differs from its owner's digest (source: where it came from) and is not restored from."),
     EventSpec("sdc_rollback", ("worker.sdc",), ("bad_step", "duration_s", "restored_step", "resume_step"), "After a replica disagreement the workers rolled back to the last agreed state and redo the steps since."),
     EventSpec("sdc_verdict", ("worker.sdc",), ("action", "localise", "ranks", "reason", "step", "verdicts"), "The rank(s) that computed a wrong result (localise: majority, replay or gemm; none: not found), and what the job does (rollback, stop)."),
     EventSpec("sdc_rank_named", ("worker.sdc",), ("device", "localise", "step"), "This rank was named by a corruption verdict (its node and device; a fleet-database record with cause sdc)."),
@@ -225,6 +229,8 @@ ROLE_RESTART_BUDGET_EXHAUSTED = _kind("role_restart_budget_exhausted")
 ROLE_STANDBY_STATE = _kind("role_standby_state")
 ROLE_PORT_TAKEN = _kind("role_port_taken")
 ROLE_REPLICA_RETIRED = _kind("role_replica_retired")
+ROLE_NODE_LOST = _kind("role_node_lost")
+ROLE_NODE_REPLACED = _kind("role_node_replaced")
 PREFLIGHT = _kind("preflight")
 HEALTH_PROBE = _kind("health_probe")
 FAILURE_ATTRIBUTED = _kind("failure_attributed")

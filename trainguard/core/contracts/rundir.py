@@ -272,6 +272,17 @@ class RunDir:
         return self.root / "roles"
 
     @property
+    def role_nodes(self) -> Path:
+        """Under ``trainguard sbatch``: the role nodes' beacons (``<node>.alive``), the lost
+        ones (``<node>.lost``), the spares' assignments (``<node>.assign.json``)."""
+        return self.root / "role-nodes"
+
+    @property
+    def role_below_floor(self) -> Path:
+        """The line of a role that fell below its serving floor (the job ends with it)."""
+        return self.role_nodes / "below-floor"
+
+    @property
     def role_secret(self) -> Path:
         """The rollout fleet's job secret (0600; :mod:`trainguard.core.fleetauth`)."""
         return self.roles / "secret"

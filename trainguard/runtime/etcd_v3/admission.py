@@ -13,31 +13,30 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSe
 
 from trainguard.runtime._torch import NodeDesc, RendezvousState
 from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
+from trainguard.runtime.etcd_v3.lease import NodeLease
+
+__all__ = ["ADMISSION_LOCK_TTL", "Admission", "StateAccess", "add_participant"]
 
 
-class _Holder(Protocol):
-    """What the admission uses of its state holder (``holder.ScalableStateHolder``; a
-    protocol, so that the holder imports this module and not the other way round)."""
+class StateAccess(Protocol):
+    """What the admission uses of its state holder: the held state and its public reads and
+    writes (``holder.ScalableStateHolder``; a protocol, so that the holder imports this module
+    and not the other way round)."""
 
-    _etcd: EtcdV3RendezvousBackend
-    _node: NodeDesc
-    _node_key: str
-    _renewed: float
     held: RendezvousState
 
     @property
     def settings(self) -> RendezvousSettings: ...
 
-    def _load_full(self, overlay: float | None = 1.0) -> None: ...
+    def load_full(self, overlay: float | None = 1.0) -> None:
+        """Read the whole state (keep-alive times overlaid past ``overlay`` x the threshold)."""
 
-    def _reload(self) -> None: ...
+    def reload(self) -> None:
+        """Read the state again where it changed since the held revision."""
 
-    def _write_state(self) -> bool: ...
+    def write_state(self) -> bool:
+        """Compare-and-swap the held state; True when it won."""
 
-    def _leased(self) -> bool: ...
-
-
-__all__ = ["ADMISSION_LOCK_TTL", "Admission", "add_participant"]
 
 ADMISSION_LOCK_TTL = 10.0
 """Seconds the node that admits pending join requests holds the admission lock at most."""
@@ -62,13 +61,21 @@ def add_participant(st: RendezvousState, settings: RendezvousSettings, node: Nod
 class Admission:
     """One node's side of the admission: its join request, the admission lock when it holds
     it, and the requests it read. The holder calls it from ``sync``; it reads and writes the
-    state through the holder (``_load_full``, ``_reload``, ``_write_state``)."""
+    state through the holder's :class:`StateAccess`, and keeps the node's lease fresh while
+    it waits to be admitted."""
 
-    def __init__(self, holder: _Holder) -> None:
+    def __init__(
+        self,
+        holder: StateAccess,
+        backend: EtcdV3RendezvousBackend,
+        node: NodeDesc,
+        lease: NodeLease,
+    ) -> None:
         self._holder = holder
-        self._etcd = holder._etcd
-        self._node = holder._node
-        self._node_key = holder._node_key
+        self._etcd = backend
+        self._node = node
+        self._lease = lease
+        self._node_key = lease.key
         self.join_rev = 0
         """etcd's revision of this node's join request."""
         self.lock_rev = 0
@@ -124,12 +131,11 @@ class Admission:
         holder = self._holder
         if self.round is None or self.round != holder.held.round:
             return
-        if self._node in holder.held.last_heartbeats or holder._leased():
+        if self._node in holder.held.last_heartbeats or self._lease.own_thread:
             return
         now = time.time()
         if now - self.beat >= holder.settings.keep_alive_interval.total_seconds():
-            self._etcd.put_heartbeat(self._node_key, now)
-            holder._renewed = time.monotonic()
+            self._lease.put(now)
             self.beat = now
 
     def ask_to_join(self) -> bool:
@@ -151,7 +157,7 @@ class Admission:
                 rnd, self._node, self.beat, lock_owner=self._node_key,
                 lock_ttl=ADMISSION_LOCK_TTL,
             )  # fmt: skip
-            holder._renewed = time.monotonic()
+            self._lease.renewed = time.monotonic()  # the request renews the node's lease
             self.join_rev, self.round = rev, rnd
             self.waits = self.waits if waited else 0
             if locked:
@@ -164,12 +170,12 @@ class Admission:
                 self.lock_rev = lock
         if self.lock_rev:
             # the newest state under the lock, with fresh keep-alive times for everyone
-            holder._load_full(overlay=0.5)
+            holder.load_full(overlay=0.5)
             return False
         self.waits += 1
         wait = min(s.keep_alive_interval.total_seconds(), 5.0)
         self._etcd.wait_join_admitted(rnd, self._node, self.join_rev, wait)
-        holder._reload()
+        holder.reload()
         return True
 
     def unlock(self) -> None:
@@ -216,5 +222,5 @@ class Admission:
             if not pending:
                 continue
             last = time.monotonic()
-            if not holder._write_state():
-                holder._load_full(overlay=0.5)  # another writer: again on the new state
+            if not holder.write_state():
+                holder.load_full(overlay=0.5)  # another writer: again on the new state

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import random
 import threading
 import time
 from collections.abc import Iterator
@@ -21,10 +19,13 @@ from trainguard.runtime._torch import (
     RendezvousState,
     StateHolderBase,
 )
-from trainguard.runtime.etcd_v3._common import EtcdUnavailableError, _unb64
+from trainguard.runtime.etcd_v3._common import _unb64
 from trainguard.runtime.etcd_v3.admission import ADMISSION_LOCK_TTL, Admission
 from trainguard.runtime.etcd_v3.backend import EtcdV3RendezvousBackend
 from trainguard.runtime.etcd_v3.codec import cached_state, encode_state, remember
+from trainguard.runtime.etcd_v3.deadline import RoundDeadline
+from trainguard.runtime.etcd_v3.lease import NodeLease
+from trainguard.runtime.etcd_v3.overlay import HeartbeatOverlay
 
 __all__ = ["ADMISSION_LOCK_TTL", "ScalableStateHolder"]
 
@@ -217,7 +218,7 @@ class ScalableStateHolder(StateHolderBase):
     - a won write keeps the state it wrote instead of decoding it again;
     - torch's dead-node check runs only on a state just read with the keep-alive overlay,
       never on one held since (its times would be older than the threshold), and not while
-      most leases expired at once (an overloaded etcd, see :meth:`_mass_expiry`); torch's
+      most leases expired at once (an overloaded etcd, see :meth:`HeartbeatOverlay.mass_expiry`); torch's
       periodic keep-alive reads nothing (:meth:`keep_alive_only`).
 
     Every decision is still torch's (the same operations and the same compare-and-swap); a
@@ -252,27 +253,19 @@ class ScalableStateHolder(StateHolderBase):
         self._snapshot: _Snapshot | None = None
         self._beat_at: datetime | None = None
         """When this node last kept its heartbeat lease alive (torch's keep-alive time)."""
-        self._renewed = -float("inf")
-        """When (monotonic) this node last renewed its heartbeat lease or wrote its key."""
         self.batched = 0
         """Other nodes this node added to a round on their request (statistics)."""
         self._tls = threading.local()
-        self._mass_since: float | None = None
-        """When a read first found most heartbeat leases expired at once (see _mass_expiry)."""
-        self._live_period: float | None = None
-        """Seconds between this node's lease keep-alives from its own thread (None: torch's
-        keep-alive renews it; see :meth:`keep_lease_alive`)."""
-        self._live_stop = threading.Event()
-        self._live_thread: threading.Thread | None = None
         self._summary: _SummaryWatch | None = None
         self.lost: dict[str, str] = {}
         """Nodes taken out of a round for their liveness (node -> what happened), for the
         error of a round that cannot complete."""
-        self._admission = Admission(self)
-        self._deadline: float | None = None
-        """torch's deadline (monotonic) of the rendezvous this node runs (its join timeout from
-        the start of ``next_rendezvous``, or from leaving the redundancy list)."""
-        self._rdzv_thread: int | None = None
+        self.lease = NodeLease(backend, self._node_key)
+        """This node's heartbeat key and its lease."""
+        self.overlay = HeartbeatOverlay(backend, settings, node)
+        self.deadline = RoundDeadline(backend, settings, node, lambda: self.held, self.lost)
+        """The deadline of the rendezvous this node runs (torch's handler reaches it here)."""
+        self._admission = Admission(self, backend, node, self.lease)
 
     def _take_snapshot(self) -> _Snapshot:
         return _Snapshot.of(self.held)
@@ -331,7 +324,7 @@ class ScalableStateHolder(StateHolderBase):
         st.round += 1
 
     # -- reads -------------------------------------------------------------------------------
-    def _load_full(self, overlay: float | None = 1.0) -> None:
+    def load_full(self, overlay: float | None = 1.0) -> None:
         """Read the state; overlay the nodes' own keep-alive keys when some node's time in it
         is older than ``overlay`` x the dead-node threshold (None: never, and no dead-node
         check on this read; a node waiting to be admitted reads again under the admission
@@ -353,8 +346,8 @@ class ScalableStateHolder(StateHolderBase):
                 overlay = None
             self.held = state
             self.token = token
-            if overlay is not None and self._stale(overlay):
-                self._overlay_heartbeats()
+            if overlay is not None and self.overlay.stale(self.held, overlay):
+                self.overlay.apply(self.held, self._beat_at)
         self._meta_seen = _meta(self.held)
         self._last_full = time.monotonic()
         # torch's dead-node check only on keep-alive times that are known to be current: the
@@ -364,72 +357,9 @@ class ScalableStateHolder(StateHolderBase):
         # take them all out of the round
         self._done(sanitize=overlay is not None)
 
-    def _stale(self, fraction: float) -> bool:
-        """Some node's keep-alive time in the state is older than ``fraction`` of torch's
-        dead-node threshold (keep_alive_interval x keep_alive_max_attempt)."""
-        s = self.settings
-        limit = (s.keep_alive_interval * s.keep_alive_max_attempt).total_seconds() * fraction
-        oldest = time.time() - limit
-        return any(t.timestamp() < oldest for t in self.held.last_heartbeats.values())
-
-    def _overlay_heartbeats(self) -> None:
-        """The read's time for every node whose heartbeat key exists (its lease is alive):
-        one keys-only read of the heartbeat keys, only when some time in the state is old."""
-        s = self.settings
-        threshold = (s.keep_alive_interval * s.keep_alive_max_attempt).total_seconds()
-        # etcd failed to renew this node's own lease within the threshold (overloaded or
-        # unreachable): the leases it let expire meanwhile prove nothing, every node is alive
-        trusted = time.monotonic() - self._etcd.trouble_at() > threshold
-        live = self._etcd.live_nodes() if trusted else set()
-        now = datetime.now(timezone.utc)
-        hb = self.held.last_heartbeats
-        # a participant of a complete round: its round is decided (a dead peer fails the
-        # group; the spares' reapers free its slot). It is alive itself, and most leases gone
-        # at once stay an overloaded etcd however long that lasts: after 15 s of 750 of 1000
-        # leases lapsed together, one such read took those live nodes and this one out of the
-        # round, and its next write (itself to the wait list) left 249 in it
-        decided = self.held.complete and self._node in self.held.participants
-        if trusted:
-            trusted = not self._mass_expiry(hb, live, threshold, forever=decided)
-        for node, when in hb.items():
-            if node == self._node:  # this node's own: its last keep-alive (torch's timer)
-                if decided:
-                    hb[node] = now
-                elif self._beat_at is not None and self._beat_at > when:
-                    hb[node] = self._beat_at
-            elif not trusted or repr(node) in live:
-                hb[node] = now
-
-    def _mass_expiry(
-        self, hb: dict[NodeDesc, datetime], live: set[str], threshold: float, forever: bool = False
-    ) -> bool:
-        """More than a twentieth of the nodes (and more than two) lost their heartbeat leases
-        at once, for less than the dead-node threshold so far: an etcd too loaded to renew
-        leases in time (at 1000 nodes on two cores, 621 live nodes' leases expired together
-        and a reader's next write dropped them from the round; 159 of 871 at once in another
-        run), not as many dead nodes. Their times are kept until the expiry has lasted the
-        threshold (a live node renews its lease, or grants a new one, within that) or fewer
-        are missing; ``forever``: however long it lasts (a participant of a complete round)."""
-        missing = sum(1 for n in hb if n != self._node and repr(n) not in live)
-        if missing <= max(2, len(hb) // 20):
-            self._mass_since = None
-            return False
-        now = time.monotonic()
-        if self._mass_since is None:
-            self._mass_since = now
-            logger.warning(
-                "rendezvous %s: %d of %d nodes' heartbeat leases expired at once; taken for "
-                "an overloaded etcd, not dead nodes, for up to %.0f s",
-                self.settings.run_id,
-                missing,
-                len(hb),
-                threshold,
-            )
-        return forever or now - self._mass_since < threshold
-
     def _done(self, sanitize: bool = False) -> None:
         """The held state is in sync. torch's dead-node check (``sanitize``) runs only on a
-        state just read with the nodes' keep-alive times overlaid (``_load_full``): the times
+        state just read with the nodes' keep-alive times overlaid (``load_full``): the times
         in the state are those of its last write and of the last overlay, so on a state held
         a while (a won write or a keep-alive of this node after seconds without a full read,
         20 s for a waiting node at 1000 nodes) it would take every live node for dead, and
@@ -461,16 +391,13 @@ class ScalableStateHolder(StateHolderBase):
         that time is often another node's "now" (an admission, say), later than this
         node's last renewal: at torch's threshold of two intervals, a loaded node renewed too
         late and its lease expired while it was alive."""
-        if self._node not in self.held.last_heartbeats or self._leased():
+        if self._node not in self.held.last_heartbeats or self.lease.own_thread:
             return
         half = self.settings.keep_alive_interval.total_seconds() / 2
-        if time.monotonic() - self._renewed < half:
+        if time.monotonic() - self.lease.renewed < half:
             return
-        try:
-            self._etcd.put_heartbeat(self._node_key, time.time())
-        except RendezvousConnectionError:
-            return  # torch's own keep-alive retries
-        self._renewed = time.monotonic()
+        with contextlib.suppress(RendezvousConnectionError):  # torch's own keep-alive retries
+            self.lease.put(time.time())
 
     def _full_every(self) -> float:
         """Seconds between full reads of a node that otherwise waits on the summary key (to
@@ -501,7 +428,7 @@ class ScalableStateHolder(StateHolderBase):
         st = self.held
         if self.token is None or st.closed:
             return False
-        if st.complete and self._node in st.participants and self._leased():
+        if st.complete and self._node in st.participants and self.lease.own_thread:
             # the round runs: its end is all that matters here (dead nodes are found by the
             # nodes watching their leases), and one watch tells it
             return _head(self._watched_summary()) == _head(self._meta_seen)
@@ -556,8 +483,8 @@ class ScalableStateHolder(StateHolderBase):
         return self._node in st.redundancy_list and got.participants < self.settings.max_nodes
 
     # -- writes ------------------------------------------------------------------------------
-    def _reload(self, got: tuple[bytes, Any] | None | Literal[False] = False) -> None:
-        """Read the state again, as :meth:`_load_full` without the keep-alive overlay, but in
+    def reload(self, got: tuple[bytes, Any] | None | Literal[False] = False) -> None:
+        """Read the state again, as :meth:`load_full` without the keep-alive overlay, but in
         one compare-and-read: a state still at the held revision is not sent again (a node
         whose request the writer has not come to yet, one of a thousand after a node loss,
         reads a few bytes instead of the whole state every few seconds) and is taken from
@@ -566,21 +493,21 @@ class ScalableStateHolder(StateHolderBase):
         if got is False:
             got = self._etcd.get_state_since(token) if token is not None else None
         if got is None:
-            self._load_full(overlay=None)
+            self.load_full(overlay=None)
             return
         bits, token = got
         state = self._etcd.decode(bits, int(token)) if bits else cached_state(
             self._etcd.key, int(token)
         )  # fmt: skip
         if state is None:
-            self._load_full(overlay=None)
+            self.load_full(overlay=None)
             return
         self.held, self.token = state, token
         self._seen_rev = max(self._seen_rev, int(token))
         self._meta_seen = _meta(state)
         self._done()
 
-    def _write_state(self) -> bool:
+    def write_state(self) -> bool:
         """Compare-and-swap this node's state, with every pending join request it may admit
         (when it holds the admission lock); True when it won."""
         was_complete = self._snapshot is not None and self._snapshot.complete
@@ -624,18 +551,18 @@ class ScalableStateHolder(StateHolderBase):
         if token is not None:
             got = self._etcd.get_state_since(token)
             if got is None or got[0]:
-                self._reload(got)  # changed meanwhile: torch decides again on the new state
+                self.reload(got)  # changed meanwhile: torch decides again on the new state
                 return False
         lock = self._etcd.try_lock_admission(self._node_key, ADMISSION_LOCK_TTL)
         if lock is None:
             prefix = f"{self.held.round}|".encode()
             self._etcd.wait_meta(self._seen_rev, 2.0, lambda meta: not meta.startswith(prefix))
-            self._reload()
+            self.reload()
             return False
         self._admission.lock_rev = lock  # given up by sync() once written
         ended, left = self.held.round, len(self.held.participants)
         self._end_round(self.held)
-        if self._write_state():
+        if self.write_state():
             report = self._etcd.on_round_ended
             if report is not None and self.held.round > ended:
                 try:
@@ -643,135 +570,18 @@ class ScalableStateHolder(StateHolderBase):
                 except Exception:  # reporting must never break the rendezvous
                     logger.debug("on_round_ended failed", exc_info=True)
             return True
-        self._reload()
+        self.reload()
         return False
 
     # -- liveness ----------------------------------------------------------------------------
     def keep_lease_alive(self, period_s: float, ttl_s: float) -> None:
-        """This node's liveness from now on: its heartbeat lease (TTL ``ttl_s``, whole seconds
-        up) kept alive every ``period_s`` from a thread of its own, whatever the rendezvous is
-        doing (the hot spares' liveness on etcd-v3, instead of a beacon written to the store).
-        A keep-alive is no write to etcd's log and no new revision, so that the nodes watching
-        others' keys see nothing while every node lives; a node is dead when its key is gone
-        (its lease expired: ``ttl_s`` without a keep-alive). torch's own keep-alive then
-        sends nothing (it would renew the same lease again)."""
-        self._etcd.heartbeat_ttl = max(2, math.ceil(ttl_s))
-        self._live_period = period_s
-        if self._live_thread is None:
-            self._renew_lease()  # the key exists before this node is listed anywhere
-            self._live_thread = threading.Thread(
-                target=self._keep_lease, name="tg-rdzv-lease", daemon=True
-            )
-            self._live_thread.start()
-
-    def _renew_lease(self) -> None:
-        try:
-            self._etcd.put_heartbeat(self._node_key, time.time())
-            self._renewed = time.monotonic()
-        except Exception as e:  # etcd unreachable: the next period tries again
-            logger.debug("heartbeat lease not renewed: %s", e)
-
-    def _keep_lease(self) -> None:
-        # the first wait at random within a period: agents that started together (a job's
-        # launch, a thousand at once) keep their leases alive spread over the period, not in
-        # bursts of a thousand requests
-        wait = random.uniform(0.0, self._live_period or 0.0)
-        while self._live_period is not None and not self._live_stop.wait(wait):
-            self._renew_lease()
-            wait = self._live_period
+        """This node's liveness from now on: its lease kept alive from a thread of its own
+        (:meth:`NodeLease.keep_alive`; the hot spares' liveness on etcd-v3)."""
+        self.lease.keep_alive(period_s, ttl_s)
 
     def stop_lease(self, *, left: bool) -> None:
-        """Stop keeping this node's lease alive; ``left``: say at once that it left (its key
-        says so), else it expires after its TTL (a node that dies without a word)."""
-        if self._live_thread is None or self._live_stop.is_set():
-            return
-        self._live_stop.set()
-        self._live_thread.join(timeout=5)
-        if left:
-            try:
-                self._etcd.heartbeat_left(self._node_key)
-            except Exception as e:
-                logger.debug("heartbeat tombstone not written: %s", e)
-
-    def _leased(self) -> bool:
-        """This node's lease is kept alive by its own thread (see :meth:`keep_lease_alive`)."""
-        return self._live_thread is not None and not self._live_stop.is_set()
-
-    # -- the rendezvous' deadline -------------------------------------------------------------
-    @contextlib.contextmanager
-    def in_rendezvous(self) -> Iterator[None]:
-        """While this thread runs torch's ``next_rendezvous``: an etcd call unanswered for the
-        client's ``retry_timeout`` retries on (backoff with jitter) until the rendezvous'
-        deadline (:meth:`_retry_until`) instead of ending the rendezvous: a round whose etcd
-        stalls for a while still completes, and one that etcd keeps from completing ends at
-        its join timeout with :meth:`unavailable`'s error."""
-        self._deadline = None
-        self._rdzv_thread = threading.get_ident()
-        try:
-            with self._etcd._client.retrying_until(self._retry_until):
-                yield
-        finally:
-            self._rdzv_thread = None
-
-    @contextlib.contextmanager
-    def retrying_for(self, seconds: float) -> Iterator[None]:
-        """Like :meth:`in_rendezvous` for what a node does in its round's store right after
-        torch's round (trainguard's member announcements): an unanswered etcd call retries
-        for ``seconds`` from now, not only the client's ``retry_timeout``."""
-        until = time.monotonic() + seconds
-        with self._etcd._client.retrying_until(lambda: until):
-            yield
-
-    def round_deadline(self, deadline: float) -> None:
-        """torch set the join deadline (monotonic) of the rendezvous this thread runs."""
-        if threading.get_ident() == self._rdzv_thread:
-            self._deadline = deadline
-
-    def _retry_until(self) -> float:
-        """Until when an etcd call of this node's rendezvous retries: torch's join deadline;
-        for ever for a spare in the redundancy list of an open round (torch applies no
-        timeout there: it waits for a free slot however long that takes)."""
-        st = self.held
-        if self._node in st.redundancy_list and not st.closed:
-            return float("inf")
-        return -float("inf") if self._deadline is None else self._deadline
-
-    def unavailable(self, timeout: timedelta, error: Exception) -> str | None:
-        """The error of a rendezvous that ``error`` (etcd unanswered) ended at its join
-        deadline: :meth:`incomplete`'s line, and what etcd did; None for any other error (an
-        error before the deadline is raised as is)."""
-        if not isinstance(error, EtcdUnavailableError) or self._deadline is None:
-            return None
-        if time.monotonic() < self._deadline:
-            return None
-        return self.incomplete(timeout, etcd=str(error))
-
-    def incomplete(self, timeout: timedelta, etcd: str | None = None) -> str:
-        """Why the round this node waits in did not complete in ``timeout``: the nodes there
-        are (as this node last read them), the ones missing, and those taken out for their
-        liveness (one line); ``etcd``: what etcd did meanwhile (it did not answer)."""
-        st = self.held
-        s = self.settings
-        have = len(set(st.participants) | {self._node})  # this node took itself out at the end
-        text = (
-            f"rendezvous '{s.run_id}': round {st.round} did not complete in "
-            f"{timeout.total_seconds():.0f} s (join_timeout): {have} of {s.min_nodes} node(s) "
-            f"joined (min {s.min_nodes}, max {s.max_nodes})"
-        )
-        there = {repr(p) for p in st.participants}
-        gone = {n: why for n, why in self.lost.items() if n not in there}
-        missing = [f"{n} ({why})" for n, why in sorted(gone.items())]
-        never = s.min_nodes - have - len(gone)
-        if never > 0:
-            missing.append(f"{never} node(s) that never joined")
-        if missing:
-            text += "; missing: " + ", ".join(missing)
-        if etcd is not None:
-            return (
-                f"{text}; {etcd}: bring etcd back (check its health and load) or raise "
-                "--rdzv-conf join_timeout"
-            )
-        return text + "; start the missing agents or raise --rdzv-conf join_timeout"
+        """Stop keeping this node's lease alive (:meth:`NodeLease.stop`)."""
+        self.lease.stop(left=left)
 
     @contextlib.contextmanager
     def keep_alive_only(self) -> Iterator[None]:
@@ -797,9 +607,8 @@ class ScalableStateHolder(StateHolderBase):
         if self.dirty:
             if self._heartbeat_only():
                 self._beat_at = self.held.last_heartbeats[self._node]
-                if not self._leased():  # else its own thread keeps the lease alive
-                    self._etcd.put_heartbeat(self._node_key, self._beat_at.timestamp())
-                    self._renewed = time.monotonic()
+                if not self.lease.own_thread:  # else its own thread keeps the lease alive
+                    self.lease.put(self._beat_at.timestamp())
                 synced = self.last_sync_time
                 self._done()
                 self.last_sync_time = synced  # it read nothing: the next sync may
@@ -809,7 +618,7 @@ class ScalableStateHolder(StateHolderBase):
                     return False
                 if self._leaving():
                     return self._leave()
-                ok = self._write_state()
+                ok = self.write_state()
                 if not ok and admission.lock_rev:
                     admission.waits = 1  # lost a race holding the lock: take it again at once
                 if ok and admission.lock_rev:
@@ -818,12 +627,12 @@ class ScalableStateHolder(StateHolderBase):
                 admission.unlock()
             if ok:
                 return True
-            self._load_full()
+            self.load_full()
             return False
         if self.cache_duration > 0 and self.last_sync_time >= max(now - self.cache_duration, 0):
             return None
         if self._may_skip_full_read(now):
             self.last_sync_time = time.monotonic()
             return None
-        self._load_full()
+        self.load_full()
         return None

@@ -23,14 +23,22 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, TypeVar
 
-from tests.launch_utils import LAUNCHERS, REPO, base_env, free_port, wait_listening
-from tests.procs import kill_tree
+from trainguard.chaos.procs import kill_tree
+from trainguard.core.config import setting_env
+from trainguard.testing.net import wait_listening
+from trainguard.testing.ports import free_port
 
-EXAMPLE = REPO / "examples" / "ft_ddp.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ft_ddp.py"
+"""The example both groups run (the source checkout's)."""
+LAUNCHERS: dict[str, list[str]] = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+    "trainguard": [sys.executable, "-m", "trainguard", "run"],
+}
 LIGHTHOUSE_FLAGS = ["--heartbeat_timeout_ms", "1000", "--join_timeout_ms", "100"]
 LIGHTHOUSE_FLAGS += ["--quorum_tick_ms", "50", "--min_replicas", "1"]
 
@@ -44,7 +52,7 @@ class FTResult:
     survivor_crashes: int = 0
     survivor_rc: int | None = None
     victim_rc: int | None = None
-    final: dict[int, dict[str, Any]] = field(default_factory=dict)
+    final: dict[int, dict[str, object]] = field(default_factory=dict)
     run_dirs: dict[int, Path] = field(default_factory=dict)
     logs: dict[int, Path] = field(default_factory=dict)
 
@@ -57,8 +65,20 @@ class FTResult:
         return len(self.final) == 2 and self.final[0]["w"] == self.final[1]["w"]
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    out = []
+class Record(TypedDict, total=False):
+    """One line of a group's step log (examples/ft_ddp.py ``--step-log``)."""
+
+    pid: int
+    step: int
+    t: float
+    participants: int
+
+
+T = TypeVar("T")
+
+
+def _records(path: Path) -> list[Record]:
+    out: list[Record] = []
     try:
         text = path.read_text()
     except OSError:
@@ -71,7 +91,9 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _wait(cond: Any, timeout: float, what: str, procs: list[subprocess.Popen[bytes]]) -> Any:
+def _wait(
+    cond: Callable[[], T | None], timeout: float, what: str, procs: list[subprocess.Popen[bytes]]
+) -> T:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = cond()
@@ -92,15 +114,17 @@ def run_kills(
     steps_between: int = 5,
     step_time_s: float = 0.05,
     timeout_s: float = 120.0,
+    env: dict[str, str],
 ) -> FTResult:
-    """Run the two groups, kill group 1's worker ``kills`` times, end both at the same step."""
+    """Run the two groups, kill group 1's worker ``kills`` times, end both at the same step.
+    ``env``: the launchers' environment (the caller's: the test suite's or the bench's)."""
     workdir.mkdir(parents=True, exist_ok=True)
     res = FTResult(mode=mode, kills=kills)
     port = free_port()
     stop_file = workdir / "stop_at"
     stop_file.unlink(missing_ok=True)
-    env = base_env(TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}")
-    env["TRAINGUARD_FT_LIGHTHOUSE_PORT"] = str(port)
+    env = {**env, "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}
+    env[setting_env("ft", "lighthouse_port")] = str(port)
     env.setdefault("RUST_LOG", "warn")
     procs: list[subprocess.Popen[bytes]] = []
     outs = []
@@ -150,7 +174,7 @@ def run_kills(
             procs.append(groups[rg])
         live = list(groups.values())
 
-        def committed(rg: int, pid: int | None = None) -> list[dict[str, Any]]:
+        def committed(rg: int, pid: int | None = None) -> list[Record]:
             recs = _records(res.logs[rg])
             return [r for r in recs if pid is None or r["pid"] == pid]
 

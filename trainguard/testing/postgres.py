@@ -20,16 +20,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.ports import free_port
-from tests.services.telemetry_services import apt_ensure
+from trainguard.testing.ports import free_port
 
 
 def _bin(name: str) -> str:
     found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
     if not found:
-        apt_ensure("postgresql")
-        found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
-    assert found, f"{name} not found: apt-get install postgresql"
+        raise RuntimeError(f"{name} not found: apt-get install postgresql")
     return found[-1]
 
 

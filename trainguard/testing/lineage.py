@@ -16,13 +16,24 @@ import bisect
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
-__all__ = ["chain", "productive_s", "read_timing"]
+__all__ = ["Exec", "chain", "productive_s", "read_timing"]
 
 
-def read_timing(path: Path) -> list[dict[str, Any]]:
-    out = []
+class Exec(TypedDict):
+    """One step execution as ``fault_toy.py --timing`` writes it."""
+
+    t0: float
+    t1: float
+    loss: float
+    before: str
+    """A hash of the parameters before the step."""
+    after: str
+
+
+def read_timing(path: Path) -> list[Exec]:
+    out: list[Exec] = []
     if not path.exists():
         return out
     for line in path.read_text().splitlines():
@@ -33,7 +44,7 @@ def read_timing(path: Path) -> list[dict[str, Any]]:
     return sorted(out, key=lambda e: e["t1"])
 
 
-def chain(execs: list[dict[str, Any]], *, until: float | None = None) -> list[dict[str, Any]]:
+def chain(execs: list[Exec], *, until: float | None = None) -> list[Exec]:
     """The executions the newest state (at ``until``, default the end) descends from, oldest
     first."""
     if until is not None:
@@ -41,7 +52,7 @@ def chain(execs: list[dict[str, Any]], *, until: float | None = None) -> list[di
     if not execs:
         return []
     by_after: dict[str, list[float]] = {}
-    index: dict[tuple[str, float], dict[str, Any]] = {}
+    index: dict[tuple[str, float], Exec] = {}
     for e in execs:
         by_after.setdefault(e["after"], []).append(e["t1"])
         index[(e["after"], e["t1"])] = e
@@ -57,11 +68,11 @@ def chain(execs: list[dict[str, Any]], *, until: float | None = None) -> list[di
     return out[::-1]
 
 
-def _finite(e: dict[str, Any]) -> bool:
+def _finite(e: Exec) -> bool:
     return math.isfinite(float(e["loss"]))
 
 
-def productive_s(execs: list[dict[str, Any]], *, until: float | None = None) -> float:
+def productive_s(execs: list[Exec], *, until: float | None = None) -> float:
     """Durations of the chain's finite-loss executions. A run whose model ends broken (the
     newest execution's loss is NaN/Inf, and every one since some point) is credited with what
     it had made when it broke for good: the chain as of the start of that all-bad stretch."""

@@ -1,4 +1,4 @@
-"""Ports for the services and rendezvous endpoints the tests start.
+"""Ports for the services and rendezvous endpoints the tests and benchmarks start.
 
 Binding port 0 and closing the socket hands back a port from the kernel's *ephemeral* range,
 which any outgoing connection may take before the service binds it. The tests therefore take

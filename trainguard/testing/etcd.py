@@ -13,9 +13,11 @@ import ssl
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
-from tests.services.telemetry_services import apt_ensure, free_port, wait_until
+from trainguard.testing.net import wait_until
+from trainguard.testing.ports import free_port
 
 ETCD = "/usr/bin/etcd"
 
@@ -31,7 +33,8 @@ class Etcd:
         extra_args: list[str] | None = None,
         tls: dict[str, Path] | None = None,
     ) -> None:
-        apt_ensure("etcd-server")
+        if not os.path.exists(ETCD):
+            raise RuntimeError(f"{ETCD} not found: apt-get install etcd-server")
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -42,7 +45,9 @@ class Etcd:
         self.no_fsync = no_fsync
         self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen[bytes] | None = None
-        self.fixture_owned = False  # a module fixture stops it: restarts are not test leftovers
+        self.on_start: Callable[[int], None] | None = None
+        """Called with the PID of each start after this one (a fixture that owns the member
+        registers its restarts)."""
         self._started = False
         self.start()
 
@@ -73,10 +78,8 @@ class Etcd:
             start_new_session=True,
         )  # fmt: skip
         log.close()
-        if self.fixture_owned:
-            from tests.procs import FIXTURE_PIDS
-
-            FIXTURE_PIDS.add(self.proc.pid)
+        if self.on_start is not None:
+            self.on_start(self.proc.pid)
         self._started = True
         wait_until(self._healthy, 60, f"etcd healthy on {self.endpoint}", interval=0.1)
 
@@ -124,7 +127,6 @@ class Etcd:
 
 def make_certs(d: Path) -> dict[str, Path]:
     """A throw-away CA, a server certificate for 127.0.0.1 and a client certificate (openssl)."""
-    apt_ensure("openssl")
     d.mkdir(parents=True, exist_ok=True)
 
     def ssl_(*args: str) -> None:
