@@ -6,12 +6,19 @@ with faults arriving at random against the same run without faults.
     python bench/rl_fleet.py --ettr-s 120    # shorter ETTR runs
     TRAINGUARD_VLLM_PYTHON=.venv-vllm/bin/python python bench/rl_fleet.py --engine vllm
 
-``--engine vllm`` runs the same scenarios on vLLM engines (``python -m
-trainguard.rl.engines.vllm``, the tiny Llama, ``make engines``) after the embedded engine's,
-adds the refit drill of ``bench/vllm_refits.py`` (``--refits`` refits under kill -9, SIGSTOP,
-HTTP 500 mid-update and truncated files: ``refit_s``, ``stale_served``, ``engine_ready_s`` cold
-and from a standby), and prints vLLM's figures with the embedded engine's beside them
-(``embedded``) in its one JSON line.
+``--engine vllm`` measures the same keys on vLLM engines (``python -m
+trainguard.rl.engines.vllm``, the tiny Llama, ``make engines``) first, then the embedded
+engine's, and prints vLLM's figures with the embedded engine's beside them (``embedded``) in
+its one JSON line. A vLLM engine takes minutes to start on 2 cores, so vLLM's scenarios share
+two jobs of 2 engines and a warm standby each (:func:`vllm_run`): a fault-free one (the
+``fault_free`` scenario and ``rl_ettr_fault_free``) and one with faults of every kind at random
+(``--vllm-mtbf-s``; the per-kind scenarios and ``rl_ettr_failures``; an engine kill or freeze
+waits for the standby to be loaded). Both have the same run seed: ``replay_samples_equal``
+says whether every step both trained had the same samples (prompt ids and token ids, per
+rank; ``replay_samples_differing`` lists the (rank, step) that did not). Then the refit drill
+of ``bench/vllm_refits.py`` (``--refits`` refits under kill -9, SIGSTOP, HTTP 500 mid-update
+and truncated files: ``refit_s``, ``stale_served``, ``engine_ready_s`` cold and from a
+standby).
 
 Faults (real): ``engine_kill`` (kill -9 an engine mid-generation), ``engine_freeze``
 (SIGSTOP), ``engine_500`` (the engine answers HTTP 500 to its next requests),
@@ -109,6 +116,7 @@ from trainguard.core.fleetauth import (  # noqa: E402
     sign,
 )
 from trainguard.rl import ConsumedLog, PromptLedger, audit  # noqa: E402
+from trainguard.rl.engines.launch import adapter_command  # noqa: E402
 
 KINDS = ("engine_kill", "engine_freeze", "engine_500", "trainer_rank_kill", "trainer_group_kill")
 PROMPTS, BATCH = 64, 16
@@ -125,9 +133,7 @@ uses (``[warm] preload``): transformers' GPT-2 is most of a cold worker's start-
 
 ENGINE = [sys.executable, "-m", "trainguard.rl.engine", "--enable-fault-injection",
           "--poll-interval-s", "0.3"]  # fmt: skip
-VLLM_ENGINE = [sys.executable, "-m", "trainguard.rl.engines.vllm", "--enable-fault-injection",
-               "--poll-interval-s", "0.3", "--", "--enforce-eager", "--max-model-len", "256",
-               "--max-num-seqs", "8", "--dtype", "float32", "--kv-cache-memory-bytes", "67108864"]  # fmt: skip
+VLLM_ENGINE = adapter_command("--enable-fault-injection", "--poll-interval-s", "0.3")
 
 
 class Fleet:
@@ -252,6 +258,7 @@ class Run:
         command, model, ready = ENGINE, [], ""
         if engine == "vllm":
             command, model, ready = VLLM_ENGINE, ["--model", "tiny-llama"], ",ready=1800"
+            model += ["--serving-timeout", "1800"]
             env[VLLM_PYTHON] = os.environ.get(VLLM_PYTHON) or str(REPO / ".venv-vllm/bin/python")
             env["TRAINGUARD_WARM_PRELOAD"] += ",transformers.models.llama.modeling_llama"
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -941,6 +948,131 @@ def figures(root: Path, args: argparse.Namespace, engine: str) -> dict[str, Any]
     return out
 
 
+def _standby_ready(run: Run) -> bool:
+    """Whether the job's rollout role has a warm standby loaded (``standby-<k>.json``)."""
+    for path in (run.run_dir / "roles" / "rollout").glob("standby-*.json"):
+        try:
+            if json.loads(path.read_text()).get("state") == "standby":
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def vllm_run(root: Path, name: str, duration_s: float, mtbf_s: float | None, seed: int) -> Run:
+    """One job on vLLM engines (2 replicas, 1 warm standby) that stands for several of the
+    embedded engine's runs: its engines start once (minutes on 2 cores) and serve a window of
+    ``duration_s`` from the first completed step, faults every ``mtbf_s`` on average
+    (exponential), every kind in the first five in a shuffled order. A fault that ends an
+    engine (kill -9, SIGSTOP) waits for the standby to be loaded (a cold vLLM start is not what
+    the standby figures measure); the other kinds go first meanwhile."""
+    run = Run(root, name, steps=100000, engine="vllm", seed=seed)
+    rng = random.Random(seed)
+    kinds: list[str] = []
+    for _ in range(20):
+        block = list(KINDS)
+        rng.shuffle(block)
+        kinds.extend(block)
+    run.wait_step(0, timeout=3600)
+    start_steps = run.step() + 1
+    t0 = time.time()
+    t_end = t0 + duration_s
+    nxt = t0 + rng.expovariate(1 / mtbf_s) if mtbf_s else t_end * 2
+    while time.time() < t_end and run.proc.poll() is None:
+        if time.time() >= nxt:
+            ok = [k for k in kinds if k not in ("engine_kill", "engine_freeze")]
+            if _standby_ready(run) and not run.sup.pending():
+                ok = kinds
+            if ok:
+                kinds.remove(ok[0])
+                run.inject(ok[0], rng)
+                nxt = time.time() + rng.expovariate(1 / mtbf_s) if mtbf_s else t_end * 2
+        time.sleep(0.2)
+    run.window_steps = run.step() + 1 - start_steps
+    run.stop()
+    print(f"  [{run.name}] {run.audit()}, {len(run.faults)} faults", flush=True)
+    return run
+
+
+def trained_samples(run_dir: Path) -> dict[tuple[int, int], str]:
+    """(rank, step) → the digest of the samples that rank trained on in that step (the
+    example's ``samples_sha``; a step redone after a trainer restart: its last record)."""
+    out = {}
+    for rank in (0, 1):
+        for r in _records(run_dir, rank):
+            if r.get("kind") == "log" and "samples_sha" in r:
+                out[(rank, int(r["step"]))] = str(r["samples_sha"])
+    return out
+
+
+def vllm_figures(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The embedded engine's keys on vLLM from two jobs (a fault-free one and one with faults
+    of every kind, the same run seed, each an ETTR window of ``--ettr-s``) and the refit
+    drill; ``replay_samples_equal``: every step both jobs trained, each rank's samples (prompt
+    ids and token ids) equal."""
+    root = root / "vllm"
+    free = vllm_run(root, "fault_free", args.ettr_s, None, args.seed)
+    hit = vllm_run(root, "faults", args.ettr_s, args.vllm_mtbf_s, args.seed)
+    runs = [free, hit]
+    audits = {r.name: r.audit() for r in runs}
+
+    def med(xs: list[float], nd: int = 3) -> float | None:
+        return round(statistics.median(xs), nd) if xs else None
+
+    rejoin = {k: [s for kk, s in hit.sup.rejoin_s() if kk == k] for k in KINDS}
+    # a replica that failed within 30 s of a trainer kill, not one of the engines faulted
+    faulted = {pid for _, pid, _, _ in hit.sup.faults}
+    kills = [t for k, t, _ in hit.faults if k.startswith("trainer")]
+    on_trainer_kill = [
+        e
+        for e in _events(hit.run_dir, "role_replica_failed")
+        if e.get("pid") not in faulted and any(0 <= e["time"] - t <= 30 for t in kills)
+    ]
+    syncs = [
+        x["weight_sync_s"]
+        for x in _records(free.run_dir)
+        if x.get("kind") == "log" and "weight_sync_s" in x
+    ]
+    a, b = trained_samples(free.run_dir), trained_samples(hit.run_dir)
+    common = sorted(set(a) & set(b))
+    differ = [k for k in common if a[k] != b[k]]
+    m = free.median_step()
+    out: dict[str, Any] = {
+        "fabricated_samples": sum(x["fabricated"] for x in audits.values()),
+        "prompts_skipped": sum(x["skipped"] for x in audits.values()),
+        "prompts_duplicated": sum(x["duplicated"] for x in audits.values()),
+        "sync_order_equal_fault_free": all(x["same_order"] for x in audits.values()),
+        "median_step_s": round(m, 4),
+        "engine_kill_step_delay_s": med(hit.step_delay("engine_kill")),
+        "engine_rejoin_s": med(rejoin["engine_kill"]),
+        "engine_freeze_rejoin_s": med(rejoin["engine_freeze"]),
+        "engine_freeze_step_delay_s": med(hit.step_delay("engine_freeze")),
+        "engine_restarts_on_trainer_kill": len(on_trainer_kill),
+        "trainer_kill_to_next_update_s": med(hit.kill_to_update()),
+        "weight_sync_s": med(syncs, 4),
+        "rl_ettr_fault_free": round(free.window_steps * m / args.ettr_s, 4),
+        "rl_ettr_failures": round(hit.window_steps * m / args.ettr_s, 4),
+        "ettr_run_s": args.ettr_s,
+        "ettr_faults": len(hit.faults),
+        "fault_kinds": sorted({k for k, _, _ in hit.faults}),
+        "replay_samples_equal": bool(common) and not differ,
+        "replay_samples_compared": len(common),
+        "replay_samples_differing": [list(k) for k in differ],
+    }
+    out["rl_ettr_ratio"] = (
+        round(out["rl_ettr_failures"] / out["rl_ettr_fault_free"], 4)
+        if out["rl_ettr_fault_free"]
+        else None
+    )
+    print(f"vLLM jobs: {json.dumps(out)}", flush=True)
+    if args.refits > 0:
+        from bench.vllm_refits import drill
+
+        print("vLLM refit drill:", flush=True)
+        out.update(drill(root / "refits", args.refits))
+    return out
+
+
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--auth-pair-server":
         _auth_pair_server(sys.argv[2], sys.argv[3])
@@ -963,6 +1095,7 @@ def main() -> None:
     p.add_argument("--b2b-pairs", type=int, default=5, help="back-to-back death pairs (0: none)")
     p.add_argument("--async-steps", type=int, default=24, help="steps of the async run (0: none)")
     p.add_argument("--async-kills", type=int, default=3, help="trainer kills in the async run")
+    p.add_argument("--vllm-mtbf-s", type=float, default=60.0, help="--engine vllm: faults' MTBF")
     p.add_argument("--role-nodes-only", action="store_true", help="only the role node figures")
     p.add_argument("--role-node-runs", type=int, default=3, help="runs of 2 role node losses")
     args = p.parse_args()
@@ -981,6 +1114,7 @@ def main() -> None:
     if args.router_only:
         print(json.dumps(router), flush=True)
         return
+    vllm = vllm_figures(root, args) if args.engine == "vllm" else None
     auth = auth_overhead(root)
     print(f"authentication: {auth}", flush=True)
     if args.auth_only:
@@ -997,14 +1131,8 @@ def main() -> None:
     if args.engine == "embedded":
         print(json.dumps(embedded), flush=True)
         return
-    from bench.vllm_refits import drill
-
-    out = figures(root, args, "vllm")
-    if args.refits > 0:
-        print("vLLM refit drill:", flush=True)
-        out.update(drill(root / "vllm-refits", args.refits))
-    out["embedded"] = embedded
-    print(json.dumps(out), flush=True)
+    assert vllm is not None
+    print(json.dumps({**vllm, "embedded": embedded}), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,11 +17,9 @@ Ends with one JSON line: each check's outcome and the refit's seconds.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,42 +30,18 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from trainguard.rl.tiny import load_model, save_tiny_llama  # noqa: E402
+from trainguard.rl.engines.launch import call, teacher_logprobs, tiny_model_dir  # noqa: E402
+from trainguard.rl.tiny import load_model  # noqa: E402
+from trainguard.testing.ports import free_port  # noqa: E402
 
 PROMPT = "please write 3 4 now"
-
-
-def call(
-    port: int, method: str, path: str, body: Any = None, timeout: float = 120
-) -> tuple[int, Any]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        c.request(method, path, body=None if body is None else json.dumps(body),
-                  headers={"Content-Type": "application/json"})  # fmt: skip
-        r = c.getresponse()
-        raw = r.read()
-    finally:
-        c.close()
-    try:
-        return r.status, json.loads(raw)
-    except ValueError:
-        return r.status, raw.decode(errors="replace")[:300]
-
-
-def trainer_logprobs(model: Any, tok: Any, ids: list[int]) -> list[float]:
-    import torch
-
-    p = tok(PROMPT)["input_ids"]
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([p + ids])).logits[0, len(p) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1).tolist()
 
 
 def main() -> int:
     import torch
 
     root = Path(tempfile.mkdtemp(prefix="sglang-check-"))
-    base = save_tiny_llama(root / "tiny-llama")
+    base = tiny_model_dir(root)
     model, tok = load_model(str(base))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -76,9 +50,7 @@ def main() -> int:
     v1 = root / "v00000001"
     model.save_pretrained(v1)
     tok.save_pretrained(v1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = (root / "sglang.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "sglang.launch_server", "--model-path", str(base), "--host",
@@ -123,7 +95,7 @@ def main() -> int:
         c = call(port, "POST", "/v1/completions", greedy)[1]["choices"][0]
         got = c["logprobs"]["token_logprobs"]
         ids = [tok.convert_tokens_to_ids(t) for t in c["logprobs"]["tokens"]]
-        ref = trainer_logprobs(model, tok, ids)
+        ref = teacher_logprobs(model, tok, PROMPT, ids)
         out["refit_logprobs_max_diff"] = max(abs(x - y) for x, y in zip(ref, got, strict=False))
         out["refit_verified"] = out["refit_logprobs_max_diff"] < 1e-2
     except Exception as e:  # one line in the JSON, the log beside it

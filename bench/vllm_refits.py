@@ -25,11 +25,10 @@ version they report, checked against the trainer's own model: must be 0), ``comp
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
+import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,11 +41,18 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from trainguard.rl.tiny import TINY_LLAMA, load_model, save_tiny_llama  # noqa: E402
+from bench._support import base_env  # noqa: E402
+from trainguard.rl.engines.launch import (  # noqa: E402
+    adapter_command,
+    adapter_env,
+    call,
+    teacher_logprobs,
+    tiny_model_dir,
+)
+from trainguard.rl.tiny import load_model  # noqa: E402
 from trainguard.rl.weights import WeightStore  # noqa: E402
+from trainguard.testing.ports import free_port  # noqa: E402
 
-VLLM_ARGS = ["--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8",
-             "--dtype", "float32", "--kv-cache-memory-bytes", "67108864"]  # fmt: skip
 CYCLE = ("none", "truncated", "freeze", "none")
 
 
@@ -64,28 +70,15 @@ def fault_of(v: int, refits: int) -> str:
 
 PROMPT = "please write 3 4 now"
 TOL = 1e-3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+VLLM_PYTHON = os.environ.get("TRAINGUARD_VLLM_PYTHON") or str(REPO / ".venv-vllm/bin/python")
+TOKEN = secrets.token_hex(32)
+"""The drill's ``rollout`` token: every request signed, every answer checked."""
 
 
 def _http(
     port: int, method: str, path: str, body: Any = None, timeout: float = 60
 ) -> tuple[int, Any]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        c.request(method, path, body=None if body is None else json.dumps(body))
-        r = c.getresponse()
-        raw = r.read()
-    finally:
-        c.close()
-    try:
-        return r.status, json.loads(raw)
-    except ValueError:
-        return r.status, None
+    return call(port, method, path, body, token=TOKEN, timeout=timeout)
 
 
 class Engine:
@@ -93,18 +86,14 @@ class Engine:
     own, promoted by its promotion file."""
 
     def __init__(self, root: Path, port: int, *, standby: bool) -> None:
-        self.root, self.port = root, (_free_port() if standby else port)
+        self.root, self.port = root, (free_port() if standby else port)
         self.promote = root / f"promote-{self.port}.json" if standby else None
-        env = {**os.environ, "TRAINGUARD_RUN_DIR": str(root), "PYTHONPATH": str(REPO),
-               "TRAINGUARD_AGENT_ROLE_REPLICA": "0", "TRAINGUARD_AGENT_ROLE_PORT": str(self.port),
-               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}  # fmt: skip
-        if self.promote is not None:
-            env["TRAINGUARD_AGENT_ROLE_STANDBY"] = str(self.promote)
+        env = adapter_env(root, TOKEN, port=self.port, standby=self.promote, base=base_env(),
+                          vllm_python=VLLM_PYTHON)  # fmt: skip
         self.log = (root / "engines.log").open("ab")
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainguard.rl.engines.vllm", "--enable-fault-injection",
-             "--poll-interval-s", "0.3", "--", *VLLM_ARGS],
+            adapter_command("--enable-fault-injection", "--poll-interval-s", "0.3"),
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 
@@ -166,27 +155,16 @@ class Client(threading.Thread):
                 time.sleep(0.05)
 
 
-def _logprobs(model: Any, tok: Any, state: dict[str, Any], ids: list[int]) -> list[float]:
-    import torch
-
-    model.load_state_dict(state)
-    p = tok(PROMPT)["input_ids"]
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([p + ids])).logits[0, len(p) - 1 : -1].float()
-    lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
-    return [float(x) for x in lp]
-
-
 def drill(root: Path, refits: int, freeze_s: float = 2.0) -> dict[str, Any]:
     import torch
 
     root.mkdir(parents=True, exist_ok=True)
-    model_dir = save_tiny_llama(root / "rl" / "models" / TINY_LLAMA)
+    model_dir = tiny_model_dir(root)
     model, tok = load_model(str(model_dir))
     store = WeightStore(root / "rl" / "weights", keep=refits + 2)
     states = {0: {k: v.clone() for k, v in model.state_dict().items()}}
     store.publish(0, states[0])
-    port = _free_port()
+    port = free_port()
     primary = Engine(root, port, standby=False)
     spares = [Engine(root, port, standby=True) for _ in range(2)]
     ready: dict[str, list[float]] = {"cold": [], "standby": []}
@@ -261,7 +239,8 @@ def drill(root: Path, refits: int, freeze_s: float = 2.0) -> dict[str, Any]:
     client.join(60)
     stale = 0
     for version, ids, lps in client.answers:
-        ref = _logprobs(model, tok, states[version], ids)
+        model.load_state_dict(states[version])
+        ref = teacher_logprobs(model, tok, PROMPT, ids)
         if max((abs(a - b) for a, b in zip(ref, lps, strict=True)), default=0.0) > TOL:
             stale += 1
     h = primary.health() or {}
@@ -270,7 +249,7 @@ def drill(root: Path, refits: int, freeze_s: float = 2.0) -> dict[str, Any]:
         sp.kill()
     # every clean refit is timed inside the adapter too; a p99 of a few values is their max
     q = sorted(refit_s)
-    return {
+    out = {
         "refits": refits,
         "refit_s": {
             "median": round(statistics.median(q), 4) if q else None,
@@ -289,6 +268,8 @@ def drill(root: Path, refits: int, freeze_s: float = 2.0) -> dict[str, Any]:
             "standby": round(statistics.median(ready["standby"]), 3) if ready["standby"] else None,
         },
     }
+    print(f"  refit drill: {json.dumps(out)}", flush=True)
+    return out
 
 
 def main() -> None:

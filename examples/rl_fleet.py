@@ -31,7 +31,9 @@ step's prompts to ``RUN_DIR/rl/consumed.jsonl`` (the audit trail of exactly-once
 A restarted trainer reattaches to the running engines, refits them to its restored version
 when theirs differs, and goes on. Every sample is seeded from (``--seed``, the epoch, the
 prompt id, its index in the group) and dropout per step: an on-policy run through faults
-ends with the weights of the fault-free run with the same seed, bit for bit.
+ends with the weights of the fault-free run with the same seed, bit for bit. Each step's log
+record has ``samples_sha``, a digest of the prompt ids and token ids the rank trained on, to
+compare two runs sample by sample.
 
 TRL: ``GRPOTrainer`` (trl 1.16) generates through vLLM in server mode with TRL's own
 ``VLLMClient`` (``/generate/``, ``/init_communicator/``, ``/update_named_param/`` of
@@ -46,6 +48,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
+import json
 import os
 import signal
 import time
@@ -119,6 +123,12 @@ def main() -> None:
     )
     p.add_argument("--request-timeout", type=float, default=30.0)
     p.add_argument("--max-attempts", type=int, default=6, help="per rollout request")
+    p.add_argument(
+        "--serving-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for a first serving engine (vLLM starts in minutes on a CPU)",
+    )
     p.add_argument("--urls", default=None, help="default: $TRAINGUARD_ROLLOUT_URLS")
     p.add_argument(
         "--reward-urls",
@@ -227,7 +237,7 @@ def main() -> None:
     attach = publish(version, reattach=True)
     tg.events.emit("rl_trainer_attached", version=version, resumed_step=resumed,
                    refit=bool(attach["weight_refit"]), engines_before=before)  # fmt: skip
-    client.wait_serving(1, timeout=300)
+    client.wait_serving(1, timeout=args.serving_timeout)
 
     def generate(positions: list[int]) -> list[list[Completion]]:
         """Each sample seeded from (run seed, epoch, prompt id, its index in the group): a
@@ -330,13 +340,19 @@ def main() -> None:
         every = torch.cat(rewards) if rewards else torch.zeros(1)
         # each sample's staleness, each group's size, the dropped groups by reason
         groups = record.trained(step, step, settled)
+        # what this rank trained on, in one digest: two runs trained on the same samples
+        # (a run through faults and the fault-free run) log the same digest for each step
+        trained = [
+            [i, [c.token_ids for c in group]] for i, group in zip(kept_ids, kept, strict=True)
+        ]
+        samples_sha = hashlib.sha256(json.dumps(trained).encode()).hexdigest()[:16]
         tg.log(step=step, reward=every.mean().item(), reward_std=every.std().item(),
                kl=kl.item(), entropy=entropy.item(), loss=loss.item(),
                response_length=sum(lengths) / len(lengths), response_length_max=max(lengths),
                staleness_mean=groups.pop("staleness_mean", 0.0),
                staleness_max=groups.pop("staleness_max", 0), **groups,
                weight_version=version, samples_trained=len(rows),
-               samples_real=real, **sync, **client.take_metrics())  # fmt: skip
+               samples_real=real, samples_sha=samples_sha, **sync, **client.take_metrics())  # fmt: skip
         if tg.rank == 0:
             consumed.append(step, positions, [ledger.prompt_id(g) for g in positions],
                             attempt=tg.attempt, version=version,

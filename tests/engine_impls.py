@@ -68,11 +68,12 @@ def _stub(port: int, weights: Path) -> list[str]:
 
 
 def _vllm(port: int, weights: Path) -> list[str]:
-    from tests.vllm_engine import VLLM_ARGS, require_vllm
+    from tests.vllm_engine import require_vllm
+    from trainguard.rl.engines.launch import adapter_command
 
     require_vllm()  # a skip with its reason (a failure under make test-engines)
-    return [sys.executable, "-m", "trainguard.rl.engines.vllm", "--port", str(port),
-            "--weights-dir", str(weights), "--poll-interval-s", "0.2", "--", *VLLM_ARGS]  # fmt: skip
+    return adapter_command("--port", str(port), "--weights-dir", str(weights),
+                           "--poll-interval-s", "0.2")  # fmt: skip
 
 
 IMPLS = [

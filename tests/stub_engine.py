@@ -25,7 +25,9 @@ from typing import Any
 from trainguard.core.contracts.engine import (
     COMPLETIONS_PATH,
     HEALTH_PATH,
+    QUARANTINE_PATH,
     REWARDS_PATH,
+    VERIFIED_PATH,
     WEIGHT_UPDATE_PATH,
     WEIGHTS_PATH,
     HealthAnswer,
@@ -117,6 +119,7 @@ class StubEngine:
         self.shape = "good"
         self.version: int | None = None
         self.requests = 0
+        self.quarantined = False
         self.lock = threading.Lock()
 
     def status(self) -> S:
@@ -124,7 +127,9 @@ class StubEngine:
             cur = self.store.current()
             if cur is not None:
                 self.version = cur.version
-        return S.SERVING if self.version is not None else S.LOADING
+        if self.version is None:
+            return S.LOADING
+        return S.QUARANTINED if self.quarantined else S.SERVING
 
 
 class Handler(JSONHandler):
@@ -134,6 +139,8 @@ class Handler(JSONHandler):
     post_routes = {
         COMPLETIONS_PATH: "_completions",
         WEIGHT_UPDATE_PATH: "_update",
+        QUARANTINE_PATH: "_verdict",
+        VERIFIED_PATH: "_verdict",
         REWARDS_PATH: "_rewards",
         "/control": "_control",
     }
@@ -168,8 +175,9 @@ class Handler(JSONHandler):
         body = self.read_object()
         with e.lock:
             e.requests += 1
-        if e.status() is not S.SERVING:
-            raise HTTPError(503, f"engine is {e.status()}, not serving yet")
+        check = body.get("refit_check") is True  # a client's refit check: answered quarantined
+        if e.status() is not S.SERVING and not (check and e.status() is S.QUARANTINED):
+            raise HTTPError(503, f"engine is {e.status()}, not serving")
         prompt = body.get("prompt")
         prompts = [prompt] if isinstance(prompt, str) else prompt
         if (
@@ -190,6 +198,11 @@ class Handler(JSONHandler):
         ):
             raise HTTPError(400, "'seed' as a list must hold one integer >= 0 per prompt")
         choices = _choices(want, max_tokens, seed, body.get("logprobs") is not None, n)
+        if body.get("prompt_logprobs") is not None:  # one word a token; the first None
+            for c in choices:
+                words = prompts[c["index"] // n].split()
+                c["prompt_token_ids"] = [WORDS.index(w) if w in WORDS else 2 for w in words]
+                c["prompt_logprobs"] = [None] + [-math.log(VOCAB - 3)] * (len(words) - 1)
         answer = {"choices": choices, "weight_version": e.version}
         answer["incarnation"] = own_identity().incarnation
         if e.hostile and e.shape == "other_incarnation":  # another process answers the port
@@ -209,6 +222,20 @@ class Handler(JSONHandler):
             raise HTTPError(404, f"weight version {version} is not in {e.store.root}")
         e.version = version
         self.send_json(200, {"version": version, "load_s": 0.0})
+
+    def _verdict(self) -> None:
+        """A client's refit check: quarantined (503 but to checks) until a version is verified."""
+        e = self.engine
+        version = self.read_object().get("version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise HTTPError(400, "'version' (the weight version checked) is required")
+        if self.path == QUARANTINE_PATH:
+            e.quarantined = e.version is not None
+        elif version != e.version:
+            raise HTTPError(409, f"this engine holds weight version {e.version}, not {version}")
+        else:
+            e.quarantined = False
+        self.send_json(200, {"status": e.status().value, "version": e.version})
 
     def _rewards(self) -> None:
         e = self.engine

@@ -160,6 +160,35 @@ def test_every_request_needs_the_jobs_signature(subject: Subject) -> None:
     assert r.status == 400 and "unknown fields ['path']" in error_of(r)["message"]
 
 
+def test_a_failed_refit_check_quarantines_until_a_version_is_verified(subject: Subject) -> None:
+    """A client's refit check (``trainguard.rl.verify``): the prompt log-probs of fixed texts
+    (one per prompt token, the first None); a quarantined engine answers nothing but such a
+    check until a client verified the version it holds."""
+    v = subject.health().weight_version
+    assert v is not None
+    texts = ["please write 3 7 now", "write digits 1 2 now"]
+    check = {"prompt": texts, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
+             "refit_check": True}  # fmt: skip
+    r = subject.post(ec.COMPLETIONS_PATH, check)
+    assert r.status == 200, r.body[:300]
+    got = ec.parse_prompt_logprobs(r.body, expected=len(texts))
+    assert got.weight_version == v
+    for ids, lps in got.prompts:
+        assert len(lps) >= 2 and lps[0] is None and all(x is not None for x in lps[1:])
+        assert ids is None or len(ids) == len(lps)
+    assert subject.post(ec.QUARANTINE_PATH, {"version": v, "reason": "a test"}).status == 200
+    assert subject.health().status is S.QUARANTINED
+    refused = subject.post(ec.COMPLETIONS_PATH, {"prompt": "write", "max_tokens": 2})
+    assert refused.status == 503 and "quarantined" in error_of(refused)["message"]
+    assert subject.post(ec.COMPLETIONS_PATH, check).status == 200
+    other = subject.post(ec.VERIFIED_PATH, {"version": v + 1000})
+    assert other.status == 409 and str(v) in error_of(other)["message"]
+    assert subject.health().status is S.QUARANTINED
+    assert subject.post(ec.VERIFIED_PATH, {"version": v}).status == 200
+    assert subject.health().status is S.SERVING
+    assert subject.complete(max_tokens=2).weight_version == v
+
+
 def test_errors_answer_in_one_schema(subject: Subject) -> None:
     assert error_of(subject.post(ec.COMPLETIONS_PATH, {"prompt": 5}))["code"] == 400
     assert error_of(subject.post(ec.COMPLETIONS_PATH, ["not", "an", "object"]))["code"] == 400

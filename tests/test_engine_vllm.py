@@ -13,7 +13,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +22,15 @@ from typing import Any
 import pytest
 
 from tests.launch_utils import REPO
-from tests.vllm_engine import VLLM_ARGS, http_json, model_dir, require_vllm, vllm_children
+from tests.vllm_engine import (
+    TOKEN,
+    VLLM_ARGS,
+    http_json,
+    model_dir,
+    require_vllm,
+    vllm_children,
+)
+from trainguard.rl.engines.launch import adapter_command, adapter_env, teacher_logprobs
 from trainguard.rl.weights import WeightStore
 from trainguard.testing.ports import free_port
 
@@ -35,13 +42,14 @@ PROMPT = "please write 3 4 now"
 class Adapter:
     def __init__(self, root: Path, py: str, args: list[str], port: int | None = None) -> None:
         self.root, self.port = root, port or free_port()
-        env = {**os.environ, "TRAINGUARD_RUN_DIR": str(root), "TRAINGUARD_VLLM_PYTHON": py,
-               "PYTHONPATH": str(REPO), "TRAINGUARD_AGENT_ROLE_REPLICA": "0"}  # fmt: skip
-        env.pop("TRAINGUARD_AGENT_ROLE_STANDBY", None)
+        env = adapter_env(root, TOKEN, vllm_python=py)
+        env["PYTHONPATH"] = str(REPO)
         self.log = (root / "adapter.log").open("ab")
+        vllm_args = args[args.index("--") + 1 :] if "--" in args else []
+        own = args[: args.index("--")] if "--" in args else args
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainguard.rl.engines.vllm", "--port", str(self.port),
-             "--poll-interval-s", "0.3", *args],
+            adapter_command("--port", str(self.port), "--poll-interval-s", "0.3", *own,
+                            vllm_args=vllm_args),
             env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=root,
         )  # fmt: skip
 
@@ -89,18 +97,11 @@ class Adapter:
 
 def hf_logprobs(state: dict[str, Any], prompt: str, token_ids: list[int]) -> list[float]:
     """The trainer's log-probs of ``token_ids`` after ``prompt`` under weights ``state``."""
-    import torch
-
     from trainguard.rl.tiny import TINY_LLAMA, load_model
 
     model, tok = load_model(TINY_LLAMA)
     model.load_state_dict(state)
-    ids = tok(prompt)["input_ids"]
-    x = torch.tensor([ids + token_ids])
-    with torch.no_grad():
-        logits = model(input_ids=x).logits[0, len(ids) - 1 : -1].float()
-    lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(token_ids)[:, None])
-    return lp.squeeze(-1).tolist()
+    return teacher_logprobs(model, tok, prompt, token_ids)
 
 
 def perturbed(state: dict[str, Any], seed: int) -> dict[str, Any]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,9 +22,11 @@ import pytest
 from tests.launch_utils import base_env, popen
 from tests.procs import kill_tree
 from tests.test_rl_fleet_job import RL_FLEET, engines, records, standby, wait_for
-from tests.vllm_engine import VLLM_ARGS, http_json, require_vllm
+from tests.vllm_engine import http_json, require_vllm
 from trainguard.core.events import read_events
+from trainguard.core.fleetauth import load_secret_file, role_token, secret_path
 from trainguard.rl import ConsumedLog, PromptLedger, audit
+from trainguard.rl.engines.launch import adapter_command
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(5400)]  # 6 vLLM starts on 2 cores
 
@@ -34,10 +36,7 @@ PROMPTS, BATCH = 16, 4
 def test_rl_job_on_vllm_engines_through_a_failed_refit_a_kill_and_a_freeze(tmp_path: Path) -> None:
     py = require_vllm()
     run = tmp_path / "run"
-    adapter = (
-        f"{sys.executable} -m trainguard.rl.engines.vllm --enable-fault-injection "
-        "--poll-interval-s 0.3 -- " + " ".join(VLLM_ARGS)
-    )
+    adapter = shlex.join(adapter_command("--enable-fault-injection", "--poll-interval-s", "0.3"))
     env = base_env(
         OMP_NUM_THREADS="1",
         TRAINGUARD_HEALTH_ENABLED="0",
@@ -53,7 +52,7 @@ def test_rl_job_on_vllm_engines_through_a_failed_refit_a_kill_and_a_freeze(tmp_p
          "--tg-role", f"rollout=2,standby=1,ready=1200,budget=4:{adapter}", RL_FLEET,
          "--model", "tiny-llama", "--steps", "100000", "--prompts", str(PROMPTS),
          "--batch", str(BATCH), "--group", "2", "--step-sleep", "0.5",
-         "--request-timeout", "60", "--max-attempts", "12"],
+         "--request-timeout", "60", "--max-attempts", "12", "--serving-timeout", "1500"],
         cwd=tmp_path, env=env,
     )  # fmt: skip
     consumed = ConsumedLog(run / "rl" / "consumed.jsonl")
@@ -63,7 +62,7 @@ def test_rl_job_on_vllm_engines_through_a_failed_refit_a_kill_and_a_freeze(tmp_p
 
     def health(port: int) -> dict[str, Any] | None:
         try:
-            code, h = http_json(port, "GET", "/health", timeout=5)
+            code, h = http_json(port, "GET", "/health", timeout=5, token=job_token(run))
         except OSError:
             return None
         return h if code == 200 else None
@@ -76,7 +75,8 @@ def test_rl_job_on_vllm_engines_through_a_failed_refit_a_kill_and_a_freeze(tmp_p
 
         # 1. a refit that vLLM fails mid-update on engine 1: the adapter answers 500 in one
         # line and exits; the replica is replaced and serves the trainer's version
-        code, _ = http_json(ports[1], "POST", "/v1/faults", {"kind": "refit_500", "count": 1})
+        body = {"kind": "refit_500", "count": 1}
+        code, _ = http_json(ports[1], "POST", "/v1/faults", body, token=job_token(run))
         assert code == 200
         refit_failed = wait_for(
             "engine 1 replaced after its failed refit",
@@ -148,6 +148,11 @@ def test_rl_job_on_vllm_engines_through_a_failed_refit_a_kill_and_a_freeze(tmp_p
     for r in recs:
         assert r["samples_real"] == r["samples_trained"] and r["staleness_max"] == 0
     assert sum(r.get("weight_sync_missed", 0) for r in recs) >= 1  # the failed refit
+
+
+def job_token(run: Path) -> str:
+    """The job's ``rollout`` token (the agent wrote the job secret into the run directory)."""
+    return role_token(load_secret_file(secret_path(run)), "rollout")
 
 
 def _role_pids(run: Path) -> list[int]:

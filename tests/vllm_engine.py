@@ -8,9 +8,9 @@ of skipping.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
+import secrets
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -18,12 +18,15 @@ from typing import Any
 import pytest
 
 from tests.launch_utils import REPO
+from trainguard.core.jsonhttp import TransportError, request
+from trainguard.rl.engines.launch import TINY_VLLM_ARGS
 
-VLLM_ARGS = ["--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8",
-             "--dtype", "float32", "--kv-cache-memory-bytes", "67108864"]  # fmt: skip
-"""vLLM's arguments in these tests: eager (the first generation after start-up takes ~30 s
-instead of a 50 s compile on 2 cores), float32 (log-probs comparable with the trainer's), 64 MiB
-of KV cache (the tiny Llama needs 1 KiB a token; vLLM's CPU default here is 1 GiB)."""
+VLLM_ARGS = list(TINY_VLLM_ARGS)
+"""vLLM's arguments in these tests: the tiny Llama's (:data:`trainguard.rl.engines.launch.TINY_VLLM_ARGS`)."""
+
+TOKEN = secrets.token_hex(32)
+"""The ``rollout`` token of the adapters these tests start (``adapter_env``): every request
+signed, every answer's signature checked."""
 
 
 def vllm_python() -> str | None:
@@ -43,20 +46,24 @@ def require_vllm() -> str:
 
 
 def http_json(
-    port: int, method: str, path: str, body: Any = None, timeout: float = 120.0
+    port: int,
+    method: str,
+    path: str,
+    body: Any = None,
+    timeout: float = 120.0,
+    token: str | None = TOKEN,
 ) -> tuple[int, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    """``(status, parsed JSON, else the raw body)``, signed with ``token`` (the answer's
+    signature checked); OSError when there is no usable answer."""
     try:
-        data = None if body is None else json.dumps(body).encode()
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        raw = resp.read()
-    finally:
-        conn.close()
+        r = request("127.0.0.1", port, method, path, body, timeout=timeout, max_bytes=1 << 26,
+                    token=token)  # fmt: skip
+    except TransportError as e:
+        raise OSError(str(e)) from None
     try:
-        return resp.status, json.loads(raw)
+        return r.status, json.loads(r.body)
     except ValueError:
-        return resp.status, raw
+        return r.status, r.body
 
 
 def vllm_children(pid: int) -> list[int]:
@@ -75,6 +82,6 @@ def vllm_children(pid: int) -> list[int]:
 
 
 def model_dir(root: Path) -> Path:
-    from trainguard.rl.tiny import save_tiny_llama
+    from trainguard.rl.engines.launch import tiny_model_dir
 
-    return save_tiny_llama(root / "rl" / "models" / "tiny-llama")
+    return tiny_model_dir(root)

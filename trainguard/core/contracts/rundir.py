@@ -14,6 +14,7 @@
     debug/<id>/                           one ``trainguard debug`` look at a running job (a DumpDir)
     health/straggler_scores.<node>.json   the latest step-time straggler scores of a node's ranks
     rl/weights/                           the rollout engines' weight store (trainguard.rl.weights)
+    rl/models/<name>/                     a model directory the job built for its engines
     logs/<step>-<job>-<task>.out          a ``trainguard sbatch`` job step's output (Slurm's)
     heartbeats/<node>.json                an agent's heartbeat, for ``trainguard watch``
     telemetry/metrics_<node>.jsonl        a node's exported metrics (OpenTelemetry, JSONL)
@@ -255,6 +256,12 @@ class RunDir:
         """The weight store of the rollout fleet (versions the trainer publishes and the
         engines load: :mod:`trainguard.rl.weights`)."""
         return self.root / "rl" / "weights"
+
+    @property
+    def models(self) -> Path:
+        """Model directories the job built for its engines (a Hugging Face checkpoint an
+        engine such as vLLM starts from: :mod:`trainguard.rl.engines.launch`)."""
+        return self.root / "rl" / "models"
 
     @property
     def logs(self) -> Path:

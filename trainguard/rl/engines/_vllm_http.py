@@ -10,11 +10,14 @@ from trainguard.core.contracts.engine import (
     COMPLETIONS_PATH,
     HEALTH_PATH,
     MODELS_PATH,
+    QUARANTINE_PATH,
+    VERIFIED_PATH,
     WEIGHT_UPDATE_PATH,
     WEIGHTS_PATH,
     weight_update_version,
 )
 from trainguard.core.contracts.engine import ReplicaStatus as S
+from trainguard.core.fleetauth import Authenticator
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
 
 __all__ = ["AdapterError", "make_server"]
@@ -25,6 +28,7 @@ class AdapterError(HTTPError):
 
 
 class _Adapter(Protocol):
+    auth: Authenticator | None
     version: int | None
     status: S
     config: Any
@@ -33,6 +37,8 @@ class _Adapter(Protocol):
     def complete(self, body: object) -> dict[str, Any]: ...
     def refit(self, version: int) -> float: ...
     def arm_fault(self, kind: str, count: int) -> None: ...
+    def quarantine(self, version: int | None, reason: str) -> None: ...
+    def verified(self, version: int) -> bool: ...
 
 
 class _Handler(JSONHandler):
@@ -43,6 +49,8 @@ class _Handler(JSONHandler):
     post_routes = {
         COMPLETIONS_PATH: "_completions",
         WEIGHT_UPDATE_PATH: "_update",
+        QUARANTINE_PATH: "_verdict",
+        VERIFIED_PATH: "_verdict",
         "/v1/faults": "_faults",
     }
 
@@ -74,6 +82,20 @@ class _Handler(JSONHandler):
         self.adapter.arm_fault(str(body.get("kind")), count)
         self.send_json(200, {"armed": body.get("kind")})
 
+    def _verdict(self) -> None:
+        """``POST /v1/weights/quarantine`` ``{"version", "reason"}`` / ``/v1/weights/verified``
+        ``{"version"}``: a client's refit check of this engine."""
+        a = self.adapter
+        body = self.read_object()
+        version = body.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise AdapterError(400, "'version' (the weight version checked) is required")
+        if self.path == QUARANTINE_PATH:
+            a.quarantine(version, str(body.get("reason", ""))[:500])
+        elif not a.verified(version):
+            raise AdapterError(409, f"this engine holds weight version {a.version}, not {version}")
+        self.send_json(200, {"status": S(a.status).value, "version": a.version})
+
     def _update(self) -> None:
         a = self.adapter
         try:
@@ -87,5 +109,5 @@ class _Handler(JSONHandler):
 
 
 def make_server(adapter: _Adapter, host: str, port: int) -> JSONServer:
-    handler = type("Handler", (_Handler,), {"adapter": adapter})
+    handler = type("Handler", (_Handler,), {"adapter": adapter, "authenticator": adapter.auth})
     return JSONServer((host, port), handler)

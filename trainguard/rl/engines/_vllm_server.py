@@ -141,6 +141,37 @@ def hf_version_dir(root: Path, version: int, weights: Path) -> Path:
     return d
 
 
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks (``/proc/PID/stat`` field 22), None when gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _descendants(pid: int) -> dict[int, int]:
+    """Every process below ``pid``: pid → its start time."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out: dict[int, int] = {}
+    todo = [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            started = _start_time(c)
+            if started is not None:
+                out[c] = started
+                todo.append(c)
+    return out
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the adapter dies (Linux; elsewhere a no-op)."""
     try:
@@ -217,19 +248,29 @@ class VllmServer:
         return self.proc.poll() if self.proc is not None else None
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 15 s; then whatever vLLM started (its engine core, its
+        resource tracker) that outlived it: killed before it ends, they would be left behind
+        (a vLLM still starting does not end them on SIGTERM)."""
         p = self.proc
         if p is None or p.poll() is not None:
             return
+        kids = _descendants(p.pid)
         for sig in (signal.SIGCONT, signal.SIGTERM):
             try:
                 os.kill(p.pid, sig)
             except ProcessLookupError:
-                return
+                break
         try:
             p.wait(timeout=15)
         except subprocess.TimeoutExpired:
             os.kill(p.pid, signal.SIGKILL)
             p.wait()
+        for pid, started in kids.items():
+            if _start_time(pid) == started:  # still that process, not a reused pid
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def request(
         self, method: str, path: str, body: object = None, timeout: float = 60.0

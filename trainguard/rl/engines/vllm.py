@@ -29,6 +29,10 @@ arguments after ``--`` go to vLLM as they are). What it maps:
   engine keeps serving it and says so); when that fails too the engine leaves routing
   (``loading``) and reloads the store's current version.
 
+Every request, health included, is signed with the job's ``rollout`` token
+(``$TRAINGUARD_AGENT_ROLE_TOKEN``, set by the role supervisor; :mod:`trainguard.core.fleetauth`) and
+every answer signed back, as the embedded engine does; anything else is 401 with one line.
+
 Every error is one line naming the replica, the version and the fix. vLLM runs with
 ``VLLM_SERVER_DEV_MODE=1`` (its pause, reload and version endpoints) and, unless it is set or
 ``--kv-cache-memory-bytes`` is given, ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache on CPU).
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -47,7 +52,8 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +66,7 @@ from trainguard.core.contracts.engine import (
     parse_completion,
 )
 from trainguard.core.contracts.engine import ReplicaStatus as S
+from trainguard.core.fleetauth import Authenticator
 from trainguard.core.jsonhttp import JSONServer
 from trainguard.rl.engines._vllm_http import AdapterError, make_server
 from trainguard.rl.engines._vllm_server import (
@@ -102,6 +109,9 @@ class AdapterConfig:
     fault_injection: bool = False
     standby: bool = False
     """``--standby``: start vLLM, then take the port once it is free (the replica died)."""
+    token: str | None = field(default=None, repr=False)
+    """The token every request must be signed with (the ``rollout`` role's,
+    ``$TRAINGUARD_AGENT_ROLE_TOKEN``); every answer is signed back. None: no check (in-process use)."""
 
 
 class VllmAdapter:
@@ -109,12 +119,14 @@ class VllmAdapter:
 
     def __init__(self, config: AdapterConfig) -> None:
         self.config = config
+        self.auth = Authenticator("rollout", config.token) if config.token else None
         self.status = S.STARTING
         self.version: int | None = None
         self.inflight = 0
         self.refits = 0
         self.refits_failed = 0
         self.requeued = 0
+        self.quarantines = 0
         self.last_error: str | None = None
         self.store = WeightStore(config.weights_dir)
         rl_dir = config.weights_dir.parent
@@ -268,7 +280,9 @@ class VllmAdapter:
                 os._exit(3)  # the role supervisor restarts (or replaces) the replica
             try:
                 cur = self.store.current()
-                if cur is not None and (cur.version != self.version or self.status != S.SERVING):
+                if cur is not None and (
+                    cur.version != self.version or self.status not in (S.SERVING, S.QUARANTINED)
+                ):
                     self.refit(cur.version)
             except AdapterError as e:
                 if e.code not in (404, 422):  # 422: logged once, by _failed
@@ -300,7 +314,9 @@ class VllmAdapter:
                 raise AdapterError(422, self.last_error)  # the same file: refused once, no retry
             d = hf_version_dir(self.work, version, src)  # the copy checked is the copy loaded
             try:
-                why = compare_shapes(check_safetensors(d / MODEL_FILE), self._shapes)
+                why = self._digest_differs(version, d / MODEL_FILE) or compare_shapes(
+                    check_safetensors(d / MODEL_FILE), self._shapes
+                )
             except WeightFileError as e:
                 why = str(e).replace(str(d / MODEL_FILE), str(src))
             if why is not None:
@@ -329,8 +345,48 @@ class VllmAdapter:
             self._dirs[version] = d
             self._prune()
             self.refits += 1
-            self.status = S.SERVING if self.status != S.STANDBY else self.status
+            if self.status not in (S.STANDBY, S.QUARANTINED):  # quarantined: until verified
+                self.status = S.SERVING
             return time.perf_counter() - t0
+
+    def quarantine(self, version: int | None, reason: str) -> None:
+        """A client found this engine's weights not to be ``version``: answer no completion
+        but a refit check (503, health ``quarantined``) until a client verified a version."""
+        if self.status in (S.SERVING, S.QUARANTINED):
+            self.status = S.QUARANTINED
+        self.quarantines += 1
+        logger.warning("vllm: %s quarantined: %s", self.who(version), reason)
+
+    def verified(self, version: int) -> bool:
+        """A client verified ``version``: serve again (False: this engine holds another)."""
+        if self.version != version:
+            return False
+        if self.status == S.QUARANTINED:
+            self.status = S.SERVING
+            logger.info("vllm: %s verified; serving again", self.who(version))
+        return True
+
+    def _digest_differs(self, version: int, copy: Path) -> str | None:
+        """What is wrong when the copy vLLM would load is not the bytes the trainer wrote for
+        ``version`` (the SHA-256 in the store's metadata); None when they are, or when the
+        metadata has no digest."""
+        try:
+            want = self.store.meta(version).get("sha256")
+        except (OSError, ValueError):
+            return None
+        if not isinstance(want, str):
+            return None
+        h = hashlib.sha256()
+        with open(copy, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        got = h.hexdigest()
+        if got == want:
+            return None
+        return (
+            f"its SHA-256 is {got[:12]}…, not the {want[:12]}… the trainer wrote (truncated or "
+            "changed after it was published)"
+        )
 
     def _load(self, d: Path, version: int) -> None:
         """pause(keep) → reload_weights → update_weight_version → resume, the gate closed:
@@ -400,8 +456,9 @@ class VllmAdapter:
         for i, p in enumerate(prompts):
             if not isinstance(p, str) or not p.strip():
                 raise AdapterError(400, f"prompt {i} must be a non-empty string, got {p!r:.80}")
-        if self.status != S.SERVING:
-            raise AdapterError(503, f"engine is {self.status}, not serving yet")
+        check = body.get("refit_check") is True  # a client's refit check: answered quarantined
+        if self.status != S.SERVING and not (check and self.status == S.QUARANTINED):
+            raise AdapterError(503, f"engine is {self.status}, not serving")
         fault = self._take_fault("http_500", "malformed", "hang")
         if fault == "http_500":
             raise AdapterError(500, "injected fault: internal error")
@@ -429,9 +486,41 @@ class VllmAdapter:
 
     def _forward(self, body: dict[str, Any], *, checked: bool) -> dict[str, Any]:
         assert self.server is not None
-        req = {k: v for k, v in body.items() if k != "model"}
+        req = {k: v for k, v in body.items() if k not in ("model", "refit_check")}
         req["model"] = self.model_dir
         req["return_token_ids"] = True
+        prompts = req.get("prompt")
+        n_prompts = len(prompts) if isinstance(prompts, list) else 1
+        seeds = req.get("seed")
+        if not isinstance(seeds, list):
+            return self._convert(self._complete_once(req), n_prompts, body)
+        # one seed per prompt (the contract): vLLM takes one seed a request, so each prompt is
+        # a request of its own, sent together (vLLM batches them); choices in prompt order
+        plist = prompts if isinstance(prompts, list) else [prompts]
+        if len(seeds) != len(plist) or not all(type(x) is int and x >= 0 for x in seeds):
+            raise AdapterError(400, "'seed' as a list must hold one integer >= 0 per prompt")
+        n = req.get("n", 1) if isinstance(req.get("n"), int) else 1
+        with ThreadPoolExecutor(max_workers=min(len(plist), 16)) as pool:
+            parts = list(pool.map(
+                lambda ps: self._complete_once({**req, "prompt": ps[0], "seed": ps[1]}),
+                zip(plist, seeds, strict=True),
+            ))  # fmt: skip
+        choices: list[object] = []
+        for k, part in enumerate(parts):
+            got = part.get("choices") if isinstance(part, dict) else None
+            if not isinstance(got, list) or len(got) != n:
+                return self._convert(part, 1, body)  # names what is wrong with it
+            for j, c in enumerate(got):
+                if isinstance(c, dict):
+                    c["index"] = k * n + j
+                choices.append(c)
+        first = parts[0] if isinstance(parts[0], dict) else {}
+        return self._convert({**first, "choices": choices}, n_prompts, body)
+
+    def _complete_once(self, req: dict[str, object]) -> object:
+        """One ``/v1/completions`` request to vLLM: its answer, or AdapterError (4xx: vLLM's
+        own message; 502/503 naming the replica)."""
+        assert self.server is not None
         try:
             code, ans = self.server.request(
                 "POST", "/v1/completions", req, timeout=self.config.request_timeout_s
@@ -445,9 +534,7 @@ class VllmAdapter:
             raise AdapterError(code, str(msg)[:500])
         if code != 200:
             raise AdapterError(502, f"{self.who()}: vLLM answered HTTP {code}: {str(ans)[:200]}")
-        return self._convert(
-            ans, len(req.get("prompt", [])) if isinstance(req.get("prompt"), list) else 1, body
-        )
+        return ans
 
     def _convert(self, ans: Any, n_prompts: int, body: dict[str, Any]) -> dict[str, Any]:
         """vLLM's answer in the contract's shape, checked; AdapterError(502) naming what is
@@ -470,9 +557,15 @@ class VllmAdapter:
                 raise AdapterError(502, f"{bad}: log-probs asked for and missing")
             if not c.get("token_ids"):
                 raise AdapterError(502, f"{bad}: a choice without token ids (return_token_ids)")
-            out.append({"index": c.get("index"), "text": c.get("text"),
-                        "token_ids": c.get("token_ids"), "finish_reason": c.get("finish_reason"),
-                        "logprobs": logprobs})  # fmt: skip
+            choice = {"index": c.get("index"), "text": c.get("text"),
+                      "token_ids": c.get("token_ids"), "finish_reason": c.get("finish_reason"),
+                      "logprobs": logprobs}  # fmt: skip
+            if body.get("prompt_logprobs") is not None:  # {token id: {"logprob": x}} per token
+                if not isinstance(c.get("prompt_logprobs"), list):
+                    raise AdapterError(502, f"{bad}: prompt log-probs asked for and missing")
+                choice["prompt_logprobs"] = c["prompt_logprobs"]
+                choice["prompt_token_ids"] = c.get("prompt_token_ids")
+            out.append(choice)
         answer = {"id": ans.get("id"), "object": "text_completion", "created": ans.get("created"),
                   "model": self.config.model, "choices": out, "usage": ans.get("usage"),
                   "weight_version": 0, "incarnation": own_identity().incarnation}  # fmt: skip
@@ -517,6 +610,7 @@ class VllmAdapter:
             "refits": self.refits,
             "refits_failed": self.refits_failed,
             "requeued": self.requeued,
+            "quarantines": self.quarantines,
             "last_error": self.last_error,
         }
 
@@ -570,12 +664,22 @@ def _parse(argv: list[str] | None) -> AdapterConfig:
             replica=os.environ.get(envvars.ROLE_REPLICA, "0"),
             poll_interval_s=a.poll_interval_s, start_timeout_s=a.start_timeout_s,
             request_timeout_s=a.request_timeout_s, probe_prompt=a.probe_prompt,
-            fault_injection=a.enable_fault_injection,
+            fault_injection=a.enable_fault_injection, token=_token(p),
         )  # fmt: skip
     except ValueError as e:
         p.error(str(e))
     cfg.standby = a.standby
     return cfg
+
+
+def _token(p: argparse.ArgumentParser) -> str:
+    token = os.environ.get(envvars.ROLE_TOKEN, "").strip()
+    if len(token) < 16:
+        p.error(
+            f"no job token: {envvars.ROLE_TOKEN} is unset or too short; run the adapter as a "
+            "role of `trainguard run`, or set it to the token its clients send (docs/security.md)"
+        )
+    return token
 
 
 def _bind_when_free(adapter: VllmAdapter, port: int) -> JSONServer:
