@@ -679,7 +679,7 @@ def test_a_memory_copy_that_differs_from_its_owners_digest_is_never_restored(
     bytes match the digest its owner wrote is restored; the newer one with one bit flipped in
     the holder's memory is an ``sdc_suspect`` (and refused). A checkpoint of one process (no
     replica to compare) is marked unverified in its manifest."""
-    from trainguard.checkpoint.staging import list_snapshots, rank_dir
+    from trainguard.checkpoint.staging import list_snapshots, outgoing_meta, rank_dir
 
     mem = tmp_path / "shm"
     m, opt = _model()
@@ -699,8 +699,9 @@ def test_a_memory_copy_that_differs_from_its_owners_digest_is_never_restored(
     }
     snaps = {s.step: s for s in list_snapshots(rank_dir(mem, 0))}
     assert sorted(snaps)[-2:] == [6, 7]
-    for step in (6, 7):  # as a fill from the node n1 places them
-        meta = json.loads(snaps[step].meta_path.read_text())
+    for step in (6, 7):  # as a fill from the node n1 places them: with the digest they left with
+        assert "digest" not in json.loads(snaps[step].meta_path.read_text())  # not on the step
+        meta = outgoing_meta(snaps[step])
         assert len(meta["digest"]) == 33
         snaps[step].meta_path.write_text(json.dumps({**meta, "source": "peer:n1"}))
     with open(snaps[7].bin_path, "r+b") as f:  # one bit of step 7's copy flips in n1's memory

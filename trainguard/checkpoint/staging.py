@@ -264,8 +264,6 @@ class Slot:
             "skeleton": jsoncodec.dumps(skeleton),
             "source": "memory",
         }
-        if self._mm is not None:
-            meta["digest"] = bytes_digest(memoryview(self._mm), self.layout.nbytes)
         write_atomic(self.meta_path, json.dumps(meta))
 
     def close(self) -> None:
@@ -380,6 +378,31 @@ def bytes_digest(buf: bytes | memoryview | mmap.mmap, nbytes: int) -> str:
     a = (int(w32) + tail) & (2**64 - 1)
     b = (int(w64) + tail) & (2**64 - 1)
     return f"{a:016x}:{b:016x}"
+
+
+_DIGESTS: dict[str, str] = {}
+
+
+def outgoing_meta(snap: Snapshot) -> dict[str, object]:
+    """The metadata a snapshot leaves its node with (a replica pushed to a peer, a copy served
+    to a peer's fill): this node's own snapshot carries its owner's digest of the bytes,
+    computed here, on the memory tier's side, never on the training step's path (a copy
+    that comes back differing from it is an ``sdc_suspect``). A copy of another node's
+    snapshot is passed on with the digest it came with. Computed once per snapshot."""
+    meta = dict(snap.meta)
+    if "digest" in meta or snap.source != "memory":
+        return meta
+    digest = _DIGESTS.get(snap.gen)
+    if digest is None:
+        try:
+            digest = file_digest(snap.bin_path, int(str(meta["nbytes"])))
+        except (OSError, ValueError, OverflowError, KeyError):
+            return meta  # not a snapshot this node can read: the receiver judges its metadata
+        if len(_DIGESTS) >= 64:
+            _DIGESTS.clear()
+        _DIGESTS[snap.gen] = digest
+    meta["digest"] = digest
+    return meta
 
 
 def file_digest(path: Path, nbytes: int) -> str:

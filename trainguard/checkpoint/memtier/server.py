@@ -19,6 +19,7 @@ from trainguard.checkpoint.memtier.wire import (
     ProtocolError,
     validate_meta,
 )
+from trainguard.checkpoint.staging import outgoing_meta
 
 __all__ = ["TierServer"]
 
@@ -145,7 +146,7 @@ class _Handler(socketserver.BaseRequestHandler):
             ch.send({"found": False})
             return
         nbytes = int(snap.meta["nbytes"])
-        ch.send({"found": True, "meta": snap.meta, "nbytes": nbytes})
+        ch.send({"found": True, "meta": outgoing_meta(snap), "nbytes": nbytes})
         ch.send_file(snap.bin_path, nbytes, snap.still_valid)
         self.server.count("get")
 

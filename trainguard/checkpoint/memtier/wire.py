@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint.jsoncodec import DTYPE_SIZES
-from trainguard.checkpoint.staging import Snapshot, decode_skeleton
+from trainguard.checkpoint.staging import Snapshot, decode_skeleton, outgoing_meta
 
 __all__ = [
     "MAX_HEADER",
@@ -357,7 +357,7 @@ def push_snapshot(
     nbytes = int(snap.meta["nbytes"])
     ch = _connect(addr, secret, deadline)
     with ch.sock:
-        ch.send({"op": "put", "node": node, "meta": snap.meta, "nbytes": nbytes})
+        ch.send({"op": "put", "node": node, "meta": outgoing_meta(snap), "nbytes": nbytes})
         go = ch.recv()
         if not go.get("ok"):
             raise ProtocolError(f"peer refused the snapshot: {go.get('error')}")
