@@ -132,6 +132,21 @@ def _close_etcd_clients(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             pass
 
 
+@pytest.fixture(autouse=True)
+def _grad_mode_is_left_as_found() -> Iterator[None]:
+    """A test (or the product code it runs in this process) that turns autograd off for the
+    thread fails here, not in whichever test this worker runs next."""
+    torch = sys.modules.get("torch")
+    before = torch.is_grad_enabled() if torch is not None else True
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.is_grad_enabled() != before:
+        torch.set_grad_enabled(before)
+        pytest.fail(
+            f"autograd left {'off' if before else 'on'}: grad mode is per thread, set it in a context"
+        )
+
+
 def _cpu_seconds() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)

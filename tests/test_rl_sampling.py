@@ -19,8 +19,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     e = Engine(EngineConfig(weights_dir=Path(tmp_path_factory.mktemp("w"))))
     e.build()
     g = torch.Generator().manual_seed(1)
-    for p in e.model.parameters():  # away from the near-uniform random init
-        p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    with torch.no_grad():
+        for p in e.model.parameters():  # away from the near-uniform random init
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
     e.version = 0
     return e
 

@@ -261,9 +261,6 @@ class Engine:
     # -- startup and weights -----------------------------------------------------------------
     def build(self) -> None:
         """Import the model's libraries and build it (status ``starting``)."""
-        import torch
-
-        torch.set_grad_enabled(False)
         self.model, self.tokenizer = load_model(self.config.model, self.config.seed)
         self.model.eval()
 
@@ -416,8 +413,12 @@ class Engine:
                         job.done.set()
 
     def _generate(self, jobs: list[_Job]) -> None:
+        import torch
+
         s = jobs[0].sampling
-        with self._model_lock:
+        # no autograd graph (grad mode is per thread: set here, never for the whole process,
+        # which may be a trainer's or a test's)
+        with torch.no_grad(), self._model_lock:
             version = self.version
             if s.seed is None:
                 texts = [p for job in jobs for p in job.prompts for _ in range(job.sampling.n)]
