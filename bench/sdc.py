@@ -58,8 +58,10 @@ def _checks(run_dir: Path) -> list[dict[str, Any]]:
 def run_job(
     run_dir: Path, world: int, steps: int, ckpt_every: int, chaos: str | None
 ) -> tuple[int, float]:
-    # the fleet database (the verdicts' records) under the bench's directory
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TRAINGUARD_RUNTIME_RUNS_ROOT=str(run_dir.parent))
+    # each run's own fleet database (the verdicts' records), in its run directory: sdc counts
+    # toward the lemon policy, so one shared database would refuse this machine after three
+    # injected corruptions
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRAINGUARD_RUNTIME_RUNS_ROOT=str(run_dir))
     env.pop("TRAINGUARD_CHAOS", None)
     if chaos:
         env["TRAINGUARD_CHAOS"] = chaos
