@@ -58,6 +58,51 @@ def test_every_single_bit_flip_changes_the_digest() -> None:
     assert known_answer_gemm_ok(torch.device("cpu"))
 
 
+def test_two_rank_record_follows_the_parameters_and_yields_to_the_budget(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The per-step record (two ranks) reads the parameters through views made once: it sees
+    an optimizer's in-place update and one flipped bit, remakes its views when a parameter's
+    storage moves, and where the records alone take over half the budget the job compares the
+    logged metric instead (one line)."""
+    from types import SimpleNamespace
+
+    from trainguard.core.config.sdc import SdcConfig
+    from trainguard.worker import sdc as sdc_mod
+
+    net = nn.Linear(4, 3)
+    state = {"model": net}
+    records: list[dict[str, object]] = []
+    tg = SimpleNamespace(world_size=2, rank=0, generation=0, _write_record=records.append)
+    guard = sdc_mod.SdcGuard(tg, SdcConfig(budget=0.001))
+    guard.due(0, persist=False)
+    guard.boundary(0, state)
+    first = guard._values[0]
+    with torch.no_grad():
+        net.weight.add_(1.0)  # in place, as an optimizer step
+    guard.boundary(1, state)
+    assert guard._values[1] != first
+    chaos.corrupt(net.bias, chaos.Fault(kind="sdc", step=0, bit=0, index=1))
+    guard.boundary(2, state)
+    assert guard._values[2] != guard._values[1]
+    net.weight = nn.Parameter(net.weight.detach().clone() * 2)  # new storage: views remade
+    guard.boundary(3, state)
+    assert guard._values[3] == sum(
+        int(t.detach().reshape(-1).view(torch.int32).sum(dtype=torch.int64))
+        for t in (net.weight, net.bias)
+    )
+    assert guard.record_steps
+    guard.record_s = 1e6  # records that cost far more than the budget
+    with caplog.at_level("WARNING"):
+        for step in range(4, sdc_mod._RECORD_PROBE_STEPS + 1):
+            guard.boundary(step, state)
+    assert not guard.record_steps and guard._values == {}
+    (line,) = [r.getMessage() for r in caplog.records if "per-step parameter digests" in r.message]
+    assert "'loss'" in line and "budget" in line
+    guard.observe(300, {"loss": 0.5})  # the metric is kept from now on
+    assert guard._values == {300: 0.5}
+
+
 def test_what_is_compared_and_what_is_refused(tmp_path: Path) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP

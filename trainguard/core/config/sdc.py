@@ -39,7 +39,10 @@ class SdcConfig:
     """With two ranks (no majority to name the odd one), digest each rank's parameters at
     every step boundary (local, a read of the parameters per step) so that a replay names the
     rank whose parameters diverged first; false: compare ``metric`` instead (free, but a
-    corruption too small to change the logged value can get the wrong rank named)."""
+    corruption too small to change the logged value can get the wrong rank named). The records
+    are charged to ``budget`` with the checks; where they alone take over half of it (measured
+    over the first 200 steps: a model whose step costs little more than a read of its
+    parameters), the job compares ``metric`` from then on, with one line."""
     evict: bool = True
     """In a job of several nodes, a named rank's node leaves the job (its workers exit with
     code 95, its agent evicts it as for a health drain; a spare or the nodes left go on from
