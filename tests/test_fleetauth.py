@@ -15,6 +15,7 @@ from trainguard.core.fleetauth import (
     Authenticator,
     answer_ok,
     job_secret,
+    replica_token,
     role_token,
     secret_path,
     sign,
@@ -39,6 +40,18 @@ def test_the_job_secret_is_made_once_private_and_unsafe_files_are_refused(tmp_pa
     path.symlink_to(other)  # a link planted at the secret's name is never followed
     with pytest.raises(ValueError, match="cannot open it"):
         job_secret(tmp_path)
+
+
+def test_a_replica_without_its_roles_token_is_one_line_naming_the_variable_and_the_fix() -> None:
+    """The check every replica (the engine, the vLLM adapter, the reward server) runs at start."""
+    token = "t" * 64
+    assert replica_token("the engine", {"TRAINGUARD_AGENT_ROLE_TOKEN": f" {token}\n"}) == token
+    for env in ({}, {"TRAINGUARD_AGENT_ROLE_TOKEN": "short"}, {"TRAINGUARD_AGENT_ROLE_TOKEN": " "}):
+        with pytest.raises(ValueError) as e:
+            replica_token("the adapter", env)
+        msg = str(e.value)
+        assert msg.startswith("no job token: TRAINGUARD_AGENT_ROLE_TOKEN is unset or too short")
+        assert "run the adapter as a role of `trainguard run`" in msg and "\n" not in msg
 
 
 def test_a_signature_is_good_once_for_its_request_port_and_time(

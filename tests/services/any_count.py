@@ -17,7 +17,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-CEILING = 835
+CEILING = 834
 """The count when this ceiling was last lowered (891 before the seams got Protocols)."""
 
 PACKAGE = Path(__file__).resolve().parents[2] / "trainguard"

@@ -52,6 +52,7 @@ __all__ = [
     "answer_ok",
     "job_secret",
     "load_secret_file",
+    "replica_token",
     "role_token",
     "secret_path",
     "sign",
@@ -66,6 +67,8 @@ kept by NTP; within this window a nonce is never accepted twice)."""
 _SCHEME = "TG1"
 _EMPTY_SHA = hashlib.sha256(b"").hexdigest()
 MIN_SECRET_BYTES = 16
+_MIN_TOKEN_CHARS = 16
+"""A replica's token shorter than this is taken for a mistake (a role token is 64 hex digits)."""
 _CONTEXT = b"trainguard fleet\0"
 
 
@@ -132,6 +135,20 @@ def token_from_env(role: str, env: Mapping[str, str] | None = None) -> str | Non
     env = os.environ if env is None else env
     name = envvars.ROLE_TOKENS.get(role)
     return (env.get(name) or None) if name else None
+
+
+def replica_token(what: str, env: Mapping[str, str] | None = None) -> str:
+    """The token a role replica checks every request against (``TRAINGUARD_AGENT_ROLE_TOKEN``,
+    set by the role supervisor). ValueError (one line: how to run ``what`` with one) when it is
+    unset or too short."""
+    env = os.environ if env is None else env
+    token = env.get(envvars.ROLE_TOKEN, "").strip()
+    if len(token) < _MIN_TOKEN_CHARS:
+        raise ValueError(
+            f"no job token: {envvars.ROLE_TOKEN} is unset or too short; run {what} as a role "
+            "of `trainguard run`, or set it to the token its clients send (docs/security.md)"
+        )
+    return token
 
 
 def _mac(token: str, *fields: str) -> str:

@@ -119,7 +119,7 @@ from trainguard.core.contracts.engine import (
     weight_update_version,
 )
 from trainguard.core.contracts.engine import ReplicaStatus as S
-from trainguard.core.fleetauth import Authenticator
+from trainguard.core.fleetauth import Authenticator, replica_token
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
 from trainguard.rl.sampling import SEED_MAX, SeededSampler, request_seed, sample_seed
 from trainguard.rl.tiny import TINY_MODEL, load_model
@@ -747,7 +747,7 @@ def _parse(argv: list[str] | None) -> EngineConfig:
             batch_window_s=a.batch_window_ms / 1000,
             poll_interval_s=a.poll_interval_s,
             fault_injection=a.enable_fault_injection,
-            token=_token(p),
+            token=replica_token("the engine"),
         )
     except ValueError as e:
         p.error(str(e))
@@ -755,16 +755,6 @@ def _parse(argv: list[str] | None) -> EngineConfig:
 
     torch.set_num_threads(max(1, a.threads))
     return cfg
-
-
-def _token(p: argparse.ArgumentParser) -> str:
-    token = os.environ.get(envvars.ROLE_TOKEN, "").strip()
-    if len(token) < 16:
-        p.error(
-            f"no job token: {envvars.ROLE_TOKEN} is unset or too short; run the engine as a "
-            "role of `trainguard run`, or set it to the token its clients send (docs/security.md)"
-        )
-    return token
 
 
 def _bind_when_free(engine: Engine, wait_s: float) -> JSONServer:

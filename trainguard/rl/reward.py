@@ -53,7 +53,7 @@ from trainguard.core.contracts.engine import (
     parse_rewards,
 )
 from trainguard.core.contracts.event_kinds import REWARD_FAILED
-from trainguard.core.fleetauth import Authenticator, token_from_env
+from trainguard.core.fleetauth import Authenticator, replica_token, token_from_env
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
 from trainguard.rl.client import REWARD_URLS_ENV, urls_from_env
 
@@ -268,14 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"reward: {e}", file=sys.stderr)
         return 2
-    token = os.environ.get(envvars.ROLE_TOKEN, "").strip()
-    if len(token) < 16:
-        print(
-            f"reward: no job token: {envvars.ROLE_TOKEN} is unset or too short; run it as a "
-            "role of `trainguard run`, or set it to the token its clients send "
-            "(docs/security.md)",
-            file=sys.stderr,
-        )
+    try:
+        token = replica_token("it")
+    except ValueError as e:
+        print(f"reward: {e}", file=sys.stderr)
         return 2
     try:
         server = serve(fn, a.function, a.host, port, token)

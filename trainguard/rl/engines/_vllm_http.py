@@ -27,11 +27,19 @@ class AdapterError(HTTPError):
     """An answer with HTTP status ``code`` and a one-line ``message`` (what, where, the fix)."""
 
 
+class _Config(Protocol):
+    model: str
+    fault_injection: bool
+
+
 class _Adapter(Protocol):
     auth: Authenticator | None
-    version: int | None
     status: S
-    config: Any
+
+    @property
+    def config(self) -> _Config: ...
+    @property
+    def version(self) -> int | None: ...
 
     def health(self) -> dict[str, Any]: ...
     def complete(self, body: object) -> dict[str, Any]: ...
