@@ -5,6 +5,8 @@
 --spin-rank R --spin-at-step N   rank R busy-waits outside any step from step N on (attempt 0
                                  only): alive, fresh heartbeat, never reaching the collective
 --slow-rank R --slow-factor F    rank R computes F times longer per step
+--slow-node N                    the ranks on node N compute --slow-factor times longer (which
+                                 global rank a node's worker gets is the rendezvous's choice)
 Every step logs compute_time_s (the time before the all-reduce).
 """
 
@@ -36,6 +38,7 @@ def main() -> None:
     p.add_argument("--spin-rank", type=int, default=-1)
     p.add_argument("--spin-at-step", type=int, default=-1)
     p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slow-node", default=None)
     p.add_argument("--slow-factor", type=float, default=1.0)
     p.add_argument("--sleep", action="store_true", help="sleep instead of busy compute")
     args = p.parse_args()
@@ -51,7 +54,10 @@ def main() -> None:
                 time.sleep(0.01)
         with tg.step():
             t0 = time.perf_counter()
-            work = args.compute_s * (args.slow_factor if tg.rank == args.slow_rank else 1.0)
+            slow = tg.rank == args.slow_rank or (
+                args.slow_node is not None and tg.node == args.slow_node
+            )
+            work = args.compute_s * (args.slow_factor if slow else 1.0)
             (time.sleep if args.sleep else busy)(work)
             if first_attempt and tg.rank == args.stop_rank and step == args.stop_at_step:
                 (tg.run_dir / "stopped_at").write_text(str(time.time()))
