@@ -133,3 +133,38 @@ def steps_done(run_dir: Path) -> int:
             if rec.get("kind") == "step":
                 best = max(best, int(rec["step"]))
     return best
+
+
+_TRACEBACK = "Traceback (most recent call last):"
+_CHAINED = ("The above exception was the direct cause", "During handling of the above exception")
+_NOTABLE = ("[W", "[E", "WARNING", "ERROR", "Error", "error", "failed", "[c10d]")
+
+
+def log_excerpt(path: Path, limit: int = 8000) -> str:
+    """How a launched agent's log says it ended, for an assertion message: its last exception
+    chain from the chain's first traceback on (a plain tail cuts off the cause under a wrapper,
+    e.g. the store error under torch's RendezvousConnectionError, which comes first), after the
+    log's last warning and error lines before it; the log's tail when it has no traceback."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as e:
+        return f"({path}: {e})"
+    start = text.rfind(_TRACEBACK)
+    if start == -1:
+        return text[-limit:]
+    while True:  # back to the first traceback of the chain
+        prev = text.rfind(_TRACEBACK, 0, start)
+        if prev == -1 or not any(c in text[max(prev, start - 300) : start] for c in _CHAINED):
+            break
+        start = prev
+    chain = text[start:]
+    if len(chain) > limit:  # the cause (first) and the end (last), the middle left out
+        chain = (
+            f"{chain[: limit // 2]}\n[... {len(chain) - limit} chars ...]\n{chain[-limit // 2 :]}"
+        )
+    before = [
+        line[:300]
+        for line in text[:start].splitlines()
+        if any(n in line for n in _NOTABLE) and not line.lstrip().startswith("frame #")
+    ]
+    return "\n".join([f"{path.name}:", *before[-20:], chain])

@@ -370,7 +370,8 @@ def _run_agent(agent: TrainGuardAgent, config: LaunchConfig, name: str) -> Outco
         torch_events.record(agent.get_event_failed(), config.event_log_handler)
         if agent.attempt >= 0:
             if config.rdzv_backend == "c10d":
-                print(spares.C10D_STORE_LOST.format(endpoint=config.rdzv_endpoint), file=sys.stderr)
+                store = getattr(agent.worker_group.spec.rdzv_handler, "job_store", None)
+                print(c10d_store_failure(config.rdzv_endpoint, store, e), file=sys.stderr)
             return Outcome(JobState.FAILED, error=e)
         # A spare that never joined a round: its rendezvous store went away, which is how a
         # job that ended without it (or lost its store host) looks from the waiting list.
@@ -401,6 +402,51 @@ def _run_agent(agent: TrainGuardAgent, config: LaunchConfig, name: str) -> Outco
         failures = result.failures or agent.unhealthy_failures()
         return Outcome(JobState.FAILED, error=ChildFailedError(name=name, failures=failures))
     return Outcome(JobState.SUCCEEDED, return_values=result.return_values)
+
+
+def c10d_store_failure(endpoint: str, store: object, error: BaseException) -> str:
+    """What an agent says when a call to the c10d rendezvous store failed after it joined a
+    round: the store's host is gone, or, when this process hosts the store and it still
+    listens, this agent's own connection to it failed; either way with the store's own error
+    (the cause under torch's RendezvousConnectionError)."""
+    cause = error.__cause__ or error
+    text = str(cause).strip().splitlines()
+    what = f"{type(cause).__name__}: {text[0][:300] if text else ''}"
+    port = getattr(store, "port", None)
+    if isinstance(port, int) and listens_here(port):
+        return (
+            f"trainguard run: this agent hosts the c10d rendezvous store ({endpoint}, port "
+            f"{port}) and it still listens, but this agent's own connection to it failed: {what}"
+        )
+    return f"{spares.C10D_STORE_LOST.format(endpoint=endpoint)}\n  the store call failed: {what}"
+
+
+def listens_here(port: int) -> bool | None:
+    """Whether a socket of this process listens on TCP ``port`` (None: cannot tell, no /proc)."""
+    inodes: set[str] = set()
+    tables = [t for t in ("/proc/net/tcp", "/proc/net/tcp6") if os.path.exists(t)]  # IPv6 or not
+    if not tables:
+        return None
+    try:
+        for table in tables:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+            for row in rows:
+                cols = row.split()
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                    inodes.add(cols[9])
+        if not inodes:
+            return False
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                link = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:  # closed meanwhile
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
+        return False
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _conclude(outcome: Outcome, name: str) -> dict[int, Any]:
