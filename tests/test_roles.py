@@ -352,6 +352,32 @@ def _standby(sup: RoleSupervisor, pid: int | None = None) -> dict[str, Any] | No
     return json.loads(_get(sb.port, "/whoami"))
 
 
+def test_picked_replica_ports_are_held_until_the_job_ends(
+    supervisor: Callable[..., RoleSupervisor],
+) -> None:
+    """A replica without a fixed port gets one that no other process is given while the job
+    runs (a port picked and let go was taken by another job's replica in the seconds before
+    this one bound it): an ordinary bind of it fails, the replica binds it and serves; once
+    the supervisor stops, it holds the port no more."""
+    import errno
+    import socket
+
+    def plain_bind(port: int) -> int:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError as e:
+                return e.errno or -1
+        return 0
+
+    sup = supervisor({"command": REPLICA, "replicas": 2})
+    ports = [r.port for r in sup.replicas["rollout"]]
+    assert [plain_bind(p) for p in ports] == [errno.EADDRINUSE] * 2
+    wait_for("both replicas serving", lambda: serving_pids(sup))
+    sup.stop()  # (the replicas' closed connections may keep the ports in TIME_WAIT a while)
+    assert [s.fileno() for s in sup._reserved] == [-1, -1]
+
+
 def test_dead_replica_is_replaced_by_the_warm_standby(
     tmp_path: Path, supervisor: Callable[..., RoleSupervisor]
 ) -> None:

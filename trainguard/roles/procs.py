@@ -46,6 +46,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A free port held for a server still to start: a socket bound to it (``SO_REUSEADDR``)
+    that never listens. While it is open, no other process is given the port by the kernel
+    (an ephemeral bind or connect), and the server, which binds with ``SO_REUSEADDR`` as
+    every common HTTP server does, binds and listens on it as if it were free, as often as it
+    restarts. A port picked and let go (:func:`free_port`) can be taken by anyone in the
+    seconds before the server binds it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host or "0.0.0.0", 0))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
 def new_incarnation() -> str:
     """A nonce naming one start of one process (given at spawn, answered in its health)."""
     return secrets.token_hex(8)

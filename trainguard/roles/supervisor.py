@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -47,7 +48,7 @@ from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import EventLog
 from trainguard.core.fleetauth import job_secret, role_token
 from trainguard.roles.health import Probe, probe_health
-from trainguard.roles.procs import free_port, kill_group
+from trainguard.roles.procs import free_port, kill_group, reserve_port
 from trainguard.roles.replica import READY_STATUSES, ReplicaLoop
 from trainguard.roles.standby import StandbyPool
 from trainguard.roles.state import ReplicaState, StandbyState
@@ -129,18 +130,29 @@ class RoleSupervisor:
         self.standbys: dict[str, list[StandbyState]] = {
             s.name: self._pools[s.name].slots if s.name in self._pools else [] for s in self.specs
         }
+        self._reserved: list[socket.socket] = []  # picked ports, held until stop (reserve_port)
         for spec in self.specs:
             url_host = host if spec.nodes else "127.0.0.1"
             mine = range(spec.replicas) if indices is None else indices.get(spec.name, [])
             self.replicas[spec.name] = [
                 ReplicaState(
-                    spec, i, spec.port + i if spec.port else free_port(), events.node, url_host
+                    spec,
+                    i,
+                    spec.port + i if spec.port else self._reserve(spec),
+                    events.node,
+                    url_host,
                 )
                 for i in mine
             ]
             self.restarts[spec.name] = 0
         self.started = False
         self._host = host
+
+    def _reserve(self, spec: RoleSpec) -> int:
+        """A port for a replica of ``spec`` without a fixed port, held from now on."""
+        sock = reserve_port(self.bind_host[spec.name])
+        self._reserved.append(sock)
+        return int(sock.getsockname()[1])
 
     # -- what the trainer is told -------------------------------------------------------------
     def urls(self, role: str) -> list[str]:
@@ -214,6 +226,8 @@ class RoleSupervisor:
             else:  # the leader is gone; its group may not be
                 kill_group(proc.pid, signal.SIGKILL)
         self.ended.set()
+        for sock in self._reserved:
+            sock.close()
         for t in self._threads:
             t.join(timeout=5.0)
         for spec in self.specs:
