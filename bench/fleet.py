@@ -17,8 +17,8 @@ PostgreSQL (Debian's ``postgresql``, a throwaway cluster on loopback).
   default sniff settings (``sniff_interval_s = 5``, ``sniff_budget = 0.005``, window 5) trains
   ``--sniff-warm-s`` (90 s) unthrottled (``sniff_overhead``: the largest share of a rank's time since
   its first step spent in sniffs, at its last sniff before the throttle), then rank 1 is
-  throttled to about half speed for real (trainguard.chaos.throttle: a cgroup's quota and half weight,
-  else taskset onto a core a spinning process keeps busy): ``degraded_rank_flagged_s`` is the
+  throttled to about half speed for real (trainguard.chaos.throttle: a SIGSTOP/SIGCONT duty cycle
+  over 4 ms, else a cgroup's quota and half weight, else taskset onto a busy core): ``degraded_rank_flagged_s`` is the
   time from the throttle to the ``sniff_degraded`` event naming rank 1 (null if not in 120 s;
   a sniff at which a rank looks slow is followed by confirming sniffs 5/3 s apart).
 

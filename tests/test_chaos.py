@@ -241,3 +241,31 @@ def test_pause_by_port_and_kill_agent_tree(tmp_path: Path) -> None:
             if proc is not None:
                 kill_tree(proc.pid)
                 proc.wait()
+
+
+def test_throttle_stops_a_process_most_of_the_time_and_always_continues_it() -> None:
+    """``throttle(pid, 0.25)`` holds a busy process to about a quarter of a core by stopping
+    and continuing it (every burst slowed, however short), and leaves it running, never
+    stopped, when the block ends; a share outside (0, 1) is refused."""
+    from tests.throttle import throttle
+
+    p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+
+        def cpu_s() -> float:
+            f = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+        c0, t0 = cpu_s(), time.monotonic()
+        with throttle(p.pid, share=0.25) as how:
+            time.sleep(2.0)
+        share = (cpu_s() - c0) / (time.monotonic() - t0)
+        assert how == "signals"
+        assert share < 0.5, share  # a quarter (less on a busy machine), never a whole core
+        state = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state in ("R", "S"), state  # continued, not left stopped
+        with pytest.raises(ValueError, match="between 0 and 1"):
+            with throttle(p.pid, share=1.5):
+                pass
+    finally:
+        kill_tree(p)

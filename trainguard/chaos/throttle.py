@@ -1,19 +1,23 @@
 """Throttle a running process to about half speed (or another share), for real: a rank whose
 device or host has become slow, as the straggler and sniff-test detectors must find it.
 
-- a writable cgroup (v2 ``cpu.max`` / ``cpu.weight``, else v1 ``cpu.cfs_quota_us`` /
-  ``cpu.shares``): the process moves into a new child cgroup with half a core's quota over
-  a short period (1 ms of every 2 ms, the kernel's smallest quota: a burst of a few milliseconds, a sniff GEMM, runs
-  at half speed too; over Slurm's usual 100 ms period a mostly idle process never reaches its
-  quota) *and* half the default weight (on a loaded machine, with more runnable processes than
-  cores, the quota never binds: the process gets less than that anyway, and the weight halves
-  its share). Moved back and removed at the end;
+- where this process may signal it (the same user, or root): a duty cycle of ``SIGSTOP`` and
+  ``SIGCONT`` from a thread here, over a 4 ms period (1 ms running of every 4 at a quarter).
+  Every burst of work is slowed, a sniff GEMM of a few milliseconds included, on any kernel:
+  a cgroup's CPU quota is only charged at the scheduler's tick (4 ms at ``CONFIG_HZ=250``), so a
+  mostly idle process whose bursts are shorter than that never reaches its quota, and a woken
+  process preempts the spinners of the affinity method below. Continued at the end;
+- otherwise a writable cgroup (v2 ``cpu.max`` / ``cpu.weight``, else v1 ``cpu.cfs_quota_us`` /
+  ``cpu.shares``): the process moves into a new child cgroup with the share of a core's quota
+  over a short period (1 ms of every 2 ms at a half) *and* the share of the default weight (on
+  a loaded machine, with more runnable processes than cores, the quota never binds: the process
+  gets less than that anyway, and the weight cuts its share). Moved back and removed at the end;
 - otherwise: every thread of the process is pinned (``sched_setaffinity``) onto one core and a
   spinning process started here onto the same core (the scheduler shares it between the two:
   half each, on an otherwise idle core; a smaller share, more spinners). The spinner is ended by its PID at the end; the
   affinity is restored.
 
-    with throttle(pid) as how:
+    with throttle(pid) as how:   # "signals", "cgroup" or "taskset"
         ...
 """
 
@@ -22,8 +26,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +38,8 @@ from pathlib import Path
 __all__ = ["throttle"]
 
 CGROUP = Path("/sys/fs/cgroup")
+PERIOD_S = 0.004
+"""The duty cycle's period: shorter than a sniff GEMM, longer than a signal's round trip."""
 
 
 def _threads(pid: int) -> list[int]:
@@ -89,10 +98,52 @@ def _make_group(pid: int, share: float) -> tuple[Path, Path] | None:
         return None
 
 
+def _may_signal(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def _duty_cycle(pid: int, share: float, done: threading.Event) -> None:
+    """Stop ``pid`` for ``1 - share`` of every period until ``done`` (then continue it)."""
+    run_s, stop_s = PERIOD_S * share, PERIOD_S * (1 - share)
+    # on time even on a busy machine where allowed (CAP_SYS_NICE): a late wake-up that ends a
+    # stop late only slows it more, one that ends a run late lets a whole burst through
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_FIFO, os.sched_param(1))
+    try:
+        while not done.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stop_s)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(run_s)
+    except ProcessLookupError:  # it ended
+        return
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGCONT)
+
+
 @contextlib.contextmanager
 def throttle(pid: int, share: float = 0.5) -> Iterator[str]:
     """About ``share`` of its speed (half by default) for ``pid`` while the block runs; yields
-    how (``cgroup`` or ``taskset``)."""
+    how (``signals``, ``cgroup`` or ``taskset``)."""
+    if not 0 < share < 1:
+        raise ValueError(f"throttle share must be between 0 and 1, not {share}")
+    if _may_signal(pid):
+        done = threading.Event()
+        t = threading.Thread(
+            target=_duty_cycle, args=(pid, share, done), name="trainguard-throttle", daemon=True
+        )
+        t.start()
+        try:
+            yield "signals"
+        finally:
+            done.set()
+            t.join()
+        return
     made = _make_group(pid, share)
     if made is not None:
         group, home = made
