@@ -118,6 +118,23 @@ def test_manifest_commit_layout_and_latest(tmp_path: Path) -> None:
     assert (root / "latest").read_text() == "step_00000001"
 
 
+def test_manifest_crc32_is_zlibs_from_the_fast_implementation(tmp_path: Path) -> None:
+    """The manifest's ``crc32`` is zlib's CRC-32 whichever library computes it (a checkpoint
+    written with zlib-ng verifies where only zlib is installed, and back); zlib-ng, a
+    dependency, is the one used."""
+    import zlib
+
+    from trainguard.checkpoint import storage
+
+    assert storage.crc32.__module__.startswith("zlib_ng"), storage.crc32.__module__
+    data = os.urandom(3 << 20) + b"tail"
+    assert storage.crc32(data) == zlib.crc32(data)
+    assert storage.crc32(data[7:], storage.crc32(data[:7])) == zlib.crc32(data)
+    f = tmp_path / "blob"
+    f.write_bytes(data)
+    assert storage.crc32_file(f) == (len(data), zlib.crc32(data))
+
+
 def test_memory_tier_restore_is_exact_and_preferred(tmp_path: Path) -> None:
     mem = tmp_path / "shm"
     m, opt = _model()
