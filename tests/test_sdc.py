@@ -103,29 +103,51 @@ def test_two_rank_record_follows_the_parameters_and_yields_to_the_budget(
     assert guard._values == {300: 0.5}
 
 
-def test_what_is_compared_and_what_is_refused(tmp_path: Path) -> None:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
+_DDP_CHECKS = """
+import os, sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from trainguard.worker.sdc import NotReplicated, replicated_tensors
 
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+opt = torch.optim.Adam(net.parameters())
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+model = DDP(net)
+net(torch.randn(2, 4)).sum().backward()
+opt.step()
+got = replicated_tensors({"model": model, "optim": opt, "extra": {"t": torch.ones(2)}})
+# 4 parameters, 3 BatchNorm buffers, Adam's step/exp_avg/exp_avg_sq of each parameter
+assert len(got) == 4 + 3 + 4 * 3 + 1, len(got)
+ignored = nn.Linear(2, 2)
+DDP._set_params_and_buffers_to_ignore_for_model(ignored, ["bias"])
+try:
+    replicated_tensors({"model": DDP(ignored)})
+    raise SystemExit("a parameter excluded from DDP was compared")
+except NotReplicated as e:
+    assert "excludes bias from DDP: those replicas are not" in str(e), e
+print("checked", flush=True)
+os._exit(0)  # no teardown: a gloo group's destructor joins its threads with the GIL held
+"""
+
+
+def test_what_is_compared_and_what_is_refused(tmp_path: Path) -> None:
+    """What the replica check compares (DDP parameters, buffers and the optimizer's state)
+    and what it refuses (a module that is not replicated, a parameter DDP ignores). The DDP
+    part runs in a process of its own: a gloo group's destructor, run by a DDP reducer's
+    deallocation in the test process, once hung a suite worker for good (joining its threads
+    with the interpreter lock held)."""
     net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
     opt = torch.optim.Adam(net.parameters())
     with pytest.raises(NotReplicated, match=r"state\['model'\] is a Sequential, not a Distr"):
         replicated_tensors({"model": net, "optim": opt})
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        model = DDP(net)
-        net(torch.randn(2, 4)).sum().backward()
-        opt.step()
-        got = replicated_tensors({"model": model, "optim": opt, "extra": {"t": torch.ones(2)}})
-        # 4 parameters, 3 BatchNorm buffers, Adam's step/exp_avg/exp_avg_sq of each parameter
-        assert len(got) == 4 + 3 + 4 * 3 + 1
-        ignored = nn.Linear(2, 2)
-        DDP._set_params_and_buffers_to_ignore_for_model(ignored, ["bias"])
-        with pytest.raises(NotReplicated, match=r"excludes bias from DDP: those replicas are not"):
-            replicated_tensors({"model": DDP(ignored)})
-    finally:
-        dist.destroy_process_group()
+    out = subprocess.run(
+        [sys.executable, "-c", _DDP_CHECKS, str(tmp_path / "store")],
+        env=base_env(), cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "checked", out.stderr[-3000:]
 
 
 def test_bad_settings_are_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
