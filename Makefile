@@ -44,7 +44,8 @@ demo: $(VENV)/.installed
 # (pytest.mark.xdist_group), the rest spread over TEST_WORKERS, the slow tests first; 4 workers
 # keep both cores busy to the end.
 # `make test TESTS=tests/test_spares.py` runs one file; `make test-soak` the soak tests. The
-# heaviest tests and files by CPU are printed at the end; the whole profile is build/test-profile.json.
+# heaviest tests and files by CPU are printed at the end; the whole profile is
+# build/test-profile.json; each failed test is named in build/test-failures.log as it fails.
 # The suite starts ~1500 Python processes; compileall first, so that none of them compiles the
 # package from source (where PYTHONDONTWRITEBYTECODE is set, none would write the cache).
 TEST_DEBS    := prometheus prometheus-alertmanager chromium slurm-wlm munge iproute2 etcd-server etcd-client postgresql openssl
@@ -62,7 +63,7 @@ test:
 
 test-suite: $(VENV)/.installed
 	$(PY) -m compileall -q trainguard tests examples bench
-	mkdir -p build && TG_PROFILE_JSON=build/test-profile.json $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(TESTS)
+	mkdir -p build && rm -f build/test-failures.log && TG_PROFILE_JSON=build/test-profile.json TG_FAILURES_LOG=build/test-failures.log $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(TESTS)
 
 # Lint, format and type checks (with the count of `Any` in trainguard/, which may only go down),
 # and the documentation: the generated reference pages match the code, and the site builds with

@@ -193,6 +193,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # a failure is named the moment it happens (the -q progress line only prints "F", and a run
+    # stopped or hung before its summary would never say which test it was)
+    out = os.environ.get("TG_FAILURES_LOG")
+    if out and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:  # the controller's
+        with open(out, "a", encoding="utf-8") as log:
+            log.write(f"{time.strftime('%H:%M:%S')} {report.when} {report.nodeid}\n")
     for key, value in report.user_properties:
         if key == "tg_left_processes":
             _LEFT.extend(f"{report.nodeid}: {line}" for line in value)
