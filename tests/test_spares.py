@@ -8,7 +8,7 @@
   active + 1 spare. etcd-v3: the agent that started first dies → the spare joins with no manual
   step, restores the lost shard from a survivor's memory copy, and the job finishes at full
   world size with the weights of a fault-free run, bitwise; the spare's and the survivor's new
-  workers come from their warm processes. c10d (cold starts, no warm processes): a node that
+  workers come from their warm processes. c10d (no warm processes for restarts): a node that
   does not host the store dies → the spare takes its place and training goes on at full size;
   then the agent that started first dies → the job dies with it (the rendezvous TCPStore is a
   server inside that agent process: state, keep-alives and the spare list are gone), and says
@@ -526,10 +526,10 @@ def _steps_at(job: Job, attempt: int) -> dict[int, int]:
 def test_etcd_v3_the_agent_that_started_first_dies_the_spare_takes_over_bitwise(
     tmp_path: Path, etcd: Etcd
 ) -> None:
-    """With warm starts (``[warm]``, on by default): the spare starts its worker's warm process
-    when it begins to wait, the survivor one after its start, and both start their new workers
-    from them (one pool serves a spare's first start and a restart). The agent killed (a)
-    starts none: it would never be used."""
+    """With warm starts (``[warm]``, on by default): every agent starts its worker's warm
+    process as it starts (the first start's), the survivor one more after its start, and the
+    spare and the survivor start their new workers from them (one pool serves a first start,
+    a spare's first start and a restart)."""
     job = Job(tmp_path, "etcd-v3", etcd.endpoint, "spare-etcd", warm=("b", "c"))
     try:
         a, b, c = job.start_three()
@@ -543,12 +543,12 @@ def test_etcd_v3_the_agent_that_started_first_dies_the_spare_takes_over_bitwise(
     assert max(s["step"] for s in job.steps()) == STEPS - 1
     assert set(_steps_at(job, attempt)) == {0, 1}
     assert_same_as_reference(job.out, STEPS)  # a fault-free run's weights
-    # the first attempt started cold; the last attempt's workers, the spare's first and the
-    # survivor's restarted one, each came from its node's warm process (handed its job while
-    # it may still be importing: the job is short, the fault comes early)
+    # every start came from its node's warm process (handed its job while it may still be
+    # importing: the job is short, the fault comes early): the first attempt's, then the
+    # last attempt's, the spare's first and the survivor's restarted one
     first = [w["warm"] for e in job.events("workers_started") if e["attempt"] == 0
              for w in e["workers"]]  # fmt: skip
-    assert first == [False, False], first
+    assert first == [True, True], first
     last = [w["warm"] for e in job.events("workers_started") if e["attempt"] == attempt
             for w in e["workers"]]  # fmt: skip
     assert last == [True, True], last  # one agent each: the spare, the survivor

@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 import sys
 
-__all__ = ["main"]
+from trainguard.core.procs import pause_gc
+
+__all__ = ["main", "tgrun"]
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("trainguard.cli.cmd_run", "launch a job; a drop-in for torchrun (same flags)"),
@@ -56,7 +58,17 @@ def main(argv: list[str] | None = None) -> None:
     if name not in SUBCOMMANDS:
         print(f"trainguard: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         sys.exit(2)
+    if name == "run":
+        pause_gc()  # the launcher turns it back on once it has set up
     module = importlib.import_module(SUBCOMMANDS[name][0])
     code = module.main(rest, prog=f"trainguard {name}")
     if code:
         sys.exit(code)
+
+
+def tgrun() -> None:
+    """The ``tgrun`` command: ``trainguard run``."""
+    pause_gc()  # the launcher turns it back on once it has set up
+    from trainguard.cli.cmd_run import tgrun_main
+
+    tgrun_main()

@@ -1,18 +1,45 @@
 """Ending processes: a node's workers by PID, and this process without the interpreter's
-teardown."""
+teardown; the cyclic garbage collector held off while a process imports torch."""
 
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import signal
 import sys
 from typing import NoReturn
 
-__all__ = ["exit_now", "kill_ranks"]
+__all__ = ["exit_now", "kill_ranks", "pause_gc", "resume_gc"]
 
 logger = logging.getLogger(__name__)
+
+_gc_paused = False
+
+
+def pause_gc() -> None:
+    """Hold off the cyclic garbage collector while this process imports torch and sets up.
+    The import allocates a few hundred thousand objects that live as long as the process, and
+    the collector, triggered by their number, walks them all in full collections (three or four
+    in an agent's start-up, 0.2-0.3 s of CPU on the critical path). :func:`resume_gc` turns it
+    back on. Does nothing where the collector is already off."""
+    global _gc_paused
+    if gc.isenabled():
+        gc.disable()
+        _gc_paused = True
+
+
+def resume_gc() -> None:
+    """After :func:`pause_gc`: move every object allocated so far to the collector's permanent
+    generation (``gc.freeze``: module state, never garbage) and turn the collector back on, so
+    that its later full collections walk only what the process allocates from now on. Does
+    nothing unless :func:`pause_gc` turned the collector off."""
+    global _gc_paused
+    if _gc_paused:
+        _gc_paused = False
+        gc.freeze()
+        gc.enable()
 
 
 def kill_ranks(pids: dict[int, int]) -> list[int]:

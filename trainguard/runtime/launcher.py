@@ -43,6 +43,7 @@ from trainguard.core.contracts.jobstate import JobState
 from trainguard.core.events import EventLog
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE
 from trainguard.core.plugin import AgentContext, AgentExit, AgentPlugin
+from trainguard.core.procs import resume_gc
 from trainguard.core.proctime import process_start_time
 from trainguard.core.timeouts import contradictions, timeout_chain
 from trainguard.runtime import _torch, etcd_v3, spares
@@ -567,6 +568,7 @@ def launch(
     )
     _announce_chaos(events)
     mark = hold_mark(run_dir)  # this process is an agent of run_dir (trainguard chaos checks it)
+    resume_gc()  # the command line held it off while the agent imported and set up
     outcome = Outcome(JobState.FAILED)
     try:
         outcome = _exit_hooks(plugins, ctx, _run_agent(agent, config, name))

@@ -22,9 +22,11 @@ worker before the script, so it must import nothing heavy.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
+import select
 import socket
 import struct
 import sys
@@ -99,13 +101,24 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
 
 
 def _wait_for_job(fd: int) -> None:
-    """A pre-started process: preload, say ready, become the worker the agent hands over."""
+    """A pre-started process: preload, say ready, become the worker the agent hands over. A job
+    handed over before the preload is done ends it (the script imports what it needs itself):
+    a node's first start does not wait for modules its script may never use."""
+    sock = socket.socket(fileno=fd)
+    # the preload's objects live as long as the process: the cyclic collector would walk them
+    # in full collections while they are imported; off meanwhile, then they are frozen
+    collect = gc.isenabled()
+    gc.disable()
     for name in filter(None, os.environ.pop(envvars.ZYGOTE_PRELOAD, "").split(",")):
+        if select.select([sock], [], [], 0)[0]:
+            break
         try:
             __import__(name)
         except Exception:  # the worker imports it itself (and reports the error)
             pass
-    sock = socket.socket(fileno=fd)
+    if collect:
+        gc.freeze()
+        gc.enable()
     try:
         sock.sendall(b"R")
     except OSError:

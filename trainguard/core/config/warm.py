@@ -17,8 +17,8 @@ class WarmConfig:
     enabled: bool = True
     """Start workers from pre-started processes that already imported ``preload`` (one per
     local rank): a restart, and a spare's first start when it takes a dead node's slot, skip
-    interpreter start-up and the torch import. A node's very first start is cold.
-    ``--no-tg-warm`` turns it off."""
+    interpreter start-up and the torch import; a node's first start runs them while the agent
+    sets up. ``--no-tg-warm`` turns it off."""
     preload: list[str] = field(
         default_factory=lambda: [
             "torch",

@@ -3,9 +3,12 @@
 After each start of the local workers the pool starts, ``[warm] prestart_delay_s`` later, one
 zygote per local rank with that worker's command line and environment: the next restart (a
 failure, a membership change, an in-process replacement) hands each new worker to its zygote.
-A node that waits as a spare (event ``spare_waiting``) starts its zygotes at once, from the
-worker command line it will run and its own environment, so the workers it starts when it
-takes a dead node's slot come warm too. The first start of a node that never waited is cold.
+A node's first start is warm too: the agent starts its zygotes as it starts (from the worker
+command line and its own environment), so that the interpreters' start-up and ``import torch``
+run while the agent sets up and joins the rendezvous; a zygote handed its job before its
+preload is done stops preloading. A node that waits as a spare (event ``spare_waiting``) starts
+them again if the first ones are gone, so the workers it starts when it takes a dead node's
+slot come warm.
 
 A thread keeps the pool filled (the agent's monitor loop does not run while a spare waits in
 the rendezvous), while a restart can still follow (:func:`restart_possible`), and emits
@@ -63,11 +66,16 @@ class WarmPlugin(AgentPlugin):
         self._nproc = int(getattr(ctx.launch_config, "nproc_per_node", 0) or 0)
         self._stop = threading.Event()
         self._unsubscribe = ctx.events.subscribe(self._spare_waiting, [SPARE_WAITING])
+        self._prestart()  # the first start's
+        self.pool.tick()  # now: the monitor thread's first tick is TICK_S away
         self._thread = threading.Thread(target=self._keep_filled, name="tg-warm", daemon=True)
         self._thread.start()
 
     def _spare_waiting(self, _event: dict[str, Any]) -> None:
-        """This node waits as a spare: start its workers' zygotes now."""
+        """This node waits as a spare: start its workers' zygotes now (unless they run)."""
+        self._prestart()
+
+    def _prestart(self) -> None:
         if not self._argv or self._nproc < 1:
             return
         env = dict(os.environ)
@@ -77,7 +85,7 @@ class WarmPlugin(AgentPlugin):
             if self.pool.prestart(macros.substitute(list(self._argv), str(lr)), env, key=lr)
         ]
         if due:
-            logger.info("this node waits as a spare: starting warm processes for %s", due)
+            logger.debug("starting warm processes for local ranks %s", due)
 
     def _keep_filled(self) -> None:
         while not self._stop.wait(TICK_S):

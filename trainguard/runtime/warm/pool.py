@@ -25,8 +25,10 @@ falls back to a cold start.
 Differences a worker can see (by design): its process is older than the hand-off (start
 time), it was started with ``TRAINGUARD_ZYGOTE_*`` and trainguard's hook directory in its
 *initial* environment (``/proc/<pid>/environ``; ``os.environ`` is exactly the worker's), the
-preload modules are already in ``sys.modules``, and they were imported before the script's
-directory was put on ``sys.path``.
+preload modules are already in ``sys.modules``, they were imported before the script's
+directory was put on ``sys.path``, and the objects they allocated are in the garbage
+collector's permanent generation (``gc.freeze``: imported with the collector off, never walked
+by its full collections).
 """
 
 from __future__ import annotations
