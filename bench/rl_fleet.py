@@ -58,6 +58,9 @@ which also measures the fleet at 8 to 64 engines).
 
     python bench/rl_fleet.py --router-only   # only the endpoint figures (~1 min)
 
+``--engine vllm --vllm-only`` measures vLLM's figures (and the endpoint's) without the embedded
+engine's beside them.
+
 Weight sync through an engine's death (``refit_engine_death``: ``--refit-death-runs`` runs of
 bench/refit_drill.py, 3 engine processes, each run kill -9 and SIGSTOP of one engine at 10,
 50 and 90 % of its load of the version pushed): ``refit_engine_death_trainer_wait_s`` (the
@@ -1096,6 +1099,8 @@ def main() -> None:
     p.add_argument("--async-steps", type=int, default=24, help="steps of the async run (0: none)")
     p.add_argument("--async-kills", type=int, default=3, help="trainer kills in the async run")
     p.add_argument("--vllm-mtbf-s", type=float, default=60.0, help="--engine vllm: faults' MTBF")
+    p.add_argument("--vllm-only", action="store_true",
+                   help="--engine vllm: only vLLM's figures, without the embedded engine's")  # fmt: skip
     p.add_argument("--role-nodes-only", action="store_true", help="only the role node figures")
     p.add_argument("--role-node-runs", type=int, default=3, help="runs of 2 role node losses")
     args = p.parse_args()
@@ -1115,6 +1120,9 @@ def main() -> None:
         print(json.dumps(router), flush=True)
         return
     vllm = vllm_figures(root, args) if args.engine == "vllm" else None
+    if vllm is not None and args.vllm_only:
+        print(json.dumps({**vllm, **router}), flush=True)
+        return
     auth = auth_overhead(root)
     print(f"authentication: {auth}", flush=True)
     if args.auth_only:

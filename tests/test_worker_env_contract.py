@@ -46,7 +46,10 @@ def _launch_both(tmp_path: Path, mode: str) -> dict[str, dict]:
         else:
             args += ["--start-method", mode, TREE]
         if which == "trainguard":
-            args = ["--tg-run-dir", str(d / "run"), *args]
+            # fork: cold starts (the hook's entries in the initial environment); spawn: the
+            # node's first start from its warm processes (started before the entries existed)
+            cold = ["--no-tg-warm"] if mode == "fork" else []
+            args = ["--tg-run-dir", str(d / "run"), *cold, *args]
         r = launch(which, args, cwd=tmp_path, env=base_env(DUMP_DIR=str(d / "dump")))
         assert r.returncode == 0, f"{which} failed:\n{r.stderr[-3000:]}"
         dumps = {}
@@ -89,11 +92,18 @@ def test_worker_environment_is_torchruns_plus_documented_names(tmp_path: Path, m
             # a program trainguard cannot hook gets no hook at all
             assert HOOK_DIR not in tg["initial"].get("PYTHONPATH", "")
             assert envvars.WORKER_HOOKS not in tg["initial"]
+        elif mode == "spawn":
+            # a warm process: started with the hook first (it waited there for its worker),
+            # and handed the environment above, entries included, with the worker
+            assert tg["initial"]["PYTHONPATH"].split(os.pathsep)[0] == HOOK_DIR
+            assert envvars.ZYGOTE_FD in tg["initial"]
+            assert envvars.WORKER_HOOKS not in tg["initial"]
         else:
             # the hook did run in the Python worker (by default hang detection declares its
             # flight-recorder watcher, recovery its error-file excepthook) and took itself off
             # again before the script
             assert tg["initial"]["PYTHONPATH"].split(os.pathsep)[0] == HOOK_DIR
+            assert envvars.ZYGOTE_FD not in tg["initial"]
             entries = set(tg["initial"][envvars.WORKER_HOOKS].split(","))
             assert {flight_recorder.WORKER_HOOK, ERROR_FILE_HOOK} <= entries, entries
 
