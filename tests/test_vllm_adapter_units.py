@@ -359,3 +359,38 @@ def test_a_quarantined_engine_serves_again_only_once_its_version_is_verified(
     assert replica.status == S.QUARANTINED  # a refit alone does not lift it
     assert not r.verified(1) and replica.status == S.QUARANTINED
     assert r.verified(2) and replica.status == S.SERVING
+
+
+def test_the_tiny_llama_is_built_once_whole_by_processes_that_need_it_at_once(
+    tmp_path: Path,
+) -> None:
+    """A trainer's ranks and its engines build the tiny Llama's directory at the same moment:
+    every process returns one whole directory (a partial one, left by a builder killed midway,
+    is built again)."""
+    from trainguard.rl.tiny import TINY_LLAMA_FILES
+
+    dest = tmp_path / "models" / "tiny-llama"
+    dest.mkdir(parents=True)
+    (dest / "tokenizer.json").write_text("{}")  # what a builder killed midway left
+    code = (
+        "import sys; from trainguard.rl.tiny import save_tiny_llama; "
+        "print(save_tiny_llama(sys.argv[1]))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(dest)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e.decode()[-2000:] for _, e in outs]
+    assert {o.decode().strip() for o, _ in outs} == {str(dest)}
+    assert set(TINY_LLAMA_FILES) <= {f.name for f in dest.iterdir()}
+    assert all((dest / f).stat().st_size > 2 for f in TINY_LLAMA_FILES)
+    assert json.loads((dest / "config.json").read_text())["model_type"] == "llama"
+    leftovers = [p.name for p in dest.parent.iterdir() if p.is_dir() and p != dest]
+    assert leftovers == []  # no builder's temporary directory

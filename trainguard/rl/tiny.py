@@ -15,6 +15,7 @@ engines then take their weights from the trainer's weight store anyway.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -39,6 +40,8 @@ HF_CONFIG = "config.json"
 """A Hugging Face checkpoint directory's own configuration file (the model's, not the run's)."""
 
 TINY_LLAMA = "tiny-llama"
+TINY_LLAMA_FILES = (HF_CONFIG, "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+"""What a whole tiny-llama directory holds."""
 WORDS = ["<pad>", "<eos>", "<unk>", *map(str, range(10)), "write", "digits", "please", "now"]
 
 
@@ -118,25 +121,31 @@ def tiny_llama(seed: int = 0) -> Any:
 
 def save_tiny_llama(path: str | os.PathLike[str], seed: int = 0) -> Path:
     """The tiny Llama and its tokenizer as a Hugging Face model directory at ``path`` (what
-    ``from_pretrained`` and vLLM's ``--model`` load). Built in a temporary directory beside it
-    and renamed into place, so that processes building it at once (a trainer and its engines)
-    all end up reading one whole directory; an existing directory is kept."""
+    ``from_pretrained`` and vLLM's ``--model`` load). The processes that need it at once (a
+    trainer's ranks and its engines) build it one at a time, under a lock file beside it: the
+    first builds it in a temporary directory and renames it into place, the others find it
+    whole. A directory that is not whole (a builder killed midway) is built again."""
     dest = Path(path)
-    if (dest / HF_CONFIG).is_file():
+    if _whole_model_dir(dest):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
-        tiny_llama(seed).save_pretrained(tmp)
-        tiny_llama_tokenizer().save_pretrained(tmp)
+    with open(dest.parent / f".{dest.name}.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if _whole_model_dir(dest):
+            return dest
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
         try:
+            tiny_llama(seed).save_pretrained(tmp)
+            tiny_llama_tokenizer().save_pretrained(tmp)
             tmp.rename(dest)
-        except OSError:  # another process renamed its copy first: the same model
-            if not (dest / HF_CONFIG).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _whole_model_dir(d: Path) -> bool:
+    return all((d / name).is_file() for name in TINY_LLAMA_FILES)
 
 
 def load_model(name: str, seed: int = 0) -> tuple[Any, Any]:
