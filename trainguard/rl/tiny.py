@@ -129,8 +129,10 @@ def save_tiny_llama(path: str | os.PathLike[str], seed: int = 0) -> Path:
     if _whole_model_dir(dest):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with open(dest.parent / f".{dest.name}.lock", "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC  # never through a symlink
+    lock = os.open(dest.parent / f".{dest.name}.lock", flags, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the descriptor is closed
         if _whole_model_dir(dest):
             return dest
         shutil.rmtree(dest, ignore_errors=True)
@@ -141,6 +143,8 @@ def save_tiny_llama(path: str | os.PathLike[str], seed: int = 0) -> Path:
             tmp.rename(dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        os.close(lock)
     return dest
 
 
