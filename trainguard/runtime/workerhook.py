@@ -16,13 +16,13 @@
 
 It names no feature: the collective watcher, the framework integrations, ... are entries a
 plugin declared (:meth:`trainguard.core.plugin.AgentPlugin.worker_hooks`). Standard library and
-:mod:`trainguard.core.contracts.envvars` only (an import-linter contract keeps it so): it runs in every
-worker before the script, so it must import nothing heavy.
+:mod:`trainguard.core.contracts.envvars` only (an import-linter contract keeps it to the core),
+and in a pre-started process :mod:`trainguard.core.procs` (its collector pause): it runs in
+every worker before the script, so it must import nothing heavy.
 """
 
 from __future__ import annotations
 
-import gc
 import importlib
 import json
 import os
@@ -104,11 +104,10 @@ def _wait_for_job(fd: int) -> None:
     """A pre-started process: preload, say ready, become the worker the agent hands over. A job
     handed over before the preload is done ends it (the script imports what it needs itself):
     a node's first start does not wait for modules its script may never use."""
+    from trainguard.core.procs import pause_gc, resume_gc  # only a pre-started process's
+
     sock = socket.socket(fileno=fd)
-    # the preload's objects live as long as the process: the cyclic collector would walk them
-    # in full collections while they are imported; off meanwhile, then they are frozen
-    collect = gc.isenabled()
-    gc.disable()
+    pause_gc()  # the preload's objects live as long as the process: frozen once imported
     for name in filter(None, os.environ.pop(envvars.ZYGOTE_PRELOAD, "").split(",")):
         if select.select([sock], [], [], 0)[0]:
             break
@@ -116,9 +115,7 @@ def _wait_for_job(fd: int) -> None:
             __import__(name)
         except Exception:  # the worker imports it itself (and reports the error)
             pass
-    if collect:
-        gc.freeze()
-        gc.enable()
+    resume_gc()
     try:
         sock.sendall(b"R")
     except OSError:
