@@ -396,8 +396,9 @@ class Job:
     def __init__(
         self, tmp: Path, backend: str, endpoint: str, run_id: str, *, warm: tuple[str, ...] = ()
     ) -> None:
-        # the agents named in ``warm`` start their worker's warm process at once; the others
-        # never start one (base_env's default: a torch import each, ~4 s of CPU, for nothing)
+        # every agent starts its first start's warm process; those named in ``warm`` start the
+        # ones for restarts at once too, the others never (base_env's default: a torch import
+        # each, ~4 s of CPU, for nothing)
         self.warm = warm
         self.tmp = tmp
         self.run_dir = tmp / "run"
