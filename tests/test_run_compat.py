@@ -591,6 +591,19 @@ def test_subprocess_env_unchanged_by_import() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_commands_that_start_no_worker_do_not_import_torch() -> None:
+    # `trainguard watch` (one beside every sbatch job) and the plugins' shared base: a torch
+    # import is ~1.5 s of CPU on a node that has none to spare at the job's start
+    code = (
+        "import sys, trainguard.cli.cmd_watch, trainguard.core.plugin, trainguard.dashboards.watch; "
+        "print([m for m in ('torch',) if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [os.sys.executable, "-c", code], capture_output=True, text=True, env=base_env(), check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
 def test_unhealthy_group_without_restarts_fails_the_job(tmp_path: Path) -> None:
     """A plugin's UNHEALTHY verdict with no restarts left is a failure (exit 1 + report)."""
     import json

@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
-
 from trainguard.core.contracts.jobstate import JobState
 from trainguard.core.failures import DO_NOT_REQUEUE_EXIT_CODE, EVICTED_EXIT_CODE
 
 if TYPE_CHECKING:
     from torch.distributed import Store
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
     from trainguard.core.config import TrainGuardConfig
     from trainguard.core.events import EventLog
