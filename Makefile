@@ -10,8 +10,9 @@ DEMO   := trainguard-runs/demo
 # the rest. Where no torch is importable (a fresh machine, CI), pip installs the CPU build
 # torch==2.13.0 (a bare `torch` pulls CUDA, GBs; pip's configuration finds the CPU wheel), and
 # uv the rest, pinned to that torch (6 s where pip takes 45; pip where uv cannot). Neither
-# compiles all 1.5 GB to bytecode (78 CPU seconds): tests/services/bytecode.py compiles what the
-# suite, the demo and the docs import.
+# compiles all 1.5 GB to bytecode (78 CPU seconds): after such an install, $(VENV)/.compiled runs
+# tests/services/bytecode.py, which compiles what the suite, the demo and the docs import (20 s;
+# `make test` runs it beside the checks, which need none of it).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	if $(PY) -c "import torch" 2>/dev/null; then $(PY) -m pip install -q -e '.[test,docs]'; else \
@@ -20,10 +21,14 @@ $(VENV)/.installed: pyproject.toml
 	      { $(PY) -m pip install -q --no-compile uv && $(VENV)/bin/uv pip install -q --python $(PY) \
 	          --constraint $(VENV)/uv-constraints.txt -e '.[test,docs]'; } \
 	      || $(PY) -m pip install -q --no-compile -e '.[test,docs]'; } && \
-	    $(PY) tests/services/bytecode.py; fi
+	    touch $(VENV)/.uncompiled; fi
 	touch $@
 
-demo: $(VENV)/.installed
+$(VENV)/.compiled: $(VENV)/.installed
+	if [ -e $(VENV)/.uncompiled ]; then $(PY) tests/services/bytecode.py && rm $(VENV)/.uncompiled; fi
+	touch $@
+
+demo: $(VENV)/.compiled
 	rm -rf $(DEMO)
 	$(VENV)/bin/trainguard run --standalone --nproc-per-node 2 --max-restarts 3 --tg-run-dir $(DEMO) \
 	    examples/train_mlp.py --steps 200 --step-sleep 0.05 --fail-at-step 120 --fail-rank 1
@@ -38,8 +43,8 @@ demo: $(VENV)/.installed
 # Everything the tests run outside Python: these Debian packages and the rotel OTLP receiver,
 # installed while the venv is built (tests/services/preflight.py names any binary still missing,
 # in one line, before the first test). Then the suite and the checks (lint, format, types, docs)
-# side by side, the checks' output (build/checks.log) printed after the suite's: the suite's
-# jobs spend a quarter of their time waiting (restarts, timeouts), and the checks use that CPU.
+# side by side, the checks' output (build/checks.log) printed after the suite's: the checks
+# need no bytecode, and take the second core while a fresh venv's is compiled (one core).
 # The suite runs in parallel: one pytest-xdist worker per group of tests that share a service
 # (pytest.mark.xdist_group), the rest spread over TEST_WORKERS, the slow tests first; 4 workers
 # keep both cores busy to the end.
@@ -61,7 +66,7 @@ test:
 	if [ "$$(cat build/checks.rc)" != 0 ]; then echo "make test: the checks failed (above)"; exit 1; fi; \
 	exit $$suite
 
-test-suite: $(VENV)/.installed
+test-suite: $(VENV)/.compiled
 	$(PY) -m compileall -q trainguard tests examples bench
 	mkdir -p build && rm -f build/test-failures.log && TG_PROFILE_JSON=build/test-profile.json TG_FAILURES_LOG=build/test-failures.log $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(TESTS)
 
@@ -78,7 +83,7 @@ test-checks: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict  # not -q: it hides the warnings from --strict
 
 # The documentation site (mkdocs.yml, docs/) into build/site/, the reference pages regenerated.
-docs: $(VENV)/.installed
+docs: $(VENV)/.compiled
 	$(PY) docs/gen.py --write
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	@echo "Documentation: build/site/index.html"
@@ -86,7 +91,7 @@ docs: $(VENV)/.installed
 test-services:
 	PYTHONPATH=. $(PYTHON) -c "from tests.services.telemetry_services import apt_ensure, rotel_binary; apt_ensure(*'$(TEST_DEBS)'.split()); rotel_binary()"
 
-test-soak: $(VENV)/.installed
+test-soak: $(VENV)/.compiled
 	$(PY) -m pytest -q -m soak $(TESTS)
 
 # Chosen test files N times in a row, as the suite runs them and beside LOAD busy processes (the
@@ -95,7 +100,7 @@ test-soak: $(VENV)/.installed
 FILES ?=
 N     ?= 20
 LOAD  ?= 2
-test-repeat: $(VENV)/.installed
+test-repeat: $(VENV)/.compiled
 	@test -n "$(FILES)" || { echo 'make test-repeat: name the files: FILES="tests/test_x.py" [N=20] [LOAD=2]'; exit 2; }
 	$(PY) tests/services/repeat.py -n $(N) --load $(LOAD) --workers $(TEST_WORKERS) $(FILES)
 
@@ -147,7 +152,7 @@ $(VLLM_VENV)/.installed: Makefile
 
 engines: $(VLLM_VENV)/.installed
 
-test-engines: $(VENV)/.installed engines
+test-engines: $(VENV)/.compiled engines
 	TRAINGUARD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python TRAINGUARD_REQUIRE_ENGINES=1 \
 	    $(PY) -m pytest -q -n 0 -m engines $(ENGINE_TESTS)
 
