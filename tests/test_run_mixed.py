@@ -6,6 +6,7 @@ torchrun peer as a foreign member instead of waiting for its announcement foreve
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,13 @@ def test_torchrun_and_trainguard_agents_finish_one_job(tmp_path: Path, first: st
                 EXAMPLE, "--steps", "20", "--ckpt-every", "0", "--out", str(tmp_path / "final.pt"),
             ]  # fmt: skip
             procs[which] = popen(which, args, cwd=tmp_path, env=env)
-        outs = {w: p.communicate(timeout=120) for w, p in procs.items()}
+        try:
+            outs = {w: p.communicate(timeout=120) for w, p in procs.items()}
+        except subprocess.TimeoutExpired:  # both agents' words, not only the first's
+            for p in procs.values():
+                kill_tree(p)
+            tails = {w: p.communicate(timeout=30)[1][-3000:] for w, p in procs.items()}
+            raise AssertionError(f"the job did not end in 120 s: {tails}") from None
     finally:
         for p in procs.values():
             kill_tree(p)
