@@ -11,9 +11,9 @@ DEMO   := trainguard-runs/demo
 # installed (a bare `torch` pulls CUDA, GBs): by uv from the wheel directory pip's configuration
 # names (find-links), 3 s where pip takes 11, else by pip, whose configuration finds the CPU
 # wheel; then uv the rest, pinned to that torch (6 s where pip takes 45; pip where uv cannot).
-# Neither compiles all 1.5 GB to bytecode (78 CPU seconds): after such an install, $(VENV)/.compiled runs
-# tests/services/bytecode.py, which compiles what the suite, the demo and the docs import (20 s;
-# `make test` runs it beside the checks, which need none of it).
+# Neither compiles all 1.5 GB to bytecode (78 CPU seconds): after such an install,
+# $(VENV)/.compiled runs tests/services/bytecode.py, which compiles what the suite, the demo and
+# the docs import (20 s; `make test` runs it beside the checks, which need none of it).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	if $(PY) -c "import torch" 2>/dev/null; then $(PY) -m pip install -q -e '.[test,docs]'; else \
