@@ -33,7 +33,7 @@ from trainguard.core.contracts import envvars
 from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import EventLog
 from trainguard.core.failures import peer_failure
-from trainguard.core.procs import exit_now
+from trainguard.core.procs import exit_now, release_worker_gc
 from trainguard.core.progress import ProgressWriter, progress_path
 from trainguard.telemetry.spans import TRACEPARENT_ENV, SpanRecorder
 from trainguard.worker.sniff import SniffRunner
@@ -435,6 +435,7 @@ class TrainGuard:
             self._spans.end_step(num, span_id, span_start, failed=failed)
             if self._sniff is not None and not failed:
                 self._sniff.after_step(num, self.generation)
+            release_worker_gc()  # set-up is over: the collector held off since start-up runs
 
     def _step_record(
         self,

@@ -48,6 +48,9 @@ WORKER_HOOKS = PREFIX + "WORKER_HOOKS"
 script runs, in order: what the agent's plugins declared their workers need
 (:meth:`trainguard.core.plugin.AgentPlugin.worker_hooks`). Removed from the environment by the
 hook, so the script and its children never see it."""
+GC_HOLD_S = PREFIX + "GC_HOLD_S"
+"""Seconds a worker runs with the cyclic garbage collector off while it sets up, at most (until
+its first step ends): ``[warm] setup_gc_hold_s`` (``trainguard.core.procs.hold_gc_in_worker``)."""
 TRACEPARENT = "TRAINGUARD_TRACEPARENT"
 """The W3C ``traceparent`` of the job's trace (telemetry): the workers' spans join it."""
 
@@ -132,6 +135,7 @@ ALL = (
     CHECKPOINT_MEMORY_DIR,
     INPROCESS_GENERATION,
     WORKER_HOOKS,
+    GC_HOLD_S,
     TRACEPARENT,
     ROLLOUT_URLS,
     REWARD_URLS,

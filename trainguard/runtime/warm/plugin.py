@@ -20,10 +20,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch.distributed.elastic.utils import macros
 
+from trainguard.core.contracts import envvars
 from trainguard.core.contracts.event_kinds import SPARE_WAITING, WARM_READY
 from trainguard.core.plugin import AgentContext, AgentPlugin
 from trainguard.runtime.warm.pool import WarmPool
@@ -31,6 +33,9 @@ from trainguard.runtime.warm.pool import WarmPool
 __all__ = ["WarmPlugin", "restart_possible"]
 
 logger = logging.getLogger(__name__)
+
+GC_HOLD_HOOK = "trainguard.core.procs:hold_gc_in_worker"
+"""The worker start-up hook entry of ``[warm] setup_gc_hold_s``."""
 
 TICK_S = 0.2
 """How often the pool is refilled and checked for ready zygotes."""
@@ -70,6 +75,15 @@ class WarmPlugin(AgentPlugin):
         self.pool.tick()  # now: the monitor thread's first tick is TICK_S away
         self._thread = threading.Thread(target=self._keep_filled, name="tg-warm", daemon=True)
         self._thread.start()
+
+    def worker_hooks(self, ctx: AgentContext) -> Sequence[str]:
+        """Warm or cold, a worker sets up with the cyclic collector held off (``[warm]
+        setup_gc_hold_s``)."""
+        return (GC_HOLD_HOOK,) if ctx.config.warm.setup_gc_hold_s > 0 else ()
+
+    def worker_env(self, ctx: AgentContext) -> Mapping[str, str]:
+        hold_s = ctx.config.warm.setup_gc_hold_s
+        return {envvars.GC_HOLD_S: repr(float(hold_s))} if hold_s > 0 else {}
 
     def _spare_waiting(self, _event: dict[str, Any]) -> None:
         """This node waits as a spare: start its workers' zygotes now (unless they run)."""
