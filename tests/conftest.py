@@ -9,6 +9,7 @@ pytest-xdist each worker is its own subreaper and cleans up its own descendants.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -21,6 +22,12 @@ from typing import Any
 import pytest
 
 from tests.procs import FIXTURE_PIDS, alive, become_subreaper, descendants, kill_tree, reap
+
+# Collection imports torch, transformers, lightning, ... (~4 000 modules) with the cyclic
+# collector off: its full collections would walk every object imported so far, again and again
+# (2-3 CPU s of each pytest process's 8). They are frozen once collected
+# (pytest_collection_finish): long-lived module state that later collections skip.
+gc.disable()
 
 _LEFT: list[str] = []
 _BEFORE_CALL: dict[str, set[int]] = {}
@@ -70,6 +77,11 @@ def _refuse_ungrouped_loadgroup() -> None:
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_finish(session: pytest.Session) -> None:
+    gc.freeze()  # what collection imported: module state, never garbage
+    gc.enable()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         groups = [m.name for m in item.iter_markers() if m.name in SERVICE_GROUPS]
