@@ -43,15 +43,17 @@ def pause_gc() -> None:
         _gc_paused = True
 
 
-def resume_gc() -> None:
+def resume_gc(*, freeze: bool = True) -> None:
     """After :func:`pause_gc`: move every object allocated so far to the collector's permanent
     generation (``gc.freeze``: module state, never garbage) and turn the collector back on, so
-    that its later full collections walk only what the process allocates from now on. Does
-    nothing unless :func:`pause_gc` turned the collector off."""
+    that its later full collections walk only what the process allocates from now on. Without
+    ``freeze`` (a process whose set-up objects may be dropped later: a model replaced) the
+    collector is only turned back on. Does nothing unless :func:`pause_gc` turned it off."""
     global _gc_paused
     if _gc_paused:
         _gc_paused = False
-        gc.freeze()
+        if freeze:
+            gc.freeze()
         gc.enable()
 
 

@@ -121,6 +121,7 @@ from trainguard.core.contracts.engine import (
 from trainguard.core.contracts.engine import ReplicaStatus as S
 from trainguard.core.fleetauth import Authenticator, replica_token
 from trainguard.core.jsonhttp import HTTPError, JSONHandler, JSONServer
+from trainguard.core.procs import pause_gc, resume_gc
 from trainguard.rl.sampling import SEED_MAX, SeededSampler, request_seed, sample_seed
 from trainguard.rl.tiny import TINY_MODEL, load_model
 from trainguard.rl.weights import WeightDigestError, WeightStore, default_weight_dir
@@ -777,6 +778,7 @@ def _await_promotion(engine: Engine, promote: Path) -> JSONServer:
     threading.Thread(target=own.serve_forever, name="engine-standby", daemon=True).start()
     logger.info("engine: standby, health on port %d", own.server_address[1])
     engine.build()
+    resume_gc(freeze=False)  # main() held it off while torch and the model loaded
     # its own readiness record first, then the claim: no answer says standby before the log
     logger.info("engine: standby ready; waiting for %s", promote)
     engine.status = S.STANDBY
@@ -803,6 +805,7 @@ def _await_promotion(engine: Engine, promote: Path) -> JSONServer:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine[%(process)d] %(message)s")
+    pause_gc()  # torch, transformers and the model: imported and built with the collector off
     cfg = _parse(argv)
     engine = Engine(cfg)
     promote = os.environ.get(ROLE_STANDBY_ENV)
@@ -824,6 +827,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         print(f"engine: cannot load model {cfg.model!r}: {e}", file=sys.stderr)
         return 2
+    finally:
+        resume_gc(freeze=False)  # the model may be replaced later: nothing frozen
     try:
         threading.Event().wait()
     except KeyboardInterrupt:
