@@ -307,6 +307,9 @@ def _init_group(init: dict[str, Any]) -> Any:
 
 def _serve(rx: IO[str], tx: IO[str]) -> bool:
     """Serve saves until told to exit (True) or until stdin closes: the worker died (False)."""
+    from trainguard.core.procs import pause_gc, resume_gc
+
+    pause_gc()  # torch and DCP import with the collector off; module state, frozen once ready
     from trainguard.checkpoint import jsoncodec
     from trainguard.checkpoint.faults import Faults
     from trainguard.checkpoint.persist import Writer
@@ -333,6 +336,7 @@ def _serve(rx: IO[str], tx: IO[str]) -> bool:
             faults=Faults.from_env(),
         )
     except Exception as e:  # the parent reports it and falls back to its thread
+        resume_gc()
         reply(ready=False, error=f"{type(e).__name__}: {e}")
         return True
     # every byte this process writes is checksummed on its way out (ChecksummingWriter) and
@@ -344,6 +348,7 @@ def _serve(rx: IO[str], tx: IO[str]) -> bool:
         serialization.save.compute_crc32 = False
     except (ImportError, AttributeError):  # an older torch: it computes it
         pass
+    resume_gc()
     reply(ready=True)
     maps: dict[str, Any] = {}
     for line in rx:
