@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import time
 from pathlib import Path
 
@@ -47,6 +48,25 @@ def test_the_hold_ends_once_and_leaves_a_collector_the_script_turned_off(
     gc.disable()  # the script's own choice: no later release (the timer's) undoes it
     procs.release_worker_gc()
     assert not gc.isenabled()
+
+
+def test_a_process_forked_during_the_hold_runs_its_collector(monkeypatch, collector_restored):
+    monkeypatch.setenv(envvars.GC_HOLD_S, "60")
+    gc.enable()
+    procs.hold_gc_in_worker()
+    assert not gc.isenabled()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker, say: no timer thread came with it
+        os.write(w, b"1" if gc.isenabled() else b"0")
+        os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"1"
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    assert not gc.isenabled()  # the parent still holds it
 
 
 @pytest.mark.parametrize("value", ["0", "x", ""])

@@ -76,9 +76,18 @@ def hold_gc_in_worker() -> None:
             return
         gc.disable()
         _gc_held = True
+    # a process forked meanwhile (a DataLoader's workers) has no timer: its collector runs
+    os.register_at_fork(after_in_child=_release_in_child)
     timer = threading.Timer(hold_s, release_worker_gc)
     timer.name, timer.daemon = "trainguard-gc-hold", True
     timer.start()
+
+
+def _release_in_child() -> None:
+    global _gc_held
+    if _gc_held:
+        _gc_held = False
+        gc.enable()
 
 
 def release_worker_gc() -> None:
