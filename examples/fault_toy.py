@@ -185,8 +185,7 @@ def main() -> None:
     ckpt.close()
     if tg.rank == 0:
         print(f"done: {args.steps} steps, skipped {tg.skip_ranges}, run dir {tg.run_dir}")
-    dist.barrier()  # leave together (pytorch/pytorch#179291)
-    dist.destroy_process_group()
+    trainguard.destroy_process_group()  # leave together (pytorch/pytorch#179291), no deadlock
     tg.close()
 
 

@@ -367,8 +367,7 @@ def main() -> None:
     pool.shutdown(cancel_futures=True)
     client.close()
     if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+        trainguard.destroy_process_group()
     tg.close()
 
 

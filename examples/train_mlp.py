@@ -105,10 +105,9 @@ def main() -> None:
         ckpt.close()
     if tg.rank == 0:
         print(f"done: {args.steps} steps, final loss {loss.item():.6f}, run dir {tg.run_dir}")
-    # every rank leaves together: gloo's teardown can abort a process whose peer is already
-    # gone (pytorch/pytorch#179291)
-    dist.barrier()
-    dist.destroy_process_group()
+    # every rank leaves together (gloo's teardown can abort a process whose peer is already
+    # gone, pytorch/pytorch#179291), without gloo's teardown deadlock: see its docstring
+    trainguard.destroy_process_group()
     tg.close()
 
 

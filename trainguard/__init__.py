@@ -15,11 +15,20 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard.core.version import __version__
 
-__all__ = ["RestartRequested", "TrainGuard", "__version__", "init", "restartable", "run"]
+__all__ = [
+    "RestartRequested",
+    "TrainGuard",
+    "__version__",
+    "destroy_process_group",
+    "init",
+    "restartable",
+    "run",
+]
 
 if TYPE_CHECKING:
     from trainguard.worker.api import TrainGuard, init
     from trainguard.worker.inprocess import RestartRequested, restartable, run
+    from trainguard.worker.teardown import destroy_process_group
 
 
 def __getattr__(name: str) -> Any:
@@ -27,6 +36,10 @@ def __getattr__(name: str) -> Any:
         from trainguard.worker import api as worker
 
         return getattr(worker, name)
+    if name == "destroy_process_group":
+        from trainguard.worker import teardown
+
+        return teardown.destroy_process_group
     if name in ("run", "restartable", "RestartRequested"):
         from trainguard.worker import inprocess
 
