@@ -64,7 +64,8 @@ def hold_gc_in_worker() -> None:
     ``tg.step()``, or :data:`~trainguard.core.contracts.envvars.GC_HOLD_S` seconds after the
     start at the latest. Collections triggered by the import's object count walk every object
     so far each time: ~25 % of a cold worker's start-up CPU (0.5-1 s), on a restart's critical
-    path. Nothing is frozen: what the script drops later is collected as usual. Does nothing
+    path. Nothing is frozen: what the script drops later is collected as usual (one full
+    collection at the release ages the set-up's objects at once). Does nothing
     where the variable is unset or 0, or the collector is already off."""
     try:
         hold_s = float(os.environ.get(envvars.GC_HOLD_S, "0") or 0)
@@ -100,6 +101,10 @@ def release_worker_gc() -> None:
         if _gc_held:
             _gc_held = False
             gc.enable()
+            # everything allocated during the hold is in the youngest generation: one full
+            # collection now (a fraction of a second once) ages it all at once, where the
+            # collector's own triggers would walk it generation by generation
+            gc.collect()
 
 
 def kill_ranks(pids: dict[int, int]) -> list[int]:

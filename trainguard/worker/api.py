@@ -419,6 +419,9 @@ class TrainGuard:
             failed = True  # recorded as a failed step (not progress), then re-raised
             raise
         finally:
+            # set-up is over: the collector held off since start-up runs again, its one full
+            # collection inside the first step's time (where the script's own timing has it)
+            release_worker_gc()
             dt = time.perf_counter() - t0
             if counter is not None:
                 counter.__exit__(None, None, None)
@@ -435,7 +438,6 @@ class TrainGuard:
             self._spans.end_step(num, span_id, span_start, failed=failed)
             if self._sniff is not None and not failed:
                 self._sniff.after_step(num, self.generation)
-            release_worker_gc()  # set-up is over: the collector held off since start-up runs
 
     def _step_record(
         self,
