@@ -328,9 +328,10 @@ def test_role_node_lost_replaced_on_the_spare_then_below_the_floor(
     log = _log(d2, job)
     lines = [x for x in log.splitlines() if "below its floor" in x and "role rollout" in x]
     assert len(lines) == 1, log
-    assert (
-        f"role rollout below its floor of 2: 1 of 2 replicas left; lost node {node_b}" in (lines[0])
-    )
+    # killed together: whichever loss the trainer's agent sees first takes the spare, and the
+    # other one names the role below its floor
+    below = "role rollout below its floor of 2: 1 of 2 replicas left; lost node {}"
+    assert [n for n in (node_a, node_b) if below.format(n) in lines[0]], lines[0]
     recs = _records(out2)
     assert {r["restart"] for r in recs} == {0}
 
