@@ -29,7 +29,6 @@ from tests.services.slurm_cluster import SlurmCluster, start_cluster
 from trainguard.core.contracts.rundir import RunDir
 from trainguard.core.events import read_events
 from trainguard.core.failures import ROLE_BELOW_FLOOR_EXIT_CODE
-from trainguard.roles.procs import port_is_free
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
@@ -228,9 +227,9 @@ def _role_agent(c: SlurmCluster, node: str) -> int:
 
 def _spare_config(d: Path) -> Path:
     rdzv = free_port()
-    port = free_port()
-    while rdzv in (port, port + 1) or not port_is_free(port + 1):  # replicas 0 and 1
-        port = free_port()
+    # replicas 0 and 1 bind port and port + 1: both taken from the tests' shared counter (a
+    # port + 1 only seen free here was handed to a parallel test, which then held it)
+    port = free_port(count=2)
     f = d / "tg.toml"
     f.write_text(
         f"[slurm]\nrdzv_port = {rdzv}\njoin_timeout_s = 120\n\n"
