@@ -41,6 +41,7 @@ class FleetWriter:
         self._cv = threading.Condition()
         self._closing = False
         self._busy = False
+        self._in_flight = 0  # records of the batch being written: they count against the bound
         self.written = 0
         self.dropped = 0
         self.errors = 0
@@ -59,7 +60,7 @@ class FleetWriter:
         """Queue ``record`` (never blocks, never raises)."""
         with self._cv:
             self._queue.append(record)
-            while len(self._queue) > self.queue_max:
+            while self._queue and len(self._queue) + self._in_flight > self.queue_max:
                 self._queue.popleft()
                 self.dropped += 1
                 if self.dropped == 1 or self.dropped % 1000 == 0:
@@ -78,12 +79,15 @@ class FleetWriter:
                 self._cv.wait()
             out = [self._queue.popleft() for _ in range(min(self.batch, len(self._queue)))]
             self._busy = bool(out)
+            self._in_flight = len(out)
             return out
 
     def _requeue(self, records: list[Record]) -> None:
         """Put a batch that failed back at the front; the bound holds for it too (the oldest
-        go first, counted), so what waits is never more than ``queue_max``."""
+        go first, counted), so what waits, in the queue or in a batch being written, is never
+        more than ``queue_max``."""
         with self._cv:
+            self._in_flight = 0
             self._queue.extendleft(reversed(records))
             while len(self._queue) > self.queue_max:
                 self._queue.popleft()
@@ -103,6 +107,7 @@ class FleetWriter:
                 with self._cv:
                     self.written += len(records)
                     self._busy = False
+                    self._in_flight = 0
                     idle = not self._queue
                 self._failures_in_row = 0
                 if self._warned_down:
