@@ -40,7 +40,6 @@ class FleetWriter:
         self._queue: deque[Record] = deque()
         self._cv = threading.Condition()
         self._closing = False
-        self._busy = False
         self._in_flight = 0  # records of the batch being written: they count against the bound
         self.written = 0
         self.dropped = 0
@@ -54,7 +53,7 @@ class FleetWriter:
     @property
     def pending(self) -> int:
         with self._cv:
-            return len(self._queue) + (1 if self._busy else 0)
+            return len(self._queue) + self._in_flight
 
     def put(self, record: Record) -> None:
         """Queue ``record`` (never blocks, never raises)."""
@@ -78,7 +77,6 @@ class FleetWriter:
             while not self._queue and not self._closing:
                 self._cv.wait()
             out = [self._queue.popleft() for _ in range(min(self.batch, len(self._queue)))]
-            self._busy = bool(out)
             self._in_flight = len(out)
             return out
 
@@ -92,7 +90,6 @@ class FleetWriter:
             while len(self._queue) > self.queue_max:
                 self._queue.popleft()
                 self.dropped += 1
-            self._busy = False
 
     def _run(self) -> None:
         db: FleetDB | None = None
@@ -106,7 +103,6 @@ class FleetWriter:
                 db.write(records)
                 with self._cv:
                     self.written += len(records)
-                    self._busy = False
                     self._in_flight = 0
                     idle = not self._queue
                 self._failures_in_row = 0
