@@ -76,12 +76,12 @@ def _refuse_ungrouped_loadgroup() -> None:
         )
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()  # what collection imported: module state, never garbage
     gc.enable()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         groups = [m.name for m in item.iter_markers() if m.name in SERVICE_GROUPS]
